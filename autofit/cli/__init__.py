@@ -1,0 +1,1 @@
+"""The `autofit` command line: one module per command; `main` only registers them."""

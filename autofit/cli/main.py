@@ -1,0 +1,46 @@
+"""Entry point of the `autofit` console script.
+
+Exit codes (DESIGN.md): 0 a configuration fits, 3 nothing fits, 2 bad usage, 1 any other error. With
+`--json`, stdout carries exactly one JSON document; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from autofit.errors import UsageError
+
+EXIT_FITS, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="autofit")
+def cli() -> None:
+    """autofit: the fastest training configuration that fits in memory, measured."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns (and exits with) the exit code."""
+    try:
+        code = cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except (click.UsageError, UsageError) as exc:
+        click.echo(f"error: {exc.format_message() if isinstance(exc, click.UsageError) else exc}", err=True)
+        code = EXIT_USAGE
+    except click.Abort:
+        click.echo("aborted", err=True)
+        code = EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: say what broke, exit 1
+        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        code = EXIT_ERROR
+    code = EXIT_FITS if code is None else int(code)
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

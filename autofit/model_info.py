@@ -1,0 +1,79 @@
+"""What autofit needs to know about a model, read from a build on the meta device (no memory used)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the model read once before the search; sizes in parameters, not bytes."""
+
+    name: str  # class name, e.g. "GPT2LMHeadModel"
+    num_params: int  # all parameters
+    trainable_params: int  # parameters with requires_grad
+    hf_config: Any = None  # transformers.PretrainedConfig for Hugging Face models, else None
+    fingerprint: str = ""  # hash of parameter names, shapes and dtypes: identifies the model in trial storage
+    attention: tuple[str, ...] = ()  # fused attention implementations a Hugging Face model supports
+    blocks: str | None = None  # dotted path of the repeated blocks (checkpointing unit), "" for the model itself
+    num_blocks: int = 0
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether the model is a Hugging Face `PreTrainedModel`."""
+        return self.hf_config is not None
+
+
+def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module | None:
+    """Build the model with meta parameters (shapes only), or None when the factory cannot do that."""
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception:  # factories that load weights or touch real devices cannot build on meta
+        return None
+    return model if isinstance(model, nn.Module) else None
+
+
+def inspect_model(model: nn.Module) -> ModelInfo:
+    """Read `ModelInfo` from a built model (meta or real)."""
+    digest = hashlib.sha256()
+    total = trainable = 0
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    hf_config = getattr(model, "config", None) if _is_hf(model) else None
+    path, blocks = find_blocks(model)
+    attention = tuple(name for name, flag in (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"))
+                      if hf_config is not None and getattr(model, flag, False))
+    return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
+                     attention, path, len(blocks))
+
+
+def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:
+    """The model's repeated blocks: the `nn.ModuleList`/`nn.Sequential` of at least two children of one
+    class holding the most parameters, as (dotted path, blocks); (None, []) when there is none."""
+    best: tuple[int, str | None, list[nn.Module]] = (-1, None, [])
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(child) for child in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best[0]:
+            best = (size, path, children)
+    return best[1], best[2]
+
+
+def _is_hf(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)

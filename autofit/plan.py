@@ -1,0 +1,100 @@
+"""Plan: the chosen configuration with what was measured for it, every probe, and the reason.
+
+A plan is a value: `save` writes JSON, `Plan.load` reads it back equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from autofit.config import Config
+from autofit.probe import ProbeResult, ProbeStatus
+from autofit.units import format_size
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The outcome of a search. Memory in bytes, throughput in samples/s and tokens/s."""
+
+    fits: bool  # a configuration fits within the budget and its safety margin
+    config: Config | None  # the chosen configuration (None when nothing fits)
+    throughput: float | None  # measured samples/s of the chosen configuration
+    tokens_per_second: float | None  # measured tokens/s, where the batch has a sequence axis
+    peak_memory: int | None  # measured peak bytes of the chosen configuration on the device
+    reason: str  # why this configuration was chosen, or why nothing fits and what to allow next
+    probes: tuple[ProbeResult, ...]  # every candidate decided, in order: fit / oom / error / skipped
+    spec: dict[str, Any]  # the spec summary: model, device, budget, global batch, ...
+    created: str = dataclasses.field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    autofit_version: str = ""
+
+    @property
+    def probes_run(self) -> int:
+        """How many candidates were actually run in this search (not stored, not skipped)."""
+        return sum(1 for p in self.probes if p.status is not ProbeStatus.SKIPPED and p.source == "probed")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (what `save` writes)."""
+        data = dataclasses.asdict(self)
+        data["config"] = self.config.to_dict() if self.config else None
+        data["probes"] = [p.to_dict() for p in self.probes]
+        data["format_version"] = FORMAT_VERSION
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Inverse of `to_dict`."""
+        fields = {k: v for k, v in data.items() if k != "format_version"}
+        fields["config"] = Config.from_dict(fields["config"]) if fields["config"] else None
+        fields["probes"] = tuple(ProbeResult.from_dict(p) for p in fields["probes"])
+        return cls(**fields)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON to `path` (parent folders are created); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Read a plan written by `save`."""
+        from autofit.errors import UsageError
+
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"Cannot read a plan from {str(path)!r}: {exc}. Pass a plan.json written by "
+                             "autofit (plan.save or autofit tune).") from exc
+
+    def summary(self) -> str:
+        """A few lines for people: the choice, its figures and the reason."""
+        if not self.fits:
+            return f"Nothing fits. {self.reason}"
+        tokens = f", {self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second else ""
+        return (f"{self.config.describe()}: {self.throughput:,.2f} samples/s{tokens}, "
+                f"peak {format_size(self.peak_memory)}\n{self.reason}")
+
+
+def choose(results: Sequence[ProbeResult]) -> ProbeResult | None:
+    """The fit with the highest measured throughput."""
+    fits = [r for r in results if r.fits]
+    return max(fits, key=lambda r: r.samples_per_s, default=None)
+
+
+def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult]) -> str:
+    """Why `best` won: its throughput against the runner-up's."""
+    others = sorted((r for r in results if r.fits and r.config != best.config),
+                    key=lambda r: r.samples_per_s, reverse=True)
+    fits = len(others) + 1
+    if not others:
+        return f"the only configuration of {len(results)} candidates that fits ({best.reason})"
+    runner = others[0]
+    return (f"highest measured throughput of {fits} fitting configurations: {best.samples_per_s:,.2f} samples/s, "
+            f"{best.samples_per_s / runner.samples_per_s:.2f}x the runner-up ({runner.config.describe()}); "
+            f"{best.reason}")

@@ -1,0 +1,123 @@
+"""Probe: run a few real training steps of one candidate and record what happened.
+
+Every outcome is a `ProbeResult`: a fit with its measured peak and throughput, an OOM of any kind
+(classified), or an error with its message. Nothing but bad user input escapes. Memory held by a failed
+attempt is released before the next probe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Sequence
+
+import torch
+
+from autofit.batch import to_device
+from autofit.config import Config
+from autofit.errors import UsageError
+from autofit.memory import budget_for
+from autofit.oom import classify_oom, first_line, release_memory
+from autofit.spec import TrainSpec
+from autofit.step import build_run
+from autofit.units import format_size
+
+
+class ProbeStatus(str, enum.Enum):
+    """How a probe ended."""
+
+    FIT = "fit"  # finished its steps with peak under budget minus the safety margin
+    OOM = "oom"  # ran out of memory (any kind), or peaked inside the safety margin
+    ERROR = "error"  # any other exception
+    SKIPPED = "skipped"  # not run: certain to fail, cannot win, or unavailable; the reason says which
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """One probe's outcome. Bytes for memory, seconds for time, samples/s and tokens/s for throughput."""
+
+    config: Config
+    status: ProbeStatus
+    reason: str  # one line: why it fit, what ran out, the error, or why it was skipped
+    peak_bytes: int | None = None
+    step_seconds: float | None = None  # mean wall time of one optimizer step (all micro-batches)
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ...
+    source: str = "probed"  # "probed" now, or "stored" when reused from the trial storage
+
+    @property
+    def fits(self) -> bool:
+        """Whether this probe is a fit."""
+        return self.status is ProbeStatus.FIT
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        data = dataclasses.asdict(self)
+        data["config"] = self.config.to_dict()
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
+        """Inverse of `to_dict`."""
+        fields = dict(data)
+        fields["config"] = Config.from_dict(fields["config"])
+        fields["status"] = ProbeStatus(fields["status"])
+        return cls(**fields)
+
+
+def skipped(config: Config, reason: str) -> ProbeResult:
+    """A candidate that was not run, with the reason."""
+    return ProbeResult(config, ProbeStatus.SKIPPED, reason)
+
+
+def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> ProbeResult:
+    """Train `config` for `spec.warmup_steps + spec.timed_steps` steps under the budget; never raises
+    except for bad user input (`UsageError`)."""
+    budget = budget_for(spec.device, spec.memory_budget)
+    try:
+        with budget:
+            step_seconds = _train(spec, config, strategies)
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure is a result
+        kind = classify_oom(exc)
+        status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
+        result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind)
+    else:
+        result = _measured(spec, config, budget.peak, step_seconds)
+    release_memory()
+    return result
+
+
+def _train(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> float:
+    """Build the run, take the warm-up steps, return the mean seconds of the timed steps."""
+    run = build_run(spec, config, strategies)
+    micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
+    micro_batches = [micro_batch] * config.grad_accum_steps  # the loader's worst case, every micro-step
+    for _ in range(spec.warmup_steps):
+        run.step(micro_batches)
+    _sync(spec.device)
+    start = time.perf_counter()
+    for _ in range(spec.timed_steps):
+        run.step(micro_batches)
+    _sync(spec.device)
+    return (time.perf_counter() - start) / spec.timed_steps
+
+
+def _measured(spec: TrainSpec, config: Config, peak: int, step_seconds: float) -> ProbeResult:
+    samples = config.global_batch_size / step_seconds
+    tokens = samples * spec.tokens_per_sample if spec.tokens_per_sample else None
+    share = f"{format_size(peak)} of {format_size(spec.memory_budget)} ({peak / spec.memory_budget:.0%})"
+    if peak > spec.fit_limit:
+        return ProbeResult(config, ProbeStatus.OOM,
+                           f"peak {share} is inside the {spec.safety_margin:.0%} safety margin",
+                           peak, step_seconds, samples, tokens, oom_kind="margin")
+    return ProbeResult(config, ProbeStatus.FIT, f"fits: peak {share}", peak, step_seconds, samples, tokens)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

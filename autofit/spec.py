@@ -1,0 +1,256 @@
+"""TrainSpec: what the user asked for, validated once, in the form every later step reads.
+
+This is the first step of the flow: model and batch become factories, the budget becomes bytes, the
+device is checked, and the model is inspected on the meta device (nothing real is allocated).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from autofit import batch as batches
+from autofit.devices import device_memory, resolve_device
+from autofit.errors import UsageError
+from autofit.model_info import ModelInfo, build_on_meta, inspect_model
+from autofit.units import format_size, parse_size
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+# allow= names -> the exactness tier they open. Tier 0 (same math) is always allowed.
+ALLOW_NAMES = {"numerics": 1, "lora": 2, "quantization": 2}
+DEFAULT_MAX_TIER = 1  # tier 1 (mixed precision, 8-bit optimizers) is standard practice; tier 2 changes what is trained
+DEFAULT_SAFETY_MARGIN = 0.10  # see TrainSpec.safety_margin
+ADAM_NAMES = {"adamw", "adam"}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer the user trains with, and whether the optimizer rung may swap it."""
+
+    name: str  # "adamw", "adafactor", ... or "user" for a given instance/factory
+    kwargs: dict = dataclasses.field(default_factory=dict)  # hyperparameters (lr, betas, weight_decay)
+    factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None  # a user's own
+    explore: bool = True  # Adam-type optimizers may become 8-bit / paged / Adafactor (tier 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """Everything a probe needs to build and run a training step; immutable."""
+
+    model_factory: Callable[[], nn.Module]  # builds a fresh model on the CPU
+    batch_factory: Callable[[int], Any]  # make_batch(num_samples) -> batch
+    model: ModelInfo
+    device: torch.device
+    memory_budget: int  # bytes a plan may use on `device`
+    budget_reason: str  # where the budget came from ("given", "the card's memory", "free RAM")
+    global_batch_size: int | None  # samples per optimizer step; None = find the best micro-batch
+    num_gpus: int = 1
+    max_tier: int = DEFAULT_MAX_TIER  # highest exactness tier allowed (allow=)
+    optimizer: OptimizerSpec = OptimizerSpec("adamw")
+    loss_fn: LossFn = batches.default_loss
+    # A fit must peak under budget * (1 - safety_margin). 10% covers what a probe of a few steps does
+    # not see: allocator fragmentation growing over a long run and variation between batches.
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    warmup_steps: int = 2  # untimed steps: optimizer states are created, kernels autotuned
+    timed_steps: int = 3  # steps averaged for throughput
+    max_micro_batch: int = 1024  # largest micro-batch tried when the global batch is not given
+    tokens_per_sample: int | None = None  # length of the sequence axis, for tokens/s
+    batch_description: str = ""
+
+    @property
+    def fit_limit(self) -> int:
+        """Peak bytes under which a probe counts as a fit."""
+        return int(self.memory_budget * (1 - self.safety_margin))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-serialisable description of the spec, stored in plans and trial storage."""
+        return {
+            "model": self.model.name,
+            "model_fingerprint": self.model.fingerprint,
+            "num_params": self.model.num_params,
+            "device": str(self.device),
+            "memory_budget": self.memory_budget,
+            "budget_reason": self.budget_reason,
+            "global_batch_size": self.global_batch_size,
+            "num_gpus": self.num_gpus,
+            "max_tier": self.max_tier,
+            "optimizer": self.optimizer.name,
+            "safety_margin": self.safety_margin,
+            "tokens_per_sample": self.tokens_per_sample,
+            "batch": self.batch_description,
+        }
+
+
+def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = None,
+              device: str | torch.device | None = None, memory_budget: int | str | None = None,
+              num_gpus: int = 1, allow: Any = None, optimizer: Any = "adamw",
+              loss_fn: LossFn | None = None, seq_len: int | None = None,
+              safety_margin: float = DEFAULT_SAFETY_MARGIN, warmup_steps: int = 2, timed_steps: int = 3,
+              max_micro_batch: int = 1024) -> TrainSpec:
+    """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning)."""
+    model_factory = _model_factory(model)
+    # A given module is inspected as it is; a factory is built on the meta device (no memory used).
+    meta_model = None if isinstance(model, nn.Module) else build_on_meta(model_factory)
+    info = inspect_model(model if isinstance(model, nn.Module) else meta_model or model_factory())
+    batch_factory, description = _batch_factory(batch, info, seq_len)
+    sample = _checked_sample(batch_factory)
+    resolved = resolve_device(device)
+    budget, budget_reason = _budget(memory_budget, resolved)
+    _check_positive("num_gpus", num_gpus)
+    if global_batch_size is not None:
+        _check_global_batch(global_batch_size, num_gpus)
+    _check_fraction("safety_margin", safety_margin)
+    spec = TrainSpec(
+        model_factory=model_factory, batch_factory=batch_factory, model=info, device=resolved,
+        memory_budget=budget, budget_reason=budget_reason, global_batch_size=global_batch_size,
+        num_gpus=num_gpus, max_tier=parse_allow(allow), optimizer=parse_optimizer(optimizer),
+        loss_fn=loss_fn or batches.default_loss, safety_margin=safety_margin,
+        warmup_steps=_check_positive("warmup_steps", warmup_steps, minimum=0),
+        timed_steps=_check_positive("timed_steps", timed_steps),
+        max_micro_batch=_check_positive("max_micro_batch", max_micro_batch),
+        tokens_per_sample=batches.tokens_per_sample(sample), batch_description=description,
+    )
+    if meta_model is not None and loss_fn is None:
+        _check_loss_on_meta(meta_model, sample)
+    return spec
+
+
+def _model_factory(model: Any) -> Callable[[], nn.Module]:
+    # partials, not lambdas: a spec must pickle to be probed in a child process.
+    if isinstance(model, nn.Module):
+        # Each probe trains a deep copy: the user's module is never touched.
+        return functools.partial(copy.deepcopy, model)
+    if _is_hf_config(model):
+        return functools.partial(_model_from_config, model)
+    if callable(model):
+        return functools.partial(_called_factory, model)
+    raise UsageError(f"model must be an nn.Module, a zero-argument factory returning one, or a Hugging Face "
+                     f"config, but got {type(model).__name__}.")
+
+
+def _called_factory(factory: Callable[[], Any]) -> nn.Module:
+    built = factory()
+    if not isinstance(built, nn.Module):
+        raise UsageError(f"The model factory returned {type(built).__name__}, not an nn.Module; "
+                         "make it return the model.")
+    return built
+
+
+def _is_hf_config(value: Any) -> bool:
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:
+        return False
+    return isinstance(value, PretrainedConfig)
+
+
+def _model_from_config(config: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
+
+    auto = AutoModelForImageClassification if hasattr(config, "image_size") and not hasattr(config, "vocab_size") \
+        else AutoModelForCausalLM
+    return auto.from_config(config)
+
+
+def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Callable[[int], Any], str]:
+    if batch is None:
+        if not info.is_hf:
+            raise UsageError(f"No batch given and {info.name} is not a Hugging Face model, so none can be "
+                             "synthesized; pass a sample batch or a make_batch(batch_size) factory.")
+        return batches.synthesize_batch(info.hf_config, seq_len)
+    if callable(batch) and not isinstance(batch, torch.Tensor):
+        return batch, "from make_batch(batch_size)"
+    return batches.factory_from_sample(batch), f"sample batch of {batches.leading_dim(batch)} rows, cycled"
+
+
+def _checked_sample(batch_factory: Callable[[int], Any]) -> Any:
+    sample = batch_factory(2)
+    rows = batches.leading_dim(sample)
+    if rows != 2:
+        raise UsageError(f"make_batch(2) returned a batch of {rows} samples; it must return exactly the "
+                         "number of samples asked for.")
+    return sample
+
+
+def _budget(memory_budget: int | str | None, device: torch.device) -> tuple[int, str]:
+    available = device_memory(device)
+    if memory_budget is None:
+        return available, ("the card's memory" if device.type == "cuda" else "free host RAM")
+    budget = parse_size(memory_budget)
+    if device.type == "cuda" and budget > available:
+        raise UsageError(f"memory_budget {format_size(budget)} exceeds the card's {format_size(available)}; "
+                         "use dry_run() to plan for a larger GPU.")
+    return budget, "given"
+
+
+def parse_allow(allow: Any) -> int:
+    """The highest exactness tier `allow` opens: None -> 1, an int tier, or names such as {"lora"}."""
+    if allow is None:
+        return DEFAULT_MAX_TIER
+    if isinstance(allow, int) and not isinstance(allow, bool) and 0 <= allow <= 2:
+        return allow
+    names = [allow] if isinstance(allow, str) else allow
+    try:
+        unknown = [name for name in names if name not in ALLOW_NAMES]
+    except TypeError:
+        unknown = [allow]
+    if unknown:
+        raise UsageError(f"allow={allow!r} is not understood; give a tier 0-2 or names from "
+                         f"{sorted(ALLOW_NAMES)} (e.g. allow={{'lora'}} to train LoRA adapters).")
+    return max([ALLOW_NAMES[name] for name in names], default=0)
+
+
+def parse_optimizer(optimizer: Any) -> OptimizerSpec:
+    """An `OptimizerSpec` from a name, an optimizer instance (its class and hyperparameters) or a factory."""
+    from autofit.config import Optimizer
+
+    if isinstance(optimizer, str):
+        name = optimizer.lower()
+        known = {o.value for o in Optimizer} - {"user"}
+        if name not in known | ADAM_NAMES:
+            raise UsageError(f"optimizer={optimizer!r} is not known; use one of {sorted(known)}, "
+                             "an optimizer instance, or a factory params -> optimizer.")
+        return OptimizerSpec("adamw" if name in ADAM_NAMES else name, explore=name in ADAM_NAMES)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        kwargs = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+        if type(optimizer) is torch.optim.AdamW:
+            keep = {"lr", "betas", "eps", "weight_decay"}
+            return OptimizerSpec("adamw", {k: v for k, v in kwargs.items() if k in keep}, explore=True)
+        cls = type(optimizer)
+        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), explore=False)
+    if callable(optimizer):
+        return OptimizerSpec("user", factory=optimizer, explore=False)
+    raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")
+
+
+def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"{name} must be an integer >= {minimum}, but got {value!r}.")
+    return value
+
+
+def _check_global_batch(global_batch_size: Any, num_gpus: int) -> None:
+    _check_positive("global_batch_size", global_batch_size)
+    if global_batch_size % num_gpus:
+        raise UsageError(f"global_batch_size {global_batch_size} cannot be split over num_gpus={num_gpus} ranks; "
+                         f"use a multiple of {num_gpus}.")
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise UsageError(f"{name} must be a fraction in [0, 1), but got {value!r}.")
+
+
+def _check_loss_on_meta(meta_model: nn.Module, sample: Any) -> None:
+    """Raise the loss error now, before any probe, when a meta forward shows the model returns no loss."""
+    try:
+        output = batches.call_model(meta_model, batches.to_device(sample, torch.device("meta")))
+    except Exception:  # some ops have no meta kernel: the first probe will tell instead
+        return
+    batches.default_loss(output, sample)

@@ -1,0 +1,95 @@
+"""The training step that probes measure and the OOM guard runs: forward, backward over micro-batches
+with gradient accumulation, then one optimizer step.
+
+Strategies shape a `TrainRun` (model, autocast, scaler, optimizer factory) before it trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from autofit.batch import call_model, leading_dim
+from autofit.config import Config
+from autofit.spec import TrainSpec
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass
+class TrainRun:
+    """A model being trained under one configuration. Mutable while strategies apply; then `ready()`."""
+
+    spec: TrainSpec
+    config: Config
+    model: nn.Module
+    autocast_dtype: torch.dtype | None = None  # set by the precision strategy
+    scaler: Any = None  # torch.amp.GradScaler for fp16
+    optimizer_factory: OptimizerFactory | None = None  # set by the optimizer strategy
+    optimizer: torch.optim.Optimizer | None = None
+    placed: bool = False  # True once the model is on the device (a strategy may place it itself)
+
+    @property
+    def device(self) -> torch.device:
+        """The device this run trains on."""
+        return self.spec.device
+
+    def ready(self) -> "TrainRun":
+        """Move the model to the device and create the optimizer over the trainable parameters."""
+        if not self.placed:
+            self.model.to(self.device)
+            self.placed = True
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer is None:
+            factory = self.optimizer_factory or (lambda ps: torch.optim.AdamW(ps))
+            self.optimizer = factory(params)
+        return self
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for the forward pass and loss, per the precision strategy."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, micro_batch: Any, weight: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss scaled by `weight`; returns the unscaled loss."""
+        with self.autocast():
+            output = call_model(self.model, micro_batch)
+            loss = self.spec.loss_fn(output, micro_batch)
+        scaled = loss * weight
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients and clear them."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """One optimizer step over `micro_batches`; each loss is weighted by its share of the samples,
+        so the gradient is the mean over the whole step however the samples are split."""
+        sizes = [leading_dim(mb) for mb in micro_batches]
+        total = sum(sizes)
+        loss = torch.zeros((), device=self.device)
+        for micro_batch, size in zip(micro_batches, sizes):
+            loss += self.forward_backward(micro_batch, size / total) * (size / total)
+        self.optimizer_step()
+        return loss
+
+
+def build_run(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> TrainRun:
+    """A fresh model from the spec with every strategy's value from `config` applied, ready to train."""
+    model = spec.model_factory()
+    model.train()
+    run = TrainRun(spec=spec, config=config, model=model)
+    for strategy in sorted(strategies, key=lambda s: s.rung):
+        strategy.apply(run, getattr(config, strategy.field))
+    return run.ready()

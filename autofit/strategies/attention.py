@@ -1,0 +1,48 @@
+"""Rung 2, fused attention: SDPA (or flash-attention) instead of eager attention, where the model can switch.
+
+Buys attention memory O(n) instead of O(n^2) in sequence length; costs nothing (tier 0). Only Hugging
+Face models expose the switch (`attn_implementation`); other models keep their own attention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from autofit.strategies.base import Option, Strategy
+
+DEFAULT = "default"
+
+
+class Attention(Strategy):
+    """Hugging Face `attn_implementation`: sdpa, flash_attention_2, or eager when nothing fused is supported."""
+
+    field = "attention"
+    rung = 2
+
+    def options(self, spec) -> list[Option]:
+        if not spec.model.is_hf:
+            return [Option(DEFAULT, 0, f"{spec.model.name} is not a Hugging Face model: its own attention is kept")]
+        sdpa = "sdpa" in spec.model.attention
+        flash_ok, flash_why = _flash_available(spec)
+        return [
+            Option("sdpa", 0, "fused scaled-dot-product attention" if sdpa
+                   else f"{spec.model.name} does not support SDPA", available=sdpa),
+            Option("flash_attention_2", 0, flash_why, available=flash_ok),
+            Option("eager", 0, "eager attention: the model supports nothing fused" if not sdpa
+                   else "not needed: SDPA is supported", available=not sdpa),
+        ]
+
+    def apply(self, run, value: Any) -> None:
+        if value != DEFAULT:
+            run.model.set_attn_implementation(value)
+
+
+def _flash_available(spec) -> tuple[bool, str]:
+    if "flash_attention_2" not in spec.model.attention:
+        return False, f"{spec.model.name} does not support flash-attention"
+    if spec.device.type != "cuda":
+        return False, "flash-attention needs CUDA"
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash-attention is not installed: pip install flash-attn"
+    return True, "flash-attention 2 kernels (fp16/bf16 only)"

@@ -1,0 +1,37 @@
+"""Rung 4, smaller micro-batch with gradient accumulation: the global batch is kept exactly.
+
+Buys activation memory in proportion to the micro-batch; costs GPU utilisation (tier 0: the gradient
+is the same mean over the same samples). With no global batch given, sizes are powers of two and the
+search looks for the fastest micro-batch at accumulation 1, as batch-size finders do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.strategies.base import Option, Strategy
+
+
+class MicroBatch(Strategy):
+    """Micro-batch sizes that divide the per-rank batch, largest first."""
+
+    field = "micro_batch_size"
+    rung = 4
+
+    def options(self, spec) -> list[Option]:
+        if spec.global_batch_size is None:
+            sizes = [2**i for i in range(spec.max_micro_batch.bit_length()) if 2**i <= spec.max_micro_batch]
+            return [Option(m, 0, f"micro-batch {m}, accumulation 1") for m in reversed(sizes)]
+        per_rank = spec.global_batch_size // spec.num_gpus
+        return [Option(m, 0, f"{m} x {per_rank // m} accumulation steps = {per_rank} per rank")
+                for m in range(per_rank, 0, -1) if per_rank % m == 0]
+
+    def saves_at_least(self, a: Any, b: Any) -> bool:
+        return a <= b
+
+    def apply(self, run, value: Any) -> None:
+        # The probe slices micro-batches of this size; the identity below is the rung's promise.
+        config = run.config
+        expected = run.spec.global_batch_size or value * config.num_gpus
+        if value * config.grad_accum_steps * config.num_gpus != expected:
+            raise ValueError(f"{config.describe()} does not multiply out to the global batch {expected}")

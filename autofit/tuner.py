@@ -1,0 +1,120 @@
+"""`autofit.autofit`: spec -> candidates -> probes -> plan, on one device."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from autofit.candidates import Space, build_space
+from autofit.config import Config
+from autofit.devices import device_memory
+from autofit.errors import UsageError
+from autofit.isolate import DEFAULT_TIMEOUT, run_isolated
+from autofit.plan import Plan, choose, chosen_reason
+from autofit.probe import ProbeResult, ProbeStatus, run_probe
+from autofit.search import DEFAULT_MAX_PROBES, Progress, Search
+from autofit.spec import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
+from autofit.strategies import Strategy, default_strategies
+from autofit.trials import TrialStore
+from autofit.units import format_size
+
+
+def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
+            memory_budget: int | str | None = None, num_gpus: int = 1, allow: Any = None,
+            optimizer: Any = "adamw", loss_fn: LossFn | None = None, seq_len: int | None = None,
+            safety_margin: float = DEFAULT_SAFETY_MARGIN, storage: Any = None,
+            max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
+            max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
+            strategies: Sequence[Strategy] | None = None, progress: Progress | None = None) -> Plan:
+    """Find the fastest training configuration that fits, by probing real training steps.
+
+    Args:
+        model: an `nn.Module` (never modified: each probe trains a deep copy), a zero-argument factory
+            returning one (preferred: nothing is copied), or a Hugging Face config.
+        batch: a sample batch at the largest shape the job will see (tensor, tuple (inputs, targets, ...)
+            or dict of tensors), or `make_batch(num_samples) -> batch`. None synthesizes one for a
+            Hugging Face model (token ids and labels at `seq_len`, or pixel values).
+        global_batch_size: samples per optimizer step, kept exactly (micro-batch x accumulation x GPUs).
+            None finds the micro-batch with the best throughput at accumulation 1.
+        device: "cpu", "cuda" or "cuda:N"; default CUDA when present.
+        memory_budget: bytes or a string like "20GiB" the plan may use; enforced for real (the CPU
+            budget counts every tensor; on CUDA the allocator's per-process fraction). Default: the
+            card's memory, or the free host RAM on the CPU.
+        num_gpus: data-parallel ranks.
+        allow: exactness tiers beyond the default: None (tiers 0-1), a tier 0-2, or names such as
+            {"lora"}; tier 1 = "numerics", tier 2 = "lora"/"quantization".
+        optimizer: "adamw" (the optimizer rung may swap it for 8-bit / paged / Adafactor), another name
+            (kept), an optimizer instance (its class and hyperparameters are reused), or a factory.
+        loss_fn: `loss_fn(output, batch) -> scalar`; default `output.loss` or a scalar output.
+        seq_len: sequence length of a synthesized batch.
+        safety_margin: fraction of the budget a fit must leave free (default 10%).
+        storage: optuna storage (URL or object) to record trials in; a search resumed with the same
+            spec and storage re-probes nothing. Default: in memory.
+        max_probes: at most this many probes are run.
+        warmup_steps, timed_steps: optimizer steps per probe, untimed then timed.
+        max_micro_batch: largest micro-batch tried when `global_batch_size` is None.
+        probe_timeout: seconds a probe in a child process may take.
+        strategies: the techniques to search (default: all single-device rungs).
+        progress: receives `starting(config, why)` and `finished(result)` events.
+
+    Returns:
+        A `Plan`: `fits`, `config`, `throughput` (samples/s), `tokens_per_second`, `peak_memory`
+        (bytes), `reason`, and every probe.
+    """
+    spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
+                     memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
+                     loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin,
+                     warmup_steps=warmup_steps, timed_steps=timed_steps, max_micro_batch=max_micro_batch)
+    if spec.num_gpus > 1:
+        raise UsageError(f"num_gpus={num_gpus}: probing several ranks needs the distributed rungs; "
+                         "tune with num_gpus=1 or plan for several GPUs with autofit dry-run.")
+    chosen = list(strategies) if strategies is not None else default_strategies()
+    space = build_space(spec, chosen)
+    store = TrialStore(space, storage)
+
+    def prober(config: Config) -> ProbeResult:
+        if space.isolates(config):
+            return run_isolated(spec, config, chosen, probe_timeout)
+        return run_probe(spec, config, chosen)
+
+    results = Search(space, store, prober, max_probes, progress).run()
+    return make_plan(space, results, prober)
+
+
+def make_plan(space: Space, results: list[ProbeResult], prober: Any) -> Plan:
+    """The plan for a finished search: the fastest fit, or why nothing fits and what to allow next."""
+    from autofit import __version__
+
+    common = dict(probes=tuple(results), spec=space.spec.summary(), autofit_version=__version__)
+    best = choose(results)
+    if best is not None:
+        return Plan(True, best.config, best.samples_per_s, best.tokens_per_s, best.peak_bytes,
+                    chosen_reason(best, results), **common)
+    return Plan(False, None, None, None, None, nothing_fits_reason(space, results, prober), **common)
+
+
+def nothing_fits_reason(space: Space, results: list[ProbeResult], prober: Any) -> str:
+    """"No candidate fits X; the smallest needs Y (config). Allow ... to go further." """
+    spec = space.spec
+    head = f"No candidate fits {format_size(spec.fit_limit)} ({format_size(spec.memory_budget)} budget less the {spec.safety_margin:.0%} margin)"
+    errors = [r for r in results if r.status is ProbeStatus.ERROR]
+    ooms = [r for r in results if r.status is ProbeStatus.OOM]
+    if not ooms:
+        return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
+    smallest = min(ooms, key=lambda r: (r.config.micro_batch_size, -len(r.config.describe())))
+    need = _measured_need(space, smallest.config, prober)
+    hint = space.next_tier_hint()
+    further = f"Allow {hint} to go further." if hint else \
+        "Raise the budget, use more GPUs (num_gpus) or offload to go further."
+    return f"{head}; the smallest needs {need} ({smallest.config.describe()}). {further}"
+
+
+def _measured_need(space: Space, config: Config, prober: Any) -> str:
+    """Peak of `config` measured without the budget where that is safe (the CPU), else a lower bound."""
+    spec = space.spec
+    if spec.device.type != "cpu":
+        return f"more than {format_size(spec.memory_budget)}"
+    roomy = dataclasses.replace(spec, memory_budget=device_memory(spec.device), safety_margin=0.0,
+                                warmup_steps=1, timed_steps=1)
+    result = run_probe(roomy, config, space.strategies)
+    return format_size(result.peak_bytes) if result.fits else f"more than {format_size(spec.memory_budget)}"

@@ -1,0 +1,50 @@
+"""Byte sizes: parsing what users type ("20GiB", "512MB", 2**30) and formatting what autofit reports."""
+
+from __future__ import annotations
+
+import re
+
+from autofit.errors import UsageError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
+    """Return `value` in bytes. Accepts a number of bytes or a string such as "20GiB", "1.5 GB", "512MiB".
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    """
+    if isinstance(value, bool):
+        raise UsageError(f"{what} must be a size in bytes or a string like '20GiB', but got {value!r}.")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise UsageError(f"{what} must be positive, but got {value!r}; pass bytes or e.g. '20GiB'.")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match and unit in _UNITS:
+            size = int(float(match.group(1)) * _UNITS[unit])
+            if size > 0:
+                return size
+    raise UsageError(
+        f"{what} must be a size such as '20GiB', '512MB' or a number of bytes, but got {value!r}."
+    )
+
+
+def format_size(num_bytes: int | float | None) -> str:
+    """Human-readable binary size ("5.42 GiB"); "-" for None."""
+    if num_bytes is None:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"

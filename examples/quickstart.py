@@ -1,0 +1,52 @@
+"""Quickstart: tune a small GPT-2 (random weights, built from a config) for a global batch of 16.
+
+On a GPU machine it tunes against the card (or --memory-budget); on a CPU-only machine against a CPU
+memory budget (default 160MiB here, small enough that several rungs are needed).
+
+    python examples/quickstart.py [--memory-budget 160MiB] [--out runs/quickstart]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import autofit
+
+CONFIG = GPT2Config(n_layer=6, n_embd=256, n_head=8, vocab_size=8192, n_positions=512,
+                    bos_token_id=0, eos_token_id=0)
+
+
+def make_model() -> GPT2LMHeadModel:
+    """A ~7M-parameter GPT-2 with random weights: nothing is downloaded."""
+    return GPT2LMHeadModel(CONFIG)
+
+
+def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
+    """Token ids and labels at the longest sequence the job will see (256 tokens)."""
+    ids = torch.randint(0, CONFIG.vocab_size, (batch_size, 256))
+    return {"input_ids": ids, "labels": ids}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-budget", default=None, help="e.g. 160MiB (default: the GPU, or 160MiB on CPU)")
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--out", default="runs/quickstart", help="where plan.json is written")
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available()
+    budget = args.memory_budget or (None if on_gpu else "160MiB")
+    plan = autofit.autofit(make_model, make_batch, global_batch_size=args.global_batch_size,
+                           device="cuda" if on_gpu else "cpu", memory_budget=budget)
+    for probe in plan.probes:
+        peak = autofit.format_size(probe.peak_bytes)
+        speed = f"{probe.samples_per_s:8.2f} samples/s" if probe.samples_per_s else " " * 18
+        print(f"{probe.status.value:8} {peak:>11} {speed}  {probe.config.describe()}  -- {probe.reason}")
+    print(f"\n{plan.probes_run} probes. Chosen: {plan.summary()}")
+    print(f"plan written to {plan.save(f'{args.out}/plan.json')}")
+
+
+if __name__ == "__main__":
+    main()
