@@ -1,0 +1,76 @@
+"""GPU profiles for planning without the card: memory, bf16 support, peak TFLOP/s, link bandwidths.
+
+The figures are data (`autofit/data/gpus.json`, sources in its `_comment`); `autofit gpus` lists them and
+`autofit dry-run --gpu NAME` plans against one. `--gpu-memory` overrides the memory of any profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+from importlib import resources
+
+from autofit.errors import UsageError
+
+MIB = 1024**2
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProfile:
+    """One GPU model. Memory in bytes, compute in TFLOP/s (10^12 FLOP/s), bandwidths in GB/s (10^9 B/s)."""
+
+    name: str  # the profile's key, e.g. "a100-80gb"
+    display: str  # what the driver calls it
+    memory_bytes: int  # total device memory
+    bf16: bool  # whether bf16 autocast runs (Ampere and later)
+    bf16_tflops: float | None  # peak dense tensor-core bf16, None where unsupported
+    fp16_tflops: float  # peak dense tensor-core fp16
+    fp32_tflops: float  # peak fp32 without TF32
+    pcie_gbps: float  # host <-> device, per direction: what CPU offload moves states over
+    interconnect_gbps: float  # GPU <-> GPU per GPU (NVLink, else PCIe): what ZeRO communicates over
+    aliases: tuple[str, ...] = ()
+
+    def tflops(self, precision: str) -> float:
+        """Peak TFLOP/s for compute in `precision` ("fp32", "bf16", "fp16")."""
+        if precision == "bf16" and self.bf16_tflops:
+            return self.bf16_tflops
+        if precision in ("bf16", "fp16"):
+            return self.fp16_tflops
+        return self.fp32_tflops
+
+    def with_memory(self, memory_bytes: int) -> "GpuProfile":
+        """This profile with another memory size (`--gpu-memory`)."""
+        return dataclasses.replace(self, memory_bytes=memory_bytes)
+
+
+@functools.lru_cache(maxsize=1)
+def _profiles() -> dict[str, GpuProfile]:
+    text = resources.files("autofit").joinpath("data/gpus.json").read_text(encoding="utf-8")
+    profiles = {}
+    for name, e in json.loads(text).items():
+        if name.startswith("_"):
+            continue
+        profiles[name] = GpuProfile(name, e["display"], e["memory_mib"] * MIB, e["bf16"], e["bf16_tflops"],
+                                    e["fp16_tflops"], e["fp32_tflops"], e["pcie_gbps"], e["interconnect_gbps"],
+                                    tuple(e.get("aliases", ())))
+    return profiles
+
+
+def list_gpus() -> list[GpuProfile]:
+    """Every profile, largest memory first."""
+    return sorted(_profiles().values(), key=lambda g: (-g.memory_bytes, g.name))
+
+
+def get_gpu(name: str) -> GpuProfile:
+    """The profile called `name` or one of its aliases (any case); `UsageError` listing the profiles otherwise."""
+    key = str(name).strip().lower().replace("_", "-").replace(" ", "-")
+    for profile in _profiles().values():
+        if key == profile.name or key in profile.aliases:
+            return profile
+    spellings = [n for p in _profiles().values() for n in (p.name, *p.aliases)]
+    close = difflib.get_close_matches(key, spellings, n=3, cutoff=0.6)
+    hint = f"Did you mean {', '.join(close)}? " if close else ""
+    raise UsageError(f"Unknown GPU {name!r}. {hint}Known GPUs: {', '.join(sorted(_profiles()))} "
+                     "(autofit gpus lists them); for any other card pass --gpu-memory, e.g. --gpu-memory 20GiB.")

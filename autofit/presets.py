@@ -1,0 +1,94 @@
+"""Model presets: published Hugging Face configurations shipped as data (no weights), by short name.
+
+`get_preset("llama-2-7b")` returns a `transformers.PretrainedConfig`; building a model from it on the
+meta device or under fake tensors costs no memory, which is how `autofit dry-run` plans a 70B model on a
+laptop. The data lives in `autofit/data/models.json`: adding a preset is adding an entry there.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from autofit.errors import UsageError
+
+_RESERVED = {"model_type", "architecture", "aliases"}
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict[str, dict[str, Any]]:
+    text = resources.files("autofit").joinpath("data/models.json").read_text(encoding="utf-8")
+    return {name: entry for name, entry in json.loads(text).items() if not name.startswith("_")}
+
+
+@functools.lru_cache(maxsize=1)
+def _names() -> dict[str, str]:
+    """Every accepted spelling (lower case) -> preset name."""
+    names: dict[str, str] = {}
+    for name, entry in _table().items():
+        names[name.lower()] = name
+        for alias in entry.get("aliases", ()):
+            names[alias.lower()] = name
+    return names
+
+
+def list_presets() -> list[str]:
+    """The preset names, sorted."""
+    return sorted(_table())
+
+
+def resolve_name(name: str) -> str | None:
+    """The preset `name` refers to (a name or an alias, any case), or None."""
+    return _names().get(str(name).strip().lower())
+
+
+def get_preset(name: str) -> Any:
+    """The `transformers.PretrainedConfig` of preset `name` (a name or alias such as "meta-llama/Llama-2-7b-hf").
+
+    `config.architectures[0]` names the transformers class to build. Unknown names raise `UsageError`
+    listing the closest preset names.
+    """
+    resolved = resolve_name(name)
+    if resolved is None:
+        raise UsageError(_unknown_message(name))
+    entry = _table()[resolved]
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in entry.items() if k not in _RESERVED}
+    config = AutoConfig.for_model(entry["model_type"], **fields)
+    config.architectures = [entry["architecture"]]
+    config.name_or_path = resolved
+    return config
+
+
+def _unknown_message(name: str) -> str:
+    close = difflib.get_close_matches(str(name).strip().lower(), list(_names()), n=5, cutoff=0.5)
+    suggestions = list(dict.fromkeys(_names()[c] for c in close))  # most similar first
+    hint = f"did you mean {', '.join(suggestions)}?" if suggestions else \
+        f"known presets: {', '.join(list_presets())}."
+    return (f"Unknown model preset {name!r}: {hint} Or pass a Hugging Face config.json, a model folder, "
+            "or FILE.py:factory.")
+
+
+def model_class(config: Any) -> Any:
+    """The transformers class a config's `architectures[0]` names, else the Auto class for its kind
+    (causal LM for text, image classification for vision)."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    is_vision = hasattr(config, "image_size") and not hasattr(config, "vocab_size")
+    return transformers.AutoModelForImageClassification if is_vision else transformers.AutoModelForCausalLM
+
+
+def build_model(config: Any) -> Any:
+    """A freshly initialised model for `config` (call under `torch.device("meta")` to allocate nothing)."""
+    cls = model_class(config)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config)
+    return cls._from_config(config)

@@ -1,0 +1,39 @@
+"""GPU profiles: the shipped data, lookups and their errors."""
+
+import pytest
+
+from autofit.errors import UsageError
+from autofit.gpus import get_gpu, list_gpus
+
+GIB = 1024**3
+
+
+def test_required_profiles_with_memory_and_bf16():
+    names = {g.name for g in list_gpus()}
+    assert {"a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "l40s", "a10g", "rtx-3090", "rtx-4090", "t4",
+            "v100-16gb", "v100-32gb"} <= names
+    assert get_gpu("a100-80gb").memory_bytes == 80 * GIB
+    assert get_gpu("t4").bf16 is False and get_gpu("v100-32gb").bf16 is False
+    assert get_gpu("h100-80gb").bf16 is True
+
+
+def test_tflops_per_precision():
+    h100 = get_gpu("H100")  # alias, any case
+    assert h100.tflops("bf16") == 989
+    assert h100.tflops("fp32") < h100.tflops("fp16")
+    assert get_gpu("t4").tflops("bf16") == get_gpu("t4").fp16_tflops  # no bf16: fp16 figure
+
+
+def test_list_is_largest_first():
+    sizes = [g.memory_bytes for g in list_gpus()]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_with_memory_overrides_size_only():
+    small = get_gpu("a100-80gb").with_memory(20 * GIB)
+    assert small.memory_bytes == 20 * GIB and small.bf16_tflops == 312
+
+
+def test_unknown_gpu_lists_profiles():
+    with pytest.raises(UsageError, match=r"Did you mean a100-80gb.*Known GPUs: a100-40gb.*--gpu-memory"):
+        get_gpu("a100-90gb")
