@@ -1,0 +1,41 @@
+"""Export: a plan becomes the files its launcher reads, one module per launcher.
+
+    paths = export(plan, "deepspeed", "runs/x")   # or plan.export("deepspeed", "runs/x")
+
+Formats: "deepspeed" (deepspeed.json), "accelerate" (accelerate_config.yaml + accelerate_launch.sh),
+"trainer" (trainer_args.json + train_with_trainer.py), "torchrun" (torchrun.sh). Every file carries the
+measurement where its format allows. A plan that does not fit refuses to export (`UsageError`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autofit.errors import UsageError
+from autofit.export import accelerate, deepspeed, torchrun, trainer
+from autofit.export.deepspeed import deepspeed_config
+from autofit.export.measured import require_fit
+
+FORMATS = {"accelerate": accelerate, "deepspeed": deepspeed, "trainer": trainer, "torchrun": torchrun}
+
+
+def export(plan: Any, fmt: str, out_dir: str | Path) -> list[Path]:
+    """Write the launcher files of format `fmt` for `plan` into `out_dir` (created); returns their paths."""
+    if fmt not in FORMATS:
+        raise UsageError(f"format {fmt!r} is not known; use one of {sorted(FORMATS)}.")
+    require_fit(plan)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return FORMATS[fmt].export(plan, out)
+
+
+def export_all(plan: Any, out_dir: str | Path) -> list[Path]:
+    """Every format into `out_dir`; the paths, each once."""
+    paths: list[Path] = []
+    for fmt in FORMATS:
+        paths += [p for p in export(plan, fmt, out_dir) if p not in paths]
+    return paths
+
+
+__all__ = ["FORMATS", "deepspeed_config", "export", "export_all"]

@@ -1,0 +1,103 @@
+"""accelerate config YAML (for `accelerate launch --config_file`) and the launch command beside it.
+
+The YAML holds what accelerate's config file can hold: distributed type, number of processes, mixed
+precision, and the DeepSpeed section (ZeRO stage, offload, accumulation, clipping) where ZeRO is used.
+Gradient accumulation outside DeepSpeed has no config-file key; the launch script passes it through
+`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, which `Accelerator()` reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autofit.config import Precision
+from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, OFFLOAD
+from autofit.export.measured import comment_lines, require_fit
+
+FILENAME = "accelerate_config.yaml"
+LAUNCH_FILENAME = "accelerate_launch.sh"
+
+MIXED_PRECISION = {Precision.FP32.value: "no", Precision.BF16.value: "bf16", Precision.FP16.value: "fp16"}
+
+
+def accelerate_config(plan: Any) -> dict[str, Any]:
+    """The accelerate ClusterConfig fields for `plan` (what the YAML file holds)."""
+    require_fit(plan)
+    config = plan.config
+    on_cpu = str(plan.spec.get("device", "cpu")).startswith("cpu")
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": _distributed_type(config, on_cpu),
+        "num_processes": config.num_gpus,
+        "num_machines": 1,
+        "machine_rank": 0,
+        "mixed_precision": MIXED_PRECISION[config.precision],
+        "use_cpu": on_cpu,
+        "gpu_ids": "all",
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "downcast_bf16": "no",
+        "debug": False,
+    }
+    if config.zero_stage:
+        out["deepspeed_config"] = _deepspeed_section(plan)
+    return out
+
+
+def _distributed_type(config: Any, on_cpu: bool) -> str:
+    if config.zero_stage:
+        return "DEEPSPEED"
+    if config.num_gpus > 1:
+        return "MULTI_CPU" if on_cpu else "MULTI_GPU"
+    return "NO"
+
+
+def _deepspeed_section(plan: Any) -> dict[str, Any]:
+    """accelerate's flat DeepSpeed keys (it maps them to DeepSpeed's nested ones itself)."""
+    config = plan.config
+    device = OFFLOAD.get(config.offload) or "none"
+    section: dict[str, Any] = {
+        "zero_stage": config.zero_stage,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
+        "offload_optimizer_device": device,
+        "offload_param_device": device if config.zero_stage == 3 else "none",
+        "zero3_init_flag": config.zero_stage == 3,
+    }
+    nvme_path = plan.spec.get("nvme_path") or getattr(config, "nvme_path", None)
+    if device == "nvme" and nvme_path:
+        section["offload_optimizer_nvme_path"] = str(nvme_path)
+        if config.zero_stage == 3:
+            section["offload_param_nvme_path"] = str(nvme_path)
+    if config.zero_stage == 3:
+        section["zero3_save_16bit_model"] = True
+    return section
+
+
+def launch_script(plan: Any, config_file: str = FILENAME) -> str:
+    """A bash script running `accelerate launch` with the exported config and the plan's accumulation."""
+    lines = ["#!/usr/bin/env bash", *comment_lines(plan),
+             "# Usage: bash accelerate_launch.sh train.py [script args]", "set -euo pipefail",
+             'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+    if not plan.config.zero_stage:  # DeepSpeed takes accumulation from its section instead
+        lines.append(f"export ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.config.grad_accum_steps}")
+    lines.append(f'exec accelerate launch --config_file "$here/{config_file}" "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def export(plan: Any, out_dir: Path) -> list[Path]:
+    """Write accelerate_config.yaml and accelerate_launch.sh into `out_dir`."""
+    data = accelerate_config(plan)
+    header = "\n".join(comment_lines(plan)) + (
+        f"\n# Gradient accumulation: {plan.config.grad_accum_steps} micro-batches of "
+        f"{plan.config.micro_batch_size} per optimizer step (accelerate_launch.sh sets it).\n")
+    config_path = out_dir / FILENAME
+    config_path.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    script_path = out_dir / LAUNCH_FILENAME
+    script_path.write_text(launch_script(plan))
+    script_path.chmod(0o755)
+    return [config_path, script_path]

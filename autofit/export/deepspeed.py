@@ -1,0 +1,120 @@
+"""DeepSpeed JSON: the config `deepspeed.initialize` reads, and the one the ZeRO probes pass it.
+
+`deepspeed_config(config)` is the single source of that dict: the probe trains with it and the export
+writes it, so the launched job runs what was measured. The file adds an "autofit" section with the
+measurement (DeepSpeed ignores unknown top-level keys).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from autofit.config import Config, Optimizer, Precision
+from autofit.errors import UsageError
+from autofit.export.measured import measured, require_fit
+
+FILENAME = "deepspeed.json"
+
+# autofit's flat names -> DeepSpeed's nested keys, in one table (accelerate's DeepSpeedPlugin does the same).
+KEYS = {
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+    "grad_accum_steps": "gradient_accumulation_steps",
+    "global_batch_size": "train_batch_size",
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer": "zero_optimization.offload_optimizer",
+    "offload_param": "zero_optimization.offload_param",
+    "gradient_clipping": "gradient_clipping",
+}
+
+# precision -> DeepSpeed's section. fp16 uses dynamic loss scaling (loss_scale 0), as GradScaler does.
+PRECISION = {
+    Precision.FP32.value: {},
+    Precision.BF16.value: {"bf16": {"enabled": True}},
+    Precision.FP16.value: {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}},
+}
+
+# The optimizers DeepSpeed builds itself (with ZeRO-Offload it swaps in its CPU Adam). Hyperparameters
+# are torch's AdamW defaults, which the probe used. Others (8-bit, Adafactor, a user's own) are built by
+# the training script and passed to deepspeed.initialize(optimizer=...).
+DEEPSPEED_OPTIMIZERS = {
+    Optimizer.ADAMW.value: {"type": "AdamW",
+                            "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+}
+
+# offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
+OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "nvme"}
+
+DEFAULT_GRADIENT_CLIPPING = 1.0  # clip the global gradient norm at 1.0: common practice, no memory cost
+
+
+def deepspeed_config(config: Config, *, nvme_path: str | None = None,
+                     gradient_clipping: float = DEFAULT_GRADIENT_CLIPPING) -> dict[str, Any]:
+    """The DeepSpeed config dict for `config` (what `deepspeed.initialize(config=...)` takes).
+
+    Args:
+        config: the autofit configuration (micro-batch, accumulation, precision, ZeRO stage, offload).
+        nvme_path: folder for NVMe offload; required when `config.offload == "nvme"`.
+        gradient_clipping: max global gradient norm (0 disables clipping).
+    """
+    flat: dict[str, Any] = {
+        "micro_batch_size": config.micro_batch_size,
+        "grad_accum_steps": config.grad_accum_steps,
+        "global_batch_size": config.global_batch_size,
+        "zero_stage": config.zero_stage,
+        "gradient_clipping": gradient_clipping,
+        **_offload(config, nvme_path),
+    }
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        _set_nested(out, KEYS[name], value)
+    out.update(PRECISION[config.precision])
+    optimizer = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
+    if optimizer is not None:
+        out["optimizer"] = json.loads(json.dumps(optimizer))  # a copy: callers may edit theirs
+    elif config.zero_stage:
+        out["zero_allow_untested_optimizer"] = True  # the script's own optimizer under ZeRO
+    return out
+
+
+def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
+    if config.offload not in OFFLOAD:
+        raise UsageError(f"offload={config.offload!r} is not known; use one of {sorted(OFFLOAD)}.")
+    device = OFFLOAD[config.offload]
+    if device is None:
+        return {}
+    if config.zero_stage == 0:
+        raise UsageError(f"offload={config.offload!r} needs ZeRO (zero_stage 1-3) but zero_stage is 0; "
+                         "set zero_stage, e.g. 2 for optimizer offload or 3 to offload parameters too.")
+    target: dict[str, Any] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        if not nvme_path:
+            raise UsageError("offload='nvme' needs a folder on a fast local disk: pass nvme_path=... "
+                             "(autofit tune --nvme-path).")
+        target["nvme_path"] = str(nvme_path)
+    flat = {"offload_optimizer": dict(target)}
+    if config.zero_stage == 3:
+        flat["offload_param"] = dict(target)
+    return flat
+
+
+def _set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        out = out.setdefault(key, {})
+    out[leaf] = value
+
+
+def file_config(plan: Any) -> dict[str, Any]:
+    """The dict written to deepspeed.json: `deepspeed_config` of the plan plus the "autofit" record."""
+    require_fit(plan)
+    nvme_path = plan.spec.get("nvme_path") or getattr(plan.config, "nvme_path", None)
+    return {**deepspeed_config(plan.config, nvme_path=nvme_path), "autofit": measured(plan)}
+
+
+def export(plan: Any, out_dir: Path) -> list[Path]:
+    """Write deepspeed.json into `out_dir`; returns its path."""
+    path = out_dir / FILENAME
+    path.write_text(json.dumps(file_config(plan), indent=2) + "\n")
+    return [path]

@@ -1,0 +1,57 @@
+"""What every launcher file carries besides its knobs: what was measured, where, and by which autofit.
+
+Also the gate every format goes through: a plan that does not fit has nothing worth launching.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autofit.errors import UsageError
+from autofit.units import format_size
+
+
+def require_fit(plan: Any) -> None:
+    """Raise `UsageError` when `plan` has no fitting configuration, saying why and what to do."""
+    if not plan.fits or plan.config is None:
+        raise UsageError(f"This plan does not fit, so there is nothing to export: {plan.reason} "
+                         "Re-run autofit tune with what the message allows, then export the new plan.")
+
+
+def measured(plan: Any) -> dict[str, Any]:
+    """JSON-serialisable record of the measurement behind `plan`: throughput (samples/s, tokens/s),
+    peak memory (bytes), device, budget (bytes), date and autofit version."""
+    spec = plan.spec
+    return {
+        "configuration": plan.config.describe(),
+        "throughput_samples_per_s": _round(plan.throughput),
+        "throughput_tokens_per_s": _round(plan.tokens_per_second),
+        "peak_memory_bytes": plan.peak_memory,
+        "peak_memory": format_size(plan.peak_memory),
+        "device": spec.get("device"),
+        "memory_budget_bytes": spec.get("memory_budget"),
+        "memory_budget": format_size(spec.get("memory_budget")),
+        "model": spec.get("model"),
+        "global_batch_size": plan.config.global_batch_size,
+        "date": plan.created,
+        "autofit_version": plan.autofit_version,
+        "reason": plan.reason,
+    }
+
+
+def comment_lines(plan: Any, prefix: str = "# ") -> list[str]:
+    """The measurement as comment lines for formats that have comments (YAML, shell, Python)."""
+    info = measured(plan)
+    tokens = f", {info['throughput_tokens_per_s']:,.0f} tokens/s" if info["throughput_tokens_per_s"] else ""
+    lines = [
+        f"Written by autofit {info['autofit_version']} on {info['date']} for {info['model']}.",
+        f"Configuration: {info['configuration']} (global batch {info['global_batch_size']}).",
+        f"Measured on {info['device']}: {info['throughput_samples_per_s']:,.2f} samples/s{tokens}, "
+        f"peak {info['peak_memory']} of a {info['memory_budget']} budget.",
+        f"Why: {info['reason']}",
+    ]
+    return [prefix + line for line in lines]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

@@ -1,0 +1,121 @@
+"""Hugging Face `Trainer`: `TrainingArguments` keyword arguments as JSON, and a short script using them.
+
+trainer_args.json is {"training_arguments": {...}, "autofit": {measurement}}: the first part goes straight
+into `TrainingArguments(**kwargs)`. What `TrainingArguments` cannot say (selective checkpointing, the
+attention implementation, LoRA / quantized base weights) is done to the model in train_with_trainer.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from autofit.config import Optimizer, Precision
+from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
+from autofit.export.deepspeed import file_config as deepspeed_file_config
+from autofit.export.measured import comment_lines, measured, require_fit
+from autofit.strategies.checkpointing import every
+
+FILENAME = "trainer_args.json"
+SCRIPT_FILENAME = "train_with_trainer.py"
+
+# autofit optimizer -> TrainingArguments.optim. A user's own optimizer goes to Trainer(optimizers=...).
+OPTIM = {
+    Optimizer.ADAMW.value: "adamw_torch",
+    Optimizer.ADAMW8BIT.value: "adamw_bnb_8bit",
+    Optimizer.PAGED_ADAMW8BIT.value: "paged_adamw_8bit",
+    Optimizer.ADAFACTOR.value: "adafactor",
+}
+
+
+def training_arguments(plan: Any, deepspeed_path: str | None = None) -> dict[str, Any]:
+    """`TrainingArguments` kwargs reproducing `plan` (per device batch, accumulation, precision,
+    checkpointing, optimizer, DeepSpeed config path)."""
+    require_fit(plan)
+    config = plan.config
+    kwargs: dict[str, Any] = {
+        "output_dir": "trainer_output",
+        "per_device_train_batch_size": config.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "bf16": config.precision == Precision.BF16.value,
+        "fp16": config.precision == Precision.FP16.value,
+        # Trainer checkpoints all blocks or none; every k-th block is switched on in the script instead.
+        "gradient_checkpointing": config.checkpointing == "full",
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "max_grad_norm": DEFAULT_GRADIENT_CLIPPING,
+        "use_cpu": str(plan.spec.get("device", "")).startswith("cpu"),
+        "report_to": "none",
+    }
+    if config.optimizer in OPTIM:
+        kwargs["optim"] = OPTIM[config.optimizer]
+    if config.zero_stage:
+        kwargs["deepspeed"] = deepspeed_path or DEEPSPEED_FILENAME
+    return kwargs
+
+
+def model_setup(plan: Any) -> list[str]:
+    """Python lines applied to `model` before the Trainer is built, for knobs TrainingArguments lacks."""
+    config = plan.config
+    lines = []
+    if config.attention != "default":
+        lines.append(f'# Build the model with attn_implementation="{config.attention}" '
+                     f'(e.g. AutoModelForCausalLM.from_config(config, attn_implementation="{config.attention}")).')
+    if config.checkpointing not in ("none", "full"):
+        lines += ["from autofit.strategies.checkpointing import enable",
+                  f"enable(model, {every(config.checkpointing)})  # recompute every {every(config.checkpointing)}"
+                  "-th block, as probed"]
+    if config.quantization != "none":
+        lines.append(f"# Load the base weights quantized ({config.quantization}) with transformers."
+                     "BitsAndBytesConfig, then peft.prepare_model_for_kbit_training(model).")
+    if config.lora:
+        lines += ["from peft import LoraConfig, get_peft_model",
+                  f'model = get_peft_model(model, LoraConfig(r={config.lora}, target_modules="all-linear"))']
+    if config.optimizer not in OPTIM:
+        lines.append("# Your own optimizer was probed: pass Trainer(..., optimizers=(optimizer, None)).")
+    return lines
+
+
+def script(plan: Any) -> str:
+    """train_with_trainer.py: loads the kwargs, prepares the model, trains."""
+    setup = "\n".join(model_setup(plan)) or "# Nothing to change on the model for this plan."
+    return f'''"""Train with the configuration autofit measured, through the Hugging Face Trainer.
+
+{chr(10).join(comment_lines(plan, prefix=""))}
+"""
+import json
+from pathlib import Path
+
+from transformers import Trainer, TrainingArguments
+
+
+def train(model, train_dataset, **overrides):
+    """Train `model` on `train_dataset` with the exported arguments (`overrides` win, e.g. max_steps)."""
+    kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())["training_arguments"]
+    args = TrainingArguments(**{{**kwargs, **overrides}})
+{_indent(setup)}
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
+    trainer.train()
+    return trainer
+'''
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def export(plan: Any, out_dir: Path) -> list[Path]:
+    """Write trainer_args.json and train_with_trainer.py (and deepspeed.json when ZeRO is used)."""
+    paths = []
+    deepspeed_path = None
+    if plan.config is not None and plan.config.zero_stage:
+        ds = out_dir / DEEPSPEED_FILENAME
+        ds.write_text(json.dumps(deepspeed_file_config(plan), indent=2) + "\n")
+        paths.append(ds)
+        deepspeed_path = str(ds.resolve())
+    data = {"training_arguments": training_arguments(plan, deepspeed_path), "autofit": measured(plan)}
+    args_path = out_dir / FILENAME
+    args_path.write_text(json.dumps(data, indent=2) + "\n")
+    script_path = out_dir / SCRIPT_FILENAME
+    script_path.write_text(script(plan))
+    return [args_path, script_path, *paths]

@@ -1,0 +1,82 @@
+"""deepspeed.json is read by DeepSpeed's own config parser (which checks the batch arithmetic and rejects
+unknown ZeRO keys)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autofit import Config, UsageError
+from autofit.export import deepspeed_config, export
+
+ds_config = pytest.importorskip("deepspeed.runtime.config", reason="deepspeed is not installed (pip install deepspeed)")
+
+
+def parse(data: dict):
+    return ds_config.DeepSpeedConfig(data)
+
+
+@pytest.mark.parametrize("stage,offload,precision", [
+    (0, "none", "fp32"), (1, "none", "bf16"), (2, "cpu", "bf16"), (3, "cpu", "fp16"), (3, "nvme", "bf16")])
+def test_deepspeed_parses_every_stage(tmp_path, plan_for, stage, offload, precision):
+    config = Config(micro_batch_size=4, grad_accum_steps=8, zero_stage=stage, offload=offload,
+                    precision=precision)
+    plan = plan_for(config, device="cuda:0", nvme_path=str(tmp_path))
+    (path,) = export(plan, "deepspeed", tmp_path)
+    parsed = parse(json.loads(path.read_text()))
+    assert (parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps,
+            parsed.train_batch_size) == (4, 8, 32)
+    assert parsed.zero_optimization_stage == stage
+    assert parsed.gradient_clipping == 1.0
+    assert parsed.bfloat16_config.enabled is (precision == "bf16")
+    assert parsed.float16_config.enabled is (precision == "fp16")
+    offloaded = parsed.zero_config.offload_optimizer
+    assert (str(getattr(offloaded.device, "value", offloaded.device)) if offloaded else "none") == offload
+    param = parsed.zero_config.offload_param
+    assert (str(getattr(param.device, "value", param.device)) if param else "none") == (offload if stage == 3 else "none")
+    if offload == "nvme":
+        assert str(offloaded.nvme_path) == str(tmp_path)
+    assert parsed.optimizer_name == "adamw"
+
+
+def test_measurement_rides_along(tmp_path, plan_for):
+    (path,) = export(plan_for(Config(micro_batch_size=2, grad_accum_steps=2)), "deepspeed", tmp_path)
+    record = json.loads(path.read_text())["autofit"]
+    assert record["throughput_samples_per_s"] == 8.0
+    assert record["peak_memory_bytes"] == 40 * 2**20
+    assert record["memory_budget_bytes"] == 64 * 2**20
+    assert record["device"] == "cpu" and record["autofit_version"] == "0.1.0" and record["date"]
+
+
+def test_script_built_optimizer_is_left_to_the_script():
+    data = deepspeed_config(Config(micro_batch_size=2, zero_stage=2, optimizer="adamw8bit"))
+    assert "optimizer" not in data and data["zero_allow_untested_optimizer"] is True
+    parse(data)
+
+
+def test_dict_is_a_fresh_copy():
+    first = deepspeed_config(Config(micro_batch_size=2))
+    first["optimizer"]["params"]["lr"] = 5.0
+    assert deepspeed_config(Config(micro_batch_size=2))["optimizer"]["params"]["lr"] == 1e-3
+
+
+def test_offload_needs_zero():
+    with pytest.raises(UsageError, match="offload='cpu' needs ZeRO"):
+        deepspeed_config(Config(offload="cpu"))
+
+
+def test_nvme_needs_a_path():
+    with pytest.raises(UsageError, match="nvme_path"):
+        deepspeed_config(Config(zero_stage=3, offload="nvme"))
+
+
+def test_plan_that_does_not_fit_refuses(tmp_path, plan_for):
+    with pytest.raises(UsageError, match="does not fit.*No candidate fits 57.60 MiB"):
+        plan_for(fits=False).export("deepspeed", tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_unknown_format(tmp_path, plan_for):
+    with pytest.raises(UsageError, match="format 'slurm' is not known"):
+        plan_for().export("slurm", tmp_path)

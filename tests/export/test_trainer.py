@@ -1,0 +1,65 @@
+"""trainer_args.json goes into `transformers.TrainingArguments(**kwargs)`, and the exported script trains
+a tiny GPT-2 for two steps on the CPU with it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from autofit import Config
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+
+
+def load_kwargs(path):
+    return json.loads(path.read_text())["training_arguments"]
+
+
+@pytest.mark.parametrize("precision,checkpointing,optimizer,optim", [
+    ("fp32", "none", "adamw", "adamw_torch"),
+    ("bf16", "full", "adafactor", "adafactor"),
+    ("fp16", "every_2", "paged_adamw8bit", "paged_adamw_8bit"),
+    ("bf16", "none", "adamw8bit", "adamw_bnb_8bit"),
+])
+def test_training_arguments_accept_kwargs(tmp_path, plan_for, precision, checkpointing, optimizer, optim):
+    config = Config(micro_batch_size=4, grad_accum_steps=2, precision=precision, checkpointing=checkpointing,
+                    optimizer=optimizer)
+    args_path, script_path = plan_for(config).export("trainer", tmp_path)
+    kwargs = load_kwargs(args_path)
+    args = TrainingArguments(**kwargs)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2)
+    assert (args.bf16, args.fp16) == (precision == "bf16", precision == "fp16")
+    assert args.gradient_checkpointing is (checkpointing == "full")
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert args.optim.value == optim
+    assert ("enable(model, 2)" in script_path.read_text()) is (checkpointing == "every_2")
+
+
+def test_exported_script_trains_two_steps(tmp_path, plan_for):
+    torch.manual_seed(0)
+    config = Config(micro_batch_size=2, grad_accum_steps=2, checkpointing="every_2")
+    args_path, script_path = plan_for(config).export("trainer", tmp_path)
+    spec = importlib.util.spec_from_file_location("train_with_trainer", script_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = GPT2LMHeadModel(GPT2Config(**TINY))
+    ids = torch.randint(0, 64, (8, 16))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = module.train(model, dataset, max_steps=2, output_dir=str(tmp_path / "out"), save_strategy="no")
+    assert trainer.state.global_step == 2
+    assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.per_device_train_batch_size == 2
+    assert model.is_gradient_checkpointing  # every 2nd block, switched on by the script
+    assert load_kwargs(args_path)["use_cpu"] is True
+
+
+def test_zero_plan_names_its_deepspeed_file(tmp_path, plan_for):
+    config = Config(micro_batch_size=2, grad_accum_steps=2, zero_stage=2, precision="bf16")
+    paths = plan_for(config, device="cuda:0").export("trainer", tmp_path)
+    kwargs = load_kwargs(paths[0])
+    ds_path = tmp_path / "deepspeed.json"
+    assert ds_path in paths and kwargs["deepspeed"] == str(ds_path.resolve())
+    assert json.loads(ds_path.read_text())["zero_optimization"]["stage"] == 2
