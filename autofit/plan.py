@@ -72,6 +72,13 @@ class Plan:
             raise UsageError(f"Cannot read a plan from {str(path)!r}: {exc}. Pass a plan.json written by "
                              "autofit (plan.save or autofit tune).") from exc
 
+    def export(self, fmt: str, out_dir: str | Path) -> list[Path]:
+        """Write the launcher files of `fmt` ("accelerate", "deepspeed", "trainer", "torchrun") into
+        `out_dir`; returns their paths. A plan that does not fit raises `UsageError` saying why."""
+        from autofit.export import export
+
+        return export(self, fmt, out_dir)
+
     def summary(self) -> str:
         """A few lines for people: the choice, its figures and the reason."""
         if not self.fits:
