@@ -1,0 +1,160 @@
+"""What `--model` names, turned into factories: a preset, a local Hugging Face config, or FILE.py:factory.
+
+    model_factory, batch_factory, description = resolve_model("gpt2")
+
+Configs give random weights (no hub access is needed or used); the batch is then synthesized by the spec
+from the config. Factories are small picklable objects so that probes in child processes can rebuild them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autofit import presets
+from autofit.errors import UsageError
+
+
+def resolve_model(arg: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any] | None, str]:
+    """(model factory, batch factory or None, one-line description) for a `--model` argument.
+
+    `arg` is a preset name or alias ("gpt2", "meta-llama/Llama-2-7b-hf"), a config.json or a folder
+    holding one, or "path/to/file.py:factory" where factory() returns a model or (model, make_batch).
+    A None batch factory means: synthesize one from the model's config.
+    """
+    text = str(arg).strip()
+    if not text:
+        raise UsageError("--model is empty; give a preset name (e.g. gpt2), a config.json, a model folder "
+                         "or FILE.py:factory.")
+    if ".py:" in text or text.endswith(".py"):
+        return _from_file(text)
+    path = Path(text).expanduser()
+    if path.exists():
+        config = load_config(path)
+        return (functools.partial(presets.build_model, config), None,
+                f"{config.architectures[0] if config.architectures else config.model_type} from {path} "
+                "(random weights)")
+    if presets.resolve_name(text) is None and (text.endswith(".json") or text.startswith((".", "/", "~"))):
+        raise UsageError(f"--model {text!r}: no such file or folder. Give an existing config.json or model "
+                         "folder, a preset name, or FILE.py:factory.")
+    config = presets.get_preset(text)  # unknown names raise UsageError listing the close ones
+    return functools.partial(presets.build_model, config), None, \
+        f"preset {config.name_or_path} ({config.architectures[0]}, random weights)"
+
+
+def load_config(path: Path) -> Any:
+    """A `transformers.PretrainedConfig` from a config.json or a folder holding one (local only)."""
+    from transformers import CONFIG_MAPPING
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UsageError(f"{path} holds no config.json; point --model at a Hugging Face model folder or its "
+                         "config.json.")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"Cannot read {file} as JSON ({exc}); pass a Hugging Face config.json.") from exc
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{file} has model_type={model_type!r}, which transformers does not know; a Hugging "
+                         "Face config.json names its model_type (e.g. \"gpt2\", \"llama\").")
+    config = CONFIG_MAPPING[model_type].from_dict(data)
+    config.name_or_path = str(path)
+    return config
+
+
+def _from_file(text: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any] | None, str]:
+    file, _, name = text.rpartition(":") if ".py:" in text else (text, "", "")
+    if not name:
+        raise UsageError(f"--model {text!r} names a file but no factory; write FILE.py:factory, e.g. "
+                         f"{text}:make_model.")
+    factory = FileFactory(str(Path(file).expanduser().resolve()), name)
+    built = factory.probe_call()
+    description = f"{factory.name}() from {file}"
+    if isinstance(built, tuple):
+        return factory, FileBatch(factory.path, factory.name), description + " (with its make_batch)"
+    return factory, None, description
+
+
+@dataclasses.dataclass(frozen=True)
+class FileFactory:
+    """`factory()` from a Python file, returning the model (the first item when it returns a pair)."""
+
+    path: str
+    name: str
+
+    def load(self) -> Callable[[], Any]:
+        """The factory function itself."""
+        module = import_file(self.path)
+        factory = getattr(module, self.name, None)
+        if not callable(factory):
+            found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            raise UsageError(f"{self.path} has no function {self.name!r}; functions there: {found}.")
+        return factory
+
+    def probe_call(self) -> Any:
+        """Call the factory once, on the meta device where it allows (nothing allocated); check the result."""
+        factory = self.load()
+        try:
+            with torch.device("meta"):
+                built = factory()
+        except Exception:  # factories that load weights or touch devices cannot build on meta
+            built = factory()
+        model = built[0] if isinstance(built, tuple) else built
+        if not isinstance(model, nn.Module) or (isinstance(built, tuple) and (len(built) != 2 or not callable(built[1]))):
+            raise UsageError(f"{self.name}() in {self.path} returned {type(built).__name__}; it must return an "
+                             "nn.Module, or a pair (model, make_batch) where make_batch(n) returns n samples.")
+        return built
+
+    def __call__(self) -> nn.Module:
+        built = self.load()()
+        return built[0] if isinstance(built, tuple) else built
+
+
+@dataclasses.dataclass(frozen=True)
+class FileBatch:
+    """make_batch(n) taken from the pair a file's factory returns."""
+
+    path: str
+    name: str
+
+    def __call__(self, n: int) -> Any:
+        return _make_batch(self.path, self.name)(n)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_batch(path: str, name: str) -> Callable[[int], Any]:
+    """make_batch from a meta-device call, unless its batches come out on meta too (then a real call)."""
+    factory = FileFactory(path, name)
+    make_batch = factory.probe_call()[1]
+    leaves = torch.utils._pytree.tree_leaves(make_batch(1))
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in leaves):
+        make_batch = factory.load()()[1]
+    return make_batch
+
+
+def import_file(path: str) -> Any:
+    """Import a Python file as a module (once per path); clear errors for missing or broken files."""
+    module_name = "autofit_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    if not Path(path).is_file():
+        raise UsageError(f"--model file {path} does not exist; give FILE.py:factory with an existing file.")
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise UsageError(f"Importing {path} failed: {type(exc).__name__}: {exc}. Fix the file and retry.") from exc
+    return module
