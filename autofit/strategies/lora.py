@@ -1,0 +1,118 @@
+"""Rung 7, LoRA adapters (peft): the base weights are frozen and only low-rank adapters are trained.
+
+Buys the base model's gradients and optimizer states (only the adapters have them); costs what is
+trained: tier 2, opt-in with `allow={"lora"}`. Adapters go on every linear layer except the output head
+by default (as QLoRA does), or on the `target_modules` given. On a quantized base (the quantization
+strategy, applied just before this one) the model is first prepared with
+`peft.prepare_model_for_kbit_training`. Plain LoRA on a fp32/bf16 base runs anywhere, the CPU included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Sequence
+
+from torch import nn
+
+from autofit.errors import MissingExtraError, UsageError
+from autofit.model_info import build_on_meta
+from autofit.strategies.base import Option, Strategy
+
+DEFAULT_RANK = 16  # the usual QLoRA rank: adapters are ~0.5-1% of a 1B model's parameters
+
+
+class Lora(Strategy):
+    """0 (full fine-tuning) or LoRA adapters of each rank in `ranks`."""
+
+    field = "lora"
+    rung = 7
+
+    def __init__(self, ranks: Sequence[int] = (DEFAULT_RANK,), target_modules: Sequence[str] | None = None,
+                 alpha: int | None = None):
+        """`ranks`: adapter ranks to try (smallest saves most); `target_modules`: module names or name
+        suffixes to adapt (default: every linear layer but the output head); `alpha`: LoRA scaling
+        numerator (default 2 x rank)."""
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 1]
+        if bad or not ranks:
+            raise UsageError(f"LoRA ranks must be integers >= 1, but got {list(ranks)!r}; e.g. ranks=(16,).")
+        self.ranks = tuple(sorted(set(ranks), reverse=True))
+        self.target_modules = tuple(target_modules) if target_modules is not None else None
+        self.alpha = alpha
+
+    def options(self, spec) -> list[Option]:
+        full = Option(0, 0, "full fine-tuning: every parameter trained")
+        if importlib.util.find_spec("peft") is None:
+            why = "LoRA needs peft, which is not installed: pip install 'autofit[peft]'"
+            return [full] + [Option(r, 2, why, available=False) for r in self.ranks]
+        model = _inspectable(spec.model_factory)
+        if not linear_layer_names(model):
+            why = f"{spec.model.name} has no linear layers to adapt"
+            return [full] + [Option(r, 2, why, available=False) for r in self.ranks]
+        targets = self.targets(model)
+        return [full] + [Option(r, 2, f"LoRA rank {r} on {len(targets)} linear layers, base frozen")
+                         for r in self.ranks]
+
+    def saves_at_least(self, a: Any, b: Any) -> bool:
+        return a == b or (a > 0 and (b == 0 or a <= b))
+
+    def apply(self, run, value: Any) -> None:
+        if not value:
+            return
+        peft = _import_peft()
+        targets = self.targets(run.model)
+        if is_quantized(run.model):
+            run.model = peft.prepare_model_for_kbit_training(run.model, use_gradient_checkpointing=False)
+        config = peft.LoraConfig(r=value, lora_alpha=self.alpha or 2 * value, lora_dropout=0.0,
+                                 target_modules=list(targets))
+        run.model = peft.get_peft_model(run.model, config)
+
+    def targets(self, model: nn.Module) -> list[str]:
+        """Full names of the linear layers of `model` to adapt; `UsageError` when a given target matches none."""
+        linear = linear_layer_names(model)
+        if self.target_modules is None:
+            head = output_head(model)
+            return [name for name in linear if name != head or len(linear) == 1]
+        missing = [t for t in self.target_modules if not any(_matches(name, t) for name in linear)]
+        if missing:
+            shown = sorted({name.rsplit(".", 1)[-1] for name in linear})
+            raise UsageError(f"LoRA target_modules {missing} match no linear layer of the model; its linear "
+                             f"layers are named {shown}. Pass some of those, or None for all linear layers.")
+        return [name for name in linear if any(_matches(name, t) for t in self.target_modules)]
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """Full names of the model's linear layers: nn.Linear (bitsandbytes' 4/8-bit linears subclass it)
+    and transformers' Conv1D (GPT-2's transposed linear, which peft adapts too)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"]
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether the quantization strategy replaced the model's linear layers with 4/8-bit ones."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def output_head(model: nn.Module) -> str | None:
+    """Name of the output projection (Hugging Face's `get_output_embeddings`), kept out of LoRA and
+    quantization as QLoRA does: it is tied to the embeddings or needs full precision for the logits."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return next((name for name, module in model.named_modules() if module is head), None) if head is not None else None
+
+
+def _matches(name: str, target: str) -> bool:
+    """peft's rule for a string target: the full name, or a suffix after a dot."""
+    return name == target or name.endswith("." + target)
+
+
+def _inspectable(factory: Any) -> nn.Module:
+    """The model built on the meta device (no memory), or for real when the factory cannot do that."""
+    return build_on_meta(factory) or factory()
+
+
+def _import_peft() -> Any:
+    try:
+        import peft
+    except ImportError as exc:
+        raise MissingExtraError("peft", "peft", "LoRA adapters") from exc
+    return peft

@@ -1,0 +1,137 @@
+"""LoRA adapters through peft, on a fp32 base on the CPU: options, apply, bad targets, and a search."""
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+from autofit.config import Config
+from autofit.errors import UsageError
+from autofit.spec import make_spec
+from autofit.step import build_run
+from autofit.strategies import Lora, MicroBatch, default_strategies
+from autofit.strategies.lora import linear_layer_names
+
+WIDTH = 256
+
+
+class Mlp(nn.Module):
+    """Four square linear layers (~263k parameters, ~1 MiB in fp32) returning a scalar loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.pow(2).mean()
+
+
+class NoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return (x * self.scale).pow(2).mean()
+
+
+def make_batch(n):
+    return torch.randn(n, WIDTH)
+
+
+def small_batch(n):
+    return torch.randn(n, 8)
+
+
+def _spec(model=Mlp, batch=make_batch, **kwargs):
+    return make_spec(model, batch, device="cpu", **kwargs)
+
+
+def test_options_offer_rank_as_tier_2():
+    options = Lora(ranks=(8, 4)).options(_spec())
+    assert [o.value for o in options] == [0, 8, 4]
+    assert [o.tier for o in options] == [0, 2, 2]
+    assert all(o.available for o in options)
+    assert "4 linear layers" in options[1].reason
+
+
+def test_no_linear_layers_is_unavailable_with_reason():
+    options = Lora().options(_spec(NoLinear, small_batch))
+    assert not options[1].available
+    assert "no linear layers" in options[1].reason
+
+
+def test_apply_trains_only_adapters():
+    spec = _spec()
+    run = build_run(spec, Config(lora=4, micro_batch_size=2), [MicroBatch(), Lora(ranks=(4,))])
+    trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    optimized = sum(p.numel() for group in run.optimizer.param_groups for p in group["params"])
+    assert optimized == 4 * 2 * 4 * WIDTH  # four layers, A (4 x 256) and B (256 x 4)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    run.step([make_batch(2)])
+    changed = {n for n, p in run.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable
+
+
+def test_target_modules_subset():
+    spec = _spec()
+    run = build_run(spec, Config(lora=2), [MicroBatch(), Lora(ranks=(2,), target_modules=["blocks.0", "blocks.3"])])
+    adapted = {n.split(".lora_")[0] for n, p in run.model.named_parameters() if p.requires_grad}
+    assert adapted == {"base_model.model.blocks.0", "base_model.model.blocks.3"}
+
+
+def test_target_modules_matching_nothing_names_them_and_the_layers():
+    with pytest.raises(UsageError) as info:
+        Lora(target_modules=["q_proj", "blocks.1"]).options(_spec())
+    message = str(info.value)
+    assert "['q_proj']" in message and "'0'" in message  # the bad name, and the model's layer names
+
+
+def test_bad_rank_is_a_usage_error():
+    with pytest.raises(UsageError, match="-1"):
+        Lora(ranks=(-1,))
+
+
+def test_output_head_is_left_out_of_hugging_face_models():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = GPT2LMHeadModel(config)
+    targets = Lora().targets(model)
+    assert "lm_head" in linear_layer_names(model)
+    assert "transformer.h.0.attn.c_attn" in targets  # GPT-2's Conv1D linears are adapted
+    assert "lm_head" not in targets
+
+
+def test_saves_at_least():
+    lora = Lora()
+    assert lora.saves_at_least(4, 0) and lora.saves_at_least(4, 8) and not lora.saves_at_least(0, 4)
+
+
+def test_default_strategies_put_quantization_before_lora():
+    names = [type(s).__name__ for s in default_strategies()]
+    assert names.index("Quantization") < names.index("Lora")
+
+
+# Full fine-tuning of Mlp needs weights + grads + AdamW states = 16 bytes x 263k params = 4 MiB;
+# LoRA needs the frozen weights (1 MiB) and tiny adapters. 3 MiB only LoRA can meet.
+BUDGET = 3 * 2**20
+
+
+def test_search_picks_lora_when_allowed():
+    plan = autofit.autofit(Mlp, make_batch, device="cpu", memory_budget=BUDGET, global_batch_size=4,
+                           allow={"lora"}, strategies=[MicroBatch(), Lora(ranks=(4,))],
+                           warmup_steps=1, timed_steps=1)
+    assert plan.fits, plan.reason
+    assert plan.config.lora == 4
+    assert any(p.config.lora == 0 and p.status.value == "oom" for p in plan.probes)
+
+
+def test_search_without_allow_hints_at_lora():
+    plan = autofit.autofit(Mlp, make_batch, device="cpu", memory_budget=BUDGET, global_batch_size=4,
+                           strategies=[MicroBatch(), Lora(ranks=(4,))], warmup_steps=1, timed_steps=1)
+    assert not plan.fits
+    assert "allow={'lora'}" in plan.reason
