@@ -1,0 +1,106 @@
+"""Tiny models, batches and reference loops shared by the OOM guard's tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autofit.memory import CpuBudget
+
+WIDTH = 16
+
+
+class Net(nn.Module):
+    """Three blocks (so activation checkpointing has something to wrap) and a head, on (B, L, WIDTH)."""
+
+    def __init__(self, depth: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_block() for _ in range(depth))
+        self.heavy = BackwardHeavy()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.heavy(x))
+
+
+def _block() -> nn.Module:
+    # Wider inside than at its edges, so checkpointing a block drops activations for real.
+    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH))
+
+
+class _Heavy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, extra):
+        ctx.extra = extra
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scratch = torch.ones(ctx.extra * grad.shape[0]) if ctx.extra else None  # a backward that needs memory
+        del scratch
+        return grad, None
+
+
+class BackwardHeavy(nn.Module):
+    """Identity whose backward allocates `extra` bytes/4 per sample: an OOM in backward on demand."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Heavy.apply(x, self.extra)
+
+
+def loss_fn(output: torch.Tensor, batch) -> torch.Tensor:
+    return F.mse_loss(output, batch[1])
+
+
+def make_batch(step: int, size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(size, length, WIDTH, generator=gen), torch.randn(size, length, 1, generator=gen)
+
+
+def fresh(seed: int = 0, lr: float = 1e-2):
+    """The same model and AdamW every time (create it inside a budget to have it counted)."""
+    torch.manual_seed(seed)
+    model = Net()
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def reference(batches, schedules, seed: int = 0) -> Net:
+    """A bare loop: step i splits batches[i] into micro-batches of the sizes in schedules[i]."""
+    model, optimizer = fresh(seed)
+    for batch, sizes in zip(batches, schedules):
+        total, start = batch[0].shape[0], 0
+        for size in sizes:
+            chunk = (batch[0][start:start + size], batch[1][start:start + size])
+            (loss_fn(model(chunk[0]), chunk) * (size / total)).backward()
+            start += size
+        assert start == total
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def step_peak(micro_batch: int, length: int, total: int = 16) -> int:
+    """Peak bytes of a bare step (model, AdamW states, gradients, activations) at this micro-batch."""
+    batch = make_batch(0, total, length)
+    with CpuBudget(None) as budget:
+        model, optimizer = fresh()
+        for _ in range(2):  # the second step runs with AdamW's states in place
+            budget.reset_peak()
+            for start in range(0, total, micro_batch):
+                chunk = (batch[0][start:start + micro_batch], batch[1][start:start + micro_batch])
+                (loss_fn(model(chunk[0]), chunk) * (micro_batch / total)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return budget.peak
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=1e-5, msg=lambda m: f"{name}: {m}")
