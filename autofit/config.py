@@ -42,6 +42,10 @@ class Config:
     grad_accum_steps: int = 1  # micro-batches summed per optimizer step; keeps the global batch exact
     optimizer: str = Optimizer.ADAMW.value  # see Optimizer
     zero_stage: int = 0  # DeepSpeed ZeRO stage (0 = off): shards states over GPUs, costs communication
+    # FSDP2 (torch-native sharding, the alternative to ZeRO; not combined with it): "shard_grad_op" shards
+    # grads + optimizer states (~ZeRO-2), "full_shard" parameters too (~ZeRO-3). Buys per-GPU memory
+    # 1/num_gpus of the sharded states; costs an all-gather per block (full_shard: twice per step).
+    fsdp: str = "none"
     offload: str = "none"  # "none" | "cpu" | "nvme": model states leave the GPU, 2-10x slower
     quantization: str = "none"  # "none" | "nf4" | "int8" base weights (with LoRA, tier 2)
     lora: int = 0  # LoRA rank (0 = full fine-tuning); trains adapters only (tier 2)
@@ -83,6 +87,8 @@ class Config:
         parts.append(f"opt={self.optimizer}")
         if self.zero_stage:
             parts.append(f"zero={self.zero_stage}")
+        if self.fsdp != "none":
+            parts.append(f"fsdp={self.fsdp}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         if self.quantization != "none":

@@ -15,10 +15,10 @@ DEFAULT_TIMEOUT = 600.0  # seconds; a probe is a few training steps, so this onl
 
 
 def run_isolated(spec: TrainSpec, config: Config, strategies: Sequence[Any],
-                 timeout: float = DEFAULT_TIMEOUT) -> ProbeResult:
+                 timeout: float = DEFAULT_TIMEOUT, step_limit: float | None = None) -> ProbeResult:
     """`run_probe` in a fresh child process (spawned, not forked: CUDA cannot be forked)."""
     try:
-        payload = pickle.dumps((spec, config, list(strategies)))
+        payload = pickle.dumps((spec, config, list(strategies), step_limit))
     except Exception as exc:  # noqa: BLE001 - lambdas, local classes, open handles
         return ProbeResult(config, ProbeStatus.ERROR,
                            f"cannot probe in a child process: the spec does not pickle ({exc}); "
@@ -52,9 +52,9 @@ def _died(config: Config, exitcode: int | None) -> ProbeResult:
 def _child(payload: bytes, sender: Any) -> None:
     from autofit.probe import run_probe
 
-    spec, config, strategies = pickle.loads(payload)
+    spec, config, strategies, step_limit = pickle.loads(payload)
     try:
-        result = run_probe(spec, config, strategies)
+        result = run_probe(spec, config, strategies, step_limit)
     except Exception as exc:  # noqa: BLE001 - bad input found in the child still comes back as a result
         result = ProbeResult(config, ProbeStatus.ERROR, f"{type(exc).__name__}: {exc}")
     sender.send(result.to_dict())

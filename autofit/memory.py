@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -19,11 +20,27 @@ from torch.utils._pytree import tree_flatten
 from autofit.units import format_size
 
 
-class CpuBudget(TorchDispatchMode):
+class DeadlinePassed(Exception):
+    """A probe ran past its deadline: it is too slow to beat the best configuration found so far."""
+
+
+class _Deadline:
+    """Optional wall-clock deadline (time.perf_counter() seconds) shared by both budgets."""
+
+    deadline: float | None = None
+
+    def check_deadline(self) -> None:
+        """Raise `DeadlinePassed` once the deadline has passed."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise DeadlinePassed("deadline passed")
+
+
+class CpuBudget(_Deadline, TorchDispatchMode):
     """Counts the bytes of every live tensor storage created inside it and enforces `limit` bytes.
 
     Storages are tracked by weak reference, so the count falls when tensors die. `peak` is the most
-    bytes live at once. Views share their base's storage and are counted once.
+    bytes live at once. Views share their base's storage and are counted once. The deadline, when
+    set, is checked at every operation, so even one very slow step stops on time.
     """
 
     def __init__(self, limit: int | None):
@@ -35,6 +52,7 @@ class CpuBudget(TorchDispatchMode):
 
     # Entered as a context manager: `with CpuBudget(limit) as budget: ...`.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.check_deadline()
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
@@ -78,7 +96,7 @@ def _budget_oom(current: int, nbytes: int, limit: int) -> torch.OutOfMemoryError
     return error
 
 
-class CudaBudget:
+class CudaBudget(_Deadline):
     """Caps the CUDA caching allocator at `limit` bytes for this process and measures the peak.
 
     The per-process fraction bounds what the allocator reserves; memory outside the allocator (the

@@ -36,7 +36,7 @@ class Plan:
     @property
     def probes_run(self) -> int:
         """How many candidates were actually run in this search (not stored, not skipped)."""
-        return sum(1 for p in self.probes if p.status is not ProbeStatus.SKIPPED and p.source == "probed")
+        return sum(1 for p in self.probes if p.source == "probed")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (what `save` writes)."""

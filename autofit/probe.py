@@ -17,7 +17,7 @@ import torch
 from autofit.batch import to_device
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.memory import budget_for
+from autofit.memory import DeadlinePassed, budget_for
 from autofit.oom import classify_oom, first_line, release_memory
 from autofit.spec import TrainSpec
 from autofit.step import build_run
@@ -45,7 +45,8 @@ class ProbeResult:
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ...
-    source: str = "probed"  # "probed" now, or "stored" when reused from the trial storage
+    too_slow: bool = False  # stopped at its deadline: slower than half the best throughput found so far
+    source: str = "probed"  # "probed" now, "stored" (reused from the trial storage), "search" (decided unrun)
 
     @property
     def fits(self) -> bool:
@@ -70,18 +71,31 @@ class ProbeResult:
 
 def skipped(config: Config, reason: str) -> ProbeResult:
     """A candidate that was not run, with the reason."""
-    return ProbeResult(config, ProbeStatus.SKIPPED, reason)
+    return ProbeResult(config, ProbeStatus.SKIPPED, reason, source="search")
 
 
-def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> ProbeResult:
+def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any],
+              step_limit: float | None = None) -> ProbeResult:
     """Train `config` for `spec.warmup_steps + spec.timed_steps` steps under the budget; never raises
-    except for bad user input (`UsageError`)."""
+    except for bad user input (`UsageError`).
+
+    `step_limit` (seconds per optimizer step) stops a probe that cannot win: it may take the steps it
+    runs plus two more (model build, first-step warm-up) at that pace, then it is recorded as too slow.
+    """
     budget = budget_for(spec.device, spec.memory_budget)
+    if step_limit is not None:
+        allowance = (spec.warmup_steps + spec.timed_steps + 2) * step_limit
+        budget.deadline = time.perf_counter() + allowance
     try:
         with budget:
-            step_seconds = _train(spec, config, strategies)
+            step_seconds = _train(spec, config, strategies, budget)
     except UsageError:
         raise
+    except DeadlinePassed:
+        result = ProbeResult(config, ProbeStatus.SKIPPED,
+                             f"too slow to win: stopped after {allowance:.1f} s, more than "
+                             f"{spec.warmup_steps + spec.timed_steps + 2} steps at {step_limit:.2f} s/step "
+                             "(half the best throughput so far)", budget.peak or None, too_slow=True)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
@@ -92,17 +106,19 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> Pro
     return result
 
 
-def _train(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> float:
+def _train(spec: TrainSpec, config: Config, strategies: Sequence[Any], budget: Any) -> float:
     """Build the run, take the warm-up steps, return the mean seconds of the timed steps."""
     run = build_run(spec, config, strategies)
     micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
     micro_batches = [micro_batch] * config.grad_accum_steps  # the loader's worst case, every micro-step
     for _ in range(spec.warmup_steps):
         run.step(micro_batches)
+        budget.check_deadline()
     _sync(spec.device)
     start = time.perf_counter()
     for _ in range(spec.timed_steps):
         run.step(micro_batches)
+        budget.check_deadline()
     _sync(spec.device)
     return (time.perf_counter() - start) / spec.timed_steps
 

@@ -3,15 +3,19 @@
 The walk, and its stop rule:
 1. Levels (every knob but the micro-batch) are visited cheapest first (`Space.levels`).
 2. Within a level, the largest fitting micro-batch is found by bisection over the sizes, starting at
-   the largest. Known results bound it: a config that saves at least as much memory as a measured fit
+   the largest (or at the smallest, when a config it only saves more than already failed there). Known
+   results bound it: a config that saves at least as much memory as a measured fit
    (same precision and attention, at least as much checkpointing, a smaller optimizer state, a
    micro-batch no larger) fits; one that needs at least as much as an OOM fails.
 3. A config implied to fit by a measured fit is not probed: it only adds work to that fit (more
    recomputation, compressed optimizer states, smaller micro-batches), so it cannot be faster. It is
    recorded as skipped with that reason; so is the smallest size above a level's largest fit that an
    OOM of another config implies will fail.
-4. An error ends its level (errors rarely depend on the micro-batch). The walk stops after `max_probes`
-   probes; levels not visited are recorded as skipped with that reason.
+4. Once something fits, every probe gets a deadline: at less than half the best throughput so far it
+   cannot win, so it is stopped and recorded as too slow. Whatever only adds work to a too-slow config
+   is not probed either (bf16 on a CPU without bf16 units, offload, ...).
+5. An error or a too-slow probe ends its level. The walk stops after `max_probes` probes; levels not
+   visited are recorded as skipped with that reason.
 Among the fits, the plan takes the highest measured throughput.
 """
 
@@ -22,10 +26,13 @@ from typing import Callable, Protocol
 
 from autofit.candidates import Space
 from autofit.config import Config
+from autofit.plan import choose
 from autofit.probe import ProbeResult, ProbeStatus, skipped
 from autofit.trials import TrialStore
 
 DEFAULT_MAX_PROBES = 40
+SLOW = "slow"  # status of a config implied too slow by a too-slow probe
+WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
 
 
 class Progress(Protocol):
@@ -47,7 +54,7 @@ class _Silent:
 class Search:
     """One walk over a `Space`; `run()` returns every result in the order it was decided."""
 
-    def __init__(self, space: Space, store: TrialStore, prober: Callable[[Config], ProbeResult],
+    def __init__(self, space: Space, store: TrialStore, prober: Callable[[Config, float | None], ProbeResult],
                  max_probes: int = DEFAULT_MAX_PROBES, progress: Progress | None = None):
         self.space = space
         self.store = store
@@ -71,22 +78,33 @@ class Search:
     def _walk(self, level: Config) -> None:
         while self.probes_run < self.max_probes:
             status = {m: self._status(self.space.at(level, m)) for m in self.space.sizes}
-            if any(r.status is ProbeStatus.ERROR for r in self._measured_at(level)):
+            if any(r.status is ProbeStatus.ERROR or r.too_slow for r in self._measured_at(level)):
                 return
             lo = max((m for m, s in status.items() if s is ProbeStatus.FIT), default=0)
             hi = min((m for m, s in status.items() if s is ProbeStatus.OOM), default=math.inf)
-            unknown = [m for m in self.space.sizes if lo < m < hi]
+            unknown = [m for m in self.space.sizes if lo < m < hi and status[m] is None]
             if not unknown:
                 self._note_implied(level, lo, hi)
                 return
-            first = lo == 0 and hi == math.inf
-            size = unknown[-1] if first else unknown[len(unknown) // 2]
-            self._probe(self.space.at(level, size),
-                        "largest micro-batch first" if first else f"bisect between {lo or '-'} and {hi}")
+            if lo or hi != math.inf:
+                size, why = unknown[len(unknown) // 2], f"bisect between {lo or '-'} and {hi}"
+            else:
+                size, why = self._start(level, unknown)
+            self._probe(self.space.at(level, size), why)
 
-    def _status(self, config: Config) -> ProbeStatus | None:
-        """FIT or OOM when measured or implied by a measured result, else None."""
-        for status in (ProbeStatus.FIT, ProbeStatus.OOM):
+    def _start(self, level: Config, unknown: list[int]) -> tuple[int, str]:
+        """Where a level with no known bound starts: the largest micro-batch, or the smallest when a
+        config it saves more than already ran out of memory there (its frontier is likely low too)."""
+        smallest = self.space.at(level, unknown[0])
+        for result in self.results:
+            if result.status is ProbeStatus.OOM and result.config.micro_batch_size == unknown[0] \
+                    and self.space.saves_at_least(smallest, result.config):
+                return unknown[0], f"smallest micro-batch first: {result.config.describe()} ran out of memory there"
+        return unknown[-1], "largest micro-batch first"
+
+    def _status(self, config: Config) -> ProbeStatus | str | None:
+        """FIT, OOM or SLOW when measured or implied by a measured result, else None."""
+        for status in (ProbeStatus.FIT, ProbeStatus.OOM, SLOW):
             try:
                 self._cause(config, status)
                 return status
@@ -95,32 +113,44 @@ class Search:
         return None
 
     def _measured(self, config: Config) -> bool:
-        return any(r.config == config and r.status is not ProbeStatus.SKIPPED for r in self.results)
+        return any(r.config == config and r.source != "search" for r in self.results)
 
     def _measured_at(self, level: Config) -> list[ProbeResult]:
-        return [r for r in self.results if r.status is not ProbeStatus.SKIPPED
+        return [r for r in self.results if r.source != "search"
                 and r.config.replace(micro_batch_size=level.micro_batch_size,
                                      grad_accum_steps=level.grad_accum_steps) == level]
 
     def _note_implied(self, level: Config, lo: int, hi: float) -> None:
-        """Record the level's largest fit when a measured fit implies it, and its first certain failure."""
-        for size, status in ((lo, ProbeStatus.FIT), (hi, ProbeStatus.OOM)):
-            if size in (0, math.inf) or self._measured(self.space.at(level, int(size))):
-                continue
-            config = self.space.at(level, int(size))
-            cause = self._cause(config, status)
-            self._add(skipped(config, f"fits, but cannot be faster than {cause.describe()}: it only adds work"
-                              if status is ProbeStatus.FIT else
-                              f"certain to fail: {cause.describe()} already ran out of memory"))
+        """Record what the level was decided by without probing: its largest fit or, failing that, its
+        largest size implied too slow; and its first certain failure."""
+        slow = max((m for m in self.space.sizes if m < hi and self._status(self.space.at(level, m)) == SLOW),
+                   default=0)
+        notes = ((lo, ProbeStatus.FIT, "fits, but cannot be faster than {}: it only adds work"),
+                 (0 if lo else slow, SLOW, "cannot win: it only adds work to {}, which was too slow"),
+                 (hi, ProbeStatus.OOM, "certain to fail: {} already ran out of memory"))
+        for size, status, template in notes:
+            config = self.space.at(level, int(size)) if size not in (0, math.inf) else None
+            if config is not None and not self._measured(config):
+                self._add(skipped(config, template.format(self._cause(config, status).describe())))
 
-    def _cause(self, config: Config, status: ProbeStatus) -> Config:
+    def _cause(self, config: Config, status: ProbeStatus | str) -> Config:
         """The measured result that implies `status` for `config`."""
         for result in self.results:
-            if result.status is status and (
-                    self.space.saves_at_least(config, result.config) if status is ProbeStatus.FIT
-                    else self.space.saves_at_least(result.config, config)):
-                return result.config
+            if result.source != "search":
+                if status is ProbeStatus.OOM:
+                    if result.status is status and self.space.saves_at_least(result.config, config):
+                        return result.config
+                elif (result.too_slow if status == SLOW else result.status is status) \
+                        and self.space.saves_at_least(config, result.config):
+                    return result.config
         raise LookupError(config)
+
+    def _step_limit(self, config: Config) -> float | None:
+        """Seconds per step below which `config` could still beat the best fit so far; None before any fit."""
+        best = choose(self.results)
+        if best is None:
+            return None
+        return config.global_batch_size / (best.samples_per_s * WIN_FRACTION)
 
     # -- recording -------------------------------------------------------------------------------
     def _probe(self, config: Config, why: str) -> None:
@@ -129,7 +159,7 @@ class Search:
             self._add(stored)
             return
         self.progress.starting(config, why)
-        result = self.prober(config)
+        result = self.prober(config, self._step_limit(config))
         self.probes_run += 1
         self.store.record(result)
         self._add(result)

@@ -72,16 +72,16 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     space = build_space(spec, chosen)
     store = TrialStore(space, storage)
 
-    def prober(config: Config) -> ProbeResult:
+    def prober(config: Config, step_limit: float | None) -> ProbeResult:
         if space.isolates(config):
-            return run_isolated(spec, config, chosen, probe_timeout)
-        return run_probe(spec, config, chosen)
+            return run_isolated(spec, config, chosen, probe_timeout, step_limit)
+        return run_probe(spec, config, chosen, step_limit)
 
     results = Search(space, store, prober, max_probes, progress).run()
-    return make_plan(space, results, prober)
+    return make_plan(space, results)
 
 
-def make_plan(space: Space, results: list[ProbeResult], prober: Any) -> Plan:
+def make_plan(space: Space, results: list[ProbeResult]) -> Plan:
     """The plan for a finished search: the fastest fit, or why nothing fits and what to allow next."""
     from autofit import __version__
 
@@ -90,10 +90,10 @@ def make_plan(space: Space, results: list[ProbeResult], prober: Any) -> Plan:
     if best is not None:
         return Plan(True, best.config, best.samples_per_s, best.tokens_per_s, best.peak_bytes,
                     chosen_reason(best, results), **common)
-    return Plan(False, None, None, None, None, nothing_fits_reason(space, results, prober), **common)
+    return Plan(False, None, None, None, None, nothing_fits_reason(space, results), **common)
 
 
-def nothing_fits_reason(space: Space, results: list[ProbeResult], prober: Any) -> str:
+def nothing_fits_reason(space: Space, results: list[ProbeResult]) -> str:
     """"No candidate fits X; the smallest needs Y (config). Allow ... to go further." """
     spec = space.spec
     head = f"No candidate fits {format_size(spec.fit_limit)} ({format_size(spec.memory_budget)} budget less the {spec.safety_margin:.0%} margin)"
@@ -102,14 +102,14 @@ def nothing_fits_reason(space: Space, results: list[ProbeResult], prober: Any) -
     if not ooms:
         return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
     smallest = min(ooms, key=lambda r: (r.config.micro_batch_size, -len(r.config.describe())))
-    need = _measured_need(space, smallest.config, prober)
+    need = _measured_need(space, smallest.config)
     hint = space.next_tier_hint()
     further = f"Allow {hint} to go further." if hint else \
         "Raise the budget, use more GPUs (num_gpus) or offload to go further."
     return f"{head}; the smallest needs {need} ({smallest.config.describe()}). {further}"
 
 
-def _measured_need(space: Space, config: Config, prober: Any) -> str:
+def _measured_need(space: Space, config: Config) -> str:
     """Peak of `config` measured without the budget where that is safe (the CPU), else a lower bound."""
     spec = space.spec
     if spec.device.type != "cpu":

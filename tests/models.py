@@ -1,0 +1,58 @@
+"""Tiny models and batches shared by the tests (module-level, so they pickle into child processes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """A residual MLP block: activations grow with the batch, parameters with the width."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class BlockMLP(nn.Module):
+    """A plain model with repeated blocks in an nn.ModuleList; forward(x) returns logits."""
+
+    def __init__(self, width: int = 64, depth: int = 4, classes: int = 10):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_mlp() -> BlockMLP:
+    """Model factory: seeded, so every build has the same weights."""
+    torch.manual_seed(0)
+    return BlockMLP()
+
+
+def make_mlp_batch(n: int, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) with 32 tokens per sample, so activations dominate memory."""
+    gen = torch.Generator().manual_seed(n)
+    return torch.randn(n, 32, width, generator=gen), torch.randint(0, 10, (n, 32), generator=gen)
+
+
+def mlp_loss(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of the logits against the batch's targets."""
+    return nn.functional.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+
+def make_gpt2():
+    """A ~0.2M-parameter GPT-2 with random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))

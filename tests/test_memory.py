@@ -1,0 +1,49 @@
+import gc
+
+import pytest
+import torch
+
+from autofit.memory import CpuBudget, DeadlinePassed
+
+
+def test_counts_storages_and_frees_them():
+    with CpuBudget(None) as budget:
+        a = torch.zeros(1000)  # 4000 bytes
+        view = a[10:20]  # shares a's storage: not counted again
+        b = torch.ones(500, dtype=torch.float64)  # 4000 bytes
+        assert budget.current == 8000
+        del a, view, b
+        gc.collect()
+    assert budget.current == 0
+    assert budget.peak == 8000
+
+
+def test_parameters_and_optimizer_states_count():
+    with CpuBudget(None) as budget:
+        layer = torch.nn.Linear(100, 100)  # 40400 bytes of parameters
+        assert budget.current == 40400
+        optimizer = torch.optim.AdamW(layer.parameters())
+        layer(torch.zeros(1, 100)).sum().backward()
+        optimizer.step()  # exp_avg and exp_avg_sq: 2 x 40400 bytes, plus the gradients
+        assert budget.current >= 4 * 40400
+
+
+def test_over_the_limit_raises_out_of_memory():
+    with pytest.raises(torch.OutOfMemoryError, match="over the budget"):
+        with CpuBudget(10_000):
+            keep = [torch.zeros(1000) for _ in range(3)]  # noqa: F841
+
+
+def test_oom_in_backward_propagates_with_its_type():
+    x = torch.randn(200, 200, requires_grad=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        with CpuBudget(3 * 160_000):
+            w = torch.randn(200, 200, requires_grad=True)
+            (x @ w @ w).sum().backward()
+
+
+def test_deadline_stops_inside_a_step():
+    with pytest.raises(DeadlinePassed):
+        with CpuBudget(None) as budget:
+            budget.deadline = 0.0  # already passed
+            torch.zeros(3) + 1

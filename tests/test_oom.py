@@ -1,0 +1,39 @@
+import torch
+
+from autofit.memory import CpuBudget
+from autofit.oom import classify_oom
+
+
+def test_cpu_budget_oom_is_classified():
+    try:
+        with CpuBudget(1000):
+            torch.zeros(1000)
+    except torch.OutOfMemoryError as exc:
+        assert classify_oom(exc) == "cpu-budget"
+    else:
+        raise AssertionError("the budget did not raise")
+
+
+def test_runtime_error_kinds():
+    assert classify_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "cuda-allocator"
+    assert classify_oom(RuntimeError("CUDA error: out of memory\nCUDA kernel errors ...")) == "cuda-runtime"
+    assert classify_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) == "cublas"
+    assert classify_oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")) == "cudnn"
+    assert classify_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"
+                                     ": you tried to allocate 8 bytes")) == "cpu-allocator"
+    assert classify_oom(MemoryError()) == "host"
+
+
+def test_wrapped_oom_is_found_through_the_cause():
+    try:
+        try:
+            raise RuntimeError("CUDA error: out of memory")
+        except RuntimeError as inner:
+            raise ValueError("while stepping") from inner
+    except ValueError as outer:
+        assert classify_oom(outer) == "cuda-runtime"
+
+
+def test_other_errors_are_not_oom():
+    assert classify_oom(ValueError("shapes do not match")) is None
+    assert classify_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None

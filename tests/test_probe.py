@@ -1,0 +1,88 @@
+import gc
+
+import pytest
+import torch
+from models import make_mlp, make_mlp_batch, mlp_loss
+
+from autofit import Config, ProbeStatus
+from autofit.isolate import run_isolated
+from autofit.memory import CpuBudget
+from autofit.probe import run_probe
+from autofit.spec import make_spec
+from autofit.strategies import default_strategies
+
+STRATEGIES = default_strategies()
+FULL = Config(micro_batch_size=8)
+
+
+def spec(budget="1GiB", **kwargs):
+    return make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget=budget,
+                     loss_fn=mlp_loss, warmup_steps=1, timed_steps=1, **kwargs)
+
+
+def test_a_fit_has_its_figures():
+    result = run_probe(spec(), FULL, STRATEGIES)
+    assert result.status is ProbeStatus.FIT, result.reason
+    assert 1_000_000 < result.peak_bytes < 50_000_000
+    assert result.step_seconds > 0 and result.samples_per_s == pytest.approx(8 / result.step_seconds)
+    assert result.tokens_per_s is None  # float inputs: no sequence axis of token ids
+
+
+def test_peak_is_the_same_on_every_run():
+    # the CPU budget counts bytes, not time: probes are reproducible to the byte
+    assert run_probe(spec(), FULL, STRATEGIES).peak_bytes == run_probe(spec(), FULL, STRATEGIES).peak_bytes
+
+
+def test_oom_is_a_result():
+    result = run_probe(spec("2MiB"), FULL, STRATEGIES)
+    assert result.status is ProbeStatus.OOM and result.oom_kind == "cpu-budget"
+    assert "over the budget of 2.00 MiB" in result.reason
+
+
+def test_inside_the_safety_margin_is_not_a_fit():
+    peak = run_probe(spec(), FULL, STRATEGIES).peak_bytes
+    result = run_probe(spec(int(peak * 1.05)), FULL, STRATEGIES)  # fits the budget, not the 10% margin
+    assert result.status is ProbeStatus.OOM and result.oom_kind == "margin"
+    assert "safety margin" in result.reason
+    assert run_probe(spec(int(peak * 1.05), safety_margin=0.0), FULL, STRATEGIES).fits
+
+
+def broken_batch(n):
+    return torch.randn(n, 32, 63), torch.zeros(n, 32, dtype=torch.long)  # wrong width
+
+
+def test_an_error_is_a_result_with_its_message():
+    bad = make_spec(make_mlp, broken_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                    loss_fn=mlp_loss)
+    result = run_probe(bad, FULL, STRATEGIES)
+    assert result.status is ProbeStatus.ERROR
+    assert result.reason.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_twenty_oom_probes_leave_no_memory_behind():
+    tight = spec("2MiB")
+    with CpuBudget(None) as outer:  # counts everything the probes allocate, from outside them
+        for _ in range(20):
+            assert run_probe(tight, FULL, STRATEGIES).status is ProbeStatus.OOM
+            gc.collect()
+            assert outer.current == 0
+    assert outer.peak > 0  # the probes did allocate
+
+
+def test_too_slow_is_stopped_at_the_deadline():
+    result = run_probe(spec(), FULL, STRATEGIES, step_limit=1e-6)
+    assert result.status is ProbeStatus.SKIPPED and result.too_slow
+    assert "too slow to win" in result.reason
+
+
+def test_isolated_probe_runs_in_a_child_process():
+    result = run_isolated(spec(), FULL, STRATEGIES, timeout=120)
+    assert result.status is ProbeStatus.FIT, result.reason
+    assert result.peak_bytes == run_probe(spec(), FULL, STRATEGIES).peak_bytes
+
+
+def test_isolated_probe_explains_an_unpicklable_spec():
+    local = make_spec(lambda: make_mlp(), make_mlp_batch, global_batch_size=8, device="cpu",
+                      memory_budget="1GiB", loss_fn=mlp_loss)
+    result = run_isolated(local, FULL, STRATEGIES)
+    assert result.status is ProbeStatus.ERROR and "module level" in result.reason

@@ -1,0 +1,89 @@
+import pytest
+import torch
+from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
+
+from autofit import UsageError
+from autofit.spec import make_spec, parse_allow, parse_optimizer
+
+
+def spec(**kwargs):
+    args = dict(global_batch_size=8, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
+    args.update(kwargs)
+    return make_spec(args.pop("model", make_mlp), args.pop("batch", make_mlp_batch), **args)
+
+
+def test_a_good_spec():
+    s = spec()
+    assert s.memory_budget == 2**30 and s.model.num_params == 133002 and s.model.num_blocks == 4
+    assert s.fit_limit == int(2**30 * 0.9)
+
+
+def test_budget_that_is_not_a_size():
+    with pytest.raises(UsageError, match="'lots'"):
+        spec(memory_budget="lots")
+
+
+def test_global_batch_that_cannot_be_split():
+    with pytest.raises(UsageError, match="global_batch_size 6 cannot be split over num_gpus=4"):
+        spec(global_batch_size=6, num_gpus=4)
+    with pytest.raises(UsageError, match="global_batch_size must be an integer >= 1, but got 0"):
+        spec(global_batch_size=0)
+
+
+def test_sample_batch_that_cannot_be_sliced():
+    with pytest.raises(UsageError, match="disagree"):
+        spec(batch=(torch.zeros(4, 3), torch.zeros(5)))
+
+
+def test_batch_factory_that_ignores_its_argument():
+    with pytest.raises(UsageError, match=r"make_batch\(2\) returned a batch of 8"):
+        spec(batch=lambda n: make_mlp_batch(8))
+
+
+def test_model_without_loss_and_no_loss_fn():
+    with pytest.raises(UsageError, match="no scalar loss.*loss_fn"):
+        spec(loss_fn=None)
+
+
+def test_device_that_does_not_exist():
+    with pytest.raises(UsageError, match=r"device='cuda:3' does not exist: \d+ CUDA device"):
+        spec(device="cuda:3")
+    with pytest.raises(UsageError, match="'tpu'"):
+        spec(device="tpu")
+
+
+def test_model_that_is_not_a_model():
+    with pytest.raises(UsageError, match="got int"):
+        spec(model=3)
+    with pytest.raises(UsageError, match="returned str"):
+        spec(model=lambda: "nope", batch=lambda n: torch.zeros(n, 2))
+
+
+def test_no_batch_for_a_plain_model():
+    with pytest.raises(UsageError, match="not a Hugging Face model"):
+        spec(batch=None)
+
+
+def test_hf_model_gets_a_synthesized_batch():
+    s = make_spec(make_gpt2, global_batch_size=4, device="cpu", memory_budget="1GiB")
+    assert s.tokens_per_sample == 64  # n_positions, under the 2048 cap
+    assert set(s.batch_factory(3)) == {"input_ids", "labels"}
+
+
+def test_seq_len_over_the_model_maximum():
+    with pytest.raises(UsageError, match="seq_len 100 exceeds the model's maximum of 64"):
+        make_spec(make_gpt2, seq_len=100, device="cpu", memory_budget="1GiB")
+
+
+def test_allow():
+    assert parse_allow(None) == 1 and parse_allow({"lora"}) == 2 and parse_allow(0) == 0
+    with pytest.raises(UsageError, match="'everything'"):
+        parse_allow("everything")
+
+
+def test_optimizer():
+    assert parse_optimizer("AdamW").explore
+    kept = parse_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    assert kept.name == "user" and not kept.explore and kept.kwargs["lr"] == 0.1
+    with pytest.raises(UsageError, match="'lion'"):
+        parse_optimizer("lion")

@@ -1,0 +1,125 @@
+"""End to end on CPU under a real CPU budget: autofit.autofit as a user calls it."""
+
+import copy
+
+import pytest
+import torch
+from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
+
+import autofit
+from autofit import Config, ProbeStatus
+from autofit.probe import run_probe
+from autofit.spec import make_spec
+from autofit.strategies import default_strategies
+
+FAST = dict(warmup_steps=1, timed_steps=2, device="cpu")
+
+
+def baseline_peak(model, batch, global_batch, **kwargs):
+    """Measured peak of fp32, no checkpointing, full micro-batch, AdamW."""
+    spec = make_spec(model, batch, global_batch_size=global_batch, memory_budget="4GiB", **FAST, **kwargs)
+    attention = "sdpa" if spec.model.is_hf else "default"
+    result = run_probe(spec, Config(attention=attention, micro_batch_size=global_batch), default_strategies())
+    assert result.fits
+    return result.peak_bytes
+
+
+def check_plan(plan, budget, global_batch):
+    assert plan.fits, plan.reason
+    assert plan.peak_memory <= budget
+    assert plan.config.micro_batch_size * plan.config.grad_accum_steps * plan.config.num_gpus == global_batch
+    assert any(p.status is ProbeStatus.OOM for p in plan.probes)
+    fits = [p for p in plan.probes if p.fits]
+    assert plan.throughput == max(p.samples_per_s for p in fits)
+    assert plan.config == next(p.config for p in fits if p.samples_per_s == plan.throughput)
+    assert plan.probes_run <= 25
+
+
+def test_plain_model_at_half_the_baseline_peak():
+    budget = baseline_peak(make_mlp, make_mlp_batch, 8, loss_fn=mlp_loss) // 2
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, memory_budget=budget,
+                           loss_fn=mlp_loss, **FAST)
+    check_plan(plan, budget, 8)
+
+
+def test_tiny_gpt2_at_half_the_baseline_peak():
+    budget = baseline_peak(make_gpt2, None, 8) // 2
+    plan = autofit.autofit(make_gpt2, global_batch_size=8, memory_budget=budget, **FAST)
+    check_plan(plan, budget, 8)
+    assert plan.config.attention == "sdpa"
+    assert plan.tokens_per_second == pytest.approx(plan.throughput * 64)
+
+
+def test_nothing_fits_names_the_smallest_and_what_to_allow():
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, memory_budget="1MiB",
+                           loss_fn=mlp_loss, allow=0, **FAST)
+    assert not plan.fits and plan.config is None
+    assert "No candidate fits 921.60 KiB" in plan.reason
+    assert "the smallest needs" in plan.reason and "mb=1x8" in plan.reason
+    assert "allow={'numerics'}" in plan.reason
+
+
+def test_find_the_batch_when_none_is_given():
+    plan = autofit.autofit(make_mlp, make_mlp_batch, memory_budget="6MiB", loss_fn=mlp_loss,
+                           max_micro_batch=64, allow=0, **FAST)
+    assert plan.fits and plan.config.grad_accum_steps == 1
+    assert plan.config.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
+    assert any(p.status is ProbeStatus.OOM and p.config.micro_batch_size > plan.config.micro_batch_size
+               for p in plan.probes)
+
+
+def snapshot(model):
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "training": [m.training for m in model.modules()],
+        "hooks": [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()],
+        "patched": [sorted(vars(m)) for m in model.modules()],
+        "dtypes": [p.dtype for p in model.parameters()],
+    }
+
+
+def test_the_users_model_and_optimizer_are_unchanged():
+    model = make_mlp()
+    model.blocks[0].up.weight.requires_grad_(False)
+    model.eval()
+    model.head.register_forward_hook(lambda *args: None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    before, opt_before = snapshot(model), copy.deepcopy(optimizer.state_dict())
+    plan = autofit.autofit(model, make_mlp_batch(8), global_batch_size=8, memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=optimizer, allow=0, **FAST)
+    assert plan.fits and any(p.config.checkpointing != "none" for p in plan.probes)
+    after = snapshot(model)
+    for key in before:
+        if key == "state":
+            assert all(torch.equal(before[key][k], after[key][k]) for k in before[key])
+        else:
+            assert before[key] == after[key], key
+    assert optimizer.state_dict() == opt_before and optimizer.defaults["lr"] == 3e-4
+
+
+def test_resumed_search_reprobes_nothing(tmp_path):
+    storage = f"sqlite:///{tmp_path}/trials.db"
+    args = dict(global_batch_size=8, memory_budget="3MiB", loss_fn=mlp_loss, allow=0, storage=storage, **FAST)
+    first = autofit.autofit(make_mlp, make_mlp_batch, **args)
+    second = autofit.autofit(make_mlp, make_mlp_batch, **args)
+    assert first.probes_run > 0 and second.probes_run == 0
+    assert {p.source for p in second.probes} <= {"stored", "search"}
+    assert second.config == first.config and second.throughput == first.throughput
+
+
+def test_plan_round_trips(tmp_path):
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, memory_budget="8MiB",
+                           loss_fn=mlp_loss, allow=0, **FAST)
+    assert autofit.Plan.load(plan.save(tmp_path / "runs" / "plan.json")) == plan
+
+
+def test_loading_a_bad_plan_file(tmp_path):
+    (tmp_path / "plan.json").write_text("{not json")
+    with pytest.raises(autofit.UsageError, match="plan.json"):
+        autofit.Plan.load(tmp_path / "plan.json")
+
+
+def test_multi_gpu_is_refused_until_the_distributed_rungs_exist():
+    with pytest.raises(autofit.UsageError, match="num_gpus=2"):
+        autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, num_gpus=2, loss_fn=mlp_loss, **FAST)

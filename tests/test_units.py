@@ -1,0 +1,24 @@
+import pytest
+
+from autofit import UsageError, format_size, parse_size
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 512 * 2**20), ("64mib", 64 * 2**20),
+    ("1000", 1000), (2**30, 2**30), ("2TiB", 2 * 2**40), ("10kb", 10_000),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["twenty", "20 parsecs", "", "-3GiB", 0, -5, True, None, "1.2.3GB"])
+def test_parse_size_rejects_with_the_value(bad):
+    with pytest.raises(UsageError) as info:
+        parse_size(bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_format_size():
+    assert format_size(5 * 2**30) == "5.00 GiB"
+    assert format_size(512) == "512 B"
+    assert format_size(None) == "-"
