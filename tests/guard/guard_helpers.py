@@ -33,26 +33,30 @@ def _block() -> nn.Module:
 
 class _Heavy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, extra):
+    def forward(ctx, x, extra, forward_extra):
         ctx.extra = extra
+        scratch = torch.ones(forward_extra * x.shape[0]) if forward_extra else None  # a forward that needs memory
+        del scratch
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         scratch = torch.ones(ctx.extra * grad.shape[0]) if ctx.extra else None  # a backward that needs memory
         del scratch
-        return grad, None
+        return grad, None, None
 
 
 class BackwardHeavy(nn.Module):
-    """Identity whose backward allocates `extra` bytes/4 per sample: an OOM in backward on demand."""
+    """Identity whose backward (`extra`) or forward (`forward_extra`) allocates that many floats per
+    sample for a moment: an OOM on demand, in the backward or in the forward."""
 
     def __init__(self):
         super().__init__()
         self.extra = 0
+        self.forward_extra = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Heavy.apply(x, self.extra)
+        return _Heavy.apply(x, self.extra, self.forward_extra)
 
 
 def loss_fn(output: torch.Tensor, batch) -> torch.Tensor:
@@ -104,3 +108,69 @@ def step_peak(micro_batch: int, length: int, total: int = 16) -> int:
 def assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+SCRATCH = 100_000  # floats per sample: 8 samples' scratch (3.2 MB) dwarfs the tiny model's activations
+
+
+def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -> None:
+    """One rank of the 2-rank test: DDP over gloo under a CPU budget. Rank 1 runs out of memory in the
+    forward of the second micro-batch of step 2; after `steps` steps rank 0 raises a non-OOM error."""
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autofit.guard import OomGuard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    record = {"sizes": [], "recoveries": [], "error": None}
+    with CpuBudget(None) as budget:
+        model, optimizer = fresh()
+        calls = []
+
+        def on_forward(*_):
+            calls.append(1)
+            if rank == 1 and len(calls) == 6:  # step 2, second micro-batch, this rank only
+                model.heavy.forward_extra = SCRATCH
+                budget.limit = budget.peak + 6 * SCRATCH * 4
+
+        model.register_forward_pre_hook(on_forward)
+        guard = OomGuard(DistributedDataParallel(model), optimizer, micro_batch_size=8, loss_fn=loss_fn)
+        for step in range(steps):
+            report = guard.step(make_batch(100 * rank + step, 16, 8))
+            record["sizes"].append(report.micro_batches)
+        record["recoveries"] = [r.reason for r in guard.recoveries]
+        record["samples_seen"] = guard.samples_seen
+        record["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        failing = fresh_loss_that_fails(rank)
+        guard.loss_fn = failing
+        try:
+            guard.step(make_batch(100 * rank + steps, 16, 8))
+        except Exception as exc:  # noqa: BLE001 - recorded for the test to inspect
+            record["error"] = (type(exc).__name__, str(exc), traceback.format_exc())
+    torch.save(record, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def fresh_loss_that_fails(rank: int):
+    def loss(output, batch):
+        if rank == 0:
+            raise ValueError("rank 0's labels are malformed")
+        return loss_fn(output, batch)
+
+    return loss
+
+
+def reference_ranks(batches_per_step) -> Net:
+    """What DDP computes: each step's gradient is the mean over ranks of each rank's mean gradient."""
+    model, optimizer = fresh()
+    for batches in batches_per_step:
+        for batch in batches:
+            (loss_fn(model(batch[0]), batch) / len(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model

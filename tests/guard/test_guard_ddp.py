@@ -1,0 +1,39 @@
+"""Two CPU ranks over gloo: when one rank runs out of memory both step down together, and a non-OOM
+error on one rank stops the other instead of leaving it in a collective."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from guard_helpers import assert_same_weights, ddp_worker, make_batch, reference_ranks
+
+STEPS = 5
+
+
+def test_two_ranks_step_down_together_and_match_ddp(tmp_path):
+    context = mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), STEPS), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError("a rank is still running after 120 s: it waits in a collective")
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+    assert rank1["sizes"] == [(8, 8), (8, 8), (8, 4, 4), (4, 4, 4, 4), (4, 4, 4, 4)]
+    assert rank0["sizes"] == [(8, 8), (8, 8), (8, 8), (4, 4, 4, 4), (4, 4, 4, 4)]  # stepped down with rank 1
+    assert "on this rank" in rank1["recoveries"][0] and "on another rank" in rank0["recoveries"][0]
+    assert rank0["samples_seen"] == rank1["samples_seen"] == STEPS * 16
+    for name, tensor in rank0["state"].items():
+        torch.testing.assert_close(tensor, rank1["state"][name])
+    expected = reference_ranks([[make_batch(100 * r + s, 16, 8) for r in (0, 1)] for s in range(STEPS)])
+    model = type(expected)()
+    model.load_state_dict(rank0["state"])
+    assert_same_weights(model, expected, atol=1e-5)
+
+    assert rank0["error"][0] == "ValueError" and "labels are malformed" in rank0["error"][1]
+    assert "in loss" in rank0["error"][2]  # the original traceback, down to the user's loss function
+    assert rank1["error"][0] == "OtherRankFailed"
