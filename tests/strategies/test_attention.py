@@ -1,0 +1,22 @@
+from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
+
+from autofit.config import Config
+from autofit.spec import make_spec
+from autofit.step import build_run
+from autofit.strategies import Attention, default_strategies
+
+
+def test_hf_model_gets_sdpa_and_says_why_not_the_others():
+    spec = make_spec(make_gpt2, global_batch_size=2, device="cpu", memory_budget="1GiB", seq_len=16)
+    options = {o.value: o for o in Attention().options(spec)}
+    assert options["sdpa"].available and options["sdpa"].tier == 0
+    assert not options["flash_attention_2"].available and "CUDA" in options["flash_attention_2"].reason
+    assert not options["eager"].available and "SDPA is supported" in options["eager"].reason
+    run = build_run(spec, Config(attention="eager", micro_batch_size=2), default_strategies())
+    assert run.model.config._attn_implementation == "eager"
+
+
+def test_plain_model_keeps_its_attention():
+    spec = make_spec(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
+    [option] = Attention().options(spec)
+    assert option.value == "default" and "not a Hugging Face model" in option.reason

@@ -1,0 +1,59 @@
+"""StrategyContract: every strategy, the ones added later included, passes the same tests."""
+
+import pytest
+from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
+
+from autofit.config import Config
+from autofit.spec import make_spec
+from autofit.step import build_run
+from autofit.strategies import Option, default_strategies
+
+STRATEGIES = default_strategies()
+IDS = [s.field for s in STRATEGIES]
+
+
+@pytest.fixture(scope="module", params=["mlp", "gpt2"])
+def spec(request):
+    if request.param == "mlp":
+        return make_spec(make_mlp, make_mlp_batch, global_batch_size=4, device="cpu", memory_budget="1GiB",
+                         loss_fn=mlp_loss)
+    return make_spec(make_gpt2, global_batch_size=4, device="cpu", memory_budget="1GiB", seq_len=16)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=IDS)
+class TestStrategyContract:
+    def test_declares_a_config_field_and_a_rung(self, strategy):
+        assert strategy.field in Config.__dataclass_fields__
+        assert 1 <= strategy.rung <= 8
+
+    def test_options_carry_tier_and_reason(self, strategy, spec):
+        options = strategy.options(spec)
+        assert options and all(isinstance(o, Option) for o in options)
+        for option in options:
+            assert option.tier in (0, 1, 2)
+            assert isinstance(option.reason, str) and option.reason.strip()
+        assert any(o.available for o in options), "the no-op value must always be available"
+
+    def test_cheapest_option_first(self, strategy, spec):
+        options = strategy.options(spec)
+        assert options[0].tier == min(o.tier for o in options)
+
+    def test_saves_at_least_is_reflexive(self, strategy, spec):
+        for option in strategy.options(spec):
+            assert strategy.saves_at_least(option.value, option.value)
+            assert isinstance(strategy.isolates(option.value), bool)
+
+    def test_every_available_option_trains_a_step(self, strategy, spec):
+        for option in strategy.options(spec):
+            if not option.available or strategy.isolates(option.value):
+                continue
+            config = Config(micro_batch_size=4)
+            if strategy.field == "micro_batch_size":
+                config = config.replace(micro_batch_size=option.value, grad_accum_steps=4 // option.value)
+            elif strategy.field == "attention" and not spec.model.is_hf:
+                config = config.replace(attention=option.value)
+            else:
+                config = config.replace(**{strategy.field: option.value})
+            run = build_run(spec, config, STRATEGIES)
+            loss = run.step([spec.batch_factory(config.micro_batch_size)] * config.grad_accum_steps)
+            assert loss.isfinite(), (strategy.field, option.value)

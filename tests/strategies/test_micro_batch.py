@@ -1,0 +1,29 @@
+from forcing import budget_between, long_batch, peak, tune
+from models import make_mlp, mlp_loss
+
+from autofit.config import Config
+from autofit.spec import make_spec
+from autofit.strategies import MicroBatch
+
+
+def spec(global_batch):
+    return make_spec(make_mlp, long_batch, global_batch_size=global_batch, device="cpu", memory_budget="1GiB",
+                     loss_fn=mlp_loss)
+
+
+def test_sizes_divide_the_global_batch():
+    assert [o.value for o in MicroBatch().options(spec(12))] == [12, 6, 4, 3, 2, 1]
+
+
+def test_powers_of_two_when_finding_the_batch():
+    found = make_spec(make_mlp, long_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss, max_micro_batch=20)
+    assert [o.value for o in MicroBatch().options(found)] == [16, 8, 4, 2, 1]
+
+
+def test_forced_by_a_budget_the_full_micro_batch_misses():
+    full = peak(make_mlp, long_batch, Config(micro_batch_size=8), loss_fn=mlp_loss)
+    half = peak(make_mlp, long_batch, Config(micro_batch_size=4, grad_accum_steps=2), loss_fn=mlp_loss)
+    plan = tune(make_mlp, long_batch, [MicroBatch()], budget_between(half, full), 8, loss_fn=mlp_loss)
+    assert plan.fits and plan.config.micro_batch_size == 4 and plan.config.grad_accum_steps == 2
+    probed = [p.config.micro_batch_size for p in plan.probes if p.source == "probed"]
+    assert probed == [8, 2, 4]  # bisection: 8 runs out of memory, 2 fits, 4 fits; 1 only adds work to 2
