@@ -24,6 +24,9 @@ from autofit.step import build_run
 from autofit.units import format_size
 
 
+MIN_ALLOWANCE = 5.0  # seconds a probe may always take before its deadline stops it
+
+
 class ProbeStatus(str, enum.Enum):
     """How a probe ended."""
 
@@ -80,11 +83,12 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any],
     except for bad user input (`UsageError`).
 
     `step_limit` (seconds per optimizer step) stops a probe that cannot win: it may take the steps it
-    runs plus two more (model build, first-step warm-up) at that pace, then it is recorded as too slow.
+    runs plus two more (model build, first-step warm-up) at that pace, and at least MIN_ALLOWANCE
+    seconds (timing noise dominates shorter probes), then it is recorded as too slow.
     """
     budget = budget_for(spec.device, spec.memory_budget)
     if step_limit is not None:
-        allowance = (spec.warmup_steps + spec.timed_steps + 2) * step_limit
+        allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
         budget.deadline = time.perf_counter() + allowance
     try:
         with budget:
@@ -93,9 +97,8 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any],
         raise
     except DeadlinePassed:
         result = ProbeResult(config, ProbeStatus.SKIPPED,
-                             f"too slow to win: stopped after {allowance:.1f} s, more than "
-                             f"{spec.warmup_steps + spec.timed_steps + 2} steps at {step_limit:.2f} s/step "
-                             "(half the best throughput so far)", budget.peak or None, too_slow=True)
+                             f"too slow to win: stopped after {allowance:.1f} s, when a config at half the best "
+                             f"throughput so far ({step_limit:.2f} s/step) would have finished", budget.peak or None, too_slow=True)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
