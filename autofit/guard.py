@@ -5,9 +5,10 @@ optimizer: forward and backward over micro-batches, each loss weighted by its sh
 (as `autofit.step.TrainRun.step` does), then the optimizer step. When a micro-batch runs out of
 memory the guard drops what that attempt held, halves the micro-batch (doubling accumulation) and
 replays the remaining samples of the step from the batch it was given. The gradients of micro-batches
-that completed are kept; if the OOM struck in a backward after some gradients were already added,
-they are cleared and the whole step is replayed. Either way every sample is counted exactly once and
-the step's gradient is the same weighted sum; the global batch never changes.
+that completed are kept. If the OOM struck in a backward after it had added some parameters'
+gradients (autograd adds each parameter's whole share at once), those parameters are held out of the
+replay of that micro-batch's samples. Either way every sample meets every parameter exactly once, the
+step's gradient is the same weighted sum, and the global batch never changes.
 
 At micro-batch 1 it switches on activation checkpointing on the live model, then gives up with an
 error naming everything it tried. Each change is logged, recorded in `guard.recoveries`, and written
@@ -31,7 +32,8 @@ from torch.utils._pytree import tree_map
 from autofit.batch import call_model, default_loss, leading_dim
 from autofit.config import Config
 from autofit.errors import AutofitError, UsageError
-from autofit.guard_sync import LocalSync, Round, sync_for, unwrap
+from autofit.guard_parts import GradLedger, concat_rows, detach, held, peak_bytes, slice_rows
+from autofit.guard_sync import Round, sync_for, unwrap
 from autofit.oom import classify_oom, first_line, release_memory
 from autofit.plan import Plan
 from autofit.strategies import checkpointing
@@ -78,11 +80,14 @@ class _Attempt:
     """The outcome of one micro-batch on this rank."""
 
     size: int = 0
-    loss: torch.Tensor | None = None
-    oom: str | None = None  # OOM kind
-    where: str = ""  # "forward" / "backward"
-    touched: bool = False  # the failed backward had already added to some gradients
+    loss: torch.Tensor | None = None  # its share of the step's loss, when its gradients are in
+    oom: str | None = None  # OOM kind and message
+    where: str = ""  # "forward" / "backward" (or "forward/backward" for an integration's own step)
+    touched: list[nn.Parameter] = dataclasses.field(default_factory=list)  # gradients the failed backward added to
     error: BaseException | None = None  # a non-OOM error, re-raised unchanged
+
+
+Backward = Callable[[Any, float], torch.Tensor]  # (micro_batch, weight) -> its share of the loss, detached
 
 
 class OomGuard:
@@ -94,6 +99,7 @@ class OomGuard:
 
     `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
     (DDP or a plain model) every rank must call `step` with its own shard; the ranks step down together.
+    Dropout draws new masks when samples are replayed, as any re-run would.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -113,73 +119,103 @@ class OomGuard:
         self.scaler = scaler
         self.escalate = escalate
         self.sync = sync_for(model, process_group)
-        self.steps = 0  # optimizer steps taken
-        self.samples_seen = 0  # samples whose gradients went into an optimizer step
+        self.steps = 0  # optimizer steps taken (integrations set it from their own counter)
+        self.samples_seen = 0  # samples whose gradients went in
+        self.accumulation_multiplier = 1  # batches per optimizer step (accelerate/Trainer accumulation)
         self.recoveries: list[Recovery] = []
+        self._ledger = GradLedger([p for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
+        self._phase = "forward"
         self._undo: list[Config] = []  # configurations stepped down from, most recent last
-        self._clean_steps = 0
+        self._clean_units = 0
         self._grow_wait = grow_back_after
         self._tried: list[str] = [self.config.describe()]
 
     # ---- training -------------------------------------------------------------------------------
     def step(self, batch: Any) -> StepReport:
         """One optimizer step over all samples of `batch` (this rank's share of the global batch)."""
+        report = self.accumulate(batch)
+        self._optimizer_step()
+        self.steps += 1
+        return report
+
+    def accumulate(self, batch: Any, backward: Backward | None = None) -> StepReport:
+        """Forward and backward of every sample of `batch`, its gradients added to `.grad`, no optimizer
+        step. `backward(micro_batch, weight)` replaces the guard's own forward/backward (integrations)."""
+        backward = backward or self._forward_backward
         total = leading_dim(batch)
         first_recovery = len(self.recoveries)
         self._maybe_grow_back()
         if self.config.micro_batch_size == 0:  # no size given: the whole batch at once
             self.config = self.config.replace(micro_batch_size=total)
-        done, loss, sizes = 0, None, []
+        done, loss, sizes, holds = 0, None, [], []
         while True:
-            size = min(self.config.micro_batch_size, total - done)
-            attempt = self._attempt(batch, done, size, total) if size > 0 else _Attempt()
+            size, hold = self._next_chunk(done, total, holds)
+            attempt = self._attempt(batch, done, size, total, hold, backward) if size > 0 else _Attempt()
             agreed = self.sync.agree(attempt.oom is not None, attempt.error is not None,
                                      done + attempt.size < total if attempt.loss is not None else size > 0,
                                      attempt.size if attempt.oom else 0)
             if agreed.error:
                 _raise_error(attempt, self.sync.rank)
+            if attempt.touched:  # those gradients already hold this micro-batch: keep them out of its replay
+                holds.append((attempt.touched, done + attempt.size))
             if attempt.loss is not None:
-                share = attempt.loss.float() * (attempt.size / total)
-                done, loss = done + attempt.size, share if loss is None else loss + share
+                done, loss = done + attempt.size, attempt.loss if loss is None else loss + attempt.loss
                 sizes.append(attempt.size)
-            if attempt.touched:  # gradients of the failed backward are mixed in: replay the whole step
-                self.optimizer.zero_grad(set_to_none=True)
-                done, loss, sizes = 0, None, []
             if agreed.oom:
                 self._recover(attempt, agreed, total)
             elif not agreed.busy:
                 break
-        self._finish_step(total, clean=all(r.action == "grow-back" for r in self.recoveries[first_recovery:]))
-        return StepReport(loss if loss is not None else torch.zeros(()), total, tuple(sizes), tuple(self.recoveries[first_recovery:]))
+        recoveries = tuple(self.recoveries[first_recovery:])
+        self._clean_units = self._clean_units + 1 if all(r.action == "grow-back" for r in recoveries) else 0
+        self.samples_seen += total
+        accumulation = math.ceil(total / self.config.micro_batch_size) * self.accumulation_multiplier
+        self.config = self.config.replace(grad_accum_steps=accumulation)
+        return StepReport(loss if loss is not None else torch.zeros(()), total, tuple(sizes), recoveries)
 
-    def _attempt(self, batch: Any, start: int, size: int, total: int) -> _Attempt:
+    def _next_chunk(self, done: int, total: int, holds: list) -> tuple[int, list[nn.Parameter]]:
+        """The next micro-batch's size and the parameters held out of it. A micro-batch never straddles
+        the end of a held range, so every sample meets every parameter exactly once."""
+        size = min(self.config.micro_batch_size, total - done)
+        active = [(params, until) for params, until in holds if until > done]
+        if active:
+            size = min(size, min(until for _, until in active) - done)
+        return size, [p for params, _ in active for p in params]
+
+    def _forward_backward(self, chunk: Any, weight: float) -> torch.Tensor:
+        with self._autocast():
+            loss = self.loss_fn(call_model(self.model, chunk), chunk)
+        self._phase = "backward"
+        scaled = loss * weight
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return scaled.detach()
+
+    def _attempt(self, batch: Any, start: int, size: int, total: int, hold: list[nn.Parameter],
+                 backward: Backward) -> _Attempt:
         """Forward and backward of samples `start .. start+size`; an OOM becomes the result."""
         chunk = batch if size == total else slice_rows(batch, start, size)
-        where, versions = "forward", None
+        self._phase = "forward" if backward == self._forward_backward else "forward/backward"
+        self._ledger.snapshot()
         try:
-            with self.sync.no_sync(self.model):
-                with self._autocast():
-                    loss = self.loss_fn(call_model(self.model, chunk), chunk)
-                where, versions = "backward", _grad_versions(self.optimizer)
-                scaled = loss * (size / total)
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            return _Attempt(size=size, loss=loss.detach())
+            with self.sync.no_sync(self.model), held(hold):
+                contribution = backward(chunk, size / total)
+            return _Attempt(size=size, loss=detach(contribution))
         except Exception as exc:  # noqa: BLE001 - classified below; non-OOM errors are re-raised as is
             kind = classify_oom(exc)
             if kind is None:
                 return _Attempt(size=size, error=exc)
             detail = first_line(exc)
         # Out of the except block: the exception, its traceback and the attempt's tensors are gone.
-        touched = versions is not None and _grads_changed(self.optimizer, versions)
-        return _Attempt(size=size, oom=f"{kind} ({detail})", where=where, touched=touched)
+        touched = self._ledger.touched()
+        done = len(touched) == len(self._ledger.params) - len(hold)  # every gradient got in before the OOM
+        return _Attempt(size=size, loss=torch.zeros(()) if done else None, oom=f"{kind} ({detail})",
+                        where=self._phase, touched=[] if done else touched)
 
     def _recover(self, attempt: _Attempt, agreed: Round, total: int) -> None:
         """Free what the failed attempt held and step down one notch (the same on every rank)."""
         peak = peak_bytes(self._device())
         release_memory()
         old = self.config
-        mb = min(old.micro_batch_size, agreed.smallest_failure)
-        if mb > 1:
+        if min(old.micro_batch_size, agreed.smallest_failure) > 1:
             new_mb = old.micro_batch_size // 2
             while new_mb >= agreed.smallest_failure and new_mb > 1:
                 new_mb //= 2
@@ -189,9 +225,11 @@ class OomGuard:
             new, action = old.replace(checkpointing="full"), "checkpointing"
         else:
             raise GuardGaveUp(self._gave_up_message(attempt, total, peak))
-        new = new.replace(grad_accum_steps=math.ceil(total / new.micro_batch_size))
-        where = f"in the {attempt.where} on this rank" if attempt.oom else f"on another rank ({agreed.smallest_failure} samples)"
-        replay = "replaying the whole step" if attempt.touched else "replaying the remaining samples"
+        new = new.replace(grad_accum_steps=math.ceil(total / new.micro_batch_size) * self.accumulation_multiplier)
+        where = f"in the {attempt.where} on this rank" if attempt.oom else \
+            f"on another rank ({agreed.smallest_failure} samples)"
+        replay = (f"replaying its samples with the {len(attempt.touched)} parameters whose gradients it had "
+                  "already added held out" if attempt.touched else "replaying the remaining samples")
         reason = (f"step {self.steps}: out of memory {where}, peak {_size(peak)}; {old.describe()} -> "
                   f"{new.describe()}, {replay}")
         self._change(action, old, new, reason, peak)
@@ -203,10 +241,9 @@ class OomGuard:
                 f"{what}; peak {_size(peak)}. Tried, in order: {' -> '.join(self._tried)}. What remains needs a "
                 f"restart: run `autofit tune` with this budget and allow {RESTART_RUNGS}.")
 
-    def _finish_step(self, total: int, clean: bool) -> None:
-        """Average gradients over ranks, apply them, clear them; count the samples."""
-        self.sync.average_gradients(p for group in self.optimizer.param_groups for p in group["params"]
-                                    if p.requires_grad)
+    def _optimizer_step(self) -> None:
+        """Average gradients over ranks, apply them, clear them."""
+        self.sync.average_gradients(self._ledger.params)
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -219,25 +256,20 @@ class OomGuard:
             raise GuardGaveUp(f"Out of memory in the optimizer step at step {self.steps} ({first_line(exc)}); a "
                               f"smaller micro-batch cannot help there. Use {RESTART_RUNGS}.") from exc
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        self.samples_seen += total
-        self._clean_steps = self._clean_steps + 1 if clean else 0
-        if self.config.grad_accum_steps != math.ceil(total / self.config.micro_batch_size):
-            self.config = self.config.replace(grad_accum_steps=math.ceil(total / self.config.micro_batch_size))
 
     # ---- grow-back and bookkeeping --------------------------------------------------------------
     def _maybe_grow_back(self) -> None:
         """After `grow_back_after` clean steps, return to the configuration stepped down from last."""
-        if not self._grow_wait or not self._undo or self._clean_steps < self._grow_wait:
+        if not self._grow_wait or not self._undo or self._clean_units < self._grow_wait:
             return
         old, new = self.config, self._undo.pop()
         if new.checkpointing != old.checkpointing:
             checkpointing.disable(unwrap(self.model))
             if new.checkpointing != "none":
                 checkpointing.enable(unwrap(self.model), checkpointing.every(new.checkpointing))
-        reason = f"step {self.steps}: {self._clean_steps} clean steps; growing back {old.describe()} -> {new.describe()}"
+        reason = f"step {self.steps}: {self._clean_units} clean steps; growing back {old.describe()} -> {new.describe()}"
         self._change("grow-back", old, new, reason, peak_bytes(self._device()))
-        self._clean_steps = 0
+        self._clean_units = 0
         self._grow_wait *= 2  # a grow-back that fails again is retried less often
 
     def _change(self, action: str, old: Config, new: Config, reason: str, peak: int | None) -> None:
@@ -270,27 +302,30 @@ class OomGuard:
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = self._evaluate_chunks(batch, total, fn)
+            with torch.no_grad(), self._autocast():
+                compute = fn or (lambda model, chunk: self.loss_fn(call_model(model, chunk), chunk))
+                parts = self.evaluate_chunks(batch, lambda chunk: compute(self.model, chunk))
         finally:
             self.model.train(was_training)
         if fn is None:
             return sum(loss.float() * (size / total) for size, loss in parts)
         return concat_rows([out for _, out in parts])
 
-    def _evaluate_chunks(self, batch: Any, total: int, fn: Callable | None) -> list[tuple[int, Any]]:
+    def evaluate_chunks(self, batch: Any, run: Callable[[Any], Any]) -> list[tuple[int, Any]]:
+        """`run(micro_batch)` over `batch` in micro-batches of `eval_micro_batch_size`, halving it on OOM;
+        returns (size, detached output) per micro-batch, in order."""
+        total = leading_dim(batch)
         parts, done = [], 0
         while done < total:
             size = min(self.eval_micro_batch_size or total, total - done)
-            chunk = batch if size == total else slice_rows(batch, done, size)
             try:
-                with torch.no_grad(), self._autocast():
-                    out = fn(self.model, chunk) if fn else self.loss_fn(call_model(self.model, chunk), chunk)
+                out = run(batch if size == total else slice_rows(batch, done, size))
             except Exception as exc:  # noqa: BLE001
                 if classify_oom(exc) is None or size == 1:
                     raise
                 detail = first_line(exc)
             else:
-                parts.append((size, tree_map(_detach, out)))
+                parts.append((size, tree_map(detach, out)))
                 done += size
                 continue
             release_memory()
@@ -322,51 +357,6 @@ def _raise_error(attempt: _Attempt, rank: int) -> None:
         raise attempt.error  # unchanged, with its own traceback
     raise OtherRankFailed(f"Rank {rank} stops its step: another rank failed with an error that is not an OOM "
                           "(see that rank's traceback).")
-
-
-def _grad_versions(optimizer: torch.optim.Optimizer) -> list[tuple[Any, int]]:
-    """Each parameter's gradient and its in-place version, to tell later whether a backward added to it."""
-    return [(p.grad, p.grad._version if p.grad is not None else -1)
-            for group in optimizer.param_groups for p in group["params"]]
-
-
-def _grads_changed(optimizer: torch.optim.Optimizer, versions: list[tuple[Any, int]]) -> bool:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return any(p.grad is not grad or (grad is not None and grad._version != version)
-               for p, (grad, version) in zip(params, versions))
-
-
-def slice_rows(batch: Any, start: int, count: int) -> Any:
-    """Rows `start .. start+count` of every tensor in `batch`, as views (no copy)."""
-    return tree_map(lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, batch)
-
-
-def concat_rows(parts: list[Any]) -> Any:
-    """Concatenate micro-batch outputs (tensors, or tuples/dicts of them) along the sample axis."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts) if first.dim() else torch.stack(parts)
-    if isinstance(first, dict):
-        return {key: concat_rows([p[key] for p in parts]) for key in first}
-    if isinstance(first, (tuple, list)):
-        return type(first)(concat_rows(list(items)) for items in zip(*parts))
-    return parts
-
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def peak_bytes(device: torch.device) -> int | None:
-    """The peak bytes `device` has held so far: CUDA's allocator peak, or the active CPU budget's peak."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device)
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from autofit.memory import CpuBudget
-
-    budgets = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CpuBudget)]
-    return budgets[-1].peak if budgets else None
 
 
 def _size(value: int | None) -> str:
