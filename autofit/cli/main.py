@@ -42,5 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+from autofit.cli.tune import tune  # noqa: E402
+cli.add_command(tune)
+from autofit.cli.export import export_command  # noqa: E402
+cli.add_command(export_command)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,26 @@
+"""`autofit export PLAN.json --format accelerate|deepspeed|trainer|torchrun --out DIR`."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from autofit.export import FORMATS, export
+from autofit.plan import Plan
+
+
+@click.command("export")
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", required=True, type=click.Choice(sorted(FORMATS)), help="Launcher to write for.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the files.")
+@click.option("--json", "as_json", is_flag=True, help="Print the written paths as one JSON document.")
+def export_command(plan_path: str, fmt: str, out: str, as_json: bool) -> int:
+    """Write the launcher files for a saved plan (a plan that does not fit is refused, exit 2)."""
+    paths = export(Plan.load(plan_path), fmt, out)
+    if as_json:
+        click.echo(json.dumps({"format": fmt, "files": [str(p) for p in paths]}))
+    else:
+        for path in paths:
+            click.echo(str(path))
+    return 0

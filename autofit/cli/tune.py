@@ -1,0 +1,169 @@
+"""`autofit tune`: probe a model's candidates, then write the plan, the trial store, each probe's log,
+the launcher files and report.html into one run directory.
+
+    autofit tune --model gpt2 --seq-len 512 --global-batch-size 32 --device cpu --memory-budget 4GiB --out runs/gpt2
+
+Progress and tables go to stderr with --json (stdout then carries exactly one JSON document), else to
+stdout. Exit codes: 0 fits, 3 nothing fits, 2 bad usage, 1 other errors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from autofit.config import Config
+from autofit.errors import UsageError
+from autofit.export import export_all
+from autofit.models import resolve_model
+from autofit.probe import ProbeResult
+from autofit.report import COLORS, status_of, write_report
+from autofit.search import DEFAULT_MAX_PROBES
+from autofit.units import format_size
+
+EXIT_FITS, EXIT_NOTHING_FITS = 0, 3
+PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
+
+
+class RichProgress:
+    """Shows each probe as it starts (the candidate and why) and as it lands; logs both to probes.jsonl."""
+
+    def __init__(self, console: Console, log_path: Path):
+        self.console = console
+        self.log_path = log_path
+        self.count = 0
+        self._status = None
+
+    def starting(self, config: Config, why: str) -> None:
+        self.count += 1
+        self._log({"event": "starting", "config": config.to_dict(), "why": why})
+        self.console.print(f"[bold]probe {self.count}[/] {config.describe()} [dim]({why})[/]")
+        if self.console.is_terminal:
+            self._status = self.console.status("training a few steps ...")
+            self._status.start()
+
+    def finished(self, result: ProbeResult) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+        self._log({"event": "finished", **result.to_dict()})
+        status = status_of(result)
+        speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
+        peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
+        source = " [dim](stored)[/]" if result.source == "stored" else ""
+        self.console.print(f"  [{COLORS[status]}]{status}[/]{source} {result.config.describe()}:{peak} "
+                           f"[dim]- {result.reason}[/]", highlight=False)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with self.log_path.open("a") as log:
+            log.write(json.dumps({"time": stamp, **record}) + "\n")
+
+
+def make_console(as_json: bool) -> Console:
+    """Rich console on stderr with --json (stdout is the JSON document's), else stdout; 140 columns
+    when not a terminal (logs, CI) so the probe table stays readable."""
+    probe = Console(stderr=as_json)
+    return Console(stderr=as_json, highlight=False, width=None if probe.is_terminal else 140)
+
+
+def parse_allow_option(values: tuple[str, ...]) -> Any:
+    """--allow values: a tier 0-2, or names such as lora / numerics / quantization (repeatable)."""
+    if not values:
+        return None
+    if len(values) == 1 and values[0].isdigit():
+        return int(values[0])
+    if any(v.isdigit() for v in values):
+        raise UsageError(f"--allow {' '.join(values)}: give either one tier (0, 1, 2) or names, not both.")
+    return set(values)
+
+
+def run_dir(out: str | None, model: str, resume: bool) -> Path:
+    """The run directory: --out, or runs/<model>; refuses to mix a new run into an old one."""
+    path = Path(out) if out else Path("runs") / (re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).stem) or "run")
+    exists = (path / TRIALS).exists()
+    if resume and not exists:
+        raise UsageError(f"--resume: {path} holds no {TRIALS} to resume from; run without --resume first "
+                         "or point --out at the interrupted run.")
+    if exists and not resume:
+        raise UsageError(f"{path} already holds a run ({TRIALS}); pass --resume to continue it, or choose "
+                         "another --out.")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def probe_table(plan: Any) -> Table:
+    """Every probe: knobs, status, peak, throughput, reason; the chosen one starred."""
+    table = Table(title="Every probe", show_lines=False, title_justify="left")
+    for name, justify in (("#", "right"), ("configuration", "left"), ("status", "left"), ("peak", "right"),
+                          ("samples/s", "right"), ("reason", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for index, probe in enumerate(plan.probes, 1):
+        chosen = plan.fits and probe.fits and probe.config == plan.config
+        status = status_of(probe)
+        source = " (stored)" if probe.source == "stored" else ""
+        table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),
+                      f"[{COLORS[status]}]{status}[/]{source}", format_size(probe.peak_bytes),
+                      f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-", probe.reason,
+                      style="bold" if chosen else None)
+    return table
+
+
+def write_run(plan: Any, out: Path) -> dict[str, Any]:
+    """plan.json, report.html and (when it fits) the launcher files of every format; returns the paths."""
+    paths: dict[str, Any] = {"run_dir": str(out), "plan": str(plan.save(out / PLAN)),
+                             "trials": str(out / TRIALS), "probes_log": str(out / PROBES_LOG),
+                             "report": str(write_report(plan, out / REPORT)), "launchers": []}
+    if plan.fits:
+        paths["launchers"] = [str(p) for p in export_all(plan, out / LAUNCHERS)]
+    return paths
+
+
+@click.command("tune")
+@click.option("--model", "model_arg", required=True,
+              help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face config.json or model folder, or FILE.py:factory.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample of the synthesized batch.")
+@click.option("--global-batch-size", type=int, default=None, help="Samples per optimizer step, kept exactly.")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
+@click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
+@click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
+@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
+@click.option("--max-probes", type=int, default=DEFAULT_MAX_PROBES, show_default=True)
+@click.option("--warmup-steps", type=int, default=2, show_default=True)
+@click.option("--timed-steps", type=int, default=3, show_default=True)
+@click.option("--out", default=None, help="Run directory (default runs/<model>).")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
+def tune(model_arg: str, seq_len: int | None, global_batch_size: int | None, device: str | None,
+         memory_budget: str | None, allow: tuple[str, ...], optimizer: str, max_probes: int, warmup_steps: int,
+         timed_steps: int, out: str | None, resume: bool, as_json: bool) -> int:
+    """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
+    import autofit
+
+    console = make_console(as_json)
+    model_factory, batch_factory, description = resolve_model(model_arg)
+    out_dir = run_dir(out, model_arg, resume)
+    progress = RichProgress(console, out_dir / PROBES_LOG)
+    console.print(f"Tuning {description}; run directory {out_dir}")
+    plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
+                           memory_budget=memory_budget, allow=parse_allow_option(allow), optimizer=optimizer,
+                           seq_len=seq_len, storage=f"sqlite:///{out_dir / TRIALS}", max_probes=max_probes,
+                           warmup_steps=warmup_steps, timed_steps=timed_steps, progress=progress)
+    paths = write_run(plan, out_dir)
+    console.print(probe_table(plan))
+    if plan.fits:
+        console.print(f"[bold green]Chosen:[/] {plan.summary()}")
+    else:
+        console.print(f"[bold red]Nothing fits.[/] {plan.reason}")
+    console.print(f"Run directory {out_dir}: {PLAN}, {TRIALS}, {PROBES_LOG}, {REPORT}"
+                  + (f", launchers in {LAUNCHERS}/" if plan.fits else ""))
+    if as_json:
+        click.echo(json.dumps({**plan.to_dict(), "paths": paths}, indent=2))
+    return EXIT_FITS if plan.fits else EXIT_NOTHING_FITS

@@ -1,0 +1,86 @@
+"""report.html: self-contained, figures drawn by matplotlib, the chosen plan marked; chromium renders it
+(slow-marked: needs Debian's chromium)."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autofit
+from autofit import Config
+from autofit.report import breakdown, render, report_data, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3)])
+
+    def forward(self, x, y):
+        return (self.blocks(x).mean(1) - y).pow(2).mean()
+
+
+def make_batch(n):
+    return {"x": torch.randn(n, 64, 32), "y": torch.randn(n, 32)}
+
+
+@pytest.fixture(scope="module")
+def plan():
+    # 8 samples at once peak at ~420 KiB, over the 400 KiB budget: the search records an OOM and two fits
+    return autofit.autofit(Net, make_batch, global_batch_size=8, device="cpu", memory_budget="400KiB", allow=0,
+                           max_probes=3, warmup_steps=1, timed_steps=1)
+
+
+def test_report_is_self_contained_and_marks_the_choice(tmp_path, plan):
+    text = write_report(plan, tmp_path / "report.html").read_text()
+    assert not re.search(r"(src|href)=\"(https?:)?//", text)  # nothing fetched: opens offline
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
+    assert len(images) == 2 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
+    assert plan.fits and f"★ {plan.config.describe()}" in text
+    assert text.count('class="chosen"') == 1
+    assert text.count("<tr") == len(plan.probes) + 1
+
+
+def test_rows_cover_every_measured_probe_and_add_up(plan):
+    rows = report_data(plan)
+    assert {r.status for r in rows} == {"fit", "oom"}
+    assert [r.peak for r in rows] == [p.peak_bytes for p in plan.probes if p.peak_bytes]
+    assert sum(r.chosen for r in rows) == 1
+    for row in rows:
+        assert sum(row.parts) == pytest.approx(row.peak)
+
+
+def test_breakdown_model_states():
+    n = 1000
+    assert breakdown(Config(), n, 20 * n)[:3] == (4 * n, 4 * n, 8 * n)  # fp32 weights, grads, AdamW states
+    zero3 = breakdown(Config(zero_stage=3, num_gpus=4), n, 20 * n)
+    assert zero3[:3] == (n, n, 2 * n)  # sharded over 4 ranks
+    assert breakdown(Config(zero_stage=2, offload="cpu"), n, 10 * n)[2] == 0  # states left the device
+    assert sum(breakdown(Config(), n, 2 * n)) == pytest.approx(2 * n)  # never above the measured peak
+
+
+def test_nothing_fits_report(plan):
+    failed = autofit.Plan(False, None, None, None, None, "No candidate fits 1 MiB.", plan.probes, plan.spec)
+    text = render(failed)
+    assert "Nothing fits." in text and "No candidate fits 1 MiB." in text and 'class="chosen"' not in text
+
+
+@pytest.mark.slow
+def test_chromium_renders_the_report(tmp_path, plan):
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    report = write_report(plan, tmp_path / "report.html")
+    shot = tmp_path / "report.png"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "screenshot_report.sh"), str(report), str(shot)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 20_000
