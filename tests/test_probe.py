@@ -69,7 +69,8 @@ def test_twenty_oom_probes_leave_no_memory_behind():
     assert outer.peak > 0  # the probes did allocate
 
 
-def test_too_slow_is_stopped_at_the_deadline():
+def test_too_slow_is_stopped_at_the_deadline(monkeypatch):
+    monkeypatch.setattr("autofit.probe.MIN_ALLOWANCE", 0.0)
     result = run_probe(spec(), FULL, STRATEGIES, step_limit=1e-6)
     assert result.status is ProbeStatus.SKIPPED and result.too_slow
     assert "too slow to win" in result.reason
