@@ -102,7 +102,7 @@ class OomGuard:
     Dropout draws new masks when samples are replayed, as any re-run would.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  micro_batch_size: int | None = None, loss_fn: LossFn | None = None,
                  plan: str | Path | None = None, grow_back_after: int | None = None,
                  eval_micro_batch_size: int | None = None, autocast_dtype: torch.dtype | None = None,
@@ -123,8 +123,9 @@ class OomGuard:
         self.samples_seen = 0  # samples whose gradients went in
         self.accumulation_multiplier = 1  # batches per optimizer step (accelerate/Trainer accumulation)
         self.recoveries: list[Recovery] = []
-        self._ledger = GradLedger([p for g in optimizer.param_groups for p in g["params"] if p.requires_grad])
-        self._phase = "forward"
+        groups = optimizer.param_groups if optimizer is not None else []  # None: evaluation only
+        self._ledger = GradLedger([p for g in groups for p in g["params"] if p.requires_grad])
+        self.phase = "forward"  # where the current attempt is: "forward", "backward" (logs say where an OOM struck)
         self._undo: list[Config] = []  # configurations stepped down from, most recent last
         self._clean_units = 0
         self._grow_wait = grow_back_after
@@ -133,6 +134,9 @@ class OomGuard:
     # ---- training -------------------------------------------------------------------------------
     def step(self, batch: Any) -> StepReport:
         """One optimizer step over all samples of `batch` (this rank's share of the global batch)."""
+        if self.optimizer is None:
+            raise UsageError("OomGuard.step needs an optimizer; this guard was made with optimizer=None "
+                             "(evaluation only). Pass the optimizer you train with.")
         report = self.accumulate(batch)
         self._optimizer_step()
         self.steps += 1
@@ -184,7 +188,7 @@ class OomGuard:
     def _forward_backward(self, chunk: Any, weight: float) -> torch.Tensor:
         with self._autocast():
             loss = self.loss_fn(call_model(self.model, chunk), chunk)
-        self._phase = "backward"
+        self.phase = "backward"
         scaled = loss * weight
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return scaled.detach()
@@ -193,7 +197,7 @@ class OomGuard:
                  backward: Backward) -> _Attempt:
         """Forward and backward of samples `start .. start+size`; an OOM becomes the result."""
         chunk = batch if size == total else slice_rows(batch, start, size)
-        self._phase = "forward" if backward == self._forward_backward else "forward/backward"
+        self.phase = "forward" if backward == self._forward_backward else "forward/backward"
         self._ledger.snapshot()
         try:
             with self.sync.no_sync(self.model), held(hold):
@@ -208,7 +212,7 @@ class OomGuard:
         touched = self._ledger.touched()
         done = len(touched) == len(self._ledger.params) - len(hold)  # every gradient got in before the OOM
         return _Attempt(size=size, loss=torch.zeros(()) if done else None, oom=f"{kind} ({detail})",
-                        where=self._phase, touched=[] if done else touched)
+                        where=self.phase, touched=[] if done else touched)
 
     def _recover(self, attempt: _Attempt, agreed: Round, total: int) -> None:
         """Free what the failed attempt held and step down one notch (the same on every rank)."""
@@ -241,9 +245,14 @@ class OomGuard:
                 f"{what}; peak {_size(peak)}. Tried, in order: {' -> '.join(self._tried)}. What remains needs a "
                 f"restart: run `autofit tune` with this budget and allow {RESTART_RUNGS}.")
 
+    def average_gradients(self) -> None:
+        """Average the accumulated gradients over the ranks (a no-op in one process). `step` does this
+        itself; integrations whose framework steps the optimizer call it at the end of a window."""
+        self.sync.average_gradients(self._ledger.params)
+
     def _optimizer_step(self) -> None:
         """Average gradients over ranks, apply them, clear them."""
-        self.sync.average_gradients(self._ledger.params)
+        self.average_gradients()
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
