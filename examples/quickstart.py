@@ -15,18 +15,19 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import autofit
 
-CONFIG = GPT2Config(n_layer=6, n_embd=256, n_head=8, vocab_size=8192, n_positions=512,
+CONFIG = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2048, n_positions=256,
                     bos_token_id=0, eos_token_id=0)
+SEQ_LEN = 128
 
 
 def make_model() -> GPT2LMHeadModel:
-    """A ~7M-parameter GPT-2 with random weights: nothing is downloaded."""
+    """A ~1M-parameter GPT-2 with random weights: nothing is downloaded."""
     return GPT2LMHeadModel(CONFIG)
 
 
 def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
-    """Token ids and labels at the longest sequence the job will see (256 tokens)."""
-    ids = torch.randint(0, CONFIG.vocab_size, (batch_size, 256))
+    """Token ids and labels at the longest sequence the job will see."""
+    ids = torch.randint(0, CONFIG.vocab_size, (batch_size, SEQ_LEN))
     return {"input_ids": ids, "labels": ids}
 
 
