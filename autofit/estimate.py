@@ -1,0 +1,514 @@
+"""Estimate: a candidate's peak memory per device, predicted without running it and without a GPU.
+
+    peak = params + grads + optimizer states   (formulas: precision, ZeRO, 8-bit states, LoRA, NF4, offload)
+         + activations                         (the real forward + backward under fake tensors, tracked)
+         + overhead                            (CUDA context, allocator rounding and fragmentation, buckets)
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3): with mixed precision
+under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of fp32 master weights and
+Adam moments per parameter, each partitioned over N GPUs by its stage. Without ZeRO, autofit trains
+with autocast: fp32 weights (4 bytes), fp32 gradients (4) and the optimizer's states.
+
+Activations are measured, not guessed: the model is built on the meta device, materialised as fake
+tensors (shapes, no data), and one forward + backward runs under a dispatch mode that counts every
+storage alive, as `autofit.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
+soon as they are made, so the curve is activations alone; the bytes of gradients made so far are
+recorded beside it. Deep Hugging Face models are simulated at 2 and 4 blocks and extrapolated linearly
+in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linearly in the micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autofit.config import Config
+
+MIB = 1024**2
+# Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
+CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernel images with lazy loading (measured 400-600 MiB on A100/H100)
+CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
+ALLOCATOR_ROUNDING = 512  # the caching allocator rounds every block up to 512 bytes (applied per tensor)
+FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes (activations, optimizer temporaries)
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
+ZERO3_MAX_LIVE_ELEMENTS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
+SIM_DEPTHS = (2, 4)  # blocks simulated for deep models (even: every_2 checkpointing stays exact)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 second-level absmax per 256 blocks
+INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Bytes per device, by what holds them."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the parts (bytes)."""
+        return self.params + self.grads + self.optimizer + self.activations + self.overhead
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON form."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A predicted peak per device (bytes), its parts, host RAM needed (bytes, all ranks), and how it was made."""
+
+    breakdown: Breakdown
+    peak_bytes: int  # the parts are not all live at the peak moment: peak <= breakdown.total
+    cpu_bytes: int  # host RAM for offloaded states, all ranks on one node (0 without offload)
+    reason: str  # one line: how activations were obtained and which parts are formulas only
+    terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"peak_bytes": self.peak_bytes, "cpu_bytes": self.cpu_bytes, "reason": self.reason,
+                "breakdown": self.breakdown.to_dict(), "overhead_terms": dict(self.terms)}
+
+
+# -- model facts ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """Parameter counts the state formulas need (elements, not bytes), read from a meta build."""
+
+    num_params: int
+    trainable_params: int
+    linear_params: int = 0  # weights of the Linear layers inside the blocks: what NF4/int8 quantize, LoRA adapts
+    linear_rows: int = 0  # output rows of those layers (int8 keeps one fp32 scale per row)
+    lora_params_per_rank: int = 0  # sum of (in + out) over those layers: LoRA rank r adds r times this
+    factored_params: int = 0  # Adafactor state elements: rows + cols per matrix, numel per vector
+    largest_param: int = 0
+    block_params: int = 0  # parameters of one repeated block
+    num_blocks: int = 0
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """`ModelFacts` of a built model (meta or real)."""
+    from autofit.model_info import find_blocks
+
+    params = list(model.parameters())
+    _, blocks = find_blocks(model)
+    linears = [m for block in blocks for m in block.modules() if _is_linear(m)]
+    shapes = [_in_out(m) for m in linears]
+    factored = sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params if p.requires_grad)
+    return ModelFacts(
+        num_params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        linear_params=sum(i * o for i, o in shapes), linear_rows=sum(o for _, o in shapes),
+        lora_params_per_rank=sum(i + o for i, o in shapes), factored_params=factored,
+        largest_param=max((p.numel() for p in params), default=0),
+        block_params=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0, num_blocks=len(blocks))
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # GPT-2's transposed Linear
+
+
+def _in_out(module: nn.Module) -> tuple[int, int]:
+    rows, cols = module.weight.shape
+    return (cols, rows) if isinstance(module, nn.Linear) else (rows, cols)
+
+
+# -- model states --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class States:
+    """Model-state bytes per device, and on the host (all ranks) when offloaded."""
+
+    params: int
+    grads: int
+    optimizer: int
+    cpu: int = 0
+
+
+def optimizer_bytes(facts: ModelFacts, optimizer: str, trainable: int) -> float:
+    """Optimizer-state bytes for `trainable` parameters (no master weights): AdamW 8 per parameter,
+    8-bit AdamW 2 (+ an fp32 absmax per 2048-element block per state), Adafactor its factored moments."""
+    if optimizer in ("adamw8bit", "paged_adamw8bit"):
+        return trainable * (2 + 2 * 4 / 2048)
+    if optimizer == "adafactor":
+        share = trainable / facts.trainable_params if facts.trainable_params else 1.0
+        return 4 * facts.factored_params * share
+    return 8.0 * trainable
+
+
+def model_states(facts: ModelFacts, config: Config) -> States:
+    """Parameters, gradients and optimizer states per device for `config` (ZeRO paper accounting).
+
+    - ZeRO 0 (autocast, DDP): fp32 weights, fp32 grads, optimizer states; nothing is partitioned.
+    - ZeRO 1/2/3 with fp16/bf16: 2 bytes of half weights and grads; fp32 master weights + states (K)
+      partitioned over N by stage 1, grads too by stage 2, weights too by stage 3.
+    - offload "cpu"/"nvme": master weights and optimizer states leave the GPU (stage 3: weights too).
+    - LoRA: base weights frozen (fp32, or NF4/int8 when quantized); only the adapters train.
+    """
+    n = max(config.num_gpus, 1)
+    if config.lora or config.quantization != "none":
+        return _adapter_states(facts, config)
+    trainable = facts.trainable_params
+    frozen = facts.num_params - trainable
+    if config.zero_stage == 0:
+        return States(4 * facts.num_params, 4 * trainable, int(optimizer_bytes(facts, config.optimizer, trainable)))
+    half = 2 if config.precision in ("bf16", "fp16") else 4
+    master = 4 * trainable if half == 2 else 0  # fp32 copies the optimizer updates
+    k_bytes = master + optimizer_bytes(facts, config.optimizer, trainable)
+    params = half * trainable / (n if config.zero_stage >= 3 else 1) + 4 * frozen
+    grads = half * trainable / (n if config.zero_stage >= 2 else 1)
+    optimizer = k_bytes / n
+    if config.offload == "none":
+        return States(int(params), int(grads), int(optimizer))
+    # Host RAM over all N ranks: each rank's K-byte partition plus its fp32 gradient partition for CPU Adam.
+    cpu = k_bytes + 4 * trainable if config.offload == "cpu" else 0
+    if config.zero_stage >= 3:
+        cpu += half * trainable if config.offload == "cpu" else 0
+        params = 4 * frozen
+    return States(int(params), int(grads), 0, int(cpu))
+
+
+def _adapter_states(facts: ModelFacts, config: Config) -> States:
+    rank = config.lora or 16  # quantization without a rank: QLoRA's usual r=16
+    adapters = rank * facts.lora_params_per_rank
+    base = facts.num_params
+    if config.quantization == "nf4":
+        base_bytes = NF4_BYTES * facts.linear_params + 4 * (base - facts.linear_params)
+    elif config.quantization == "int8":
+        base_bytes = INT8_BYTES * facts.linear_params + 4 * facts.linear_rows + 4 * (base - facts.linear_params)
+    else:
+        base_bytes = 4 * base
+    return States(int(base_bytes + 4 * adapters), 4 * adapters, int(optimizer_bytes(facts, config.optimizer, adapters)))
+
+
+# -- activations ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ActivationPeak:
+    """Transient bytes of one forward + backward: activations, autocast weight copies, temporaries."""
+
+    peak: int  # most bytes live at once, weight gradients excluded
+    grads_at_peak: int  # weight-gradient bytes made before that moment (fp32 for full fine-tuning)
+    tail: int  # bytes live when the last weight gradient was made (end of backward)
+    joint: int = 0  # most of (bytes live + weight-gradient bytes made so far), gradients kept as made
+    grads_at_joint: int = 0  # the gradient bytes at that moment
+
+    def extrapolate(self, other: "ActivationPeak", at: float, here: float, there: float) -> "ActivationPeak":
+        """The line through self (at `here`) and other (at `there`), read at `at`; never below zero."""
+        def line(a: int, b: int) -> int:
+            return max(0, round(a + (b - a) * (at - here) / (there - here)))
+        return ActivationPeak(*(line(getattr(self, f.name), getattr(other, f.name))
+                                for f in dataclasses.fields(self)))
+
+    def with_grads(self, grads: int) -> int:
+        """Most transient bytes live in a backward whose weight gradients total `grads` bytes when kept:
+        the activation peak, the joint peak (gradients scaled down to `grads`), or all gradients at the end."""
+        return max(self.peak + min(self.grads_at_peak, grads),
+                   self.joint - self.grads_at_joint + min(self.grads_at_joint, grads),
+                   grads + self.tail)
+
+
+class _Tracker(TorchDispatchMode):
+    """Counts the bytes of every live storage made by an op, rounded as the target's allocator rounds;
+    weight gradients are counted apart (`take_grad`) and dropped at once."""
+
+    def __init__(self, rounding: int):
+        super().__init__()
+        self.rounding = rounding
+        self.current = self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._model: set[int] = set()  # storages of the weights and buffers: model states, not activations
+
+    def ignore(self, tensors: Any) -> None:
+        """Never count the storages of `tensors` (views of weights are not new memory)."""
+        self._model.update(id(t.untyped_storage()) for t in tensors)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._count(leaf.untyped_storage())
+        return out
+
+    def _count(self, storage: Any) -> None:
+        key = id(storage)
+        if key in self._model:
+            return
+        nbytes = -(-storage.nbytes() // self.rounding) * self.rounding
+        known = self._live.get(key)
+        if known is not None and known[1] == nbytes:
+            return
+        if known is not None:
+            self.current -= known[1]  # resized in place
+        ref = known[0] if known else weakref.ref(storage, lambda _r, key=key: self._forget(key))
+        self._live[key] = (ref, nbytes)
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak, self.grads_at_peak = self.current, self.grads
+        if self.current + self.grads > self.joint:
+            self.joint, self.grads_at_joint = self.current + self.grads, self.grads
+
+    def _forget(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
+
+    def take_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate hook: record the gradient's bytes, then drop it."""
+        self.grads += param.numel() * param.element_size()
+        param.grad = None
+        self.tail = self.current
+
+
+def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                  precision: str, attention: str, checkpointing: str, device: str) -> ActivationPeak:
+    """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
+    tensors on `device` ("cpu" or "cuda"), and return its `ActivationPeak`. Nothing real is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autofit.batch import call_model
+    from autofit.strategies.checkpointing import enable, every
+
+    if attention != "default" and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sdpa" if attention == "flash_attention_2" else attention)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model.to_empty(device=device)
+    model.train()
+    if checkpointing != "none":
+        enable(model, every(checkpointing))
+    tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
+    tracker.ignore([*model.parameters(), *model.buffers()])
+    hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
+    batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
+    try:
+        with fake:
+            fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
+            with tracker:
+                with _autocast(precision, device):
+                    output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
+                    loss = loss_fn(output, fake_batch)
+                loss.backward()
+                del output, loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ActivationPeak(tracker.peak + batch_bytes, tracker.grads_at_peak, tracker.tail + batch_bytes,
+                          tracker.joint + batch_bytes, tracker.grads_at_joint)
+
+
+def _autocast(precision: str, device: str) -> Any:
+    if precision == "fp32":
+        return torch.autocast(device, enabled=False)
+    # fp16 and bf16 tensors have the same size; CPU autocast simulates fp16 with bf16.
+    dtype = torch.float16 if precision == "fp16" and device == "cuda" else torch.bfloat16
+    return torch.autocast(device, dtype=dtype)
+
+
+# -- the estimator ---------------------------------------------------------------------------------------
+class Estimator:
+    """Predicts `Estimate`s for the configurations of one spec, caching each simulated forward + backward
+    by (precision, attention, checkpointing, micro-batch).
+
+    `target` is the device type predicted for: "cuda" adds the CUDA overhead terms and simulates CUDA
+    kernels where this torch build has CUDA (else CPU kernels stand in, and the reason says so);
+    "cpu" predicts what `autofit.memory.CpuBudget` measures.
+    """
+
+    def __init__(self, spec: Any, target: str | None = None, extrapolate_batch: bool = False):
+        from autofit.model_info import build_on_meta
+
+        self.spec = spec
+        self.target = target or spec.device.type
+        # True: simulate micro-batches 1 and 2 only and extrapolate linearly (fast, for planning many
+        # sizes; checkpointed runs come out a few percent low). False: simulate each micro-batch.
+        self.extrapolate_batch = extrapolate_batch
+        self.sim_device = "cuda" if self.target == "cuda" and torch.cuda.is_available() else "cpu"
+        meta = build_on_meta(spec.model_factory)
+        self._meta_ok = meta is not None
+        self._meta = meta if meta is not None else spec.model_factory().to("meta")
+        self.facts = model_facts(self._meta)
+        self._depth_key = _depth_key(self._meta, self.facts)
+        self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
+
+    # -- activations ---------------------------------------------------------------------------------
+    def activations(self, config: Config) -> tuple[ActivationPeak, str]:
+        """The `ActivationPeak` at `config`'s micro-batch and how it was obtained (one phrase)."""
+        mb = config.micro_batch_size
+        if mb <= 2 or not self.extrapolate_batch:
+            return self._at_batch(config, mb)
+        (one, how), (two, _) = self._at_batch(config, 1), self._at_batch(config, 2)
+        return one.extrapolate(two, mb, 1, 2), f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
+
+    def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
+        key = (config.precision, config.attention, config.checkpointing, mb)
+        if key not in self._cache:
+            self._cache[key] = self._simulated(config, mb)
+        return self._cache[key]
+
+    def _simulated(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
+        where = "CUDA" if self.sim_device == "cuda" else \
+            ("CPU kernels standing in for CUDA (this torch build has no CUDA)" if self.target == "cuda" else "CPU")
+        try:
+            depths = SIM_DEPTHS if self._depth_key and self.facts.num_blocks > SIM_DEPTHS[-1] else (None,)
+            peaks = [self._run(config, mb, depth) for depth in depths]
+        except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
+            return self._formula(config, mb), f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}); " \
+                                              "activations by the Korthikanti et al. formula"
+        if len(peaks) == 1:
+            return peaks[0], f"activations simulated under fake tensors on {where}"
+        total = self.facts.num_blocks
+        return (peaks[0].extrapolate(peaks[1], total, *SIM_DEPTHS),
+                f"activations simulated under fake tensors on {where} at {SIM_DEPTHS[0]} and {SIM_DEPTHS[1]} "
+                f"of {total} blocks, extrapolated")
+
+    def _run(self, config: Config, mb: int, depth: int | None) -> ActivationPeak:
+        from autofit.model_info import build_on_meta
+
+        if depth is None:
+            model = build_on_meta(self.spec.model_factory) if self._meta_ok else self.spec.model_factory().to("meta")
+        else:
+            model = _rebuild(self._meta, self._depth_key, depth)
+        batch = self.spec.batch_factory(mb)
+        return simulate_step(model, batch, self.spec.loss_fn, precision=config.precision, attention=config.attention,
+                             checkpointing=config.checkpointing, device=self.sim_device)
+
+    def _formula(self, config: Config, mb: int) -> ActivationPeak:
+        """Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit (the 5as/h
+        term is the attention matrix, absent with fused attention), 2*s*b*h per layer when checkpointed."""
+        hf = self.spec.model.hf_config
+        hidden, heads = getattr(hf, "hidden_size", 0), getattr(hf, "num_attention_heads", 1)
+        s, b = self.spec.tokens_per_sample or 1, mb
+        per_layer = s * b * hidden * (34 + (0 if config.attention in ("sdpa", "flash_attention_2")
+                                            else 5 * heads * s / max(hidden, 1)))
+        if config.checkpointing == "full":
+            per_layer = 2 * s * b * hidden
+        scale = 2 if config.precision == "fp32" else 1
+        return ActivationPeak(int(scale * per_layer * self.facts.num_blocks), 0, 0)
+
+    # -- the peak -------------------------------------------------------------------------------------
+    def predict(self, config: Config) -> Estimate:
+        """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
+        states = model_states(self.facts, config)
+        act, how = self.activations(config)
+        notes = [how]
+        act = self._adjusted(act, config, notes)
+        params = states.params + self._gathered(config, notes)
+        temp = self._optimizer_temporaries(config)
+        if config.grad_accum_steps > 1:  # the gradients of earlier micro-batches are live throughout
+            transient = states.grads + act.peak
+        else:  # gradients appear as activations are freed
+            transient = act.with_grads(states.grads)
+        transient = max(transient, states.grads + temp)  # the optimizer step
+        terms = self._overhead(config, act.peak + temp)
+        overhead = sum(b for _, b in terms)
+        peak = params + states.optimizer + transient + overhead
+        breakdown = Breakdown(params, states.grads, states.optimizer + temp, act.peak, overhead)
+        notes += _state_notes(config, states)
+        return Estimate(breakdown, int(peak), states.cpu, "; ".join(notes), tuple(terms))
+
+    def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
+        """What the simulation of full fine-tuning cannot see: bitsandbytes' quantized matmuls keep the
+        packed weights for backward, not the 16-bit copies autocast saves (2 bytes per weight)."""
+        if config.lora or config.quantization != "none":
+            notes.append("LoRA adapters not simulated: full fine-tuning's activations (adapters save the same inputs)")
+        if config.quantization != "none" and config.precision != "fp32":
+            notes.append(f"{config.quantization} kernels not simulated: 16-bit weight copies removed by formula")
+            return dataclasses.replace(act, peak=max(0, act.peak - 2 * self.facts.linear_params))
+        return act
+
+    def _gathered(self, config: Config, notes: list[str]) -> int:
+        """ZeRO-3 gathers each block's full weights before using them: two blocks (current + prefetch)
+        and the largest tensor, at most `stage3_max_live_parameters`, in 16 bits."""
+        if config.zero_stage < 3 or config.lora or config.quantization != "none":
+            return 0
+        live = min(ZERO3_MAX_LIVE_ELEMENTS, 2 * self.facts.block_params + self.facts.largest_param)
+        notes.append("ZeRO-3 gathered weights by formula")
+        return 2 * live
+
+    def _optimizer_temporaries(self, config: Config) -> int:
+        """Bytes the optimizer step allocates beyond its states. torch's foreach AdamW/Adafactor (the CUDA
+        default) builds one fp32 list the size of the trainable weights (sqrt of the second moment); the
+        single-tensor path (CPU) two temporaries of the largest tensor; bitsandbytes and DeepSpeed's
+        fused/CPU Adam update in place."""
+        if config.zero_stage or config.optimizer in ("adamw8bit", "paged_adamw8bit"):
+            return 0
+        adapters = config.lora or config.quantization != "none"
+        trainable = (config.lora or 16) * self.facts.lora_params_per_rank if adapters else self.facts.trainable_params
+        if self.target == "cuda":
+            return 4 * trainable
+        return 2 * 4 * min(self.facts.largest_param, trainable)
+
+    def _overhead(self, config: Config, transient: int) -> list[tuple[str, int]]:
+        """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only)."""
+        if self.target != "cuda":
+            return []
+        terms = [("cuda_context", CUDA_CONTEXT_BYTES), ("cublas_workspace", CUBLAS_WORKSPACE_BYTES),
+                 ("fragmentation", int(FRAGMENTATION * transient))]
+        trainable = self.facts.trainable_params
+        if config.num_gpus > 1 and config.zero_stage == 0 and not config.lora and config.quantization == "none":
+            terms.append(("ddp_buckets", 4 * trainable))  # DDP copies gradients into buckets (no bucket views)
+        if config.zero_stage in (1, 2):
+            half = 2 if config.precision != "fp32" else 4
+            buckets = 2 if config.zero_stage == 2 else 1  # allgather bucket (+ reduce bucket at stage 2)
+            terms.append(("deepspeed_buckets", buckets * half * min(DEEPSPEED_BUCKET_ELEMENTS, trainable)))
+        return terms
+
+
+def _state_notes(config: Config, states: States) -> list[str]:
+    from autofit.units import format_size
+
+    notes = []
+    if config.optimizer in ("adamw8bit", "paged_adamw8bit", "adafactor"):
+        notes.append(f"{config.optimizer} states by formula")
+    if config.zero_stage:
+        notes.append(f"ZeRO-{config.zero_stage} partitioning over {config.num_gpus} GPU(s) by formula")
+    if config.offload != "none":
+        notes.append(f"offload to {config.offload}: {format_size(states.cpu)} of host RAM")
+    return notes
+
+
+def _depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
+    """The config attribute that sets a Hugging Face model's depth, when the model can be rebuilt at
+    another depth with identical blocks (decoder-only or encoder-only, every weight trainable)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(type(model), "_from_config"):
+        return None
+    if facts.trainable_params != facts.num_params:
+        return None
+    key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+    return key if getattr(config, key, None) == facts.num_blocks else None
+
+
+def _rebuild(model: nn.Module, key: str, depth: int) -> nn.Module:
+    """`model`'s class built on the meta device from its config with `depth` blocks."""
+    data = model.config.to_dict()
+    data[key] = depth
+    if isinstance(data.get("layer_types"), list):
+        data["layer_types"] = data["layer_types"][:depth]
+    config = type(model.config).from_dict(data)
+    config._attn_implementation = model.config._attn_implementation
+    with torch.device("meta"):
+        return type(model)._from_config(config)
+
+
+_ESTIMATORS: dict[int, tuple[weakref.ref, Estimator]] = {}
+
+
+def predict_peak(spec: Any, config: Config) -> Estimate:
+    """The predicted peak of `config` on `spec.device` (an `Estimate`). Estimators are cached per spec,
+    so ordering a search's candidates simulates each (precision, attention, checkpointing) once."""
+    entry = _ESTIMATORS.get(id(spec))
+    if entry is None or entry[0]() is not spec:
+        entry = (weakref.ref(spec), Estimator(spec))
+        _ESTIMATORS[id(spec)] = entry
+    return entry[1].predict(config)

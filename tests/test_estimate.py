@@ -1,0 +1,118 @@
+"""Estimate: model-state formulas against published figures, activations against measured CPU peaks."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from autofit.config import Config
+from autofit.estimate import (CUDA_CONTEXT_BYTES, Estimator, ModelFacts, NF4_BYTES, model_states,
+                              predict_peak)
+from autofit.probe import run_probe
+from autofit.spec import make_spec
+from autofit.strategies import default_strategies
+
+GB = 1e9
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def tiny_llama(layers: int = 4) -> LlamaConfig:
+    return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                       num_attention_heads=4, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return make_spec(tiny_llama(), None, seq_len=128, global_batch_size=4, device="cpu", memory_budget="4GiB",
+                     warmup_steps=1, timed_steps=1)
+
+
+# -- model states: the ZeRO paper, Figure 1 / Table 1 (7.5B parameters, 64 GPUs, fp16 Adam, K = 12) ------
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_model_states(stage, expected_gb):
+    facts = ModelFacts(num_params=7_500_000_000, trainable_params=7_500_000_000)
+    states = model_states(facts, Config(precision="fp16", zero_stage=stage, num_gpus=64))
+    total = states.params + states.grads + states.optimizer
+    assert round(total / GB, 1) == expected_gb
+
+
+def test_8bit_optimizer_keeps_a_quarter_of_adam_states():
+    facts = ModelFacts(num_params=10**9, trainable_params=10**9)
+    adam = model_states(facts, Config()).optimizer
+    eight = model_states(facts, Config(optimizer="adamw8bit")).optimizer
+    assert 0.25 <= eight / adam < 0.26
+
+
+def test_qlora_base_weights_and_adapter_states():
+    facts = ModelFacts(num_params=10**9, trainable_params=10**9, linear_params=9 * 10**8,
+                       lora_params_per_rank=10**6)
+    states = model_states(facts, Config(precision="bf16", quantization="nf4", lora=16))
+    adapters = 16 * 10**6
+    assert states.params == int(NF4_BYTES * 9e8 + 4 * 1e8 + 4 * adapters)
+    assert states.grads == 4 * adapters and states.optimizer == 8 * adapters
+    assert 0.5 < NF4_BYTES < 0.52  # 4 bits + double-quantized constants (QLoRA paper: 0.127 bits/param)
+
+
+def test_offload_moves_states_to_host():
+    facts = ModelFacts(num_params=10**9, trainable_params=10**9)
+    on_gpu = model_states(facts, Config(precision="bf16", zero_stage=2, num_gpus=4))
+    offloaded = model_states(facts, Config(precision="bf16", zero_stage=2, num_gpus=4, offload="cpu"))
+    assert offloaded.optimizer == 0 and on_gpu.optimizer == 12 * 10**9 // 4
+    assert offloaded.cpu == 16 * 10**9  # master weights + Adam moments + fp32 grads, all ranks
+    zero3 = model_states(facts, Config(precision="bf16", zero_stage=3, num_gpus=4, offload="cpu"))
+    assert zero3.params == 0 and zero3.cpu == 18 * 10**9
+
+
+# -- activations: predicted against the CPU budget's measured peak ------------------------------------
+@pytest.mark.parametrize("config", [
+    Config(micro_batch_size=4, attention="sdpa"),
+    Config(precision="bf16", attention="sdpa", micro_batch_size=4),
+    Config(precision="bf16", attention="sdpa", checkpointing="full", micro_batch_size=4),
+    Config(attention="eager", micro_batch_size=2, grad_accum_steps=2),
+], ids=lambda c: c.describe())
+def test_prediction_matches_measured_cpu_peak(spec, config):
+    measured = run_probe(spec, config, default_strategies())
+    predicted = predict_peak(spec, config)
+    assert measured.fits, measured.reason
+    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) < 0.03, (predicted, measured.peak_bytes)
+    assert predicted.breakdown.activations > predicted.breakdown.params  # activations dominate here
+
+
+def test_less_memory_where_the_knobs_promise_it(spec):
+    estimator = Estimator(spec)
+    base = Config(attention="sdpa", micro_batch_size=4)
+    peak = {name: estimator.predict(config).peak_bytes for name, config in {
+        "base": base, "bf16": base.replace(precision="bf16"), "ckpt": base.replace(checkpointing="full"),
+        "eager": base.replace(attention="eager"), "mb2": base.replace(micro_batch_size=2, grad_accum_steps=2)}.items()}
+    assert peak["bf16"] < peak["base"] and peak["ckpt"] < peak["base"] and peak["mb2"] < peak["base"]
+    assert peak["eager"] > peak["base"]  # the eager attention matrix is O(n^2)
+
+
+def test_depth_extrapolation_matches_full_simulation():
+    deep = make_spec(tiny_llama(layers=8), None, seq_len=64, device="cpu", memory_budget="4GiB")
+    config = Config(precision="bf16", attention="sdpa", micro_batch_size=2)
+    estimator = Estimator(deep)
+    extrapolated, how = estimator.activations(config)
+    assert "at 2 and 4 of 8 blocks" in how
+    full = estimator._run(config, 2, None)
+    assert abs(extrapolated.peak / full.peak - 1) < 0.01
+
+
+def test_cuda_target_adds_documented_overhead(spec):
+    estimate = Estimator(spec, target="cuda").predict(Config(attention="sdpa"))
+    terms = dict(estimate.terms)
+    assert terms["cuda_context"] == CUDA_CONTEXT_BYTES and "fragmentation" in terms
+    assert estimate.breakdown.overhead == sum(terms.values())
+    assert "standing in for CUDA" in estimate.reason or torch.cuda.is_available()
+
+
+def test_estimate_is_frozen_values(spec):
+    estimate = predict_peak(spec, Config())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        estimate.peak_bytes = 0
+    assert set(estimate.to_dict()["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead"}
