@@ -101,10 +101,11 @@ def nothing_fits_reason(space: Space, results: list[ProbeResult]) -> str:
     ooms = [r for r in results if r.status is ProbeStatus.OOM]
     if not ooms:
         return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
-    smallest = min(ooms, key=lambda r: (r.config.micro_batch_size, -len(r.config.describe())))
+    # the OOM that saves at least as much memory as the most others: the closest to fitting
+    smallest = max(ooms, key=lambda r: sum(space.saves_at_least(r.config, o.config) for o in ooms))
     need = _measured_need(space, smallest.config)
     hint = space.next_tier_hint()
-    further = f"Allow {hint} to go further." if hint else \
+    further = f"Pass {hint} to go further." if hint else \
         "Raise the budget, use more GPUs (num_gpus) or offload to go further."
     return f"{head}; the smallest needs {need} ({smallest.config.describe()}). {further}"
 
