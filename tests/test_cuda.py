@@ -1,0 +1,46 @@
+"""On a real card: probes OOM for real under a budget fraction, and memory returns afterwards.
+
+Deselected by default; run with `python -m pytest -m gpu` on a GPU machine.
+"""
+
+import pytest
+import torch
+from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
+
+import autofit
+from autofit import Config, ProbeStatus
+from autofit.probe import run_probe
+from autofit.spec import make_spec
+from autofit.strategies import default_strategies
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def wide_batch(n):
+    return torch.randn(n, 4096, 64), torch.randint(0, 10, (n, 4096))
+
+
+def test_budget_fraction_makes_a_real_cuda_oom_and_memory_returns():
+    spec = make_spec(make_mlp, wide_batch, global_batch_size=64, device="cuda", memory_budget="1GiB",
+                     loss_fn=mlp_loss, warmup_steps=1, timed_steps=1)
+    before = torch.cuda.memory_allocated()
+    for _ in range(5):
+        result = run_probe(spec, Config(micro_batch_size=64), default_strategies())
+        assert result.status is ProbeStatus.OOM and result.oom_kind == "cuda-allocator", result.reason
+        assert torch.cuda.memory_allocated() == before
+    fits = run_probe(spec, Config(micro_batch_size=1, grad_accum_steps=64), default_strategies())
+    assert fits.fits and fits.peak_bytes <= 2**30
+
+
+def test_tuning_a_gpt2_under_a_budget_fraction():
+    free, total = torch.cuda.mem_get_info()
+    plan = autofit.autofit(make_gpt2, global_batch_size=32, device="cuda", memory_budget="1GiB")
+    assert plan.fits and plan.peak_memory <= 2**30, plan.reason
+    assert plan.config.precision == "bf16" or not torch.cuda.is_bf16_supported()
+
+
+def test_mlp_end_to_end_on_cuda():
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=16, device="cuda", memory_budget="2GiB",
+                           loss_fn=mlp_loss)
+    assert plan.fits and plan.config.global_batch_size == 16
