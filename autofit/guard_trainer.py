@@ -1,0 +1,104 @@
+"""The OOM guard for the Hugging Face `Trainer`: a one-line change.
+
+    from autofit.guard_trainer import GuardedTrainer
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=...)   # was: Trainer(...)
+
+Each per-device batch the Trainer feeds `training_step` is split when it runs out of memory, each
+piece's loss weighted by its share (or left as is when the loss is already normalised by the
+window's token count, `num_items_in_batch`), inside the Trainer's own accumulation window: the global
+batch, the global step and the learning-rate schedule are untouched, unlike `auto_find_batch_size`,
+which restarts with a smaller batch. Evaluation batches are split apart from training's: an OOM in
+`evaluate` never changes the training micro-batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from autofit.errors import UsageError
+from autofit.guard import OomGuard
+from autofit.guard_parts import concat_rows
+
+
+class GuardedTrainer(Trainer):
+    """`transformers.Trainer` with autofit's OOM guard around `training_step` and `prediction_step`.
+
+    Extra keyword arguments (all optional): `guard_plan` (a plan.json the guard updates),
+    `guard_grow_back_after` (clean batches before trying the larger size again),
+    `guard_eval_micro_batch_size` (starting evaluation micro-batch; default: the whole eval batch).
+    """
+
+    def __init__(self, *args: Any, guard_plan: str | Path | None = None, guard_grow_back_after: int | None = None,
+                 guard_eval_micro_batch_size: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._guard_options = {"plan": guard_plan, "grow_back_after": guard_grow_back_after,
+                               "eval_micro_batch_size": guard_eval_micro_batch_size}
+        self.oom_guard: OomGuard | None = None
+        self._guard_weight = 1.0
+
+    def _guard_for(self, model: nn.Module) -> OomGuard:
+        """The guard, made on first use: the Trainer creates its optimizer and wrapped model lazily."""
+        if self.oom_guard is None or (self.optimizer is not None and self.oom_guard.optimizer is None):
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+                raise UsageError("GuardedTrainer guards single-process and DDP training; DeepSpeed and FSDP "
+                                 "engines own their backward. Use Trainer, or tune with `autofit tune`.")
+            eval_size = self.oom_guard.eval_micro_batch_size if self.oom_guard else None
+            options = dict(self._guard_options)
+            options["eval_micro_batch_size"] = eval_size or options["eval_micro_batch_size"]
+            self.oom_guard = OomGuard(model, self.optimizer, **options)
+        return self.oom_guard
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """`Trainer.training_step` over the batch, split into smaller pieces when it runs out of memory."""
+        guard = self._guard_for(model)
+        guard.steps = self.state.global_step
+        guard.accumulation_multiplier = self.args.gradient_accumulation_steps
+        parent = super().training_step
+
+        def backward(chunk: dict[str, Any], weight: float) -> torch.Tensor:
+            self._guard_weight = weight
+            try:
+                return parent(model, chunk, num_items_in_batch)
+            finally:
+                self._guard_weight = 1.0
+
+        report = guard.accumulate(inputs, backward)
+        if guard.sync.world_size > 1 and self.accelerator.sync_gradients:
+            guard.average_gradients()  # every piece ran under no_sync
+        return report.loss
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """The Trainer's loss, weighted by the piece's share of the batch while the guard splits it."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if self._guard_weight == 1.0 or self._loss_sums_over_window(num_items_in_batch):
+            return result
+        if return_outputs:
+            return result[0] * self._guard_weight, result[1]
+        return result * self._guard_weight
+
+    def _loss_sums_over_window(self, num_items_in_batch: Any) -> bool:
+        """True when the loss is a sum divided by the window's item count: pieces then add up as they are
+        (the same test `Trainer.training_step` makes before dividing by the accumulation steps)."""
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+            self.compute_loss_func is not None
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """`Trainer.prediction_step` in evaluation micro-batches of their own, halved on OOM."""
+        guard = self._guard_for(model)
+        parent = super().prediction_step
+        parts = guard.evaluate_chunks(inputs, lambda chunk: parent(model, chunk, prediction_loss_only, ignore_keys))
+        total = sum(size for size, _ in parts)
+        losses = [(size, out[0]) for size, out in parts]
+        loss = None if losses[0][1] is None else sum(value * (size / total) for size, value in losses)
+        return loss, concat_rows([out[1] for _, out in parts]), concat_rows([out[2] for _, out in parts])

@@ -1,0 +1,127 @@
+"""The OOM guard in the Hugging Face Trainer: `Trainer(...)` -> `GuardedTrainer(...)` is the whole change.
+
+An OOM forced mid-run (the CPU budget, lowered from a callback, with a forward that needs memory per
+sample) is recovered inside the accumulation window: the weights match a plain Trainer's run. An OOM in
+evaluation shrinks evaluation only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from autofit.guard_trainer import GuardedTrainer
+from autofit.memory import CpuBudget
+
+torch.set_num_threads(1)
+SCRATCH = 1_000_000  # floats per sample the forward needs while `state["on"]`: dwarfs a step of the tiny model
+SEQ, BATCH = 16, 8
+
+
+class Records(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 64, (n, SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class MeanLossLM(nn.Module):
+    """A model that does not take `num_items_in_batch`: its loss is a mean, so pieces must be weighted."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(2))
+        self.out = nn.Linear(32, 64)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.out(x)
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2LMHeadModel(config)
+    return MeanLossLM()
+
+
+def _args(tmp_path) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH,
+                             per_device_eval_batch_size=32, gradient_accumulation_steps=2, max_steps=4,
+                             learning_rate=0.1, optim="sgd", max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", seed=0, dataloader_num_workers=0)
+
+
+class _SqueezeAtStep(TrainerCallback):
+    """From optimizer step `step` on, the forward needs SCRATCH floats per sample and the budget is tight."""
+
+    def __init__(self, budget: CpuBudget, state: dict, step: int):
+        self.budget, self.state, self.step, self.base = budget, state, step, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:  # measure what one clean step needs above what lives between steps
+            self.base = self.budget.current
+            self.budget.reset_peak()
+        if state.global_step == self.step and not self.state["on"]:
+            self.state["on"] = True
+            step_needs = self.budget.peak - self.base
+            self.budget.limit = self.budget.current + step_needs + 6 * SCRATCH * 4  # 8 samples' scratch is over
+
+
+def _needs_scratch(state: dict):
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if state["on"]:
+            scratch = torch.ones(SCRATCH * ids.shape[0])
+            del scratch
+
+    return hook
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mean-loss"])
+def test_trainer_recovers_mid_run_and_matches_the_plain_trainer(tmp_path, kind):
+    reference = _model(kind)
+    Trainer(model=reference, args=_args(tmp_path / "ref"), train_dataset=Records(64, 1)).train()
+
+    model, state = _model(kind), {"on": False}
+    model.register_forward_pre_hook(_needs_scratch(state), with_kwargs=True)
+    with CpuBudget(None) as budget:
+        trainer = GuardedTrainer(model=model, args=_args(tmp_path / "guarded"), train_dataset=Records(64, 1),
+                                 callbacks=[_SqueezeAtStep(budget, state, step=2)])
+        trainer.train()
+    guard = trainer.oom_guard
+    assert state["on"] and [r.action for r in guard.recoveries] == ["micro-batch"]
+    assert guard.recoveries[0].step == 2 and guard.config.micro_batch_size == 4
+    assert guard.config.grad_accum_steps == 4 and trainer.state.global_step == 4
+    assert guard.samples_seen == 4 * 2 * BATCH
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_evaluation_oom_in_trainer_leaves_the_training_batch_alone(tmp_path):
+    model, state = _model("gpt2"), {"on": False}
+    model.register_forward_pre_hook(_needs_scratch(state), with_kwargs=True)
+    plain = Trainer(model=model, args=_args(tmp_path / "plain"), eval_dataset=Records(32, 2)).evaluate()
+    with CpuBudget(None) as budget:
+        trainer = GuardedTrainer(model=model, args=_args(tmp_path / "guarded"), eval_dataset=Records(32, 2))
+        trainer.evaluate()
+        state["on"] = True
+        budget.limit = budget.peak + 10 * SCRATCH * 4  # 32 samples' scratch is over, 8 under
+        metrics = trainer.evaluate()
+    guard = trainer.oom_guard
+    assert guard.eval_micro_batch_size <= 8 and guard.recoveries == []
+    assert guard.config.micro_batch_size == 0  # training never ran: its size was never set by evaluation
+    assert metrics["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
