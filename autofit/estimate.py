@@ -40,7 +40,7 @@ ALLOCATOR_ROUNDING = 512  # the caching allocator rounds every block up to 512 b
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes (activations, optimizer temporaries)
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
 ZERO3_MAX_LIVE_ELEMENTS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
-SIM_DEPTHS = (2, 4)  # blocks simulated for deep models (even: every_2 checkpointing stays exact)
+SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 second-level absmax per 256 blocks
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
 
@@ -196,11 +196,19 @@ def _adapter_states(facts: ModelFacts, config: Config) -> States:
 class ActivationPeak:
     """Transient bytes of one forward + backward: activations, autocast weight copies, temporaries."""
 
-    peak: int  # most bytes live at once, weight gradients excluded
+    forward: int  # most bytes live during the forward (and the loss)
+    peak: int  # most bytes live during the backward, weight gradients excluded
     grads_at_peak: int  # weight-gradient bytes made before that moment (fp32 for full fine-tuning)
     tail: int  # bytes live when the last weight gradient was made (end of backward)
-    joint: int = 0  # most of (bytes live + weight-gradient bytes made so far), gradients kept as made
+    joint: int = 0  # most of (bytes live + weight-gradient bytes made so far) in the backward
     grads_at_joint: int = 0  # the gradient bytes at that moment
+
+    # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
+    # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
+    @property
+    def largest(self) -> int:
+        """Most activation bytes live at once, in either phase."""
+        return max(self.forward, self.peak)
 
     def extrapolate(self, other: "ActivationPeak", at: float, here: float, there: float) -> "ActivationPeak":
         """The line through self (at `here`) and other (at `there`), read at `at`; never below zero."""
@@ -212,7 +220,7 @@ class ActivationPeak:
     def with_grads(self, grads: int) -> int:
         """Most transient bytes live in a backward whose weight gradients total `grads` bytes when kept:
         the activation peak, the joint peak (gradients scaled down to `grads`), or all gradients at the end."""
-        return max(self.peak + min(self.grads_at_peak, grads),
+        return max(self.forward, self.peak + min(self.grads_at_peak, grads),
                    self.joint - self.grads_at_joint + min(self.grads_at_joint, grads),
                    grads + self.tail)
 
@@ -225,6 +233,8 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.rounding = rounding
         self.current = self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
+        self.forward = 0
+        self.backward = False  # set when the backward starts
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self._model: set[int] = set()  # storages of the weights and buffers: model states, not activations
 
@@ -252,6 +262,9 @@ class _Tracker(TorchDispatchMode):
         ref = known[0] if known else weakref.ref(storage, lambda _r, key=key: self._forget(key))
         self._live[key] = (ref, nbytes)
         self.current += nbytes
+        if not self.backward:
+            self.forward = max(self.forward, self.current)
+            return
         if self.current > self.peak:
             self.peak, self.grads_at_peak = self.current, self.grads
         if self.current + self.grads > self.joint:
@@ -270,9 +283,13 @@ class _Tracker(TorchDispatchMode):
 
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-                  precision: str, attention: str, checkpointing: str, device: str) -> ActivationPeak:
+                  precision: str, attention: str, checkpointing: str, device: str,
+                  half_weights: bool = False) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
-    tensors on `device` ("cpu" or "cuda"), and return its `ActivationPeak`. Nothing real is allocated."""
+    tensors on `device` ("cpu" or "cuda"), and return its `ActivationPeak`. Nothing real is allocated.
+
+    `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
+    used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.batch import call_model
@@ -280,6 +297,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
 
     if attention != "default" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("sdpa" if attention == "flash_attention_2" else attention)
+    if half_weights and precision != "fp32":
+        model.to(_half_dtype(precision, device))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device=device)
@@ -294,24 +313,28 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         with fake:
             fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
             with tracker:
-                with _autocast(precision, device):
+                with _autocast("fp32" if half_weights else precision, device):
                     output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
                     loss = loss_fn(output, fake_batch)
+                tracker.backward = True
                 loss.backward()
                 del output, loss
     finally:
         for hook in hooks:
             hook.remove()
-    return ActivationPeak(tracker.peak + batch_bytes, tracker.grads_at_peak, tracker.tail + batch_bytes,
-                          tracker.joint + batch_bytes, tracker.grads_at_joint)
+    return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
+                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
 
 
 def _autocast(precision: str, device: str) -> Any:
     if precision == "fp32":
         return torch.autocast(device, enabled=False)
     # fp16 and bf16 tensors have the same size; CPU autocast simulates fp16 with bf16.
-    dtype = torch.float16 if precision == "fp16" and device == "cuda" else torch.bfloat16
-    return torch.autocast(device, dtype=dtype)
+    return torch.autocast(device, dtype=_half_dtype(precision, device))
+
+
+def _half_dtype(precision: str, device: str) -> torch.dtype:
+    return torch.float16 if precision == "fp16" and device == "cuda" else torch.bfloat16
 
 
 # -- the estimator ---------------------------------------------------------------------------------------
@@ -350,7 +373,7 @@ class Estimator:
         return one.extrapolate(two, mb, 1, 2), f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
-        key = (config.precision, config.attention, config.checkpointing, mb)
+        key = (config.precision, config.attention, config.checkpointing, mb, _half_weights(config))
         if key not in self._cache:
             self._cache[key] = self._simulated(config, mb)
         return self._cache[key]
@@ -358,8 +381,13 @@ class Estimator:
     def _simulated(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         where = "CUDA" if self.sim_device == "cuda" else \
             ("CPU kernels standing in for CUDA (this torch build has no CUDA)" if self.target == "cuda" else "CPU")
+        from autofit.strategies.checkpointing import every
+
+        k = max(every(config.checkpointing), 1)
+        depths = tuple(k * d for d in SIM_DEPTHS)
         try:
-            depths = SIM_DEPTHS if self._depth_key and self.facts.num_blocks > SIM_DEPTHS[-1] else (None,)
+            if not self._depth_key or self.facts.num_blocks <= depths[-1]:
+                depths = (None,)
             peaks = [self._run(config, mb, depth) for depth in depths]
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             return self._formula(config, mb), f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}); " \
@@ -367,8 +395,8 @@ class Estimator:
         if len(peaks) == 1:
             return peaks[0], f"activations simulated under fake tensors on {where}"
         total = self.facts.num_blocks
-        return (peaks[0].extrapolate(peaks[1], total, *SIM_DEPTHS),
-                f"activations simulated under fake tensors on {where} at {SIM_DEPTHS[0]} and {SIM_DEPTHS[1]} "
+        return (peaks[0].extrapolate(peaks[1], total, *depths),
+                f"activations simulated under fake tensors on {where} at {depths[0]} and {depths[1]} "
                 f"of {total} blocks, extrapolated")
 
     def _run(self, config: Config, mb: int, depth: int | None) -> ActivationPeak:
@@ -380,7 +408,8 @@ class Estimator:
             model = _rebuild(self._meta, self._depth_key, depth)
         batch = self.spec.batch_factory(mb)
         return simulate_step(model, batch, self.spec.loss_fn, precision=config.precision, attention=config.attention,
-                             checkpointing=config.checkpointing, device=self.sim_device)
+                             checkpointing=config.checkpointing, device=self.sim_device,
+                             half_weights=_half_weights(config))
 
     def _formula(self, config: Config, mb: int) -> ActivationPeak:
         """Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit (the 5as/h
@@ -393,7 +422,8 @@ class Estimator:
         if config.checkpointing == "full":
             per_layer = 2 * s * b * hidden
         scale = 2 if config.precision == "fp32" else 1
-        return ActivationPeak(int(scale * per_layer * self.facts.num_blocks), 0, 0)
+        total = int(scale * per_layer * self.facts.num_blocks)
+        return ActivationPeak(total, total, 0, 0, total, 0)
 
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
@@ -405,14 +435,14 @@ class Estimator:
         params = states.params + self._gathered(config, notes)
         temp = self._optimizer_temporaries(config)
         if config.grad_accum_steps > 1:  # the gradients of earlier micro-batches are live throughout
-            transient = states.grads + act.peak
+            transient = states.grads + act.largest
         else:  # gradients appear as activations are freed
             transient = act.with_grads(states.grads)
         transient = max(transient, states.grads + temp)  # the optimizer step
-        terms = self._overhead(config, act.peak + temp)
+        terms = self._overhead(config, act.largest + temp)
         overhead = sum(b for _, b in terms)
         peak = params + states.optimizer + transient + overhead
-        breakdown = Breakdown(params, states.grads, states.optimizer + temp, act.peak, overhead)
+        breakdown = Breakdown(params, states.grads, states.optimizer + temp, act.largest, overhead)
         notes += _state_notes(config, states)
         return Estimate(breakdown, int(peak), states.cpu, "; ".join(notes), tuple(terms))
 
@@ -423,7 +453,9 @@ class Estimator:
             notes.append("LoRA adapters not simulated: full fine-tuning's activations (adapters save the same inputs)")
         if config.quantization != "none" and config.precision != "fp32":
             notes.append(f"{config.quantization} kernels not simulated: 16-bit weight copies removed by formula")
-            return dataclasses.replace(act, peak=max(0, act.peak - 2 * self.facts.linear_params))
+            copies = 2 * self.facts.linear_params
+            return dataclasses.replace(act, forward=max(0, act.forward - copies), peak=max(0, act.peak - copies),
+                                       joint=max(0, act.joint - copies))
         return act
 
     def _gathered(self, config: Config, notes: list[str]) -> int:
@@ -462,6 +494,11 @@ class Estimator:
             buckets = 2 if config.zero_stage == 2 else 1  # allgather bucket (+ reduce bucket at stage 2)
             terms.append(("deepspeed_buckets", buckets * half * min(DEEPSPEED_BUCKET_ELEMENTS, trainable)))
         return terms
+
+
+def _half_weights(config: Config) -> bool:
+    """DeepSpeed (ZeRO) trains 16-bit weights without autocast; torch AMP keeps fp32 weights."""
+    return config.zero_stage > 0 and config.precision != "fp32"
 
 
 def _state_notes(config: Config, states: States) -> list[str]:

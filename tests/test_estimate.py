@@ -98,7 +98,7 @@ def test_depth_extrapolation_matches_full_simulation():
     config = Config(precision="bf16", attention="sdpa", micro_batch_size=2)
     estimator = Estimator(deep)
     extrapolated, how = estimator.activations(config)
-    assert "at 2 and 4 of 8 blocks" in how
+    assert "at 1 and 2 of 8 blocks" in how
     full = estimator._run(config, 2, None)
     assert abs(extrapolated.peak / full.peak - 1) < 0.01
 

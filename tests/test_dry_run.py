@@ -1,0 +1,127 @@
+"""dry_run: predicted plans for GPUs that are not here, on fake tensors only."""
+
+import json
+import time
+
+import psutil
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import autofit
+from autofit.dry_run import dry_run, step_seconds
+from autofit.errors import UsageError
+
+GIB = 1024**3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory="1GiB", num_gpus=2)
+
+
+def test_70b_preset_plans_fast_with_nothing_allocated():
+    rss = psutil.Process().memory_info().rss
+    started = time.perf_counter()
+    result = autofit.dry_run("llama-2-70b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 60, elapsed
+    assert psutil.Process().memory_info().rss - rss < 4 * GIB  # 70B fp32 weights alone would be 280 GB
+    assert result.fits and result.chosen.config.zero_stage == 3  # 70B needs every state sharded on 8 GPUs
+    assert result.chosen.peak_bytes <= result.fit_limit
+    optimizer_free = [c for c in result.candidates if c.config.zero_stage == 0 and not c.config.lora]
+    assert optimizer_free and not any(c.fits for c in optimizer_free)  # 16 bytes/param cannot fit 80 GB
+
+
+def test_chosen_is_the_fastest_fit_and_candidates_are_ordered(report):
+    fitting = [c for c in report.candidates if c.fits]
+    assert report.chosen is fitting[0]
+    assert [c.step_seconds for c in fitting] == sorted(c.step_seconds for c in fitting)
+    rest = [c.peak_bytes for c in report.candidates if not c.fits]
+    assert rest == sorted(rest)
+    assert report.candidates[:len(fitting)] == tuple(fitting)
+
+
+def test_every_candidate_keeps_the_global_batch_and_its_tier(report):
+    for candidate in report.candidates:
+        assert candidate.config.global_batch_size == 16
+        assert candidate.tier <= 1  # lora (tier 2) is not allowed by default
+        parts = candidate.estimate.breakdown
+        assert candidate.peak_bytes <= parts.total  # not every part is live at the peak
+
+
+def test_largest_fitting_micro_batch_per_level(report):
+    from autofit.dry_run import _Planner
+
+    chosen = report.chosen.config
+    assert chosen.micro_batch_size == 8  # the whole per-rank batch fits 1 GiB for this tiny model
+    tight = dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory="640MiB")  # 544 MiB CUDA context + workspace
+    assert tight.fits and tight.chosen.config.micro_batch_size < 16
+    assert all(c.peak_bytes <= tight.fit_limit for c in tight.candidates if c.fits)
+    assert isinstance(_Planner, type)
+
+
+def test_json_document(report):
+    data = json.loads(json.dumps(report.to_dict()))
+    first = data["candidates"][0]
+    assert {"config", "peak_bytes", "fits", "reason", "breakdown", "cpu_bytes"} <= set(first)
+    assert set(first["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead"}
+    assert data["chosen"] == data["candidates"][data["chosen_index"]]
+
+
+def test_nothing_fits_names_the_smallest_and_what_to_allow():
+    result = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="t4", gpu_memory="8MiB")
+    assert not result.fits and result.chosen is None
+    assert "No candidate fits" in result.reason and "the smallest needs" in result.reason
+    allowed = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="t4", gpu_memory="8MiB", allow={"lora"})
+    assert any(c.config.lora for c in allowed.candidates)
+
+
+def test_gpu_without_bf16_plans_fp16():
+    result = dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="v100-16gb")
+    assert {c.config.precision for c in result.candidates} == {"fp16"}
+    strict = dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="v100-16gb", allow=0)
+    assert {c.config.precision for c in strict.candidates} == {"fp32"}
+
+
+def test_offload_rows_report_host_ram(report):
+    offloaded = [c for c in report.candidates if c.config.offload == "cpu"]
+    assert offloaded and all(c.estimate.cpu_bytes > 0 for c in offloaded)
+    assert all(c.estimate.breakdown.optimizer == 0 for c in offloaded)
+
+
+def test_cost_model_charges_recompute_and_offload(report):
+    spec_like = report  # the same spec figures are reused through a fresh plan below
+    base = next(c for c in report.candidates if c.config.checkpointing == "none" and c.config.zero_stage == 0
+                and c.config.optimizer == "adamw" and not c.config.lora)
+    full = base.config.replace(checkpointing="full")
+    offload = base.config.replace(zero_stage=2, offload="cpu")
+    from autofit.dry_run import _spec
+    from autofit.estimate import Estimator
+    from autofit.gpus import get_gpu
+
+    gpu = get_gpu("a100-80gb")
+    spec, _ = _spec(tiny_llama(), None, gpu, 2, 16, 256, None, "adamw", None, 0.1, 64)
+    facts = Estimator(spec).facts
+    assert step_seconds(spec, full, gpu, facts) > step_seconds(spec, base.config, gpu, facts)
+    assert step_seconds(spec, offload, gpu, facts) > step_seconds(spec, base.config, gpu, facts)
+    assert spec_like.num_gpus == 2
+
+
+def test_bad_input_is_a_usage_error():
+    with pytest.raises(UsageError, match="Unknown GPU"):
+        dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="a200")
+    with pytest.raises(UsageError, match="exceeds the model's maximum"):
+        dry_run(tiny_llama(), seq_len=4096, global_batch_size=4)
+    with pytest.raises(UsageError, match="did you mean"):
+        dry_run("llama-2-7", seq_len=128, global_batch_size=4)
