@@ -508,7 +508,7 @@ def _state_notes(config: Config, states: States) -> list[str]:
     if config.optimizer in ("adamw8bit", "paged_adamw8bit", "adafactor"):
         notes.append(f"{config.optimizer} states by formula")
     if config.zero_stage:
-        notes.append(f"ZeRO-{config.zero_stage} partitioning over {config.num_gpus} GPU(s) by formula")
+        notes.append(f"ZeRO-{config.zero_stage} states by formula")
     if config.offload != "none":
         notes.append(f"offload to {config.offload}: {format_size(states.cpu)} of host RAM")
     return notes

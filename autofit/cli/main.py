@@ -46,6 +46,10 @@ from autofit.cli.tune import tune  # noqa: E402
 cli.add_command(tune)
 from autofit.cli.export import export_command  # noqa: E402
 cli.add_command(export_command)
+from autofit.cli.dry_run import dry_run_command  # noqa: E402
+cli.add_command(dry_run_command)
+from autofit.cli.gpus import gpus_command  # noqa: E402
+cli.add_command(gpus_command)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,32 @@
+"""`autofit gpus`: the GPU profiles dry-run plans against (memory, bf16, peak TFLOP/s, link bandwidths)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+from rich.table import Table
+
+from autofit.cli.tune import make_console
+from autofit.gpus import list_gpus
+from autofit.units import format_size
+
+
+@click.command("gpus")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+def gpus_command(as_json: bool) -> None:
+    """List the GPU profiles `autofit dry-run --gpu` accepts."""
+    profiles = list_gpus()
+    if as_json:
+        click.echo(json.dumps({"gpus": [dataclasses.asdict(g) for g in profiles]}, indent=2))
+        return
+    table = Table(title="GPU profiles (dense tensor-core TFLOP/s, FP32 accumulate)", title_justify="left")
+    for name in ("name", "GPU", "memory", "bf16", "bf16 TFLOP/s", "fp16 TFLOP/s", "fp32 TFLOP/s", "PCIe GB/s",
+                 "GPU-GPU GB/s", "aliases"):
+        table.add_column(name, justify="left" if name in ("name", "GPU", "aliases", "bf16") else "right")
+    for g in profiles:
+        table.add_row(g.name, g.display, format_size(g.memory_bytes), "yes" if g.bf16 else "no",
+                      f"{g.bf16_tflops:g}" if g.bf16_tflops else "-", f"{g.fp16_tflops:g}", f"{g.fp32_tflops:g}",
+                      f"{g.pcie_gbps:g}", f"{g.interconnect_gbps:g}", ", ".join(g.aliases))
+    make_console(False).print(table)

@@ -1,0 +1,76 @@
+"""`autofit dry-run` and `autofit gpus`: the table, --json, and the exit codes (0 / 3 / 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autofit.cli.main import main
+
+TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
+
+
+@pytest.fixture
+def config_json(tmp_path):
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def dry_run(*args):
+    return main(["dry-run", "--seq-len", "128", "--global-batch-size", "8", *args])
+
+
+def test_table_marks_the_chosen_candidate(config_json, capsys):
+    assert dry_run("--model", str(config_json.parent), "--gpu", "rtx-4090", "--top", "0") == 0
+    out = capsys.readouterr().out
+    assert "★ bf16" in out and "Chosen:" in out and "peak/GPU" in out and "activations" in out
+    assert "RAM" in out and "offload" in out  # offload rows show their host RAM (cells may wrap)
+
+
+def test_json_is_one_document_with_every_candidate(config_json, capsys):
+    assert dry_run("--model", str(config_json), "--gpu", "a100-40gb", "--num-gpus", "2", "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chosen"]["fits"] and data["gpu"] == "a100-40gb" and data["num_gpus"] == 2
+    for candidate in data["candidates"]:
+        assert {"config", "peak_bytes", "fits", "reason", "breakdown"} <= set(candidate)
+        assert candidate["config"]["micro_batch_size"] * candidate["config"]["grad_accum_steps"] * 2 == 8
+    assert {c["config"]["zero_stage"] for c in data["candidates"]} == {0, 1, 2, 3}
+
+
+def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
+    assert dry_run("--model", str(config_json), "--gpu", "t4", "--gpu-memory", "8MiB", "--json") == 3
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["chosen"] is None and "the smallest needs" in data["reason"]
+    assert "Allow allow={'lora'}" in data["reason"] or "to go further" in data["reason"]
+    assert "Nothing fits." in captured.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama2-7"], "did you mean llama-2-7b"),
+    (["--model", "gpt2", "--gpu", "a100-90gb"], "Known GPUs: a100-40gb"),
+    (["--model", "gpt2", "--seq-len", "4096"], "exceeds the model's maximum of 1024"),
+    (["--model", "gpt2", "--gpu-memory", "lots"], "gpu_memory must be a size"),
+])
+def test_bad_usage_exits_2(args, message, capsys):
+    assert main(["dry-run", "--global-batch-size", "8", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unreadable_config_exits_2(tmp_path, capsys):
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    assert dry_run("--model", str(broken)) == 2
+    assert "Cannot read" in capsys.readouterr().err
+
+
+def test_gpus_lists_profiles(capsys):
+    assert main(["gpus"]) == 0
+    assert "a100-80gb" in capsys.readouterr().out
+    assert main(["gpus", "--json"]) == 0
+    names = [g["name"] for g in json.loads(capsys.readouterr().out)["gpus"]]
+    assert {"h100-80gb", "t4", "v100-32gb"} <= set(names)
