@@ -56,7 +56,8 @@ class CpuBudget(_Deadline, TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self._count(leaf.untyped_storage())
+                # A DTensor (FSDP2's sharded parameters) holds only its local shard on this rank.
+                self._count(getattr(leaf, "_local_tensor", leaf).untyped_storage())
         return out
 
     def _count(self, storage: Any) -> None:

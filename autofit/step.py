@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,16 @@ from autofit.config import Config
 from autofit.spec import TrainSpec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Engine(Protocol):
+    """What a distributed engine does in place of torch's backward and optimizer step."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's (already weighted) loss, accumulating gradients."""
+
+    def step(self) -> None:
+        """The optimizer step after the last micro-batch, gradients cleared."""
 
 
 @dataclasses.dataclass
@@ -32,6 +42,11 @@ class TrainRun:
     optimizer_factory: OptimizerFactory | None = None  # set by the optimizer strategy
     optimizer: torch.optim.Optimizer | None = None
     placed: bool = False  # True once the model is on the device (a strategy may place it itself)
+    # A distributed engine (DeepSpeed) that owns backward and the optimizer step: set by `ready()`
+    # from `engine_factory(run)`, which an engine strategy provides. None trains with plain torch.
+    engine_factory: Callable[["TrainRun"], "Engine"] | None = None
+    engine: "Engine | None" = None
+    nvme_path: str | None = None  # folder for NVMe offload, set by the offload strategy for the engine
 
     @property
     def device(self) -> torch.device:
@@ -43,6 +58,9 @@ class TrainRun:
         if not self.placed:
             self.model.to(self.device)
             self.placed = True
+        if self.engine_factory is not None and self.engine is None:
+            self.engine = self.engine_factory(self)  # may replace model and optimizer
+            return self
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.optimizer is None:
             factory = self.optimizer_factory or (lambda ps: torch.optim.AdamW(ps))
@@ -61,12 +79,17 @@ class TrainRun:
             output = call_model(self.model, micro_batch)
             loss = self.spec.loss_fn(output, micro_batch)
         scaled = loss * weight
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        if self.engine is not None:
+            self.engine.backward(scaled)
+        else:
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach()
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients and clear them."""
-        if self.scaler is not None:
+        if self.engine is not None:
+            self.engine.step()
+        elif self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:

@@ -1,0 +1,92 @@
+"""Rung 6 (torch-native), FSDP2: `torch.distributed.fsdp.fully_shard` on each block and the root.
+
+"shard_grad_op" keeps each block's parameters gathered from forward to backward (`reshard_after_forward
+=False`) and shards gradients and optimizer states (~ZeRO-2); "full_shard" reshards them after forward
+too (~ZeRO-3). Buys: each rank holds 1/num_gpus of the sharded states. Costs: an all-gather per block in
+forward (and again in backward for full_shard) and a reduce-scatter of gradients: communication, same
+math (tier 0). Mixed precision goes through `MixedPrecisionPolicy` (bf16/fp16 compute, fp32 gradient
+reduction); `offload="cpu"` adds `CPUOffloadPolicy` (parameters, gradients and optimizer step on the
+host). The alternative to DeepSpeed ZeRO when DeepSpeed is not installed or not wanted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autofit.model_info import find_blocks
+from autofit.strategies.base import Option, Strategy
+
+VALUES = ("none", "shard_grad_op", "full_shard")  # least saved first
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Fsdp(Strategy):
+    """none, shard_grad_op (~ZeRO-2), full_shard (~ZeRO-3)."""
+
+    field = "fsdp"
+    rung = 6
+
+    def options(self, spec) -> list[Option]:
+        why_not = unavailable_reason(spec)
+        ranks = spec.num_gpus
+        return [
+            Option("none", 0, "no sharding"),
+            Option("shard_grad_op", 0, why_not or f"FSDP2: gradients and optimizer states sharded over {ranks} ranks",
+                   available=why_not is None),
+            Option("full_shard", 0, why_not or f"FSDP2: parameters, gradients and optimizer states sharded over {ranks} ranks",
+                   available=why_not is None),
+        ]
+
+    def saves_at_least(self, a: Any, b: Any) -> bool:
+        return VALUES.index(a) >= VALUES.index(b)
+
+    def isolates(self, value: Any) -> bool:
+        return value != "none"
+
+    def apply(self, run, value: Any) -> None:
+        if value == "none":
+            return
+        shard(run, value == "full_shard")
+
+
+def unavailable_reason(spec) -> str | None:
+    """Why FSDP2 cannot be probed for `spec`, or None."""
+    if spec.num_gpus < 2 and spec.device.type != "cuda":
+        return f"sharding needs several ranks; num_gpus={spec.num_gpus} (on one GPU FSDP2 only serves CPU offload)"
+    return None
+
+
+def shard(run, reshard_after_forward: bool) -> None:
+    """Apply `fully_shard` to each block, then the root, with the run's precision and offload as policies."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.distributed.run_ranks); "
+                           "no process group here")
+    dtype = _DTYPES.get(run.config.precision)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if run.config.offload == "cpu" else OffloadPolicy()
+    mesh = _mesh(run.device)
+    model = run.model if offload.__class__ is CPUOffloadPolicy else run.model.to(run.device)
+    for block in find_blocks(model)[1]:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                offload_policy=offload)
+    run.placed = True
+    if dtype is not None:
+        run.autocast_dtype = None  # the policy casts parameters; autocast on top would cast twice
+    if run.scaler is not None:  # fp16: the scaler must see every rank's gradient shards
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        run.scaler = ShardedGradScaler(run.device.type)
+
+
+def _mesh(device: torch.device) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))

@@ -1,0 +1,84 @@
+"""Rung 8, offload: model states leave the GPU for host memory, or for an NVMe folder.
+
+"cpu": with ZeRO the optimizer states go to the host and DeepSpeed's CPU Adam steps there (ZeRO-Offload);
+at ZeRO-3 the parameters go too (ZeRO-Infinity on the host); with FSDP2 `CPUOffloadPolicy` keeps
+parameters, gradients and the optimizer step on the host. "nvme": as "cpu" with ZeRO, but to a folder
+on a fast local disk (DeepSpeed only). Buys: the states' GPU memory. Costs: PCIe (or disk) traffic,
+2-10x slower steps; same math (tier 0). Applies on one GPU too. The engine strategy (ZeRO or FSDP2)
+reads the choice when it builds the engine; the DeepSpeed keys come from `autofit.export.deepspeed`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from autofit.errors import UsageError
+from autofit.strategies.base import Option, Strategy
+
+VALUES = ("none", "cpu", "nvme")  # least saved (GPU memory) first
+
+
+class Offload(Strategy):
+    """none, cpu, nvme (when a writable `nvme_path` is given)."""
+
+    field = "offload"
+    rung = 8
+
+    def __init__(self, nvme_path: str | os.PathLike | None = None):
+        """`nvme_path`: folder on a fast local disk for NVMe offload; checked writable now."""
+        self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
+
+    def options(self, spec) -> list[Option]:
+        why_not = unavailable_reason(spec)
+        nvme_not = why_not or _nvme_reason(self.nvme_path)
+        return [
+            Option("none", 0, "model states stay on the device"),
+            Option("cpu", 0, why_not or "optimizer states (ZeRO-3/FSDP2: parameters too) to host memory",
+                   available=why_not is None),
+            Option("nvme", 0, nvme_not or f"optimizer states (ZeRO-3: parameters too) to NVMe at {self.nvme_path}",
+                   available=nvme_not is None),
+        ]
+
+    def saves_at_least(self, a: Any, b: Any) -> bool:
+        return VALUES.index(a) >= VALUES.index(b)
+
+    def isolates(self, value: Any) -> bool:
+        return value != "none"
+
+    def apply(self, run, value: Any) -> None:
+        if value == "none":
+            return
+        if not run.config.zero_stage and run.config.fsdp == "none":
+            raise ValueError(f"offload={value!r} needs an engine: ZeRO (zero_stage 1-3) or FSDP2")
+        run.nvme_path = self.nvme_path
+
+
+def unavailable_reason(spec) -> str | None:
+    """Why offload cannot be probed for `spec`, or None."""
+    if spec.device.type != "cuda":
+        return f"offload moves states from a GPU to the host; the probe device is {spec.device}, already the host"
+    return None
+
+
+def _nvme_reason(nvme_path: str | None) -> str | None:
+    if nvme_path is None:
+        return "NVMe offload needs a folder on a fast local disk: Offload(nvme_path=...) (autofit tune --nvme-path)"
+    from autofit.strategies.zero import installed_version, version_problem
+
+    return version_problem(installed_version(), "NVMe offload")
+
+
+def check_nvme_path(path: str | os.PathLike) -> Path:
+    """`path` as an existing, writable folder (created when missing); `UsageError` naming it otherwise."""
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageError(f"nvme_path={str(path)!r} is not a writable folder ({exc.strerror or exc}); give a "
+                         "folder on a fast local disk that this user can write, e.g. /local_nvme/autofit.") from exc
+    return folder.resolve()

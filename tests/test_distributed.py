@@ -1,0 +1,125 @@
+"""Several ranks as child processes over gloo on the CPU: data parallel fits, an OOM on one rank, a hang,
+bad input, and nothing left behind in the caller's process."""
+
+import multiprocessing
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autofit
+from autofit.config import Config
+from autofit.distributed import check_ranks, combination_problem, needs_ranks, run_ranks
+from autofit.errors import UsageError
+from autofit.probe import ProbeStatus
+from autofit.spec import make_spec
+from autofit.strategies import MicroBatch
+
+WIDTH = 64
+
+
+class Blocks(nn.Module):
+    """Three linear blocks; `trouble` makes one rank misbehave in forward ("oom" or "hang")."""
+
+    def __init__(self, trouble=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(3))
+        self.trouble = trouble
+
+    def forward(self, x):
+        if self.trouble and dist.is_initialized() and dist.get_rank() == 1:
+            if self.trouble == "oom":
+                torch.empty(int(1.2 * 2**30), dtype=torch.uint8)  # over the 1 GiB budget (pages never touched)
+            time.sleep(3600)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def ooming():
+    return Blocks("oom")
+
+
+def hanging():
+    return Blocks("hang")
+
+
+def make_batch(n):
+    return torch.randn(n, WIDTH)
+
+
+def _spec(model=Blocks, **kwargs):
+    return make_spec(model, make_batch, device="cpu", num_gpus=2, global_batch_size=4, warmup_steps=1,
+                     timed_steps=1, memory_budget="1GiB", **kwargs)
+
+
+def _no_children_left():
+    return not multiprocessing.active_children()
+
+
+def test_two_ranks_data_parallel_fit():
+    spec = _spec()
+    result = run_ranks(spec, Config(num_gpus=2, micro_batch_size=2), [MicroBatch()], timeout=120)
+    assert result.status is ProbeStatus.FIT, result.reason
+    assert result.peak_bytes > 3 * WIDTH * WIDTH * 4  # at least the weights
+    assert result.samples_per_s == pytest.approx(4 / result.step_seconds)
+    assert "per rank" in result.reason
+    assert _no_children_left()
+    assert not dist.is_initialized()
+
+
+def test_oom_on_one_rank_is_oom_for_the_candidate_and_frees_the_other():
+    spec = _spec(ooming)
+    start = time.monotonic()
+    result = run_ranks(spec, Config(num_gpus=2, micro_batch_size=2), [MicroBatch()], timeout=300)
+    assert result.status is ProbeStatus.OOM and result.oom_kind == "cpu-budget"
+    assert "1 of 2 ranks" in result.reason
+    assert time.monotonic() - start < 120  # rank 0 was killed in its collective, not waited on for 300 s
+    assert _no_children_left()
+
+
+def test_hang_is_a_timeout_error_and_every_rank_is_reaped():
+    spec = _spec(hanging)
+    result = run_ranks(spec, Config(num_gpus=2, micro_batch_size=2), [MicroBatch()], timeout=15)
+    assert result.status is ProbeStatus.ERROR and "timed out after 15 s" in result.reason
+    assert _no_children_left()
+
+
+def test_num_gpus_larger_than_visible_devices():
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(UsageError, match=f"num_gpus={visible + 1} but {visible} CUDA device"):
+        check_ranks(torch.device("cuda"), visible + 1)
+    check_ranks(torch.device("cpu"), 4)  # CPU ranks: any number
+
+
+def test_autofit_rejects_too_many_gpus():
+    if torch.cuda.is_available():
+        with pytest.raises(UsageError, match="CUDA device"):
+            autofit.autofit(Blocks, make_batch, device="cuda", num_gpus=torch.cuda.device_count() + 1)
+    else:
+        with pytest.raises(UsageError):  # no CUDA at all: the device itself is refused first
+            autofit.autofit(Blocks, make_batch, device="cuda", num_gpus=2)
+
+
+def test_routing_and_bad_combinations():
+    assert not needs_ranks(Config())
+    assert needs_ranks(Config(num_gpus=2)) and needs_ranks(Config(zero_stage=2)) and needs_ranks(Config(fsdp="full_shard"))
+    assert "pick one" in combination_problem(Config(zero_stage=2, fsdp="full_shard"))
+    assert "needs an engine" in combination_problem(Config(offload="cpu"))
+    result = run_ranks(_spec(), Config(offload="cpu", num_gpus=2, micro_batch_size=2), [MicroBatch()])
+    assert result.status is ProbeStatus.ERROR and "not a valid combination" in result.reason
+
+
+def test_autofit_with_two_cpu_ranks_leaves_no_process_group():
+    plan = autofit.autofit(Blocks, make_batch, device="cpu", num_gpus=2, global_batch_size=4,
+                           strategies=[MicroBatch()], warmup_steps=1, timed_steps=1, max_probes=1)
+    assert plan.fits and plan.config.num_gpus == 2
+    assert not dist.is_initialized()
+    assert _no_children_left()
+    if "deepspeed" in sys.modules:
+        from deepspeed import comm
+
+        assert comm.comm.cdb is None
