@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from autofit.batch import call_model, default_loss, leading_dim
 from autofit.config import Config
 from autofit.errors import AutofitError, UsageError
-from autofit.guard_parts import GradLedger, concat_rows, detach, held, peak_bytes, slice_rows
+from autofit.guard_parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
 from autofit.guard_sync import Round, sync_for, unwrap
 from autofit.oom import classify_oom, first_line, release_memory
 from autofit.plan import Plan
@@ -146,12 +146,12 @@ class OomGuard:
         """Forward and backward of every sample of `batch`, its gradients added to `.grad`, no optimizer
         step. `backward(micro_batch, weight)` replaces the guard's own forward/backward (integrations)."""
         backward = backward or self._forward_backward
-        total = leading_dim(batch)
+        total = rows(batch)
         first_recovery = len(self.recoveries)
         self._maybe_grow_back()
         if self.config.micro_batch_size == 0:  # no size given: the whole batch at once
             self.config = self.config.replace(micro_batch_size=total)
-        done, loss, sizes, holds = 0, None, [], []
+        done, losses, sizes, holds = 0, [], [], []
         while True:
             size, hold = self._next_chunk(done, total, holds)
             attempt = self._attempt(batch, done, size, total, hold, backward) if size > 0 else _Attempt()
@@ -163,7 +163,8 @@ class OomGuard:
             if attempt.touched:  # those gradients already hold this micro-batch: keep them out of its replay
                 holds.append((attempt.touched, done + attempt.size))
             if attempt.loss is not None:
-                done, loss = done + attempt.size, attempt.loss if loss is None else loss + attempt.loss
+                done = done + attempt.size
+                losses.append(attempt.loss)
                 sizes.append(attempt.size)
             if agreed.oom:
                 self._recover(attempt, agreed, total)
@@ -173,8 +174,10 @@ class OomGuard:
         self._clean_units = self._clean_units + 1 if all(r.action == "grow-back" for r in recoveries) else 0
         self.samples_seen += total
         accumulation = math.ceil(total / self.config.micro_batch_size) * self.accumulation_multiplier
-        self.config = self.config.replace(grad_accum_steps=accumulation)
-        return StepReport(loss if loss is not None else torch.zeros(()), total, tuple(sizes), recoveries)
+        if accumulation != self.config.grad_accum_steps:
+            self.config = self.config.replace(grad_accum_steps=accumulation)
+        loss = torch.stack(losses).sum() if len(losses) > 1 else losses[0] if losses else torch.zeros(())
+        return StepReport(loss, total, tuple(sizes), recoveries)
 
     def _next_chunk(self, done: int, total: int, holds: list) -> tuple[int, list[nn.Parameter]]:
         """The next micro-batch's size and the parameters held out of it. A micro-batch never straddles
@@ -200,12 +203,18 @@ class OomGuard:
         self.phase = "forward" if backward == self._forward_backward else "forward/backward"
         self._ledger.snapshot()
         try:
-            with self.sync.no_sync(self.model), held(hold):
-                contribution = backward(chunk, size / total)
+            with self.sync.no_sync(self.model):
+                if hold:
+                    with held(hold):
+                        contribution = backward(chunk, size / total)
+                else:
+                    contribution = backward(chunk, size / total)
+            self._ledger.forget()
             return _Attempt(size=size, loss=detach(contribution))
         except Exception as exc:  # noqa: BLE001 - classified below; non-OOM errors are re-raised as is
             kind = classify_oom(exc)
             if kind is None:
+                self._ledger.forget()
                 return _Attempt(size=size, error=exc)
             detail = first_line(exc)
         # Out of the except block: the exception, its traceback and the attempt's tensors are gone.

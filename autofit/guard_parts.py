@@ -10,10 +10,29 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autofit.batch import leading_dim
+
 
 def slice_rows(batch: Any, start: int, count: int) -> Any:
     """Rows `start .. start+count` of every tensor in `batch`, as views (no copy)."""
+    # Fast paths for the common shapes (a tensor, a flat tuple/list/dict of tensors): pytree's
+    # tree_map costs tens of microseconds per call, which a tiny step would notice.
+    if isinstance(batch, torch.Tensor):
+        return batch.narrow(0, start, count)
+    if type(batch) in (tuple, list) and all(isinstance(x, torch.Tensor) for x in batch):
+        return type(batch)(x.narrow(0, start, count) for x in batch)
+    if type(batch) is dict and all(isinstance(x, torch.Tensor) for x in batch.values()):
+        return {key: x.narrow(0, start, count) for key, x in batch.items()}
     return tree_map(lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def rows(batch: Any) -> int:
+    """Samples in `batch` (`autofit.batch.leading_dim`, with a fast path for flat batches)."""
+    leaves = batch.values() if type(batch) is dict else batch if type(batch) in (tuple, list) else (batch,)
+    sizes = {x.shape[0] if x.dim() else None for x in leaves if isinstance(x, torch.Tensor)}
+    if len(sizes) == 1 and None not in sizes and all(isinstance(x, torch.Tensor) for x in leaves):
+        return sizes.pop()
+    return leading_dim(batch)  # validates and names what is wrong
 
 
 def concat_rows(parts: list[Any]) -> Any:
@@ -52,9 +71,15 @@ class GradLedger:
         self._before = [(p.grad, p.grad._version if p.grad is not None else -1) for p in self.params]
 
     def touched(self) -> list[nn.Parameter]:
-        """The parameters whose gradient changed since `snapshot`."""
-        return [p for p, (grad, version) in zip(self.params, self._before)
-                if p.grad is not grad or (grad is not None and grad._version != version)]
+        """The parameters whose gradient changed since `snapshot`; forgets the snapshot."""
+        changed = [p for p, (grad, version) in zip(self.params, self._before)
+                   if p.grad is not grad or (grad is not None and grad._version != version)]
+        self.forget()
+        return changed
+
+    def forget(self) -> None:
+        """Drop the snapshot's references, so that gradients cleared by `zero_grad` are freed at once."""
+        self._before = []
 
 
 @contextlib.contextmanager

@@ -40,14 +40,18 @@ class LocalSync:
 
     rank = 0
     world_size = 1
+    _CLEAN = {busy: Round(False, False, busy, NO_FAILURE) for busy in (False, True)}  # made once: every step asks
+    _NOTHING = contextlib.nullcontext()
 
     def agree(self, oom: bool, error: bool, busy: bool, failed_size: int) -> Round:
         """The round as this process saw it."""
+        if not (oom or error):
+            return self._CLEAN[bool(busy)]
         return Round(oom, error, busy, failed_size if oom else NO_FAILURE)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Nothing to suppress in one process."""
-        return contextlib.nullcontext()
+        return self._NOTHING
 
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
         """Nothing to average in one process."""

@@ -205,3 +205,25 @@ def test_bad_arguments_name_the_value():
     model, optimizer = fresh()
     with pytest.raises(ValueError, match="micro_batch_size must be a positive integer but got 0"):
         OomGuard(model, optimizer, micro_batch_size=0)
+
+
+def test_a_clean_guarded_step_holds_no_more_memory_than_the_bare_loop():
+    batch = make_batch(0, TOTAL, LONG)
+    with CpuBudget(None) as budget:
+        model, optimizer = fresh()
+        guard = OomGuard(model, optimizer, micro_batch_size=8, loss_fn=loss_fn)
+        for _ in range(2):  # the second step runs with AdamW's states in place
+            budget.reset_peak()
+            guard.step(batch)
+        guarded_peak, guarded_between = budget.peak, budget.current
+    bare_peak = step_peak(8, LONG)
+    assert bare_peak <= guarded_peak <= bare_peak * 1.01  # at most a micro-batch's loss-sized tensor more
+    with CpuBudget(None) as budget:
+        model, optimizer = fresh()
+        for _ in range(2):
+            for start in (0, 8):
+                chunk = (batch[0][start:start + 8], batch[1][start:start + 8])
+                (loss_fn(model(chunk[0]), chunk) * 0.5).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert guarded_between == budget.current  # nothing (no gradient, no snapshot) kept between steps
