@@ -1,0 +1,137 @@
+"""Predicted vs measured peak memory: `autofit.estimate.predict_peak` against the probe's measured peak.
+
+    python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
+    python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak (not run yet)
+
+Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
+x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
+point is one real probe (`autofit.probe.run_probe`: warm-up and timed optimizer steps under the budget)
+and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json
+with the device and date inside, and prints the median and worst absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autofit.config import Config  # noqa: E402
+from autofit.devices import describe  # noqa: E402
+from autofit.estimate import predict_peak  # noqa: E402
+from autofit.probe import run_probe  # noqa: E402
+from autofit.spec import make_spec  # noqa: E402
+from autofit.strategies import default_strategies  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GLOBAL_BATCH = 8
+
+
+class Block(nn.Module):
+    """Residual MLP block."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class ResidualMLP(nn.Module):
+    """A plain model (no Hugging Face): blocks in an nn.ModuleList, forward(x, y) returns the loss."""
+
+    def __init__(self, width: int = 256, depth: int = 6):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).mean(1), y)
+
+
+def mlp_batch(n: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(n, 64, 256, generator=gen), "y": torch.randint(0, 10, (n,), generator=gen)}
+
+
+def models() -> dict[str, tuple]:
+    """name -> (model, batch, seq_len): tiny models, each simulated in full (no depth extrapolation)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    llama = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, max_position_embeddings=1024)
+    gpt2 = GPT2Config(vocab_size=2000, n_embd=256, n_layer=4, n_head=4, n_positions=1024)
+    return {"tiny-llama": (llama, None, 256), "tiny-gpt2": (gpt2, None, 256),
+            "residual-mlp": (ResidualMLP, mlp_batch, None)}
+
+
+def configs(hf: bool) -> list[Config]:
+    attention = "sdpa" if hf else "default"
+    grid = []
+    for precision in ("fp32", "bf16"):
+        for checkpointing in ("none", "full"):
+            for micro in (GLOBAL_BATCH, 2):
+                grid.append(Config(precision=precision, attention=attention, checkpointing=checkpointing,
+                                   micro_batch_size=micro, grad_accum_steps=GLOBAL_BATCH // micro))
+    return grid
+
+
+def measure(device: str) -> list[dict]:
+    rows = []
+    for name, (model, batch, seq_len) in models().items():
+        spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device=device,
+                         memory_budget="16GiB" if device == "cpu" else None, warmup_steps=1, timed_steps=1)
+        for config in configs(spec.model.is_hf):
+            started = time.perf_counter()
+            predicted = predict_peak(spec, config)
+            predict_s = time.perf_counter() - started
+            measured = run_probe(spec, config, default_strategies())
+            if not measured.fits or not measured.peak_bytes:
+                print(f"skip {name} {config.describe()}: {measured.reason}", file=sys.stderr)
+                continue
+            error = predicted.peak_bytes / measured.peak_bytes - 1
+            rows.append({"model": name, "config": config.to_dict(), "describe": config.describe(),
+                         "predicted_bytes": predicted.peak_bytes, "measured_bytes": measured.peak_bytes,
+                         "error": round(error, 5), "predict_seconds": round(predict_s, 3),
+                         "breakdown": predicted.breakdown.to_dict(), "reason": predicted.reason})
+            print(f"{name:13s} {config.describe():45s} predicted {predicted.peak_bytes / 2**20:9.2f} MiB "
+                  f"measured {measured.peak_bytes / 2**20:9.2f} MiB  error {error:+.2%}", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    rows = measure(args.device)
+    errors = [abs(r["error"]) for r in rows]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    device = torch.device(args.device)
+    result = {"device": describe(device), "device_type": device.type, "date": now.isoformat(timespec="seconds"),
+              "torch": torch.__version__, "python": platform.python_version(), "points": len(rows),
+              "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+              "seconds": round(time.perf_counter() - started, 1), "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"estimate-{device.type}-{now.date().isoformat()}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{len(rows)} points on {result['device']}: median |error| {result['median_abs_error']:.2%}, "
+          f"worst {result['worst_abs_error']:.2%} -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Benchmark scenarios: a model, a batch, a global batch and a memory budget.
+
+Budgets are fractions of a measured baseline peak (fp32, no checkpointing, the whole global batch in
+one micro-batch, AdamW), so each scenario keeps needing the rungs it was written for when the model
+changes. CPU scenarios use tiny models with random weights; GPU scenarios use ~125M-3B models under
+budgets that stand in for 16/24/40/80 GB cards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autofit.batch import TokenBatches
+from autofit.config import Config
+from autofit.probe import run_probe
+from autofit.spec import TrainSpec, make_spec
+from autofit.strategies import default_strategies
+
+PROBE_STEPS = dict(warmup_steps=2, timed_steps=3)  # autofit's defaults, for autofit and the oracle alike
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One benchmark case. `budget_fraction` of the baseline peak, or `budget_bytes` when given."""
+
+    name: str
+    family: str  # "transformer" | "mlp" | "cnn"
+    model_factory: Callable[[], nn.Module]
+    batch_factory: Callable[[int], Any]
+    global_batch_size: int
+    budget_fraction: float | None = None  # budget = fraction x baseline peak
+    budget_bytes: int | None = None  # a fixed budget (GPU cards) instead of a fraction
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None  # None: the model's own loss (Hugging Face)
+    intent: str = ""  # which rungs the budget is meant to need, in words
+    allow: Any = None  # autofit's allow= (None: tiers 0-1)
+
+    def spec(self, device: str, memory_budget: int, **overrides: Any) -> TrainSpec:
+        """The `TrainSpec` autofit and the oracle both search."""
+        kwargs = dict(self.autofit_kwargs(device, memory_budget))
+        kwargs.update(overrides)
+        return make_spec(self.model_factory, self.batch_factory, **kwargs)
+
+    def autofit_kwargs(self, device: str, memory_budget: int) -> dict[str, Any]:
+        """Keyword arguments of `autofit.autofit` for this scenario."""
+        return dict(global_batch_size=self.global_batch_size, device=device, memory_budget=memory_budget,
+                    loss_fn=self.loss_fn, allow=self.allow, **PROBE_STEPS)
+
+
+# -- models (module-level factories, so specs pickle into child processes) ------------------------------
+def make_gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, positions: int) -> nn.Module:
+    """A GPT-2 from a transformers config, random weights (seeded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,
+                                      n_positions=positions, bos_token_id=0, eos_token_id=0))
+
+
+def make_hf_causal_lm(name: str) -> nn.Module:
+    """A Hugging Face causal LM from one of autofit's model presets, random weights (GPU scenarios)."""
+    from autofit.presets import build_model, get_preset
+
+    torch.manual_seed(0)
+    return build_model(get_preset(name))
+
+
+class Block(nn.Module):
+    """Residual MLP block: activations grow with the batch, parameters with the width."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class BlockMLP(nn.Module):
+    """Token-wise MLP with its blocks in an nn.ModuleList; forward(x) returns logits per token."""
+
+    def __init__(self, width: int, depth: int, classes: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ConvBlock(nn.Module):
+    """Residual 3x3 conv block at constant resolution."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(nn.functional.relu(self.norm(self.conv1(x))))
+
+
+class SmallCNN(nn.Module):
+    """Stem, residual conv blocks in an nn.ModuleList, pooled linear head."""
+
+    def __init__(self, channels: int, depth: int, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(depth))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def make_mlp(width: int, depth: int) -> nn.Module:
+    """Seeded `BlockMLP`."""
+    torch.manual_seed(0)
+    return BlockMLP(width, depth)
+
+
+def make_cnn(channels: int, depth: int) -> nn.Module:
+    """Seeded `SmallCNN`."""
+    torch.manual_seed(0)
+    return SmallCNN(channels, depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFeatures:
+    """make_batch(n) for `BlockMLP`: (features n x tokens x width, class per token)."""
+
+    tokens: int
+    width: int
+    classes: int = 16
+
+    def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return (torch.randn(n, self.tokens, self.width, generator=gen),
+                torch.randint(0, self.classes, (n, self.tokens), generator=gen))
+
+
+@dataclasses.dataclass(frozen=True)
+class Images:
+    """make_batch(n) for `SmallCNN`: (images n x 3 x side x side, class)."""
+
+    side: int
+    classes: int = 10
+
+    def __call__(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(n, 3, self.side, self.side, generator=gen), torch.randint(0, self.classes, (n,), generator=gen)
+
+
+def token_loss(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy per token."""
+    return nn.functional.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+
+def class_loss(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy per sample."""
+    return nn.functional.cross_entropy(output, batch[1])
+
+
+# -- the suites ---------------------------------------------------------------------------------------
+def cpu_scenarios() -> list[Scenario]:
+    """Tiny transformer and non-transformer models under budgets that need different rungs."""
+    gpt2 = functools.partial(make_gpt2, 2, 64, 2, 256, 64)
+    tokens = TokenBatches(256, 64)
+    mlp = functools.partial(make_mlp, 64, 4)
+    cnn = functools.partial(make_cnn, 16, 3)
+    return [
+        Scenario("gpt2-tiny@60%", "transformer", gpt2, tokens, 8, 0.60,
+                 intent="a little short: a smaller micro-batch (or bf16) is enough"),
+        Scenario("gpt2-tiny@25%", "transformer", gpt2, tokens, 8, 0.25,
+                 intent="tight: micro-batch 1 alone does not fit; needs bf16, checkpointing or Adafactor too"),
+        Scenario("mlp@40%", "mlp", mlp, TokenFeatures(32, 64), 16, 0.40, loss_fn=token_loss,
+                 intent="activations dominate: micro-batch or checkpointing"),
+        Scenario("cnn@30%", "cnn", cnn, Images(16), 16, 0.30, loss_fn=class_loss,
+                 intent="conv activations dominate: micro-batch or checkpointing"),
+    ]
+
+
+def gpu_scenarios() -> list[Scenario]:
+    """~125M-3B models under budgets standing in for 16, 24, 40 and 80 GB cards (UNTESTED here: no GPU)."""
+    out = []
+    for model, seq, batch, cards in (("gpt2", 1024, 32, (16, 24)), ("qwen2.5-0.5b", 2048, 16, (16, 24, 40)),
+                                     ("qwen2.5-1.5b", 2048, 16, (24, 40, 80)), ("qwen2.5-3b", 2048, 8, (40, 80))):
+        for card in cards:
+            out.append(Scenario(f"{model}@{card}GB", "transformer", functools.partial(make_hf_causal_lm, model),
+                                GpuTokens(model, seq), batch, budget_bytes=card * 10**9,
+                                intent=f"stands in for a {card} GB card"))
+    # Multi-rung: full fine-tuning of 3B cannot fit 16 GB; LoRA (tier 2) is allowed so it can.
+    out.append(Scenario("qwen2.5-3b@16GB+lora", "transformer", functools.partial(make_hf_causal_lm, "qwen2.5-3b"),
+                        GpuTokens("qwen2.5-3b", 2048), 8, budget_bytes=16 * 10**9, allow={"lora"},
+                        intent="needs LoRA: full fine-tuning states alone exceed 16 GB"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTokens:
+    """make_batch(n) for a preset causal LM at `seq_len` tokens (vocabulary read from the preset)."""
+
+    model: str
+    seq_len: int
+
+    def __call__(self, n: int) -> dict[str, torch.Tensor]:
+        from autofit.presets import get_preset
+
+        return TokenBatches(get_preset(self.model).config.vocab_size, self.seq_len)(n)
+
+
+# -- budgets --------------------------------------------------------------------------------------------
+def baseline_config(spec: TrainSpec) -> Config:
+    """fp32, no checkpointing, the whole global batch in one micro-batch, AdamW."""
+    attention = "sdpa" if "sdpa" in spec.model.attention else "default"
+    return Config(attention=attention, micro_batch_size=spec.global_batch_size, grad_accum_steps=1)
+
+
+def baseline_peak(scenario: Scenario, device: str = "cpu", roomy: int = 16 * 2**30) -> int:
+    """Measured peak bytes of the baseline config under a budget big enough for it."""
+    spec = scenario.spec(device, roomy, warmup_steps=1, timed_steps=1)
+    result = run_probe(spec, baseline_config(spec), default_strategies())
+    if not result.fits:
+        raise RuntimeError(f"{scenario.name}: the baseline did not fit {roomy} bytes: {result.reason}")
+    return result.peak_bytes
+
+
+def budget_for(scenario: Scenario, device: str = "cpu") -> tuple[int, int | None]:
+    """(budget bytes, baseline peak bytes or None for a fixed budget)."""
+    if scenario.budget_bytes is not None:
+        return scenario.budget_bytes, None
+    peak = baseline_peak(scenario, device)
+    return int(peak * scenario.budget_fraction), peak

@@ -1,0 +1,104 @@
+"""Smoke tests of the benchmark harness (bench/): tiny models, real probes, real tools, real budgets."""
+
+import functools
+import json
+
+import pytest
+import torch
+
+from autofit.config import Config
+from autofit.probe import ProbeStatus
+from autofit.strategies import Checkpointing, MicroBatch, default_strategies
+from bench.measure import remeasure, robustness
+from bench.oracle import exhaustive
+from bench.report import END, START, update_readme
+from bench.scenarios import Scenario, TokenFeatures, baseline_config, budget_for, make_mlp, token_loss
+from bench.suite import Options, run_scenario
+from bench.tools import AllocatorWordedBudget, run_accelerate, run_lightning, run_trainer
+
+TINY = Scenario("tiny-mlp@60%", "mlp", functools.partial(make_mlp, 16, 3), TokenFeatures(256, 16), 2, 0.6,
+                loss_fn=token_loss, intent="smoke test")
+
+
+@pytest.fixture(scope="module")
+def budget():
+    return budget_for(TINY)[0]
+
+
+def test_budget_is_the_fraction_of_a_measured_baseline():
+    budget, peak = budget_for(TINY)
+    assert peak > 0 and budget == int(peak * 0.6)
+
+
+def test_exhaustive_probes_every_level_at_every_size(budget):
+    spec = TINY.spec("cpu", budget)
+    oracle = exhaustive(spec, [Checkpointing(), MicroBatch()])
+    described = sorted((r.config.checkpointing, r.config.micro_batch_size) for r in oracle.results)
+    assert described == [("every_2", 1), ("every_2", 2), ("full", 1), ("full", 2), ("none", 1), ("none", 2)]
+    assert oracle.counts().get("oom", 0) >= 1  # the baseline (no checkpointing, micro-batch 2) cannot fit 60% of its peak
+    assert oracle.best is not None and oracle.best.fits and oracle.wall_s > 0
+    assert oracle.ranked(2)[0] is oracle.best
+
+
+def test_remeasure_gives_one_median_per_distinct_config(budget):
+    spec = TINY.spec("cpu", budget)
+    a = baseline_config(spec).replace(micro_batch_size=1, grad_accum_steps=2)
+    b = a.replace(checkpointing="full")
+    for accounting in (False, True):
+        measured = remeasure(spec, [a, b, a], default_strategies(), repetitions=2, steps=1, accounting=accounting)
+        assert [m.config for m in measured] == [a, b]
+        assert all(len(m.samples_per_s) == 2 and m.median > 0 for m in measured)
+
+
+def test_robustness_holds_for_a_fit_and_reports_an_oom(budget):
+    spec = TINY.spec("cpu", budget)
+    fits = robustness(spec, Config(micro_batch_size=1, grad_accum_steps=2, checkpointing="full"), default_strategies(), 3)
+    assert fits.ok and fits.steps_done == 3 and 0 < fits.peak_bytes <= budget
+    fails = robustness(spec, Config(micro_batch_size=2, grad_accum_steps=1), default_strategies(), 3)
+    assert not fails.ok and fails.error.startswith("OOM after 0 steps")
+
+
+def test_worded_budget_is_recognised_by_accelerate():
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    with pytest.raises(torch.OutOfMemoryError) as caught, AllocatorWordedBudget(1024):
+        torch.zeros(1024)
+    assert should_reduce_batch_size(caught.value)
+
+
+def test_tools_shrink_the_batch_under_the_budget(budget):
+    spec = TINY.spec("cpu", budget)
+    for outcome in (run_accelerate(spec), run_trainer(spec)):
+        assert outcome.status == "ok", outcome.note
+        assert outcome.tried[0] == 2 and outcome.micro_batch_size == 1
+        assert outcome.keeps(2) is False and outcome.wall_s > 0
+
+
+def test_lightning_finder_ends_with_a_size_or_a_reason(budget):
+    pytest.importorskip("lightning")
+    outcome = run_lightning(TINY.spec("cpu", budget))
+    assert outcome.tried[:1] == (2,)
+    assert (outcome.status == "ok" and outcome.micro_batch_size >= 1) or (outcome.status == "failed" and outcome.note)
+
+
+def test_one_scenario_end_to_end_fills_the_readme(tmp_path):
+    options = Options(tools=False, robustness_steps=2, repetitions=1, remeasure_steps=1,
+                      strategies=lambda: [Checkpointing(), MicroBatch()])
+    result = run_scenario(TINY, options)
+    assert result["autofit"]["fits"] and result["exhaustive"]["candidates"] >= result["autofit"]["probes_run"]
+    quality = result["remeasured"]["as_probed"]["decision_quality"]
+    assert quality > 0 and result["cost_ratio"] > 0 and result["robustness"]["ok"]
+    assert any(row["role"] == "chosen" for row in result["dry_run"])
+    doc = dict(device="cpu (test)", date="2026-01-01", started_utc="x", command="pytest", wall_s=1.0, torch_threads=1,
+               load_before=(0.0, 0.0, 0.0), versions=dict(torch="t", autofit="a", transformers="tr", accelerate="ac",
+                                                         lightning=None), scenarios=[json.loads(json.dumps(result))])
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Bench\n\nintro\n\n{START}\nold\n{END}\n\ntail\n")
+    update_readme(readme, doc, "results/x.json")
+    text = readme.read_text()
+    assert text.startswith("# Bench\n\nintro") and text.rstrip().endswith("tail") and "old" not in text
+    assert "| tiny-mlp@60% |" in text and f"{quality:.2f}" in text
+
+
+def test_probe_status_values_used_by_the_report_exist():
+    assert {s.value for s in ProbeStatus} >= {"fit", "oom"}
