@@ -25,17 +25,25 @@ def export(plan: Any, fmt: str, out_dir: str | Path) -> list[Path]:
     if fmt not in FORMATS:
         raise UsageError(f"format {fmt!r} is not known; use one of {sorted(FORMATS)}.")
     require_fit(plan)
+    why_not = getattr(FORMATS[fmt], "applies", lambda _: None)(plan)
+    if why_not:
+        raise UsageError(f"Cannot export {fmt!r}: {why_not}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return FORMATS[fmt].export(plan, out)
 
 
+def applicable(plan: Any) -> list[str]:
+    """The formats that apply to `plan` (DeepSpeed does not, for a plan sharded with FSDP2)."""
+    return [fmt for fmt, module in FORMATS.items() if not getattr(module, "applies", lambda _: None)(plan)]
+
+
 def export_all(plan: Any, out_dir: str | Path) -> list[Path]:
-    """Every format into `out_dir`; the paths, each once."""
+    """Every format that applies into `out_dir`; the paths, each once."""
     paths: list[Path] = []
-    for fmt in FORMATS:
+    for fmt in applicable(plan):
         paths += [p for p in export(plan, fmt, out_dir) if p not in paths]
     return paths
 
 
-__all__ = ["FORMATS", "deepspeed_config", "export", "export_all"]
+__all__ = ["FORMATS", "applicable", "deepspeed_config", "export", "export_all"]

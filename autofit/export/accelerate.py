@@ -45,12 +45,33 @@ def accelerate_config(plan: Any) -> dict[str, Any]:
     }
     if config.zero_stage:
         out["deepspeed_config"] = _deepspeed_section(plan)
+    if _fsdp(config) != "none":
+        out["fsdp_config"] = fsdp_section(config)
     return out
+
+
+def _fsdp(config: Any) -> str:
+    return config.fsdp
+
+
+def fsdp_section(config: Any) -> dict[str, Any]:
+    """accelerate's FSDP2 keys: full_shard reshards parameters after forward (~ZeRO-3), shard_grad_op
+    keeps them gathered until backward (~ZeRO-2); offload="cpu" is FSDP2's CPUOffloadPolicy."""
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": _fsdp(config) == "full_shard",
+        "fsdp_offload_params": config.offload == "cpu",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's repeated blocks, as probed
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
+    }
 
 
 def _distributed_type(config: Any, on_cpu: bool) -> str:
     if config.zero_stage:
         return "DEEPSPEED"
+    if _fsdp(config) != "none":
+        return "FSDP"
     if config.num_gpus > 1:
         return "MULTI_CPU" if on_cpu else "MULTI_GPU"
     return "NO"

@@ -106,6 +106,14 @@ def _set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
     out[leaf] = value
 
 
+def applies(plan: Any) -> str | None:
+    """Why a DeepSpeed file does not apply to `plan` (it shards with FSDP2), or None."""
+    if plan.config.fsdp != "none":
+        return (f"the plan shards with FSDP2 (fsdp={plan.config.fsdp}), not DeepSpeed; export accelerate, "
+                "trainer or torchrun instead")
+    return None
+
+
 def file_config(plan: Any) -> dict[str, Any]:
     """The dict written to deepspeed.json: `deepspeed_config` of the plan plus the "autofit" record."""
     require_fit(plan)

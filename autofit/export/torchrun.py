@@ -27,6 +27,7 @@ ENV = {
     "checkpointing": "AUTOFIT_CHECKPOINTING",
     "optimizer": "AUTOFIT_OPTIMIZER",
     "zero_stage": "AUTOFIT_ZERO_STAGE",
+    "fsdp": "AUTOFIT_FSDP",
     "offload": "AUTOFIT_OFFLOAD",
     "quantization": "AUTOFIT_QUANTIZATION",
     "lora": "AUTOFIT_LORA_RANK",

@@ -51,6 +51,11 @@ def training_arguments(plan: Any, deepspeed_path: str | None = None) -> dict[str
         kwargs["optim"] = OPTIM[config.optimizer]
     if config.zero_stage:
         kwargs["deepspeed"] = deepspeed_path or DEEPSPEED_FILENAME
+    if config.fsdp != "none":
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = {"version": 2, "reshard_after_forward": config.fsdp == "full_shard",
+                                 "cpu_offload": config.offload == "cpu",
+                                 "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
     return kwargs
 
 

@@ -80,3 +80,13 @@ def test_plan_that_does_not_fit_refuses(tmp_path, plan_for):
 def test_unknown_format(tmp_path, plan_for):
     with pytest.raises(UsageError, match="format 'slurm' is not known"):
         plan_for().export("slurm", tmp_path)
+
+
+def test_fsdp_plan_is_not_a_deepspeed_plan(tmp_path, plan_for):
+    from autofit.export import applicable, export_all
+
+    plan = plan_for(Config(micro_batch_size=2, num_gpus=2, fsdp="full_shard"), device="cuda:0")
+    with pytest.raises(UsageError, match="shards with FSDP2"):
+        plan.export("deepspeed", tmp_path)
+    assert applicable(plan) == ["accelerate", "trainer", "torchrun"]
+    assert "deepspeed.json" not in {p.name for p in export_all(plan, tmp_path)}

@@ -63,3 +63,11 @@ def test_zero_plan_names_its_deepspeed_file(tmp_path, plan_for):
     ds_path = tmp_path / "deepspeed.json"
     assert ds_path in paths and kwargs["deepspeed"] == str(ds_path.resolve())
     assert json.loads(ds_path.read_text())["zero_optimization"]["stage"] == 2
+
+
+def test_fsdp_plan_sets_fsdp2_arguments(tmp_path, plan_for):
+    config = Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, fsdp="full_shard", offload="cpu")
+    args_path, _ = plan_for(config).export("trainer", tmp_path)
+    args = TrainingArguments(**load_kwargs(args_path))
+    assert args.fsdp_config["version"] == 2
+    assert args.fsdp_config["reshard_after_forward"] is True and args.fsdp_config["cpu_offload"] is True
