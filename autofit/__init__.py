@@ -7,6 +7,7 @@
 from autofit.config import Config, Optimizer, Precision
 from autofit.dry_run import DryRunReport, dry_run
 from autofit.errors import AutofitError, MissingExtraError, UsageError
+from autofit.guard import GuardGaveUp, OomGuard
 from autofit.plan import Plan
 from autofit.probe import ProbeResult, ProbeStatus
 from autofit.spec import TrainSpec, make_spec
@@ -15,6 +16,6 @@ from autofit.units import format_size, parse_size
 
 __version__ = "0.1.0"
 
-__all__ = ["AutofitError", "Config", "DryRunReport", "dry_run", "MissingExtraError", "Optimizer", "Plan", "Precision", "ProbeResult",
+__all__ = ["AutofitError", "Config", "DryRunReport", "dry_run", "GuardGaveUp", "MissingExtraError", "OomGuard", "Optimizer", "Plan", "Precision", "ProbeResult",
            "ProbeStatus", "TrainSpec", "UsageError", "__version__", "autofit", "format_size", "make_spec",
            "parse_size"]
