@@ -1,0 +1,93 @@
+"""Offload: on the CPU it is unavailable with its reason; NVMe paths are checked; the GPU runs
+(ZeRO-Offload, ZeRO-3 parameter offload, FSDP2 CPU offload on one GPU) are `gpu`-marked."""
+
+import pytest
+import torch
+from torch import nn
+
+from autofit.config import Config
+from autofit.distributed import run_ranks
+from autofit.errors import UsageError
+from autofit.probe import ProbeStatus
+from autofit.spec import make_spec
+from autofit.step import build_run
+from autofit.strategies import Fsdp, MicroBatch, Offload, Zero
+from autofit.strategies.zero import installed_version
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def make_batch(n):
+    return torch.randn(n, 256)
+
+
+def test_unavailable_on_cpu_with_reason(tmp_path):
+    options = Offload(nvme_path=tmp_path).options(make_spec(Blocks, make_batch, device="cpu"))
+    assert [o.value for o in options] == ["none", "cpu", "nvme"]
+    assert [o.available for o in options] == [True, False, False]
+    assert "already the host" in options[1].reason
+
+
+def test_nvme_path_not_writable_names_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UsageError, match="a-file/nvme.*not a writable folder"):
+        Offload(nvme_path=blocker / "nvme")
+
+
+def test_nvme_path_is_created(tmp_path):
+    assert Offload(nvme_path=tmp_path / "new" / "nvme").nvme_path == str((tmp_path / "new" / "nvme").resolve())
+
+
+def test_without_nvme_path_the_reason_says_how_to_give_one():
+    assert "nvme_path" in Offload().options(_FakeCudaSpec())[2].reason
+
+
+class _FakeCudaSpec:
+    """Only what `options` reads: a CUDA device (no GPU is touched)."""
+
+    device = torch.device("cuda")
+    num_gpus = 1
+
+
+def test_offload_without_an_engine_is_refused():
+    with pytest.raises(ValueError, match="needs an engine"):
+        build_run(make_spec(Blocks, make_batch, device="cpu"), Config(offload="cpu"), [MicroBatch(), Offload()])
+
+
+def test_order():
+    assert Offload().saves_at_least("nvme", "cpu") and not Offload().saves_at_least("none", "cpu")
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_ds = pytest.mark.skipif(installed_version() is None, reason="needs DeepSpeed")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_ds
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_offload_on_one_gpu(stage, tmp_path):
+    spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
+    for value in ("cpu", "nvme"):
+        config = Config(zero_stage=stage, offload=value, micro_batch_size=4, precision="bf16")
+        result = run_ranks(spec, config, [MicroBatch(), Zero(), Offload(nvme_path=tmp_path)], timeout=600)
+        assert result.status is ProbeStatus.FIT, result.reason
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fsdp_cpu_offload_on_one_gpu():
+    spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
+    config = Config(fsdp="full_shard", offload="cpu", micro_batch_size=4, precision="bf16")
+    result = run_ranks(spec, config, [MicroBatch(), Fsdp(), Offload()], timeout=600)
+    assert result.status is ProbeStatus.FIT, result.reason
