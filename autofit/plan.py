@@ -38,6 +38,11 @@ class Plan:
         """How many candidates were actually run in this search (not stored, not skipped)."""
         return sum(1 for p in self.probes if p.source == "probed")
 
+    @property
+    def probes_saved(self) -> int:
+        """How many candidates were not run because the estimator predicted they would not fit."""
+        return sum(1 for p in self.probes if p.source == "predicted")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (what `save` writes)."""
         data = dataclasses.asdict(self)

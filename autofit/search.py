@@ -14,7 +14,10 @@ The walk, and its stop rule:
 4. Once something fits, every probe gets a deadline: at less than half the best throughput so far it
    cannot win, so it is stopped and recorded as too slow. Whatever only adds work to a too-slow config
    is not probed either (bf16 on a CPU without bf16 units, offload, ...).
-5. An error or a too-slow probe ends its level. The walk stops after `max_probes` probes; levels not
+5. With a predictor (the dry-run estimator), a level starts at the largest micro-batch predicted to
+   fit, and a config predicted over the fit limit by more than the estimator's measured error is not
+   probed: it is recorded as skipped with its prediction, and bounds the bisection like an OOM.
+6. An error or a too-slow probe ends its level. The walk stops after `max_probes` probes; levels not
    visited are recorded as skipped with that reason.
 Among the fits, the plan takes the highest measured throughput.
 """
@@ -29,9 +32,11 @@ from autofit.config import Config
 from autofit.plan import choose
 from autofit.probe import ProbeResult, ProbeStatus, skipped
 from autofit.trials import TrialStore
+from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40
 SLOW = "slow"  # status of a config implied too slow by a too-slow probe
+PREDICTED = "predicted"  # oom_kind of a config skipped because it is predicted not to fit
 WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
 
 
@@ -55,12 +60,17 @@ class Search:
     """One walk over a `Space`; `run()` returns every result in the order it was decided."""
 
     def __init__(self, space: Space, store: TrialStore, prober: Callable[[Config, float | None], ProbeResult],
-                 max_probes: int = DEFAULT_MAX_PROBES, progress: Progress | None = None):
+                 max_probes: int = DEFAULT_MAX_PROBES, progress: Progress | None = None,
+                 predictor: Callable[[Config], int | None] | None = None, tolerance: float = 0.0):
+        """`predictor(config)` returns a predicted peak in bytes (or None); a config predicted over the
+        fit limit by more than `tolerance` (the predictor's measured relative error) is not probed."""
         self.space = space
         self.store = store
         self.prober = prober
         self.max_probes = max_probes
         self.progress = progress or _Silent()
+        self.predictor = predictor
+        self.tolerance = tolerance
         self.results: list[ProbeResult] = []
         self.probes_run = 0
 
@@ -93,8 +103,13 @@ class Search:
             self._probe(self.space.at(level, size), why)
 
     def _start(self, level: Config, unknown: list[int]) -> tuple[int, str]:
-        """Where a level with no known bound starts: the largest micro-batch, or the smallest when a
-        config it saves more than already ran out of memory there (its frontier is likely low too)."""
+        """Where a level with no known bound starts: the largest micro-batch predicted to fit; without a
+        predictor, the largest, or the smallest when a config it saves more than already ran out of
+        memory there (its frontier is likely low too)."""
+        if self.predictor is not None:
+            fitting = [m for m in unknown if not self._over(self.space.at(level, m))]
+            return (fitting[-1], "largest micro-batch predicted to fit") if fitting else \
+                (unknown[0], "smallest micro-batch: none is predicted to fit")
         smallest = self.space.at(level, unknown[0])
         for result in self.results:
             if result.status is ProbeStatus.OOM and result.config.micro_batch_size == unknown[0] \
@@ -138,7 +153,8 @@ class Search:
         for result in self.results:
             if result.source != "search":
                 if status is ProbeStatus.OOM:
-                    if result.status is status and self.space.saves_at_least(result.config, config):
+                    failed = result.status is status or result.oom_kind == PREDICTED
+                    if failed and self.space.saves_at_least(result.config, config):
                         return result.config
                 elif (result.too_slow if status == SLOW else result.status is status) \
                         and self.space.saves_at_least(config, result.config):
@@ -153,10 +169,25 @@ class Search:
         return config.global_batch_size / (best.samples_per_s * WIN_FRACTION)
 
     # -- recording -------------------------------------------------------------------------------
+    def _over(self, config: Config) -> str | None:
+        """Why `config` is predicted not to fit, beyond the predictor's error; None when it may fit."""
+        if self.predictor is None:
+            return None
+        predicted = self.predictor(config)
+        limit = self.space.spec.fit_limit
+        if predicted is None or predicted <= limit * (1 + self.tolerance):
+            return None
+        return (f"predicted to need {format_size(predicted)}, over the fit limit {format_size(limit)} by "
+                f"{predicted / limit - 1:.0%}, more than the estimator's error ({self.tolerance:.0%})")
+
     def _probe(self, config: Config, why: str) -> None:
         stored = self.store.lookup(config)
         if stored is not None:
             self._add(stored)
+            return
+        over = self._over(config)
+        if over:
+            self._add(ProbeResult(config, ProbeStatus.SKIPPED, over, oom_kind=PREDICTED, source="predicted"))
             return
         self.progress.starting(config, why)
         result = self.prober(config, self._step_limit(config))

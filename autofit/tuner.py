@@ -12,7 +12,7 @@ from autofit.distributed import check_ranks, needs_ranks, run_ranks
 from autofit.isolate import DEFAULT_TIMEOUT, run_isolated
 from autofit.plan import Plan, choose, chosen_reason
 from autofit.probe import ProbeResult, ProbeStatus, run_probe
-from autofit.search import DEFAULT_MAX_PROBES, Progress, Search
+from autofit.search import DEFAULT_MAX_PROBES, PREDICTED, Progress, Search
 from autofit.spec import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
 from autofit.strategies import Strategy, default_strategies
 from autofit.trials import TrialStore
@@ -122,7 +122,7 @@ def nothing_fits_reason(space: Space, results: list[ProbeResult]) -> str:
     spec = space.spec
     head = f"No candidate fits {format_size(spec.fit_limit)} ({format_size(spec.memory_budget)} budget less the {spec.safety_margin:.0%} margin)"
     errors = [r for r in results if r.status is ProbeStatus.ERROR]
-    ooms = [r for r in results if r.status is ProbeStatus.OOM]
+    ooms = [r for r in results if r.status is ProbeStatus.OOM or r.oom_kind == PREDICTED]
     if not ooms:
         return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
     # the OOM that saves at least as much memory as the most others: the closest to fitting

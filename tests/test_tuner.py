@@ -38,13 +38,27 @@ def check_plan(plan, budget, global_batch):
 def test_plain_model_at_half_the_baseline_peak():
     budget = baseline_peak(make_mlp, make_mlp_batch, 8, loss_fn=mlp_loss) // 2
     plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, memory_budget=budget,
-                           loss_fn=mlp_loss, **FAST)
+                           loss_fn=mlp_loss, predict=False, **FAST)
     check_plan(plan, budget, 8)
+
+
+def test_predictions_save_probes():
+    budget = baseline_peak(make_mlp, make_mlp_batch, 8, loss_fn=mlp_loss) // 2
+    args = dict(global_batch_size=8, memory_budget=budget, loss_fn=mlp_loss, **FAST)
+    probed = autofit.autofit(make_mlp, make_mlp_batch, predict=False, **args)
+    predicted = autofit.autofit(make_mlp, make_mlp_batch, **args)
+    assert predicted.fits and predicted.peak_memory <= budget
+    assert predicted.probes_saved > 0 and predicted.probes_run < probed.probes_run
+    saved = [p for p in predicted.probes if p.source == "predicted"]
+    assert all(p.status is ProbeStatus.SKIPPED and "predicted to need" in p.reason for p in saved)
+    # what it skipped really does not fit: probing it runs out of memory
+    spec = make_spec(make_mlp, make_mlp_batch, memory_budget=budget, loss_fn=mlp_loss, global_batch_size=8, **FAST)
+    assert run_probe(spec, saved[0].config, default_strategies()).status is ProbeStatus.OOM
 
 
 def test_tiny_gpt2_at_half_the_baseline_peak():
     budget = baseline_peak(make_gpt2, None, 8) // 2
-    plan = autofit.autofit(make_gpt2, global_batch_size=8, memory_budget=budget, **FAST)
+    plan = autofit.autofit(make_gpt2, global_batch_size=8, memory_budget=budget, predict=False, **FAST)
     check_plan(plan, budget, 8)
     assert plan.config.attention == "sdpa"
     assert plan.tokens_per_second == pytest.approx(plan.throughput * 64)
@@ -64,8 +78,8 @@ def test_find_the_batch_when_none_is_given():
                            max_micro_batch=64, allow=0, **FAST)
     assert plan.fits and plan.config.grad_accum_steps == 1
     assert plan.config.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
-    assert any(p.status is ProbeStatus.OOM and p.config.micro_batch_size > plan.config.micro_batch_size
-               for p in plan.probes)
+    assert any((p.status is ProbeStatus.OOM or p.oom_kind == "predicted")
+               and p.config.micro_batch_size > plan.config.micro_batch_size for p in plan.probes)
 
 
 def snapshot(model):
@@ -104,7 +118,7 @@ def test_resumed_search_reprobes_nothing(tmp_path):
     first = autofit.autofit(make_mlp, make_mlp_batch, **args)
     second = autofit.autofit(make_mlp, make_mlp_batch, **args)
     assert first.probes_run > 0 and second.probes_run == 0
-    assert {p.source for p in second.probes} <= {"stored", "search"}
+    assert {p.source for p in second.probes} <= {"stored", "search", "predicted"}
     assert second.config == first.config and second.throughput == first.throughput
 
 
@@ -118,8 +132,3 @@ def test_loading_a_bad_plan_file(tmp_path):
     (tmp_path / "plan.json").write_text("{not json")
     with pytest.raises(autofit.UsageError, match="plan.json"):
         autofit.Plan.load(tmp_path / "plan.json")
-
-
-def test_multi_gpu_is_refused_until_the_distributed_rungs_exist():
-    with pytest.raises(autofit.UsageError, match="num_gpus=2"):
-        autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, num_gpus=2, loss_fn=mlp_loss, **FAST)
