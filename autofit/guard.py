@@ -40,6 +40,7 @@ from autofit.strategies import checkpointing
 from autofit.units import format_size
 
 logger = logging.getLogger("autofit.guard")
+_NOTHING = contextlib.nullcontext()  # reusable; made once rather than per micro-batch
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 RESTART_RUNGS = "an 8-bit optimizer, ZeRO/FSDP sharding, CPU offload or LoRA"  # need a new job
@@ -210,7 +211,9 @@ class OomGuard:
                 else:
                     contribution = backward(chunk, size / total)
             self._ledger.forget()
-            return _Attempt(size=size, loss=detach(contribution))
+            if isinstance(contribution, torch.Tensor) and contribution.requires_grad:
+                contribution = contribution.detach()
+            return _Attempt(size=size, loss=contribution)
         except Exception as exc:  # noqa: BLE001 - classified below; non-OOM errors are re-raised as is
             kind = classify_oom(exc)
             if kind is None:
@@ -304,7 +307,7 @@ class OomGuard:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NOTHING
         return torch.autocast(self._device().type, dtype=self.autocast_dtype)
 
     # ---- evaluation -----------------------------------------------------------------------------
