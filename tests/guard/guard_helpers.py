@@ -115,7 +115,8 @@ SCRATCH = 100_000  # floats per sample: 8 samples' scratch (3.2 MB) dwarfs the t
 
 def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) -> None:
     """One rank of the 2-rank test: DDP over gloo under a CPU budget. Rank 1 runs out of memory in the
-    forward of the second micro-batch of step 2; after `steps` steps rank 0 raises a non-OOM error."""
+    forward of the second micro-batch of step 2, rank 0 in the backward of the second micro-batch of
+    step 5 (after some gradients went in); after `steps` steps rank 0 raises a non-OOM error."""
     import datetime
     import traceback
 
@@ -137,6 +138,9 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) 
             if rank == 1 and len(calls) == 6:  # step 2, second micro-batch, this rank only
                 model.heavy.forward_extra = SCRATCH
                 budget.limit = budget.peak + 6 * SCRATCH * 4
+            if rank == 0 and len(calls) == 16:  # step 5, second micro-batch of 4: an OOM in the backward
+                model.heavy.extra = SCRATCH
+                budget.limit = budget.peak + 3 * SCRATCH * 4
 
         model.register_forward_pre_hook(on_forward)
         guard = OomGuard(DistributedDataParallel(model), optimizer, micro_batch_size=8, loss_fn=loss_fn)
