@@ -97,6 +97,8 @@ def _predictor(spec: Any) -> Any:
     from autofit.estimate import predict_peak
 
     def predict(config: Config) -> int | None:
+        if config.fsdp != "none":  # the estimator does not model FSDP2's sharding: probe instead
+            return None
         try:
             return predict_peak(spec, config).peak_bytes
         except Exception:  # noqa: BLE001 - a prediction only saves probes; without one, probe

@@ -70,10 +70,10 @@ SHARDING_ONLY_BUDGET = 19 * 2**20
 def test_search_picks_sharding_when_only_sharding_fits():
     plan = autofit.autofit(Blocks, make_batch, device="cpu", num_gpus=2, global_batch_size=2,
                            memory_budget=SHARDING_ONLY_BUDGET, strategies=[MicroBatch(), Fsdp()],
-                           warmup_steps=1, timed_steps=1, predict=False)
+                           warmup_steps=1, timed_steps=1)
     assert plan.fits, plan.reason
     assert plan.config.fsdp != "none" and plan.config.num_gpus == 2
-    unsharded = [p for p in plan.probes if p.config.fsdp == "none" and p.status is not ProbeStatus.SKIPPED]
-    assert unsharded and all(p.status is ProbeStatus.OOM for p in unsharded)
+    unsharded = [p for p in plan.probes if p.config.fsdp == "none"]
+    assert unsharded and not any(p.fits for p in unsharded)  # ran out of memory, or was predicted to
     assert plan.peak_memory < SHARDING_ONLY_BUDGET
     assert not dist.is_initialized() and not multiprocessing.active_children()
