@@ -9,9 +9,9 @@ under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of f
 Adam moments per parameter, each partitioned over N GPUs by its stage. Without ZeRO, autofit trains
 with autocast: fp32 weights (4 bytes), fp32 gradients (4) and the optimizer's states.
 
-Activations are measured, not guessed: the model is built on the meta device, materialised as fake
-tensors (shapes, no data), and one forward + backward runs under a dispatch mode that counts every
-storage alive, as `autofit.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
+Activations are measured, not guessed (`autofit.simulate`): the model is built on the meta device,
+materialised as fake tensors (shapes, no data), and one forward + backward runs under a dispatch mode
+that counts every storage alive, as `autofit.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
 soon as they are made, so the curve is activations alone; the bytes of gradients made so far are
 recorded beside it. Deep Hugging Face models are simulated at 2 and 4 blocks and extrapolated linearly
 in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linearly in the micro-batch.
@@ -20,23 +20,19 @@ in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linear
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Config
+from autofit.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 
 MIB = 1024**2
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
-CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernel images with lazy loading (measured 400-600 MiB on A100/H100)
+CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels with lazy loading: typically 300-600 MiB (not measured here)
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
-ALLOCATOR_ROUNDING = 512  # the caching allocator rounds every block up to 512 bytes (applied per tensor)
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes (activations, optimizer temporaries)
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
 ZERO3_MAX_LIVE_ELEMENTS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
@@ -189,152 +185,6 @@ def _adapter_states(facts: ModelFacts, config: Config) -> States:
     else:
         base_bytes = 4 * base
     return States(int(base_bytes + 4 * adapters), 4 * adapters, int(optimizer_bytes(facts, config.optimizer, adapters)))
-
-
-# -- activations ---------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ActivationPeak:
-    """Transient bytes of one forward + backward: activations, autocast weight copies, temporaries."""
-
-    forward: int  # most bytes live during the forward (and the loss)
-    peak: int  # most bytes live during the backward, weight gradients excluded
-    grads_at_peak: int  # weight-gradient bytes made before that moment (fp32 for full fine-tuning)
-    tail: int  # bytes live when the last weight gradient was made (end of backward)
-    joint: int = 0  # most of (bytes live + weight-gradient bytes made so far) in the backward
-    grads_at_joint: int = 0  # the gradient bytes at that moment
-
-    # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
-    # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
-    @property
-    def largest(self) -> int:
-        """Most activation bytes live at once, in either phase."""
-        return max(self.forward, self.peak)
-
-    def extrapolate(self, other: "ActivationPeak", at: float, here: float, there: float) -> "ActivationPeak":
-        """The line through self (at `here`) and other (at `there`), read at `at`; never below zero."""
-        def line(a: int, b: int) -> int:
-            return max(0, round(a + (b - a) * (at - here) / (there - here)))
-        return ActivationPeak(*(line(getattr(self, f.name), getattr(other, f.name))
-                                for f in dataclasses.fields(self)))
-
-    def with_grads(self, grads: int) -> int:
-        """Most transient bytes live in a backward whose weight gradients total `grads` bytes when kept:
-        the activation peak, the joint peak (gradients scaled down to `grads`), or all gradients at the end."""
-        return max(self.forward, self.peak + min(self.grads_at_peak, grads),
-                   self.joint - self.grads_at_joint + min(self.grads_at_joint, grads),
-                   grads + self.tail)
-
-
-class _Tracker(TorchDispatchMode):
-    """Counts the bytes of every live storage made by an op, rounded as the target's allocator rounds;
-    weight gradients are counted apart (`take_grad`) and dropped at once."""
-
-    def __init__(self, rounding: int):
-        super().__init__()
-        self.rounding = rounding
-        self.current = self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
-        self.forward = 0
-        self.backward = False  # set when the backward starts
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
-        self._model: set[int] = set()  # storages of the weights and buffers: model states, not activations
-
-    def ignore(self, tensors: Any) -> None:
-        """Never count the storages of `tensors` (views of weights are not new memory)."""
-        self._model.update(id(t.untyped_storage()) for t in tensors)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self._count(leaf.untyped_storage())
-        return out
-
-    def _count(self, storage: Any) -> None:
-        key = id(storage)
-        if key in self._model:
-            return
-        nbytes = -(-storage.nbytes() // self.rounding) * self.rounding
-        known = self._live.get(key)
-        if known is not None and known[1] == nbytes:
-            return
-        if known is not None:
-            self.current -= known[1]  # resized in place
-        ref = known[0] if known else weakref.ref(storage, lambda _r, key=key: self._forget(key))
-        self._live[key] = (ref, nbytes)
-        self.current += nbytes
-        if not self.backward:
-            self.forward = max(self.forward, self.current)
-            return
-        if self.current > self.peak:
-            self.peak, self.grads_at_peak = self.current, self.grads
-        if self.current + self.grads > self.joint:
-            self.joint, self.grads_at_joint = self.current + self.grads, self.grads
-
-    def _forget(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self.current -= entry[1]
-
-    def take_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate hook: record the gradient's bytes, then drop it."""
-        self.grads += param.numel() * param.element_size()
-        param.grad = None
-        self.tail = self.current
-
-
-def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-                  precision: str, attention: str, checkpointing: str, device: str,
-                  half_weights: bool = False) -> ActivationPeak:
-    """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
-    tensors on `device` ("cpu" or "cuda"), and return its `ActivationPeak`. Nothing real is allocated.
-
-    `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
-    used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autofit.batch import call_model
-    from autofit.strategies.checkpointing import enable, every
-
-    if attention != "default" and hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("sdpa" if attention == "flash_attention_2" else attention)
-    if half_weights and precision != "fp32":
-        model.to(_half_dtype(precision, device))
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
-        model.to_empty(device=device)
-    model.train()
-    if checkpointing != "none":
-        enable(model, every(checkpointing))
-    tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
-    tracker.ignore([*model.parameters(), *model.buffers()])
-    hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
-    batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
-    try:
-        with fake:
-            fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
-            with tracker:
-                with _autocast("fp32" if half_weights else precision, device):
-                    output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
-                    loss = loss_fn(output, fake_batch)
-                tracker.backward = True
-                loss.backward()
-                del output, loss
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
-                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
-
-
-def _autocast(precision: str, device: str) -> Any:
-    if precision == "fp32":
-        return torch.autocast(device, enabled=False)
-    # fp16 and bf16 tensors have the same size; CPU autocast simulates fp16 with bf16.
-    return torch.autocast(device, dtype=_half_dtype(precision, device))
-
-
-def _half_dtype(precision: str, device: str) -> torch.dtype:
-    return torch.float16 if precision == "fp16" and device == "cuda" else torch.bfloat16
 
 
 # -- the estimator ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from autofit.spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 4
 
 
 class Block(nn.Module):
@@ -51,7 +51,7 @@ class Block(nn.Module):
 class ResidualMLP(nn.Module):
     """A plain model (no Hugging Face): blocks in an nn.ModuleList, forward(x, y) returns the loss."""
 
-    def __init__(self, width: int = 256, depth: int = 6):
+    def __init__(self, width: int = 128, depth: int = 6):
         super().__init__()
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, 10)
@@ -64,17 +64,18 @@ class ResidualMLP(nn.Module):
 
 def mlp_batch(n: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"x": torch.randn(n, 64, 256, generator=gen), "y": torch.randint(0, 10, (n,), generator=gen)}
+    return {"x": torch.randn(n, 64, 128, generator=gen), "y": torch.randint(0, 10, (n,), generator=gen)}
 
 
 def models() -> dict[str, tuple]:
     """name -> (model, batch, seq_len): tiny models, each simulated in full (no depth extrapolation)."""
     from transformers import GPT2Config, LlamaConfig
 
-    llama = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    llama = LlamaConfig(vocab_size=2000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                         num_attention_heads=4, max_position_embeddings=1024)
-    gpt2 = GPT2Config(vocab_size=2000, n_embd=256, n_layer=4, n_head=4, n_positions=1024)
-    return {"tiny-llama": (llama, None, 256), "tiny-gpt2": (gpt2, None, 256),
+    gpt2 = GPT2Config(vocab_size=2000, n_embd=128, n_layer=4, n_head=4, n_positions=1024, eos_token_id=0,
+                      bos_token_id=0)
+    return {"tiny-llama": (llama, None, 128), "tiny-gpt2": (gpt2, None, 128),
             "residual-mlp": (ResidualMLP, mlp_batch, None)}
 
 
@@ -83,7 +84,7 @@ def configs(hf: bool) -> list[Config]:
     grid = []
     for precision in ("fp32", "bf16"):
         for checkpointing in ("none", "full"):
-            for micro in (GLOBAL_BATCH, 2):
+            for micro in (GLOBAL_BATCH, 1):
                 grid.append(Config(precision=precision, attention=attention, checkpointing=checkpointing,
                                    micro_batch_size=micro, grad_accum_steps=GLOBAL_BATCH // micro))
     return grid
