@@ -218,7 +218,7 @@ class GpuTokens:
     def __call__(self, n: int) -> dict[str, torch.Tensor]:
         from autofit.presets import get_preset
 
-        return TokenBatches(get_preset(self.model).config.vocab_size, self.seq_len)(n)
+        return TokenBatches(get_preset(self.model).vocab_size, self.seq_len)(n)
 
 
 # -- budgets --------------------------------------------------------------------------------------------
