@@ -19,9 +19,11 @@ in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linear
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -198,17 +200,13 @@ class Estimator:
     """
 
     def __init__(self, spec: Any, target: str | None = None, extrapolate_batch: bool = False):
-        from autofit.model_info import build_on_meta
-
         self.spec = spec
         self.target = target or spec.device.type
         # True: simulate micro-batches 1 and 2 only and extrapolate linearly (fast, for planning many
         # sizes; checkpointed runs come out a few percent low). False: simulate each micro-batch.
         self.extrapolate_batch = extrapolate_batch
         self.sim_device = "cuda" if self.target == "cuda" and torch.cuda.is_available() else "cpu"
-        meta = build_on_meta(spec.model_factory)
-        self._meta_ok = meta is not None
-        self._meta = meta if meta is not None else spec.model_factory().to("meta")
+        self._meta = meta_model(spec.model_factory)
         self.facts = model_facts(self._meta)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
@@ -250,10 +248,8 @@ class Estimator:
                 f"of {total} blocks, extrapolated")
 
     def _run(self, config: Config, mb: int, depth: int | None) -> ActivationPeak:
-        from autofit.model_info import build_on_meta
-
         if depth is None:
-            model = build_on_meta(self.spec.model_factory) if self._meta_ok else self.spec.model_factory().to("meta")
+            model = meta_model(self.spec.model_factory)
         else:
             model = _rebuild(self._meta, self._depth_key, depth)
         batch = self.spec.batch_factory(mb)
@@ -362,6 +358,26 @@ def _state_notes(config: Config, states: States) -> list[str]:
     if config.offload != "none":
         notes.append(f"offload to {config.offload}: {format_size(states.cpu)} of host RAM")
     return notes
+
+
+def meta_model(factory: Callable[[], nn.Module]) -> nn.Module:
+    """A build of `factory`'s model on the meta device. A given module (the spec's deep-copy factory) is
+    copied with its tensors replaced by meta ones, so no real copy is made; factories that cannot build
+    on meta are built for real once and moved."""
+    from autofit.model_info import build_on_meta
+
+    if isinstance(factory, functools.partial) and factory.func is copy.deepcopy \
+            and isinstance(factory.args[0], nn.Module):
+        module = factory.args[0]
+        memo: dict[int, Any] = {}
+        for tensor in (*module.parameters(), *module.buffers()):
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        return copy.deepcopy(module, memo)
+    built = build_on_meta(factory)
+    if built is None or any(t.device.type != "meta" for t in (*built.parameters(), *built.buffers())):
+        built = (built or factory()).to("meta")
+    return built
 
 
 def _depth_key(model: nn.Module, facts: ModelFacts) -> str | None:

@@ -116,3 +116,17 @@ def test_estimate_is_frozen_values(spec):
     with pytest.raises(dataclasses.FrozenInstanceError):
         estimate.peak_bytes = 0
     assert set(estimate.to_dict()["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead"}
+
+
+def test_a_given_module_is_planned_without_a_real_copy():
+    from torch import nn
+
+    from autofit.estimate import meta_model
+
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    spec = make_spec(net, torch.randn(4, 64), loss_fn=lambda out, batch: out.pow(2).mean(), device="cpu",
+                     memory_budget="1GiB")
+    meta = meta_model(spec.model_factory)
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    assert net[0].weight.device.type == "cpu"  # the user's module is untouched
+    assert predict_peak(spec, Config(micro_batch_size=4)).breakdown.params == 4 * sum(p.numel() for p in net.parameters())
