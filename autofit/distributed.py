@@ -110,13 +110,15 @@ def _collect(ranks: list[_Rank], config: Config, timeout: float) -> list[ProbeRe
     reports: dict[int, ProbeResult] = {}
     while len(reports) < len(ranks) and time.monotonic() < deadline:
         waiting = {r.receiver: i for i, r in enumerate(ranks) if i not in reports}
-        for receiver in multiprocessing.connection.wait(list(waiting), timeout=deadline - time.monotonic()):
+        for receiver in multiprocessing.connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
             index = waiting[receiver]
             reports[index] = _receive(receiver, ranks[index], config, index)
         if any(r.status is not ProbeStatus.FIT for r in reports.values()):
             deadline = min(deadline, time.monotonic() + _GRACE)  # a failed rank's peers are stuck in collectives
     if not reports:
         return [ProbeResult(config, ProbeStatus.ERROR, f"probe of {len(ranks)} ranks timed out after {timeout:.0f} s")]
+    for index in range(len(ranks)):  # silent ranks: stuck behind a failed peer, or hung past the timeout
+        reports.setdefault(index, ProbeResult(config, ProbeStatus.ERROR, f"rank {index} did not report: timed out"))
     return [reports[i] for i in sorted(reports)]
 
 

@@ -116,3 +116,20 @@ def test_autofit_with_two_cpu_ranks_leaves_no_process_group():
         from deepspeed import comm
 
         assert comm.comm.cdb is None
+
+
+def test_combine_takes_the_worst_rank():
+    from autofit.distributed import combine
+    from autofit.probe import ProbeResult
+
+    spec, config = _spec(), Config(num_gpus=2, micro_batch_size=2)
+    fast = ProbeResult(config, ProbeStatus.FIT, "fits: peak 1 MiB", 2**20, 0.5, 8.0)
+    slow = ProbeResult(config, ProbeStatus.FIT, "fits: peak 2 MiB", 2 * 2**20, 1.0, 4.0)
+    both = combine(spec, config, [fast, slow])
+    assert both.fits and both.peak_bytes == 2 * 2**20 and both.step_seconds == 1.0
+    assert both.samples_per_s == pytest.approx(4.0)  # global batch 4 per 1.0 s step
+    silent = ProbeResult(config, ProbeStatus.ERROR, "rank 1 did not report: timed out")
+    assert combine(spec, config, [fast, silent]).status is ProbeStatus.ERROR
+    oom = ProbeResult(config, ProbeStatus.OOM, "CPU budget exceeded", oom_kind="cpu-budget")
+    worst = combine(spec, config, [silent, oom])
+    assert worst.status is ProbeStatus.OOM and worst.reason.endswith("(on 1 of 2 ranks)")
