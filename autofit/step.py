@@ -43,8 +43,9 @@ class TrainRun:
     optimizer: torch.optim.Optimizer | None = None
     placed: bool = False  # True once the model is on the device (a strategy may place it itself)
     # A distributed engine (DeepSpeed) that owns backward and the optimizer step: set by `ready()`
-    # from `engine_factory(run)`, which an engine strategy provides. None trains with plain torch.
-    engine_factory: Callable[["TrainRun"], "Engine"] | None = None
+    # from `engine_factory(run)`, which an engine strategy provides, once every strategy has applied.
+    # A factory that only wraps the model last (FSDP2) returns None: torch's backward and step remain.
+    engine_factory: Callable[["TrainRun"], "Engine | None"] | None = None
     engine: "Engine | None" = None
     nvme_path: str | None = None  # folder for NVMe offload, set by the offload strategy for the engine
 
@@ -60,7 +61,8 @@ class TrainRun:
             self.placed = True
         if self.engine_factory is not None and self.engine is None:
             self.engine = self.engine_factory(self)  # may replace model and optimizer
-            return self
+            if self.engine is not None:
+                return self
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.optimizer is None:
             factory = self.optimizer_factory or (lambda ps: torch.optim.AdamW(ps))

@@ -11,6 +11,7 @@ host). The alternative to DeepSpeed ZeRO when DeepSpeed is not installed or not 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -48,7 +49,10 @@ class Fsdp(Strategy):
     def apply(self, run, value: Any) -> None:
         if value == "none":
             return
-        shard(run, value == "full_shard")
+        # Sharded last, once every strategy has applied (LoRA adapters must exist before sharding),
+        # and placed by `shard` itself (with CPU offload the full model never visits the GPU).
+        run.placed = True
+        run.engine_factory = functools.partial(shard, reshard_after_forward=value == "full_shard")
 
 
 def unavailable_reason(spec) -> str | None:
@@ -59,7 +63,8 @@ def unavailable_reason(spec) -> str | None:
 
 
 def shard(run, reshard_after_forward: bool) -> None:
-    """Apply `fully_shard` to each block, then the root, with the run's precision and offload as policies."""
+    """Apply `fully_shard` to each block, then the root, with the run's precision and offload as policies.
+    Returns None: training stays torch's backward and optimizer step, over the sharded parameters."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -76,7 +81,6 @@ def shard(run, reshard_after_forward: bool) -> None:
                     offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                 offload_policy=offload)
-    run.placed = True
     if dtype is not None:
         run.autocast_dtype = None  # the policy casts parameters; autocast on top would cast twice
     if run.scaler is not None:  # fp16: the scaler must see every rank's gradient shards
