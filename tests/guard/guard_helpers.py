@@ -178,3 +178,44 @@ def reference_ranks(batches_per_step) -> Net:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model
+
+
+def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of the 2-rank accelerate test: rank 1's third loader batch runs out of memory."""
+    import os
+
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from autofit.guard_accelerate import AccelerateGuard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    record = {"sizes": [], "recoveries": []}
+    with CpuBudget(None) as budget:
+        model, optimizer = fresh()
+        prepared, optimizer, loader = accelerator.prepare(model, optimizer,
+                                                          DataLoader(accelerate_data(), batch_size=8))
+        guard = AccelerateGuard(accelerator, prepared, optimizer, loss_fn=loss_fn)
+        for index, batch in enumerate(loader):
+            if rank == 1 and index == 2:
+                model.heavy.forward_extra = SCRATCH
+                budget.limit = budget.peak + 6 * SCRATCH * 4
+            with accelerator.accumulate(prepared):
+                guard.backward(batch)
+                optimizer.step()
+                optimizer.zero_grad()
+            record["sizes"].append(guard.last_report.micro_batches)
+    record["recoveries"] = [r.reason for r in guard.guard.recoveries]
+    record["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(record, f"{out_dir}/accelerate{rank}.pt")
+    accelerator.end_training()
+
+
+def accelerate_data():
+    from torch.utils.data import TensorDataset
+
+    gen = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(64, 8, WIDTH, generator=gen), torch.randn(64, 8, 1, generator=gen))

@@ -41,3 +41,45 @@ def test_two_ranks_step_down_together_and_match_ddp(tmp_path):
     assert rank0["error"][0] == "ValueError" and "labels are malformed" in rank0["error"][1]
     assert "in loss" in rank0["error"][2]  # the original traceback, down to the user's loss function
     assert rank1["error"][0] == "OtherRankFailed"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join(context, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"a rank is still running after {seconds} s: it waits in a collective")
+
+
+def test_two_accelerate_ranks_split_together_and_match_the_global_mean(tmp_path):
+    from guard_helpers import accelerate_data, accelerate_worker, fresh, loss_fn
+
+    _join(mp.spawn(accelerate_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False), 120)
+    rank0, rank1 = (torch.load(tmp_path / f"accelerate{r}.pt", weights_only=False) for r in (0, 1))
+    assert rank1["sizes"] == [(8,), (8,), (4, 4), (4, 4)]
+    assert rank0["sizes"] == [(8,), (8,), (8,), (4, 4)]  # its batch had gone in; it stepped down with rank 1
+    assert "on this rank" in rank1["recoveries"][0] and "on another rank" in rank0["recoveries"][0]
+    for name, tensor in rank0["state"].items():
+        torch.testing.assert_close(tensor, rank1["state"][name])
+    # DDP + accumulation 2 over 2 ranks: each optimizer step averages the means of 4 loader batches.
+    data = accelerate_data().tensors
+    model, optimizer = fresh()
+    for step in range(2):
+        for b in range(4):
+            rows = slice(8 * (4 * step + b), 8 * (4 * step + b + 1))
+            batch = (data[0][rows], data[1][rows])
+            (loss_fn(model(batch[0]), batch) / 4).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    guarded = type(model)()
+    guarded.load_state_dict(rank0["state"])
+    assert_same_weights(guarded, model, atol=1e-5)
