@@ -219,3 +219,80 @@ def accelerate_data():
 
     gen = torch.Generator().manual_seed(7)
     return TensorDataset(torch.randn(64, 8, WIDTH, generator=gen), torch.randn(64, 8, 1, generator=gen))
+
+
+class TokenLM(nn.Module):
+    """A tiny language model for the Trainer whose loss is a mean (no `num_items_in_batch`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(2))
+        self.out = nn.Linear(32, 64)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.out(x)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+class TokenRecords(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int):
+        self.ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of the 2-rank Trainer test: a plain Trainer run, then a GuardedTrainer run in which
+    rank 1's forward needs more memory than is left from optimizer step 1 on."""
+    import os
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from autofit.guard_trainer import GuardedTrainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+    def args(name: str) -> TrainingArguments:
+        return TrainingArguments(output_dir=f"{out_dir}/{name}{rank}", per_device_train_batch_size=8,
+                                 gradient_accumulation_steps=2, max_steps=3, learning_rate=0.1, optim="sgd",
+                                 max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                 logging_strategy="no", seed=0, ddp_backend="gloo", dataloader_num_workers=0)
+
+    torch.manual_seed(0)
+    reference = TokenLM()
+    Trainer(model=reference, args=args("plain"), train_dataset=TokenRecords(96, 3)).train()
+    torch.manual_seed(0)
+    model, state = TokenLM(), {"on": False}
+
+    def scratch(module, inputs, kwargs):
+        if state["on"]:
+            del_me = torch.ones(1_000_000 * kwargs["input_ids"].shape[0])
+            del del_me
+
+    model.register_forward_pre_hook(scratch, with_kwargs=True)
+
+    class Squeeze(TrainerCallback):
+        def on_step_begin(self, args, trainer_state, control, **kwargs):
+            if rank == 1 and trainer_state.global_step == 1 and not state["on"]:
+                state["on"] = True
+                budget.limit = budget.current + 6_000_000 * 4  # 8 samples' scratch (32 MB) is over
+
+    with CpuBudget(None) as budget:
+        trainer = GuardedTrainer(model=model, args=args("guarded"), train_dataset=TokenRecords(96, 3),
+                                 callbacks=[Squeeze()])
+        trainer.train()
+    guard = trainer.oom_guard
+    torch.save({"recoveries": [r.reason for r in guard.recoveries], "config": guard.config.to_dict(),
+                "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "reference": {k: v.detach().clone() for k, v in reference.state_dict().items()}},
+               f"{out_dir}/trainer{rank}.pt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -83,3 +84,16 @@ def test_two_accelerate_ranks_split_together_and_match_the_global_mean(tmp_path)
     guarded = type(model)()
     guarded.load_state_dict(rank0["state"])
     assert_same_weights(guarded, model, atol=1e-5)
+
+
+@pytest.mark.slow  # two Trainer runs in each of two spawned ranks: about a minute on 2 cores
+def test_two_trainer_ranks_recover_together_and_match_the_plain_trainer(tmp_path):
+    from guard_helpers import trainer_worker
+
+    _join(mp.spawn(trainer_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False), 180)
+    ranks = [torch.load(tmp_path / f"trainer{r}.pt", weights_only=False) for r in (0, 1)]
+    assert "on this rank" in ranks[1]["recoveries"][0] and "on another rank" in ranks[0]["recoveries"][0]
+    assert ranks[0]["config"]["micro_batch_size"] == ranks[1]["config"]["micro_batch_size"] == 4
+    for name, tensor in ranks[0]["state"].items():
+        torch.testing.assert_close(tensor, ranks[1]["state"][name])
+        torch.testing.assert_close(tensor, ranks[0]["reference"][name], atol=2e-5, rtol=1e-4)
