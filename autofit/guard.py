@@ -98,7 +98,8 @@ class OomGuard:
         for batch in loader:
             report = guard.step(batch)      # forward/backward/optimizer step; report.loss
 
-    `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
+    `micro_batch_size=None` runs each batch whole until an OOM (`config.micro_batch_size` reads 0 until
+    the first step sets it). `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
     (DDP or a plain model) every rank must call `step` with its own shard; the ranks step down together.
     Dropout draws new masks when samples are replayed, as any re-run would.
     """

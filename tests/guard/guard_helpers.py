@@ -185,7 +185,7 @@ def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import os
 
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from autofit.guard_accelerate import AccelerateGuard
 
