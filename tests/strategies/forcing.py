@@ -32,5 +32,6 @@ def budget_between(smaller: int, larger: int) -> int:
 
 
 def tune(model, batch, strategies, budget, global_batch, **kwargs):
+    """Tune by probing alone (no estimator), so the probes themselves show the rung being forced."""
     return autofit.autofit(model, batch, global_batch_size=global_batch, memory_budget=budget,
-                           strategies=strategies, **FAST, **kwargs)
+                           strategies=strategies, predict=False, **FAST, **kwargs)
