@@ -1,5 +1,5 @@
 """Dry-run error: autofit's predicted peak (`autofit.estimate.predict_peak`) against the measured peak,
-for the chosen candidate and the ones the search rejected.
+for the chosen candidate, the other fits and the rejected ones: every candidate of the exhaustive search.
 
 A fit's measured peak comes from its probe. A candidate that ran out of memory only shows a lower
 bound under the budget, so on the CPU it is measured again without one (a short run: one warm-up step,
@@ -20,9 +20,11 @@ class PeakRow:
     """One candidate: predicted and measured peak bytes, and the relative error (predicted / measured - 1)."""
 
     config: str
-    role: str  # "chosen" | "fit" | "oom"
+    role: str  # "chosen" | "fit" (fits, not chosen) | "oom" (rejected: does not fit the budget and margin)
+    probed_by_autofit: bool  # autofit's search ran it (the others it decided without running)
     predicted_bytes: int | None
     measured_bytes: int | None
+    predicted_fit: bool | None = None  # the prediction is under the fit limit
     measured_is_lower_bound: bool = False
     error: str | None = None  # why there is no prediction
 
@@ -47,24 +49,28 @@ def estimator() -> tuple[Any, str]:
     return predict_peak, ""
 
 
-def peak_rows(spec: TrainSpec, probes: Sequence[ProbeResult], chosen: Any, strategies: Sequence[Any],
-              limit: int = 12) -> list[PeakRow]:
-    """Predicted vs measured for autofit's probed candidates (fits and OOMs), at most `limit` of them."""
+def peak_rows(spec: TrainSpec, candidates: Sequence[ProbeResult], chosen: Any, autofit_probed: Any,
+              strategies: Sequence[Any]) -> list[PeakRow]:
+    """Predicted vs measured for every candidate the exhaustive search ran (fits and OOMs);
+    `autofit_probed` holds the configs autofit's own search ran."""
     predict, why = estimator()
-    probed = [p for p in probes if p.source == "probed" and p.status in (ProbeStatus.FIT, ProbeStatus.OOM)]
     rows = []
-    for result in probed[:limit]:
+    for result in candidates:
+        if result.status not in (ProbeStatus.FIT, ProbeStatus.OOM):
+            continue
         role = "chosen" if result.config == chosen else ("fit" if result.fits else "oom")
         measured, lower = _measured(spec, result, strategies)
+        row = dict(config=result.config.describe(), role=role, probed_by_autofit=result.config in autofit_probed,
+                   measured_bytes=measured, measured_is_lower_bound=lower)
         if predict is None:
-            rows.append(PeakRow(result.config.describe(), role, None, measured, lower, why))
+            rows.append(PeakRow(predicted_bytes=None, error=why, **row))
             continue
         try:
             predicted = int(predict(spec, result.config).peak_bytes)
         except Exception as exc:  # noqa: BLE001 - a failing estimator is a finding
-            rows.append(PeakRow(result.config.describe(), role, None, measured, lower, f"{type(exc).__name__}: {exc}"))
+            rows.append(PeakRow(predicted_bytes=None, error=f"{type(exc).__name__}: {exc}", **row))
             continue
-        rows.append(PeakRow(result.config.describe(), role, predicted, measured, lower))
+        rows.append(PeakRow(predicted_bytes=predicted, predicted_fit=predicted <= spec.fit_limit, **row))
     return rows
 
 

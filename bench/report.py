@@ -86,20 +86,28 @@ def _tools_table(scenarios: list[dict[str, Any]]) -> list[str]:
 
 
 def _dry_run(scenarios: list[dict[str, Any]]) -> list[str]:
-    rows = ["| scenario | candidate | autofit's verdict | predicted peak | measured peak | error |", "|---|---|---|---|---|---|"]
-    errors = []
+    rows = ["| scenario | candidates | chosen: predicted / measured | |error| median (max) | "
+            "fit / OOM verdicts the prediction gets right | no prediction |", "|---|---|---|---|---|---|"]
+    every = []
     for s in scenarios:
-        for r in s.get("dry_run") or []:
-            err = r["relative_error"]
-            if err is not None:
-                errors.append(abs(err))
-            measured = ("> " if r["measured_is_lower_bound"] else "") + format_size(r["measured_bytes"])
-            predicted = format_size(r["predicted_bytes"]) if r["predicted_bytes"] is not None else f"- ({r['error']})"
-            rows.append(f"| {s['name']} | {r['config']} | {r['role']} | {predicted} | {measured} | "
-                        f"{'-' if err is None else f'{err:+.0%}'} |")
-    if errors:
-        rows += ["", f"Dry-run error |predicted / measured - 1|: median {statistics.median(errors):.0%}, "
-                     f"max {max(errors):.0%} over {len(errors)} candidates."]
+        got = s.get("dry_run") or []
+        if not got:
+            continue
+        errors = [abs(r["relative_error"]) for r in got if r["relative_error"] is not None]
+        every += errors
+        chosen = next((r for r in got if r["role"] == "chosen"), None)
+        shown = (f"{format_size(chosen['predicted_bytes'])} / {format_size(chosen['measured_bytes'])}"
+                 if chosen and chosen["predicted_bytes"] is not None else "-")
+        judged = [r for r in got if r["predicted_fit"] is not None]
+        right = sum(r["predicted_fit"] == (r["role"] != "oom") for r in judged)
+        missing = [r["error"] for r in got if r["predicted_bytes"] is None]
+        spread = f"{statistics.median(errors):.1%} ({max(errors):.1%})" if errors else "-"
+        rows.append(f"| {s['name']} | {len(got)} | {shown} | {spread} | {right}/{len(judged)} | "
+                    f"{len(missing)}{': ' + missing[0] if missing else ''} |")
+    if every:
+        rows += ["", f"Dry-run error |predicted / measured - 1| over {len(every)} candidates (every candidate of the "
+                     f"exhaustive searches; OOMs re-measured without a budget): median {statistics.median(every):.1%}, "
+                     f"max {max(every):.1%}. Per-candidate figures are in the results file."]
     return rows
 
 

@@ -77,7 +77,8 @@ def run_scenario(scenario: Scenario, options: Options) -> dict[str, Any]:
         log(f"  robustness: {out['robustness']['steps_done']}/{options.robustness_steps} steps, ok={out['robustness']['ok']}")
     if options.dry_run and plan.fits:
         with _phase(phases, "dry_run"):
-            out["dry_run"] = [r.to_dict() for r in peak_rows(spec, plan.probes, plan.config, strategies)]
+            probed = {p.config for p in plan.probes if p.source == "probed"}
+            out["dry_run"] = [r.to_dict() for r in peak_rows(spec, oracle.results, plan.config, probed, strategies)]
     out["phase_seconds"] = phases
     return out
 

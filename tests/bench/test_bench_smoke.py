@@ -88,7 +88,9 @@ def test_one_scenario_end_to_end_fills_the_readme(tmp_path):
     assert result["autofit"]["fits"] and result["exhaustive"]["candidates"] >= result["autofit"]["probes_run"]
     quality = result["remeasured"]["as_probed"]["decision_quality"]
     assert quality > 0 and result["cost_ratio"] > 0 and result["robustness"]["ok"]
-    assert any(row["role"] == "chosen" for row in result["dry_run"])
+    rows = result["dry_run"]
+    assert len(rows) == result["exhaustive"]["candidates"] and sum(r["role"] == "chosen" for r in rows) == 1
+    assert any(r["role"] == "oom" and r["measured_bytes"] > result["fit_limit_bytes"] for r in rows)
     doc = dict(device="cpu (test)", date="2026-01-01", started_utc="x", command="pytest", wall_s=1.0, torch_threads=1,
                load_before=(0.0, 0.0, 0.0), versions=dict(torch="t", autofit="a", transformers="tr", accelerate="ac",
                                                          lightning=None), scenarios=[json.loads(json.dumps(result))])
@@ -97,7 +99,7 @@ def test_one_scenario_end_to_end_fills_the_readme(tmp_path):
     update_readme(readme, doc, "results/x.json")
     text = readme.read_text()
     assert text.startswith("# Bench\n\nintro") and text.rstrip().endswith("tail") and "old" not in text
-    assert "| tiny-mlp@60% |" in text and f"{quality:.2f}" in text
+    assert "| tiny-mlp@60% |" in text and f"{quality:.2f}" in text and "Dry-run error" in text
 
 
 def test_probe_status_values_used_by_the_report_exist():
