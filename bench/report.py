@@ -86,7 +86,7 @@ def _tools_table(scenarios: list[dict[str, Any]]) -> list[str]:
 
 
 def _dry_run(scenarios: list[dict[str, Any]]) -> list[str]:
-    rows = ["| scenario | candidates | chosen: predicted / measured | |error| median (max) | "
+    rows = ["| scenario | candidates | chosen: predicted / measured | abs. error median (max) | "
             "fit / OOM verdicts the prediction gets right | no prediction |", "|---|---|---|---|---|---|"]
     every = []
     for s in scenarios:
@@ -105,7 +105,7 @@ def _dry_run(scenarios: list[dict[str, Any]]) -> list[str]:
         rows.append(f"| {s['name']} | {len(got)} | {shown} | {spread} | {right}/{len(judged)} | "
                     f"{len(missing)}{': ' + missing[0] if missing else ''} |")
     if every:
-        rows += ["", f"Dry-run error |predicted / measured - 1| over {len(every)} candidates (every candidate of the "
+        rows += ["", f"Dry-run error, abs(predicted / measured - 1), over {len(every)} candidates (every candidate of the "
                      f"exhaustive searches; OOMs re-measured without a budget): median {statistics.median(every):.1%}, "
                      f"max {max(every):.1%}. Per-candidate figures are in the results file."]
     return rows
