@@ -35,58 +35,113 @@ class _Deadline:
             raise DeadlinePassed("deadline passed")
 
 
-class CpuBudget(_Deadline, TorchDispatchMode):
-    """Counts the bytes of every live tensor storage created inside it and enforces `limit` bytes.
+class StorageCounter(TorchDispatchMode):
+    """Counts the bytes of every live tensor storage that operations create while it is active.
 
-    Storages are tracked by weak reference, so the count falls when tensors die. `peak` is the most
-    bytes live at once. Views share their base's storage and are counted once. The deadline, when
-    set, is checked at every operation, so even one very slow step stops on time.
+    Storages are tracked by weak reference, so the count falls when tensors die. An output that aliases
+    an input (a view, an in-place or out= op) is no new memory: it is counted only when its storage is
+    already tracked (picking up an in-place resize) — so views of tensors made outside, such as the
+    `detach` of a user's parameter that `deepcopy` takes, cost nothing. `rounding` rounds every storage
+    up as an allocator would. Subclasses react to growth in `_grew`.
     """
 
-    def __init__(self, limit: int | None):
-        super().__init__()
-        self.limit = limit
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
+    rounding = 1
 
-    # Entered as a context manager: `with CpuBudget(limit) as budget: ...`.
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._ignored: set[int] = set()
+
+    def ignore(self, tensors: Any) -> None:
+        """Never count the storages of `tensors`."""
+        self._ignored.update(id(t.untyped_storage()) for t in tensors)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.check_deadline()
+        self._before_op()
         out = func(*args, **(kwargs or {}))
+        inputs = _input_storages(func, args, kwargs)
         for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+            if isinstance(leaf, torch.Tensor) and self._counts(leaf):
                 # A DTensor (FSDP2's sharded parameters) holds only its local shard on this rank.
-                self._count(getattr(leaf, "_local_tensor", leaf).untyped_storage())
+                storage = getattr(leaf, "_local_tensor", leaf).untyped_storage()
+                if id(storage) in self._live or id(storage) not in inputs:
+                    self._count(storage)
         return out
+
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        """Whether storages of `tensor`'s kind are counted (all, unless a subclass says otherwise)."""
+        return True
+
+    def _before_op(self) -> None:
+        """Called before every operation."""
 
     def _count(self, storage: Any) -> None:
         key = id(storage)
-        nbytes = storage.nbytes()
+        if key in self._ignored:
+            return
+        nbytes = -(-storage.nbytes() // self.rounding) * self.rounding
         known = self._live.get(key)
+        if known is not None and known[1] == nbytes:
+            return
         if known is not None:
-            if known[1] == nbytes:
-                return
             self.current -= known[1]  # resized in place (out= ops)
-            ref = known[0]
-        else:
-            ref = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+        ref = known[0] if known else weakref.ref(storage, lambda _ref, key=key: self._forget(key))
         self._live[key] = (ref, nbytes)
         self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
-        if self.limit is not None and self.current > self.limit:
-            raise _budget_oom(self.current, nbytes, self.limit)
+        self._grew(nbytes)
+
+    def _grew(self, nbytes: int) -> None:
+        """Called after a storage of `nbytes` was counted."""
 
     def _forget(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= entry[1]
 
+
+_ALIASING: dict[Any, bool] = {}
+
+
+def _input_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
+    """Ids of the input storages an op's outputs may alias (empty for ops whose schema aliases nothing)."""
+    aliasing = _ALIASING.get(func)
+    if aliasing is None:
+        aliasing = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
+    if not aliasing:
+        return set()
+    return {id(leaf.untyped_storage()) for leaf in tree_flatten((args, kwargs))[0]
+            if isinstance(leaf, torch.Tensor)}
+
+
+class CpuBudget(_Deadline, StorageCounter):
+    """Counts every CPU tensor storage created inside it (see `StorageCounter`) and enforces `limit`
+    bytes: going over raises `torch.OutOfMemoryError`. `peak` is the most bytes live at once. The
+    deadline, when set, is checked at every operation, so even one very slow step stops on time.
+
+    Entered as a context manager: `with CpuBudget(limit) as budget: ...`.
+    """
+
+    def __init__(self, limit: int | None):
+        super().__init__()
+        self.limit = limit
+        self.peak = 0
+
+    def _counts(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    def _before_op(self) -> None:
+        self.check_deadline()
+
+    def _grew(self, nbytes: int) -> None:
+        if self.current > self.peak:
+            self.peak = self.current
+        if self.limit is not None and self.current > self.limit:
+            raise _budget_oom(self.current, nbytes, self.limit)
+
     def reset_peak(self) -> None:
         """Start measuring the peak again from the bytes live now."""
         self.peak = self.current
-
 
 def _budget_oom(current: int, nbytes: int, limit: int) -> torch.OutOfMemoryError:
     error = torch.OutOfMemoryError(

@@ -9,13 +9,13 @@ result into a predicted peak.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from autofit.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 
@@ -54,43 +54,19 @@ class ActivationPeak:
                    grads + self.tail)
 
 
-class _Tracker(TorchDispatchMode):
-    """Counts the bytes of every live storage made by an op, rounded as the target's allocator rounds;
-    weight gradients are counted apart (`take_grad`) and dropped at once."""
+class _Tracker(StorageCounter):
+    """Counts the bytes of every live storage made by an op (`autofit.memory.StorageCounter`), rounded as
+    the target's allocator rounds; tracks the forward's peak and the backward's peaks apart; weight
+    gradients are counted apart (`take_grad`) and dropped at once."""
 
     def __init__(self, rounding: int):
         super().__init__()
         self.rounding = rounding
-        self.current = self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
+        self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
         self.forward = 0
         self.backward = False  # set when the backward starts
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
-        self._model: set[int] = set()  # storages of the weights and buffers: model states, not activations
 
-    def ignore(self, tensors: Any) -> None:
-        """Never count the storages of `tensors` (views of weights are not new memory)."""
-        self._model.update(id(t.untyped_storage()) for t in tensors)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self._count(leaf.untyped_storage())
-        return out
-
-    def _count(self, storage: Any) -> None:
-        key = id(storage)
-        if key in self._model:
-            return
-        nbytes = -(-storage.nbytes() // self.rounding) * self.rounding
-        known = self._live.get(key)
-        if known is not None and known[1] == nbytes:
-            return
-        if known is not None:
-            self.current -= known[1]  # resized in place
-        ref = known[0] if known else weakref.ref(storage, lambda _r, key=key: self._forget(key))
-        self._live[key] = (ref, nbytes)
-        self.current += nbytes
+    def _grew(self, nbytes: int) -> None:
         if not self.backward:
             self.forward = max(self.forward, self.current)
             return
@@ -98,11 +74,6 @@ class _Tracker(TorchDispatchMode):
             self.peak, self.grads_at_peak = self.current, self.grads
         if self.current + self.grads > self.joint:
             self.joint, self.grads_at_joint = self.current + self.grads, self.grads
-
-    def _forget(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self.current -= entry[1]
 
     def take_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: record the gradient's bytes, then drop it."""

@@ -47,3 +47,15 @@ def test_deadline_stops_inside_a_step():
         with CpuBudget(None) as budget:
             budget.deadline = 0.0  # already passed
             torch.zeros(3) + 1
+
+
+def test_copying_a_module_made_outside_counts_only_the_copy():
+    import copy
+
+    layer = torch.nn.Linear(100, 100)  # 40400 bytes, made outside the budget
+    with CpuBudget(None) as budget:
+        clone = copy.deepcopy(layer)  # deepcopy detaches (a view of the original), then clones
+        assert budget.current == 40400
+        layer.weight.data.add_(1)  # in place on a tensor made outside: no new memory
+        assert budget.current == 40400
+    del clone

@@ -6,6 +6,7 @@ Face models expose the switch (`attn_implementation`); other models keep their o
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from typing import Any
 
@@ -35,7 +36,18 @@ class Attention(Strategy):
 
     def apply(self, run, value: Any) -> None:
         if value != DEFAULT:
+            own_config(run.model)
             run.model.set_attn_implementation(value)
+
+
+def own_config(model: Any) -> None:
+    """Give `model` a private copy of its config: a factory may build every model on one config object
+    (the user's), and switching attention writes to it."""
+    shared = model.config
+    private = copy.deepcopy(shared)
+    for module in model.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = private
 
 
 def _flash_available(spec) -> tuple[bool, str]:

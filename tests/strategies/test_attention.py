@@ -20,3 +20,17 @@ def test_plain_model_keeps_its_attention():
     spec = make_spec(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
     [option] = Attention().options(spec)
     assert option.value == "default" and "not a Hugging Face model" in option.reason
+
+
+def test_switching_leaves_a_shared_config_alone():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shared = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(shared)  # transformers itself records its default implementation on the config
+    before = shared._attn_implementation
+    spec = make_spec(lambda: GPT2LMHeadModel(shared), global_batch_size=2, device="cpu", memory_budget="1GiB")
+    run = build_run(spec, Config(attention="eager", micro_batch_size=2), default_strategies())
+    assert run.model.config._attn_implementation == "eager"
+    assert all(m.config is run.model.config for m in run.model.modules() if hasattr(m, "config"))
+    assert shared._attn_implementation == before
+    run.step([spec.batch_factory(2)])
