@@ -9,12 +9,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from autofit.units import format_size
@@ -33,6 +34,10 @@ class _Deadline:
         """Raise `DeadlinePassed` once the deadline has passed."""
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise DeadlinePassed("deadline passed")
+
+    def timing(self) -> contextlib.AbstractContextManager:
+        """Context for a probe's timed steps, once warm-up steps have reached the steady-state peak."""
+        return contextlib.nullcontext()
 
 
 class StorageCounter(TorchDispatchMode):
@@ -132,6 +137,12 @@ class CpuBudget(_Deadline, StorageCounter):
 
     def _before_op(self) -> None:
         self.check_deadline()
+
+    def timing(self) -> contextlib.AbstractContextManager:
+        """Per-operation bookkeeping off: on the CPU it is a Python call per op, which for small models
+        costs more than the arithmetic and would skew throughput. Storages freed meanwhile still
+        leave the count; nothing new is counted."""
+        return _disable_current_modes()
 
     def _grew(self, nbytes: int) -> None:
         if self.current > self.peak:

@@ -59,3 +59,17 @@ def test_copying_a_module_made_outside_counts_only_the_copy():
         layer.weight.data.add_(1)  # in place on a tensor made outside: no new memory
         assert budget.current == 40400
     del clone
+
+
+def test_timing_turns_the_bookkeeping_off_and_back_on():
+    with CpuBudget(None) as budget:
+        kept = torch.zeros(100)
+        with budget.timing():
+            scratch = torch.zeros(1000)  # not counted: the timed steps repeat counted warm-up steps
+            assert budget.current == 400
+        del kept
+        gc.collect()
+        assert budget.current == 0
+        torch.zeros(10)
+        assert budget.peak == 400
+    del scratch
