@@ -26,6 +26,7 @@ from autofit.units import format_size
 
 
 MIN_ALLOWANCE = 5.0  # seconds a probe may always take before its deadline stops it
+STEADY_STEPS = 2  # optimizer steps after which every step allocates the same (see _train)
 
 
 class ProbeStatus(str, enum.Enum):
@@ -119,9 +120,10 @@ def _train(spec: TrainSpec, config: Config, strategies: Sequence[Any], budget: A
         run.step(micro_batches)
         budget.check_deadline()
     _sync(spec.device)
-    # The warm-up steps ran under the budget and reached the steady-state peak (optimizer states
-    # included); the timed steps repeat them, so they run as plain training does.
-    with budget.timing() if spec.warmup_steps else contextlib.nullcontext():
+    # Two steps reach the steady-state peak: the first ends by creating the optimizer states, the
+    # second holds them through its backward. When the warm-up steps counted both, the timed steps
+    # repeat the second and run as plain training does.
+    with budget.timing() if spec.warmup_steps >= STEADY_STEPS else contextlib.nullcontext():
         start = time.perf_counter()
         for _ in range(spec.timed_steps):
             run.step(micro_batches)
