@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 from autofit.config import Config
-from autofit.errors import UsageError
 from autofit.estimate import Estimate, Estimator, ModelFacts
 from autofit.gpus import GpuProfile, get_gpu
 from autofit.units import format_size, parse_size

@@ -51,3 +51,16 @@ class Strategy(abc.ABC):
     def default(self, spec: "TrainSpec") -> Any:
         """The value used when the search does not vary this field: the first available option."""
         return next(option.value for option in self.options(spec) if option.available)
+
+
+class Ladder(Strategy):
+    """A strategy whose values each save at least as much memory as the ones before them in `values`
+    ("none" first); any value but the first runs through an engine in launched ranks (a child process)."""
+
+    values: ClassVar[tuple[Any, ...]]
+
+    def saves_at_least(self, a: Any, b: Any) -> bool:
+        return self.values.index(a) >= self.values.index(b)
+
+    def isolates(self, value: Any) -> bool:
+        return value != self.values[0]

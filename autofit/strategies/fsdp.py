@@ -17,17 +17,18 @@ from typing import Any
 import torch
 
 from autofit.model_info import find_blocks
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Ladder, Option
 
 VALUES = ("none", "shard_grad_op", "full_shard")  # least saved first
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Fsdp(Strategy):
+class Fsdp(Ladder):
     """none, shard_grad_op (~ZeRO-2), full_shard (~ZeRO-3)."""
 
     field = "fsdp"
     rung = 6
+    values = VALUES
 
     def options(self, spec) -> list[Option]:
         why_not = unavailable_reason(spec)
@@ -39,12 +40,6 @@ class Fsdp(Strategy):
             Option("full_shard", 0, why_not or f"FSDP2: parameters, gradients and optimizer states sharded over {ranks} ranks",
                    available=why_not is None),
         ]
-
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return VALUES.index(a) >= VALUES.index(b)
-
-    def isolates(self, value: Any) -> bool:
-        return value != "none"
 
     def apply(self, run, value: Any) -> None:
         if value == "none":

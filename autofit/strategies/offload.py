@@ -16,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from autofit.errors import UsageError
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Ladder, Option
 
 VALUES = ("none", "cpu", "nvme")  # least saved (GPU memory) first
 
 
-class Offload(Strategy):
+class Offload(Ladder):
     """none, cpu, nvme (when a writable `nvme_path` is given)."""
 
     field = "offload"
     rung = 8
+    values = VALUES
 
     def __init__(self, nvme_path: str | os.PathLike | None = None):
         """`nvme_path`: folder on a fast local disk for NVMe offload; checked writable now."""
@@ -41,12 +42,6 @@ class Offload(Strategy):
             Option("nvme", 0, nvme_not or f"optimizer states (ZeRO-3: parameters too) to NVMe at {self.nvme_path}",
                    available=nvme_not is None),
         ]
-
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return VALUES.index(a) >= VALUES.index(b)
-
-    def isolates(self, value: Any) -> bool:
-        return value != "none"
 
     def apply(self, run, value: Any) -> None:
         if value == "none":
