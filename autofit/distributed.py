@@ -27,6 +27,7 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
+from autofit.isolate import pickled
 from autofit.probe import ProbeResult, ProbeStatus
 from autofit.spec import TrainSpec
 from autofit.strategies.base import Option, Strategy
@@ -70,12 +71,9 @@ def run_ranks(spec: TrainSpec, config: Config, strategies: Sequence[Any], timeou
     problem = combination_problem(config)
     if problem:
         return ProbeResult(config, ProbeStatus.ERROR, f"not a valid combination: {problem}")
-    try:
-        payload = pickle.dumps((spec, config, list(strategies), step_limit))
-    except Exception as exc:  # noqa: BLE001 - lambdas, local classes, open handles
-        return ProbeResult(config, ProbeStatus.ERROR,
-                           f"cannot probe in child processes: the spec does not pickle ({exc}); "
-                           "define the model and batch factories at module level")
+    payload = pickled(spec, config, strategies, step_limit)
+    if isinstance(payload, ProbeResult):
+        return payload
     ranks = _start(payload, config.num_gpus, timeout)
     try:
         reports = _collect(ranks, config, timeout)

@@ -17,12 +17,9 @@ DEFAULT_TIMEOUT = 600.0  # seconds; a probe is a few training steps, so this onl
 def run_isolated(spec: TrainSpec, config: Config, strategies: Sequence[Any],
                  timeout: float = DEFAULT_TIMEOUT, step_limit: float | None = None) -> ProbeResult:
     """`run_probe` in a fresh child process (spawned, not forked: CUDA cannot be forked)."""
-    try:
-        payload = pickle.dumps((spec, config, list(strategies), step_limit))
-    except Exception as exc:  # noqa: BLE001 - lambdas, local classes, open handles
-        return ProbeResult(config, ProbeStatus.ERROR,
-                           f"cannot probe in a child process: the spec does not pickle ({exc}); "
-                           "define the model and batch factories at module level")
+    payload = pickled(spec, config, strategies, step_limit)
+    if isinstance(payload, ProbeResult):
+        return payload
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(payload, sender), daemon=True)
@@ -40,6 +37,17 @@ def run_isolated(spec: TrainSpec, config: Config, strategies: Sequence[Any],
             child.kill()
         child.join()
         receiver.close()
+
+
+def pickled(spec: TrainSpec, config: Config, strategies: Sequence[Any],
+            step_limit: float | None) -> bytes | ProbeResult:
+    """What a child process needs to run the probe, or the error result saying why it does not pickle."""
+    try:
+        return pickle.dumps((spec, config, list(strategies), step_limit))
+    except Exception as exc:  # noqa: BLE001 - lambdas, local classes, open handles
+        return ProbeResult(config, ProbeStatus.ERROR,
+                           f"cannot probe in a child process: the spec does not pickle ({exc}); "
+                           "define the model and batch factories at module level")
 
 
 def _died(config: Config, exitcode: int | None) -> ProbeResult:

@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from autofit.guard_trainer import GuardedTrainer
 from autofit.memory import CpuBudget
+from guard_helpers import TokenLM
 
 torch.set_num_threads(1)
 SCRATCH = 1_000_000  # floats per sample the forward needs while `state["on"]`: dwarfs a step of the tiny model
@@ -32,21 +33,7 @@ class Records(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-class MeanLossLM(nn.Module):
-    """A model that does not take `num_items_in_batch`: its loss is a mean, so pieces must be weighted."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(2))
-        self.out = nn.Linear(32, 64)
-
-    def forward(self, input_ids, labels=None):
-        x = self.embed(input_ids)
-        for block in self.blocks:
-            x = x + block(x)
-        logits = self.out(x)
-        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+MeanLossLM = TokenLM  # its loss is a mean (no `num_items_in_batch`): pieces must be weighted
 
 
 def _model(kind: str) -> nn.Module:
