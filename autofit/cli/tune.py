@@ -133,6 +133,7 @@ def write_run(plan: Any, out: Path) -> dict[str, Any]:
 @click.option("--global-batch-size", type=int, default=None, help="Samples per optimizer step, kept exactly.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
+@click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
 @click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
 @click.option("--max-probes", type=int, default=DEFAULT_MAX_PROBES, show_default=True)
@@ -142,8 +143,8 @@ def write_run(plan: Any, out: Path) -> dict[str, Any]:
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def tune(model_arg: str, seq_len: int | None, global_batch_size: int | None, device: str | None,
-         memory_budget: str | None, allow: tuple[str, ...], optimizer: str, max_probes: int, warmup_steps: int,
-         timed_steps: int, out: str | None, resume: bool, as_json: bool) -> int:
+         memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, max_probes: int,
+         warmup_steps: int, timed_steps: int, out: str | None, resume: bool, as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
@@ -153,9 +154,10 @@ def tune(model_arg: str, seq_len: int | None, global_batch_size: int | None, dev
     progress = RichProgress(console, out_dir / PROBES_LOG)
     console.print(f"Tuning {description}; run directory {out_dir}")
     plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
-                           memory_budget=memory_budget, allow=parse_allow_option(allow), optimizer=optimizer,
-                           seq_len=seq_len, storage=f"sqlite:///{out_dir / TRIALS}", max_probes=max_probes,
-                           warmup_steps=warmup_steps, timed_steps=timed_steps, progress=progress)
+                           memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
+                           optimizer=optimizer, seq_len=seq_len, storage=f"sqlite:///{out_dir / TRIALS}",
+                           max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
+                           progress=progress)
     paths = write_run(plan, out_dir)
     console.print(probe_table(plan))
     if plan.fits:

@@ -50,7 +50,7 @@ def comment_lines(plan: Any, prefix: str = "# ") -> list[str]:
         f"peak {info['peak_memory']} of a {info['memory_budget']} budget.",
         f"Why: {info['reason']}",
     ]
-    return [prefix + line for line in lines]
+    return [prefix + " ".join(line.split()) for line in lines]  # one physical line each, whatever the reason holds
 
 
 def _round(value: float | None) -> float | None:
