@@ -64,8 +64,11 @@ def test_outside_launched_ranks_it_refuses():
     assert not dist.is_initialized()
 
 
+# slow: on a fresh machine DeepSpeed compiles its CPU ops (fused Adam, shared-memory comm) on first use,
+# about 4 minutes; run with `python -m pytest -m slow tests/strategies/test_zero.py`.
 @needs_deepspeed
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_on_two_cpu_ranks(stage):
     # accumulation 2: DeepSpeed's own micro-step counting must agree with the run's micro-batches
     config = Config(num_gpus=2, zero_stage=stage, micro_batch_size=1, grad_accum_steps=2)
