@@ -25,6 +25,7 @@ import dataclasses
 import time
 from typing import Any
 
+from autofit.candidates import TIER_NAMES
 from autofit.config import Config
 from autofit.estimate import Estimate, Estimator, ModelFacts
 from autofit.gpus import GpuProfile, get_gpu
@@ -36,8 +37,6 @@ NF4_SLOWDOWN, INT8_SLOWDOWN = 1.25, 2.0
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank
 DEFAULT_MAX_MICRO_BATCH = 64  # largest micro-batch planned when no global batch is given
 LORA_RANK = 16  # rank planned for LoRA / QLoRA candidates
-TIER_HINTS = {1: "allow={'numerics'} (mixed precision, 8-bit optimizer states)",
-              2: "allow={'lora'} (LoRA adapters, NF4/int8 base weights)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +270,7 @@ def _nothing_fits(spec: Any, gpu: GpuProfile, rest: list[Candidate], every: list
     beyond = sorted((c for c in every if c.tier > spec.max_tier and c.fits), key=lambda c: c.tier)
     if beyond:
         best = beyond[0]
-        return (f"{head}. Allow {TIER_HINTS[best.tier]} to go further: {best.config.describe()} is predicted "
+        return (f"{head}. Pass {TIER_NAMES[best.tier]} to go further: {best.config.describe()} is predicted "
                 f"to fit at {format_size(best.peak_bytes)}.")
     more = "more GPUs (--num-gpus) with ZeRO-3, " if spec.num_gpus < 8 else ""
     return f"{head}. Use {more}a larger GPU, a shorter sequence or a smaller model to go further."
