@@ -56,3 +56,17 @@ def make_gpt2():
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
                                       bos_token_id=0, eos_token_id=0))
+
+
+class LinearBlocks(nn.Module):
+    """`depth` blocks of Linear(width, width) + ReLU in an nn.ModuleList; forward(x) returns a scalar loss.
+    Subclass it with a no-argument constructor where a factory must pickle into rank processes."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()

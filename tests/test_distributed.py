@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import autofit
 from autofit.config import Config
@@ -17,16 +16,16 @@ from autofit.errors import UsageError
 from autofit.probe import ProbeStatus
 from autofit.spec import make_spec
 from autofit.strategies import MicroBatch
+from models import LinearBlocks
 
 WIDTH = 64
 
 
-class Blocks(nn.Module):
+class Blocks(LinearBlocks):
     """Three linear blocks; `trouble` makes one rank misbehave in forward ("oom" or "hang")."""
 
     def __init__(self, trouble=None):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(3))
+        super().__init__(WIDTH, 3)
         self.trouble = trouble
 
     def forward(self, x):
@@ -34,9 +33,7 @@ class Blocks(nn.Module):
             if self.trouble == "oom":
                 torch.empty(int(1.2 * 2**30), dtype=torch.uint8)  # over the 1 GiB budget (pages never touched)
             time.sleep(3600)
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
+        return super().forward(x)
 
 
 def ooming():

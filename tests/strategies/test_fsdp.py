@@ -6,7 +6,6 @@ import multiprocessing
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import autofit
 from autofit.config import Config
@@ -15,21 +14,16 @@ from autofit.probe import ProbeStatus
 from autofit.spec import make_spec
 from autofit.step import build_run
 from autofit.strategies import Fsdp, MicroBatch
+from models import LinearBlocks
 
 WIDTH = 512
 
 
-class Blocks(nn.Module):
+class Blocks(LinearBlocks):
     """Four 512x512 linear blocks: 1.05M parameters, 4 MiB of fp32 weights; AdamW makes it ~16 MiB."""
 
     def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(4))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
+        super().__init__(WIDTH, 4)
 
 
 def make_batch(n):

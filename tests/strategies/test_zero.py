@@ -9,7 +9,6 @@ import multiprocessing
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from autofit.config import Config
 from autofit.distributed import run_ranks
@@ -18,20 +17,15 @@ from autofit.spec import make_spec
 from autofit.step import build_run
 from autofit.strategies import MicroBatch, Zero
 from autofit.strategies.zero import installed_version, version_problem
+from models import LinearBlocks
 
 needs_deepspeed = pytest.mark.skipif(installed_version() is None, reason="DeepSpeed is not installed: pip install 'autofit[deepspeed]'")
 WIDTH = 64
 
 
-class Blocks(nn.Module):
+class Blocks(LinearBlocks):
     def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(3))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
+        super().__init__(WIDTH, 3)
 
 
 def make_batch(n):
