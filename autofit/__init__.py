@@ -5,13 +5,13 @@
 """
 
 from autofit.config import Config, Optimizer, Precision
-from autofit.dry_run import DryRunReport, dry_run
+from autofit.estimate.dry_run import DryRunReport, dry_run
 from autofit.errors import AutofitError, MissingExtraError, UsageError
-from autofit.guard import GuardGaveUp, OomGuard
+from autofit.guard.core import GuardGaveUp, OomGuard
 from autofit.plan import Plan
-from autofit.probe import ProbeResult, ProbeStatus
-from autofit.spec import TrainSpec, make_spec
-from autofit.tuner import autofit
+from autofit.probe.run import ProbeResult, ProbeStatus
+from autofit.spec.train import TrainSpec, make_spec
+from autofit.search.tuner import autofit
 from autofit.units import format_size, parse_size
 
 __version__ = "0.1.0"

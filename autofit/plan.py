@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autofit.config import Config
-from autofit.probe import ProbeResult
+from autofit.probe.run import ProbeResult
 from autofit.units import format_size
 
 FORMAT_VERSION = 1

@@ -1,4 +1,4 @@
-"""Dry-run error: autofit's predicted peak (`autofit.estimate.predict_peak`) against the measured peak,
+"""Dry-run error: autofit's predicted peak (`autofit.estimate.estimator.predict_peak`) against the measured peak,
 for the chosen candidate, the other fits and the rejected ones: every candidate of the exhaustive search.
 
 A fit's measured peak comes from its probe. A candidate that ran out of memory only shows a lower
@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from autofit.probe import ProbeResult, ProbeStatus, run_probe
-from autofit.spec import TrainSpec
+from autofit.probe.run import ProbeResult, ProbeStatus, run_probe
+from autofit.spec.train import TrainSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +43,9 @@ class PeakRow:
 def estimator() -> tuple[Any, str]:
     """`predict_peak`, or None and why it is not available."""
     try:
-        from autofit.estimate import predict_peak
+        from autofit.estimate.estimator import predict_peak
     except ImportError as exc:
-        return None, f"autofit.estimate.predict_peak is not available ({exc})"
+        return None, f"autofit.estimate.estimator.predict_peak is not available ({exc})"
     return predict_peak, ""
 
 

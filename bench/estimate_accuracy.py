@@ -1,11 +1,11 @@
-"""Predicted vs measured peak memory: `autofit.estimate.predict_peak` against the probe's measured peak.
+"""Predicted vs measured peak memory: `autofit.estimate.estimator.predict_peak` against the probe's measured peak.
 
     python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
     python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak (not run yet)
 
 Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
 x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
-point is one real probe (`autofit.probe.run_probe`: warm-up and timed optimizer steps under the budget)
+point is one real probe (`autofit.probe.run.run_probe`: warm-up and timed optimizer steps under the budget)
 and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json
 with the device and date inside, and prints the median and worst absolute error.
 """
@@ -27,10 +27,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.config import Config  # noqa: E402
-from autofit.devices import describe  # noqa: E402
-from autofit.estimate import predict_peak  # noqa: E402
-from autofit.probe import run_probe  # noqa: E402
-from autofit.spec import make_spec  # noqa: E402
+from autofit.spec.devices import describe  # noqa: E402
+from autofit.estimate.estimator import predict_peak  # noqa: E402
+from autofit.probe.run import run_probe  # noqa: E402
+from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

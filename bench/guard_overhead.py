@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from autofit.guard import OomGuard  # noqa: E402
+from autofit.guard.core import OomGuard  # noqa: E402
 from bench.run import device_name, versions  # noqa: E402
 
 # (name, width, depth, sequence length, samples per step, micro-batch, pairs / --pairs): "tiny" is a

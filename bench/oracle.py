@@ -11,11 +11,11 @@ import dataclasses
 import time
 from typing import Sequence
 
-from autofit.candidates import build_space
-from autofit.isolate import run_isolated
+from autofit.search.space import build_space
+from autofit.probe.isolate import run_isolated
 from autofit.plan import choose
-from autofit.probe import ProbeResult, run_probe
-from autofit.spec import TrainSpec
+from autofit.probe.run import ProbeResult, run_probe
+from autofit.spec.train import TrainSpec
 from autofit.strategies import Strategy
 
 

@@ -15,10 +15,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.batch import TokenBatches
+from autofit.spec.batch import TokenBatches
 from autofit.config import Config
-from autofit.probe import run_probe
-from autofit.spec import TrainSpec, make_spec
+from autofit.probe.run import run_probe
+from autofit.spec.train import TrainSpec, make_spec
 from autofit.strategies import default_strategies
 
 PROBE_STEPS = dict(warmup_steps=2, timed_steps=3)  # autofit's defaults, for autofit and the oracle alike
@@ -63,7 +63,7 @@ def make_gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, positions: int
 
 def make_hf_causal_lm(name: str) -> nn.Module:
     """A Hugging Face causal LM from one of autofit's model presets, random weights (GPU scenarios)."""
-    from autofit.presets import build_model, get_preset
+    from autofit.spec.presets import build_model, get_preset
 
     torch.manual_seed(0)
     return build_model(get_preset(name))
@@ -216,7 +216,7 @@ class GpuTokens:
     seq_len: int
 
     def __call__(self, n: int) -> dict[str, torch.Tensor]:
-        from autofit.presets import get_preset
+        from autofit.spec.presets import get_preset
 
         return TokenBatches(get_preset(self.model).vocab_size, self.seq_len)(n)
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.guard import OomGuard
-from autofit.memory import budget_for
+from autofit.guard.core import OomGuard
+from autofit.probe.memory import budget_for
 from autofit.units import format_size, parse_size
 
 

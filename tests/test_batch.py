@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autofit import UsageError
-from autofit.batch import default_loss, factory_from_sample, leading_dim, take_rows, tokens_per_sample
+from autofit.spec.batch import default_loss, factory_from_sample, leading_dim, take_rows, tokens_per_sample
 
 
 def test_leading_dim_of_a_dict():

@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 import autofit
 from autofit.config import Config
-from autofit.distributed import check_ranks, combination_problem, needs_ranks, run_ranks
+from autofit.probe.distributed import check_ranks, combination_problem, needs_ranks, run_ranks
 from autofit.errors import UsageError
-from autofit.probe import ProbeStatus
-from autofit.spec import make_spec
+from autofit.probe.run import ProbeStatus
+from autofit.spec.train import make_spec
 from autofit.strategies import MicroBatch
 from models import LinearBlocks
 
@@ -116,8 +116,8 @@ def test_autofit_with_two_cpu_ranks_leaves_no_process_group():
 
 
 def test_combine_takes_the_worst_rank():
-    from autofit.distributed import combine
-    from autofit.probe import ProbeResult
+    from autofit.probe.distributed import combine
+    from autofit.probe.run import ProbeResult
 
     spec, config = _spec(), Config(num_gpus=2, micro_batch_size=2)
     fast = ProbeResult(config, ProbeStatus.FIT, "fits: peak 1 MiB", 2**20, 0.5, 8.0)

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 import autofit
-from autofit.dry_run import dry_run, step_seconds
+from autofit.estimate.dry_run import dry_run, step_seconds
 from autofit.errors import UsageError
 
 GIB = 1024**3
@@ -61,7 +61,7 @@ def test_every_candidate_keeps_the_global_batch_and_its_tier(report):
 
 
 def test_largest_fitting_micro_batch_per_level(report):
-    from autofit.dry_run import _Planner
+    from autofit.estimate.dry_run import _Planner
 
     chosen = report.chosen.config
     assert chosen.micro_batch_size == 8  # the whole per-rank batch fits 1 GiB for this tiny model
@@ -106,9 +106,9 @@ def test_cost_model_charges_recompute_and_offload(report):
                 and c.config.optimizer == "adamw" and not c.config.lora)
     full = base.config.replace(checkpointing="full")
     offload = base.config.replace(zero_stage=2, offload="cpu")
-    from autofit.dry_run import _spec
-    from autofit.estimate import Estimator
-    from autofit.gpus import get_gpu
+    from autofit.estimate.dry_run import _spec
+    from autofit.estimate.estimator import Estimator
+    from autofit.estimate.gpus import get_gpu
 
     gpu = get_gpu("a100-80gb")
     spec, _ = _spec(tiny_llama(), None, gpu, 2, 16, 256, None, "adamw", None, 0.1, 64)

@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
-from autofit.estimate import (CUDA_CONTEXT_BYTES, Estimator, ModelFacts, NF4_BYTES, model_states,
+from autofit.estimate.estimator import (CUDA_CONTEXT_BYTES, Estimator, ModelFacts, NF4_BYTES, model_states,
                               predict_peak)
-from autofit.probe import run_probe
-from autofit.spec import make_spec
+from autofit.probe.run import run_probe
+from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
 
 GB = 1e9
@@ -121,7 +121,7 @@ def test_estimate_is_frozen_values(spec):
 def test_a_given_module_is_planned_without_a_real_copy():
     from torch import nn
 
-    from autofit.estimate import meta_model
+    from autofit.estimate.estimator import meta_model
 
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     spec = make_spec(net, torch.randn(4, 64), loss_fn=lambda out, batch: out.pow(2).mean(), device="cpu",

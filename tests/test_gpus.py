@@ -3,7 +3,7 @@
 import pytest
 
 from autofit.errors import UsageError
-from autofit.gpus import get_gpu, list_gpus
+from autofit.estimate.gpus import get_gpu, list_gpus
 
 GIB = 1024**3
 

@@ -3,7 +3,7 @@ import gc
 import pytest
 import torch
 
-from autofit.memory import CpuBudget, DeadlinePassed
+from autofit.probe.memory import CpuBudget, DeadlinePassed
 
 
 def test_counts_storages_and_frees_them():

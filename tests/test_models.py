@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config
 
 from autofit import UsageError, make_spec
-from autofit.models import resolve_model
+from autofit.spec.models import resolve_model
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
 

@@ -1,7 +1,7 @@
 import torch
 
-from autofit.memory import CpuBudget
-from autofit.oom import classify_oom
+from autofit.probe.memory import CpuBudget
+from autofit.probe.oom import classify_oom
 
 
 def test_cpu_budget_oom_is_classified():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autofit.errors import UsageError
-from autofit.presets import build_model, get_preset, list_presets
+from autofit.spec.presets import build_model, get_preset, list_presets
 
 # Published parameter counts (embedding tied where the model ties it), in billions, to 2 decimals.
 PUBLISHED = {"gpt2": 0.12, "llama-2-7b": 6.74, "llama-2-13b": 13.02, "llama-2-70b": 68.98, "llama-3-8b": 8.03,

@@ -5,10 +5,10 @@ import torch
 from models import make_mlp, make_mlp_batch, mlp_loss
 
 from autofit import Config, ProbeStatus
-from autofit.isolate import run_isolated
-from autofit.memory import CpuBudget
-from autofit.probe import run_probe
-from autofit.spec import make_spec
+from autofit.probe.isolate import run_isolated
+from autofit.probe.memory import CpuBudget
+from autofit.probe.run import run_probe
+from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
 
 STRATEGIES = default_strategies()
@@ -70,7 +70,7 @@ def test_twenty_oom_probes_leave_no_memory_behind():
 
 
 def test_too_slow_is_stopped_at_the_deadline(monkeypatch):
-    monkeypatch.setattr("autofit.probe.MIN_ALLOWANCE", 0.0)
+    monkeypatch.setattr("autofit.probe.run.MIN_ALLOWANCE", 0.0)
     result = run_probe(spec(), FULL, STRATEGIES, step_limit=1e-6)
     assert result.status is ProbeStatus.SKIPPED and result.too_slow
     assert "too slow to win" in result.reason

@@ -3,7 +3,7 @@ import torch
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit import UsageError
-from autofit.spec import make_spec, parse_allow, parse_optimizer
+from autofit.spec.train import make_spec, parse_allow, parse_optimizer
 
 
 def spec(**kwargs):

@@ -1,10 +1,10 @@
 import torch
 from models import make_mlp, make_mlp_batch, mlp_loss
 
-from autofit.batch import take_rows
+from autofit.spec.batch import take_rows
 from autofit.config import Config
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import default_strategies
 
 

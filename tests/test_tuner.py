@@ -8,8 +8,8 @@ from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 import autofit
 from autofit import Config, ProbeStatus
-from autofit.probe import run_probe
-from autofit.spec import make_spec
+from autofit.probe.run import run_probe
+from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
 
 FAST = dict(warmup_steps=1, timed_steps=2, device="cpu")

@@ -15,7 +15,7 @@ import click
 from rich.table import Table
 
 from autofit.cli.tune import make_console, parse_allow_option
-from autofit.dry_run import DEFAULT_MAX_MICRO_BATCH, DryRunReport
+from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, DryRunReport
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS = 0, 3
@@ -75,7 +75,7 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
                     gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, top: int,
                     as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
-    from autofit.dry_run import dry_run
+    from autofit.estimate.dry_run import dry_run
 
     console = make_console(as_json)
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,

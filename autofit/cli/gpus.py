@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from autofit.cli.tune import make_console
-from autofit.gpus import list_gpus
+from autofit.estimate.gpus import list_gpus
 from autofit.units import format_size
 
 

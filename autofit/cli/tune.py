@@ -22,10 +22,10 @@ from rich.table import Table
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
-from autofit.models import resolve_model
-from autofit.probe import ProbeResult
+from autofit.spec.models import resolve_model
+from autofit.probe.run import ProbeResult
 from autofit.report import COLORS, status_of, write_report
-from autofit.search import DEFAULT_MAX_PROBES
+from autofit.search.walk import DEFAULT_MAX_PROBES
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS = 0, 3

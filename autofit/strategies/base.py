@@ -12,8 +12,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from autofit.spec import TrainSpec
-    from autofit.step import TrainRun
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
-from autofit.model_info import find_blocks
+from autofit.spec.model_info import find_blocks
 from autofit.strategies.base import Option, Strategy
 
 VALUES = ("none", "every_2", "full")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from autofit.model_info import find_blocks
+from autofit.spec.model_info import find_blocks
 from autofit.strategies.base import Ladder, Option
 
 VALUES = ("none", "shard_grad_op", "full_shard")  # least saved first
@@ -64,7 +64,7 @@ def shard(run, reshard_after_forward: bool) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not dist.is_initialized():
-        raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.distributed.run_ranks); "
+        raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.probe.distributed.run_ranks); "
                            "no process group here")
     dtype = _DTYPES.get(run.config.precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from autofit.errors import MissingExtraError, UsageError
-from autofit.model_info import build_on_meta
+from autofit.spec.model_info import build_on_meta
 from autofit.strategies.base import Option, Strategy
 
 DEFAULT_RANK = 16  # the usual QLoRA rank: adapters are ~0.5-1% of a 1B model's parameters

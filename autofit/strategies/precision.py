@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from autofit.config import Precision as P
-from autofit.devices import bf16_support
+from autofit.spec.devices import bf16_support
 from autofit.strategies.base import Option, Strategy
 
 

@@ -5,7 +5,7 @@ too. Buys: each rank holds 1/num_gpus of those states. Costs: communication (sta
 layer's parameters in forward and backward); same math (tier 0). The probe trains with exactly the dict
 that `autofit.export.deepspeed.deepspeed_config` writes for the launcher, with bf16/fp16 as DeepSpeed
 configures them, so what was measured is what runs. On one GPU ZeRO is the base of the offload rung.
-Needs DeepSpeed (`pip install 'autofit[deepspeed]'`); probes run in the ranks `autofit.distributed`
+Needs DeepSpeed (`pip install 'autofit[deepspeed]'`); probes run in the ranks `autofit.probe.distributed`
 launches, never in the caller's process.
 """
 
@@ -93,11 +93,11 @@ class DeepSpeedEngine:
 
 def build_engine(run) -> DeepSpeedEngine:
     """`deepspeed.initialize` over the run's model with `deepspeed_config(run.config)`; the run's model
-    becomes the engine. Only inside a rank that `autofit.distributed` launched (a process group exists)."""
+    becomes the engine. Only inside a rank that `autofit.probe.distributed` launched (a process group exists)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("ZeRO probes run in the ranks autofit launches (autofit.distributed.run_ranks); "
+        raise RuntimeError("ZeRO probes run in the ranks autofit launches (autofit.probe.distributed.run_ranks); "
                            "no process group here")
     import deepspeed
 

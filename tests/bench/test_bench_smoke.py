@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autofit.config import Config
-from autofit.probe import ProbeStatus
+from autofit.probe.run import ProbeStatus
 from autofit.strategies import Checkpointing, MicroBatch, default_strategies
 from bench.measure import remeasure, robustness
 from bench.oracle import exhaustive

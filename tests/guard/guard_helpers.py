@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.memory import CpuBudget
+from autofit.probe.memory import CpuBudget
 
 WIDTH = 16
 
@@ -123,7 +123,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from autofit.guard import OomGuard
+    from autofit.guard.core import OomGuard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -187,7 +187,7 @@ def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from autofit.guard_accelerate import AccelerateGuard
+    from autofit.guard.accelerate import AccelerateGuard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -256,7 +256,7 @@ def trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from autofit.guard_trainer import GuardedTrainer
+    from autofit.guard.trainer import GuardedTrainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from autofit import Config, Plan
-from autofit.guard import GuardGaveUp, OomGuard
-from autofit.memory import CpuBudget
+from autofit.guard.core import GuardGaveUp, OomGuard
+from autofit.probe.memory import CpuBudget
 from guard_helpers import assert_same_weights, fresh, loss_fn, make_batch, reference, step_peak
 
 torch.set_num_threads(1)
@@ -172,7 +172,7 @@ def test_recovery_is_logged_and_written_to_the_plan(tmp_path, caplog):
                 tokens_per_second=None, peak_memory=1, reason="tuned", probes=(), spec={})
     path = plan.save(tmp_path / "plan.json")
     limit = (step_peak(4, LONG) + step_peak(8, LONG)) // 2
-    with CpuBudget(limit), caplog.at_level(logging.WARNING, logger="autofit.guard"):
+    with CpuBudget(limit), caplog.at_level(logging.WARNING, logger="autofit.guard.core"):
         model, optimizer = fresh()
         guard = OomGuard(model, optimizer, plan=path, loss_fn=loss_fn)
         guard.step(make_batch(0, TOTAL, LONG))

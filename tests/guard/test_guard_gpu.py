@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.guard import OomGuard
-from autofit.memory import CudaBudget
+from autofit.guard.core import OomGuard
+from autofit.probe.memory import CudaBudget
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from autofit.guard_trainer import GuardedTrainer
-from autofit.memory import CpuBudget
+from autofit.guard.trainer import GuardedTrainer
+from autofit.probe.memory import CpuBudget
 from guard_helpers import TokenLM
 
 torch.set_num_threads(1)

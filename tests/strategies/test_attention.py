@@ -1,8 +1,8 @@
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Attention, default_strategies
 
 

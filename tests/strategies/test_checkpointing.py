@@ -2,8 +2,8 @@ from forcing import budget_between, long_batch, peak, tune
 from models import make_gpt2, make_mlp, mlp_loss
 
 from autofit.config import Config
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Checkpointing, MicroBatch, default_strategies
 from autofit.strategies.checkpointing import disable, enable
 

@@ -4,8 +4,8 @@ import pytest
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Option, default_strategies
 
 STRATEGIES = default_strategies()

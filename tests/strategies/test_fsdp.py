@@ -9,10 +9,10 @@ import torch.distributed as dist
 
 import autofit
 from autofit.config import Config
-from autofit.distributed import run_ranks
-from autofit.probe import ProbeStatus
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.probe.distributed import run_ranks
+from autofit.probe.run import ProbeStatus
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Fsdp, MicroBatch
 from models import LinearBlocks
 

@@ -7,8 +7,8 @@ from torch import nn
 import autofit
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Lora, MicroBatch, default_strategies
 from autofit.strategies.lora import linear_layer_names
 

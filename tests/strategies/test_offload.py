@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from autofit.config import Config
-from autofit.distributed import run_ranks
+from autofit.probe.distributed import run_ranks
 from autofit.errors import UsageError
-from autofit.probe import ProbeStatus
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.probe.run import ProbeStatus
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Fsdp, MicroBatch, Offload, Zero
 from autofit.strategies.zero import installed_version
 

@@ -9,8 +9,8 @@ from torch import nn
 
 import autofit
 from autofit.config import Config
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import Lora, MicroBatch, Quantization
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None

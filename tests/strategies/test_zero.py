@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from autofit.config import Config
-from autofit.distributed import run_ranks
-from autofit.probe import ProbeStatus
-from autofit.spec import make_spec
-from autofit.step import build_run
+from autofit.probe.distributed import run_ranks
+from autofit.probe.run import ProbeStatus
+from autofit.spec.train import make_spec
+from autofit.probe.step import build_run
 from autofit.strategies import MicroBatch, Zero
 from autofit.strategies.zero import installed_version, version_problem
 from models import LinearBlocks

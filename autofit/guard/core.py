@@ -2,7 +2,7 @@
 
 `OomGuard.step(batch)` runs one optimizer step's worth of samples on the user's live model and
 optimizer: forward and backward over micro-batches, each loss weighted by its share of the samples
-(as `autofit.step.TrainRun.step` does), then the optimizer step. When a micro-batch runs out of
+(as `autofit.probe.step.TrainRun.step` does), then the optimizer step. When a micro-batch runs out of
 memory the guard drops what that attempt held, halves the micro-batch (doubling accumulation) and
 replays the remaining samples of the step from the batch it was given. The gradients of micro-batches
 that completed are kept. If the OOM struck in a backward after it had added some parameters'
@@ -29,17 +29,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autofit.batch import call_model, default_loss, leading_dim
+from autofit.spec.batch import call_model, default_loss, leading_dim
 from autofit.config import Config
 from autofit.errors import AutofitError, UsageError
-from autofit.guard_parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
-from autofit.guard_sync import Round, sync_for, unwrap
-from autofit.oom import classify_oom, first_line, release_memory
+from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
+from autofit.guard.sync import Round, sync_for, unwrap
+from autofit.probe.oom import classify_oom, first_line, release_memory
 from autofit.plan import Plan
 from autofit.strategies import checkpointing
 from autofit.units import format_size
 
-logger = logging.getLogger("autofit.guard")
+logger = logging.getLogger("autofit.guard.core")
 _NOTHING = contextlib.nullcontext()  # reusable; made once rather than per micro-batch
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.batch import call_model
+from autofit.spec.batch import call_model
 from autofit.errors import UsageError
-from autofit.guard import LossFn, OomGuard, StepReport
+from autofit.guard.core import LossFn, OomGuard, StepReport
 
 
 class AccelerateGuard:

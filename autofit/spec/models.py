@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit import presets
+from autofit.spec import presets
 from autofit.errors import UsageError
 
 

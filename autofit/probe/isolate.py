@@ -8,8 +8,8 @@ import pickle
 from typing import Any, Sequence
 
 from autofit.config import Config
-from autofit.probe import ProbeResult, ProbeStatus
-from autofit.spec import TrainSpec
+from autofit.probe.run import ProbeResult, ProbeStatus
+from autofit.spec.train import TrainSpec
 
 DEFAULT_TIMEOUT = 600.0  # seconds; a probe is a few training steps, so this only stops a hang
 
@@ -58,7 +58,7 @@ def _died(config: Config, exitcode: int | None) -> ProbeResult:
 
 
 def _child(payload: bytes, sender: Any) -> None:
-    from autofit.probe import run_probe
+    from autofit.probe.run import run_probe
 
     spec, config, strategies, step_limit = pickle.loads(payload)
     try:

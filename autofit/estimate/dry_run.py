@@ -1,4 +1,4 @@
-"""Dry-run: plan for a GPU you do not have. Every candidate's peak per GPU is predicted (`autofit.estimate`),
+"""Dry-run: plan for a GPU you do not have. Every candidate's peak per GPU is predicted (`autofit.estimate.estimator`),
 nothing is trained and nothing real is allocated, and the predicted cheapest candidate that fits is chosen.
 
     report = autofit.dry_run("llama-2-7b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8)
@@ -25,10 +25,10 @@ import dataclasses
 import time
 from typing import Any
 
-from autofit.candidates import TIER_NAMES
+from autofit.search.space import TIER_NAMES
 from autofit.config import Config
-from autofit.estimate import Estimate, Estimator, ModelFacts
-from autofit.gpus import GpuProfile, get_gpu
+from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
+from autofit.estimate.gpus import GpuProfile, get_gpu
 from autofit.units import format_size, parse_size
 
 MFU = 0.5  # achievable share of peak tensor-core TFLOP/s in training
@@ -137,11 +137,11 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
 def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,
           seq_len: int | None, allow: Any, optimizer: Any, loss_fn: Any, safety_margin: float,
           max_micro_batch: int) -> tuple[Any, str]:
-    from autofit.spec import make_spec
+    from autofit.spec.train import make_spec
 
     description = None
     if isinstance(model, str):
-        from autofit.models import resolve_model
+        from autofit.spec.models import resolve_model
 
         model, file_batch, description = resolve_model(model)
         batch = batch if batch is not None else file_batch

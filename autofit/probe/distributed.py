@@ -27,9 +27,9 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.isolate import pickled
-from autofit.probe import ProbeResult, ProbeStatus
-from autofit.spec import TrainSpec
+from autofit.probe.isolate import pickled
+from autofit.probe.run import ProbeResult, ProbeStatus
+from autofit.spec.train import TrainSpec
 from autofit.strategies.base import Option, Strategy
 
 DEFAULT_TIMEOUT = 600.0  # seconds for all ranks of one probe; it only stops a hang
@@ -189,7 +189,7 @@ def _probe_rank(spec: TrainSpec, config: Config, strategies: list, step_limit: f
                 world: int, timeout: float) -> ProbeResult:
     import torch.distributed as dist
 
-    from autofit.probe import run_probe
+    from autofit.probe.run import run_probe
 
     try:
         dist.init_process_group("nccl" if spec.device.type == "cuda" else "gloo", rank=rank, world_size=world,

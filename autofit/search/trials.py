@@ -15,9 +15,9 @@ from typing import Any
 
 import optuna
 
-from autofit.candidates import Space
+from autofit.search.space import Space
 from autofit.config import Config
-from autofit.probe import ProbeResult, ProbeStatus
+from autofit.probe.run import ProbeResult, ProbeStatus
 
 RESULT_ATTR = "autofit_result"
 

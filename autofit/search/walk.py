@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 from typing import Callable, Protocol
 
-from autofit.candidates import Space
+from autofit.search.space import Space
 from autofit.config import Config
 from autofit.plan import choose
-from autofit.probe import ProbeResult, ProbeStatus, skipped
-from autofit.trials import TrialStore
+from autofit.probe.run import ProbeResult, ProbeStatus, skipped
+from autofit.search.trials import TrialStore
 from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40

@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
-from autofit.batch import call_model, leading_dim
+from autofit.spec.batch import call_model, leading_dim
 from autofit.config import Config
-from autofit.spec import TrainSpec
+from autofit.spec.train import TrainSpec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 

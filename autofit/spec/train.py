@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from autofit import batch as batches
-from autofit.devices import device_memory, resolve_device
+from autofit.spec import batch as batches
+from autofit.spec.devices import device_memory, resolve_device
 from autofit.errors import UsageError
-from autofit.model_info import ModelInfo, build_on_meta, inspect_model
+from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
 from autofit.units import format_size, parse_size
 
 LossFn = Callable[[Any, Any], torch.Tensor]

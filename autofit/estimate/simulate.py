@@ -2,7 +2,7 @@
 
 The model is built on the meta device, materialised as fake tensors (shapes and dtypes, no data) on the
 target device type, and run under a dispatch mode that counts every live storage, as
-`autofit.memory.CpuBudget` counts real tensors. Nothing real is allocated. `autofit.estimate` turns the
+`autofit.probe.memory.CpuBudget` counts real tensors. Nothing real is allocated. `autofit.estimate.estimator` turns the
 result into a predicted peak.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autofit.memory import StorageCounter
+from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 
@@ -55,7 +55,7 @@ class ActivationPeak:
 
 
 class _Tracker(StorageCounter):
-    """Counts the bytes of every live storage made by an op (`autofit.memory.StorageCounter`), rounded as
+    """Counts the bytes of every live storage made by an op (`autofit.probe.memory.StorageCounter`), rounded as
     the target's allocator rounds; tracks the forward's peak and the backward's peaks apart; weight
     gradients are counted apart (`take_grad`) and dropped at once."""
 
@@ -92,7 +92,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.batch import call_model
+    from autofit.spec.batch import call_model
     from autofit.strategies.checkpointing import enable, every
 
     if attention != "default" and hasattr(model, "set_attn_implementation"):

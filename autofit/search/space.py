@@ -9,7 +9,7 @@ import itertools
 from typing import Any, Sequence
 
 from autofit.config import Config
-from autofit.spec import TrainSpec
+from autofit.spec.train import TrainSpec
 from autofit.strategies.base import Option, Strategy
 
 TIER_NAMES = {1: "allow={'numerics'} (mixed precision, 8-bit optimizers)",

@@ -9,9 +9,9 @@ under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of f
 Adam moments per parameter, each partitioned over N GPUs by its stage. Without ZeRO, autofit trains
 with autocast: fp32 weights (4 bytes), fp32 gradients (4) and the optimizer's states.
 
-Activations are measured, not guessed (`autofit.simulate`): the model is built on the meta device,
+Activations are measured, not guessed (`autofit.estimate.simulate`): the model is built on the meta device,
 materialised as fake tensors (shapes, no data), and one forward + backward runs under a dispatch mode
-that counts every storage alive, as `autofit.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
+that counts every storage alive, as `autofit.probe.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
 soon as they are made, so the curve is activations alone; the bytes of gradients made so far are
 recorded beside it. Deep Hugging Face models are simulated at 2 and 4 blocks and extrapolated linearly
 in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linearly in the micro-batch.
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from autofit.config import Config
-from autofit.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
+from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 
 MIB = 1024**2
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
@@ -97,7 +97,7 @@ class ModelFacts:
 
 def model_facts(model: nn.Module) -> ModelFacts:
     """`ModelFacts` of a built model (meta or real)."""
-    from autofit.model_info import find_blocks
+    from autofit.spec.model_info import find_blocks
 
     params = list(model.parameters())
     _, blocks = find_blocks(model)
@@ -196,7 +196,7 @@ class Estimator:
 
     `target` is the device type predicted for: "cuda" adds the CUDA overhead terms and simulates CUDA
     kernels where this torch build has CUDA (else CPU kernels stand in, and the reason says so);
-    "cpu" predicts what `autofit.memory.CpuBudget` measures.
+    "cpu" predicts what `autofit.probe.memory.CpuBudget` measures.
     """
 
     def __init__(self, spec: Any, target: str | None = None, extrapolate_batch: bool = False):
@@ -364,7 +364,7 @@ def meta_model(factory: Callable[[], nn.Module]) -> nn.Module:
     """A build of `factory`'s model on the meta device. A given module (the spec's deep-copy factory) is
     copied with its tensors replaced by meta ones, so no real copy is made; factories that cannot build
     on meta are built for real once and moved."""
-    from autofit.model_info import build_on_meta
+    from autofit.spec.model_info import build_on_meta
 
     if isinstance(factory, functools.partial) and factory.func is copy.deepcopy \
             and isinstance(factory.args[0], nn.Module):

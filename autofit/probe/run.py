@@ -15,13 +15,13 @@ from typing import Any, Sequence
 
 import torch
 
-from autofit.batch import to_device
+from autofit.spec.batch import to_device
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.memory import DeadlinePassed, budget_for
-from autofit.oom import classify_oom, first_line, release_memory
-from autofit.spec import TrainSpec
-from autofit.step import build_run
+from autofit.probe.memory import DeadlinePassed, budget_for
+from autofit.probe.oom import classify_oom, first_line, release_memory
+from autofit.spec.train import TrainSpec
+from autofit.probe.step import build_run
 from autofit.units import format_size
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autofit.batch import leading_dim
+from autofit.spec.batch import leading_dim
 
 
 def slice_rows(batch: Any, start: int, count: int) -> Any:
@@ -27,7 +27,7 @@ def slice_rows(batch: Any, start: int, count: int) -> Any:
 
 
 def rows(batch: Any) -> int:
-    """Samples in `batch` (`autofit.batch.leading_dim`, with a fast path for flat batches)."""
+    """Samples in `batch` (`autofit.spec.batch.leading_dim`, with a fast path for flat batches)."""
     leaves = batch.values() if type(batch) is dict else batch if type(batch) in (tuple, list) else (batch,)
     sizes = {x.shape[0] if x.dim() else None for x in leaves if isinstance(x, torch.Tensor)}
     if len(sizes) == 1 and None not in sizes and all(isinstance(x, torch.Tensor) for x in leaves):
@@ -100,7 +100,7 @@ def peak_bytes(device: torch.device) -> int | None:
         return torch.cuda.max_memory_reserved(device)
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from autofit.memory import CpuBudget
+    from autofit.probe.memory import CpuBudget
 
     budgets = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CpuBudget)]
     return budgets[-1].peak if budgets else None

@@ -1,6 +1,6 @@
 """The OOM guard for the Hugging Face `Trainer`: a one-line change.
 
-    from autofit.guard_trainer import GuardedTrainer
+    from autofit.guard.trainer import GuardedTrainer
     trainer = GuardedTrainer(model=model, args=args, train_dataset=...)   # was: Trainer(...)
 
 Each per-device batch the Trainer feeds `training_step` is split when it runs out of memory, each
@@ -21,8 +21,8 @@ from torch import nn
 from transformers import Trainer
 
 from autofit.errors import UsageError
-from autofit.guard import OomGuard
-from autofit.guard_parts import concat_rows
+from autofit.guard.core import OomGuard
+from autofit.guard.parts import concat_rows
 
 
 class GuardedTrainer(Trainer):

@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from autofit.candidates import Space, build_space
+from autofit.search.space import Space, build_space
 from autofit.config import Config
-from autofit.devices import device_memory
-from autofit.distributed import check_ranks, needs_ranks, run_ranks
-from autofit.isolate import DEFAULT_TIMEOUT, run_isolated
+from autofit.spec.devices import device_memory
+from autofit.probe.distributed import check_ranks, needs_ranks, run_ranks
+from autofit.probe.isolate import DEFAULT_TIMEOUT, run_isolated
 from autofit.plan import Plan, choose, chosen_reason
-from autofit.probe import ProbeResult, ProbeStatus, run_probe
-from autofit.search import DEFAULT_MAX_PROBES, PREDICTED, Progress, Search
-from autofit.spec import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
+from autofit.probe.run import ProbeResult, ProbeStatus, run_probe
+from autofit.search.walk import DEFAULT_MAX_PROBES, PREDICTED, Progress, Search
+from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
 from autofit.strategies import Strategy, default_strategies
-from autofit.trials import TrialStore
+from autofit.search.trials import TrialStore
 from autofit.units import format_size
 
 
@@ -95,7 +95,7 @@ PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.25}
 
 def _predictor(spec: Any) -> Any:
     """Predicted peak bytes of a config, or None where the estimator cannot tell."""
-    from autofit.estimate import predict_peak
+    from autofit.estimate.estimator import predict_peak
 
     def predict(config: Config) -> int | None:
         if config.fsdp != "none":  # the estimator does not model FSDP2's sharding: probe instead
