@@ -1,6 +1,9 @@
 """Plan: the chosen configuration with what was measured for it, every probe, and the reason.
 
-A plan is a value: `save` writes JSON, `Plan.load` reads it back equal.
+This module owns the plan: choosing among the fits (`choose`), composing why it won or why nothing
+fits (from recorded results and predictions only: no probe runs while a message is composed), and the
+value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
+autofit 0.1 too).
 """
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ import dataclasses
 import datetime
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
-from autofit.probe.run import ProbeResult
+from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.units import format_size
+
+if TYPE_CHECKING:
+    from autofit.search.space import Space
 
 FORMAT_VERSION = 1
 
@@ -36,12 +42,12 @@ class Plan:
     @property
     def probes_run(self) -> int:
         """How many candidates were actually run in this search (not stored, not skipped)."""
-        return sum(1 for p in self.probes if p.source == "probed")
+        return sum(1 for p in self.probes if p.source is Source.PROBED)
 
     @property
     def probes_saved(self) -> int:
         """How many candidates were not run because the estimator predicted they would not fit."""
-        return sum(1 for p in self.probes if p.source == "predicted")
+        return sum(1 for p in self.probes if p.skip is Skip.PREDICTED)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (what `save` writes)."""
@@ -110,3 +116,48 @@ def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult]) -> str:
     return (f"highest measured throughput of {fits} fitting configurations: {best.samples_per_s:,.2f} samples/s, "
             f"{best.samples_per_s / runner.samples_per_s:.2f}x the runner-up ({runner.config.describe()}); "
             f"{best.reason}")
+
+
+def make_plan(space: "Space", results: Sequence[ProbeResult],
+              predict: Callable[[Config], int | None] | None = None) -> Plan:
+    """The plan for a finished search: the fastest fit, or why nothing fits and what to allow next.
+    `plan.probes` holds the search's results, then every option and combination the space excluded.
+    `predict(config)` (predicted peak bytes) names what the smallest candidate needs when nothing fits."""
+    from autofit import __version__
+
+    common = dict(probes=tuple(results) + tuple(space.excluded_results()), spec=space.spec.summary(),
+                  autofit_version=__version__)
+    best = choose(results)
+    if best is not None:
+        return Plan(True, best.config, best.samples_per_s, best.tokens_per_s, best.peak_bytes,
+                    chosen_reason(best, results), **common)
+    return Plan(False, None, None, None, None, nothing_fits_reason(space, results, predict), **common)
+
+
+def nothing_fits_reason(space: "Space", results: Sequence[ProbeResult],
+                        predict: Callable[[Config], int | None] | None = None) -> str:
+    """"No candidate fits X; the smallest needs Y (config). Allow ... to go further." """
+    spec = space.spec
+    head = (f"No candidate fits {format_size(spec.fit_limit)} ({format_size(spec.memory_budget)} budget less "
+            f"the {spec.safety_margin:.0%} margin)")
+    errors = [r for r in results if r.status is ProbeStatus.ERROR]
+    ooms = [r for r in results if r.status is ProbeStatus.OOM or r.skip is Skip.PREDICTED]
+    if not ooms:
+        return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
+    # the OOM that saves at least as much memory as the most others: the closest to fitting
+    smallest = max(ooms, key=lambda r: sum(space.saves_at_least(r.config, o.config) for o in ooms))
+    hint = space.next_tier_hint()
+    further = f"Pass {hint} to go further." if hint else \
+        "Raise the budget, use more GPUs (num_gpus) or offload to go further."
+    return f"{head}; the smallest needs {_need(smallest, predict)} ({smallest.config.describe()}). {further}"
+
+
+def _need(result: ProbeResult, predict: Callable[[Config], int | None] | None) -> str:
+    """What `result`'s config needs: the estimator's prediction where there is one (said so), else the
+    bytes it held when it ran out (a lower bound)."""
+    predicted = predict(result.config) if predict is not None else None
+    if predicted:
+        return f"{format_size(predicted)} by the estimator's prediction"
+    if result.peak_bytes:
+        return f"more than {format_size(result.peak_bytes)}"
+    return "more than the budget"

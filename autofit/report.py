@@ -17,6 +17,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from autofit.probe.outcome import ProbeStatus, Source
 from autofit.units import format_size
 
 COLORS = {"fit": "#2e7d32", "oom": "#c62828", "error": "#757575", "too slow": "#ef6c00", "skipped": "#bdbdbd"}
@@ -40,7 +41,7 @@ class Row:
 
 def status_of(probe: Any) -> str:
     """"fit", "oom", "error", "too slow" or "skipped"."""
-    return "too slow" if getattr(probe, "too_slow", False) else probe.status.value
+    return "too slow" if probe.status is ProbeStatus.PRUNED else probe.status.value
 
 
 def breakdown(config: Any, num_params: int, peak: int) -> tuple[float, ...]:
@@ -55,7 +56,7 @@ def breakdown(config: Any, num_params: int, peak: int) -> tuple[float, ...]:
     trained = 0 if config.lora else num_params
     grads = trained * 4 / (ranks if config.zero_stage >= 2 else 1)
     states = trained * OPTIMIZER_BYTES.get(config.optimizer, 8) / (ranks if config.zero_stage >= 1 else 1)
-    if config.offload != "none":
+    if config.offloads:
         states = 0.0
         weights = 0.0 if config.zero_stage >= 3 else weights
     model_states = [weights, grads, states]
@@ -198,7 +199,7 @@ def _table(plan: Any) -> str:
         status = status_of(probe)
         chosen = plan.fits and probe.fits and probe.config == plan.config
         speed = f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-"
-        source = " (stored)" if probe.source == "stored" else ""
+        source = " (stored)" if probe.source is Source.STORED else ""
         lines.append(f'<tr class="{"chosen" if chosen else ""}"><td class="num">{index}</td>'
                      f'<td class="status" style="color:{COLORS[status]}">{"★ " if chosen else ""}{status}{source}</td>'
                      f"<td>{html.escape(probe.config.describe())}</td><td class=num>{format_size(probe.peak_bytes)}</td>"

@@ -11,10 +11,10 @@ import dataclasses
 import time
 from typing import Sequence
 
-from autofit.search.space import build_space
-from autofit.probe.isolate import run_isolated
 from autofit.plan import choose
-from autofit.probe.run import ProbeResult, run_probe
+from autofit.probe.launch import probe_placed
+from autofit.probe.outcome import ProbeResult
+from autofit.search.space import build_space
 from autofit.spec.train import TrainSpec
 from autofit.strategies import Strategy
 
@@ -52,8 +52,5 @@ def exhaustive(spec: TrainSpec, strategies: Sequence[Strategy], timeout: float =
     for level in space.levels():
         for size in space.sizes:
             config = space.at(level, size)
-            if space.isolates(config):
-                results.append(run_isolated(spec, config, strategies, timeout))
-            else:
-                results.append(run_probe(spec, config, strategies))
+            results.append(probe_placed(spec, config, space.strategies, space.placement(config), timeout))
     return Exhaustive(tuple(results), time.perf_counter() - start)

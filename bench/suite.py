@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable
 
 import autofit
+from autofit.probe.outcome import Source
 from autofit.strategies import Strategy, default_strategies
 
 from bench.dryrun import peak_rows
@@ -77,7 +78,7 @@ def run_scenario(scenario: Scenario, options: Options) -> dict[str, Any]:
         log(f"  robustness: {out['robustness']['steps_done']}/{options.robustness_steps} steps, ok={out['robustness']['ok']}")
     if options.dry_run and plan.fits:
         with _phase(phases, "dry_run"):
-            probed = {p.config for p in plan.probes if p.source == "probed"}
+            probed = {p.config for p in plan.probes if p.source is Source.PROBED}
             out["dry_run"] = [r.to_dict() for r in peak_rows(spec, oracle.results, plan.config, probed, strategies)]
     out["phase_seconds"] = phases
     return out

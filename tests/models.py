@@ -70,3 +70,11 @@ class LinearBlocks(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x.pow(2).mean()
+
+
+def run_ranks(spec, config, strategies, timeout=600.0, step_limit=None):
+    """Probe `config` on `config.num_gpus` launched ranks (plain data parallelism where no engine shards)."""
+    from autofit.probe.launch import launch
+    from autofit.strategies import DataParallel, Placement
+
+    return launch(spec, config, [*strategies, DataParallel()], Placement.RANKS, timeout, step_limit)

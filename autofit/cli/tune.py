@@ -23,7 +23,7 @@ from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
 from autofit.spec.models import resolve_model
-from autofit.probe.run import ProbeResult
+from autofit.probe.outcome import ProbeResult, Source
 from autofit.report import COLORS, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES
 from autofit.units import format_size
@@ -57,7 +57,7 @@ class RichProgress:
         status = status_of(result)
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
-        source = " [dim](stored)[/]" if result.source == "stored" else ""
+        source = " [dim](stored)[/]" if result.source is Source.STORED else ""
         self.console.print(f"  [{COLORS[status]}]{status}[/]{source} {result.config.describe()}:{peak} "
                            f"[dim]- {result.reason}[/]", highlight=False)
 
@@ -108,7 +108,7 @@ def probe_table(plan: Any) -> Table:
     for index, probe in enumerate(plan.probes, 1):
         chosen = plan.fits and probe.fits and probe.config == plan.config
         status = status_of(probe)
-        source = " (stored)" if probe.source == "stored" else ""
+        source = " (stored)" if probe.source is Source.STORED else ""
         table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),
                       f"[{COLORS[status]}]{status}[/]{source}", format_size(probe.peak_bytes),
                       f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-", probe.reason,

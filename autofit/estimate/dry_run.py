@@ -4,17 +4,19 @@ nothing is trained and nothing real is allocated, and the predicted cheapest can
     report = autofit.dry_run("llama-2-7b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8)
     report.chosen.config, report.chosen.peak_bytes, [c.fits for c in report.candidates]
 
-Candidates are the decision tree's levels (precision x attention x checkpointing x optimizer states /
-ZeRO / offload / LoRA), each at its largest micro-batch predicted to fit (its smallest when none does).
+Candidates are the levels of the same space the tuner walks (`autofit.search.space.build_space` for a
+`Target` built from the GPU profile, every extra assumed installable there), each at its largest
+micro-batch predicted to fit (its smallest when none does). The dry-run adds only its cost model and
+its report.
 
 The cost model that ranks fitting candidates (predicted seconds per optimizer step, on one GPU's figures):
 - compute: 6 FLOPs per parameter per token (forward 2, backward 4; 4 with a frozen LoRA base) plus
   12 * layers * seq^2 * hidden per sample for attention, at `MFU` of the GPU's peak TFLOP/s for the
   precision, times a utilisation `t / (t + HALF_SATURATION_TOKENS)` of the micro-batch's t tokens;
-- recomputation: full checkpointing adds one forward (+2 FLOPs per parameter-token), every 2nd block half that;
+- recomputation: full checkpointing adds one forward (+2 FLOPs per parameter-token), every k-th block 1/k of that;
 - quantized base weights: dequantization slows NF4 by `NF4_SLOWDOWN`, LLM.int8 by `INT8_SLOWDOWN`;
 - communication over the GPU interconnect: a ring all-reduce / reduce-scatter of the gradients per step,
-  and ZeRO-3's parameter all-gathers in every micro-step's forward and backward;
+  and the parameter all-gathers of ZeRO-3 / FSDP2 full_shard in every micro-step's forward and backward;
 - offload over PCIe: gradients down and parameters up per step (ZeRO-3: parameters every micro-step),
   plus CPU Adam at `CPU_ADAM_PARAMS_PER_S`.
 """
@@ -23,20 +25,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.search.space import TIER_NAMES
-from autofit.config import Config
+from autofit.config import Config, Offload, Quantization
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
 from autofit.estimate.gpus import GpuProfile, get_gpu
+from autofit.search.space import TIER_NAMES, Space, build_space
+from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.strategies.base import Strategy
 
 MFU = 0.5  # achievable share of peak tensor-core TFLOP/s in training
 HALF_SATURATION_TOKENS = 512  # tokens per micro-batch at which a GPU reaches half its utilisation
 NF4_SLOWDOWN, INT8_SLOWDOWN = 1.25, 2.0
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank
 DEFAULT_MAX_MICRO_BATCH = 64  # largest micro-batch planned when no global batch is given
-LORA_RANK = 16  # rank planned for LoRA / QLoRA candidates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +103,8 @@ class DryRunReport:
 def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int = 1,
             global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
-            max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH) -> DryRunReport:
+            max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH,
+            strategies: Sequence["Strategy"] | None = None) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -105,38 +112,43 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             Hugging Face config, a zero-argument factory or an `nn.Module` (as `autofit.autofit` takes).
         batch: as `autofit.autofit`; None synthesizes token ids (or pixels) from a Hugging Face config.
         gpu: a profile name from `autofit gpus` (or a `GpuProfile`).
-        num_gpus: data-parallel GPUs; ZeRO stages are planned when more than one.
+        num_gpus: data-parallel GPUs; ZeRO stages and FSDP2 are planned when more than one.
         global_batch_size: samples per optimizer step over all GPUs, kept exactly (micro-batch x
             accumulation x GPUs). None plans micro-batches 1..`max_micro_batch` without accumulation.
         seq_len: sequence length of a synthesized batch (at most the model's maximum).
         gpu_memory: bytes or "20GiB": the memory of each GPU, overriding the profile's.
         allow: exactness tiers as in `autofit.autofit` (None: tiers 0-1; {"lora"}: adapters too).
         safety_margin: share of the memory a fit must leave free (default 10%).
+        strategies: the techniques to plan (default: all, as `autofit.autofit` searches them).
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
     """
+    from autofit.strategies import default_strategies
+
     started = time.perf_counter()
     profile = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
     if gpu_memory is not None:
         profile = profile.with_memory(parse_size(gpu_memory, "gpu_memory"))
     spec, description = _spec(model, batch, profile, num_gpus, global_batch_size, seq_len, allow, optimizer,
                               loss_fn, safety_margin, max_micro_batch)
-    estimator = Estimator(spec, target="cuda", extrapolate_batch=True)
-    planner = _Planner(spec, estimator, profile)
-    every = [planner.best_at(level, tier) for level, tier in _levels(spec, profile, estimator.facts)]
-    allowed = [c for c in every if c.tier <= spec.max_tier]
+    chosen_strategies = list(strategies) if strategies is not None else default_strategies()
+    space = build_space(spec, chosen_strategies)
+    estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies)
+    planner = _Planner(space, estimator, profile)
+    allowed = [planner.best_at(level) for level in space.levels()]
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: c.step_seconds)
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = fitting[0] if fitting else None
-    reason = _chosen_reason(chosen, fitting) if chosen else _nothing_fits(spec, profile, rest, every)
+    reason = _chosen_reason(chosen, fitting) if chosen else \
+        _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(fitting + rest), chosen, reason, time.perf_counter() - started)
 
 
 def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,
           seq_len: int | None, allow: Any, optimizer: Any, loss_fn: Any, safety_margin: float,
-          max_micro_batch: int) -> tuple[Any, str]:
+          max_micro_batch: int) -> tuple["TrainSpec", str]:
     from autofit.spec.train import make_spec
 
     description = None
@@ -145,75 +157,48 @@ def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_bat
 
         model, file_batch, description = resolve_model(model)
         batch = batch if batch is not None else file_batch
-    # The spec is built on the CPU (nothing is probed); the budget is the target GPU's memory.
+    # The spec is built on the CPU (nothing is probed) for the profile's Target: its memory is the budget.
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device="cpu",
                      memory_budget=profile.memory_bytes, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
-                     loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin, max_micro_batch=max_micro_batch)
+                     loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin, max_micro_batch=max_micro_batch,
+                     target=Target.from_profile(profile, num_gpus))
     return spec, description or spec.model.name
 
 
-def _levels(spec: Any, gpu: GpuProfile, facts: ModelFacts) -> list[tuple[Config, int]]:
-    """Every level (a config without its micro-batch) with its exactness tier, tier-2 ones included."""
-    info = spec.model
-    half = "bf16" if gpu.bf16 else "fp16"
-    attention = ("sdpa" if "sdpa" in info.attention else "eager") if info.is_hf else "default"
-    checkpointing = ["none"] + (["every_2"] if info.num_blocks >= 3 else []) + (["full"] if info.num_blocks >= 2 else [])
-    levels = []
-    # fp32 needs more memory and runs slower than bf16/fp16 on every profile: planned only when numerics
-    # (tier 1) are not allowed.
-    precisions = [(half, 1)] if spec.max_tier >= 1 else [("fp32", 0)]
-    for precision, p_tier in precisions:
-        for ckpt in checkpointing:
-            base = Config(precision=precision, attention=attention, checkpointing=ckpt, num_gpus=spec.num_gpus)
-            for changes, s_tier in _state_options(spec):
-                levels.append((base.replace(**changes), max(p_tier, s_tier)))
-    return levels
-
-
-def _state_options(spec: Any) -> list[tuple[dict[str, Any], int]]:
-    """Optimizer states, ZeRO stages, offload and adapters, with their tiers (DESIGN.md rungs 5-8).
-    8-bit states and Adafactor are planned without ZeRO (DeepSpeed brings its own fused/CPU Adam)."""
-    name = spec.optimizer.name
-    options: list[tuple[dict[str, Any], int]] = [({"optimizer": name}, 0)]
-    if spec.optimizer.explore:
-        options += [({"optimizer": "adamw8bit"}, 1), ({"optimizer": "adafactor"}, 1)]
-    if spec.num_gpus > 1:
-        options += [({"optimizer": name, "zero_stage": stage}, 0) for stage in (1, 2, 3)]
-    options += [({"optimizer": name, "zero_stage": stage, "offload": "cpu"}, 0) for stage in (2, 3)]
-    options += [({"optimizer": name, "lora": LORA_RANK, "quantization": q}, 2) for q in ("none", "nf4", "int8")]
-    return options
+def _beyond(space: Space, estimator: Estimator, profile: GpuProfile,
+            strategies: Sequence["Strategy"]) -> list[Candidate]:
+    """The candidates the next tier would add (what an allow= would open), planned the same way."""
+    tiers = sorted({e.tier for e in space.excluded if e.tier is not None})
+    if not tiers:
+        return []
+    wider = build_space(dataclasses.replace(space.spec, max_tier=tiers[-1]), strategies)
+    planner = _Planner(wider, estimator, profile)
+    known = set(space.levels())
+    return [planner.best_at(level) for level in wider.levels() if level not in known]
 
 
 class _Planner:
     """Finds each level's largest fitting micro-batch and predicts its speed."""
 
-    def __init__(self, spec: Any, estimator: Estimator, gpu: GpuProfile):
-        self.spec, self.estimator, self.gpu = spec, estimator, gpu
-        per_rank = (spec.global_batch_size or 0) // spec.num_gpus
-        self.sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0] if per_rank else \
-            [2**i for i in range(spec.max_micro_batch.bit_length() - 1, -1, -1)]
+    def __init__(self, space: Space, estimator: Estimator, gpu: GpuProfile):
+        self.space, self.spec, self.estimator, self.gpu = space, space.spec, estimator, gpu
 
-    def at(self, level: Config, micro_batch: int) -> Config:
-        """`level` at `micro_batch` with the accumulation that keeps the global batch."""
-        per_rank = (self.spec.global_batch_size or micro_batch * self.spec.num_gpus) // self.spec.num_gpus
-        return level.replace(micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
-
-    def best_at(self, level: Config, tier: int) -> Candidate:
+    def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
-        low, high = 0, len(self.sizes) - 1  # sizes descend; memory grows with the size: bisect
+        sizes = self.space.sizes
+        low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
-            mid = (low + high) // 2
-            if self._fits(self.estimator.predict(self.at(level, self.sizes[mid]))):
-                high = mid
+            mid = (low + high + 1) // 2
+            if self._fits(self.estimator.predict(self.space.at(level, sizes[mid]))):
+                low = mid
             else:
-                low = mid + 1
-        config = self.at(level, self.sizes[low])
-        return self.candidate(config, tier)
+                high = mid - 1
+        return self.candidate(self.space.at(level, sizes[low]))
 
     def _fits(self, estimate: Estimate) -> bool:
         return estimate.peak_bytes <= self.spec.fit_limit
 
-    def candidate(self, config: Config, tier: int) -> Candidate:
+    def candidate(self, config: Config) -> Candidate:
         """`config` predicted: its estimate, fit, speed and reason."""
         estimate = self.estimator.predict(config)
         fits = self._fits(estimate)
@@ -223,32 +208,32 @@ class _Planner:
         head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
             f"over by {format_size(peak - limit)}: needs {format_size(peak)} of {format_size(limit)}"
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s; {estimate.reason}",
-                         tier, seconds, samples)
+                         self.space.tier(config), seconds, samples)
 
 
-def step_seconds(spec: Any, config: Config, gpu: GpuProfile, facts: ModelFacts) -> float:
+def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts) -> float:
     """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring)."""
     tokens = spec.tokens_per_sample or 1
-    adapters = bool(config.lora or config.quantization != "none")
-    per_token = (4 if adapters else 6) + {"none": 0, "every_2": 1, "full": 2}.get(config.checkpointing, 0)
+    adapters = config.adapters
+    per_token = (4 if adapters else 6) + 2 * config.checkpointed_share
     hf = spec.model.hf_config
     attention = 12 * facts.num_blocks * tokens**2 * getattr(hf, "hidden_size", 0) if hf is not None else 0
     flops = config.micro_batch_size * (per_token * facts.num_params * tokens + attention)
     mb_tokens = config.micro_batch_size * tokens
     rate = gpu.tflops(config.precision) * 1e12 * MFU * mb_tokens / (mb_tokens + HALF_SATURATION_TOKENS)
-    slowdown = {"nf4": NF4_SLOWDOWN, "int8": INT8_SLOWDOWN}.get(config.quantization, 1.0)
+    slowdown = {Quantization.NF4: NF4_SLOWDOWN, Quantization.INT8: INT8_SLOWDOWN}.get(config.quantization, 1.0)
     micro = flops / rate * slowdown
     n, link, pcie = config.num_gpus, gpu.interconnect_gbps * 1e9, gpu.pcie_gbps * 1e9
-    trained = LORA_RANK * facts.lora_params_per_rank if adapters else facts.trainable_params
-    half = 4 if config.precision == "fp32" else 2
-    grad_bytes = (4 if config.zero_stage == 0 else half) * trained
+    trained = (config.lora or 16) * facts.lora_params_per_rank if adapters else facts.trainable_params
+    half = 2 if config.half_precision else 4
+    grad_bytes = (half if config.zero_stage else 4) * trained
     comm = 2 * (n - 1) / n * grad_bytes / link if n > 1 else 0.0
-    if config.zero_stage >= 3:  # parameters all-gathered in forward and backward, every micro-step
+    if config.shards_parameters:  # parameters all-gathered in forward and backward, every micro-step
         micro += 2 * (n - 1) / max(n, 1) * half * facts.num_params / link
     offload = 0.0
-    if config.offload != "none":
+    if config.offload is not Offload.NONE:
         offload = 2 * half * trained / n / pcie + trained / n / CPU_ADAM_PARAMS_PER_S
-        if config.zero_stage >= 3:
+        if config.shards_parameters:
             micro += 2 * half * facts.num_params / n / pcie
     return config.grad_accum_steps * micro + comm + offload
 
@@ -260,16 +245,16 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
             + (f" ({others} other(s) fit, slower)" if others else ""))
 
 
-def _nothing_fits(spec: Any, gpu: GpuProfile, rest: list[Candidate], every: list[Candidate]) -> str:
+def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate], beyond: list[Candidate]) -> str:
     """"No candidate fits ...; the smallest needs ... Allow ... / use more GPUs to go further." """
     head = (f"No candidate fits {format_size(spec.fit_limit)} per GPU ({gpu.name}, {format_size(gpu.memory_bytes)} "
             f"less the {spec.safety_margin:.0%} margin)")
     smallest = min(rest, key=lambda c: c.peak_bytes) if rest else None
     if smallest is not None:
         head += f"; the smallest needs {format_size(smallest.peak_bytes)} ({smallest.config.describe()})"
-    beyond = sorted((c for c in every if c.tier > spec.max_tier and c.fits), key=lambda c: c.tier)
-    if beyond:
-        best = beyond[0]
+    opened = sorted((c for c in beyond if c.fits), key=lambda c: (c.tier, c.peak_bytes))
+    if opened:
+        best = opened[0]
         return (f"{head}. Pass {TIER_NAMES[best.tier]} to go further: {best.config.describe()} is predicted "
                 f"to fit at {format_size(best.peak_bytes)}.")
     more = "more GPUs (--num-gpus) with ZeRO-3, " if spec.num_gpus < 8 else ""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autofit.config import Attention, Checkpointing, Config, Precision
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -82,29 +83,31 @@ class _Tracker(StorageCounter):
         self.tail = self.current
 
 
-def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-                  precision: str, attention: str, checkpointing: str, device: str,
-                  half_weights: bool = False) -> ActivationPeak:
+def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
+                  device: str, half_weights: bool = False) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
-    tensors on `device` ("cpu" or "cuda"), and return its `ActivationPeak`. Nothing real is allocated.
+    tensors on `device` ("cpu" or "cuda") with `config`'s precision, attention and checkpointing, and
+    return its `ActivationPeak`. Nothing real is allocated.
 
     `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
     used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model
-    from autofit.strategies.checkpointing import enable, every
+    from autofit.strategies.checkpointing import enable
 
-    if attention != "default" and hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("sdpa" if attention == "flash_attention_2" else attention)
-    if half_weights and precision != "fp32":
+    precision, attention = config.precision, config.attention
+    if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
+        # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
+        model.set_attn_implementation("sdpa" if attention.fused else attention.value)
+    if half_weights and precision.half:
         model.to(_half_dtype(precision, device))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device=device)
     model.train()
-    if checkpointing != "none":
-        enable(model, every(checkpointing))
+    if config.checkpointing is not Checkpointing.NONE:
+        enable(model, config.checkpoint_every)
     tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
     tracker.ignore([*model.parameters(), *model.buffers()])
     hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
@@ -113,7 +116,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         with fake:
             fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
             with tracker:
-                with _autocast("fp32" if half_weights else precision, device):
+                with _autocast(Precision.FP32 if half_weights else precision, device):
                     output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
                     loss = loss_fn(output, fake_batch)
                 tracker.backward = True
@@ -126,12 +129,12 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                           tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
 
 
-def _autocast(precision: str, device: str) -> Any:
-    if precision == "fp32":
+def _autocast(precision: Precision, device: str) -> Any:
+    if not precision.half:
         return torch.autocast(device, enabled=False)
     # fp16 and bf16 tensors have the same size; CPU autocast simulates fp16 with bf16.
     return torch.autocast(device, dtype=_half_dtype(precision, device))
 
 
-def _half_dtype(precision: str, device: str) -> torch.dtype:
-    return torch.float16 if precision == "fp16" and device == "cuda" else torch.bfloat16
+def _half_dtype(precision: Precision, device: str) -> torch.dtype:
+    return torch.float16 if precision is Precision.FP16 and device == "cuda" else torch.bfloat16

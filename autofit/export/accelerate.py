@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from autofit.config import Precision
+from autofit.config import Config, Engine, Offload, Precision
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, OFFLOAD
-from autofit.export.measured import comment_lines, require_fit
+from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 
 FILENAME = "accelerate_config.yaml"
 LAUNCH_FILENAME = "accelerate_launch.sh"
@@ -45,13 +45,9 @@ def accelerate_config(plan: Any) -> dict[str, Any]:
     }
     if config.zero_stage:
         out["deepspeed_config"] = _deepspeed_section(plan)
-    if _fsdp(config) != "none":
+    if config.engine is Engine.FSDP:
         out["fsdp_config"] = fsdp_section(config)
-    return out
-
-
-def _fsdp(config: Any) -> str:
-    return config.fsdp
+    return with_plugin_keys(out, config, "accelerate")
 
 
 def fsdp_section(config: Any) -> dict[str, Any]:
@@ -59,8 +55,8 @@ def fsdp_section(config: Any) -> dict[str, Any]:
     keeps them gathered until backward (~ZeRO-2); offload="cpu" is FSDP2's CPUOffloadPolicy."""
     return {
         "fsdp_version": 2,
-        "fsdp_reshard_after_forward": _fsdp(config) == "full_shard",
-        "fsdp_offload_params": config.offload == "cpu",
+        "fsdp_reshard_after_forward": config.shards_parameters,
+        "fsdp_offload_params": config.offload is Offload.CPU,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's repeated blocks, as probed
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_cpu_ram_efficient_loading": True,
@@ -70,7 +66,7 @@ def fsdp_section(config: Any) -> dict[str, Any]:
 def _distributed_type(config: Any, on_cpu: bool) -> str:
     if config.zero_stage:
         return "DEEPSPEED"
-    if _fsdp(config) != "none":
+    if config.engine is Engine.FSDP:
         return "FSDP"
     if config.num_gpus > 1:
         return "MULTI_CPU" if on_cpu else "MULTI_GPU"

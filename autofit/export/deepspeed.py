@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autofit.config import Config, Optimizer, Precision
+from autofit.config import Config, Engine, Optimizer, Precision
 from autofit.errors import UsageError
-from autofit.export.measured import measured, require_fit
+from autofit.export.measured import measured, require_fit, set_nested, with_plugin_keys
 
 FILENAME = "deepspeed.json"
 
@@ -68,7 +68,7 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None,
     }
     out: dict[str, Any] = {}
     for name, value in flat.items():
-        _set_nested(out, KEYS[name], value)
+        set_nested(out, KEYS[name], value)
     out.update(PRECISION[config.precision])
     optimizer = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
     if optimizer is not None:
@@ -79,8 +79,6 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None,
 
 
 def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
-    if config.offload not in OFFLOAD:
-        raise UsageError(f"offload={config.offload!r} is not known; use one of {sorted(OFFLOAD)}.")
     device = OFFLOAD[config.offload]
     if device is None:
         return {}
@@ -99,17 +97,10 @@ def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
     return flat
 
 
-def _set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        out = out.setdefault(key, {})
-    out[leaf] = value
-
-
 def applies(plan: Any) -> str | None:
     """Why a DeepSpeed file does not apply to `plan` (it shards with FSDP2), or None."""
-    if plan.config.fsdp != "none":
-        return (f"the plan shards with FSDP2 (fsdp={plan.config.fsdp}), not DeepSpeed; export accelerate, "
+    if plan.config.engine is Engine.FSDP:
+        return (f"the plan shards with FSDP2 ({plan.config.sharding.value}), not DeepSpeed; export accelerate, "
                 "trainer or torchrun instead")
     return None
 
@@ -118,7 +109,8 @@ def file_config(plan: Any) -> dict[str, Any]:
     """The dict written to deepspeed.json: `deepspeed_config` of the plan plus the "autofit" record."""
     require_fit(plan)
     nvme_path = plan.spec.get("nvme_path") or getattr(plan.config, "nvme_path", None)
-    return {**deepspeed_config(plan.config, nvme_path=nvme_path), "autofit": measured(plan)}
+    document = with_plugin_keys(deepspeed_config(plan.config, nvme_path=nvme_path), plan.config, "deepspeed")
+    return {**document, "autofit": measured(plan)}
 
 
 def export(plan: Any, out_dir: Path) -> list[Path]:

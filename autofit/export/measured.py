@@ -5,10 +5,13 @@ Also the gate every format goes through: a plan that does not fit has nothing wo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.errors import UsageError
 from autofit.units import format_size
+
+if TYPE_CHECKING:
+    from autofit.config import Config
 
 
 def require_fit(plan: Any) -> None:
@@ -37,6 +40,24 @@ def measured(plan: Any) -> dict[str, Any]:
         "autofit_version": plan.autofit_version,
         "reason": plan.reason,
     }
+
+
+def with_plugin_keys(document: dict[str, Any], config: "Config", fmt: str) -> dict[str, Any]:
+    """`document` with the keys plug-in strategies add to format `fmt` (dotted names nest)."""
+    from autofit.strategies.base import plugins
+
+    for strategy in plugins():
+        for dotted, value in strategy.launcher_keys(config, fmt).items():
+            set_nested(document, dotted, value)
+    return document
+
+
+def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `value` at the dotted key `dotted` ("zero_optimization.stage") of `out`, making parents."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        out = out.setdefault(key, {})
+    out[leaf] = value
 
 
 def comment_lines(plan: Any, prefix: str = "# ") -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
@@ -18,27 +18,17 @@ from autofit.export.measured import comment_lines, require_fit
 
 FILENAME = "torchrun.sh"
 
-# Config field -> environment variable the training script reads.
-ENV = {
-    "micro_batch_size": "AUTOFIT_MICRO_BATCH_SIZE",
-    "grad_accum_steps": "AUTOFIT_GRAD_ACCUM_STEPS",
-    "precision": "AUTOFIT_PRECISION",
-    "attention": "AUTOFIT_ATTENTION",
-    "checkpointing": "AUTOFIT_CHECKPOINTING",
-    "optimizer": "AUTOFIT_OPTIMIZER",
-    "zero_stage": "AUTOFIT_ZERO_STAGE",
-    "fsdp": "AUTOFIT_FSDP",
-    "offload": "AUTOFIT_OFFLOAD",
-    "quantization": "AUTOFIT_QUANTIZATION",
-    "lora": "AUTOFIT_LORA_RANK",
-}
+if TYPE_CHECKING:
+    from autofit.plan import Plan
 
 
-def environment(plan: Any) -> dict[str, str]:
-    """The environment variables the launched job needs (names -> values)."""
+
+def environment(plan: "Plan") -> dict[str, str]:
+    """The environment variables the launched job needs (names -> values): every knob of the plan,
+    plug-in strategies' included, as AUTOFIT_<KNOB>, the global batch, and the DeepSpeed config path."""
     require_fit(plan)
     config = plan.config
-    env = {name: str(getattr(config, field)) for field, name in ENV.items()}
+    env = {f"AUTOFIT_{name.upper()}": str(value) for name, value in config.to_dict().items()}
     env["AUTOFIT_GLOBAL_BATCH_SIZE"] = str(config.global_batch_size)
     if config.zero_stage:
         env["AUTOFIT_DEEPSPEED_CONFIG"] = '$here/' + DEEPSPEED_FILENAME

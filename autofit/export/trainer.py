@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autofit.config import Optimizer, Precision
+from autofit.config import Checkpointing, Engine, Offload, Optimizer, Precision, Quantization
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
-from autofit.export.measured import comment_lines, measured, require_fit
-from autofit.strategies.checkpointing import every
+from autofit.export.measured import comment_lines, measured, require_fit, with_plugin_keys
 
 FILENAME = "trainer_args.json"
 SCRIPT_FILENAME = "train_with_trainer.py"
@@ -41,7 +40,7 @@ def training_arguments(plan: Any, deepspeed_path: str | None = None) -> dict[str
         "bf16": config.precision == Precision.BF16.value,
         "fp16": config.precision == Precision.FP16.value,
         # Trainer checkpoints all blocks or none; every k-th block is switched on in the script instead.
-        "gradient_checkpointing": config.checkpointing == "full",
+        "gradient_checkpointing": config.checkpointing is Checkpointing.FULL,
         "gradient_checkpointing_kwargs": {"use_reentrant": False},
         "max_grad_norm": DEFAULT_GRADIENT_CLIPPING,
         "use_cpu": str(plan.spec.get("device", "")).startswith("cpu"),
@@ -51,12 +50,12 @@ def training_arguments(plan: Any, deepspeed_path: str | None = None) -> dict[str
         kwargs["optim"] = OPTIM[config.optimizer]
     if config.zero_stage:
         kwargs["deepspeed"] = deepspeed_path or DEEPSPEED_FILENAME
-    if config.fsdp != "none":
+    if config.engine is Engine.FSDP:
         kwargs["fsdp"] = True
-        kwargs["fsdp_config"] = {"version": 2, "reshard_after_forward": config.fsdp == "full_shard",
-                                 "cpu_offload": config.offload == "cpu",
+        kwargs["fsdp_config"] = {"version": 2, "reshard_after_forward": config.shards_parameters,
+                                 "cpu_offload": config.offload is Offload.CPU,
                                  "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
-    return kwargs
+    return with_plugin_keys(kwargs, config, "trainer")
 
 
 def model_setup(plan: Any) -> list[str]:
@@ -66,11 +65,11 @@ def model_setup(plan: Any) -> list[str]:
     if config.attention != "default":
         lines.append(f'# Build the model with attn_implementation="{config.attention}" '
                      f'(e.g. AutoModelForCausalLM.from_config(config, attn_implementation="{config.attention}")).')
-    if config.checkpointing not in ("none", "full"):
+    if config.checkpointing is Checkpointing.EVERY_K:
         lines += ["from autofit.strategies.checkpointing import enable",
-                  f"enable(model, {every(config.checkpointing)})  # recompute every {every(config.checkpointing)}"
+                  f"enable(model, {config.checkpoint_every})  # recompute every {config.checkpoint_every}"
                   "-th block, as probed"]
-    if config.quantization != "none":
+    if config.quantization is not Quantization.NONE:
         lines.append(f"# Load the base weights quantized ({config.quantization}) with transformers."
                      "BitsAndBytesConfig, then peft.prepare_model_for_kbit_training(model).")
     if config.lora:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.spec.batch import call_model, default_loss, leading_dim
-from autofit.config import Config
+from autofit.config import Checkpointing, Config
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
 from autofit.guard.sync import Round, sync_for, unwrap
@@ -131,7 +131,7 @@ class OomGuard:
         self._undo: list[Config] = []  # configurations stepped down from, most recent last
         self._clean_units = 0
         self._grow_wait = grow_back_after
-        self._tried: list[str] = [self.config.describe()]
+        self._tried: list[str] = [self.config.describe()] if self.config is not None else []
 
     # ---- training -------------------------------------------------------------------------------
     def step(self, batch: Any) -> StepReport:
@@ -151,8 +151,9 @@ class OomGuard:
         total = rows(batch)
         first_recovery = len(self.recoveries)
         self._maybe_grow_back()
-        if self.config.micro_batch_size == 0:  # no size given: the whole batch at once
-            self.config = self.config.replace(micro_batch_size=total)
+        if self.config is None:  # no size given: the whole batch at once
+            self.config = Config(micro_batch_size=total)
+            self._tried.append(self.config.describe())
         done, losses, sizes, holds = 0, [], [], []
         while True:
             size, hold = self._next_chunk(done, total, holds)
@@ -237,9 +238,9 @@ class OomGuard:
             while new_mb >= agreed.smallest_failure and new_mb > 1:
                 new_mb //= 2
             new, action = old.replace(micro_batch_size=new_mb), "micro-batch"
-        elif self.escalate and old.checkpointing != "full":
+        elif self.escalate and old.checkpointing is not Checkpointing.FULL:
             checkpointing.enable(unwrap(self.model), 1)
-            new, action = old.replace(checkpointing="full"), "checkpointing"
+            new, action = old.replace(checkpointing=Checkpointing.FULL, checkpoint_every=1), "checkpointing"
         else:
             raise GuardGaveUp(self._gave_up_message(attempt, total, peak))
         new = new.replace(grad_accum_steps=math.ceil(total / new.micro_batch_size) * self.accumulation_multiplier)
@@ -287,8 +288,8 @@ class OomGuard:
         old, new = self.config, self._undo.pop()
         if new.checkpointing != old.checkpointing:
             checkpointing.disable(unwrap(self.model))
-            if new.checkpointing != "none":
-                checkpointing.enable(unwrap(self.model), checkpointing.every(new.checkpointing))
+            if new.checkpointing is not Checkpointing.NONE:
+                checkpointing.enable(unwrap(self.model), new.checkpoint_every)
         reason = f"step {self.steps}: {self._clean_units} clean steps; growing back {old.describe()} -> {new.describe()}"
         self._change("grow-back", old, new, reason, peak_bytes(self._device()))
         self._clean_units = 0
@@ -354,18 +355,19 @@ class OomGuard:
             self.eval_micro_batch_size = max(1, size // 2)
             logger.warning("autofit OOM guard: evaluation out of memory at %d samples (%s); eval micro-batch "
                            "-> %d, training unchanged (%s)", size, detail, self.eval_micro_batch_size,
-                           self.config.describe())
+                           self.config.describe() if self.config is not None else "whole batches")
         return parts
 
 
-def _initial_config(plan: Plan | None, micro_batch_size: int | None) -> Config:
+def _initial_config(plan: Plan | None, micro_batch_size: int | None) -> Config | None:
+    """The configuration to start from; None (no plan, no size): the whole batch, sized at the first step."""
     if plan is not None and plan.config is None:
         raise UsageError("The plan given to the OOM guard has no configuration (nothing fitted when it was "
                          "tuned); tune again with a larger budget or pass micro_batch_size= instead.")
-    base = plan.config if plan is not None else Config(micro_batch_size=0)  # 0: whole batch
-    if micro_batch_size is not None:
-        base = base.replace(micro_batch_size=_positive("micro_batch_size", micro_batch_size))
-    return base
+    size = _positive("micro_batch_size", micro_batch_size)
+    if plan is None:
+        return Config(micro_batch_size=size) if size is not None else None
+    return plan.config.replace(micro_batch_size=size) if size is not None else plan.config
 
 
 def _positive(name: str, value: int | None) -> int | None:

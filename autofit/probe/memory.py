@@ -202,7 +202,10 @@ class CudaBudget(_Deadline):
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def budget_for(device: torch.device, limit: int | None) -> CpuBudget | CudaBudget:
+Budget = CpuBudget | CudaBudget
+
+
+def budget_for(device: torch.device, limit: int | None) -> Budget:
     """The budget enforcer for `device`: a context manager whose `.peak` is read after it exits."""
     if device.type == "cuda":
         return CudaBudget(limit, device)

@@ -8,78 +8,30 @@ attempt is released before the next probe.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from autofit.spec.batch import to_device
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.probe.memory import DeadlinePassed, budget_for
+from autofit.probe.memory import Budget, DeadlinePassed, budget_for
 from autofit.probe.oom import classify_oom, first_line, release_memory
-from autofit.spec.train import TrainSpec
+from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import build_run
+from autofit.spec.batch import to_device
+from autofit.spec.train import TrainSpec
 from autofit.units import format_size
+
+if TYPE_CHECKING:
+    from autofit.strategies.base import Strategy
 
 
 MIN_ALLOWANCE = 5.0  # seconds a probe may always take before its deadline stops it
 STEADY_STEPS = 2  # optimizer steps after which every step allocates the same (see _train)
 
 
-class ProbeStatus(str, enum.Enum):
-    """How a probe ended."""
-
-    FIT = "fit"  # finished its steps with peak under budget minus the safety margin
-    OOM = "oom"  # ran out of memory (any kind), or peaked inside the safety margin
-    ERROR = "error"  # any other exception
-    SKIPPED = "skipped"  # not run: certain to fail, cannot win, or unavailable; the reason says which
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeResult:
-    """One probe's outcome. Bytes for memory, seconds for time, samples/s and tokens/s for throughput."""
-
-    config: Config
-    status: ProbeStatus
-    reason: str  # one line: why it fit, what ran out, the error, or why it was skipped
-    peak_bytes: int | None = None
-    step_seconds: float | None = None  # mean wall time of one optimizer step (all micro-batches)
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ...
-    too_slow: bool = False  # stopped at its deadline: slower than half the best throughput found so far
-    source: str = "probed"  # "probed" now, "stored" (reused from the trial storage), "search" (decided unrun)
-
-    @property
-    def fits(self) -> bool:
-        """Whether this probe is a fit."""
-        return self.status is ProbeStatus.FIT
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form."""
-        data = dataclasses.asdict(self)
-        data["config"] = self.config.to_dict()
-        data["status"] = self.status.value
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
-        """Inverse of `to_dict`."""
-        fields = dict(data)
-        fields["config"] = Config.from_dict(fields["config"])
-        fields["status"] = ProbeStatus(fields["status"])
-        return cls(**fields)
-
-
-def skipped(config: Config, reason: str) -> ProbeResult:
-    """A candidate that was not run, with the reason."""
-    return ProbeResult(config, ProbeStatus.SKIPPED, reason, source="search")
-
-
-def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any],
+def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
               step_limit: float | None = None) -> ProbeResult:
     """Train `config` for `spec.warmup_steps + spec.timed_steps` steps under the budget; never raises
     except for bad user input (`UsageError`).
@@ -98,9 +50,9 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any],
     except UsageError:
         raise
     except DeadlinePassed:
-        result = ProbeResult(config, ProbeStatus.SKIPPED,
+        result = ProbeResult(config, ProbeStatus.PRUNED,
                              f"too slow to win: stopped after {allowance:.1f} s, when a config at half the best "
-                             f"throughput so far ({step_limit:.2f} s/step) would have finished", budget.peak or None, too_slow=True)
+                             f"throughput so far ({step_limit:.2f} s/step) would have finished", budget.peak or None)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
@@ -111,7 +63,7 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence[Any],
     return result
 
 
-def _train(spec: TrainSpec, config: Config, strategies: Sequence[Any], budget: Any) -> float:
+def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> float:
     """Build the run, take the warm-up steps, return the mean seconds of the timed steps."""
     run = build_run(spec, config, strategies)
     micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)

@@ -116,5 +116,5 @@ def build_run(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> Tra
     model.train()
     run = TrainRun(spec=spec, config=config, model=model)
     for strategy in sorted(strategies, key=lambda s: s.rung):
-        strategy.apply(run, getattr(config, strategy.field))
+        strategy.apply(run)
     return run.ready()

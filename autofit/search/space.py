@@ -1,16 +1,26 @@
-"""Candidates: the strategies' options for a spec, filtered by availability and allowed tier, laid out
-as levels (every knob but the micro-batch) in the decision tree's order, plus the micro-batch sizes.
+"""The space: the strategies' options for a spec and its Target, filtered by availability and allowed
+tier, laid out as levels (every knob but the micro-batch) in the decision tree's order, with the rules
+between knobs (`autofit.search.rules`) applied once, plus the micro-batch sizes.
+
+The tuner walks this space and the dry-run predicts it: one code for both. Everything left out is
+recorded once with its reason (`Space.excluded`): an unavailable option, a tier not allowed, or a
+combination a rule forbids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from autofit.config import Config
-from autofit.spec.train import TrainSpec
-from autofit.strategies.base import Option, Strategy
+from autofit.errors import UsageError
+from autofit.probe.outcome import ProbeResult, Skip, decided
+from autofit.search.rules import violation
+from autofit.strategies.base import Option, Placement, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
 
 TIER_NAMES = {1: "allow={'numerics'} (mixed precision, 8-bit optimizers)",
               2: "allow={'lora'} (LoRA adapters, quantized base weights)"}
@@ -18,82 +28,124 @@ TIER_NAMES = {1: "allow={'numerics'} (mixed precision, 8-bit optimizers)",
 
 @dataclasses.dataclass(frozen=True)
 class Excluded:
-    """An option the search will not try, and why."""
+    """A candidate the search will not try, and why: `config` stands for every level that has its knobs."""
 
-    field: str
-    option: Option
+    config: Config
     reason: str
+    tier: int | None = None  # the tier an allow= would open, when the tier alone excluded it
+
+    def result(self) -> ProbeResult:
+        """The record shown in `plan.probes`."""
+        return decided(self.config, Skip.EXCLUDED, self.reason)
 
 
 @dataclasses.dataclass(frozen=True)
 class Space:
     """What the search walks: ordered levels (configs without their micro-batch) and micro-batch sizes."""
 
-    spec: TrainSpec
+    spec: "TrainSpec"
     strategies: tuple[Strategy, ...]
-    choices: dict[str, tuple[Any, ...]]  # field -> allowed values, cheapest first
+    choices: dict[str, tuple[Option, ...]]  # knob -> allowed options, cheapest first
     sizes: tuple[int, ...]  # micro-batch sizes, ascending
+    level_list: tuple[Config, ...]  # every allowed combination, cheapest first
     excluded: tuple[Excluded, ...]
 
-    @property
-    def level_strategies(self) -> tuple[Strategy, ...]:
-        """Every strategy but the micro-batch one, in rung order."""
-        return tuple(s for s in self.strategies if s.field != "micro_batch_size")
-
     def levels(self) -> list[Config]:
-        """Every combination of the level knobs, cheapest first: fewer and earlier changes first."""
-        fields = [s.field for s in self.level_strategies]
-        combos = itertools.product(*(range(len(self.choices[f])) for f in fields))
-        ordered = sorted(combos, key=lambda idx: (sum(idx), tuple(reversed(idx))))
-        base = Config(num_gpus=self.spec.num_gpus)
-        return [base.replace(**{f: self.choices[f][i] for f, i in zip(fields, idx)}) for idx in ordered]
+        """Every allowed combination of the level knobs, cheapest first: fewer and earlier changes first."""
+        return list(self.level_list)
 
     def at(self, level: Config, micro_batch: int) -> Config:
         """`level` at `micro_batch`, with the accumulation that keeps the global batch."""
         per_rank = (self.spec.global_batch_size or micro_batch * self.spec.num_gpus) // self.spec.num_gpus
         return level.replace(micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
 
+    def values(self) -> dict[str, tuple[Any, ...]]:
+        """Every value each knob takes in the levels, and the sizes (the trial store's distributions)."""
+        names = dict.fromkeys(name for field, options in self.choices.items() for o in options for name in o.knobs(field))
+        out = {name: tuple(dict.fromkeys(level.knob(name) for level in self.level_list)) for name in names}
+        return {**out, "micro_batch_size": self.sizes}
+
+    def tier(self, config: Config) -> int:
+        """The exactness tier of `config`: the highest tier among the options it uses."""
+        return max((o.tier for field, options in self.choices.items() for o in options
+                    if all(config.knob(k) == v for k, v in o.knobs(field).items())), default=0)
+
     def saves_at_least(self, a: Config, b: Config) -> bool:
         """Whether config `a` needs no more memory than `b`: every knob of `a` saves at least as much."""
-        return all(s.saves_at_least(getattr(a, s.field), getattr(b, s.field)) for s in self.strategies)
+        return all(s.saves_at_least(a, b) for s in self.strategies)
 
-    def isolates(self, config: Config) -> bool:
-        """Whether probing `config` touches process-global state (run it in a child process)."""
-        return any(s.isolates(getattr(config, s.field)) for s in self.strategies)
+    def placement(self, config: Config) -> Placement:
+        """Where a probe of `config` runs: the most demanding of its knobs' placements."""
+        return max(s.placement(config) for s in self.strategies)
+
+    def excluded_results(self) -> list[ProbeResult]:
+        """One SKIPPED/EXCLUDED record per excluded option or combination."""
+        return [e.result() for e in self.excluded]
 
     def next_tier_hint(self) -> str | None:
         """What to allow to go further, when options were excluded by their tier."""
-        tiers = sorted({e.option.tier for e in self.excluded if e.option.available and e.option.tier > self.spec.max_tier})
+        tiers = sorted({e.tier for e in self.excluded if e.tier is not None})
         return TIER_NAMES.get(tiers[0]) if tiers else None
 
 
-def build_space(spec: TrainSpec, strategies: Sequence[Strategy]) -> Space:
-    """The search space for `spec`; raises when a strategy has no usable option at all."""
-    from autofit.errors import UsageError
+def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
+    """The search space for `spec`; raises `UsageError` when a knob has no usable option at all. The
+    micro-batch and the rank count are knobs of every space: their strategies join when not given."""
+    from autofit.strategies import DataParallel, MicroBatch
 
-    ordered = tuple(sorted(strategies, key=lambda s: s.rung))
-    choices: dict[str, tuple[Any, ...]] = {}
+    given = {s.field for s in strategies}
+    required = [s for s in (MicroBatch(), DataParallel()) if s.field not in given]
+    ordered = tuple(sorted([*strategies, *required], key=lambda s: s.rung))
+    base = Config(num_gpus=spec.num_gpus)
+    choices: dict[str, list[Option]] = {}
     excluded: list[Excluded] = []
     for strategy in ordered:
-        kept = []
+        kept = choices.setdefault(strategy.field, [])
         for option in strategy.options(spec):
-            reason = _exclusion(option, spec.max_tier)
+            reason, tier = _exclusion(option, spec.max_tier)
             if reason:
-                excluded.append(Excluded(strategy.field, option, reason))
-            else:
-                kept.append(option.value)
-        if not kept:
-            reasons = "; ".join(e.reason for e in excluded if e.field == strategy.field)
-            raise UsageError(f"No usable {strategy.field}: {reasons}")
-        choices[strategy.field] = tuple(kept)
-    sizes = tuple(sorted(choices.pop("micro_batch_size")))
-    return Space(spec, ordered, choices, sizes, tuple(excluded))
+                excluded.append(Excluded(base.replace(**option.knobs(strategy.field)), reason, tier))
+            elif all(o.value != option.value for o in kept):  # engines share the no-sharding value
+                kept.append(option)
+    empty = [field for field, kept in choices.items() if not kept]
+    if empty:
+        reasons = "; ".join(e.reason for e in excluded if any(e.config.knob(f) != base.knob(f) for f in empty))
+        raise UsageError(f"No usable {', '.join(empty)}: {reasons}")
+    sizes = tuple(sorted(o.value for o in choices.pop("micro_batch_size")))
+    frozen = {field: tuple(kept) for field, kept in choices.items()}
+    levels, ruled_out = _levels(spec, base, frozen)
+    space = Space(spec, ordered, frozen, sizes, tuple(levels), ())
+    shown = tuple(dataclasses.replace(e, config=space.at(e.config, sizes[-1])) for e in excluded + ruled_out)
+    return dataclasses.replace(space, excluded=shown)
 
 
-def _exclusion(option: Option, max_tier: int) -> str | None:
+def _levels(spec: "TrainSpec", base: Config, choices: dict[str, tuple[Option, ...]]) -> tuple[list[Config], list[Excluded]]:
+    """Every combination cheapest first, split into the allowed levels and one `Excluded` per rule and
+    distinct value of the knobs that rule reads."""
+    fields = list(choices)
+    combos = itertools.product(*(range(len(choices[f])) for f in fields))
+    ordered = sorted(combos, key=lambda idx: (sum(idx), tuple(reversed(idx))))
+    levels, excluded, seen = [], [], set()
+    for idx in ordered:
+        knobs: dict[str, Any] = {}
+        for field, i in zip(fields, idx):
+            knobs.update(choices[field][i].knobs(field))
+        level = base.replace(**knobs)
+        broken = violation(level, spec.target)
+        if broken is None:
+            levels.append(level)
+            continue
+        rule, reason = broken
+        key = (rule.name, *(level.knob(k) for k in rule.knobs))
+        if key not in seen:
+            seen.add(key)
+            excluded.append(Excluded(level, f"{reason} ({rule.name})"))
+    return levels, excluded
+
+
+def _exclusion(option: Option, max_tier: int) -> tuple[str | None, int | None]:
     if not option.available:
-        return option.reason
+        return option.reason, None
     if option.tier > max_tier:
-        return f"tier {option.tier} not allowed: {TIER_NAMES.get(option.tier, '')}"
-    return None
-
+        return f"tier {option.tier} not allowed: {TIER_NAMES.get(option.tier, '')}", option.tier
+    return None, None

@@ -9,15 +9,16 @@ samples/s; an OOM or error is a FAIL trial. The full result rides in the trial's
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 from typing import Any
 
 import optuna
 
-from autofit.search.space import Space
 from autofit.config import Config
-from autofit.probe.run import ProbeResult, ProbeStatus
+from autofit.probe.outcome import ProbeResult, ProbeStatus, Source
+from autofit.search.space import Space
 
 RESULT_ATTR = "autofit_result"
 
@@ -31,8 +32,8 @@ class TrialStore:
         self.study = optuna.create_study(storage=storage, study_name=study_name(summary),
                                          direction="maximize", load_if_exists=True)
         self.study.set_user_attr("spec", summary)
-        self._distributions = {field: optuna.distributions.CategoricalDistribution(values)
-                               for field, values in _choices(space).items()}
+        self._distributions = {name: optuna.distributions.CategoricalDistribution([_plain(v) for v in values])
+                               for name, values in space.values().items()}
         self._results: dict[Config, ProbeResult] = {}
         for trial in self.study.get_trials(deepcopy=False):
             if RESULT_ATTR in trial.user_attrs:
@@ -44,12 +45,12 @@ class TrialStore:
         result = self._results.get(config)
         if result is None:
             return None
-        return dataclasses.replace(result, source="stored")
+        return dataclasses.replace(result, source=Source.STORED)
 
     def record(self, result: ProbeResult) -> None:
         """Store a probed result as a trial."""
         self._results[result.config] = result
-        params = {field: getattr(result.config, field) for field in self._distributions}
+        params = {name: _plain(result.config.knob(name)) for name in self._distributions}
         fit = result.status is ProbeStatus.FIT
         trial = optuna.trial.create_trial(
             params=params, distributions=self._distributions,
@@ -69,5 +70,6 @@ def study_name(summary: dict[str, Any]) -> str:
     return f"autofit-{summary.get('model', 'model')}-{digest}"
 
 
-def _choices(space: Space) -> dict[str, tuple[Any, ...]]:
-    return {**space.choices, "micro_batch_size": space.sizes}
+def _plain(value: Any) -> Any:
+    """A knob's value as optuna stores it (str-enums as their strings)."""
+    return value.value if isinstance(value, enum.Enum) else value

@@ -1,22 +1,19 @@
-"""`autofit.autofit`: spec -> candidates -> probes -> plan, on one device."""
+"""`autofit.autofit`: spec -> space -> walk (probes) -> plan, wired in one function."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
-from autofit.search.space import Space, build_space
 from autofit.config import Config
-from autofit.spec.devices import device_memory
-from autofit.probe.distributed import check_ranks, needs_ranks, run_ranks
-from autofit.probe.isolate import DEFAULT_TIMEOUT, run_isolated
-from autofit.plan import Plan, choose, chosen_reason
-from autofit.probe.run import ProbeResult, ProbeStatus, run_probe
-from autofit.search.walk import DEFAULT_MAX_PROBES, PREDICTED, Progress, Search
+from autofit.estimate.estimator import predictor_for, tolerance_for
+from autofit.plan import Plan, make_plan
+from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed
+from autofit.probe.outcome import ProbeResult
+from autofit.search.space import build_space
+from autofit.search.trials import TrialStore
+from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search
 from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
 from autofit.strategies import Strategy, default_strategies
-from autofit.search.trials import TrialStore
-from autofit.units import format_size
 
 
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
@@ -74,75 +71,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     store = TrialStore(space, storage)
 
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
-        if needs_ranks(config):  # several ranks or an engine (ZeRO, FSDP2, offload): launched ranks
-            return run_ranks(spec, config, chosen, probe_timeout, step_limit)
-        if space.isolates(config):
-            return run_isolated(spec, config, chosen, probe_timeout, step_limit)
-        return run_probe(spec, config, chosen, step_limit)
+        return probe_placed(spec, config, space.strategies, space.placement(config), probe_timeout, step_limit)
 
-    predictor = _predictor(spec) if predict else None
-    tolerance = PREDICTION_TOLERANCE.get(spec.device.type, 0.25)
-    results = Search(space, store, prober, max_probes, progress, predictor, tolerance).run()
-    return make_plan(space, results)
-
-
-# Relative error allowed to a predicted peak before it prunes a candidate. CPU: the estimator's worst
-# error against the CPU budget's measured peak is 4.1% over 24 points (under-predicted; the worst
-# over-prediction is 0.9%): bench/results/estimate-cpu-2026-11-22.json. CUDA: not measured yet (no GPU
-# was at hand), so generous.
-PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.25}
-
-
-def _predictor(spec: Any) -> Any:
-    """Predicted peak bytes of a config, or None where the estimator cannot tell."""
-    from autofit.estimate.estimator import predict_peak
-
-    def predict(config: Config) -> int | None:
-        if config.fsdp != "none":  # the estimator does not model FSDP2's sharding: probe instead
-            return None
-        try:
-            return predict_peak(spec, config).peak_bytes
-        except Exception:  # noqa: BLE001 - a prediction only saves probes; without one, probe
-            return None
-
-    return predict
-
-
-def make_plan(space: Space, results: list[ProbeResult]) -> Plan:
-    """The plan for a finished search: the fastest fit, or why nothing fits and what to allow next."""
-    from autofit import __version__
-
-    common = dict(probes=tuple(results), spec=space.spec.summary(), autofit_version=__version__)
-    best = choose(results)
-    if best is not None:
-        return Plan(True, best.config, best.samples_per_s, best.tokens_per_s, best.peak_bytes,
-                    chosen_reason(best, results), **common)
-    return Plan(False, None, None, None, None, nothing_fits_reason(space, results), **common)
-
-
-def nothing_fits_reason(space: Space, results: list[ProbeResult]) -> str:
-    """"No candidate fits X; the smallest needs Y (config). Allow ... to go further." """
-    spec = space.spec
-    head = f"No candidate fits {format_size(spec.fit_limit)} ({format_size(spec.memory_budget)} budget less the {spec.safety_margin:.0%} margin)"
-    errors = [r for r in results if r.status is ProbeStatus.ERROR]
-    ooms = [r for r in results if r.status is ProbeStatus.OOM or r.oom_kind == PREDICTED]
-    if not ooms:
-        return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
-    # the OOM that saves at least as much memory as the most others: the closest to fitting
-    smallest = max(ooms, key=lambda r: sum(space.saves_at_least(r.config, o.config) for o in ooms))
-    need = _measured_need(space, smallest.config)
-    hint = space.next_tier_hint()
-    further = f"Pass {hint} to go further." if hint else \
-        "Raise the budget, use more GPUs (num_gpus) or offload to go further."
-    return f"{head}; the smallest needs {need} ({smallest.config.describe()}). {further}"
-
-
-def _measured_need(space: Space, config: Config) -> str:
-    """Peak of `config` measured without the budget where that is safe (the CPU), else a lower bound."""
-    spec = space.spec
-    if spec.device.type != "cpu":
-        return f"more than {format_size(spec.memory_budget)}"
-    roomy = dataclasses.replace(spec, memory_budget=device_memory(spec.device), safety_margin=0.0,
-                                warmup_steps=1, timed_steps=1)
-    result = run_probe(roomy, config, space.strategies)
-    return format_size(result.peak_bytes) if result.fits else f"more than {format_size(spec.memory_budget)}"
+    predictor = predictor_for(spec, space.strategies) if predict else None
+    results = Search(space, store, prober, max_probes, progress, predictor, tolerance_for(spec.device)).run()
+    return make_plan(space, results, predictor)

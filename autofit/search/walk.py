@@ -12,7 +12,7 @@ The walk, and its stop rule:
    recorded as skipped with that reason; so is the smallest size above a level's largest fit that an
    OOM of another config implies will fail.
 4. Once something fits, every probe gets a deadline: at less than half the best throughput so far it
-   cannot win, so it is stopped and recorded as too slow. Whatever only adds work to a too-slow config
+   cannot win, so it is stopped and recorded as pruned. Whatever only adds work to a too-slow config
    is not probed either (bf16 on a CPU without bf16 units, offload, ...).
 5. With a predictor (the dry-run estimator), a level starts at the largest micro-batch predicted to
    fit, and a config predicted over the fit limit by more than the estimator's measured error is not
@@ -24,20 +24,27 @@ Among the fits, the plan takes the highest measured throughput.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Callable, Protocol
 
-from autofit.search.space import Space
 from autofit.config import Config
 from autofit.plan import choose
-from autofit.probe.run import ProbeResult, ProbeStatus, skipped
+from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, decided
+from autofit.search.space import Space
 from autofit.search.trials import TrialStore
 from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40
-SLOW = "slow"  # status of a config implied too slow by a too-slow probe
-PREDICTED = "predicted"  # oom_kind of a config skipped because it is predicted not to fit
 WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
+
+
+class Verdict(enum.Enum):
+    """What the measured results imply for a config not run (the walk's own bookkeeping)."""
+
+    FIT = "fit"  # a measured fit saves no more memory than it: it fits
+    FAIL = "fail"  # it needs at least what an OOM (measured or predicted) needed: it fails
+    SLOW = "slow"  # it only adds work to a pruned (too slow) config: it cannot win
 
 
 class Progress(Protocol):
@@ -75,11 +82,11 @@ class Search:
         self.probes_run = 0
 
     def run(self) -> list[ProbeResult]:
-        """Walk every level; return all results (probed, stored and skipped)."""
+        """Walk every level; return all results (probed, stored and decided)."""
         for level in self.space.levels():
             top = self.space.at(level, self.space.sizes[-1])
             if self.probes_run >= self.max_probes:
-                self._add(skipped(top, f"probe budget of {self.max_probes} probes spent"))
+                self._add(decided(top, Skip.BUDGET, f"probe budget of {self.max_probes} probes spent"))
                 continue
             self._walk(level)
         return self.results
@@ -87,12 +94,12 @@ class Search:
     # -- one level -------------------------------------------------------------------------------
     def _walk(self, level: Config) -> None:
         while self.probes_run < self.max_probes:
-            status = {m: self._status(self.space.at(level, m)) for m in self.space.sizes}
-            if any(r.status is ProbeStatus.ERROR or r.too_slow for r in self._measured_at(level)):
+            verdicts = {m: self._verdict(self.space.at(level, m)) for m in self.space.sizes}
+            if any(r.status in (ProbeStatus.ERROR, ProbeStatus.PRUNED) for r in self._measured_at(level)):
                 return
-            lo = max((m for m, s in status.items() if s is ProbeStatus.FIT), default=0)
-            hi = min((m for m, s in status.items() if s is ProbeStatus.OOM), default=math.inf)
-            unknown = [m for m in self.space.sizes if lo < m < hi and status[m] is None]
+            lo = max((m for m, v in verdicts.items() if v is Verdict.FIT), default=0)
+            hi = min((m for m, v in verdicts.items() if v is Verdict.FAIL), default=math.inf)
+            unknown = [m for m in self.space.sizes if lo < m < hi and verdicts[m] is None]
             if not unknown:
                 self._note_implied(level, lo, hi)
                 return
@@ -117,49 +124,40 @@ class Search:
                 return unknown[0], f"smallest micro-batch first: {result.config.describe()} ran out of memory there"
         return unknown[-1], "largest micro-batch first"
 
-    def _status(self, config: Config) -> ProbeStatus | str | None:
-        """FIT, OOM or SLOW when measured or implied by a measured result, else None."""
-        for status in (ProbeStatus.FIT, ProbeStatus.OOM, SLOW):
-            try:
-                self._cause(config, status)
-                return status
-            except LookupError:
-                continue
-        return None
-
-    def _measured(self, config: Config) -> bool:
-        return any(r.config == config and r.source != "search" for r in self.results)
+    def _verdict(self, config: Config) -> Verdict | None:
+        """What measured (or predicted) results imply for `config`, or None."""
+        return next((v for v in Verdict if self._cause(config, v) is not None), None)
 
     def _measured_at(self, level: Config) -> list[ProbeResult]:
-        return [r for r in self.results if r.source != "search"
+        return [r for r in self.results if r.measured
                 and r.config.replace(micro_batch_size=level.micro_batch_size,
                                      grad_accum_steps=level.grad_accum_steps) == level]
 
     def _note_implied(self, level: Config, lo: int, hi: float) -> None:
         """Record what the level was decided by without probing: its largest fit or, failing that, its
         largest size implied too slow; and its first certain failure."""
-        slow = max((m for m in self.space.sizes if m < hi and self._status(self.space.at(level, m)) == SLOW),
-                   default=0)
-        notes = ((lo, ProbeStatus.FIT, "fits, but cannot be faster than {}: it only adds work"),
-                 (0 if lo else slow, SLOW, "cannot win: it only adds work to {}, which was too slow"),
-                 (hi, ProbeStatus.OOM, "certain to fail: {} already ran out of memory"))
-        for size, status, template in notes:
+        slow = max((m for m in self.space.sizes
+                    if m < hi and self._verdict(self.space.at(level, m)) is Verdict.SLOW), default=0)
+        notes = ((lo, Verdict.FIT, "fits, but cannot be faster than {}: it only adds work"),
+                 (0 if lo else slow, Verdict.SLOW, "cannot win: it only adds work to {}, which was too slow"),
+                 (hi, Verdict.FAIL, "certain to fail: {} already ran out of memory"))
+        for size, verdict, template in notes:
             config = self.space.at(level, int(size)) if size not in (0, math.inf) else None
-            if config is not None and not self._measured(config):
-                self._add(skipped(config, template.format(self._cause(config, status).describe())))
+            if config is not None and not any(r.config == config for r in self.results):
+                cause = self._cause(config, verdict)
+                self._add(decided(config, Skip.IMPLIED, template.format(cause.describe())))
 
-    def _cause(self, config: Config, status: ProbeStatus | str) -> Config:
-        """The measured result that implies `status` for `config`."""
+    def _cause(self, config: Config, verdict: Verdict) -> Config | None:
+        """The result's config that implies `verdict` for `config`, or None."""
         for result in self.results:
-            if result.source != "search":
-                if status is ProbeStatus.OOM:
-                    failed = result.status is status or result.oom_kind == PREDICTED
-                    if failed and self.space.saves_at_least(result.config, config):
-                        return result.config
-                elif (result.too_slow if status == SLOW else result.status is status) \
-                        and self.space.saves_at_least(config, result.config):
+            if verdict is Verdict.FAIL:
+                failed = (result.measured and result.status is ProbeStatus.OOM) or result.skip is Skip.PREDICTED
+                if failed and self.space.saves_at_least(result.config, config):
                     return result.config
-        raise LookupError(config)
+            elif result.measured and result.status is _IMPLIES[verdict] \
+                    and self.space.saves_at_least(config, result.config):
+                return result.config
+        return None
 
     def _step_limit(self, config: Config) -> float | None:
         """Seconds per step below which `config` could still beat the best fit so far; None before any fit."""
@@ -187,7 +185,7 @@ class Search:
             return
         over = self._over(config)
         if over:
-            self._add(ProbeResult(config, ProbeStatus.SKIPPED, over, oom_kind=PREDICTED, source="predicted"))
+            self._add(decided(config, Skip.PREDICTED, over))
             return
         self.progress.starting(config, why)
         result = self.prober(config, self._step_limit(config))
@@ -198,3 +196,6 @@ class Search:
     def _add(self, result: ProbeResult) -> None:
         self.results.append(result)
         self.progress.finished(result)
+
+
+_IMPLIES = {Verdict.FIT: ProbeStatus.FIT, Verdict.SLOW: ProbeStatus.PRUNED}

@@ -29,13 +29,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def bf16_support(device: torch.device) -> tuple[bool, str]:
-    """Whether bf16 autocast runs on `device`, and the reason, e.g. "CUDA SM 7.5: bf16 not supported"."""
+    """Whether bf16 runs natively on `device`, and the reason, e.g. "CUDA SM 7.5: bf16 not native ...".
+
+    Decided by the chosen device's compute capability (>= 8.0, Ampere), not by
+    `torch.cuda.is_bf16_supported()`, which checks the current device and counts emulated bf16 as
+    supported by default (torch/cuda/__init__.py, `including_emulation=True`).
+    """
     if device.type == "cpu":
         return True, "CPU autocast supports bf16"
     major, minor = torch.cuda.get_device_capability(device)
-    if torch.cuda.is_bf16_supported():
+    if major >= 8:
         return True, f"CUDA SM {major}.{minor} supports bf16"
-    return False, f"CUDA SM {major}.{minor}: bf16 not supported, fp16 with GradScaler instead"
+    return False, f"CUDA SM {major}.{minor}: bf16 not native, fp16 with GradScaler instead"
 
 
 def device_memory(device: torch.device) -> int:

@@ -18,6 +18,7 @@ from autofit.spec import batch as batches
 from autofit.spec.devices import device_memory, resolve_device
 from autofit.errors import UsageError
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
+from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -46,7 +47,8 @@ class TrainSpec:
     model_factory: Callable[[], nn.Module]  # builds a fresh model on the CPU
     batch_factory: Callable[[int], Any]  # make_batch(num_samples) -> batch
     model: ModelInfo
-    device: torch.device
+    device: torch.device  # where probes run
+    target: Target  # what the plan is for: the probe device (tune) or a GPU profile (dry-run)
     memory_budget: int  # bytes a plan may use on `device`
     budget_reason: str  # where the budget came from ("given", "the card's memory", "free RAM")
     global_batch_size: int | None  # samples per optimizer step; None = find the best micro-batch
@@ -92,8 +94,10 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
               num_gpus: int = 1, allow: Any = None, optimizer: Any = "adamw",
               loss_fn: LossFn | None = None, seq_len: int | None = None,
               safety_margin: float = DEFAULT_SAFETY_MARGIN, warmup_steps: int = 2, timed_steps: int = 3,
-              max_micro_batch: int = 1024) -> TrainSpec:
-    """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning)."""
+              max_micro_batch: int = 1024, target: Target | None = None) -> TrainSpec:
+    """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning).
+
+    `target`: the hardware planned for, when it is not the probe device (the dry-run's GPU profile)."""
     model_factory = _model_factory(model)
     # A given module is inspected as it is; a factory is built on the meta device (no memory used).
     meta_model = None if isinstance(model, nn.Module) else build_on_meta(model_factory)
@@ -106,8 +110,9 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     if global_batch_size is not None:
         _check_global_batch(global_batch_size, num_gpus)
     _check_fraction("safety_margin", safety_margin)
+    target = target or Target.from_device(resolved, num_gpus, budget)
     spec = TrainSpec(
-        model_factory=model_factory, batch_factory=batch_factory, model=info, device=resolved,
+        model_factory=model_factory, batch_factory=batch_factory, model=info, device=resolved, target=target,
         memory_budget=budget, budget_reason=budget_reason, global_batch_size=global_batch_size,
         num_gpus=num_gpus, max_tier=parse_allow(allow), optimizer=parse_optimizer(optimizer),
         loss_fn=loss_fn or batches.default_loss, safety_margin=safety_margin,

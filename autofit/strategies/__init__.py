@@ -1,8 +1,13 @@
-"""The decision tree's techniques, one module each, in DESIGN.md's rung order."""
+"""Step 2 of the flow (DESIGN.md): the decision tree's techniques, one module each, in rung order.
 
+Each offers its options for a spec's `Target`; `autofit.search.space` lays them out as candidates.
+"""
+
+from autofit.errors import UsageError
 from autofit.strategies.attention import Attention
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Option, Placement, Strategy, plugins
 from autofit.strategies.checkpointing import Checkpointing
+from autofit.strategies.data_parallel import DataParallel
 from autofit.strategies.fsdp import Fsdp
 from autofit.strategies.lora import Lora
 from autofit.strategies.micro_batch import MicroBatch
@@ -10,21 +15,22 @@ from autofit.strategies.offload import Offload
 from autofit.strategies.optimizer import OptimizerStates
 from autofit.strategies.precision import Precision
 from autofit.strategies.quantization import Quantization
-from autofit.strategies.zero import Zero, installed_version
+from autofit.strategies.zero import Zero
+
+ENGINES = ("auto", "deepspeed", "fsdp")
 
 
 def default_strategies(engine: str = "auto") -> list[Strategy]:
-    """One instance of every strategy, in rung order. `engine` picks the sharding rung: "deepspeed"
-    (ZeRO), "fsdp" (FSDP2), or "auto" = DeepSpeed when it is installed, else FSDP2."""
-    if engine not in ("auto", "deepspeed", "fsdp"):
-        from autofit.errors import UsageError
-
-        raise UsageError(f"engine={engine!r} is not known; use 'auto', 'deepspeed' or 'fsdp'.")
-    use_zero = engine == "deepspeed" or (engine == "auto" and installed_version() is not None)
+    """One instance of every strategy, in rung order. `engine` pins the sharding rung: "deepspeed"
+    (ZeRO), "fsdp" (FSDP2), or "auto" = both searched (ZeRO offered where DeepSpeed is installed)."""
+    if engine not in ENGINES:
+        raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
+    engines = [Zero()] * (engine != "fsdp") + [Fsdp()] * (engine != "deepspeed")
     # Quantization before Lora (same rung): the adapters go on the quantized layers.
-    return sorted([Precision(), Attention(), Checkpointing(), MicroBatch(), OptimizerStates(),
-                   Zero() if use_zero else Fsdp(), Quantization(), Lora(), Offload()], key=lambda s: s.rung)
+    return sorted([Precision(), Attention(), Checkpointing(), MicroBatch(), OptimizerStates(), *engines,
+                   DataParallel(), Quantization(), Lora(), Offload()], key=lambda s: s.rung)
 
 
-__all__ = ["Attention", "Checkpointing", "Fsdp", "Lora", "MicroBatch", "Offload", "Option", "OptimizerStates",
-           "Precision", "Quantization", "Strategy", "Zero", "default_strategies"]
+__all__ = ["Attention", "Checkpointing", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
+           "OptimizerStates", "Placement", "Precision", "Quantization", "Strategy", "Zero", "default_strategies",
+           "plugins"]

@@ -2,17 +2,16 @@
 
 Buys attention memory O(n) instead of O(n^2) in sequence length; costs nothing (tier 0). Only Hugging
 Face models expose the switch (`attn_implementation`); other models keep their own attention.
+Flash-attention runs in fp16/bf16 only: the rule table excludes it with fp32.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 from typing import Any
 
+from autofit.config import Attention as A
 from autofit.strategies.base import Option, Strategy
-
-DEFAULT = "default"
 
 
 class Attention(Strategy):
@@ -23,21 +22,22 @@ class Attention(Strategy):
 
     def options(self, spec) -> list[Option]:
         if not spec.model.is_hf:
-            return [Option(DEFAULT, 0, f"{spec.model.name} is not a Hugging Face model: its own attention is kept")]
+            return [Option(A.DEFAULT, 0, f"{spec.model.name} is not a Hugging Face model: its own attention is kept")]
         sdpa = "sdpa" in spec.model.attention
         flash_ok, flash_why = _flash_available(spec)
         return [
-            Option("sdpa", 0, "fused scaled-dot-product attention" if sdpa
+            Option(A.SDPA, 0, "fused scaled-dot-product attention" if sdpa
                    else f"{spec.model.name} does not support SDPA", available=sdpa),
-            Option("flash_attention_2", 0, flash_why, available=flash_ok),
-            Option("eager", 0, "eager attention: the model supports nothing fused" if not sdpa
+            Option(A.FLASH_ATTENTION_2, 0, flash_why, available=flash_ok),
+            Option(A.EAGER, 0, "eager attention: the model supports nothing fused" if not sdpa
                    else "not needed: SDPA is supported", available=not sdpa),
         ]
 
-    def apply(self, run, value: Any) -> None:
-        if value != DEFAULT:
+    def apply(self, run) -> None:
+        value = run.config.attention
+        if value is not A.DEFAULT:
             own_config(run.model)
-            run.model.set_attn_implementation(value)
+            run.model.set_attn_implementation(value.value)
 
 
 def own_config(model: Any) -> None:
@@ -53,8 +53,8 @@ def own_config(model: Any) -> None:
 def _flash_available(spec) -> tuple[bool, str]:
     if "flash_attention_2" not in spec.model.attention:
         return False, f"{spec.model.name} does not support flash-attention"
-    if spec.device.type != "cuda":
+    if not spec.target.cuda:
         return False, "flash-attention needs CUDA"
-    if importlib.util.find_spec("flash_attn") is None:
+    if not spec.target.has("flash_attn"):
         return False, "flash-attention is not installed: pip install flash-attn"
     return True, "flash-attention 2 kernels (fp16/bf16 only)"

@@ -1,66 +1,113 @@
 """The strategy contract: one technique of the decision tree, one small class.
 
-A strategy owns one field of `Config`. It says which values it offers for a spec (cheapest first), why a
-value is unavailable, how its values compare in memory saved (so the search can skip candidates that
-are certain to fail), and how a value is applied to the training run a probe builds.
+A strategy owns one knob of `Config` (`field`). It says which values it offers for a spec and its
+`Target` (cheapest first; unavailable ones with the reason), how two configs compare in the memory its
+knob saves (so the search can skip candidates certain to fail), where a probe using its value must run
+(in process, a child process, launched ranks), what its value does to a memory estimate beyond the
+estimator's own formulas, the launcher keys it exports, and how its value is applied to the training
+run a probe builds. Several strategies may offer values of one knob (ZeRO and FSDP2 both offer
+`sharding`): each applies only the values it offers.
+
+A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob` enum whose first
+member is the no-op): it is registered on `Config` and in `plugins()`, so the search, the dry-run,
+the exports and the report handle it with no edit elsewhere.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from autofit.config import Config, Knob, register_knob
+
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.estimate.estimator import Breakdown
     from autofit.probe.step import TrainRun
+    from autofit.spec.train import TrainSpec
+
+
+class Placement(enum.IntEnum):
+    """Where a probe must run; a config runs where its most demanding knob says."""
+
+    IN_PROCESS = 0  # the caller's process
+    CHILD = 1  # a child process: the knob touches process-global state (bitsandbytes paging, kernels)
+    RANKS = 2  # launched ranks with a process group: an engine (DeepSpeed, FSDP2) or several ranks
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One value a strategy offers: its exactness tier, and a one-line reason (why offered, or why not)."""
 
-    value: Any
+    value: Any  # the value of the strategy's field
     tier: int  # 0 same math, 1 standard numerics change, 2 trains something different (opt-in)
     reason: str
     available: bool = True
+    also: tuple[tuple[str, Any], ...] = ()  # other fields this value sets (checkpointing's frequency)
+
+    def knobs(self, field: str) -> dict[str, Any]:
+        """Every Config field this option sets, as `Config.replace` takes them."""
+        return {field: self.value, **dict(self.also)}
+
+
+_PLUGINS: list[type["Strategy"]] = []
 
 
 class Strategy(abc.ABC):
     """One technique. Subclasses set `field` and `rung` and implement `options` and `apply`."""
 
-    field: ClassVar[str]  # the Config field this strategy sets
+    field: ClassVar[str]  # the Config knob this strategy sets
     rung: ClassVar[int]  # position in DESIGN.md's decision tree (cheapest first)
+    knob_type: ClassVar[type[Knob] | None] = None  # a plug-in strategy's own knob (its first member: off)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("knob_type") is not None:
+            register_knob(cls.field, cls.knob_type, next(iter(cls.knob_type)))
+            _PLUGINS.append(cls)
 
     @abc.abstractmethod
     def options(self, spec: "TrainSpec") -> list[Option]:
-        """Every value for `spec`, cheapest (least cost) first; unavailable ones carry the reason."""
+        """Every value for `spec` and its target, cheapest first; unavailable ones carry the reason."""
 
     @abc.abstractmethod
-    def apply(self, run: "TrainRun", value: Any) -> None:
-        """Make the probe's training run use `value` (called in rung order, before the optimizer exists)."""
+    def apply(self, run: "TrainRun") -> None:
+        """Make the probe's training run use `run.config`'s value of this knob (called in rung order,
+        before the optimizer exists); values another strategy offers are left to it."""
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        """Whether value `a` needs no more memory than value `b`, everything else equal."""
-        return a == b
+    def value(self, config: Config) -> Any:
+        """This strategy's knob in `config`."""
+        return config.knob(self.field)
 
-    def isolates(self, value: Any) -> bool:
-        """Whether a probe using `value` touches process-global state and must run in a child process."""
-        return False
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        """Whether config `a`'s value of this knob needs no more memory than `b`'s, all else equal."""
+        return self.value(a) == self.value(b)
 
-    def default(self, spec: "TrainSpec") -> Any:
-        """The value used when the search does not vary this field: the first available option."""
-        return next(option.value for option in self.options(spec) if option.available)
+    def placement(self, config: Config) -> Placement:
+        """Where a probe of `config` must run as far as this knob is concerned."""
+        return Placement.IN_PROCESS
+
+    def memory(self, config: Config, parts: "Breakdown") -> "Breakdown":
+        """The predicted bytes per device with this knob's effect beyond the estimator's own formulas
+        (those cover autofit's own knobs); a plug-in technique says here what it does to memory."""
+        return parts
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        """Keys this knob adds to launcher format `fmt` ("deepspeed", "accelerate", "trainer", "torchrun";
+        dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs)."""
+        return {}
+
+
+def plugins() -> list[Strategy]:
+    """One instance of each plug-in strategy defined so far (those that declare `knob_type`)."""
+    return [cls() for cls in _PLUGINS]
 
 
 class Ladder(Strategy):
-    """A strategy whose values each save at least as much memory as the ones before them in `values`
-    ("none" first); any value but the first runs through an engine in launched ranks (a child process)."""
+    """A strategy whose values each save at least as much memory as the ones before them in `values`."""
 
     values: ClassVar[tuple[Any, ...]]
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return self.values.index(a) >= self.values.index(b)
-
-    def isolates(self, value: Any) -> bool:
-        return value != self.values[0]
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return self.values.index(self.value(a)) >= self.values.index(self.value(b))

@@ -15,49 +15,37 @@ from typing import Any
 import torch.utils.checkpoint
 from torch import nn
 
+from autofit.config import Checkpointing as C
+from autofit.config import Config
 from autofit.spec.model_info import find_blocks
 from autofit.strategies.base import Option, Strategy
 
-VALUES = ("none", "every_2", "full")
-
-
-def every(value: str) -> int:
-    """0 for "none", k for "every_k", 1 for "full"."""
-    if value in ("none", "full"):
-        return 0 if value == "none" else 1
-    return int(value.removeprefix("every_"))
+EVERY = (2,)  # selective frequencies offered: every k-th block
 
 
 class Checkpointing(Strategy):
-    """none, every 2nd block, all blocks."""
+    """none, every k-th block, all blocks."""
 
     field = "checkpointing"
     rung = 3
 
     def options(self, spec) -> list[Option]:
-        info = spec.model
-        available = info.num_blocks >= 2
-        why_not = f"{info.name} has no repeated blocks (nn.ModuleList / nn.Sequential) to checkpoint"
-        return [
-            Option("none", 0, "keep all activations"),
-            Option("every_2", 0, f"recompute every 2nd of {info.num_blocks} blocks" if info.num_blocks >= 3
-                   else f"{info.num_blocks} blocks are too few for selective checkpointing",
-                   available=info.num_blocks >= 3),
-            Option("full", 0, f"recompute all {info.num_blocks} blocks" if available else why_not,
-                   available=available),
-        ]
+        blocks = spec.model.num_blocks
+        why_not = f"{spec.model.name} has no repeated blocks (nn.ModuleList / nn.Sequential) to checkpoint"
+        selective = [Option(C.EVERY_K, 0, f"recompute every {k}th of {blocks} blocks" if blocks > k
+                            else f"{blocks} blocks are too few to checkpoint every {k}th",
+                            available=blocks > k, also=(("checkpoint_every", k),)) for k in EVERY]
+        return [Option(C.NONE, 0, "keep all activations"), *selective,
+                Option(C.FULL, 0, f"recompute all {blocks} blocks" if blocks >= 2 else why_not,
+                       available=blocks >= 2)]
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return _share(a) >= _share(b)
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return a.checkpointed_share >= b.checkpointed_share
 
-    def apply(self, run, value: Any) -> None:
-        if value != "none":
-            enable(run.model, every(value))
-
-
-def _share(value: str) -> float:
-    k = every(value)
-    return 1 / k if k else 0.0
+    def apply(self, run) -> None:
+        config = run.config
+        if config.checkpointing is not C.NONE:
+            enable(run.model, config.checkpoint_every)
 
 
 def enable(model: nn.Module, k: int) -> None:

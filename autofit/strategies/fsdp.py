@@ -1,7 +1,7 @@
 """Rung 6 (torch-native), FSDP2: `torch.distributed.fsdp.fully_shard` on each block and the root.
 
-"shard_grad_op" keeps each block's parameters gathered from forward to backward (`reshard_after_forward
-=False`) and shards gradients and optimizer states (~ZeRO-2); "full_shard" reshards them after forward
+"fsdp_grad_op" (FSDP shard_grad_op) keeps each block's parameters gathered from forward to backward (`reshard_after_forward
+=False`) and shards gradients and optimizer states (~ZeRO-2); "fsdp_full" (full_shard) reshards them after forward
 too (~ZeRO-3). Buys: each rank holds 1/num_gpus of the sharded states. Costs: an all-gather per block in
 forward (and again in backward for full_shard) and a reduce-scatter of gradients: communication, same
 math (tier 0). Mixed precision goes through `MixedPrecisionPolicy` (bf16/fp16 compute, fp32 gradient
@@ -16,45 +16,26 @@ from typing import Any
 
 import torch
 
+from autofit.config import Engine, Offload, Sharding
 from autofit.spec.model_info import find_blocks
-from autofit.strategies.base import Ladder, Option
-
-VALUES = ("none", "shard_grad_op", "full_shard")  # least saved first
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from autofit.strategies.precision import DTYPES
+from autofit.strategies.sharding import ShardingEngine
 
 
-class Fsdp(Ladder):
-    """none, shard_grad_op (~ZeRO-2), full_shard (~ZeRO-3)."""
+class Fsdp(ShardingEngine):
+    """FSDP2 shard_grad_op (~ZeRO-2), full_shard (~ZeRO-3) (and no sharding)."""
 
-    field = "fsdp"
-    rung = 6
-    values = VALUES
+    engine = Engine.FSDP
+    offered = (Sharding.FSDP_GRAD_OP, Sharding.FSDP_FULL)
+    label = "FSDP2"
 
-    def options(self, spec) -> list[Option]:
-        why_not = unavailable_reason(spec)
-        ranks = spec.num_gpus
-        return [
-            Option("none", 0, "no sharding"),
-            Option("shard_grad_op", 0, why_not or f"FSDP2: gradients and optimizer states sharded over {ranks} ranks",
-                   available=why_not is None),
-            Option("full_shard", 0, why_not or f"FSDP2: parameters, gradients and optimizer states sharded over {ranks} ranks",
-                   available=why_not is None),
-        ]
-
-    def apply(self, run, value: Any) -> None:
-        if value == "none":
+    def apply(self, run) -> None:
+        if not self.owns(run.config):
             return
         # Sharded last, once every strategy has applied (LoRA adapters must exist before sharding),
         # and placed by `shard` itself (with CPU offload the full model never visits the GPU).
         run.placed = True
-        run.engine_factory = functools.partial(shard, reshard_after_forward=value == "full_shard")
-
-
-def unavailable_reason(spec) -> str | None:
-    """Why FSDP2 cannot be probed for `spec`, or None."""
-    if spec.num_gpus < 2 and spec.device.type != "cuda":
-        return f"sharding needs several ranks; num_gpus={spec.num_gpus} (on one GPU FSDP2 only serves CPU offload)"
-    return None
+        run.engine_factory = functools.partial(shard, reshard_after_forward=run.config.sharding is Sharding.FSDP_FULL)
 
 
 def shard(run, reshard_after_forward: bool) -> None:
@@ -64,11 +45,11 @@ def shard(run, reshard_after_forward: bool) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not dist.is_initialized():
-        raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.probe.distributed.run_ranks); "
+        raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.probe.launch); "
                            "no process group here")
-    dtype = _DTYPES.get(run.config.precision)
+    dtype = DTYPES.get(run.config.precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy() if run.config.offload == "cpu" else OffloadPolicy()
+    offload = CPUOffloadPolicy() if run.config.offload is Offload.CPU else OffloadPolicy()
     mesh = _mesh(run.device)
     model = run.model if offload.__class__ is CPUOffloadPolicy else run.model.to(run.device)
     for block in find_blocks(model)[1]:

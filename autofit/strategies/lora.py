@@ -9,11 +9,11 @@ strategy, applied just before this one) the model is first prepared with
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Sequence
 
 from torch import nn
 
+from autofit.config import Config
 from autofit.errors import MissingExtraError, UsageError
 from autofit.spec.model_info import build_on_meta
 from autofit.strategies.base import Option, Strategy
@@ -41,7 +41,7 @@ class Lora(Strategy):
 
     def options(self, spec) -> list[Option]:
         full = Option(0, 0, "full fine-tuning: every parameter trained")
-        if importlib.util.find_spec("peft") is None:
+        if not spec.target.has("peft"):
             why = "LoRA needs peft, which is not installed: pip install 'autofit[peft]'"
             return [full] + [Option(r, 2, why, available=False) for r in self.ranks]
         model = _inspectable(spec.model_factory)
@@ -52,10 +52,11 @@ class Lora(Strategy):
         return [full] + [Option(r, 2, f"LoRA rank {r} on {len(targets)} linear layers, base frozen")
                          for r in self.ranks]
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return a == b or (a > 0 and (b == 0 or a <= b))
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return a.lora == b.lora or (a.lora > 0 and (b.lora == 0 or a.lora <= b.lora))
 
-    def apply(self, run, value: Any) -> None:
+    def apply(self, run) -> None:
+        value = run.config.lora
         if not value:
             return
         peft = _import_peft()

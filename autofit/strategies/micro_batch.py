@@ -7,8 +7,7 @@ search looks for the fastest micro-batch at accumulation 1, as batch-size finder
 
 from __future__ import annotations
 
-from typing import Any
-
+from autofit.config import Config
 from autofit.strategies.base import Option, Strategy
 
 
@@ -26,12 +25,12 @@ class MicroBatch(Strategy):
         return [Option(m, 0, f"{m} x {per_rank // m} accumulation steps = {per_rank} per rank")
                 for m in range(per_rank, 0, -1) if per_rank % m == 0]
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return a <= b
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return a.micro_batch_size <= b.micro_batch_size
 
-    def apply(self, run, value: Any) -> None:
+    def apply(self, run) -> None:
         # The probe slices micro-batches of this size; the identity below is the rung's promise.
         config = run.config
-        expected = run.spec.global_batch_size or value * config.num_gpus
-        if value * config.grad_accum_steps * config.num_gpus != expected:
+        expected = run.spec.global_batch_size or config.micro_batch_size * config.num_gpus
+        if config.global_batch_size != expected:
             raise ValueError(f"{config.describe()} does not multiply out to the global batch {expected}")

@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from autofit.config import Config
+from autofit.config import Offload as O
 from autofit.errors import UsageError
-from autofit.strategies.base import Ladder, Option
-
-VALUES = ("none", "cpu", "nvme")  # least saved (GPU memory) first
+from autofit.strategies.base import Ladder, Option, Placement
 
 
 class Offload(Ladder):
@@ -26,36 +26,31 @@ class Offload(Ladder):
 
     field = "offload"
     rung = 8
-    values = VALUES
+    values = (O.NONE, O.CPU, O.NVME)  # least GPU memory saved first
 
     def __init__(self, nvme_path: str | os.PathLike | None = None):
         """`nvme_path`: folder on a fast local disk for NVMe offload; checked writable now."""
         self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
 
     def options(self, spec) -> list[Option]:
-        why_not = unavailable_reason(spec)
+        why_not = None if spec.target.cuda else \
+            f"offload moves states from a GPU to the host; the target {spec.target.name} is already the host"
         nvme_not = why_not or _nvme_reason(self.nvme_path)
         return [
-            Option("none", 0, "model states stay on the device"),
-            Option("cpu", 0, why_not or "optimizer states (ZeRO-3/FSDP2: parameters too) to host memory",
+            Option(O.NONE, 0, "model states stay on the device"),
+            Option(O.CPU, 0, why_not or "optimizer states (ZeRO-3/FSDP2: parameters too) to host memory",
                    available=why_not is None),
-            Option("nvme", 0, nvme_not or f"optimizer states (ZeRO-3: parameters too) to NVMe at {self.nvme_path}",
+            Option(O.NVME, 0, nvme_not or f"optimizer states and parameters (ZeRO-3) to NVMe at {self.nvme_path}",
                    available=nvme_not is None),
         ]
 
-    def apply(self, run, value: Any) -> None:
-        if value == "none":
-            return
-        if not run.config.zero_stage and run.config.fsdp == "none":
-            raise ValueError(f"offload={value!r} needs an engine: ZeRO (zero_stage 1-3) or FSDP2")
-        run.nvme_path = self.nvme_path
+    def placement(self, config: Config) -> Placement:
+        """Offload runs through an engine, in launched ranks."""
+        return Placement.RANKS if config.offloads else Placement.IN_PROCESS
 
-
-def unavailable_reason(spec) -> str | None:
-    """Why offload cannot be probed for `spec`, or None."""
-    if spec.device.type != "cuda":
-        return f"offload moves states from a GPU to the host; the probe device is {spec.device}, already the host"
-    return None
+    def apply(self, run) -> None:
+        if run.config.offloads:
+            run.nvme_path = self.nvme_path  # the engine strategy reads it when it builds the engine
 
 
 def _nvme_reason(nvme_path: str | None) -> str | None:

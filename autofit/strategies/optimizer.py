@@ -7,16 +7,19 @@ Costs numerics (tier 1). bitsandbytes is an optional extra (`autofit[bnb]`) and 
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autofit.config import Config
 from autofit.config import Optimizer as O
 from autofit.errors import MissingExtraError
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Option, Placement, Strategy
 
-BNB = {O.ADAMW8BIT.value: "AdamW8bit", O.PAGED_ADAMW8BIT.value: "PagedAdamW8bit"}
+if TYPE_CHECKING:
+    from autofit.spec.train import OptimizerSpec
+
+BNB = {O.ADAMW8BIT: "AdamW8bit", O.PAGED_ADAMW8BIT: "PagedAdamW8bit"}
 
 
 class OptimizerStates(Strategy):
@@ -26,37 +29,37 @@ class OptimizerStates(Strategy):
     rung = 5
 
     def options(self, spec) -> list[Option]:
-        chosen = spec.optimizer
-        if not chosen.explore:
-            available, why = _available(chosen.name, spec)
-            return [Option(chosen.name, 0, why or f"the optimizer you gave ({chosen.name}) is kept", available)]
-        options = [Option(O.ADAMW.value, 0, "torch AdamW, 8 bytes of state per parameter")]
-        for name, why_offered in ((O.ADAMW8BIT.value, "bitsandbytes 8-bit AdamW: 75% less state"),
-                                  (O.PAGED_ADAMW8BIT.value, "bitsandbytes paged 8-bit AdamW: states page to host"),
-                                  (O.ADAFACTOR.value, "Adafactor: factored second moment, no first moment")):
+        chosen = O(spec.optimizer.name)
+        if not spec.optimizer.explore:
+            available, why = _available(chosen, spec)
+            return [Option(chosen, 0, why or f"the optimizer you gave ({chosen.value}) is kept", available)]
+        options = [Option(O.ADAMW, 0, "torch AdamW, 8 bytes of state per parameter")]
+        for name, why_offered in ((O.ADAMW8BIT, "bitsandbytes 8-bit AdamW: 75% less state"),
+                                  (O.PAGED_ADAMW8BIT, "bitsandbytes paged 8-bit AdamW: states page to host"),
+                                  (O.ADAFACTOR, "Adafactor: factored second moment, no first moment")):
             available, why_not = _available(name, spec)
             options.append(Option(name, 1, why_offered if available else why_not, available))
         return options
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return a == b or b == O.ADAMW.value
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return a.optimizer is b.optimizer or b.optimizer is O.ADAMW
 
-    def isolates(self, value: Any) -> bool:
+    def placement(self, config: Config) -> Placement:
         """Paged optimizers allocate unified memory outside the allocator: probe them in a child process."""
-        return value == O.PAGED_ADAMW8BIT.value
+        return Placement.CHILD if config.optimizer is O.PAGED_ADAMW8BIT else Placement.IN_PROCESS
 
-    def apply(self, run, value: Any) -> None:
-        run.optimizer_factory = make_factory(value, run.spec.optimizer)
+    def apply(self, run) -> None:
+        run.optimizer_factory = make_factory(run.config.optimizer, run.spec.optimizer)
 
 
-def make_factory(name: str, chosen) -> Any:
+def make_factory(name: O, chosen: "OptimizerSpec") -> Any:
     """params -> optimizer for the optimizer `name`, with the user's hyperparameters where they apply."""
     kwargs = dict(chosen.kwargs)
-    if name == O.USER.value:
+    if name is O.USER:
         return chosen.factory
-    if name == O.ADAMW.value:
+    if name is O.ADAMW:
         return lambda params: torch.optim.AdamW(params, **kwargs)
-    if name == O.ADAFACTOR.value:
+    if name is O.ADAFACTOR:
         keep = {k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")}
         return lambda params: torch.optim.Adafactor(params, **keep)
     if name in BNB:
@@ -66,12 +69,12 @@ def make_factory(name: str, chosen) -> Any:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def _available(name: str, spec) -> tuple[bool, str]:
+def _available(name: O, spec) -> tuple[bool, str]:
     if name not in BNB:
         return True, ""
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not spec.target.has("bitsandbytes"):
         return False, "bitsandbytes is not installed: pip install 'autofit[bnb]'"
-    if spec.device.type != "cuda":
+    if not spec.target.cuda:
         return False, "bitsandbytes 8-bit optimizers need CUDA"
     return True, ""
 

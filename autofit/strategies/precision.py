@@ -1,4 +1,4 @@
-"""Rung 1, mixed precision: bf16 autocast, or fp16 autocast + GradScaler where bf16 is unsupported.
+"""Rung 1, mixed precision: bf16 autocast, or fp16 autocast + GradScaler where bf16 is not native.
 
 Buys ~half the activation memory and faster matmuls; costs numerics (tier 1). Weights and optimizer
 states stay fp32.
@@ -6,13 +6,12 @@ states stay fp32.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from autofit.config import Precision as P
-from autofit.spec.devices import bf16_support
 from autofit.strategies.base import Option, Strategy
+
+DTYPES = {P.BF16: torch.bfloat16, P.FP16: torch.float16}
 
 
 class Precision(Strategy):
@@ -22,18 +21,17 @@ class Precision(Strategy):
     rung = 1
 
     def options(self, spec) -> list[Option]:
-        bf16_ok, why = bf16_support(spec.device)
+        target = spec.target
         return [
-            Option(P.FP32.value, 0, "full precision, the baseline"),
-            Option(P.BF16.value, 1, f"bf16 autocast ({why})", available=bf16_ok),
-            Option(P.FP16.value, 1,
-                   "fp16 autocast + GradScaler, bf16 being unsupported" if not bf16_ok
-                   else "not needed: bf16 is supported and needs no loss scaling", available=not bf16_ok),
+            Option(P.FP32, 0, "full precision, the baseline"),
+            Option(P.BF16, 1, f"bf16 autocast ({target.bf16_reason})", available=target.bf16),
+            Option(P.FP16, 1,
+                   "fp16 autocast + GradScaler, bf16 not being native" if not target.bf16
+                   else "not needed: bf16 is native and needs no loss scaling", available=not target.bf16),
         ]
 
-    def apply(self, run, value: Any) -> None:
-        if value == P.BF16.value:
-            run.autocast_dtype = torch.bfloat16
-        elif value == P.FP16.value:
-            run.autocast_dtype = torch.float16
+    def apply(self, run) -> None:
+        precision = run.config.precision
+        run.autocast_dtype = DTYPES.get(precision)
+        if precision is P.FP16:
             run.scaler = torch.amp.GradScaler(run.device.type)

@@ -9,66 +9,64 @@ Needs bitsandbytes (`pip install 'autofit[bnb]'`) and CUDA. The output head stay
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from autofit.config import Config
+from autofit.config import Quantization as Q
 from autofit.errors import MissingExtraError
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Ladder, Option, Placement
 from autofit.strategies.lora import output_head
 
-SAVINGS = {"none": 0, "int8": 1, "nf4": 2}  # higher saves more base-weight memory
+if TYPE_CHECKING:
+    from autofit.spec.target import Target
 INT8_THRESHOLD = 6.0  # LLM.int8 outlier threshold: features above it stay in fp16
 
 
-class Quantization(Strategy):
+class Quantization(Ladder):
     """none, 8-bit or 4-bit NF4 base weights (with LoRA adapters)."""
 
     field = "quantization"
     rung = 7
+    values = (Q.NONE, Q.INT8, Q.NF4)  # least base-weight memory saved first
 
     def options(self, spec) -> list[Option]:
-        why_not = unavailable_reason(spec.device)
+        why_not = unavailable_reason(spec.target)
         return [
-            Option("none", 0, "base weights in full precision"),
-            Option("int8", 2, why_not or "8-bit base weights (LLM.int8) + LoRA: 1 byte per weight",
+            Option(Q.NONE, 0, "base weights in full precision"),
+            Option(Q.INT8, 2, why_not or "8-bit base weights (LLM.int8) + LoRA: 1 byte per weight",
                    available=why_not is None),
-            Option("nf4", 2, why_not or "4-bit NF4 base weights, double quant, bf16 compute + LoRA: ~0.5 byte per weight",
+            Option(Q.NF4, 2, why_not or "4-bit NF4 base weights, double quant, bf16 compute + LoRA: ~0.5 byte per weight",
                    available=why_not is None),
         ]
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return SAVINGS[a] >= SAVINGS[b]
-
-    def isolates(self, value: Any) -> bool:
+    def placement(self, config: Config) -> Placement:
         """bitsandbytes keeps process-global state (CUDA kernels, paged buffers): probe in a child."""
-        return value != "none"
+        return Placement.IN_PROCESS if config.quantization is Q.NONE else Placement.CHILD
 
-    def apply(self, run, value: Any) -> None:
-        if value == "none":
+    def apply(self, run) -> None:
+        value = run.config.quantization
+        if value is Q.NONE:
             return
-        if not run.config.lora:
-            raise ValueError(f"quantization={value!r} freezes the base weights, so lora=0 trains nothing; "
-                             "quantized base weights need LoRA adapters (lora > 0)")
         quantize_linears(run.model, value)
         run.model.to(run.device)  # bitsandbytes quantizes the weights as they move to the GPU
         run.placed = True
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why 4/8-bit base weights cannot be probed on `device`, or None when they can."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+def unavailable_reason(target: "Target") -> str | None:
+    """Why 4/8-bit base weights cannot be used on `target`, or None when they can."""
+    if not target.has("bitsandbytes"):
         return "quantized base weights need bitsandbytes, which is not installed: pip install 'autofit[bnb]'"
-    if importlib.util.find_spec("peft") is None:
+    if not target.has("peft"):
         return "quantized base weights train LoRA adapters through peft, which is not installed: pip install 'autofit[peft]'"
-    if device.type != "cuda":
-        return f"bitsandbytes 4/8-bit base weights need CUDA; the probe device is {device}"
+    if not target.cuda:
+        return f"bitsandbytes 4/8-bit base weights need CUDA; the target is {target.name}"
     return None
 
 
-def quantize_linears(model: nn.Module, value: str) -> int:
+def quantize_linears(model: nn.Module, value: Q) -> int:
     """Replace every linear layer but the output head by a frozen bitsandbytes 4-bit NF4 ("nf4") or
     8-bit ("int8") one, in place; the weights are quantized when the model moves to CUDA. Returns the
     number of layers replaced and marks the model as peft's `prepare_model_for_kbit_training` expects."""
@@ -82,24 +80,24 @@ def quantize_linears(model: nn.Module, value: str) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _quantized(bnb, module, value))
         replaced += 1
-    setattr(model, "is_loaded_in_4bit" if value == "nf4" else "is_loaded_in_8bit", True)
+    setattr(model, "is_loaded_in_4bit" if value is Q.NF4 else "is_loaded_in_8bit", True)
     return replaced
 
 
-def _quantized(bnb: Any, linear: nn.Linear, value: str) -> nn.Module:
+def _quantized(bnb: Any, linear: nn.Linear, value: Q) -> nn.Module:
     has_bias = linear.bias is not None
-    if value == "nf4":
+    if value is Q.NF4:
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
                                   compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
         layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
                                          quant_type="nf4")
-    elif value == "int8":
+    elif value is Q.INT8:
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
                                     has_fp16_weights=False, threshold=INT8_THRESHOLD)
         layer.weight = bnb.nn.Int8Params(linear.weight.data.to(torch.float16), requires_grad=False,
                                          has_fp16_weights=False)
     else:
-        raise ValueError(f"quantization={value!r} is not one of {sorted(SAVINGS)}")
+        raise ValueError(f"quantization={value!r} has no bitsandbytes layer")
     if has_bias:
         layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
     return layer

@@ -5,7 +5,7 @@ too. Buys: each rank holds 1/num_gpus of those states. Costs: communication (sta
 layer's parameters in forward and backward); same math (tier 0). The probe trains with exactly the dict
 that `autofit.export.deepspeed.deepspeed_config` writes for the launcher, with bf16/fp16 as DeepSpeed
 configures them, so what was measured is what runs. On one GPU ZeRO is the base of the offload rung.
-Needs DeepSpeed (`pip install 'autofit[deepspeed]'`); probes run in the ranks `autofit.probe.distributed`
+Needs DeepSpeed (`pip install 'autofit[deepspeed]'`); probes run in the ranks `autofit.probe.launch`
 launches, never in the caller's process.
 """
 
@@ -14,45 +14,32 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from autofit.strategies.base import Option, Strategy
+from autofit.config import Engine, Sharding
+from autofit.strategies.sharding import ShardingEngine
 
-STAGES = (0, 1, 2, 3)
 MIN_VERSION = "0.14"  # the `deepspeed` extra's floor (pyproject); the probes were run with 0.19.8 only
-WHAT = {1: "optimizer states", 2: "optimizer states and gradients", 3: "optimizer states, gradients and parameters"}
 
 
-class Zero(Strategy):
-    """ZeRO stage 0 (off), 1, 2, 3."""
+class Zero(ShardingEngine):
+    """ZeRO stage 1, 2, 3 (and no sharding)."""
 
-    field = "zero_stage"
-    rung = 6
+    engine = Engine.DEEPSPEED
+    offered = (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
+    label = "ZeRO"
 
-    def options(self, spec) -> list[Option]:
-        why_not = unavailable_reason(spec)
-        return [Option(0, 0, "no ZeRO")] + [
-            Option(stage, 0, why_not or f"ZeRO-{stage}: {WHAT[stage]} sharded over {spec.num_gpus} ranks",
-                   available=why_not is None) for stage in STAGES[1:]]
+    def unavailable_reason(self, spec) -> str | None:
+        if spec.target.live:
+            problem = version_problem(installed_version(), "ZeRO")
+            if problem:
+                return problem
+        elif not spec.target.has("deepspeed"):
+            return "ZeRO needs DeepSpeed: pip install 'autofit[deepspeed]'"
+        return super().unavailable_reason(spec)
 
-    def saves_at_least(self, a: Any, b: Any) -> bool:
-        return a >= b
-
-    def isolates(self, value: Any) -> bool:
-        return value > 0
-
-    def apply(self, run, value: Any) -> None:
-        if value:
+    def apply(self, run) -> None:
+        if self.owns(run.config):
             run.scaler = None  # DeepSpeed scales fp16 losses itself (the config's fp16 section)
             run.engine_factory = build_engine
-
-
-def unavailable_reason(spec, feature: str = "ZeRO") -> str | None:
-    """Why DeepSpeed ZeRO cannot be probed for `spec`, or None."""
-    problem = version_problem(installed_version(), feature)
-    if problem:
-        return problem
-    if spec.num_gpus < 2 and spec.device.type != "cuda":
-        return f"sharding needs several ranks; num_gpus={spec.num_gpus} (on one GPU ZeRO only serves offload)"
-    return None
 
 
 def installed_version() -> str | None:
@@ -93,11 +80,11 @@ class DeepSpeedEngine:
 
 def build_engine(run) -> DeepSpeedEngine:
     """`deepspeed.initialize` over the run's model with `deepspeed_config(run.config)`; the run's model
-    becomes the engine. Only inside a rank that `autofit.probe.distributed` launched (a process group exists)."""
+    becomes the engine. Only inside a rank that `autofit.probe.launch` launched (a process group exists)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("ZeRO probes run in the ranks autofit launches (autofit.probe.distributed.run_ranks); "
+        raise RuntimeError("ZeRO probes run in the ranks autofit launches (autofit.probe.launch); "
                            "no process group here")
     import deepspeed
 

@@ -13,7 +13,8 @@ def make_plan(config: Config | None = None, *, device: str = "cpu", fits: bool =
     config = config or Config(micro_batch_size=2, grad_accum_steps=2)
     status = ProbeStatus.FIT if fits else ProbeStatus.OOM
     probe = ProbeResult(config, status, "peak 40 MiB of 64 MiB" if fits else "CPU budget exceeded",
-                        peak_bytes=40 * 2**20, step_seconds=0.5, samples_per_s=8.0 if fits else None)
+                        peak_bytes=40 * 2**20, step_seconds=0.5, samples_per_s=8.0 if fits else None,
+                        oom_kind=None if fits else "cpu-budget")
     summary = {"model": "GPT2LMHeadModel", "device": device, "memory_budget": 64 * 2**20,
                "global_batch_size": config.global_batch_size, **spec}
     if not fits:

@@ -51,7 +51,7 @@ def test_loader_reads_single_process_config(tmp_path, plan_for, precision):
 
 @pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "nvme")])
 def test_loader_reads_deepspeed_section(tmp_path, plan_for, stage, offload):
-    config = Config(micro_batch_size=2, grad_accum_steps=4, num_gpus=2, zero_stage=stage, offload=offload,
+    config = Config(micro_batch_size=2, grad_accum_steps=4, num_gpus=2, sharding=f"zero{stage}", offload=offload,
                     precision="bf16")
     config_path, _ = plan_for(config, device="cuda:0", nvme_path="/local_nvme").export("accelerate", tmp_path)
     loaded = load_config_from_file(str(config_path))
@@ -84,11 +84,11 @@ def test_accelerate_launch_runs_two_steps(tmp_path, plan_for):
     assert result == {"accumulation": 3, "steps": 2, "mixed_precision": "no", "device": "cpu", "processes": 1}
 
 
-@pytest.mark.parametrize("fsdp,offload", [("full_shard", "cpu"), ("shard_grad_op", "none")])
+@pytest.mark.parametrize("fsdp,offload", [("fsdp_full", "cpu"), ("fsdp_grad_op", "none")])
 def test_fsdp_section_builds_accelerates_plugin(tmp_path, plan_for, fsdp, offload):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    config = Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, fsdp=fsdp, offload=offload, precision="bf16")
+    config = Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, sharding=fsdp, offload=offload, precision="bf16")
     config_path, launch = plan_for(config, device="cuda:0").export("accelerate", tmp_path)
     loaded = load_config_from_file(str(config_path))
     assert (loaded.distributed_type, loaded.num_processes) == ("FSDP", 2)
@@ -96,6 +96,6 @@ def test_fsdp_section_builds_accelerates_plugin(tmp_path, plan_for, fsdp, offloa
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=section["fsdp_version"], reshard_after_forward=section["fsdp_reshard_after_forward"],
         cpu_offload=section["fsdp_offload_params"], auto_wrap_policy=section["fsdp_auto_wrap_policy"].lower())
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is (fsdp == "full_shard")
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is (fsdp == "fsdp_full")
     assert (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") is (offload == "cpu")
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2" in launch.read_text()

@@ -20,7 +20,7 @@ def parse(data: dict):
 @pytest.mark.parametrize("stage,offload,precision", [
     (0, "none", "fp32"), (1, "none", "bf16"), (2, "cpu", "bf16"), (3, "cpu", "fp16"), (3, "nvme", "bf16")])
 def test_deepspeed_parses_every_stage(tmp_path, plan_for, stage, offload, precision):
-    config = Config(micro_batch_size=4, grad_accum_steps=8, zero_stage=stage, offload=offload,
+    config = Config(micro_batch_size=4, grad_accum_steps=8, sharding=f"zero{stage}" if stage else "none", offload=offload,
                     precision=precision)
     plan = plan_for(config, device="cuda:0", nvme_path=str(tmp_path))
     (path,) = export(plan, "deepspeed", tmp_path)
@@ -50,7 +50,7 @@ def test_measurement_rides_along(tmp_path, plan_for):
 
 
 def test_script_built_optimizer_is_left_to_the_script():
-    data = deepspeed_config(Config(micro_batch_size=2, zero_stage=2, optimizer="adamw8bit"))
+    data = deepspeed_config(Config(micro_batch_size=2, sharding="zero2", optimizer="adamw8bit"))
     assert "optimizer" not in data and data["zero_allow_untested_optimizer"] is True
     parse(data)
 
@@ -68,7 +68,7 @@ def test_offload_needs_zero():
 
 def test_nvme_needs_a_path():
     with pytest.raises(UsageError, match="nvme_path"):
-        deepspeed_config(Config(zero_stage=3, offload="nvme"))
+        deepspeed_config(Config(sharding="zero3", offload="nvme"))
 
 
 def test_plan_that_does_not_fit_refuses(tmp_path, plan_for):
@@ -85,7 +85,7 @@ def test_unknown_format(tmp_path, plan_for):
 def test_fsdp_plan_is_not_a_deepspeed_plan(tmp_path, plan_for):
     from autofit.export import applicable, export_all
 
-    plan = plan_for(Config(micro_batch_size=2, num_gpus=2, fsdp="full_shard"), device="cuda:0")
+    plan = plan_for(Config(micro_batch_size=2, num_gpus=2, sharding="fsdp_full"), device="cuda:0")
     with pytest.raises(UsageError, match="shards with FSDP2"):
         plan.export("deepspeed", tmp_path)
     assert applicable(plan) == ["accelerate", "trainer", "torchrun"]

@@ -40,7 +40,7 @@ def test_torchrun_launches_with_the_plan_environment(tmp_path, plan_for):
 
 
 def test_zero_plan_points_at_its_deepspeed_config(tmp_path, plan_for):
-    plan = plan_for(Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, zero_stage=3), device="cuda:0")
+    plan = plan_for(Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, sharding="zero3"), device="cuda:0")
     script, ds = plan.export("torchrun", tmp_path)
     text = script.read_text()
     assert "--nproc_per_node 2" in text

@@ -22,12 +22,13 @@ def load_kwargs(path):
 @pytest.mark.parametrize("precision,checkpointing,optimizer,optim", [
     ("fp32", "none", "adamw", "adamw_torch"),
     ("bf16", "full", "adafactor", "adafactor"),
-    ("fp16", "every_2", "paged_adamw8bit", "paged_adamw_8bit"),
+    ("fp16", 2, "paged_adamw8bit", "paged_adamw_8bit"),
     ("bf16", "none", "adamw8bit", "adamw_bnb_8bit"),
 ])
 def test_training_arguments_accept_kwargs(tmp_path, plan_for, precision, checkpointing, optimizer, optim):
-    config = Config(micro_batch_size=4, grad_accum_steps=2, precision=precision, checkpointing=checkpointing,
-                    optimizer=optimizer)
+    mode = "every_k" if checkpointing == 2 else checkpointing
+    config = Config(micro_batch_size=4, grad_accum_steps=2, precision=precision, checkpointing=mode,
+                    checkpoint_every=2 if checkpointing == 2 else 1, optimizer=optimizer)
     args_path, script_path = plan_for(config).export("trainer", tmp_path)
     kwargs = load_kwargs(args_path)
     args = TrainingArguments(**kwargs)
@@ -36,12 +37,12 @@ def test_training_arguments_accept_kwargs(tmp_path, plan_for, precision, checkpo
     assert args.gradient_checkpointing is (checkpointing == "full")
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert args.optim.value == optim
-    assert ("enable(model, 2)" in script_path.read_text()) is (checkpointing == "every_2")
+    assert ("enable(model, 2)" in script_path.read_text()) is (checkpointing == 2)
 
 
 def test_exported_script_trains_two_steps(tmp_path, plan_for):
     torch.manual_seed(0)
-    config = Config(micro_batch_size=2, grad_accum_steps=2, checkpointing="every_2")
+    config = Config(micro_batch_size=2, grad_accum_steps=2, checkpointing="every_k", checkpoint_every=2)
     args_path, script_path = plan_for(config).export("trainer", tmp_path)
     spec = importlib.util.spec_from_file_location("train_with_trainer", script_path)
     module = importlib.util.module_from_spec(spec)
@@ -57,7 +58,7 @@ def test_exported_script_trains_two_steps(tmp_path, plan_for):
 
 
 def test_zero_plan_names_its_deepspeed_file(tmp_path, plan_for):
-    config = Config(micro_batch_size=2, grad_accum_steps=2, zero_stage=2, precision="bf16")
+    config = Config(micro_batch_size=2, grad_accum_steps=2, sharding="zero2", precision="bf16")
     paths = plan_for(config, device="cuda:0").export("trainer", tmp_path)
     kwargs = load_kwargs(paths[0])
     ds_path = tmp_path / "deepspeed.json"
@@ -66,7 +67,7 @@ def test_zero_plan_names_its_deepspeed_file(tmp_path, plan_for):
 
 
 def test_fsdp_plan_sets_fsdp2_arguments(tmp_path, plan_for):
-    config = Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, fsdp="full_shard", offload="cpu")
+    config = Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, sharding="fsdp_full", offload="cpu")
     args_path, _ = plan_for(config).export("trainer", tmp_path)
     args = TrainingArguments(**load_kwargs(args_path))
     assert args.fsdp_config["version"] == 2

@@ -18,7 +18,7 @@ def test_plain_model_blocks_are_checkpointed_every_k():
 
 def test_hf_model_uses_its_own_switch():
     spec = make_spec(make_gpt2, global_batch_size=2, device="cpu", memory_budget="1GiB", seq_len=16)
-    run = build_run(spec, Config(checkpointing="every_2", micro_batch_size=2), default_strategies())
+    run = build_run(spec, Config(checkpointing="every_k", checkpoint_every=2, micro_batch_size=2), default_strategies())
     flags = [layer.gradient_checkpointing for layer in run.model.transformer.h]
     assert flags == [True, False, True, False]
 
@@ -35,8 +35,9 @@ def test_unavailable_without_repeated_blocks():
 
 def test_full_saves_at_least_every_2():
     strategy = Checkpointing()
-    assert strategy.saves_at_least("full", "every_2") and strategy.saves_at_least("every_2", "none")
-    assert not strategy.saves_at_least("none", "full")
+    full, every_2, none = Config(checkpointing="full"), Config(checkpointing="every_k", checkpoint_every=2), Config()
+    assert strategy.saves_at_least(full, every_2) and strategy.saves_at_least(every_2, none)
+    assert not strategy.saves_at_least(none, full)
 
 
 def test_forced_by_a_budget_only_checkpointing_meets():

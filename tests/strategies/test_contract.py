@@ -6,7 +6,7 @@ from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 from autofit.config import Config
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
-from autofit.strategies import Option, default_strategies
+from autofit.strategies import Option, Placement, default_strategies
 
 STRATEGIES = default_strategies()
 IDS = [s.field for s in STRATEGIES]
@@ -23,7 +23,7 @@ def spec(request):
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=IDS)
 class TestStrategyContract:
     def test_declares_a_config_field_and_a_rung(self, strategy):
-        assert strategy.field in Config.__dataclass_fields__
+        assert strategy.field in Config.__dataclass_fields__ or strategy.knob_type is not None
         assert 1 <= strategy.rung <= 8
 
     def test_options_carry_tier_and_reason(self, strategy, spec):
@@ -38,22 +38,24 @@ class TestStrategyContract:
         options = strategy.options(spec)
         assert options[0].tier == min(o.tier for o in options)
 
-    def test_saves_at_least_is_reflexive(self, strategy, spec):
+    def test_option_values_are_the_knobs_type(self, strategy, spec):
         for option in strategy.options(spec):
-            assert strategy.saves_at_least(option.value, option.value)
-            assert isinstance(strategy.isolates(option.value), bool)
+            config = Config().replace(**option.knobs(strategy.field))  # validated: a bad value raises
+            assert config.knob(strategy.field) == option.value
+
+    def test_saves_at_least_is_reflexive_and_placement_is_declared(self, strategy, spec):
+        for option in strategy.options(spec):
+            config = Config().replace(**option.knobs(strategy.field))
+            assert strategy.saves_at_least(config, config)
+            assert isinstance(strategy.placement(config), Placement)
 
     def test_every_available_option_trains_a_step(self, strategy, spec):
         for option in strategy.options(spec):
-            if not option.available or strategy.isolates(option.value):
+            config = Config(micro_batch_size=4).replace(**option.knobs(strategy.field))
+            if not option.available or strategy.placement(config) is not Placement.IN_PROCESS:
                 continue
-            config = Config(micro_batch_size=4)
             if strategy.field == "micro_batch_size":
-                config = config.replace(micro_batch_size=option.value, grad_accum_steps=4 // option.value)
-            elif strategy.field == "attention" and not spec.model.is_hf:
-                config = config.replace(attention=option.value)
-            else:
-                config = config.replace(**{strategy.field: option.value})
+                config = config.replace(grad_accum_steps=4 // option.value)
             run = build_run(spec, config, STRATEGIES)
             loss = run.step([spec.batch_factory(config.micro_batch_size)] * config.grad_accum_steps)
             assert loss.isfinite(), (strategy.field, option.value)

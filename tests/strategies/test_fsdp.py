@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 import autofit
-from autofit.config import Config
-from autofit.probe.distributed import run_ranks
+from autofit.config import Config, Engine
+
 from autofit.probe.run import ProbeStatus
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
 from autofit.strategies import Fsdp, MicroBatch
-from models import LinearBlocks
+from models import LinearBlocks, run_ranks
 
 WIDTH = 512
 
@@ -46,12 +46,12 @@ def test_options_need_several_ranks_on_cpu():
 
 def test_outside_launched_ranks_it_refuses_instead_of_touching_global_state():
     with pytest.raises(RuntimeError, match="no process group"):
-        build_run(_spec(), Config(num_gpus=2, fsdp="full_shard"), [MicroBatch(), Fsdp()])
+        build_run(_spec(), Config(num_gpus=2, sharding="fsdp_full"), [MicroBatch(), Fsdp()])
     assert not dist.is_initialized()
 
 
 def test_full_shard_bf16_fits_on_two_ranks():
-    result = run_ranks(_spec(), Config(num_gpus=2, fsdp="full_shard", precision="bf16"), [MicroBatch(), Fsdp()],
+    result = run_ranks(_spec(), Config(num_gpus=2, sharding="fsdp_full", precision="bf16"), [MicroBatch(), Fsdp()],
                        timeout=180)
     assert result.status is ProbeStatus.FIT, result.reason
     assert result.peak_bytes < 16 * 2**20  # unsharded, weights + grads + AdamW alone are 16 MiB
@@ -66,8 +66,8 @@ def test_search_picks_sharding_when_only_sharding_fits():
                            memory_budget=SHARDING_ONLY_BUDGET, strategies=[MicroBatch(), Fsdp()],
                            warmup_steps=1, timed_steps=1)
     assert plan.fits, plan.reason
-    assert plan.config.fsdp != "none" and plan.config.num_gpus == 2
-    unsharded = [p for p in plan.probes if p.config.fsdp == "none"]
+    assert plan.config.engine is Engine.FSDP and plan.config.num_gpus == 2
+    unsharded = [p for p in plan.probes if p.config.engine is not Engine.FSDP]
     assert unsharded and not any(p.fits for p in unsharded)  # ran out of memory, or was predicted to
     assert plan.peak_memory < SHARDING_ONLY_BUDGET
     assert not dist.is_initialized() and not multiprocessing.active_children()

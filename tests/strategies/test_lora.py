@@ -108,7 +108,8 @@ def test_output_head_is_left_out_of_hugging_face_models():
 
 def test_saves_at_least():
     lora = Lora()
-    assert lora.saves_at_least(4, 0) and lora.saves_at_least(4, 8) and not lora.saves_at_least(0, 4)
+    r4, r8, full = Config(lora=4), Config(lora=8), Config()
+    assert lora.saves_at_least(r4, full) and lora.saves_at_least(r4, r8) and not lora.saves_at_least(full, r4)
 
 
 def test_default_strategies_put_quantization_before_lora():

@@ -6,13 +6,16 @@ import torch
 from torch import nn
 
 from autofit.config import Config
-from autofit.probe.distributed import run_ranks
+
 from autofit.errors import UsageError
 from autofit.probe.run import ProbeStatus
 from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.estimate.gpus import get_gpu
+from autofit.search.rules import violation
+from autofit.spec.target import Target
 from autofit.strategies import Fsdp, MicroBatch, Offload, Zero
 from autofit.strategies.zero import installed_version
+from models import run_ranks
 
 
 class Blocks(nn.Module):
@@ -53,19 +56,22 @@ def test_without_nvme_path_the_reason_says_how_to_give_one():
 
 
 class _FakeCudaSpec:
-    """Only what `options` reads: a CUDA device (no GPU is touched)."""
+    """Only what `options` reads: a CUDA target (no GPU is touched)."""
 
-    device = torch.device("cuda")
-    num_gpus = 1
+    target = Target.from_profile(get_gpu("a100-80gb"), 1)
 
 
-def test_offload_without_an_engine_is_refused():
-    with pytest.raises(ValueError, match="needs an engine"):
-        build_run(make_spec(Blocks, make_batch, device="cpu"), Config(offload="cpu"), [MicroBatch(), Offload()])
+def test_offload_without_an_engine_is_a_rule():
+    config = Config(offload="cpu")
+    assert "needs ZeRO or FSDP2" in violation(config, _FakeCudaSpec.target)[1]
+    assert violation(config.replace(sharding="zero2"), _FakeCudaSpec.target) is None
+    assert "NVMe offload needs DeepSpeed ZeRO-3" in violation(Config(offload="nvme", sharding="zero2"),
+                                                              _FakeCudaSpec.target)[1]
 
 
 def test_order():
-    assert Offload().saves_at_least("nvme", "cpu") and not Offload().saves_at_least("none", "cpu")
+    nvme, cpu, none = Config(offload="nvme"), Config(offload="cpu"), Config()
+    assert Offload().saves_at_least(nvme, cpu) and not Offload().saves_at_least(none, cpu)
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -79,7 +85,7 @@ needs_ds = pytest.mark.skipif(installed_version() is None, reason="needs DeepSpe
 def test_zero_offload_on_one_gpu(stage, tmp_path):
     spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
     for value in ("cpu", "nvme"):
-        config = Config(zero_stage=stage, offload=value, micro_batch_size=4, precision="bf16")
+        config = Config(sharding=f"zero{stage}", offload=value, micro_batch_size=4, precision="bf16")
         result = run_ranks(spec, config, [MicroBatch(), Zero(), Offload(nvme_path=tmp_path)], timeout=600)
         assert result.status is ProbeStatus.FIT, result.reason
 
@@ -88,6 +94,6 @@ def test_zero_offload_on_one_gpu(stage, tmp_path):
 @needs_gpu
 def test_fsdp_cpu_offload_on_one_gpu():
     spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
-    config = Config(fsdp="full_shard", offload="cpu", micro_batch_size=4, precision="bf16")
+    config = Config(sharding="fsdp_full", offload="cpu", micro_batch_size=4, precision="bf16")
     result = run_ranks(spec, config, [MicroBatch(), Fsdp(), Offload()], timeout=600)
     assert result.status is ProbeStatus.FIT, result.reason

@@ -5,7 +5,7 @@ from models import make_mlp, make_mlp_batch, mlp_loss
 from autofit.config import Config
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
-from autofit.strategies import MicroBatch, OptimizerStates, default_strategies
+from autofit.strategies import MicroBatch, OptimizerStates, Placement, default_strategies
 
 
 def spec(**kwargs):
@@ -18,7 +18,9 @@ def test_bitsandbytes_options_say_why_they_are_unavailable():
     assert options["adamw"].available and options["adafactor"].available and options["adafactor"].tier == 1
     assert not options["adamw8bit"].available
     assert "autofit[bnb]" in options["adamw8bit"].reason or "need CUDA" in options["adamw8bit"].reason
-    assert OptimizerStates().isolates("paged_adamw8bit") and not OptimizerStates().isolates("adamw")
+    strategy = OptimizerStates()
+    assert strategy.placement(Config(optimizer="paged_adamw8bit")) is Placement.CHILD
+    assert strategy.placement(Config()) is Placement.IN_PROCESS
 
 
 def test_the_users_hyperparameters_are_kept():

@@ -12,7 +12,7 @@ def test_options_on_cpu():
     spec = make_spec(make_mlp, long_batch, global_batch_size=1, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
     options = {o.value: o for o in Precision().options(spec)}
     assert options["fp32"].tier == 0 and options["bf16"].tier == 1 and options["bf16"].available
-    assert not options["fp16"].available and "bf16 is supported" in options["fp16"].reason
+    assert not options["fp16"].available and "bf16 is native" in options["fp16"].reason
 
 
 def test_bf16_and_fp16_set_autocast_and_scaler():

@@ -11,6 +11,9 @@ import autofit
 from autofit.config import Config
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
+from autofit.estimate.gpus import get_gpu
+from autofit.search.rules import violation
+from autofit.spec.target import Target
 from autofit.strategies import Lora, MicroBatch, Quantization
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -49,16 +52,17 @@ def test_cpu_search_goes_on_without_it():
     assert plan.fits and plan.config.quantization == "none"
 
 
-def test_quantized_base_without_lora_is_refused():
-    spec = make_spec(Mlp, make_batch, device="cpu")
-    with pytest.raises(ValueError, match="lora=0 trains nothing"):
-        build_run(spec, Config(quantization="nf4"), [MicroBatch(), Quantization()])
+def test_quantized_base_without_lora_is_a_rule():
+    target = Target.from_profile(get_gpu("a100-80gb"), 1)
+    assert "without LoRA adapters nothing is trained" in violation(Config(quantization="nf4"), target)[1]
+    assert violation(Config(quantization="nf4", lora=16), target) is None
 
 
 def test_savings_order():
     q = Quantization()
-    assert q.saves_at_least("nf4", "int8") and q.saves_at_least("int8", "none")
-    assert not q.saves_at_least("none", "nf4")
+    nf4, int8, none = Config(quantization="nf4"), Config(quantization="int8"), Config()
+    assert q.saves_at_least(nf4, int8) and q.saves_at_least(int8, none)
+    assert not q.saves_at_least(none, nf4)
 
 
 @pytest.mark.gpu

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from autofit.config import Config
-from autofit.probe.distributed import run_ranks
+
 from autofit.probe.run import ProbeStatus
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
 from autofit.strategies import MicroBatch, Zero
 from autofit.strategies.zero import installed_version, version_problem
-from models import LinearBlocks
+from models import LinearBlocks, run_ranks
 
 needs_deepspeed = pytest.mark.skipif(installed_version() is None, reason="DeepSpeed is not installed: pip install 'autofit[deepspeed]'")
 WIDTH = 64
@@ -47,14 +47,15 @@ def test_missing_or_old_deepspeed_is_named_with_the_fix():
 @needs_deepspeed
 def test_options_need_several_ranks_on_cpu():
     one = Zero().options(_spec(num_gpus=1))
-    assert [o.value for o in one] == [0, 1, 2, 3] and [o.available for o in one] == [True, False, False, False]
+    assert [o.value for o in one] == ["none", "zero1", "zero2", "zero3"]
+    assert [o.available for o in one] == [True, False, False, False]
     assert all(o.available for o in Zero().options(_spec()))
 
 
 @needs_deepspeed
 def test_outside_launched_ranks_it_refuses():
     with pytest.raises(RuntimeError, match="no process group"):
-        build_run(_spec(), Config(num_gpus=2, zero_stage=3, micro_batch_size=2), [MicroBatch(), Zero()])
+        build_run(_spec(), Config(num_gpus=2, sharding="zero3", micro_batch_size=2), [MicroBatch(), Zero()])
     assert not dist.is_initialized()
 
 
@@ -65,7 +66,7 @@ def test_outside_launched_ranks_it_refuses():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_on_two_cpu_ranks(stage):
     # accumulation 2: DeepSpeed's own micro-step counting must agree with the run's micro-batches
-    config = Config(num_gpus=2, zero_stage=stage, micro_batch_size=1, grad_accum_steps=2)
+    config = Config(num_gpus=2, sharding=f"zero{stage}", micro_batch_size=1, grad_accum_steps=2)
     result = run_ranks(_spec(), config, [MicroBatch(), Zero()], timeout=300)
     assert result.status is ProbeStatus.FIT, result.reason
     assert result.peak_bytes > 0 and result.samples_per_s > 0

@@ -36,7 +36,7 @@ def spec():
 @pytest.mark.parametrize("stage, expected_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_model_states(stage, expected_gb):
     facts = ModelFacts(num_params=7_500_000_000, trainable_params=7_500_000_000)
-    states = model_states(facts, Config(precision="fp16", zero_stage=stage, num_gpus=64))
+    states = model_states(facts, Config(precision="fp16", sharding=f"zero{stage}" if stage else "none", num_gpus=64))
     total = states.params + states.grads + states.optimizer
     assert round(total / GB, 1) == expected_gb
 
@@ -60,11 +60,11 @@ def test_qlora_base_weights_and_adapter_states():
 
 def test_offload_moves_states_to_host():
     facts = ModelFacts(num_params=10**9, trainable_params=10**9)
-    on_gpu = model_states(facts, Config(precision="bf16", zero_stage=2, num_gpus=4))
-    offloaded = model_states(facts, Config(precision="bf16", zero_stage=2, num_gpus=4, offload="cpu"))
+    on_gpu = model_states(facts, Config(precision="bf16", sharding="zero2", num_gpus=4))
+    offloaded = model_states(facts, Config(precision="bf16", sharding="zero2", num_gpus=4, offload="cpu"))
     assert offloaded.optimizer == 0 and on_gpu.optimizer == 12 * 10**9 // 4
     assert offloaded.cpu == 16 * 10**9  # master weights + Adam moments + fp32 grads, all ranks
-    zero3 = model_states(facts, Config(precision="bf16", zero_stage=3, num_gpus=4, offload="cpu"))
+    zero3 = model_states(facts, Config(precision="bf16", sharding="zero3", num_gpus=4, offload="cpu"))
     assert zero3.params == 0 and zero3.cpu == 18 * 10**9
 
 

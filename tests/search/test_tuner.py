@@ -8,6 +8,8 @@ from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 import autofit
 from autofit import Config, ProbeStatus
+from autofit.config import Checkpointing
+from autofit.probe.outcome import Skip, Source
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
@@ -49,7 +51,7 @@ def test_predictions_save_probes():
     predicted = autofit.autofit(make_mlp, make_mlp_batch, **args)
     assert predicted.fits and predicted.peak_memory <= budget
     assert predicted.probes_saved > 0 and predicted.probes_run < probed.probes_run
-    saved = [p for p in predicted.probes if p.source == "predicted"]
+    saved = [p for p in predicted.probes if p.skip is Skip.PREDICTED]
     assert all(p.status is ProbeStatus.SKIPPED and "predicted to need" in p.reason for p in saved)
     # what it skipped really does not fit: probing it runs out of memory
     spec = make_spec(make_mlp, make_mlp_batch, memory_budget=budget, loss_fn=mlp_loss, global_batch_size=8, **FAST)
@@ -78,7 +80,7 @@ def test_find_the_batch_when_none_is_given():
                            max_micro_batch=64, allow=0, **FAST)
     assert plan.fits and plan.config.grad_accum_steps == 1
     assert plan.config.micro_batch_size in (1, 2, 4, 8, 16, 32, 64)
-    assert any((p.status is ProbeStatus.OOM or p.oom_kind == "predicted")
+    assert any((p.status is ProbeStatus.OOM or p.skip is Skip.PREDICTED)
                and p.config.micro_batch_size > plan.config.micro_batch_size for p in plan.probes)
 
 
@@ -102,7 +104,7 @@ def test_the_users_model_and_optimizer_are_unchanged():
     before, opt_before = snapshot(model), copy.deepcopy(optimizer.state_dict())
     plan = autofit.autofit(model, make_mlp_batch(8), global_batch_size=8, memory_budget="3MiB",
                            loss_fn=mlp_loss, optimizer=optimizer, allow=0, **FAST)
-    assert plan.fits and any(p.config.checkpointing != "none" for p in plan.probes)
+    assert plan.fits and any(p.config.checkpointing is not Checkpointing.NONE for p in plan.probes if p.measured)
     after = snapshot(model)
     for key in before:
         if key == "state":
@@ -118,7 +120,7 @@ def test_resumed_search_reprobes_nothing(tmp_path):
     first = autofit.autofit(make_mlp, make_mlp_batch, **args)
     second = autofit.autofit(make_mlp, make_mlp_batch, **args)
     assert first.probes_run > 0 and second.probes_run == 0
-    assert {p.source for p in second.probes} <= {"stored", "search", "predicted"}
+    assert {p.source for p in second.probes} <= {Source.STORED, Source.DECIDED}
     assert second.config == first.config and second.throughput == first.throughput
 
 

@@ -5,7 +5,8 @@ import torch
 from models import make_mlp, make_mlp_batch, mlp_loss
 
 from autofit import Config, ProbeStatus
-from autofit.probe.isolate import run_isolated
+from autofit.probe.launch import launch
+from autofit.strategies import Placement
 from autofit.probe.memory import CpuBudget
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
@@ -72,12 +73,12 @@ def test_twenty_oom_probes_leave_no_memory_behind():
 def test_too_slow_is_stopped_at_the_deadline(monkeypatch):
     monkeypatch.setattr("autofit.probe.run.MIN_ALLOWANCE", 0.0)
     result = run_probe(spec(), FULL, STRATEGIES, step_limit=1e-6)
-    assert result.status is ProbeStatus.SKIPPED and result.too_slow
+    assert result.status is ProbeStatus.PRUNED
     assert "too slow to win" in result.reason
 
 
 def test_isolated_probe_runs_in_a_child_process():
-    result = run_isolated(spec(), FULL, STRATEGIES, timeout=120)
+    result = launch(spec(), FULL, STRATEGIES, Placement.CHILD, timeout=120)
     assert result.status is ProbeStatus.FIT, result.reason
     assert result.peak_bytes == run_probe(spec(), FULL, STRATEGIES).peak_bytes
 
@@ -85,5 +86,5 @@ def test_isolated_probe_runs_in_a_child_process():
 def test_isolated_probe_explains_an_unpicklable_spec():
     local = make_spec(lambda: make_mlp(), make_mlp_batch, global_batch_size=8, device="cpu",
                       memory_budget="1GiB", loss_fn=mlp_loss)
-    result = run_isolated(local, FULL, STRATEGIES)
+    result = launch(local, FULL, STRATEGIES, Placement.CHILD)
     assert result.status is ProbeStatus.ERROR and "module level" in result.reason

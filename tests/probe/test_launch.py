@@ -11,12 +11,13 @@ import torch.distributed as dist
 
 import autofit
 from autofit.config import Config
-from autofit.probe.distributed import check_ranks, combination_problem, needs_ranks, run_ranks
 from autofit.errors import UsageError
-from autofit.probe.run import ProbeStatus
+from autofit.probe.launch import check_ranks, died
+from autofit.probe.outcome import ProbeStatus
+from autofit.search.space import build_space
 from autofit.spec.train import make_spec
-from autofit.strategies import MicroBatch
-from models import LinearBlocks
+from autofit.strategies import MicroBatch, Placement, default_strategies
+from models import LinearBlocks, run_ranks
 
 WIDTH = 64
 
@@ -90,13 +91,19 @@ def test_autofit_rejects_too_many_gpus():
             autofit.autofit(Blocks, make_batch, device="cuda", num_gpus=2)
 
 
-def test_routing_and_bad_combinations():
-    assert not needs_ranks(Config())
-    assert needs_ranks(Config(num_gpus=2)) and needs_ranks(Config(zero_stage=2)) and needs_ranks(Config(fsdp="full_shard"))
-    assert "pick one" in combination_problem(Config(zero_stage=2, fsdp="full_shard"))
-    assert "needs an engine" in combination_problem(Config(offload="cpu"))
-    result = run_ranks(_spec(), Config(offload="cpu", num_gpus=2, micro_batch_size=2), [MicroBatch()])
-    assert result.status is ProbeStatus.ERROR and "not a valid combination" in result.reason
+def test_placement_comes_from_the_strategies():
+    space = build_space(_spec(), default_strategies())
+    assert space.placement(Config()) is Placement.IN_PROCESS
+    assert space.placement(Config(num_gpus=2)) is Placement.RANKS
+    assert space.placement(Config(sharding="zero2", num_gpus=2)) is Placement.RANKS
+    assert space.placement(Config(sharding="fsdp_full", num_gpus=2)) is Placement.RANKS
+    assert space.placement(Config(optimizer="paged_adamw8bit")) is Placement.CHILD
+
+
+def test_a_killed_child_is_a_host_oom():
+    died_config = Config(num_gpus=2)
+    assert died(died_config, -9, "rank 1").oom_kind == "host-killed"
+    assert died(died_config, 1, "child process").status is ProbeStatus.ERROR
 
 
 def test_autofit_with_two_cpu_ranks_leaves_no_process_group():
@@ -116,8 +123,8 @@ def test_autofit_with_two_cpu_ranks_leaves_no_process_group():
 
 
 def test_combine_takes_the_worst_rank():
-    from autofit.probe.distributed import combine
-    from autofit.probe.run import ProbeResult
+    from autofit.probe.launch import combine
+    from autofit.probe.outcome import ProbeResult
 
     spec, config = _spec(), Config(num_gpus=2, micro_batch_size=2)
     fast = ProbeResult(config, ProbeStatus.FIT, "fits: peak 1 MiB", 2**20, 0.5, 8.0)

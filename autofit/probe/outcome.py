@@ -1,0 +1,125 @@
+"""The outcome of one candidate: a self-checking record with one status that carries the whole outcome.
+
+Every candidate ends as one `ProbeResult`: FIT (with its measured peak and throughput), OOM (with its
+kind), ERROR (with its message), PRUNED (stopped at its deadline: it cannot win), or SKIPPED with a
+`Skip` saying why it was not run (implied by a measured result, predicted not to fit, excluded by a rule
+or an unavailable option, or the probe budget was spent). `Source` says where the record comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from autofit.config import Config
+
+
+class ProbeStatus(str, enum.Enum):
+    """How a candidate ended."""
+
+    FIT = "fit"  # finished its steps with its peak under the budget less the safety margin
+    OOM = "oom"  # ran out of memory (any kind), or peaked inside the safety margin
+    ERROR = "error"  # any other exception
+    PRUNED = "pruned"  # stopped at its deadline: slower than the best fit so far allows to win
+    SKIPPED = "skipped"  # not run; `skip` says why
+
+
+class Skip(str, enum.Enum):
+    """Why a candidate was not run."""
+
+    IMPLIED = "implied"  # a measured result decides it: fits but cannot be faster, certain to fail, or too slow
+    PREDICTED = "predicted"  # the estimator predicts it over the fit limit by more than its error
+    EXCLUDED = "excluded"  # a rule between knobs, an unavailable option, or a tier not allowed
+    BUDGET = "budget"  # the probe budget (max_probes) was spent
+
+
+class Source(str, enum.Enum):
+    """Where a record comes from."""
+
+    PROBED = "probed"  # measured in this search
+    STORED = "stored"  # measured in an earlier session, read from the trial store
+    DECIDED = "decided"  # decided without running (every SKIPPED record)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """One candidate's outcome. Bytes for memory, seconds for time, samples/s and tokens/s for throughput.
+
+    The record checks itself: a fit carries its peak and throughput, an OOM its kind, a skip its why
+    (and only a skip is decided without running)."""
+
+    config: Config
+    status: ProbeStatus
+    reason: str  # one line: why it fit, what ran out, the error, or why it was not run
+    peak_bytes: int | None = None
+    step_seconds: float | None = None  # mean wall time of one optimizer step (all micro-batches)
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ... (OOM only)
+    skip: Skip | None = None  # why it was not run (SKIPPED only)
+    source: Source = Source.PROBED
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", ProbeStatus(self.status))
+        object.__setattr__(self, "source", Source(self.source))
+        if self.skip is not None:
+            object.__setattr__(self, "skip", Skip(self.skip))
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"inconsistent probe result ({problem}): {self.config.describe()}, {self.status.value}")
+
+    def _problem(self) -> str | None:
+        if self.status is ProbeStatus.FIT and (self.peak_bytes is None or self.samples_per_s is None):
+            return "a fit needs its peak and throughput"
+        if self.status is ProbeStatus.OOM and not self.oom_kind:
+            return "an OOM needs its kind"
+        if (self.status is ProbeStatus.SKIPPED) != (self.skip is not None):
+            return "a skip, and only a skip, says why it was not run"
+        if (self.status is ProbeStatus.SKIPPED) != (self.source is Source.DECIDED):
+            return "a skip, and only a skip, is decided without running"
+        return None
+
+    @property
+    def fits(self) -> bool:
+        """Whether this candidate is a fit."""
+        return self.status is ProbeStatus.FIT
+
+    @property
+    def measured(self) -> bool:
+        """Whether this record comes from running the candidate (now or in an earlier session)."""
+        return self.source is not Source.DECIDED
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        data = dataclasses.asdict(self)
+        data["config"] = self.config.to_dict()
+        data.update(status=self.status.value, source=self.source.value, skip=self.skip.value if self.skip else None)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
+        """Inverse of `to_dict`; reads records written by autofit 0.1 too (`too_slow`, "search" source)."""
+        fields = _upgraded(dict(data))
+        fields["config"] = Config.from_dict(fields["config"])
+        return cls(**fields)
+
+
+def decided(config: Config, skip: Skip, reason: str) -> ProbeResult:
+    """A candidate that was not run, why, and the one-line reason."""
+    return ProbeResult(config, ProbeStatus.SKIPPED, reason, skip=skip, source=Source.DECIDED)
+
+
+def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """Map an autofit 0.1 record (too_slow flag, "search"/"predicted" sources, oom_kind "predicted")
+    onto today's status, skip and source; today's records pass unchanged."""
+    too_slow = data.pop("too_slow", False)
+    if too_slow:
+        data["status"] = ProbeStatus.PRUNED.value
+    if data.get("source") in ("search", "predicted"):
+        predicted = data.get("source") == "predicted" or data.get("oom_kind") == "predicted"
+        budget = "probe budget" in data.get("reason", "")
+        data["skip"] = Skip.PREDICTED if predicted else Skip.BUDGET if budget else Skip.IMPLIED
+        data["source"] = Source.DECIDED.value
+        data["oom_kind"] = None
+    return data

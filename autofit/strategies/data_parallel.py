@@ -1,0 +1,41 @@
+"""Plain data parallelism (torch DDP): every rank holds the whole model; gradients are all-reduced.
+
+The `num_gpus` knob has one value, the spec's rank count; this strategy wraps the model in
+`DistributedDataParallel` when there are several ranks and no sharding engine. Buys throughput, not
+memory; same math (tier 0).
+"""
+
+from __future__ import annotations
+
+from autofit.config import Config, Engine
+from autofit.strategies.base import Option, Placement, Strategy
+
+
+class DataParallel(Strategy):
+    """num_gpus data-parallel ranks."""
+
+    field = "num_gpus"
+    rung = 6
+
+    def options(self, spec) -> list[Option]:
+        count = spec.target.count
+        return [Option(count, 0, f"{count} data-parallel ranks" if count > 1 else "one device")]
+
+    def placement(self, config: Config) -> Placement:
+        """Several ranks run as launched ranks with a process group."""
+        return Placement.RANKS if config.num_gpus > 1 else Placement.IN_PROCESS
+
+    def apply(self, run) -> None:
+        if run.config.num_gpus > 1 and run.config.engine is Engine.TORCH:
+            run.engine_factory = wrap  # last, once every strategy has shaped the model (LoRA adapters)
+
+
+def wrap(run) -> None:
+    """Place the model and wrap it in DDP; training stays torch's backward and optimizer step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    run.model.to(run.device)
+    run.placed = True
+    ids = [run.device.index] if run.device.type == "cuda" else None
+    run.model = DistributedDataParallel(run.model, device_ids=ids)
+

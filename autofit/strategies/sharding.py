@@ -1,0 +1,54 @@
+"""The base of rung 6's engines: ZeRO (DeepSpeed) and FSDP2 both offer values of the `sharding` knob.
+
+Each engine offers the stages it has, is unavailable where it cannot run (and says why), and applies
+only its own values. Sharding over one rank saves nothing by itself; on one GPU an engine serves the
+offload rung (the rule table says so once).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from autofit.config import Config, Engine, Sharding
+from autofit.strategies.base import Option, Placement, Strategy
+
+WHAT = {1: "optimizer states", 2: "gradients and optimizer states", 3: "parameters, gradients and optimizer states"}
+
+
+class ShardingEngine(Strategy):
+    """An engine's values of `sharding`; subclasses set `engine` and `offered` and build the engine."""
+
+    field = "sharding"
+    rung = 6
+    engine: ClassVar[Engine]
+    offered: ClassVar[tuple[Sharding, ...]]  # least sharded first
+    label: ClassVar[str]  # how the reason names the engine ("ZeRO", "FSDP2")
+
+    def options(self, spec) -> list[Option]:
+        why_not = self.unavailable_reason(spec)
+        ranks = spec.target.count
+        return [Option(Sharding.NONE, 0, "no sharding")] + [
+            Option(value, 0, why_not or f"{self.label} ({value.value}): {WHAT[value.stage]} sharded over {ranks} ranks",
+                   available=why_not is None) for value in self.offered]
+
+    def unavailable_reason(self, spec) -> str | None:
+        """Why this engine cannot run for `spec`, or None."""
+        if spec.target.count < 2 and not spec.target.cuda:
+            return (f"sharding needs several ranks; num_gpus={spec.target.count} "
+                    f"(on one GPU {self.label} serves the offload rung)")
+        return None
+
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        """Any sharding saves at least what none does; within one engine, a higher stage saves more;
+        across engines nothing is certain (their buffers differ)."""
+        if a.sharding is b.sharding or b.sharding is Sharding.NONE:
+            return True
+        return a.engine is b.engine and a.sharding.stage >= b.sharding.stage
+
+    def placement(self, config: Config) -> Placement:
+        """Engines keep process-group state: their probes run in launched ranks."""
+        return Placement.RANKS if config.engine is self.engine else Placement.IN_PROCESS
+
+    def owns(self, config: Config) -> bool:
+        """Whether `config` shards with this engine."""
+        return config.engine is self.engine
