@@ -13,12 +13,16 @@ import dataclasses
 import html
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 
-from autofit.probe.outcome import ProbeStatus, Source
+from autofit.probe.outcome import ProbeResult, ProbeStatus, Source
 from autofit.units import format_size
+
+if TYPE_CHECKING:
+    from autofit.plan import Plan
+    from autofit.config import Config
 
 COLORS = {"fit": "#2e7d32", "oom": "#c62828", "error": "#757575", "too slow": "#ef6c00", "skipped": "#bdbdbd"}
 PARTS = ("weights", "gradients", "optimizer states", "activations & rest")
@@ -39,12 +43,19 @@ class Row:
     chosen: bool
 
 
-def status_of(probe: Any) -> str:
-    """"fit", "oom", "error", "too slow" or "skipped"."""
+def status_of(probe: ProbeResult) -> str:
+    """"fit", "oom", "error", "too slow" or "skipped" (the key of `COLORS`)."""
     return "too slow" if probe.status is ProbeStatus.PRUNED else probe.status.value
 
 
-def breakdown(config: Any, num_params: int, peak: int) -> tuple[float, ...]:
+def label(probe: ProbeResult) -> str:
+    """The status as tables show it: with why a skip was not run, or that a result was stored."""
+    if probe.skip is not None:
+        return f"{status_of(probe)} ({probe.skip.value})"
+    return status_of(probe) + (" (stored)" if probe.source is Source.STORED else "")
+
+
+def breakdown(config: "Config", num_params: int, peak: int) -> tuple[float, ...]:
     """Bytes of (weights, gradients, optimizer states, the rest of `peak`) for `config`.
 
     Model states are the usual per-parameter counts (fp32 weights and gradients, 8 bytes of AdamW state,
@@ -65,7 +76,7 @@ def breakdown(config: Any, num_params: int, peak: int) -> tuple[float, ...]:
     return (*model_states, max(peak - sum(model_states), 0.0))
 
 
-def report_data(plan: Any) -> list[Row]:
+def report_data(plan: "Plan") -> list[Row]:
     """A row per candidate with a measured peak, in the order they were decided."""
     rows = []
     num_params = int(plan.spec.get("num_params") or 0)
@@ -155,7 +166,7 @@ tr.chosen{background:#fff8e1;font-weight:600}
 """
 
 
-def render(plan: Any) -> str:
+def render(plan: "Plan") -> str:
     """The whole report as one HTML string (figures inlined; no network needed to open it)."""
     spec = plan.spec
     budget = int(spec.get("memory_budget") or 0)
@@ -174,7 +185,7 @@ def render(plan: Any) -> str:
             f"{figures}<h2>Every probe</h2>{_table(plan)}</body></html>\n")
 
 
-def _meta(plan: Any, budget: int) -> str:
+def _meta(plan: "Plan", budget: int) -> str:
     spec = plan.spec
     parts = [f"budget {format_size(budget)} ({spec.get('budget_reason', 'given')})",
              f"global batch {spec.get('global_batch_size') or 'best micro-batch'}",
@@ -183,7 +194,7 @@ def _meta(plan: Any, budget: int) -> str:
     return f'<p class="meta">{html.escape(" · ".join(parts))}</p>'
 
 
-def _verdict(plan: Any) -> str:
+def _verdict(plan: "Plan") -> str:
     if not plan.fits:
         return f'<div class="verdict"><b>Nothing fits.</b><br>{html.escape(plan.reason)}</div>'
     tokens = f", {plan.tokens_per_second:,.0f} tokens/s" if plan.tokens_per_second else ""
@@ -192,22 +203,21 @@ def _verdict(plan: Any) -> str:
             f"<br>{html.escape(plan.reason)}</div>")
 
 
-def _table(plan: Any) -> str:
+def _table(plan: "Plan") -> str:
     head = "<tr><th>#</th><th>status</th><th>configuration</th><th>peak</th><th>samples/s</th><th>reason</th></tr>"
     lines = []
     for index, probe in enumerate(plan.probes, 1):
-        status = status_of(probe)
         chosen = plan.fits and probe.fits and probe.config == plan.config
         speed = f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-"
-        source = " (stored)" if probe.source is Source.STORED else ""
         lines.append(f'<tr class="{"chosen" if chosen else ""}"><td class="num">{index}</td>'
-                     f'<td class="status" style="color:{COLORS[status]}">{"★ " if chosen else ""}{status}{source}</td>'
+                     f'<td class="status" style="color:{COLORS[status_of(probe)]}">{"★ " if chosen else ""}'
+                     f'{label(probe)}</td>'
                      f"<td>{html.escape(probe.config.describe())}</td><td class=num>{format_size(probe.peak_bytes)}</td>"
                      f"<td class=num>{speed}</td><td>{html.escape(probe.reason)}</td></tr>")
     return f"<table>{head}{''.join(lines)}</table>"
 
 
-def write_report(plan: Any, path: str | Path) -> Path:
+def write_report(plan: "Plan", path: str | Path) -> Path:
     """Write report.html for `plan` to `path`; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

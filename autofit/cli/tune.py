@@ -13,7 +13,7 @@ import datetime
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -23,10 +23,13 @@ from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
 from autofit.spec.models import resolve_model
-from autofit.probe.outcome import ProbeResult, Source
-from autofit.report import COLORS, status_of, write_report
+from autofit.probe.outcome import ProbeResult
+from autofit.report import COLORS, label, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES
 from autofit.units import format_size
+
+if TYPE_CHECKING:
+    from autofit.plan import Plan
 
 EXIT_FITS, EXIT_NOTHING_FITS = 0, 3
 PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
@@ -54,11 +57,9 @@ class RichProgress:
             self._status.stop()
             self._status = None
         self._log({"event": "finished", **result.to_dict()})
-        status = status_of(result)
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
-        source = " [dim](stored)[/]" if result.source is Source.STORED else ""
-        self.console.print(f"  [{COLORS[status]}]{status}[/]{source} {result.config.describe()}:{peak} "
+        self.console.print(f"  [{COLORS[status_of(result)]}]{label(result)}[/] {result.config.describe()}:{peak} "
                            f"[dim]- {result.reason}[/]", highlight=False)
 
     def _log(self, record: dict[str, Any]) -> None:
@@ -99,7 +100,7 @@ def run_dir(out: str | None, model: str, resume: bool) -> Path:
     return path
 
 
-def probe_table(plan: Any) -> Table:
+def probe_table(plan: "Plan") -> Table:
     """Every probe: knobs, status, peak, throughput, reason; the chosen one starred."""
     table = Table(title="Every probe", show_lines=False, title_justify="left")
     for name, justify in (("#", "right"), ("configuration", "left"), ("status", "left"), ("peak", "right"),
@@ -107,16 +108,14 @@ def probe_table(plan: Any) -> Table:
         table.add_column(name, justify=justify, overflow="fold")
     for index, probe in enumerate(plan.probes, 1):
         chosen = plan.fits and probe.fits and probe.config == plan.config
-        status = status_of(probe)
-        source = " (stored)" if probe.source is Source.STORED else ""
         table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),
-                      f"[{COLORS[status]}]{status}[/]{source}", format_size(probe.peak_bytes),
+                      f"[{COLORS[status_of(probe)]}]{label(probe)}[/]", format_size(probe.peak_bytes),
                       f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-", probe.reason,
                       style="bold" if chosen else None)
     return table
 
 
-def write_run(plan: Any, out: Path) -> dict[str, Any]:
+def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
     """plan.json, report.html and (when it fits) the launcher files of every format; returns the paths."""
     paths: dict[str, Any] = {"run_dir": str(out), "plan": str(plan.save(out / PLAN)),
                              "trials": str(out / TRIALS), "probes_log": str(out / PROBES_LOG),

@@ -10,17 +10,20 @@ measurement where its format allows. A plan that does not fit refuses to export 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.errors import UsageError
 from autofit.export import accelerate, deepspeed, torchrun, trainer
 from autofit.export.deepspeed import deepspeed_config
 from autofit.export.measured import require_fit
 
+if TYPE_CHECKING:
+    from autofit.plan import Plan
+
 FORMATS = {"accelerate": accelerate, "deepspeed": deepspeed, "trainer": trainer, "torchrun": torchrun}
 
 
-def export(plan: Any, fmt: str, out_dir: str | Path) -> list[Path]:
+def export(plan: "Plan", fmt: str, out_dir: str | Path) -> list[Path]:
     """Write the launcher files of format `fmt` for `plan` into `out_dir` (created); returns their paths."""
     if fmt not in FORMATS:
         raise UsageError(f"format {fmt!r} is not known; use one of {sorted(FORMATS)}.")
@@ -33,12 +36,12 @@ def export(plan: Any, fmt: str, out_dir: str | Path) -> list[Path]:
     return FORMATS[fmt].export(plan, out)
 
 
-def applicable(plan: Any) -> list[str]:
+def applicable(plan: "Plan") -> list[str]:
     """The formats that apply to `plan` (DeepSpeed does not, for a plan sharded with FSDP2)."""
     return [fmt for fmt, module in FORMATS.items() if not getattr(module, "applies", lambda _: None)(plan)]
 
 
-def export_all(plan: Any, out_dir: str | Path) -> list[Path]:
+def export_all(plan: "Plan", out_dir: str | Path) -> list[Path]:
     """Every format that applies into `out_dir`; the paths, each once."""
     paths: list[Path] = []
     for fmt in applicable(plan):

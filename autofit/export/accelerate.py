@@ -9,7 +9,7 @@ Gradient accumulation outside DeepSpeed has no config-file key; the launch scrip
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -17,13 +17,16 @@ from autofit.config import Config, Engine, Offload, Precision
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, OFFLOAD
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 
+if TYPE_CHECKING:
+    from autofit.plan import Plan
+
 FILENAME = "accelerate_config.yaml"
 LAUNCH_FILENAME = "accelerate_launch.sh"
 
 MIXED_PRECISION = {Precision.FP32.value: "no", Precision.BF16.value: "bf16", Precision.FP16.value: "fp16"}
 
 
-def accelerate_config(plan: Any) -> dict[str, Any]:
+def accelerate_config(plan: "Plan") -> dict[str, Any]:
     """The accelerate ClusterConfig fields for `plan` (what the YAML file holds)."""
     require_fit(plan)
     config = plan.config
@@ -50,7 +53,7 @@ def accelerate_config(plan: Any) -> dict[str, Any]:
     return with_plugin_keys(out, config, "accelerate")
 
 
-def fsdp_section(config: Any) -> dict[str, Any]:
+def fsdp_section(config: "Config") -> dict[str, Any]:
     """accelerate's FSDP2 keys: full_shard reshards parameters after forward (~ZeRO-3), shard_grad_op
     keeps them gathered until backward (~ZeRO-2); offload="cpu" is FSDP2's CPUOffloadPolicy."""
     return {
@@ -63,7 +66,7 @@ def fsdp_section(config: Any) -> dict[str, Any]:
     }
 
 
-def _distributed_type(config: Any, on_cpu: bool) -> str:
+def _distributed_type(config: "Config", on_cpu: bool) -> str:
     if config.zero_stage:
         return "DEEPSPEED"
     if config.engine is Engine.FSDP:
@@ -73,7 +76,7 @@ def _distributed_type(config: Any, on_cpu: bool) -> str:
     return "NO"
 
 
-def _deepspeed_section(plan: Any) -> dict[str, Any]:
+def _deepspeed_section(plan: "Plan") -> dict[str, Any]:
     """accelerate's flat DeepSpeed keys (it maps them to DeepSpeed's nested ones itself)."""
     config = plan.config
     device = OFFLOAD.get(config.offload) or "none"
@@ -95,7 +98,7 @@ def _deepspeed_section(plan: Any) -> dict[str, Any]:
     return section
 
 
-def launch_script(plan: Any, config_file: str = FILENAME) -> str:
+def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
     """A bash script running `accelerate launch` with the exported config and the plan's accumulation."""
     lines = ["#!/usr/bin/env bash", *comment_lines(plan),
              "# Usage: bash accelerate_launch.sh train.py [script args]", "set -euo pipefail",
@@ -106,7 +109,7 @@ def launch_script(plan: Any, config_file: str = FILENAME) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export(plan: Any, out_dir: Path) -> list[Path]:
+def export(plan: "Plan", out_dir: Path) -> list[Path]:
     """Write accelerate_config.yaml and accelerate_launch.sh into `out_dir`."""
     data = accelerate_config(plan)
     header = "\n".join(comment_lines(plan)) + (

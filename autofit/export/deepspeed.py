@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import Config, Engine, Optimizer, Precision
 from autofit.errors import UsageError
 from autofit.export.measured import measured, require_fit, set_nested, with_plugin_keys
+
+if TYPE_CHECKING:
+    from autofit.plan import Plan
 
 FILENAME = "deepspeed.json"
 
@@ -39,6 +42,9 @@ PRECISION = {
 # are torch's AdamW defaults, which the probe used. Others (8-bit, Adafactor, a user's own) are built by
 # the training script and passed to deepspeed.initialize(optimizer=...).
 DEEPSPEED_OPTIMIZERS = {
+    # torch_adam: torch's AdamW, not DeepSpeed's FusedAdam, which is compiled with nvcc on first use
+    # (deepspeed/runtime/engine.py, get_optimizer_configuration: `torch_adam` is read before the offload
+    # check, so it is only set without offload, where DeepSpeed's CPU Adam steps on the host).
     Optimizer.ADAMW.value: {"type": "AdamW",
                             "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
 }
@@ -73,6 +79,8 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None,
     optimizer = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
     if optimizer is not None:
         out["optimizer"] = json.loads(json.dumps(optimizer))  # a copy: callers may edit theirs
+        if not config.offloads:
+            out["optimizer"]["params"]["torch_adam"] = True
     elif config.zero_stage:
         out["zero_allow_untested_optimizer"] = True  # the script's own optimizer under ZeRO
     return out
@@ -97,7 +105,7 @@ def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
     return flat
 
 
-def applies(plan: Any) -> str | None:
+def applies(plan: "Plan") -> str | None:
     """Why a DeepSpeed file does not apply to `plan` (it shards with FSDP2), or None."""
     if plan.config.engine is Engine.FSDP:
         return (f"the plan shards with FSDP2 ({plan.config.sharding.value}), not DeepSpeed; export accelerate, "
@@ -105,7 +113,7 @@ def applies(plan: Any) -> str | None:
     return None
 
 
-def file_config(plan: Any) -> dict[str, Any]:
+def file_config(plan: "Plan") -> dict[str, Any]:
     """The dict written to deepspeed.json: `deepspeed_config` of the plan plus the "autofit" record."""
     require_fit(plan)
     nvme_path = plan.spec.get("nvme_path") or getattr(plan.config, "nvme_path", None)
@@ -113,7 +121,7 @@ def file_config(plan: Any) -> dict[str, Any]:
     return {**document, "autofit": measured(plan)}
 
 
-def export(plan: Any, out_dir: Path) -> list[Path]:
+def export(plan: "Plan", out_dir: Path) -> list[Path]:
     """Write deepspeed.json into `out_dir`; returns its path."""
     path = out_dir / FILENAME
     path.write_text(json.dumps(file_config(plan), indent=2) + "\n")

@@ -11,17 +11,18 @@ from autofit.errors import UsageError
 from autofit.units import format_size
 
 if TYPE_CHECKING:
+    from autofit.plan import Plan
     from autofit.config import Config
 
 
-def require_fit(plan: Any) -> None:
+def require_fit(plan: "Plan") -> None:
     """Raise `UsageError` when `plan` has no fitting configuration, saying why and what to do."""
     if not plan.fits or plan.config is None:
         raise UsageError(f"This plan does not fit, so there is nothing to export: {plan.reason} "
                          "Re-run autofit tune with what the message allows, then export the new plan.")
 
 
-def measured(plan: Any) -> dict[str, Any]:
+def measured(plan: "Plan") -> dict[str, Any]:
     """JSON-serialisable record of the measurement behind `plan`: throughput (samples/s, tokens/s),
     peak memory (bytes), device, budget (bytes), date and autofit version."""
     spec = plan.spec
@@ -60,7 +61,7 @@ def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
     out[leaf] = value
 
 
-def comment_lines(plan: Any, prefix: str = "# ") -> list[str]:
+def comment_lines(plan: "Plan", prefix: str = "# ") -> list[str]:
     """The measurement as comment lines for formats that have comments (YAML, shell, Python)."""
     info = measured(plan)
     tokens = f", {info['throughput_tokens_per_s']:,.0f} tokens/s" if info["throughput_tokens_per_s"] else ""

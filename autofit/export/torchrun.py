@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
@@ -35,13 +35,13 @@ def environment(plan: "Plan") -> dict[str, str]:
     return env
 
 
-def command(plan: Any) -> list[str]:
+def command(plan: "Plan") -> list[str]:
     """The torchrun command line (the training script and its arguments follow it)."""
     require_fit(plan)
     return ["torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node", str(plan.config.num_gpus)]
 
 
-def script(plan: Any) -> str:
+def script(plan: "Plan") -> str:
     """torchrun.sh: comments with the measurement, the exports, then torchrun on the given script."""
     exports = [f'export {name}="{value}"' if value.startswith("$here") else f"export {name}={shlex.quote(value)}"
                for name, value in environment(plan).items()]
@@ -53,7 +53,7 @@ def script(plan: Any) -> str:
     ]) + "\n"
 
 
-def export(plan: Any, out_dir: Path) -> list[Path]:
+def export(plan: "Plan", out_dir: Path) -> list[Path]:
     """Write torchrun.sh (and deepspeed.json when ZeRO is used) into `out_dir`."""
     path = out_dir / FILENAME
     path.write_text(script(plan))

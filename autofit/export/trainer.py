@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import Checkpointing, Engine, Offload, Optimizer, Precision, Quantization
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, measured, require_fit, with_plugin_keys
+
+if TYPE_CHECKING:
+    from autofit.plan import Plan
 
 FILENAME = "trainer_args.json"
 SCRIPT_FILENAME = "train_with_trainer.py"
@@ -28,7 +31,7 @@ OPTIM = {
 }
 
 
-def training_arguments(plan: Any, deepspeed_path: str | None = None) -> dict[str, Any]:
+def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[str, Any]:
     """`TrainingArguments` kwargs reproducing `plan` (per device batch, accumulation, precision,
     checkpointing, optimizer, DeepSpeed config path)."""
     require_fit(plan)
@@ -58,7 +61,7 @@ def training_arguments(plan: Any, deepspeed_path: str | None = None) -> dict[str
     return with_plugin_keys(kwargs, config, "trainer")
 
 
-def model_setup(plan: Any) -> list[str]:
+def model_setup(plan: "Plan") -> list[str]:
     """Python lines applied to `model` before the Trainer is built, for knobs TrainingArguments lacks."""
     config = plan.config
     lines = []
@@ -80,7 +83,7 @@ def model_setup(plan: Any) -> list[str]:
     return lines
 
 
-def script(plan: Any) -> str:
+def script(plan: "Plan") -> str:
     """train_with_trainer.py: loads the kwargs, prepares the model, trains."""
     setup = "\n".join(model_setup(plan)) or "# Nothing to change on the model for this plan."
     return f'''"""Train with the configuration autofit measured, through the Hugging Face Trainer.
@@ -108,7 +111,7 @@ def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def export(plan: Any, out_dir: Path) -> list[Path]:
+def export(plan: "Plan", out_dir: Path) -> list[Path]:
     """Write trainer_args.json and train_with_trainer.py (and deepspeed.json when ZeRO is used)."""
     paths = []
     deepspeed_path = None

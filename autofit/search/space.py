@@ -33,6 +33,7 @@ class Excluded:
     config: Config
     reason: str
     tier: int | None = None  # the tier an allow= would open, when the tier alone excluded it
+    rule: str | None = None  # the rule between knobs that excluded it (`autofit.search.rules.RULES`)
 
     def result(self) -> ProbeResult:
         """The record shown in `plan.probes`."""
@@ -139,7 +140,7 @@ def _levels(spec: "TrainSpec", base: Config, choices: dict[str, tuple[Option, ..
         key = (rule.name, *(level.knob(k) for k in rule.knobs))
         if key not in seen:
             seen.add(key)
-            excluded.append(Excluded(level, f"{reason} ({rule.name})"))
+            excluded.append(Excluded(level, f"{reason} ({rule.name})", rule=rule.name))
     return levels, excluded
 
 

@@ -8,10 +8,14 @@ Flash-attention runs in fp16/bf16 only: the rule table excludes it with fp32.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import Attention as A
 from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 
 class Attention(Strategy):
@@ -20,7 +24,7 @@ class Attention(Strategy):
     field = "attention"
     rung = 2
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         if not spec.model.is_hf:
             return [Option(A.DEFAULT, 0, f"{spec.model.name} is not a Hugging Face model: its own attention is kept")]
         sdpa = "sdpa" in spec.model.attention
@@ -33,7 +37,7 @@ class Attention(Strategy):
                    else "not needed: SDPA is supported", available=not sdpa),
         ]
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         value = run.config.attention
         if value is not A.DEFAULT:
             own_config(run.model)
@@ -50,7 +54,7 @@ def own_config(model: Any) -> None:
             module.config = private
 
 
-def _flash_available(spec) -> tuple[bool, str]:
+def _flash_available(spec: "TrainSpec") -> tuple[bool, str]:
     if "flash_attention_2" not in spec.model.attention:
         return False, f"{spec.model.name} does not support flash-attention"
     if not spec.target.cuda:

@@ -95,7 +95,8 @@ class Strategy(abc.ABC):
 
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
         """Keys this knob adds to launcher format `fmt` ("deepspeed", "accelerate", "trainer", "torchrun";
-        dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs)."""
+        dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs); nothing
+        for the knob's no-op value, nor for a format whose loader rejects keys it does not know."""
         return {}
 
 

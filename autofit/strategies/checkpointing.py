@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.utils.checkpoint
 from torch import nn
@@ -19,6 +19,10 @@ from autofit.config import Checkpointing as C
 from autofit.config import Config
 from autofit.spec.model_info import find_blocks
 from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 EVERY = (2,)  # selective frequencies offered: every k-th block
 
@@ -29,7 +33,7 @@ class Checkpointing(Strategy):
     field = "checkpointing"
     rung = 3
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         blocks = spec.model.num_blocks
         why_not = f"{spec.model.name} has no repeated blocks (nn.ModuleList / nn.Sequential) to checkpoint"
         selective = [Option(C.EVERY_K, 0, f"recompute every {k}th of {blocks} blocks" if blocks > k
@@ -42,7 +46,7 @@ class Checkpointing(Strategy):
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.checkpointed_share >= b.checkpointed_share
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         config = run.config
         if config.checkpointing is not C.NONE:
             enable(run.model, config.checkpoint_every)

@@ -7,8 +7,14 @@ memory; same math (tier 0).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from autofit.config import Config, Engine
 from autofit.strategies.base import Option, Placement, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 
 class DataParallel(Strategy):
@@ -17,7 +23,7 @@ class DataParallel(Strategy):
     field = "num_gpus"
     rung = 6
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         count = spec.target.count
         return [Option(count, 0, f"{count} data-parallel ranks" if count > 1 else "one device")]
 
@@ -25,12 +31,12 @@ class DataParallel(Strategy):
         """Several ranks run as launched ranks with a process group."""
         return Placement.RANKS if config.num_gpus > 1 else Placement.IN_PROCESS
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         if run.config.num_gpus > 1 and run.config.engine is Engine.TORCH:
             run.engine_factory = wrap  # last, once every strategy has shaped the model (LoRA adapters)
 
 
-def wrap(run) -> None:
+def wrap(run: "TrainRun") -> None:
     """Place the model and wrap it in DDP; training stays torch's backward and optimizer step."""
     from torch.nn.parallel import DistributedDataParallel
 

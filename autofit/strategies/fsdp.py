@@ -12,7 +12,7 @@ host). The alternative to DeepSpeed ZeRO when DeepSpeed is not installed or not 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from autofit.config import Engine, Offload, Sharding
 from autofit.spec.model_info import find_blocks
 from autofit.strategies.precision import DTYPES
 from autofit.strategies.sharding import ShardingEngine
+
+if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
 
 
 class Fsdp(ShardingEngine):
@@ -29,7 +32,7 @@ class Fsdp(ShardingEngine):
     offered = (Sharding.FSDP_GRAD_OP, Sharding.FSDP_FULL)
     label = "FSDP2"
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         if not self.owns(run.config):
             return
         # Sharded last, once every strategy has applied (LoRA adapters must exist before sharding),
@@ -38,7 +41,7 @@ class Fsdp(ShardingEngine):
         run.engine_factory = functools.partial(shard, reshard_after_forward=run.config.sharding is Sharding.FSDP_FULL)
 
 
-def shard(run, reshard_after_forward: bool) -> None:
+def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
     """Apply `fully_shard` to each block, then the root, with the run's precision and offload as policies.
     Returns None: training stays torch's backward and optimizer step, over the sharded parameters."""
     import torch.distributed as dist

@@ -9,7 +9,7 @@ strategy, applied just before this one) the model is first prepared with
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
@@ -17,6 +17,10 @@ from autofit.config import Config
 from autofit.errors import MissingExtraError, UsageError
 from autofit.spec.model_info import build_on_meta
 from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 DEFAULT_RANK = 16  # the usual QLoRA rank: adapters are ~0.5-1% of a 1B model's parameters
 
@@ -39,7 +43,7 @@ class Lora(Strategy):
         self.target_modules = tuple(target_modules) if target_modules is not None else None
         self.alpha = alpha
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         full = Option(0, 0, "full fine-tuning: every parameter trained")
         if not spec.target.has("peft"):
             why = "LoRA needs peft, which is not installed: pip install 'autofit[peft]'"
@@ -55,7 +59,7 @@ class Lora(Strategy):
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.lora == b.lora or (a.lora > 0 and (b.lora == 0 or a.lora <= b.lora))
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         value = run.config.lora
         if not value:
             return

@@ -7,8 +7,14 @@ search looks for the fastest micro-batch at accumulation 1, as batch-size finder
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from autofit.config import Config
 from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 
 class MicroBatch(Strategy):
@@ -17,7 +23,7 @@ class MicroBatch(Strategy):
     field = "micro_batch_size"
     rung = 4
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         if spec.global_batch_size is None:
             sizes = [2**i for i in range(spec.max_micro_batch.bit_length()) if 2**i <= spec.max_micro_batch]
             return [Option(m, 0, f"micro-batch {m}, accumulation 1") for m in reversed(sizes)]
@@ -28,7 +34,7 @@ class MicroBatch(Strategy):
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.micro_batch_size <= b.micro_batch_size
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         # The probe slices micro-batches of this size; the identity below is the rung's promise.
         config = run.config
         expected = run.spec.global_batch_size or config.micro_batch_size * config.num_gpus

@@ -13,12 +13,16 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autofit.config import Config
 from autofit.config import Offload as O
 from autofit.errors import UsageError
 from autofit.strategies.base import Ladder, Option, Placement
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 
 class Offload(Ladder):
@@ -32,7 +36,7 @@ class Offload(Ladder):
         """`nvme_path`: folder on a fast local disk for NVMe offload; checked writable now."""
         self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = None if spec.target.cuda else \
             f"offload moves states from a GPU to the host; the target {spec.target.name} is already the host"
         nvme_not = why_not or _nvme_reason(self.nvme_path)
@@ -48,7 +52,7 @@ class Offload(Ladder):
         """Offload runs through an engine, in launched ranks."""
         return Placement.RANKS if config.offloads else Placement.IN_PROCESS
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         if run.config.offloads:
             run.nvme_path = self.nvme_path  # the engine strategy reads it when it builds the engine
 

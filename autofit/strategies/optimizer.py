@@ -17,6 +17,8 @@ from autofit.errors import MissingExtraError
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
+    from autofit.spec.train import TrainSpec
     from autofit.spec.train import OptimizerSpec
 
 BNB = {O.ADAMW8BIT: "AdamW8bit", O.PAGED_ADAMW8BIT: "PagedAdamW8bit"}
@@ -28,7 +30,7 @@ class OptimizerStates(Strategy):
     field = "optimizer"
     rung = 5
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         chosen = O(spec.optimizer.name)
         if not spec.optimizer.explore:
             available, why = _available(chosen, spec)
@@ -48,7 +50,7 @@ class OptimizerStates(Strategy):
         """Paged optimizers allocate unified memory outside the allocator: probe them in a child process."""
         return Placement.CHILD if config.optimizer is O.PAGED_ADAMW8BIT else Placement.IN_PROCESS
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         run.optimizer_factory = make_factory(run.config.optimizer, run.spec.optimizer)
 
 

@@ -6,10 +6,16 @@ states stay fp32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from autofit.config import Precision as P
 from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 DTYPES = {P.BF16: torch.bfloat16, P.FP16: torch.float16}
 
@@ -20,7 +26,7 @@ class Precision(Strategy):
     field = "precision"
     rung = 1
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         target = spec.target
         return [
             Option(P.FP32, 0, "full precision, the baseline"),
@@ -30,7 +36,7 @@ class Precision(Strategy):
                    else "not needed: bf16 is native and needs no loss scaling", available=not target.bf16),
         ]
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         precision = run.config.precision
         run.autocast_dtype = DTYPES.get(precision)
         if precision is P.FP16:

@@ -21,6 +21,8 @@ from autofit.strategies.base import Ladder, Option, Placement
 from autofit.strategies.lora import output_head
 
 if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
+    from autofit.spec.train import TrainSpec
     from autofit.spec.target import Target
 INT8_THRESHOLD = 6.0  # LLM.int8 outlier threshold: features above it stay in fp16
 
@@ -32,7 +34,7 @@ class Quantization(Ladder):
     rung = 7
     values = (Q.NONE, Q.INT8, Q.NF4)  # least base-weight memory saved first
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = unavailable_reason(spec.target)
         return [
             Option(Q.NONE, 0, "base weights in full precision"),
@@ -46,7 +48,7 @@ class Quantization(Ladder):
         """bitsandbytes keeps process-global state (CUDA kernels, paged buffers): probe in a child."""
         return Placement.IN_PROCESS if config.quantization is Q.NONE else Placement.CHILD
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         value = run.config.quantization
         if value is Q.NONE:
             return

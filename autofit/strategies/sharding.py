@@ -7,10 +7,13 @@ offload rung (the rule table says so once).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from autofit.config import Config, Engine, Sharding
 from autofit.strategies.base import Option, Placement, Strategy
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
 
 WHAT = {1: "optimizer states", 2: "gradients and optimizer states", 3: "parameters, gradients and optimizer states"}
 
@@ -24,14 +27,14 @@ class ShardingEngine(Strategy):
     offered: ClassVar[tuple[Sharding, ...]]  # least sharded first
     label: ClassVar[str]  # how the reason names the engine ("ZeRO", "FSDP2")
 
-    def options(self, spec) -> list[Option]:
+    def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = self.unavailable_reason(spec)
         ranks = spec.target.count
         return [Option(Sharding.NONE, 0, "no sharding")] + [
             Option(value, 0, why_not or f"{self.label} ({value.value}): {WHAT[value.stage]} sharded over {ranks} ranks",
                    available=why_not is None) for value in self.offered]
 
-    def unavailable_reason(self, spec) -> str | None:
+    def unavailable_reason(self, spec: "TrainSpec") -> str | None:
         """Why this engine cannot run for `spec`, or None."""
         if spec.target.count < 2 and not spec.target.cuda:
             return (f"sharding needs several ranks; num_gpus={spec.target.count} "

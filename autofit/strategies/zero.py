@@ -12,10 +12,14 @@ launches, never in the caller's process.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import Engine, Sharding
 from autofit.strategies.sharding import ShardingEngine
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.probe.step import TrainRun
 
 MIN_VERSION = "0.14"  # the `deepspeed` extra's floor (pyproject); the probes were run with 0.19.8 only
 
@@ -27,7 +31,7 @@ class Zero(ShardingEngine):
     offered = (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
     label = "ZeRO"
 
-    def unavailable_reason(self, spec) -> str | None:
+    def unavailable_reason(self, spec: "TrainSpec") -> str | None:
         if spec.target.live:
             problem = version_problem(installed_version(), "ZeRO")
             if problem:
@@ -36,7 +40,7 @@ class Zero(ShardingEngine):
             return "ZeRO needs DeepSpeed: pip install 'autofit[deepspeed]'"
         return super().unavailable_reason(spec)
 
-    def apply(self, run) -> None:
+    def apply(self, run: "TrainRun") -> None:
         if self.owns(run.config):
             run.scaler = None  # DeepSpeed scales fp16 losses itself (the config's fp16 section)
             run.engine_factory = build_engine
@@ -78,7 +82,7 @@ class DeepSpeedEngine:
         """Nothing left to do: the last micro-batch's `engine.step()` was the accumulation boundary."""
 
 
-def build_engine(run) -> DeepSpeedEngine:
+def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     """`deepspeed.initialize` over the run's model with `deepspeed_config(run.config)`; the run's model
     becomes the engine. Only inside a rank that `autofit.probe.launch` launched (a process group exists)."""
     import torch.distributed as dist
@@ -100,7 +104,7 @@ def build_engine(run) -> DeepSpeedEngine:
     return DeepSpeedEngine(engine)
 
 
-def _factory(run) -> Any:
+def _factory(run: "TrainRun") -> Any:
     import torch
 
     return run.optimizer_factory or (lambda ps: torch.optim.AdamW(ps))

@@ -1,6 +1,7 @@
 """StrategyContract: every strategy, the ones added later included, passes the same tests."""
 
 import pytest
+from freeze_embeddings import FreezeEmbeddings
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
@@ -8,7 +9,7 @@ from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
 from autofit.strategies import Option, Placement, default_strategies
 
-STRATEGIES = default_strategies()
+STRATEGIES = [*default_strategies(), FreezeEmbeddings()]  # a plug-in technique passes the same contract
 IDS = [s.field for s in STRATEGIES]
 
 
