@@ -54,6 +54,14 @@ def _offload_eight_bit(c: Config, t: "Target") -> str | None:
     return None
 
 
+def _fsdp_adafactor(c: Config, t: "Target") -> str | None:
+    if c.engine is Engine.FSDP and c.optimizer is Optimizer.ADAFACTOR:
+        # measured on 2 CPU ranks (torch 2.13): "aten.pow_.Scalar: in-place operations that require
+        # placement changes are not supported" in torch.optim.Adafactor's factored row/column norms
+        return "torch's Adafactor cannot step FSDP2's sharded (DTensor) parameters: its in-place norms fail"
+    return None
+
+
 def _quantization_needs_lora(c: Config, t: "Target") -> str | None:
     if c.quantization is not Quantization.NONE and not c.lora:
         return (f"quantization={c.quantization.value} freezes the base weights: without LoRA adapters "
@@ -86,6 +94,7 @@ RULES = (
     Rule("NVMe needs ZeRO-3", ("offload", "sharding"), _nvme_needs_zero3),
     Rule("ZeRO-Offload steps with CPU Adam", ("offload", "sharding", "optimizer"), _zero_offload_optimizer),
     Rule("8-bit states cannot step on the host", ("offload", "optimizer"), _offload_eight_bit),
+    Rule("Adafactor cannot step FSDP2 shards", ("sharding", "optimizer"), _fsdp_adafactor),
     Rule("quantization needs LoRA", ("quantization", "lora"), _quantization_needs_lora),
     Rule("quantized weights are not sharded", ("quantization", "sharding"), _quantization_unsharded),
     Rule("flash-attention needs half precision", ("attention", "precision"), _flash_needs_half),
