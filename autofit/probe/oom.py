@@ -41,8 +41,13 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def release_memory() -> None:
-    """Return freed memory: collect reference cycles (tracebacks hold frames) and empty CUDA's cache."""
+    """Return freed memory: collect reference cycles (tracebacks hold frames), free this thread's cuBLAS
+    workspaces (allocated through the caching allocator, aten/src/ATen/cuda/CublasHandlePool.cpp
+    getNewWorkspace; torch's own leak check clears them the same way) and empty CUDA's cache."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
