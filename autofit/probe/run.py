@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from autofit.config import Config
-from autofit.errors import UsageError
+from autofit.errors import CudaContextBroken, UsageError
 from autofit.probe.memory import Budget, DeadlinePassed, budget_for
-from autofit.probe.oom import classify_oom, first_line, release_memory
+from autofit.probe.oom import classify_oom, first_line, release_memory, sticky_error
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import build_run
 from autofit.spec.batch import to_device
@@ -54,13 +54,25 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
                              f"too slow to win: stopped after {allowance:.1f} s, when a config at half the best "
                              f"throughput so far ({step_limit:.2f} s/step) would have finished", budget.peak or None)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
+        _stop_if_broken(exc, config)
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
         result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind)
     else:
         result = _measured(spec, config, budget.peak, step_seconds)
-    release_memory()
+    try:
+        release_memory()
+    except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
+        _stop_if_broken(exc, config)
+        raise
     return result
+
+
+def _stop_if_broken(exc: BaseException, config: Config) -> None:
+    """Raise `CudaContextBroken` when `exc` is a sticky CUDA error: no later probe could run here."""
+    cause = sticky_error(exc)
+    if cause is not None:
+        raise CudaContextBroken(config.describe(), cause) from exc
 
 
 def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> float:
