@@ -126,6 +126,11 @@ class FakeCuda:
         """Device-wide used bytes (every process), as cudaMemGetInfo and nvmlDeviceGetMemoryInfo see them."""
         return self.gpus[index].foreign + self.used_by_this_process(index)
 
+    def physical(self, index: int) -> int:
+        """The card `cuda:index` is in this process, through CUDA_VISIBLE_DEVICES as it is now."""
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return int(listed.split(",")[index]) if listed else index
+
     # -- the patched functions -----------------------------------------------------------------------
     def _index(self, device: Any = None) -> int:
         if device is None:
@@ -173,8 +178,9 @@ class FakeCuda:
             return function
 
         def set_device(device):
-            self._call("set_device", self._index(device))
+            self._call("set_device", self._index(device), self.physical(self._index(device)))
             self.current = self._index(device)
+            self.context_made = True  # cudaSetDevice makes the primary context (CUDA 12)
 
         def reset_peak(device=None):
             self._call("reset_peak_memory_stats", self._index(device))
@@ -271,4 +277,42 @@ def _fake_nvml(cuda: FakeCuda) -> types.ModuleType:
     module.nvmlDeviceGetHandleByPciBusId = handle
     module.nvmlDeviceGetComputeRunningProcesses = processes
     module.nvmlDeviceGetMemoryInfo = memory
+    return module
+
+
+class OnFakeCuda(torch.Tensor):
+    """A CPU tensor that reports `cuda:0`: stands in for a user's tensor already on the card. Every op
+    runs on the CPU data and stays "on the card", except a copy to the CPU, which is a plain tensor."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=torch.device("cuda", 0),
+                                                     requires_grad=requires_grad)
+        tensor.payload = data
+        return tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map_only
+
+        kwargs = kwargs or {}
+        plain_args, plain_kwargs = tree_map_only(OnFakeCuda, lambda t: t.payload, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            return out
+        return tree_map_only(torch.Tensor, OnFakeCuda, out)
+
+
+def on_fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with every parameter and buffer an `OnFakeCuda` tensor (tied weights stay tied)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                if id(param) not in seen:
+                    seen[id(param)] = torch.nn.Parameter(OnFakeCuda(param.detach()), param.requires_grad)
+                sub._parameters[name] = seen[id(param)]
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = OnFakeCuda(buffer)
     return module
