@@ -171,12 +171,14 @@ class CudaBudget(_Deadline):
     The per-process fraction bounds what the allocator reserves; what this process holds outside the
     allocator (its CUDA context, library workspaces, NCCL buffers) is measured (`outside_allocator`)
     and subtracted from the allocator's share, so the whole process stays within `limit`. Other
-    processes on the card are not charged. The fraction in force before is restored on exit.
+    processes on the card are not charged, nor `resident` bytes of the user's own tensors that were on
+    the card before (a module given on the GPU). The fraction in force before is restored on exit.
     """
 
-    def __init__(self, limit: int | None, device: torch.device):
+    def __init__(self, limit: int | None, device: torch.device, resident: int = 0):
         self.limit = limit
         self.device = device
+        self.resident = resident
         self.peak = 0
         self._previous_fraction: float | None = None
 
@@ -190,7 +192,7 @@ class CudaBudget(_Deadline):
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.limit is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            allowed = max(self.limit - self.outside_allocator(), 0)
+            allowed = max(self.limit - self.outside_allocator() + self.resident, 0)
             self._previous_fraction = _fraction(self.device)
             torch.cuda.set_per_process_memory_fraction(min(allowed / total, 1.0), self.device)
         return self
@@ -198,7 +200,8 @@ class CudaBudget(_Deadline):
     def __exit__(self, *exc_info: Any) -> None:
         try:
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_reserved(self.device) + self.outside_allocator()
+            peak = torch.cuda.max_memory_reserved(self.device) + self.outside_allocator() - self.resident
+            self.peak = max(peak, 0)
         finally:
             if self._previous_fraction is not None:
                 torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
@@ -285,8 +288,9 @@ def foreign_memory(device: torch.device) -> int | None:
 Budget = CpuBudget | CudaBudget
 
 
-def budget_for(device: torch.device, limit: int | None) -> Budget:
-    """The budget enforcer for `device`: a context manager whose `.peak` is read after it exits."""
+def budget_for(device: torch.device, limit: int | None, resident: int = 0) -> Budget:
+    """The budget enforcer for `device`: a context manager whose `.peak` is read after it exits.
+    `resident`: bytes of the user's tensors already on a CUDA `device`, not charged (`CudaBudget`)."""
     if device.type == "cuda":
-        return CudaBudget(limit, device)
+        return CudaBudget(limit, device, resident)
     return CpuBudget(limit)

@@ -40,7 +40,7 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     runs plus two more (model build, first-step warm-up) at that pace, and at least MIN_ALLOWANCE
     seconds (timing noise dominates shorter probes), then it is recorded as too slow.
     """
-    budget = budget_for(spec.device, spec.memory_budget)
+    budget = budget_for(spec.device, spec.memory_budget, spec.resident_bytes)
     if step_limit is not None:
         allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
         budget.deadline = time.perf_counter() + allowance
