@@ -28,9 +28,17 @@ class DeadlinePassed(Exception):
 
 
 class _Deadline:
-    """Optional wall-clock deadline (time.perf_counter() seconds) shared by both budgets."""
+    """Optional wall-clock deadline (time.perf_counter() seconds) shared by both budgets. A probe sets
+    `allowance` (seconds) and the clock starts after its first step (`start_clock`): one-time setup
+    (`deepspeed.initialize`, NCCL communicators, CPU-Adam builds) is not what makes it slow."""
 
     deadline: float | None = None
+    allowance: float | None = None
+
+    def start_clock(self) -> None:
+        """Set the deadline `allowance` seconds from now, once (later calls leave it)."""
+        if self.allowance is not None and self.deadline is None:
+            self.deadline = time.perf_counter() + self.allowance
 
     def check_deadline(self) -> None:
         """Raise `DeadlinePassed` once the deadline has passed."""
