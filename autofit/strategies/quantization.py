@@ -118,10 +118,12 @@ def _is_projection(module: nn.Module) -> bool:
 
 
 def _nothing_to_quantize(spec: "TrainSpec") -> str | None:
-    """Why quantization would change nothing in `spec`'s model (no layer to replace), or None."""
+    """Why quantization would change nothing in `spec`'s model (no layer to replace), or None. A Hugging
+    Face model is made of linear (or Conv1D) projections: it is not built again to count them (a 70B
+    build, even on the meta device, takes many seconds)."""
     from autofit.strategies.lora import _inspectable
 
-    if quantizable_layers(_inspectable(spec.model_factory)):
+    if spec.model.is_hf or quantizable_layers(_inspectable(spec.model_factory)):
         return None
     return (f"{spec.model.name} has no linear layer to quantize (nn.Linear or transformers Conv1D) besides its "
             "output head: 4/8-bit base weights would change nothing")
