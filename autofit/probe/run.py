@@ -53,8 +53,9 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         raise
     except DeadlinePassed:
         result = ProbeResult(config, ProbeStatus.PRUNED,
-                             f"too slow to win: stopped {allowance:.1f} s after its first step, when a config at half the best "
-                             f"throughput so far ({step_limit:.2f} s/step) would have finished", budget.peak or None)
+                             f"too slow to win: stopped {allowance:.1f} s after its first step, when a config at half "
+                             f"the best throughput so far ({step_limit:.2f} s/step) would have finished",
+                             budget.peak or None)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         _stop_if_broken(exc, config)
         kind = classify_oom(exc)
@@ -109,7 +110,7 @@ def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -
     stepped = held = False  # an optimizer step has applied (states exist); a step has run holding them
     taken = 0
     while taken < steps or (scaled and steps and not held):
-        if taken >= steps + MAX_SKIPPED_STEPS:
+        if taken >= steps + MAX_SKIPPED_STEPS and not stepped:
             raise RuntimeError(f"fp16: GradScaler skipped optimizer.step() in all {taken} steps (the gradients "
                                f"overflowed down to a loss scale of {run.scaler.get_scale():g}), so the optimizer "
                                "states never existed; bf16 or fp32 may train this model")

@@ -47,7 +47,8 @@ NCCL_OOM = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCC
             "(run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclUnhandledCudaError: Call to CUDA "
             "function failed.\nLast error:\nCuda failure 2 'out of memory'")
 NCCL_CALLOC = ("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
-               "\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nFailed to CUDA calloc 6291456 bytes")
+               "\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+               "Failed to CUDA calloc 6291456 bytes")
 NCCL_OTHER = ("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details)"
               "\nncclUnhandledCudaError: Call to CUDA function failed.")
 # c10/cuda/CUDAException.cpp c10_cuda_check_implementation + CUDAMiscFunctions.cpp get_cuda_async_error_suffix
@@ -197,7 +198,8 @@ class FakeCuda:
             "get_device_name": lambda device=None: self.gpus[self._index(device)].name,
             "mem_get_info": mem_get_info,
             "memory_reserved": recorded("memory_reserved", lambda i: self.reserved[i]),
-            "max_memory_reserved": recorded("max_memory_reserved", lambda i: max(self.max_reserved[i], self.reserved[i])),
+            "max_memory_reserved": recorded("max_memory_reserved",
+                                            lambda i: max(self.max_reserved[i], self.reserved[i])),
             "memory_allocated": recorded("memory_allocated", lambda i: self.allocated[i]),
             "memory_stats": recorded("memory_stats", lambda i: {"reserved_bytes.all.current": self.reserved[i],
                                                                 "allocated_bytes.all.current": self.allocated[i]}),

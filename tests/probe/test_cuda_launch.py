@@ -66,7 +66,8 @@ def test_a_child_probe_binds_its_card_before_anything_touches_cuda(monkeypatch):
 def test_ranks_past_the_last_card_are_refused_naming_the_range():
     with FakeCuda(THREE_CARDS):
         launcher.check_ranks(torch.device("cuda", 1), 2)
-        with pytest.raises(UsageError, match=r"num_gpus=2 but 1 CUDA device\(s\) are visible from cuda:2 on \(3 in all\)"):
+        refused = r"num_gpus=2 but 1 CUDA device\(s\) are visible from cuda:2 on \(3 in all\)"
+        with pytest.raises(UsageError, match=refused):
             launcher.check_ranks(torch.device("cuda", 2), 2)
 
 
