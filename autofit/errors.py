@@ -21,3 +21,18 @@ class MissingExtraError(AutofitError, ImportError):
         super().__init__(
             f"{purpose} needs {package}, which is not installed: pip install 'autofit[{extra}]'"
         )
+
+
+class CudaContextBroken(AutofitError):
+    """A sticky CUDA error (device-side assert, illegal memory access) poisoned this process's CUDA context:
+    every later CUDA call fails the same way, so no further probe can run here. Names the candidate."""
+
+    def __init__(self, candidate: str, cause: str):
+        self.candidate = candidate
+        self.cause = cause
+        hint = ("A device-side assert is most often an index out of range: token ids >= the vocabulary size, or "
+                "labels >= the number of classes; check the batch, or run with CUDA_LAUNCH_BLOCKING=1 to see the "
+                "failing op." if "device-side assert" in cause else
+                "Run with CUDA_LAUNCH_BLOCKING=1 to see the failing op.")
+        super().__init__(f"The CUDA context broke while probing {candidate}: {cause}. Every later CUDA call in this "
+                         f"process would fail the same way, so the search stops here. {hint}")

@@ -83,6 +83,7 @@ class _Attempt:
     size: int = 0
     loss: torch.Tensor | None = None  # its share of the step's loss, when its gradients are in
     oom: str | None = None  # OOM kind and message
+    kind: str | None = None  # OOM kind alone (`autofit.probe.oom.classify_oom`), named in the recovery's reason
     where: str = ""  # "forward" / "backward" (or "forward/backward" for an integration's own step)
     touched: list[nn.Parameter] = dataclasses.field(default_factory=list)  # gradients the failed backward added to
     error: BaseException | None = None  # a non-OOM error, re-raised unchanged
@@ -225,7 +226,7 @@ class OomGuard:
         # Out of the except block: the exception, its traceback and the attempt's tensors are gone.
         touched = self._ledger.touched()
         done = len(touched) == len(self._ledger.params) - len(hold)  # every gradient got in before the OOM
-        return _Attempt(size=size, loss=torch.zeros(()) if done else None, oom=f"{kind} ({detail})",
+        return _Attempt(size=size, loss=torch.zeros(()) if done else None, oom=f"{kind} ({detail})", kind=kind,
                         where=self.phase, touched=[] if done else touched)
 
     def _recover(self, attempt: _Attempt, agreed: Round, total: int) -> None:
@@ -244,7 +245,7 @@ class OomGuard:
         else:
             raise GuardGaveUp(self._gave_up_message(attempt, total, peak))
         new = new.replace(grad_accum_steps=math.ceil(total / new.micro_batch_size) * self.accumulation_multiplier)
-        where = f"in the {attempt.where} on this rank" if attempt.oom else \
+        where = f"in the {attempt.where} on this rank ({attempt.kind})" if attempt.oom else \
             f"on another rank ({agreed.smallest_failure} samples)"
         replay = (f"replaying its samples with the {len(attempt.touched)} parameters whose gradients it had "
                   "already added held out" if attempt.touched else "replaying the remaining samples")

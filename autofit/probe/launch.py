@@ -29,6 +29,7 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
+from autofit.probe.handover import adopt, parent_state
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.spec.train import TrainSpec
 from autofit.strategies.base import Placement
@@ -41,14 +42,15 @@ _GRACE = 5.0  # seconds the other ranks get to report once one has
 
 
 def check_ranks(device: torch.device, num_ranks: int) -> None:
-    """`UsageError` when `num_ranks` CUDA ranks cannot run here. On the CPU any number of ranks may run
-    (that is how several GPUs are rehearsed in tests)."""
+    """`UsageError` when `num_ranks` CUDA ranks cannot run here, starting at `device`'s index. On the CPU any
+    number of ranks may run (that is how several GPUs are rehearsed in tests)."""
     if device.type != "cuda":
         return
-    visible = torch.cuda.device_count()
-    if num_ranks > visible:
-        raise UsageError(f"num_gpus={num_ranks} but {visible} CUDA device(s) are visible; use num_gpus<={visible}, "
-                         "make more devices visible (CUDA_VISIBLE_DEVICES), or plan for a larger machine with "
+    visible, first = torch.cuda.device_count(), device.index or 0
+    if first + num_ranks > visible:
+        raise UsageError(f"num_gpus={num_ranks} but {max(visible - first, 0)} CUDA device(s) are visible from "
+                         f"cuda:{first} on ({visible} in all); use num_gpus<={max(visible - first, 0)}, an earlier "
+                         "device, make more devices visible (CUDA_VISIBLE_DEVICES), or plan for a larger machine with "
                          "autofit dry-run --num-gpus.")
 
 
@@ -70,7 +72,7 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
     world = config.num_gpus if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    payload = pickled(spec, config, strategies, step_limit)
+    payload = pickled(spec, config, strategies, step_limit, world)
     if isinstance(payload, ProbeResult):
         return payload
     processes = _start(payload, world, ranks, timeout)
@@ -82,10 +84,11 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
 
 
 def pickled(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
-            step_limit: float | None) -> bytes | ProbeResult:
-    """What a child process needs to run the probe, or the error result saying why it does not pickle."""
+            step_limit: float | None, world: int = 1) -> bytes | ProbeResult:
+    """What a child process (of `world`) needs to run the probe, its parent's state included
+    (`autofit.probe.handover`), or the error result saying why it does not pickle."""
     try:
-        return pickle.dumps((spec, config, list(strategies), step_limit))
+        return pickle.dumps((spec, config, list(strategies), step_limit, parent_state(spec.device, world)))
     except Exception as exc:  # noqa: BLE001 - lambdas, local classes, open handles
         return ProbeResult(config, ProbeStatus.ERROR,
                            f"cannot probe in a child process: the spec does not pickle ({exc}); "
@@ -185,14 +188,12 @@ def _free_port() -> int:
 def _main(rank: int, world: int, port: int | None, timeout: float, payload: bytes,
           sender: multiprocessing.connection.Connection) -> None:
     """One process: join the process group (ranks only), run the ordinary probe, report, leave."""
-    spec, config, strategies, step_limit = pickle.loads(payload)
+    spec, config, strategies, step_limit, state = pickle.loads(payload)
+    spec = adopt(state, spec, rank)  # the probe's cards, a memory baseline, the parent's TF32/cuDNN flags
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        if spec.device.type == "cuda":
-            torch.cuda.set_device(rank)
-            spec = dataclasses.replace(spec, device=torch.device("cuda", rank))
-        else:
+        if spec.device.type != "cuda":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise look for a GPU
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     result = _probe(spec, config, strategies, step_limit, rank, world, port, timeout)

@@ -3,8 +3,9 @@
 - CPU: every tensor storage created while the budget is active is counted (parameters and optimizer
   states included); going over raises `torch.OutOfMemoryError`, exactly as a card of that size would.
 - CUDA: the caching allocator's per-process fraction caps what the allocator may reserve; the peak is
-  the allocator's peak reservation plus what the process holds outside it (CUDA context, cuBLAS
-  workspaces, bitsandbytes' paged buffers).
+  the allocator's peak reservation plus what this process holds outside it (CUDA context, library
+  workspaces), read per process from NVML (`autofit.probe.nvml`): other processes on the card are not
+  charged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
+from autofit.probe import nvml
 from autofit.units import format_size
 
 
@@ -26,9 +28,17 @@ class DeadlinePassed(Exception):
 
 
 class _Deadline:
-    """Optional wall-clock deadline (time.perf_counter() seconds) shared by both budgets."""
+    """Optional wall-clock deadline (time.perf_counter() seconds) shared by both budgets. A probe sets
+    `allowance` (seconds) and the clock starts after its first step (`start_clock`): one-time setup
+    (`deepspeed.initialize`, NCCL communicators, CPU-Adam builds) is not what makes it slow."""
 
     deadline: float | None = None
+    allowance: float | None = None
+
+    def start_clock(self) -> None:
+        """Set the deadline `allowance` seconds from now, once (later calls leave it)."""
+        if self.allowance is not None and self.deadline is None:
+            self.deadline = time.perf_counter() + self.allowance
 
     def check_deadline(self) -> None:
         """Raise `DeadlinePassed` once the deadline has passed."""
@@ -166,21 +176,23 @@ def _budget_oom(current: int, nbytes: int, limit: int) -> torch.OutOfMemoryError
 class CudaBudget(_Deadline):
     """Caps the CUDA caching allocator at `limit` bytes for this process and measures the peak.
 
-    The per-process fraction bounds what the allocator reserves; memory outside the allocator (the
-    CUDA context, library workspaces, paged buffers) is measured with `torch.cuda.mem_get_info` and
-    subtracted from the allocator's share so the whole process stays within `limit`.
+    The per-process fraction bounds what the allocator reserves; what this process holds outside the
+    allocator (its CUDA context, library workspaces, NCCL buffers) is measured (`outside_allocator`)
+    and subtracted from the allocator's share, so the whole process stays within `limit`. Other
+    processes on the card are not charged, nor `resident` bytes of the user's own tensors that were on
+    the card before (a module given on the GPU). The fraction in force before is restored on exit.
     """
 
-    def __init__(self, limit: int | None, device: torch.device):
+    def __init__(self, limit: int | None, device: torch.device, resident: int = 0):
         self.limit = limit
         self.device = device
+        self.resident = resident
         self.peak = 0
-        self._previous_fraction = 1.0
+        self._previous_fraction: float | None = None
 
     def outside_allocator(self) -> int:
-        """Bytes the device holds beyond this process's allocator reservation (context, workspaces)."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+        """Bytes this process holds on the card beyond its allocator's reservation (context, workspaces)."""
+        return outside_allocator(self.device)
 
     def __enter__(self) -> "CudaBudget":
         torch.cuda.synchronize(self.device)
@@ -188,25 +200,105 @@ class CudaBudget(_Deadline):
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.limit is not None:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            allowed = max(self.limit - self.outside_allocator(), 0)
+            allowed = max(self.limit - self.outside_allocator() + self.resident, 0)
+            self._previous_fraction = _fraction(self.device)
             torch.cuda.set_per_process_memory_fraction(min(allowed / total, 1.0), self.device)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        torch.cuda.synchronize(self.device)
-        self.peak = torch.cuda.max_memory_reserved(self.device) + self.outside_allocator()
-        torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
+        try:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_reserved(self.device) + self.outside_allocator() - self.resident
+            self.peak = max(peak, 0)
+        finally:
+            if self._previous_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)
+                self._previous_fraction = None
 
     def reset_peak(self) -> None:
         """Start measuring the allocator's peak again."""
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
+def _fraction(device: torch.device) -> float:
+    """The per-process fraction in force on `device` (1.0 when unset); torch < 2.6 has no getter
+    (`get_per_process_memory_fraction`, pytorch/pytorch#140620), and there it is taken as 1.0."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return float(getter(device)) if getter is not None else 1.0
+
+
+# device index -> device-wide bytes used that are not charged to this process: taken before its CUDA
+# context existed (a launched child, `note_baseline`), or else at its first reading (context included).
+_BASELINES: dict[int, int] = {}
+_BEFORE_CONTEXT: set[int] = set()  # device indexes whose baseline was taken before the context
+
+
+def note_baseline(device: torch.device, used: int) -> None:
+    """Record `used`, the card's device-wide bytes in use before this process made its CUDA context, so
+    that what it adds later (context included) is charged to it and nothing else is."""
+    _BASELINES[device.index or 0] = used
+    _BEFORE_CONTEXT.add(device.index or 0)
+
+
+def forget_baselines() -> None:
+    """Forget every baseline and look for NVML afresh (a test double swapping the runtime; a new process)."""
+    _BASELINES.clear()
+    _BEFORE_CONTEXT.clear()
+    nvml.forget()
+
+
+def _device_used(device: torch.device, bus: str | None) -> int:
+    used = nvml.device_used(bus)
+    if used is None:
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+    return used
+
+
+def outside_allocator(device: torch.device) -> int:
+    """Bytes this process holds on `device` beyond its caching allocator's reservation.
+
+    NVML's reading for this pid when it has one (exact). Otherwise the growth of the device-wide use over
+    the baseline (`note_baseline`, or this process's first reading, whose CUDA context is then not
+    counted): other processes are assumed steady meanwhile. `accounting(device)` says which applies.
+    """
+    reserved = torch.cuda.memory_reserved(device)
+    bus = nvml.bus_id(device)
+    own = nvml.process_used(bus)
+    if own is not None:
+        return max(0, own - reserved)
+    used = _device_used(device, bus)
+    baseline = _BASELINES.setdefault(device.index or 0, used - reserved)
+    return max(0, used - baseline - reserved)
+
+
+def accounting(device: torch.device) -> str:
+    """How `outside_allocator(device)` measures this process: one line for the plan's spec summary."""
+    bus = nvml.bus_id(device)
+    if nvml.process_used(bus) is not None:
+        return "this process's own memory (NVML)"
+    if (device.index or 0) in _BEFORE_CONTEXT:
+        return "device-wide growth since before this process's CUDA context (NVML does not list this pid)"
+    why = "NVML does not list this pid" if nvml.device_used(bus) is not None else \
+        "install nvidia-ml-py to measure it: pip install 'autofit[gpu]'"
+    return f"device-wide growth since this process first looked; its CUDA context is not counted ({why})"
+
+
+def foreign_memory(device: torch.device) -> int | None:
+    """Bytes other processes hold on `device` (NVML), or None when NVML cannot tell them from this one."""
+    bus = nvml.bus_id(device)
+    own, used = nvml.process_used(bus), nvml.device_used(bus)
+    if own is None or used is None:
+        return None
+    return max(0, used - own)
+
+
 Budget = CpuBudget | CudaBudget
 
 
-def budget_for(device: torch.device, limit: int | None) -> Budget:
-    """The budget enforcer for `device`: a context manager whose `.peak` is read after it exits."""
+def budget_for(device: torch.device, limit: int | None, resident: int = 0) -> Budget:
+    """The budget enforcer for `device`: a context manager whose `.peak` is read after it exits.
+    `resident`: bytes of the user's tensors already on a CUDA `device`, not charged (`CudaBudget`)."""
     if device.type == "cuda":
-        return CudaBudget(limit, device)
+        return CudaBudget(limit, device, resident)
     return CpuBudget(limit)

@@ -6,31 +6,84 @@ import gc
 
 import torch
 
-# (kind, substring of the message) for OOMs that arrive as plain RuntimeErrors.
+# (kind, substring of the message) for OOMs that arrive as plain RuntimeErrors (first match wins).
 _MESSAGES = (
+    # torch/utils/data/_utils/pin_memory.py wraps the error: "Caught RuntimeError in pin memory thread ..."
+    ("host-pinned", "in pin memory thread"),
+    # c10_cuda_check_implementation: "CUDA error: " + cudaGetErrorString; also cudaHostAlloc of pinned
+    # host memory (aten/src/ATen/cuda/CachingHostAllocator.cpp), which cannot be told apart by its text.
     ("cuda-runtime", "CUDA error: out of memory"),
+    ("cuda-driver", "CUDA driver error: out of memory"),  # c10/cuda/driver_api.h: cuMemCreate, cuMemHostAlloc
     ("cublas", "CUBLAS_STATUS_ALLOC_FAILED"),
     ("cudnn", "CUDNN_STATUS_ALLOC_FAILED"),
+    ("cudnn", "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),  # cuDNN 9 (code 4004)
+    ("cudnn-host", "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED"),  # cuDNN 9 (code 4003)
     ("cudnn", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"),
     ("cuda-allocator", "CUDA out of memory"),
     ("cpu-allocator", "DefaultCPUAllocator: can't allocate memory"),
     ("cpu-allocator", "DefaultCPUAllocator: not enough memory"),
 )
+# cublasCreate fails with NOT_INITIALIZED when there is no memory for the handle, and also after an
+# earlier asynchronous error: an OOM only while the context still works (CublasHandlePool.cpp).
+_CUBLAS_CREATE = "CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate"
+# NCCL's DistBackendError (NCCLUtils.hpp C10D_NCCL_CHECK) carries NCCL's last error: an OOM only when it names one.
+_NCCL_OOM = ("'out of memory'", "Failed to CUDA calloc")
+# Errors that poison the CUDA context: every later CUDA call in the process fails the same way
+# (c10/cuda/CUDAMiscFunctions.cpp lists them for the "asynchronously reported" suffix). Never an OOM.
+STICKY = ("device-side assert triggered", "an illegal memory access was encountered", "unspecified launch failure",
+          "an illegal instruction was encountered", "misaligned address")
 
 
 def classify_oom(exc: BaseException) -> str | None:
-    """The kind of OOM `exc` is ("cuda-allocator", "cpu-budget", "cublas", ...), or None if it is not one."""
+    """The kind of OOM `exc` is ("cuda-allocator", "cpu-budget", "cublas", "nccl", ...), or None if it is not one."""
     if isinstance(exc, torch.OutOfMemoryError):
         return "cpu-budget" if getattr(exc, "autofit_cpu_budget", False) else "cuda-allocator"
     if isinstance(exc, MemoryError):
         return "host"
     if isinstance(exc, RuntimeError):
-        message = str(exc)
-        for kind, needle in _MESSAGES:
-            if needle in message:
-                return kind
+        kind = _runtime_kind(exc, str(exc))
+        if kind is not None:
+            return kind
     cause = exc.__cause__ or exc.__context__
     return classify_oom(cause) if cause is not None and cause is not exc else None
+
+
+def _runtime_kind(exc: RuntimeError, message: str) -> str | None:
+    if sticky_error(exc) is not None:
+        return None
+    for kind, needle in _MESSAGES:
+        if needle in message:
+            return kind
+    if _CUBLAS_CREATE in message:
+        return "cublas" if _context_works() else None
+    if _is_nccl_error(exc) and any(needle in message for needle in _NCCL_OOM):
+        return "nccl"
+    return None
+
+
+def _is_nccl_error(exc: BaseException) -> bool:
+    backend_error = getattr(torch.distributed, "DistBackendError", None) if torch.distributed.is_available() else None
+    return backend_error is not None and isinstance(exc, backend_error)
+
+
+def _context_works() -> bool:
+    """Whether the CUDA context still answers (a sticky error makes every call fail)."""
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return False
+    return True
+
+
+def sticky_error(exc: BaseException) -> str | None:
+    """The first line of `exc` (or of its cause) when it is a sticky CUDA error, else None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        message = str(exc)
+        if isinstance(exc, RuntimeError) and any(needle in message for needle in STICKY):
+            return first_line(exc)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
@@ -41,8 +94,13 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def release_memory() -> None:
-    """Return freed memory: collect reference cycles (tracebacks hold frames) and empty CUDA's cache."""
+    """Return freed memory: collect reference cycles (tracebacks hold frames), free this thread's cuBLAS
+    workspaces (allocated through the caching allocator, aten/src/ATen/cuda/CublasHandlePool.cpp
+    getNewWorkspace; torch's own leak check clears them the same way) and empty CUDA's cache."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from autofit.config import Config
-from autofit.errors import UsageError
+from autofit.errors import CudaContextBroken, UsageError
 from autofit.probe.memory import Budget, DeadlinePassed, budget_for
-from autofit.probe.oom import classify_oom, first_line, release_memory
+from autofit.probe.oom import classify_oom, first_line, release_memory, sticky_error
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import build_run
 from autofit.spec.batch import to_device
@@ -24,11 +24,13 @@ from autofit.spec.train import TrainSpec
 from autofit.units import format_size
 
 if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
     from autofit.strategies.base import Strategy
 
 
 MIN_ALLOWANCE = 5.0  # seconds a probe may always take before its deadline stops it
 STEADY_STEPS = 2  # optimizer steps after which every step allocates the same (see _train)
+MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps beyond the asked ones: 24 halvings take the scale from 2**16 to 2**-8
 
 
 def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
@@ -36,14 +38,14 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     """Train `config` for `spec.warmup_steps + spec.timed_steps` steps under the budget; never raises
     except for bad user input (`UsageError`).
 
-    `step_limit` (seconds per optimizer step) stops a probe that cannot win: it may take the steps it
-    runs plus two more (model build, first-step warm-up) at that pace, and at least MIN_ALLOWANCE
-    seconds (timing noise dominates shorter probes), then it is recorded as too slow.
+    `step_limit` (seconds per optimizer step) stops a probe that cannot win: once its first step is
+    done (setup included), it may take the steps it runs plus two more at that pace, and at least
+    MIN_ALLOWANCE seconds (timing noise dominates shorter probes), then it is recorded as too slow.
     """
-    budget = budget_for(spec.device, spec.memory_budget)
+    budget = budget_for(spec.device, spec.memory_budget, spec.resident_bytes)
     if step_limit is not None:
         allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
-        budget.deadline = time.perf_counter() + allowance
+        budget.allowance = allowance
     try:
         with budget:
             step_seconds = _train(spec, config, strategies, budget)
@@ -51,16 +53,29 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         raise
     except DeadlinePassed:
         result = ProbeResult(config, ProbeStatus.PRUNED,
-                             f"too slow to win: stopped after {allowance:.1f} s, when a config at half the best "
-                             f"throughput so far ({step_limit:.2f} s/step) would have finished", budget.peak or None)
+                             f"too slow to win: stopped {allowance:.1f} s after its first step, when a config at half "
+                             f"the best throughput so far ({step_limit:.2f} s/step) would have finished",
+                             budget.peak or None)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
+        _stop_if_broken(exc, config)
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
         result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind)
     else:
         result = _measured(spec, config, budget.peak, step_seconds)
-    release_memory()
+    try:
+        release_memory()
+    except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
+        _stop_if_broken(exc, config)
+        raise
     return result
+
+
+def _stop_if_broken(exc: BaseException, config: Config) -> None:
+    """Raise `CudaContextBroken` when `exc` is a sticky CUDA error: no later probe could run here."""
+    cause = sticky_error(exc)
+    if cause is not None:
+        raise CudaContextBroken(config.describe(), cause) from exc
 
 
 def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> float:
@@ -68,9 +83,7 @@ def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
     run = build_run(spec, config, strategies)
     micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
     micro_batches = [micro_batch] * config.grad_accum_steps  # the loader's worst case, every micro-step
-    for _ in range(spec.warmup_steps):
-        run.step(micro_batches)
-        budget.check_deadline()
+    _warm_up(run, micro_batches, spec.warmup_steps, budget)
     _sync(spec.device)
     # Two steps reach the steady-state peak: the first ends by creating the optimizer states, the
     # second holds them through its backward. When the warm-up steps counted both, the timed steps
@@ -79,9 +92,35 @@ def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
         start = time.perf_counter()
         for _ in range(spec.timed_steps):
             run.step(micro_batches)
+            budget.start_clock()  # no warm-up: the first timed step was the first step
             budget.check_deadline()
         _sync(spec.device)
         return (time.perf_counter() - start) / spec.timed_steps
+
+
+def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -> None:
+    """Take `steps` untimed steps; the deadline's clock starts after the first.
+
+    With a GradScaler (fp16) a step whose gradients overflow skips `optimizer.step()`
+    (torch/amp/grad_scaler.py `_maybe_opt_step`), so the optimizer states may not exist yet; the first
+    steps often overflow (init_scale 2**16). Warm-up goes on until a whole step has run holding states,
+    as every later step does, at most MAX_SKIPPED_STEPS steps more.
+    """
+    scaled = run.scaler is not None and run.engine is None
+    stepped = held = False  # an optimizer step has applied (states exist); a step has run holding them
+    taken = 0
+    while taken < steps or (scaled and steps and not held):
+        if taken >= steps + MAX_SKIPPED_STEPS and not stepped:
+            raise RuntimeError(f"fp16: GradScaler skipped optimizer.step() in all {taken} steps (the gradients "
+                               f"overflowed down to a loss scale of {run.scaler.get_scale():g}), so the optimizer "
+                               "states never existed; bf16 or fp32 may train this model")
+        held = held or stepped
+        before = run.scaler.get_scale() if scaled else 0.0
+        run.step(micro_batches)
+        stepped = stepped or not scaled or run.scaler.get_scale() >= before  # a skipped step halves the scale
+        taken += 1
+        budget.start_clock()
+        budget.check_deadline()
 
 
 def _measured(spec: TrainSpec, config: Config, peak: int, step_seconds: float) -> ProbeResult:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psutil
 import torch
 
@@ -55,3 +57,13 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({psutil.cpu_count() or 1} cores)"
+
+
+def memory_report(device: torch.device) -> dict[str, Any]:
+    """For the spec summary: bytes other processes hold on a CUDA `device` (None where NVML cannot tell),
+    and how this process's memory outside the allocator is measured there."""
+    if device.type != "cuda":
+        return {"foreign_memory": None, "memory_accounting": ""}
+    from autofit.probe.memory import accounting, foreign_memory
+
+    return {"foreign_memory": foreign_memory(device), "memory_accounting": accounting(device)}

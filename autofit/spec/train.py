@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autofit.spec import batch as batches
-from autofit.spec.devices import device_memory, resolve_device
+from autofit.spec.devices import device_memory, memory_report, resolve_device
 from autofit.errors import UsageError
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
 from autofit.spec.target import Target
@@ -64,6 +64,13 @@ class TrainSpec:
     max_micro_batch: int = 1024  # largest micro-batch tried when the global batch is not given
     tokens_per_sample: int | None = None  # length of the sequence axis, for tokens/s
     batch_description: str = ""
+    # Bytes of the user's own module and batch already on the probe device when the spec was made: they
+    # stay there during in-process probes but are no part of the plan, so budgets do not charge them.
+    resident_bytes: int = 0
+    # CUDA: bytes other processes held on the card when the spec was made (None: NVML cannot tell), and
+    # how this process's memory outside the allocator is measured (`autofit.probe.memory.accounting`).
+    foreign_memory: int | None = None
+    memory_accounting: str = ""
 
     @property
     def fit_limit(self) -> int:
@@ -86,6 +93,9 @@ class TrainSpec:
             "safety_margin": self.safety_margin,
             "tokens_per_sample": self.tokens_per_sample,
             "batch": self.batch_description,
+            "resident_bytes": self.resident_bytes,
+            "foreign_memory": self.foreign_memory,
+            "memory_accounting": self.memory_accounting,
         }
 
 
@@ -98,13 +108,16 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning).
 
     `target`: the hardware planned for, when it is not the probe device (the dry-run's GPU profile)."""
+    resolved = resolve_device(device)
+    resident = _resident_bytes((model, batch), resolved)
+    # A module or sample batch already on a GPU is copied to the CPU once: probes and children build from it.
+    model, batch = _on_cpu(model), batches.to_device(batch, torch.device("cpu")) if _is_sample(batch) else batch
     model_factory = _model_factory(model)
     # A given module is inspected as it is; a factory is built on the meta device (no memory used).
     meta_model = None if isinstance(model, nn.Module) else build_on_meta(model_factory)
     info = inspect_model(model if isinstance(model, nn.Module) else meta_model or model_factory())
     batch_factory, description = _batch_factory(batch, info, seq_len)
     sample = _checked_sample(batch_factory)
-    resolved = resolve_device(device)
     budget, budget_reason = _budget(memory_budget, resolved)
     _check_positive("num_gpus", num_gpus)
     if global_batch_size is not None:
@@ -120,6 +133,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         timed_steps=_check_positive("timed_steps", timed_steps),
         max_micro_batch=_check_positive("max_micro_batch", max_micro_batch),
         tokens_per_sample=batches.tokens_per_sample(sample), batch_description=description,
+        resident_bytes=resident, **memory_report(resolved),
     )
     if meta_model is not None and loss_fn is None:
         _check_loss_on_meta(meta_model, sample)
@@ -160,7 +174,47 @@ def _model_from_config(config: Any) -> nn.Module:
 
     auto = AutoModelForImageClassification if hasattr(config, "image_size") and not hasattr(config, "vocab_size") \
         else AutoModelForCausalLM
-    return auto.from_config(config)
+    # transformers 5 builds in `config.dtype` when none is given (modeling_utils.py `_from_config`): a
+    # checkpoint's bf16 config would make every probe, fp32 ones included, train bf16 weights.
+    return auto.from_config(config, dtype=torch.float32)
+
+
+def _is_sample(batch: Any) -> bool:
+    return batch is not None and not (callable(batch) and not isinstance(batch, torch.Tensor))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, nn.Module):
+        return [*value.parameters(), *value.buffers()]
+    from torch.utils._pytree import tree_flatten
+
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _resident_bytes(values: Any, device: torch.device) -> int:
+    """Bytes of the tensors in `values` (a module, a sample batch) that sit on `device`, each storage once."""
+    if device.type == "cpu":
+        return 0
+    storages = {}
+    for value in values:
+        for tensor in _tensors(value):
+            if tensor.device == device:
+                storages[id(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _on_cpu(model: Any) -> Any:
+    """`model` itself when it is no module or all its tensors are on the CPU; else a CPU copy, made
+    tensor by tensor (never a second copy on the GPU; tied weights stay tied). The user's module is
+    not touched."""
+    if not isinstance(model, nn.Module):
+        return model
+    memo: dict[int, Any] = {}
+    for tensor in _tensors(model):
+        if tensor.device.type != "cpu" and id(tensor) not in memo:
+            moved = tensor.detach().to("cpu")
+            memo[id(tensor)] = nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
+    return copy.deepcopy(model, memo) if memo else model
 
 
 def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Callable[[int], Any], str]:

@@ -61,4 +61,16 @@ def _flash_available(spec: "TrainSpec") -> tuple[bool, str]:
         return False, "flash-attention needs CUDA"
     if not spec.target.has("flash_attn"):
         return False, "flash-attention is not installed: pip install flash-attn"
-    return True, "flash-attention 2 kernels (fp16/bf16 only)"
+    if spec.target.live and not _transformers_can_use_flash():
+        return False, ("transformers cannot use the installed flash_attn (is_flash_attn_2_available() is False: the "
+                       "flash-attn distribution >= 2.3.3 and CUDA are needed): pip install -U flash-attn")
+    return True, "flash-attention 2 kernels (fp16/bf16 only: the rule table excludes fp32)"
+
+
+def _transformers_can_use_flash() -> bool:
+    """transformers' own check (utils/import_utils.py `is_flash_attn_2_available`): the `flash-attn`
+    distribution at >= 2.3.3 and CUDA. A module named flash_attn alone (a broken install, or flash-attn 4)
+    passes `find_spec` but not this."""
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())

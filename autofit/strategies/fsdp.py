@@ -54,7 +54,10 @@ def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if run.config.offload is Offload.CPU else OffloadPolicy()
     mesh = _mesh(run.device)
-    model = run.model if offload.__class__ is CPUOffloadPolicy else run.model.to(run.device)
+    # The model stays on the CPU: `fully_shard` moves each block's states to the mesh's device and
+    # shards them (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_move_states_to_device`), so one
+    # block at a time is whole on the GPU, never the model. With CPUOffloadPolicy nothing visits the GPU.
+    model = run.model
     for block in find_blocks(model)[1]:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     offload_policy=offload)

@@ -15,6 +15,7 @@ from autofit.config import Config
 from autofit.config import Optimizer as O
 from autofit.errors import MissingExtraError
 from autofit.strategies.base import Option, Placement, Strategy
+from autofit.units import format_size
 
 if TYPE_CHECKING:
     from autofit.probe.step import TrainRun
@@ -37,7 +38,8 @@ class OptimizerStates(Strategy):
             return [Option(chosen, 0, why or f"the optimizer you gave ({chosen.value}) is kept", available)]
         options = [Option(O.ADAMW, 0, "torch AdamW, 8 bytes of state per parameter")]
         for name, why_offered in ((O.ADAMW8BIT, "bitsandbytes 8-bit AdamW: 75% less state"),
-                                  (O.PAGED_ADAMW8BIT, "bitsandbytes paged 8-bit AdamW: states page to host"),
+                                  (O.PAGED_ADAMW8BIT, "bitsandbytes paged 8-bit AdamW: states page to host; they live "
+                                   "in unified memory, which the budget neither caps nor counts: bounded by the card"),
                                   (O.ADAFACTOR, "Adafactor: factored second moment, no first moment")):
             available, why_not = _available(name, spec)
             options.append(Option(name, 1, why_offered if available else why_not, available))
@@ -78,6 +80,24 @@ def _available(name: O, spec) -> tuple[bool, str]:
         return False, "bitsandbytes is not installed: pip install 'autofit[bnb]'"
     if not spec.target.cuda:
         return False, "bitsandbytes 8-bit optimizers need CUDA"
+    if name is O.PAGED_ADAMW8BIT:
+        return _paged_bounded(spec)
+    return True, ""
+
+
+def _paged_bounded(spec: "TrainSpec") -> tuple[bool, str]:
+    """Paged states come from cudaMallocManaged (bitsandbytes functional.py `get_paged`, a CPU-typed tensor
+    tagged is_paged): the caching allocator neither caps nor counts them, so a probe cannot show they fit
+    a budget below the card it runs on. Offered only where the budget is the whole card."""
+    if not (spec.target.live and spec.target.cuda):
+        return True, ""
+    from autofit.spec.devices import device_memory
+
+    card = device_memory(spec.device)
+    if spec.memory_budget < card:
+        return False, (f"paged 8-bit states live in unified memory that the {format_size(spec.memory_budget)} budget "
+                       f"cannot cap or count: a probe on this {format_size(card)} card cannot show they fit a smaller "
+                       "one (tune with the whole card as the budget to consider them)")
     return True, ""
 
 

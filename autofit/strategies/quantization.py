@@ -35,7 +35,7 @@ class Quantization(Ladder):
     values = (Q.NONE, Q.INT8, Q.NF4)  # least base-weight memory saved first
 
     def options(self, spec: "TrainSpec") -> list[Option]:
-        why_not = unavailable_reason(spec.target)
+        why_not = unavailable_reason(spec.target) or _nothing_to_quantize(spec)
         return [
             Option(Q.NONE, 0, "base weights in full precision"),
             Option(Q.INT8, 2, why_not or "8-bit base weights (LLM.int8) + LoRA: 1 byte per weight",
@@ -52,7 +52,8 @@ class Quantization(Ladder):
         value = run.config.quantization
         if value is Q.NONE:
             return
-        quantize_linears(run.model, value)
+        if not quantize_linears(run.model, value):
+            raise RuntimeError(f"quantization={value.value}: {run.spec.model.name} has no linear layer to quantize")
         run.model.to(run.device)  # bitsandbytes quantizes the weights as they move to the GPU
         run.placed = True
 
@@ -68,22 +69,64 @@ def unavailable_reason(target: "Target") -> str | None:
     return None
 
 
-def quantize_linears(model: nn.Module, value: Q) -> int:
-    """Replace every linear layer but the output head by a frozen bitsandbytes 4-bit NF4 ("nf4") or
-    8-bit ("int8") one, in place; the weights are quantized when the model moves to CUDA. Returns the
-    number of layers replaced and marks the model as peft's `prepare_model_for_kbit_training` expects."""
-    bnb = _import_bnb()
+def quantizable_layers(model: nn.Module) -> list[str]:
+    """Names of the layers 4/8-bit weights replace: every `nn.Linear` and transformers `Conv1D` (GPT-2's
+    projections: a linear layer with its weight stored transposed), but the output head."""
     head = output_head(model)
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name == head:
-            continue
+    return [name for name, module in model.named_modules() if name and name != head and _is_projection(module)]
+
+
+def quantize_linears(model: nn.Module, value: Q) -> int:
+    """Replace every layer of `quantizable_layers` by a frozen bitsandbytes 4-bit NF4 ("nf4") or 8-bit
+    ("int8") one, in place; the weights are quantized when the model moves to CUDA. Returns the number of
+    layers replaced (0: nothing was quantized, and the model is not marked) and marks the model as
+    peft's `prepare_model_for_kbit_training` expects."""
+    names = quantizable_layers(model)
+    if not names:
+        return 0
+    bnb = _import_bnb()
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _quantized(bnb, module, value))
-        replaced += 1
+        setattr(parent, child, _quantized(bnb, as_linear(model.get_submodule(name)), value))
     setattr(model, "is_loaded_in_4bit" if value is Q.NF4 else "is_loaded_in_8bit", True)
-    return replaced
+    return len(names)
+
+
+def as_linear(module: nn.Module) -> nn.Linear:
+    """`module` as an `nn.Linear`: itself, or a transformers `Conv1D` with its (in, out) weight transposed to
+    (out, in), as transformers does before quantizing one (integrations/bitsandbytes.py:
+    `if issubclass(module.source_cls, Conv1D): value = value.T`). Shares nothing it must not: the copy is new."""
+    if type(module) is nn.Linear:
+        return module
+    in_features, out_features = module.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=module.bias is not None, device="meta")
+    linear.weight = nn.Parameter(module.weight.detach().t().contiguous(), module.weight.requires_grad)
+    if module.bias is not None:
+        linear.bias = nn.Parameter(module.bias.detach().clone(), module.bias.requires_grad)
+    return linear
+
+
+def _is_projection(module: nn.Module) -> bool:
+    if type(module) is nn.Linear:
+        return True
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return False
+    return type(module) is Conv1D
+
+
+def _nothing_to_quantize(spec: "TrainSpec") -> str | None:
+    """Why quantization would change nothing in `spec`'s model (no layer to replace), or None. A Hugging
+    Face model is made of linear (or Conv1D) projections: it is not built again to count them (a 70B
+    build, even on the meta device, takes many seconds)."""
+    from autofit.strategies.lora import _inspectable
+
+    if spec.model.is_hf or quantizable_layers(_inspectable(spec.model_factory)):
+        return None
+    return (f"{spec.model.name} has no linear layer to quantize (nn.Linear or transformers Conv1D) besides its "
+            "output head: 4/8-bit base weights would change nothing")
 
 
 def _quantized(bnb: Any, linear: nn.Linear, value: Q) -> nn.Module:

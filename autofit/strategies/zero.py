@@ -43,6 +43,9 @@ class Zero(ShardingEngine):
     def apply(self, run: "TrainRun") -> None:
         if self.owns(run.config):
             run.scaler = None  # DeepSpeed scales fp16 losses itself (the config's fp16 section)
+            # DeepSpeed places the model itself: cast on the CPU, then moved (stages 1-2), or partitioned
+            # tensor by tensor (stage 3). Moving the fp32 model first would put all of it on the GPU.
+            run.placed = True
             run.engine_factory = build_engine
 
 
@@ -96,12 +99,37 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
 
     config = deepspeed_config(run.config, nvme_path=run.nvme_path)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
+    if run.config.shards_parameters:
+        partition(run.model, config)
     params = [p for p in run.model.parameters() if p.requires_grad]
     optimizer = None if "optimizer" in config else _factory(run)(params)
     engine, optimizer, _, _ = deepspeed.initialize(model=run.model, model_parameters=params, optimizer=optimizer,
                                                    config=config)
     run.model, run.optimizer = engine, optimizer
     return DeepSpeedEngine(engine)
+
+
+def partition(model: Any, config: dict[str, Any]) -> None:
+    """ZeRO-3: partition `model`'s parameters over the ranks from the CPU, one tensor at a time, so the
+    whole model never sits on the GPU (with parameter offload, the partitions stay on the host).
+
+    `deepspeed.zero.Init(module=...)` moves each parameter to the local device and partitions it
+    (deepspeed/runtime/zero/partition_parameters.py `_convert_to_zero_parameters`; the `offload_param`
+    device of the config overrides where partitions live). Parameters are cast to DeepSpeed's dtype first,
+    on the CPU, as the engine would cast an unpartitioned model (engine.py `_cast_module_mixed_precision`:
+    parameters only, buffers kept). `mem_efficient_linear=False`: no global patch of F.linear, as when a
+    training script builds its model inside `zero.Init`.
+    """
+    import deepspeed
+    import torch
+
+    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
+        torch.float16 if config.get("fp16", {}).get("enabled") else None
+    if dtype is not None:
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config, mem_efficient_linear=False)
 
 
 def _factory(run: "TrainRun") -> Any:

@@ -84,7 +84,7 @@ needs_ds = pytest.mark.skipif(installed_version() is None, reason="needs DeepSpe
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_offload_on_one_gpu(stage, tmp_path):
     spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
-    for value in ("cpu", "nvme"):
+    for value in ("cpu", "nvme") if stage == 3 else ("cpu",):  # NVMe needs ZeRO-3 (the rule table)
         config = Config(sharding=f"zero{stage}", offload=value, micro_batch_size=4, precision="bf16")
         result = run_ranks(spec, config, [MicroBatch(), Zero(), Offload(nvme_path=tmp_path)], timeout=600)
         assert result.status is ProbeStatus.FIT, result.reason
