@@ -4,7 +4,9 @@
     autofit dry-run --model ./my-model/config.json --seq-len 2048 --global-batch-size 32 --gpu rtx-4090 --json
 
 Nothing is trained and nothing real is allocated (fake tensors). Exit codes: 0 a candidate is predicted
-to fit, 3 none is (the message names the closest and what to allow next), 2 bad usage, 1 other errors.
+to fit, 3 none is (the message names the closest and what to allow next), 4 a candidate fits by the
+activation formula alone (the step could not be simulated: the verdict carries the formula's error
+bound), 2 bad usage, 1 other errors.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from autofit.cli.tune import make_console, parse_allow_option
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, DryRunReport
 from autofit.units import format_size
 
-EXIT_FITS, EXIT_NOTHING_FITS = 0, 3
+EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
 PARTS = ("params", "grads", "optimizer", "activations", "overhead")
 
 
@@ -38,28 +40,26 @@ def candidate_table(report: DryRunReport, top: int) -> Table:
         table.add_row(str(index), ("★ " if chosen else "") + candidate.config.describe(),
                       *(format_size(parts[p]) for p in PARTS), format_size(candidate.peak_bytes),
                       "[green]yes[/]" if candidate.fits else "[red]no[/]", f"{candidate.samples_per_s:,.2f}",
-                      format_size(cpu) if cpu else "-", short_reason(candidate.reason),
+                      format_size(cpu) if cpu else "-", short_reason(candidate.reason, candidate.estimate.method),
                       style="bold" if chosen else None)
     return table
 
 
-def short_reason(reason: str) -> str:
-    """The reason without the activation method (the same for every row; printed once under the table)."""
-    parts = reason.split("; ")
-    return "; ".join(parts[:1] + parts[2:])
+def short_reason(reason: str, method: str) -> str:
+    """The reason without the activation method (the same for most rows; printed once under the table)."""
+    return "; ".join(part for part in reason.split("; ") if part != method)
 
 
 def method_note(report: DryRunReport) -> str:
-    """How the activations were predicted (the second part of a reason), for the chosen or first row."""
+    """How the activations were predicted, for the chosen or first row."""
     row = report.chosen or (report.candidates[0] if report.candidates else None)
-    parts = row.reason.split("; ") if row else []
-    return parts[1] if len(parts) > 1 else ""
+    return row.estimate.method if row else ""
 
 
 @click.command("dry-run")
 @click.option("--model", "model_arg", required=True,
-              help="Preset name (autofit presets: gpt2, llama-2-7b, ...), a Hugging Face config.json or model "
-                   "folder, or FILE.py:factory.")
+              help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face hub id (ORG/NAME: its config.json from "
+                   "the local cache, else downloaded alone), a config.json or model folder, or FILE.py:factory.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample (at most the model's maximum).")
 @click.option("--global-batch-size", type=int, default=None,
               help="Samples per optimizer step over all GPUs, kept exactly; default: micro-batches up to "
@@ -81,7 +81,9 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                      gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer)
     console.print(candidate_table(report, top))
-    if report.fits:
+    if report.fits and report.formula_only:
+        console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {report.reason}")
+    elif report.fits:
         console.print(f"[bold green]Chosen:[/] {report.reason}")
     else:
         console.print(f"[bold red]Nothing fits.[/] {report.reason}")
@@ -89,4 +91,6 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
                   "autofit tune measures.[/]")
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
-    return EXIT_FITS if report.fits else EXIT_NOTHING_FITS
+    if not report.fits:
+        return EXIT_NOTHING_FITS
+    return EXIT_FORMULA_ONLY if report.formula_only else EXIT_FITS

@@ -8,6 +8,7 @@ result into a predicted peak.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -113,7 +114,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
     batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
     try:
-        with fake:
+        with fake, _fake_friendly_kernels():
             fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
             with tracker:
                 with _autocast(Precision.FP32 if half_weights else precision, device):
@@ -127,6 +128,31 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             hook.remove()
     return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                           tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
+
+
+@contextlib.contextmanager
+def _fake_friendly_kernels() -> Any:
+    """Route mixture-of-experts layers to transformers' own grouped-matmul op while simulating.
+
+    transformers' experts run `torch._grouped_mm`, whose fake (meta) kernel mirrors the CUDA checks and
+    accepts bf16 inputs only, while under autocast the experts see fp32 master weights. transformers'
+    fallback op (`transformers::grouped_mm_fallback`, transformers/integrations/moe.py) registers a fake
+    kernel of the same output shape and saves the same two tensors (input, weight) for backward, so the
+    memory it shows is the grouped kernel's."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 def _autocast(precision: Precision, device: str) -> Any:
