@@ -14,34 +14,89 @@ from __future__ import annotations
 import json
 
 import click
+from rich import box
+from rich.console import Console
 from rich.table import Table
 
-from autofit.cli.tune import make_console, parse_allow_option
-from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, DryRunReport
+from autofit.cli.tune import parse_allow_option
+from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
 PARTS = ("params", "grads", "optimizer", "activations", "overhead")
+WIDE = 150  # columns from which each row carries every part and its reason (below: a compact table)
+DEFAULT_WIDTH = 80  # piped output without COLUMNS, as a terminal's default
 
 
-def candidate_table(report: DryRunReport, top: int) -> Table:
-    """One row per candidate: knobs, the predicted peak split into parts, fit and reason; chosen starred."""
+def render_width() -> int:
+    """Columns to render in: `COLUMNS` when set (piped output included), else the terminal's, else 80."""
+    import os
+    import shutil
+
+    value = os.environ.get("COLUMNS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if _is_terminal() else DEFAULT_WIDTH
+
+
+def _is_terminal() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
+def make_console(as_json: bool, width: int) -> Console:
+    """Rich console `width` columns wide, on stderr with --json (stdout is the JSON document's)."""
+    return Console(stderr=as_json, highlight=False, width=width)
+
+
+def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
+    """One row per candidate, chosen starred. From `WIDE` columns: knobs, the predicted peak split into
+    parts, fit, speed, host RAM and reason; narrower: knobs, peak, fit, speed (and host RAM where a row
+    offloads), numbers never split; the chosen row's parts follow in `breakdown_table`."""
     shown = report.candidates if top <= 0 else report.candidates[:top]
     title = (f"{report.model} on {report.num_gpus} x {report.gpu.name} ({format_size(report.gpu.memory_bytes)}, "
              f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates")
-    table = Table(title=title, title_justify="left")
-    for name in ("#", "configuration", *PARTS, "peak/GPU", "fits", "samples/s", "CPU RAM", "reason"):
-        table.add_column(name, justify="left" if name in ("configuration", "reason", "fits") else "right",
-                         overflow="fold")
+    wide = width >= WIDE
+    host = any(c.estimate.cpu_bytes for c in shown)
+    columns = ["#", "configuration", *(PARTS if wide else ()), "peak/GPU", "fits", "samples/s",
+               *(("host RAM",) if wide or host else ()), *(("reason",) if wide else ())]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for name in columns:
+        text = name in ("configuration", "reason")
+        table.add_column(name, justify="left" if text or name == "fits" else "right", overflow="fold",
+                         no_wrap=not text, ratio=(3 if name == "reason" else 2) if text else None)
     for index, candidate in enumerate(shown, 1):
-        chosen = candidate is report.chosen
         parts = candidate.estimate.breakdown.to_dict()
-        cpu = candidate.estimate.cpu_bytes
-        table.add_row(str(index), ("★ " if chosen else "") + candidate.config.describe(),
-                      *(format_size(parts[p]) for p in PARTS), format_size(candidate.peak_bytes),
-                      "[green]yes[/]" if candidate.fits else "[red]no[/]", f"{candidate.samples_per_s:,.2f}",
-                      format_size(cpu) if cpu else "-", short_reason(candidate.reason, candidate.estimate.method),
-                      style="bold" if chosen else None)
+        cells = [str(index), ("★ " if candidate is report.chosen else "") + candidate.config.describe(),
+                 *(format_size(parts[p]) for p in PARTS if wide), format_size(candidate.peak_bytes),
+                 fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
+        if wide or host:
+            cells.append(format_size(candidate.estimate.cpu_bytes) if candidate.estimate.cpu_bytes else "-")
+        if wide:
+            cells.append(short_reason(candidate.reason, candidate.estimate.method))
+        table.add_row(*cells, style="bold" if candidate is report.chosen else None)
+    return table
+
+
+def fit_cell(candidate: Candidate) -> str:
+    """"yes" / "no", with "~" where the verdict rests on the activation formula (not simulated)."""
+    mark = "" if candidate.estimate.simulated else "~"
+    return f"[green]yes{mark}[/]" if candidate.fits else f"[red]no{mark}[/]"
+
+
+def breakdown_table(candidate: Candidate) -> Table:
+    """The predicted peak of one candidate, part by part (bytes per GPU), with the overhead's terms."""
+    table = Table(title=f"Predicted peak of {candidate.config.describe()}", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, show_header=False)
+    table.add_column("part", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("what", overflow="fold")
+    for name, value in candidate.estimate.breakdown.to_dict().items():
+        what = ", ".join(f"{term} {format_size(b)}" for term, b in candidate.estimate.terms) if name == "overhead" else ""
+        table.add_row(name, format_size(value), what)
+    table.add_row("[bold]peak[/]", f"[bold]{format_size(candidate.peak_bytes)}[/]",
+                  "the parts are not all live at once" if candidate.peak_bytes < candidate.estimate.breakdown.total else "")
     return table
 
 
@@ -54,6 +109,24 @@ def method_note(report: DryRunReport) -> str:
     """How the activations were predicted, for the chosen or first row."""
     row = report.chosen or (report.candidates[0] if report.candidates else None)
     return row.estimate.method if row else ""
+
+
+def render(report: DryRunReport, console: Console, top: int, width: int) -> None:
+    """The table, the chosen row's parts (narrow layout), the verdict and how it was predicted."""
+    console.print(candidate_table(report, top, width))
+    row = report.chosen or (report.candidates[0] if report.candidates else None)
+    if row is not None and width < WIDE:
+        console.print(breakdown_table(row))
+    if any(not c.estimate.simulated for c in report.candidates):
+        console.print("[dim]~ the verdict rests on the activation formula (the step could not be simulated).[/]")
+    if report.fits and report.formula_only:
+        console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {report.reason}")
+    elif report.fits:
+        console.print(f"[bold green]Chosen:[/] {report.reason}")
+    else:
+        console.print(f"[bold red]Nothing fits.[/] {report.reason}")
+    console.print(f"[dim]Predicted in {report.seconds:.1f} s ({method_note(report)}); nothing was trained: "
+                  "autofit tune measures.[/]")
 
 
 @click.command("dry-run")
@@ -77,18 +150,11 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.estimate.dry_run import dry_run
 
-    console = make_console(as_json)
+    width = render_width()
+    console = make_console(as_json, width)
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                      gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer)
-    console.print(candidate_table(report, top))
-    if report.fits and report.formula_only:
-        console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {report.reason}")
-    elif report.fits:
-        console.print(f"[bold green]Chosen:[/] {report.reason}")
-    else:
-        console.print(f"[bold red]Nothing fits.[/] {report.reason}")
-    console.print(f"[dim]Predicted in {report.seconds:.1f} s ({method_note(report)}); nothing was trained: "
-                  "autofit tune measures.[/]")
+    render(report, console, top, width)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     if not report.fits:
