@@ -19,11 +19,12 @@ from rich.console import Console
 from rich.table import Table
 
 from autofit.cli.tune import parse_allow_option
+from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
-PARTS = ("params", "grads", "optimizer", "activations", "overhead")
+PARTS = ("params", "grads", "optimizer", "gathered", "activations", "overhead")
 WIDE = 150  # columns from which each row carries every part and its reason (below: a compact table)
 DEFAULT_WIDTH = 80  # piped output without COLUMNS, as a terminal's default
 
@@ -93,6 +94,8 @@ def breakdown_table(candidate: Candidate) -> Table:
     table.add_column("bytes", justify="right", no_wrap=True)
     table.add_column("what", overflow="fold")
     for name, value in candidate.estimate.breakdown.to_dict().items():
+        if name == "gathered" and not value:
+            continue  # nothing is sharded
         what = ", ".join(f"{term} {format_size(b)}" for term, b in candidate.estimate.terms) if name == "overhead" else ""
         table.add_row(name, format_size(value), what)
     table.add_row("[bold]peak[/]", f"[bold]{format_size(candidate.peak_bytes)}[/]",
@@ -109,6 +112,16 @@ def method_note(report: DryRunReport) -> str:
     """How the activations were predicted, for the chosen or first row."""
     row = report.chosen or (report.candidates[0] if report.candidates else None)
     return row.estimate.method if row else ""
+
+
+def _targets(text: str | None) -> list[str] | None:
+    """--lora-targets "q_proj, v_proj" -> ["q_proj", "v_proj"]; `UsageError` when it names nothing."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--lora-targets {text!r} names no module; give names such as q_proj,v_proj.")
+    return names
 
 
 def render(report: DryRunReport, console: Console, top: int, width: int) -> None:
@@ -142,18 +155,22 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs.")
 @click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
+@click.option("--lora-targets", default=None,
+              help="Modules LoRA adapts, comma-separated (e.g. q_proj,v_proj); default: every linear layer "
+                   "but the output head.")
 @click.option("--top", type=int, default=20, show_default=True, help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
-                    gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, top: int,
-                    as_json: bool) -> int:
+                    gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
+                    lora_targets: str | None, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.estimate.dry_run import dry_run
 
     width = render_width()
     console = make_console(as_json, width)
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
-                     gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer)
+                     gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer,
+                     lora_targets=_targets(lora_targets))
     render(report, console, top, width)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

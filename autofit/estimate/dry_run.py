@@ -113,8 +113,8 @@ class DryRunReport:
 def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int = 1,
             global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
-            max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH,
-            strategies: Sequence["Strategy"] | None = None) -> DryRunReport:
+            max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
+            lora_targets: Sequence[str] | None = None) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -130,6 +130,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         allow: exactness tiers as in `autofit.autofit` (None: tiers 0-1; {"lora"}: adapters too).
         safety_margin: share of the memory a fit must leave free (default 10%).
         strategies: the techniques to plan (default: all, as `autofit.autofit` searches them).
+        lora_targets: module names LoRA adapts, e.g. ("q_proj", "v_proj"); None: every linear layer but
+            the output head (the default LoRA strategy's choice).
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
@@ -143,6 +145,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     spec, description = _spec(model, batch, profile, num_gpus, global_batch_size, seq_len, allow, optimizer,
                               loss_fn, safety_margin, max_micro_batch)
     chosen_strategies = list(strategies) if strategies is not None else default_strategies()
+    if lora_targets is not None:
+        chosen_strategies = _with_lora_targets(chosen_strategies, lora_targets)
     space = build_space(spec, chosen_strategies)
     estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies)
     planner = _Planner(space, estimator, profile)
@@ -155,6 +159,13 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(fitting + rest), chosen, reason, time.perf_counter() - started)
+
+
+def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> list["Strategy"]:
+    """`strategies` with the LoRA strategy adapting `targets` (its ranks kept)."""
+    from autofit.strategies.lora import Lora
+
+    return [Lora(s.ranks, target_modules=targets, alpha=s.alpha) if isinstance(s, Lora) else s for s in strategies]
 
 
 def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,
