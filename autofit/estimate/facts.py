@@ -140,5 +140,6 @@ def rebuild(model: nn.Module, key: str, depth: int) -> nn.Module:
         data["layer_types"] = data["layer_types"][:depth]
     config = type(model.config).from_dict(data)
     config._attn_implementation = model.config._attn_implementation
+    dtype = next(model.parameters()).dtype  # a bf16 model is rebuilt in bf16
     with torch.device("meta"):
-        return type(model)._from_config(config)
+        return type(model)._from_config(config).to(dtype)
