@@ -4,7 +4,9 @@
     autofit dry-run --model ./my-model/config.json --seq-len 2048 --global-batch-size 32 --gpu rtx-4090 --json
 
 Nothing is trained and nothing real is allocated (fake tensors). Exit codes: 0 a candidate is predicted
-to fit, 3 none is (the message names the closest and what to allow next), 2 bad usage, 1 other errors.
+to fit, 3 none is (the message names the closest and what to allow next), 4 a candidate fits by the
+activation formula alone (the step could not be simulated: the verdict carries the formula's error
+bound), 2 bad usage, 1 other errors.
 """
 
 from __future__ import annotations
@@ -12,54 +14,138 @@ from __future__ import annotations
 import json
 
 import click
+from rich import box
+from rich.console import Console
 from rich.table import Table
 
-from autofit.cli.tune import make_console, parse_allow_option
-from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, DryRunReport
+from autofit.cli.tune import parse_allow_option
+from autofit.errors import UsageError
+from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.units import format_size
 
-EXIT_FITS, EXIT_NOTHING_FITS = 0, 3
-PARTS = ("params", "grads", "optimizer", "activations", "overhead")
+EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
+PARTS = ("params", "grads", "optimizer", "gathered", "activations", "overhead")
+WIDE = 150  # columns from which each row carries every part and its reason (below: a compact table)
+DEFAULT_WIDTH = 80  # piped output without COLUMNS, as a terminal's default
 
 
-def candidate_table(report: DryRunReport, top: int) -> Table:
-    """One row per candidate: knobs, the predicted peak split into parts, fit and reason; chosen starred."""
+def render_width() -> int:
+    """Columns to render in: `COLUMNS` when set (piped output included), else the terminal's, else 80."""
+    import os
+    import shutil
+
+    value = os.environ.get("COLUMNS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if _is_terminal() else DEFAULT_WIDTH
+
+
+def _is_terminal() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
+def make_console(as_json: bool, width: int) -> Console:
+    """Rich console `width` columns wide, on stderr with --json (stdout is the JSON document's)."""
+    return Console(stderr=as_json, highlight=False, width=width)
+
+
+def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
+    """One row per candidate, chosen starred. From `WIDE` columns: knobs, the predicted peak split into
+    parts, fit, speed, host RAM and reason; narrower: knobs, peak, fit, speed (and host RAM where a row
+    offloads), numbers never split; the chosen row's parts follow in `breakdown_table`."""
     shown = report.candidates if top <= 0 else report.candidates[:top]
     title = (f"{report.model} on {report.num_gpus} x {report.gpu.name} ({format_size(report.gpu.memory_bytes)}, "
              f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates")
-    table = Table(title=title, title_justify="left")
-    for name in ("#", "configuration", *PARTS, "peak/GPU", "fits", "samples/s", "CPU RAM", "reason"):
-        table.add_column(name, justify="left" if name in ("configuration", "reason", "fits") else "right",
-                         overflow="fold")
+    wide = width >= WIDE
+    host = any(c.estimate.cpu_bytes for c in shown)
+    columns = ["#", "configuration", *(PARTS if wide else ()), "peak/GPU", "fits", "samples/s",
+               *(("host RAM",) if wide or host else ()), *(("reason",) if wide else ())]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for name in columns:
+        text = name in ("configuration", "reason")
+        table.add_column(name, justify="left" if text or name == "fits" else "right", overflow="fold",
+                         no_wrap=not text, ratio=(3 if name == "reason" else 2) if text else None)
     for index, candidate in enumerate(shown, 1):
-        chosen = candidate is report.chosen
         parts = candidate.estimate.breakdown.to_dict()
-        cpu = candidate.estimate.cpu_bytes
-        table.add_row(str(index), ("★ " if chosen else "") + candidate.config.describe(),
-                      *(format_size(parts[p]) for p in PARTS), format_size(candidate.peak_bytes),
-                      "[green]yes[/]" if candidate.fits else "[red]no[/]", f"{candidate.samples_per_s:,.2f}",
-                      format_size(cpu) if cpu else "-", short_reason(candidate.reason),
-                      style="bold" if chosen else None)
+        cells = [str(index), ("★ " if candidate is report.chosen else "") + candidate.config.describe(),
+                 *(format_size(parts[p]) for p in PARTS if wide), format_size(candidate.peak_bytes),
+                 fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
+        if wide or host:
+            cells.append(format_size(candidate.estimate.cpu_bytes) if candidate.estimate.cpu_bytes else "-")
+        if wide:
+            cells.append(short_reason(candidate.reason, candidate.estimate.method))
+        table.add_row(*cells, style="bold" if candidate is report.chosen else None)
     return table
 
 
-def short_reason(reason: str) -> str:
-    """The reason without the activation method (the same for every row; printed once under the table)."""
-    parts = reason.split("; ")
-    return "; ".join(parts[:1] + parts[2:])
+def fit_cell(candidate: Candidate) -> str:
+    """"yes" / "no", with "~" where the verdict rests on the activation formula (not simulated)."""
+    mark = "" if candidate.estimate.simulated else "~"
+    return f"[green]yes{mark}[/]" if candidate.fits else f"[red]no{mark}[/]"
+
+
+def breakdown_table(candidate: Candidate) -> Table:
+    """The predicted peak of one candidate, part by part (bytes per GPU), with the overhead's terms."""
+    table = Table(title=f"Predicted peak of {candidate.config.describe()}", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, show_header=False)
+    table.add_column("part", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("what", overflow="fold")
+    for name, value in candidate.estimate.breakdown.to_dict().items():
+        if name == "gathered" and not value:
+            continue  # nothing is sharded
+        what = ", ".join(f"{term} {format_size(b)}" for term, b in candidate.estimate.terms) if name == "overhead" else ""
+        table.add_row(name, format_size(value), what)
+    table.add_row("[bold]peak[/]", f"[bold]{format_size(candidate.peak_bytes)}[/]",
+                  "the parts are not all live at once" if candidate.peak_bytes < candidate.estimate.breakdown.total else "")
+    return table
+
+
+def short_reason(reason: str, method: str) -> str:
+    """The reason without the activation method (the same for most rows; printed once under the table)."""
+    return "; ".join(part for part in reason.split("; ") if part != method)
 
 
 def method_note(report: DryRunReport) -> str:
-    """How the activations were predicted (the second part of a reason), for the chosen or first row."""
+    """How the activations were predicted, for the chosen or first row."""
     row = report.chosen or (report.candidates[0] if report.candidates else None)
-    parts = row.reason.split("; ") if row else []
-    return parts[1] if len(parts) > 1 else ""
+    return row.estimate.method if row else ""
+
+
+def _targets(text: str | None) -> list[str] | None:
+    """--lora-targets "q_proj, v_proj" -> ["q_proj", "v_proj"]; `UsageError` when it names nothing."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--lora-targets {text!r} names no module; give names such as q_proj,v_proj.")
+    return names
+
+
+def render(report: DryRunReport, console: Console, top: int, width: int) -> None:
+    """The table, the chosen row's parts (narrow layout), the verdict and how it was predicted."""
+    console.print(candidate_table(report, top, width))
+    row = report.chosen or (report.candidates[0] if report.candidates else None)
+    if row is not None and width < WIDE:
+        console.print(breakdown_table(row))
+    if any(not c.estimate.simulated for c in report.candidates):
+        console.print("[dim]~ the verdict rests on the activation formula (the step could not be simulated).[/]")
+    if report.fits and report.formula_only:
+        console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {report.reason}")
+    elif report.fits:
+        console.print(f"[bold green]Chosen:[/] {report.reason}")
+    else:
+        console.print(f"[bold red]Nothing fits.[/] {report.reason}")
+    console.print(f"[dim]Predicted in {report.seconds:.1f} s ({method_note(report)}); nothing was trained: "
+                  "autofit tune measures.[/]")
 
 
 @click.command("dry-run")
 @click.option("--model", "model_arg", required=True,
-              help="Preset name (autofit presets: gpt2, llama-2-7b, ...), a Hugging Face config.json or model "
-                   "folder, or FILE.py:factory.")
+              help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face hub id (ORG/NAME: its config.json from "
+                   "the local cache, else downloaded alone), a config.json or model folder, or FILE.py:factory.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample (at most the model's maximum).")
 @click.option("--global-batch-size", type=int, default=None,
               help="Samples per optimizer step over all GPUs, kept exactly; default: micro-batches up to "
@@ -69,24 +155,25 @@ def method_note(report: DryRunReport) -> str:
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs.")
 @click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
+@click.option("--lora-targets", default=None,
+              help="Modules LoRA adapts, comma-separated (e.g. q_proj,v_proj); default: every linear layer "
+                   "but the output head.")
 @click.option("--top", type=int, default=20, show_default=True, help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
-                    gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, top: int,
-                    as_json: bool) -> int:
+                    gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
+                    lora_targets: str | None, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.estimate.dry_run import dry_run
 
-    console = make_console(as_json)
+    width = render_width()
+    console = make_console(as_json, width)
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
-                     gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer)
-    console.print(candidate_table(report, top))
-    if report.fits:
-        console.print(f"[bold green]Chosen:[/] {report.reason}")
-    else:
-        console.print(f"[bold red]Nothing fits.[/] {report.reason}")
-    console.print(f"[dim]Predicted in {report.seconds:.1f} s ({method_note(report)}); nothing was trained: "
-                  "autofit tune measures.[/]")
+                     gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer,
+                     lora_targets=_targets(lora_targets))
+    render(report, console, top, width)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
-    return EXIT_FITS if report.fits else EXIT_NOTHING_FITS
+    if not report.fits:
+        return EXIT_NOTHING_FITS
+    return EXIT_FORMULA_ONLY if report.formula_only else EXIT_FITS

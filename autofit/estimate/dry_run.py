@@ -67,6 +67,8 @@ class Candidate:
         return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes, "fits": self.fits,
                 "reason": self.reason, "breakdown": self.estimate.breakdown.to_dict(),
                 "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
+                "activations": "simulated" if self.estimate.simulated else "formula",
+                "error_bound": self.estimate.error_bound,
                 "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s}
 
 
@@ -90,12 +92,20 @@ class DryRunReport:
         """Whether some allowed candidate is predicted to fit."""
         return self.chosen is not None
 
+    @property
+    def formula_only(self) -> bool:
+        """Whether the verdict rests on the activation formula (the step could not be simulated): the
+        chosen candidate's, or with nothing fitting, the closest one's."""
+        row = self.chosen or (self.candidates[0] if self.candidates else None)
+        return row is not None and not row.estimate.simulated
+
     def to_dict(self) -> dict[str, Any]:
         """One JSON document: the candidates, the chosen one, and the target."""
         chosen = self.candidates.index(self.chosen) if self.chosen is not None else None
         return {"model": self.model, "gpu": self.gpu.name, "gpu_memory": self.gpu.memory_bytes,
                 "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
                 "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
+                "verdict_basis": "formula" if self.formula_only else "simulation",
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
@@ -103,8 +113,8 @@ class DryRunReport:
 def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int = 1,
             global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
-            max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH,
-            strategies: Sequence["Strategy"] | None = None) -> DryRunReport:
+            max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
+            lora_targets: Sequence[str] | None = None) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -120,6 +130,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         allow: exactness tiers as in `autofit.autofit` (None: tiers 0-1; {"lora"}: adapters too).
         safety_margin: share of the memory a fit must leave free (default 10%).
         strategies: the techniques to plan (default: all, as `autofit.autofit` searches them).
+        lora_targets: module names LoRA adapts, e.g. ("q_proj", "v_proj"); None: every linear layer but
+            the output head (the default LoRA strategy's choice).
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
@@ -133,17 +145,27 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     spec, description = _spec(model, batch, profile, num_gpus, global_batch_size, seq_len, allow, optimizer,
                               loss_fn, safety_margin, max_micro_batch)
     chosen_strategies = list(strategies) if strategies is not None else default_strategies()
+    if lora_targets is not None:
+        chosen_strategies = _with_lora_targets(chosen_strategies, lora_targets)
     space = build_space(spec, chosen_strategies)
     estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies)
     planner = _Planner(space, estimator, profile)
     allowed = [planner.best_at(level) for level in space.levels()]
-    fitting = sorted((c for c in allowed if c.fits), key=lambda c: c.step_seconds)
+    # A fit resting on a simulation ranks before one resting on the activation formula alone.
+    fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = fitting[0] if fitting else None
     reason = _chosen_reason(chosen, fitting) if chosen else \
         _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(fitting + rest), chosen, reason, time.perf_counter() - started)
+
+
+def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> list["Strategy"]:
+    """`strategies` with the LoRA strategy adapting `targets` (its ranks kept)."""
+    from autofit.strategies.lora import Lora
+
+    return [Lora(s.ranks, target_modules=targets, alpha=s.alpha) if isinstance(s, Lora) else s for s in strategies]
 
 
 def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,
@@ -196,7 +218,7 @@ class _Planner:
         return self.candidate(self.space.at(level, sizes[low]))
 
     def _fits(self, estimate: Estimate) -> bool:
-        return estimate.peak_bytes <= self.spec.fit_limit
+        return estimate.upper_bytes <= self.spec.fit_limit  # a formula's peak must fit at its error bound
 
     def candidate(self, config: Config) -> Candidate:
         """`config` predicted: its estimate, fit, speed and reason."""
@@ -204,9 +226,7 @@ class _Planner:
         fits = self._fits(estimate)
         seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts)
         samples = config.global_batch_size / seconds
-        limit, peak = self.spec.fit_limit, estimate.peak_bytes
-        head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
-            f"over by {format_size(peak - limit)}: needs {format_size(peak)} of {format_size(limit)}"
+        head = _verdict(estimate, fits, self.spec.fit_limit)
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s; {estimate.reason}",
                          self.space.tier(config), seconds, samples)
 
@@ -238,8 +258,24 @@ def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: Mode
     return config.grad_accum_steps * micro + comm + offload
 
 
+def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
+    """"fits: 12 GiB of 20 GiB (60%)", "over by ...", and for a formula's peak its bound."""
+    peak = estimate.peak_bytes
+    head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
+        f"over by {format_size(max(estimate.upper_bytes, peak) - limit)}: needs {format_size(peak)} of {format_size(limit)}"
+    if estimate.simulated:
+        return head
+    return (f"{head}, by formula only (not simulated): up to {format_size(estimate.upper_bytes)} at its "
+            f"error bound (+{estimate.error_bound:.0%})")
+
+
 def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     others = len(fitting) - 1
+    if not chosen.estimate.simulated:
+        return (f"by formula only (the step could not be simulated: {chosen.estimate.method}): "
+                f"{chosen.config.describe()} is predicted to peak at {format_size(chosen.peak_bytes)}, up to "
+                f"{format_size(chosen.estimate.upper_bytes)} at the formula's error bound; run autofit tune "
+                "on the GPU to measure it")
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
             f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
             + (f" ({others} other(s) fit, slower)" if others else ""))

@@ -8,6 +8,7 @@ result into a predicted peak.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -84,13 +85,15 @@ class _Tracker(StorageCounter):
 
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
-                  device: str, half_weights: bool = False) -> ActivationPeak:
+                  device: str, half_weights: bool = False, adapted: frozenset[str] | None = None) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
     tensors on `device` ("cpu" or "cuda") with `config`'s precision, attention and checkpointing, and
     return its `ActivationPeak`. Nothing real is allocated.
 
     `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
-    used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight."""
+    used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight.
+    `adapted` (LoRA): every weight is frozen but those of the linear layers named so (last name
+    component): they keep their inputs for backward as the adapters beside them would."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model
@@ -106,6 +109,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     with fake:
         model.to_empty(device=device)
     model.train()
+    if adapted is not None:
+        _freeze_all_but(model, adapted)
     if config.checkpointing is not Checkpointing.NONE:
         enable(model, config.checkpoint_every)
     tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
@@ -113,7 +118,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
     batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
     try:
-        with fake:
+        with fake, _fake_friendly_kernels():
             fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
             with tracker:
                 with _autocast(Precision.FP32 if half_weights else precision, device):
@@ -127,6 +132,39 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             hook.remove()
     return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                           tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
+
+
+def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
+    """Freeze every parameter except the weights of linear layers whose name ends in one of `adapted`."""
+    for name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            param.requires_grad_(param_name == "weight" and name.rsplit(".", 1)[-1] in adapted
+                                 and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"))
+
+
+@contextlib.contextmanager
+def _fake_friendly_kernels() -> Any:
+    """Route mixture-of-experts layers to transformers' own grouped-matmul op while simulating.
+
+    transformers' experts run `torch._grouped_mm`, whose fake (meta) kernel mirrors the CUDA checks and
+    accepts bf16 inputs only, while under autocast the experts see fp32 master weights. transformers'
+    fallback op (`transformers::grouped_mm_fallback`, transformers/integrations/moe.py) registers a fake
+    kernel of the same output shape and saves the same two tensors (input, weight) for backward, so the
+    memory it shows is the grouped kernel's."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
 
 
 def _autocast(precision: Precision, device: str) -> Any:

@@ -61,9 +61,10 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 def tokens_per_sample(batch: Batch) -> int | None:
     """Length of the sequence axis where the batch has one (token ids), else None."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
-        ids = batch["input_ids"]
-        return int(ids.shape[1]) if ids.dim() >= 2 else None
+    if isinstance(batch, dict):
+        ids = next((batch[k] for k in ("input_ids", "labels") if isinstance(batch.get(k), torch.Tensor)
+                    and batch[k].dim() >= 2 and not batch[k].is_floating_point()), None)
+        return int(ids.shape[1]) if ids is not None else None
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         return int(first.shape[1])
@@ -98,29 +99,128 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
     return loss
 
 
-def synthesize_batch(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
+def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None = None) -> tuple[BatchFactory, str]:
     """A batch factory for a Hugging Face model built from its config, and a one-line description.
 
-    Text models get token ids and labels at `seq_len` (default: the model's maximum positions capped at
-    2048); vision models get pixel values at the configured image size and class labels.
+    The batch follows what the model's `forward` takes (`model_class` names the transformers class; the
+    config's `architectures` otherwise): speech encoder-decoders (Whisper) get log-mel `input_features`
+    of the encoder's full window and decoder `labels` of `seq_len` tokens; image-text models (CLIP,
+    SigLIP) token ids, pixel values and `return_loss`; image classifiers pixel values and class labels;
+    token classifiers a label per token; sequence classifiers a label per sample; text encoder-decoders
+    (T5, BART) and language models token ids and labels of `seq_len` tokens (default: the model's maximum
+    positions capped at 2048).
     """
+    params = forward_parameters(model_class or next(iter(getattr(config, "architectures", None) or ()), None))
+    name = model_class or ""
+    if "input_features" in params:
+        return _speech(config, seq_len)
+    if "pixel_values" in params and "input_ids" in params:
+        return _image_text(config, seq_len)
     image_size = getattr(config, "image_size", None)
-    if image_size is not None and not hasattr(config, "vocab_size"):
+    if "pixel_values" in params or (image_size is not None and not hasattr(config, "vocab_size")):
         channels = getattr(config, "num_channels", 3)
         side = image_size if isinstance(image_size, int) else image_size[0]
-        images = ImageBatches(channels, side, max(int(getattr(config, "num_labels", 2)), 1))
-        return images, f"pixel_values {channels}x{side}x{side} and labels"
+        labels = max(int(getattr(config, "num_labels", 2)), 1)
+        return SyntheticBatches((Field("pixel_values", (channels, side, side)), Field("labels", (), labels))), \
+            f"pixel_values {channels}x{side}x{side} and labels"
+    if params and not params & {"input_ids"}:
+        raise UsageError(f"Cannot synthesize a batch for {name or type(config).__name__}: its forward takes "
+                         f"{sorted(params)[:6]}, none of which autofit synthesizes. Pass a batch or a "
+                         "make_batch(batch_size) factory.")
     vocab = getattr(config, "vocab_size", None)
     if vocab is None:
         raise UsageError(f"Cannot synthesize a batch for {type(config).__name__}: it has neither vocab_size "
                          "nor image_size. Pass a batch or a make_batch(batch_size) factory.")
+    length = _length(config, seq_len)
+    ids = Field("input_ids", (length,), vocab)
+    labels = max(int(getattr(config, "num_labels", 2)), 1)
+    if name.endswith("ForTokenClassification"):
+        return SyntheticBatches((ids, Field("labels", (length,), labels))), \
+            f"input_ids of {length} tokens and a label per token ({labels} classes)"
+    if name.endswith("ForSequenceClassification"):
+        return SyntheticBatches((ids, Field("labels", (), labels))), \
+            f"input_ids of {length} tokens and a label per sample ({labels} classes)"
+    if getattr(config, "is_encoder_decoder", False):  # decoder inputs given: no decoder_start_token_id needed
+        decoder = (Field("decoder_input_ids", (length,), vocab), Field("labels", (length,), vocab))
+        return SyntheticBatches((ids, *decoder)), f"input_ids and decoder labels of {length} tokens each"
+    return TokenBatches(vocab, length), f"input_ids and labels of {length} tokens"
+
+
+def forward_parameters(model_class: str | None) -> frozenset[str]:
+    """Names of the arguments of transformers class `model_class`'s forward (empty when unknown)."""
+    import inspect
+
+    import transformers
+
+    cls = getattr(transformers, model_class, None) if model_class else None
+    if cls is None or not hasattr(cls, "forward"):
+        return frozenset()
+    return frozenset(inspect.signature(cls.forward).parameters) - {"self", "kwargs"}
+
+
+def _length(config: Any, seq_len: int | None, cap: int = 2048) -> int:
+    """`seq_len`, checked against the model's maximum positions (default: that maximum, at most `cap`)."""
     max_len = max_positions(config)
-    length = seq_len or min(max_len or 2048, 2048)
+    length = seq_len or min(max_len or cap, cap)
     if max_len is not None and length > max_len:
         raise UsageError(f"seq_len {length} exceeds the model's maximum of {max_len} positions; "
                          f"use --seq-len {max_len} or less.")
+    return length
 
-    return TokenBatches(vocab, length), f"input_ids and labels of {length} tokens"
+
+def _speech(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
+    """Whisper-style: the encoder reads its whole window of log-mel frames (2 per position after its
+    stride-2 convolution); the decoder is trained on `seq_len` label tokens."""
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not (mels and positions and vocab) or getattr(config, "model_type", "") != "whisper":
+        raise UsageError(f"Cannot synthesize speech features for {type(config).__name__} (autofit knows "
+                         "Whisper's layout); pass a batch or a make_batch(batch_size) factory.")
+    length = _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
+    frames = 2 * positions
+    fields = (Field("input_features", (mels, frames)), Field("labels", (length,), vocab))
+    return SyntheticBatches(fields), f"input_features {mels}x{frames} and decoder labels of {length} tokens"
+
+
+def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
+    """CLIP-style contrastive models: token ids, pixel values and `return_loss=True`."""
+    text = getattr(config, "text_config", config)
+    vision = getattr(config, "vision_config", config)
+    length = _length(text, seq_len, cap=max_positions(text) or 77)
+    side = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    channels = getattr(vision, "num_channels", 3)
+    fields = (Field("input_ids", (length,), text.vocab_size), Field("pixel_values", (channels, side, side)))
+    return SyntheticBatches(fields, (("return_loss", True),)), \
+        f"input_ids of {length} tokens and pixel_values {channels}x{side}x{side} (contrastive loss)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One tensor of a synthesized batch: its name, its shape per sample, and its values (`high` > 0:
+    integers in [0, high), token ids or labels; 0: standard normal floats, pixels or features)."""
+
+    name: str
+    shape: tuple[int, ...]
+    high: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticBatches:
+    """make_batch(n): the fields' tensors with a leading axis of n samples, plus fixed keyword
+    arguments (`extras`, such as CLIP's return_loss=True). Picklable, so child probes rebuild it."""
+
+    fields: tuple[Field, ...]
+    extras: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, n: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        batch: dict[str, Any] = {}
+        for f in self.fields:
+            shape = (n, *f.shape)
+            batch[f.name] = torch.randint(0, f.high, shape, generator=gen) if f.high else \
+                torch.randn(shape, generator=gen)
+        batch.update(self.extras)
+        return batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,23 +235,9 @@ class TokenBatches:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageBatches:
-    """make_batch(n) for image classifiers: random pixel values and class labels."""
-
-    channels: int
-    side: int
-    num_labels: int
-
-    def __call__(self, n: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(0)
-        return {"pixel_values": torch.randn(n, self.channels, self.side, self.side, generator=gen),
-                "labels": torch.randint(0, self.num_labels, (n,), generator=gen)}
-
-
 def max_positions(config: Any) -> int | None:
     """The longest sequence a Hugging Face config allows, when it says."""
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx"):
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx", "max_target_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value

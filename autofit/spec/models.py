@@ -1,9 +1,13 @@
-"""What `--model` names, turned into factories: a preset, a local Hugging Face config, or FILE.py:factory.
+"""What `--model` names, turned into factories: a preset, a Hugging Face hub id (ORG/NAME), a local
+Hugging Face config, or FILE.py:factory.
 
     model_factory, batch_factory, description = resolve_model("gpt2")
+    model_factory, _, description = resolve_model("Qwen/Qwen2.5-7B-Instruct")
 
-Configs give random weights (no hub access is needed or used); the batch is then synthesized by the spec
-from the config. Factories are small picklable objects so that probes in child processes can rebuild them.
+Configs give random weights: no weights are ever downloaded. A hub id is read from the local Hugging Face
+cache first (`HF_HOME`, `HF_HUB_CACHE`; `HF_HUB_OFFLINE=1` honoured), then from a preset of that name,
+and only then is its config.json alone downloaded. The batch is then synthesized by the spec from the
+config. Factories are small picklable objects so that probes in child processes can rebuild them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -27,8 +33,9 @@ from autofit.errors import UsageError
 def resolve_model(arg: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any] | None, str]:
     """(model factory, batch factory or None, one-line description) for a `--model` argument.
 
-    `arg` is a preset name or alias ("gpt2", "meta-llama/Llama-2-7b-hf"), a config.json or a folder
-    holding one, or "path/to/file.py:factory" where factory() returns a model or (model, make_batch).
+    `arg` is a preset name ("gpt2"), a Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct": `hub_config`), a
+    config.json or a folder holding one, or "path/to/file.py:factory" where factory() returns a model or
+    (model, make_batch).
     A None batch factory means: synthesize one from the model's config.
     """
     text = str(arg).strip()
@@ -40,18 +47,84 @@ def resolve_model(arg: str) -> tuple[Callable[[], nn.Module], Callable[[int], An
     path = Path(text).expanduser()
     if path.exists():
         config = load_config(path)
-        return (functools.partial(presets.build_model, config), None,
-                f"{config.architectures[0] if config.architectures else config.model_type} from {path} "
-                "(random weights)")
+        return functools.partial(presets.build_model, config), None, f"{_architecture(config)} from {path} (random weights)"
     if presets.resolve_name(text) is None and (text.endswith(".json") or text.startswith((".", "/", "~"))):
         raise UsageError(f"--model {text!r}: no such file or folder. Give an existing config.json or model "
                          "folder, a preset name, or FILE.py:factory.")
+    if HUB_ID.fullmatch(text):
+        config, where = hub_config(text)
+        if config is not None:
+            return functools.partial(presets.build_model, config), None, \
+                f"{_architecture(config)} {text} from {where} (random weights)"
     config = presets.get_preset(text)  # unknown names raise UsageError listing the close ones
     return functools.partial(presets.build_model, config), None, \
         f"preset {config.name_or_path} ({config.architectures[0]}, random weights)"
 
 
-def load_config(path: Path) -> Any:
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # ORG/NAME, as the hub spells repository ids
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (`HF_HUB_CACHE`, else `HF_HOME`/hub,
+    else ~/.cache/huggingface/hub), as huggingface_hub resolves it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    """Whether `HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) forbids the network, read from the environment now."""
+    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_config(repo_id: str) -> tuple[Any, str]:
+    """(config, where it came from) for hub id `repo_id`: the local cache, else a preset of that name
+    (None, "preset": the caller builds it), else config.json alone downloaded when online.
+    `UsageError` naming every place looked at when it is found nowhere."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = hub_cache_dir()
+    cached = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+    if isinstance(cached, str):
+        return load_config(Path(cached), name=repo_id), "the local Hugging Face cache"
+    if presets.resolve_name(repo_id) is not None:
+        return None, "preset"
+    looked = f"the local Hugging Face cache ({cache}) and autofit's presets"
+    if hub_offline():
+        raise UsageError(f"--model {repo_id!r} was not found in {looked}, and HF_HUB_OFFLINE is set, so nothing "
+                         f"was downloaded. Unset HF_HUB_OFFLINE to download its config.json alone, run "
+                         f"`hf download {repo_id} config.json` where the network is reachable, or pass a local "
+                         "config.json.")
+    return _downloaded(repo_id, cache, looked), "the Hugging Face hub (config.json only)"
+
+
+def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
+    """config.json of `repo_id`, downloaded alone into `cache`."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    try:
+        path = hf_hub_download(repo_id, "config.json", cache_dir=cache, endpoint=endpoint, etag_timeout=10)
+    except GatedRepoError as exc:
+        why = f"the repository is gated ({type(exc).__name__}): accept its terms on the hub and log in (`hf auth login`)"
+    except RepositoryNotFoundError as exc:
+        why = f"the hub has no such repository, or it is private ({type(exc).__name__})"
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        why = f"the download failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    else:
+        return load_config(Path(path), name=repo_id)
+    raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {why}. Pass a local config.json or a "
+                     "preset (autofit presets lists them).")
+
+
+def _architecture(config: Any) -> str:
+    return config.architectures[0] if getattr(config, "architectures", None) else config.model_type
+
+
+def load_config(path: Path, name: str | None = None) -> Any:
     """A `transformers.PretrainedConfig` from a config.json or a folder holding one (local only)."""
     from transformers import CONFIG_MAPPING
 
@@ -68,7 +141,7 @@ def load_config(path: Path) -> Any:
         raise UsageError(f"{file} has model_type={model_type!r}, which transformers does not know; a Hugging "
                          "Face config.json names its model_type (e.g. \"gpt2\", \"llama\").")
     config = CONFIG_MAPPING[model_type].from_dict(data)
-    config.name_or_path = str(path)
+    config.name_or_path = name or str(path)
     return config
 
 

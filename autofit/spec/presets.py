@@ -74,21 +74,30 @@ def _unknown_message(name: str) -> str:
 
 
 def model_class(config: Any) -> Any:
-    """The transformers class a config's `architectures[0]` names, else the Auto class for its kind
-    (causal LM for text, image classification for vision)."""
+    """The transformers class a config's `architectures[0]` names, else the first Auto class whose
+    mapping knows the config's type: causal LM, sequence-to-sequence LM, image classification, then the
+    bare model."""
     import transformers
 
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    is_vision = hasattr(config, "image_size") and not hasattr(config, "vocab_size")
-    return transformers.AutoModelForImageClassification if is_vision else transformers.AutoModelForCausalLM
+    autos = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
+    for auto in autos:
+        cls = getattr(transformers, auto)
+        if type(config) in cls._model_mapping:
+            return cls
+    return transformers.AutoModelForCausalLM  # its error names the config class it cannot build
 
 
 def build_model(config: Any) -> Any:
-    """A freshly initialised model for `config` (call under `torch.device("meta")` to allocate nothing)."""
+    """A freshly initialised fp32 model for `config` (call under `torch.device("meta")` to allocate nothing).
+
+    transformers 5 builds in `config.dtype` when none is given (modeling_utils.py `_from_config`): a hub
+    config.json saying bfloat16 would make every probe, fp32 ones included, train bf16 weights."""
+    import torch
+
     cls = model_class(config)
-    if hasattr(cls, "from_config"):
-        return cls.from_config(config)
-    return cls._from_config(config)
+    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    return build(config, dtype=torch.float32)

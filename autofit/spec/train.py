@@ -170,13 +170,9 @@ def _is_hf_config(value: Any) -> bool:
 
 
 def _model_from_config(config: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
+    from autofit.spec.presets import build_model
 
-    auto = AutoModelForImageClassification if hasattr(config, "image_size") and not hasattr(config, "vocab_size") \
-        else AutoModelForCausalLM
-    # transformers 5 builds in `config.dtype` when none is given (modeling_utils.py `_from_config`): a
-    # checkpoint's bf16 config would make every probe, fp32 ones included, train bf16 weights.
-    return auto.from_config(config, dtype=torch.float32)
+    return build_model(config)  # the class its architectures name, else the Auto class that knows it; fp32
 
 
 def _is_sample(batch: Any) -> bool:
@@ -222,7 +218,7 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
         if not info.is_hf:
             raise UsageError(f"No batch given and {info.name} is not a Hugging Face model, so none can be "
                              "synthesized; pass a sample batch or a make_batch(batch_size) factory.")
-        return batches.synthesize_batch(info.hf_config, seq_len)
+        return batches.synthesize_batch(info.hf_config, seq_len, info.name)
     if callable(batch) and not isinstance(batch, torch.Tensor):
         return batch, "from make_batch(batch_size)"
     return batches.factory_from_sample(batch), f"sample batch of {batches.leading_dim(batch)} rows, cycled"

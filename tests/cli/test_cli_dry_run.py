@@ -75,3 +75,29 @@ def test_gpus_lists_profiles(capsys):
     assert main(["gpus", "--json"]) == 0
     names = [g["name"] for g in json.loads(capsys.readouterr().out)["gpus"]]
     assert {"h100-80gb", "t4", "v100-32gb"} <= set(names)
+
+
+@pytest.mark.parametrize("columns", ["80", "60"])
+def test_narrow_terminal_and_pipes_fit_columns_with_whole_numbers(config_json, capsys, monkeypatch, columns):
+    """Piped output (capsys is no terminal) honours COLUMNS; no line is wider and no figure is split."""
+    from autofit.units import format_size
+
+    monkeypatch.setenv("COLUMNS", columns)
+    assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--num-gpus", "2", "--top", "8") == 0
+    out = capsys.readouterr().out
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= int(columns)
+    assert main(["dry-run", "--seq-len", "128", "--global-batch-size", "8", "--model", str(config_json),
+                 "--gpu", "rtx-4090", "--num-gpus", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for candidate in data["candidates"][:8]:
+        assert format_size(candidate["peak_bytes"]) in out  # each peak whole, on one line
+        assert f"{candidate['samples_per_s']:,.1f}" in out
+    assert "activations" in out and "peak" in out  # the chosen row's parts, listed vertically
+    assert len(out.splitlines()) < 120
+
+
+def test_wide_terminal_shows_every_part_per_row(config_json, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--top", "3") == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "configuration" in line)
+    assert all(name in header for name in ("params", "grads", "optimizer", "activations", "overhead", "reason"))

@@ -71,7 +71,7 @@ def test_json_document(report):
     data = json.loads(json.dumps(report.to_dict()))
     first = data["candidates"][0]
     assert {"config", "peak_bytes", "fits", "reason", "breakdown", "cpu_bytes"} <= set(first)
-    assert set(first["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead"}
+    assert set(first["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead", "gathered"}
     assert data["chosen"] == data["candidates"][data["chosen_index"]]
 
 

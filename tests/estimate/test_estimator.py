@@ -115,7 +115,7 @@ def test_estimate_is_frozen_values(spec):
     estimate = predict_peak(spec, Config())
     with pytest.raises(dataclasses.FrozenInstanceError):
         estimate.peak_bytes = 0
-    assert set(estimate.to_dict()["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead"}
+    assert set(estimate.to_dict()["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead", "gathered"}
 
 
 def test_a_given_module_is_planned_without_a_real_copy():

@@ -115,3 +115,88 @@ def test_missing_and_broken_files(tmp_path):
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
     with pytest.raises(UsageError, match="Importing .*broken.py failed: RuntimeError: boom"):
         resolve_model(f"{tmp_path}/broken.py:make")
+
+
+# -- Hugging Face hub ids (ORG/NAME), resolved through a real hub-cache layout ----------------------------
+COMMIT = "a09a35458c702b33eeacc393d103063234e8bc28"
+
+
+def _cache_repo(home, repo_id: str, config: dict) -> None:
+    """Lay out a repository as huggingface_hub's cache does: blobs by hash, a snapshot per commit whose
+    files link to the blobs, and refs/main naming the commit."""
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    blob = repo / "blobs" / "0f3e1c2b9a8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f"
+    blob.write_text(json.dumps(config))
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+
+
+QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 128}
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 128}
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return home
+
+
+@pytest.mark.parametrize("repo_id, config, cls", [("Qwen/Qwen2.5-7B-Instruct", QWEN, "Qwen2ForCausalLM"),
+                                                  ("mistralai/Mixtral-8x7B-v0.1", MIXTRAL, "MixtralForCausalLM")])
+def test_hub_id_from_the_local_cache_offline(hf_home, repo_id, config, cls):
+    _cache_repo(hf_home, repo_id, config)
+    factory, batch, description = resolve_model(repo_id)
+    with torch.device("meta"):
+        model = factory()
+    assert type(model).__name__ == cls and model.config.hidden_size == 64  # the cached config, not a preset
+    assert batch is None and repo_id in description and "local Hugging Face cache" in description
+
+
+def test_cached_config_wins_over_a_preset_alias(hf_home):
+    _cache_repo(hf_home, "meta-llama/Llama-2-7b-hf", {**QWEN, "architectures": ["LlamaForCausalLM"],
+                                                      "model_type": "llama"})
+    factory, _, description = resolve_model("meta-llama/Llama-2-7b-hf")
+    with torch.device("meta"):
+        assert factory().config.hidden_size == 64 and "cache" in description
+
+
+def test_preset_alias_is_the_offline_shortcut(hf_home):
+    factory, _, description = resolve_model("meta-llama/Llama-2-7b-hf")  # nothing cached, offline
+    assert "preset llama-2-7b" in description
+
+
+def test_hub_id_found_nowhere_says_where_it_looked(hf_home):
+    with pytest.raises(UsageError) as error:
+        resolve_model("mistralai/Mixtral-8x7B-v0.1")
+    message = str(error.value)
+    assert str(hf_home / "hub") in message and "presets" in message and "HF_HUB_OFFLINE" in message
+    assert "mistral-7b" not in message  # no misleading preset suggestion
+
+
+def test_hub_id_online_with_the_hub_unreachable(hf_home, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(UsageError, match="download failed") as error:
+        resolve_model("Qwen/Qwen2.5-7B-Instruct")
+    assert str(hf_home / "hub") in str(error.value)
+
+
+def test_dry_run_takes_a_cached_hub_id(hf_home):
+    import autofit
+    from autofit.strategies import MicroBatch, Precision
+
+    _cache_repo(hf_home, "Qwen/Qwen2.5-7B-Instruct", QWEN)
+    report = autofit.dry_run("Qwen/Qwen2.5-7B-Instruct", seq_len=32, global_batch_size=2, gpu="l4",
+                             strategies=[Precision(), MicroBatch()])
+    assert report.fits and "Qwen/Qwen2.5-7B-Instruct" in report.model

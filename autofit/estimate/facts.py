@@ -1,0 +1,145 @@
+"""What the estimator knows of a model before simulating it: parameter counts by role (`ModelFacts`,
+read from a meta build), and the activation formula used when a step cannot be simulated."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from autofit.config import Config, Engine
+
+
+# -- model facts ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """Parameter counts the state formulas need (elements, not bytes), read from a meta build."""
+
+    num_params: int
+    trainable_params: int
+    linear_params: int = 0  # weights of the Linear layers inside the blocks: what NF4/int8 quantize, LoRA adapts
+    linear_rows: int = 0  # output rows of those layers (int8 keeps one fp32 scale per row)
+    lora_params_per_rank: int = 0  # sum of (in + out) over those layers: LoRA rank r adds r times this
+    factored_params: int = 0  # Adafactor state elements: rows + cols per matrix, numel per vector
+    largest_param: int = 0
+    block_params: int = 0  # parameters of one repeated block
+    num_blocks: int = 0
+    weight_bytes: float = 4.0  # bytes per weight as the model stores them (4 fp32; 2 for a bf16 model)
+
+
+def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> ModelFacts:
+    """`ModelFacts` of a built model (meta or real). `lora_targets`: the full names of the linear layers
+    LoRA adapts (`Lora.targets`); None: every linear layer inside the blocks."""
+    from autofit.spec.model_info import find_blocks
+
+    params = list(model.parameters())
+    _, blocks = find_blocks(model)
+    linears = [m for block in blocks for m in block.modules() if _is_linear(m)]
+    shapes = [_in_out(m) for m in linears]
+    adapted = shapes if lora_targets is None else [_in_out(model.get_submodule(name)) for name in lora_targets]
+    factored = sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    return ModelFacts(
+        num_params=total, trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        linear_params=sum(i * o for i, o in shapes), linear_rows=sum(o for _, o in shapes),
+        lora_params_per_rank=sum(i + o for i, o in adapted), factored_params=factored,
+        largest_param=max((p.numel() for p in params), default=0),
+        block_params=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0, num_blocks=len(blocks),
+        weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # GPT-2's transposed Linear
+
+
+def _in_out(module: nn.Module) -> tuple[int, int]:
+    rows, cols = module.weight.shape
+    return (cols, rows) if isinstance(module, nn.Linear) else (rows, cols)
+
+
+
+def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int, config: Config) -> int:
+    """Activation bytes by formula, for a step that cannot be simulated (an op without a fake kernel).
+
+    Per block, Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes in 16 bits (the 5as/h term is
+    the attention matrix, absent with fused attention), with the MLP's share (19 s*b*h for GPT's 4h MLP)
+    rescaled to the model's intermediate width (gated MLPs keep three intermediate tensors, not two);
+    checkpointed blocks keep their 16-bit input (2*s*b*h) and one block is recomputed at a time. Beside
+    the blocks: the output logits (16-bit, their fp32 upcast and its gradient: 10 bytes per logit) and,
+    under autocast of fp32 weights, the 16-bit copy of every block weight autocast keeps (2 bytes each).
+    fp32 compute doubles the activation bytes. Its measured bound is `autofit.estimate.estimator.FORMULA_UNDER_PREDICTION`."""
+    hidden = int(getattr(hf, "hidden_size", 0) or 0)
+    heads = int(getattr(hf, "num_attention_heads", 1) or 1)
+    s, b, blocks = _formula_tokens(hf, tokens), mb, max(facts.num_blocks, 1)
+    inter = int(getattr(hf, "intermediate_size", 0) or getattr(hf, "n_inner", 0) or getattr(hf, "d_ff", 0)
+                or 4 * hidden)
+    gated = getattr(hf, "hidden_act", "") in ("silu", "swiglu") or bool(getattr(hf, "is_gated_act", False))
+    mlp = 2 * hidden + (6 if gated else 4) * inter + inter // 4  # input + intermediates (+ a dropout mask)
+    attention = 0 if config.attention.fused else 5 * heads * s
+    layer = s * b * (15 * hidden + mlp + attention)  # 34 s*b*h when the MLP is GPT's
+    share = config.checkpointed_share
+    kept = (1 - share) * blocks * layer + share * blocks * 2 * s * b * hidden + (layer if share else 0)
+    logits = 10 * s * b * int(getattr(hf, "vocab_size", 0) or 0)
+    scale = 1 if config.half_precision else 2
+    half_weights = config.zero_stage > 0 or config.engine is Engine.FSDP  # 16-bit weights, no autocast copies
+    copies = 2 * facts.linear_params if config.half_precision and not half_weights and facts.weight_bytes > 2 else 0
+    return int(scale * kept + logits + copies)
+
+
+def _formula_tokens(hf: Any, tokens: int | None) -> int:
+    """Positions per sample: the batch's sequence length, or a vision transformer's patches (+ class token)."""
+    if tokens:
+        return tokens
+    image, patch = getattr(hf, "image_size", None), getattr(hf, "patch_size", None)
+    if isinstance(image, int) and isinstance(patch, int) and patch > 0:
+        return (image // patch) ** 2 + 1
+    return 1
+
+
+def meta_model(factory: Callable[[], nn.Module]) -> nn.Module:
+    """A build of `factory`'s model on the meta device. A given module (the spec's deep-copy factory) is
+    copied with its tensors replaced by meta ones, so no real copy is made; factories that cannot build
+    on meta are built for real once and moved."""
+    from autofit.spec.model_info import build_on_meta
+
+    if isinstance(factory, functools.partial) and factory.func is copy.deepcopy \
+            and isinstance(factory.args[0], nn.Module):
+        module = factory.args[0]
+        memo: dict[int, Any] = {}
+        for tensor in (*module.parameters(), *module.buffers()):
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        return copy.deepcopy(module, memo)
+    built = build_on_meta(factory)
+    if built is None or any(t.device.type != "meta" for t in (*built.parameters(), *built.buffers())):
+        built = (built or factory()).to("meta")
+    return built
+
+
+def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
+    """The config attribute that sets a Hugging Face model's depth, when the model can be rebuilt at
+    another depth with identical blocks (decoder-only or encoder-only, every weight trainable)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(type(model), "_from_config"):
+        return None
+    if facts.trainable_params != facts.num_params:
+        return None
+    key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+    return key if getattr(config, key, None) == facts.num_blocks else None
+
+
+def rebuild(model: nn.Module, key: str, depth: int) -> nn.Module:
+    """`model`'s class built on the meta device from its config with `depth` blocks."""
+    data = model.config.to_dict()
+    data[key] = depth
+    if isinstance(data.get("layer_types"), list):
+        data["layer_types"] = data["layer_types"][:depth]
+    config = type(model.config).from_dict(data)
+    config._attn_implementation = model.config._attn_implementation
+    dtype = next(model.parameters()).dtype  # a bf16 model is rebuilt in bf16
+    with torch.device("meta"):
+        return type(model)._from_config(config).to(dtype)

@@ -1,0 +1,242 @@
+"""The estimator against published, measured GPU training peaks (no GPU needed: every row is predicted).
+
+    python bench/calibration/calibrate.py              # all rows; writes results/calibration.json
+    python bench/calibration/calibrate.py --only litgpt-rt-phi15-lora-mb1
+
+`published.json` holds the measured rows (source, quote, full setup, metric, bytes; README.md says how
+they were collected and checked). Each row the estimator can express is turned into a model (its
+published dimensions, weights in the dtype the run stored them), a batch, a loss as the run computed it,
+LoRA targets and a `Config`, and predicted with the dry-run's estimator (`target="cuda"`). Like is
+compared with like: `allocated` rows against the peak without the CUDA context and without allocator
+fragmentation, `reserved` rows with fragmentation and without the context, `nvidia-smi` rows with both,
+and figures taken right after the model was built against the model states alone. The error is
+predicted / measured - 1 (negative: an under-prediction, a promised fit that would run out of memory).
+Rows it cannot express are listed apart with what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from autofit.config import Config  # noqa: E402
+from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator  # noqa: E402
+from autofit.spec.train import make_spec  # noqa: E402
+from autofit.strategies import Lora  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROWS = HERE / "published.json"
+RESULT = HERE / "results" / "calibration.json"
+
+# hub id -> (transformers config class, extra fields); dimensions come from each row.
+ARCH = {
+    # litgpt's phi computes GELU(tanh) in one op (F.gelu(approximate="tanh")), not transformers' "gelu_new"
+    "microsoft/phi-1_5": ("PhiConfig", {"partial_rotary_factor": 0.5, "max_position_embeddings": 2048,
+                                        "hidden_act": "gelu_pytorch_tanh"}),
+    "microsoft/phi-2": ("PhiConfig", {"partial_rotary_factor": 0.4, "max_position_embeddings": 2048,
+                                      "hidden_act": "gelu_pytorch_tanh"}),
+    "stabilityai/stablelm-base-alpha-3b": ("GPTNeoXConfig", {"rotary_pct": 0.25, "max_position_embeddings": 4096,
+                                                              "use_parallel_residual": True}),
+    "meta-llama/Llama-2-7b-hf": ("LlamaConfig", {"max_position_embeddings": 4096}),
+    "meta-llama/Llama-2-13b-hf": ("LlamaConfig", {"max_position_embeddings": 4096}),
+    "meta-llama/Llama-2-70b-hf": ("LlamaConfig", {"max_position_embeddings": 4096}),
+    "meta-llama/Meta-Llama-3-8B": ("LlamaConfig", {"max_position_embeddings": 8192, "rope_theta": 500000.0}),
+    "meta-llama/Llama-3.2-3B": ("LlamaConfig", {"max_position_embeddings": 131072, "rope_theta": 500000.0,
+                                                "tie_word_embeddings": True}),
+    "mistralai/Mistral-7B-v0.1": ("MistralConfig", {"max_position_embeddings": 32768, "sliding_window": 4096}),
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": ("LlamaConfig", {"max_position_embeddings": 2048}),
+    "google/gemma-2b": ("GemmaConfig", {"head_dim": 256, "max_position_embeddings": 8192}),
+}
+# A source's LoRA target names -> the transformers module names of each architecture (llama-style
+# names by default; Phi and GPT-NeoX name their projections otherwise, GPT-NeoX fuses q, k and v).
+TARGETS = {"q": ["q_proj"], "k": ["k_proj"], "v": ["v_proj"], "q_proj": ["q_proj"], "k_proj": ["k_proj"],
+           "v_proj": ["v_proj"], "proj": ["o_proj"], "output_proj": ["o_proj"], "gate_proj": ["gate_proj"],
+           "up_proj": ["up_proj"], "down_proj": ["down_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"],
+           "mlp(w1,w2,w3)": ["gate_proj", "up_proj", "down_proj"], "head": ["lm_head"], "output (lm_head)": ["lm_head"]}
+RENAMED = {"PhiConfig": {"o_proj": ["dense"], "gate_proj": [], "up_proj": ["fc1"], "down_proj": ["fc2"]},
+           "GPTNeoXConfig": {"q_proj": ["query_key_value"], "k_proj": ["query_key_value"], "v_proj": ["query_key_value"],
+                             "o_proj": ["dense"], "gate_proj": [], "up_proj": ["dense_h_to_4h"],
+                             "down_proj": ["dense_4h_to_h"]}}
+# Sources whose loss keeps the logits in bf16 (no fp32 upcast): litgpt's chunked cross-entropy, torchtune's.
+BF16_LOSS = ("litgpt-", "torchtune-")
+NOT_EXPRESSIBLE = {  # row id prefix -> what the estimator lacks (beside the table's own `expressible: false`)
+    "torchtitan-": "op-level selective activation checkpointing (torchtitan's 'op' mode): not a Checkpointing "
+                   "value yet (issue 16 adds it)",
+    "fsdpqlora-yi34b": "Yi-34B dimensions are unverified in the table (taken from memory)",
+}
+
+
+# Rows the table marked inexpressible that the estimator now expresses, and why.
+EXPRESSIBLE_NOW = {"fsdpqlora-llama2-70b-qlora-cpuoffload-ctx2048-bs2":
+                   "FSDP CPU offload (parameters, gradients and optimizer states on the host) is modelled"}
+
+
+def expressible(row: dict) -> str | None:
+    """None when the estimator can express `row`, else what is missing."""
+    for prefix, why in NOT_EXPRESSIBLE.items():
+        if row["id"].startswith(prefix):
+            return why
+    if not row["expressible"] and row["id"] not in EXPRESSIBLE_NOW:
+        return "the table marks it inexpressible: " + row["notes"][:160]
+    if row["model"]["hf_id"] not in ARCH:
+        return f"no transformers architecture mapped for {row['model']['hf_id']}"
+    lora = row["lora"] if isinstance(row["lora"], dict) else None
+    if lora and not (isinstance(lora["targets"], list) and all(t in TARGETS for t in lora["targets"])):
+        return f"LoRA targets not pinned down by the source: {str(lora['targets'])[:120]}"
+    return None
+
+
+def build(class_name: str, fields: dict) -> torch.nn.Module:
+    """The causal LM of `class_name`'s config, weights in bf16 (every row stores them so)."""
+    import transformers
+
+    config = getattr(transformers, class_name)(**fields)
+    cls = getattr(transformers, class_name.replace("Config", "ForCausalLM"))
+    return cls(config).to(torch.bfloat16)
+
+
+def bf16_cross_entropy(output, batch):
+    """Cross-entropy on the logits as the model returns them (bf16, not upcast), as litgpt and torchtune do."""
+    logits = output.logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+
+@functools.lru_cache(maxsize=None)
+def tokens(vocab: int, seq: int, n: int, as_tuple: bool):
+    ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+    return (ids, ids.clone()) if as_tuple else {"input_ids": ids, "labels": ids.clone()}
+
+
+class Batches:
+    """make_batch(n) of token ids and labels, a tuple for a bf16 loss, a dict for transformers' own loss."""
+
+    def __init__(self, vocab: int, seq: int, as_tuple: bool):
+        self.vocab, self.seq, self.as_tuple = vocab, seq, as_tuple
+
+    def __call__(self, n: int):
+        return tokens(self.vocab, self.seq, n, self.as_tuple)
+
+
+def setup(row: dict) -> tuple:
+    """(spec, Config, strategies, metric) expressing `row`."""
+    m = row["model"]
+    class_name, extra = ARCH[m["hf_id"]]
+    fields = {"hidden_size": m["hidden"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
+              "intermediate_size": m["intermediate"], "vocab_size": m["vocab"], **extra}
+    if class_name != "GPTNeoXConfig" and class_name != "PhiConfig":
+        fields["num_key_value_heads"] = m["kv_heads"]
+    bf16_loss = row["id"].startswith(BF16_LOSS)
+    batch = Batches(m["vocab"], row["seq_len"], bf16_loss)
+    spec = make_spec(functools.partial(build, class_name, fields), batch, device="cpu", memory_budget="1TiB",
+                     loss_fn=bf16_cross_entropy if bf16_loss else None)
+    lora = row["lora"] if isinstance(row["lora"], dict) else None
+    strategies = [Lora(target_modules=targets(row, class_name))] if lora else []
+    sharding = row["sharding"].lower()
+    # Every row trains bf16 weights without autocast (litgpt bf16-true, torchtune, fsdp_qlora, PEFT's
+    # use_amp=False): autofit's precision="fp32" means no autocast, so the bf16 model computes in bf16.
+    config = Config(precision="fp32", attention="sdpa",
+                    checkpointing="full" if row["activation_checkpointing"].startswith("full") else "none",
+                    micro_batch_size=row["micro_batch"], grad_accum_steps=max(row["grad_accum"] or 1, 1),
+                    lora=lora["rank"] if lora else 0,
+                    quantization="nf4" if row["quantization"].startswith("nf4") else "none",
+                    sharding="fsdp_full" if "full_shard" in sharding or "full shard" in sharding else "none",
+                    offload="cpu" if row["cpu_offload"] else "none",
+                    num_gpus=row["num_gpus"])
+    return spec, config, strategies
+
+
+def targets(row: dict, class_name: str) -> list[str]:
+    """The row's LoRA targets as the architecture names its modules."""
+    renamed = RENAMED.get(class_name, {})
+    names = [n for target in row["lora"]["targets"] for n in TARGETS[target]]
+    return list(dict.fromkeys(m for n in names for m in renamed.get(n, [n])))
+
+
+def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str]:
+    """The prediction comparable with the row's metric, and what was subtracted."""
+    estimate = estimator.predict(config)
+    terms = dict(estimate.terms)
+    metric = row["metric"]
+    if "after model init" in row["value_as_published"]:
+        return estimate.breakdown.params, "model states after init (weights + adapters)"
+    if metric == "allocated":
+        return estimate.peak_bytes - CUDA_CONTEXT_BYTES - terms.get("fragmentation", 0), "peak - context - fragmentation"
+    if metric == "reserved":
+        return estimate.peak_bytes - CUDA_CONTEXT_BYTES, "peak - context"
+    return estimate.peak_bytes, "peak"
+
+
+def run_row(row: dict) -> dict:
+    spec, config, strategies = setup(row)
+    estimator = Estimator(spec, target="cuda", strategies=strategies)
+    value, basis = predicted(row, estimator, config)
+    error = value / row["value_bytes"] - 1
+    return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
+            "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],
+            "predicted_bytes": int(value), "compared": basis, "error": round(error, 4)}
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [r["error"] for r in rows]
+    return {"rows": len(rows), "median_abs": round(statistics.median(abs(e) for e in errors), 4),
+            "worst_abs": round(max(abs(e) for e in errors), 4),
+            "largest_under": round(min(min(errors), 0.0), 4)} if rows else {"rows": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="row ids to predict (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started, load = time.time(), os.getloadavg()[0]
+    table = [r for r in json.loads(ROWS.read_text()) if not args.only or r["id"] in args.only]
+    done, apart = [], []
+    for row in table:
+        why = expressible(row)
+        if why:
+            apart.append({"id": row["id"], "missing": why})
+            continue
+        try:
+            result = run_row(row)
+        except Exception as exc:  # noqa: BLE001 - a row that cannot be predicted is reported, never dropped
+            apart.append({"id": row["id"], "missing": f"prediction failed: {type(exc).__name__}: {exc}"[:300]})
+            print(f"{row['id']:48} FAILED {type(exc).__name__}: {exc}"[:200], flush=True)
+            continue
+        done.append(result)
+        print(f"{result['id']:48} {result['quality']:8} {result['metric']:9} measured "
+              f"{row['value_bytes'] / 2**30:7.2f} GiB predicted {result['predicted_bytes'] / 2**30:7.2f} GiB "
+              f"{result['error']:+7.1%}", flush=True)
+    headline = [r for r in done if r["quality"] != "suspect"]
+    report = {"headline (good + caveat rows)": summary(headline), "good rows": summary([r for r in done if r["quality"] == "good"]),
+              "suspect rows (figure inconsistent with its own setup)": summary([r for r in done if r["quality"] == "suspect"])}
+    for name, s in report.items():
+        if s["rows"]:
+            print(f"{name}: {s['rows']} rows, median |error| {s['median_abs']:.1%}, worst {s['worst_abs']:.1%}, "
+                  f"largest under-prediction {s['largest_under']:.1%}")
+    for row in apart:
+        print(f"not expressible: {row['id']}: {row['missing']}")
+    if args.only:
+        return
+    RESULT.parent.mkdir(exist_ok=True)
+    RESULT.write_text(json.dumps({
+        "what": "estimator (target cuda) vs published measured GPU training peaks", "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (CPU kernels stand in for CUDA in the simulation)",
+        "load_at_start": load, "torch": torch.__version__, "seconds": round(time.time() - started),
+        "summary": report, "rows": done, "not_expressible": apart}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""How far the activation formula (the fallback when a step cannot be simulated) is from the simulation.
+
+    python bench/calibration/formula_bound.py        # writes bench/calibration/results/formula-bound.json
+
+For preset models x sequence lengths x precision x checkpointing, the activations of one micro-batch are
+simulated under fake tensors (`Estimator.activations`) and computed by `formula_activations`; the ratio
+simulated / formula is recorded. Its largest value is `FORMULA_UNDER_PREDICTION` in
+autofit/estimate/estimator.py: a peak that rests on the formula is reported with that bound. Nothing is
+allocated and no GPU is needed (CPU kernels stand in for CUDA, as in every dry-run here).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from autofit.config import Config  # noqa: E402
+from autofit.estimate.estimator import Estimator, formula_activations  # noqa: E402
+from autofit.spec.batch import max_positions  # noqa: E402
+from autofit.spec.presets import get_preset  # noqa: E402
+from autofit.spec.train import make_spec  # noqa: E402
+
+MODELS = ("gpt2", "qwen2.5-0.5b", "llama-2-7b", "phi-2", "bert-base", "t5-small", "vit-base")
+SEQ_LENS = (512, 2048)
+RESULT = Path(__file__).resolve().parent / "results" / "formula-bound.json"
+
+
+def configs(fused: bool) -> list[Config]:
+    """bf16 with and without full checkpointing, and fp32 without."""
+    attention = "sdpa" if fused else "default"
+    return [Config(precision="bf16", attention=attention), Config(precision="bf16", attention=attention,
+                                                                  checkpointing="full"),
+            Config(precision="fp32", attention=attention)]
+
+
+def rows_for(name: str) -> list[dict]:
+    """Simulated and formula activations of `name` at each sequence length and config."""
+    rows = []
+    hf = get_preset(name)
+    lengths = sorted({min(s, max_positions(hf) or s) for s in SEQ_LENS}) if hasattr(hf, "vocab_size") else [None]
+    for seq in lengths:
+        spec = make_spec(hf, seq_len=seq, device="cpu", memory_budget="1TiB")
+        estimator = Estimator(spec, target="cuda")
+        for config in configs(bool(spec.model.attention)):
+            simulated = estimator.activations(config)[0].largest
+            formula = formula_activations(spec.model.hf_config, estimator.facts, spec.tokens_per_sample, 1, config)
+            rows.append({"model": name, "seq_len": seq, "config": config.describe(), "simulated_bytes": simulated,
+                         "formula_bytes": formula, "simulated_over_formula": round(simulated / formula, 3)})
+            print(f"{name:14} {seq or '-':>5} {config.describe():40} x{simulated / formula:.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    started = time.time()
+    rows = [row for name in MODELS for row in rows_for(name)]
+    ratios = [row["simulated_over_formula"] for row in rows]
+    summary = {"points": len(rows), "median": statistics.median(ratios), "worst_under": max(ratios),
+               "worst_over": min(ratios)}
+    RESULT.parent.mkdir(exist_ok=True)
+    RESULT.write_text(json.dumps({
+        "what": "activations of one micro-batch: simulated under fake tensors / formula_activations",
+        "date": datetime.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores", "load_at_start": os.getloadavg()[0], "torch": torch.__version__,
+        "seconds": round(time.time() - started), "summary": summary, "rows": rows}, indent=1) + "\n")
+    print(f"{len(rows)} points: simulated / formula median {summary['median']:.2f}, worst under-prediction "
+          f"x{summary['worst_under']:.2f}, worst over-prediction x{summary['worst_over']:.2f} -> {RESULT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Dry-runs from a config.json beyond causal LMs: each architecture gets a batch of its own modality and
+its activations are simulated (never the formula fallback); a step that cannot be simulated is said so."""
+
+import json
+
+import pytest
+import torch
+from transformers import BertConfig, CLIPConfig, MixtralConfig, T5Config, ViTConfig, WhisperConfig
+
+from autofit.cli.main import main
+from autofit.estimate.dry_run import dry_run
+from autofit.strategies import MicroBatch, Precision
+
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+ARCHITECTURES = {
+    "whisper": (WhisperConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                              max_source_positions=64, max_target_positions=48, decoder_start_token_id=3,
+                              architectures=["WhisperForConditionalGeneration"], **TOKENS),
+                {"input_features": (16, 128), "labels": (32,)}),
+    "clip": (CLIPConfig(text_config=dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, max_position_embeddings=32, **TOKENS),
+                        vision_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=128, image_size=32, patch_size=8),
+                        projection_dim=32, architectures=["CLIPModel"]),
+             {"input_ids": (32,), "pixel_values": (3, 32, 32)}),
+    "t5": (T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                    architectures=["T5ForConditionalGeneration"]),
+           {"input_ids": (32,), "decoder_input_ids": (32,), "labels": (32,)}),
+    "vit": (ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+                      patch_size=8, architectures=["ViTForImageClassification"]),
+            {"pixel_values": (3, 32, 32), "labels": ()}),
+    "mixtral": (MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=64, architectures=["MixtralForCausalLM"], **TOKENS),
+                {"input_ids": (32,), "labels": (32,)}),
+    "bert-token-classifier": (BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, num_labels=5,
+                                         architectures=["BertForTokenClassification"]),
+                              {"input_ids": (32,), "labels": (32,)}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _config_file(tmp_path, name):
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir()
+    ARCHITECTURES[name][0].to_json_file(path)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_dry_run_from_config_json_simulates_every_architecture(tmp_path, name):
+    path = _config_file(tmp_path, name)
+    report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090",
+                     strategies=[Precision(), MicroBatch()])
+    assert report.fits and not report.formula_only
+    for candidate in report.candidates:
+        assert candidate.estimate.simulated, candidate.reason
+        assert candidate.estimate.error_bound == 0
+        assert "simulated under fake tensors" in candidate.estimate.method
+        assert candidate.estimate.breakdown.activations > 0
+    # the synthesized batch is the modality's own, shaped as the model's forward takes it
+    from autofit.spec.models import resolve_model
+    from autofit.spec.train import make_spec
+
+    factory, _, _ = resolve_model(str(path))
+    spec = make_spec(factory, seq_len=32, device="cpu", memory_budget="1GiB")
+    batch = spec.batch_factory(2)
+    shapes = {key: tuple(value.shape[1:]) for key, value in batch.items() if isinstance(value, torch.Tensor)}
+    assert shapes == ARCHITECTURES[name][1]
+
+
+def test_whisper_labels_follow_the_decoder_not_the_2048_default(tmp_path):
+    from autofit.spec.batch import synthesize_batch
+
+    config = ARCHITECTURES["whisper"][0]
+    make_batch, description = synthesize_batch(config, None, "WhisperForConditionalGeneration")
+    assert make_batch(1)["labels"].shape == (1, 48)  # max_target_positions, not 2048
+    assert "input_features 16x128" in description
+    from autofit.errors import UsageError
+
+    with pytest.raises(UsageError, match="seq_len 64 exceeds the model's maximum of 48"):
+        synthesize_batch(config, 64, "WhisperForConditionalGeneration")
+
+
+def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, capsys):
+    """Where the step cannot be simulated, the row, the summary, the JSON and the exit code say that the
+    verdict rests on the formula, with its error bound."""
+    import autofit.estimate.estimator as estimator
+
+    def no_fake_kernel(*args, **kwargs):
+        raise NotImplementedError("aten::made_up has no fake kernel")
+
+    monkeypatch.setattr(estimator, "simulate_step", no_fake_kernel)
+    path = _config_file(tmp_path, "bert-token-classifier")
+    report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090", strategies=[Precision(), MicroBatch()])
+    assert report.fits and report.formula_only
+    chosen = report.chosen
+    assert not chosen.estimate.simulated and chosen.estimate.error_bound > 0
+    assert chosen.estimate.upper_bytes > chosen.peak_bytes
+    assert "by formula only" in chosen.reason and "by formula only" in report.reason
+    assert report.to_dict()["verdict_basis"] == "formula"
+    code = main(["dry-run", "--model", str(path), "--seq-len", "32", "--global-batch-size", "4", "--gpu", "rtx-4090",
+                 "--json"])
+    assert code == 4
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict_basis"] == "formula" and data["chosen"]["activations"] == "formula"
+    # the tuner never prunes by the formula: the probe decides
+    from autofit.config import Config
+    from autofit.estimate.estimator import predictor_for
+    from autofit.spec.models import resolve_model
+    from autofit.spec.train import make_spec
+
+    spec = make_spec(resolve_model(str(path))[0], seq_len=32, device="cpu", memory_budget="1GiB")
+    assert predictor_for(spec)(Config()) is None

@@ -1,0 +1,124 @@
+"""The estimator's terms for several ranks and optimizers: DDP's bucket views, FSDP2 sharding and its
+gathered blocks, ZeRO-3's gathered working set apart from the model states, foreach temporaries, LoRA
+target modules, and weights as the model stores them."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from autofit.config import Config
+from autofit.estimate.estimator import Estimator, ModelFacts, model_states, predictor_for
+from autofit.spec.train import make_spec
+from autofit.strategies import Lora
+
+N = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def tiny_llama(**extra) -> LlamaConfig:
+    return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=512, **extra)
+
+
+@pytest.fixture(scope="module")
+def estimator():
+    spec = make_spec(tiny_llama(), seq_len=64, device="cpu", memory_budget="4GiB", num_gpus=N)
+    return Estimator(spec, target="cuda")
+
+
+def test_fsdp2_shards_every_state_and_reports_gathered_blocks_apart(estimator):
+    facts = estimator.facts
+    base = Config(precision="bf16", attention="sdpa", num_gpus=N)
+    full = estimator.predict(Config(precision="bf16", attention="sdpa", sharding="fsdp_full", num_gpus=N))
+    grad_op = estimator.predict(Config(precision="bf16", attention="sdpa", sharding="fsdp_grad_op", num_gpus=N))
+    ddp = estimator.predict(base)
+    assert full.breakdown.params == 4 * facts.num_params // N  # fp32 shards
+    assert full.breakdown.grads == 4 * facts.trainable_params // N
+    root = facts.num_params - facts.num_blocks * facts.block_params
+    staged = facts.block_params * (2 + 4)  # one block's bf16 gradient and its fp32 copy for the reduce-scatter
+    assert full.breakdown.gathered == 2 * (root + 2 * facts.block_params) + staged
+    assert grad_op.breakdown.gathered == 2 * facts.num_params + staged  # every block stays gathered
+    assert ddp.breakdown.gathered == 0 and full.peak_bytes < grad_op.peak_bytes < ddp.peak_bytes
+    assert "not modelled" not in full.reason and "FSDP2 gathered weights by formula" in full.reason
+    assert predictor_for(estimator.spec)(Config(sharding="fsdp_full", num_gpus=N)) is not None  # the tuner prunes FSDP2 too
+
+
+def test_fsdp2_cpu_offload_keeps_only_gathered_weights_on_the_gpu(estimator):
+    facts = estimator.facts
+    estimate = estimator.predict(Config(precision="bf16", sharding="fsdp_full", offload="cpu", num_gpus=N))
+    parts = estimate.breakdown
+    assert parts.params == parts.grads == 0 and parts.gathered > 0
+    assert estimate.cpu_bytes == 4 * facts.num_params + 4 * facts.trainable_params + 8 * facts.trainable_params
+
+
+def test_zero3_gathered_working_set_is_apart_from_the_model_states(estimator):
+    facts = estimator.facts
+    config = Config(precision="bf16", sharding="zero3", num_gpus=N)
+    estimate = estimator.predict(config)
+    states = model_states(facts, config)
+    parts = estimate.breakdown
+    assert (parts.params, parts.grads) == (states.params, states.grads)  # the ZeRO paper's model states
+    assert parts.gathered == 2 * (2 * facts.block_params + facts.largest_param)
+    assert "ZeRO-3 gathered weights" in estimate.reason
+
+
+def test_ddp_gradients_are_bucket_views_live_for_the_whole_step(estimator):
+    """gradient_as_bucket_view=True: no second copy of the gradients; the buckets exist from the start,
+    so the whole gradient sits under the activations' peak."""
+    one = Estimator(make_spec(tiny_llama(), seq_len=64, device="cpu", memory_budget="4GiB"), target="cuda")
+    single = one.predict(Config(precision="bf16", attention="sdpa"))
+    ddp = estimator.predict(Config(precision="bf16", attention="sdpa", num_gpus=N))
+    assert "ddp_buckets" not in dict(ddp.terms)
+    grads = ddp.breakdown.grads
+    assert ddp.peak_bytes - single.peak_bytes <= grads
+    act = ddp.breakdown.activations
+    assert ddp.peak_bytes >= ddp.breakdown.params + ddp.breakdown.optimizer - estimator._optimizer_temporaries(
+        Config(precision="bf16", num_gpus=N)) + grads + act
+
+
+def test_foreach_adamw_temporaries_follow_the_updated_weights(estimator):
+    facts = estimator.facts
+    assert estimator._optimizer_temporaries(Config()) == 4 * facts.trainable_params  # one fp32 list
+    assert estimator._optimizer_temporaries(Config(sharding="fsdp_full", num_gpus=N)) == 4 * facts.trainable_params // N
+    assert estimator._optimizer_temporaries(Config(optimizer="adamw8bit")) == 0  # bitsandbytes: in place
+    assert estimator._optimizer_temporaries(Config(lora=8)) == 4 * 8 * facts.lora_params_per_rank
+
+
+def test_a_bf16_model_keeps_two_bytes_per_weight_gradient_and_moment():
+    spec = make_spec(tiny_llama(), seq_len=64, device="cpu", memory_budget="4GiB")
+    fp32 = Estimator(spec, target="cuda")
+    spec16 = make_spec(lambda: _bf16(tiny_llama()), seq_len=64, device="cpu", memory_budget="4GiB")
+    bf16 = Estimator(spec16, target="cuda")
+    assert fp32.facts.weight_bytes == 4 and bf16.facts.weight_bytes == 2
+    p = bf16.facts.num_params
+    states = model_states(bf16.facts, Config(precision="bf16"))
+    assert (states.params, states.grads, states.optimizer) == (2 * p, 2 * p, 4 * p)
+    assert bf16._optimizer_temporaries(Config(precision="bf16")) == 2 * p
+    assert bf16.predict(Config(precision="bf16")).peak_bytes < fp32.predict(Config(precision="bf16")).peak_bytes
+
+
+def _bf16(config):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_lora_target_modules_q_v_versus_all_linear():
+    spec = make_spec(tiny_llama(), seq_len=64, device="cpu", memory_budget="4GiB", allow={"lora"})
+    every = Estimator(spec, target="cuda", strategies=[Lora()])
+    qv = Estimator(spec, target="cuda", strategies=[Lora(target_modules=["q_proj", "v_proj"])])
+    # q_proj 128 -> 128 and v_proj 128 -> 128 (4 heads x 32, no grouped KV) in each of 4 blocks
+    assert qv.facts.lora_params_per_rank == 4 * (256 + 256)
+    assert every.facts.lora_params_per_rank > 3 * qv.facts.lora_params_per_rank
+    config = Config(precision="bf16", lora=16)
+    assert qv.predict(config).breakdown.grads == 4 * 16 * qv.facts.lora_params_per_rank
+    assert qv.predict(config).peak_bytes < every.predict(config).peak_bytes
+
+
+def test_facts_count_adapters_only_where_lora_goes():
+    facts = ModelFacts(num_params=100, trainable_params=100, lora_params_per_rank=10)
+    assert model_states(facts, Config(lora=2)).grads == 4 * 2 * 10
