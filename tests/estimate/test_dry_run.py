@@ -35,8 +35,10 @@ def test_70b_preset_plans_with_nothing_allocated():
     assert psutil.Process().memory_info().rss - rss < 4 * GIB  # 70B fp32 weights alone would be 280 GB
     assert result.fits and result.chosen.config.zero_stage == 3  # 70B needs every state sharded on 8 GPUs
     assert result.chosen.peak_bytes <= result.fit_limit
-    optimizer_free = [c for c in result.candidates if c.config.zero_stage == 0 and not c.config.lora]
-    assert optimizer_free and not any(c.fits for c in optimizer_free)  # 16 bytes/param cannot fit 80 GB
+    unsharded = [c for c in result.candidates if not c.config.shards_optimizer and not c.config.lora]
+    assert unsharded and not any(c.fits for c in unsharded)  # 16 bytes/param cannot fit 80 GB
+    fsdp = [c for c in result.candidates if c.config.sharding.value == "fsdp_full" and not c.config.offloads]
+    assert fsdp and all(c.estimate.breakdown.gathered > 0 for c in fsdp)  # FSDP2 is modelled, not deferred
 
 
 def test_chosen_is_the_fastest_fit_and_candidates_are_ordered(report):
