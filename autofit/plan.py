@@ -49,6 +49,12 @@ class Plan:
         """How many candidates were not run because the estimator predicted they would not fit."""
         return sum(1 for p in self.probes if p.skip is Skip.PREDICTED)
 
+    @property
+    def peak_rank(self) -> int | None:
+        """The rank whose peak is `peak_memory` when the chosen configuration ran on several ranks, else None."""
+        chosen = next((p for p in self.probes if p.fits and p.config == self.config), None)
+        return chosen.peak_rank if chosen is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (what `save` writes)."""
         data = dataclasses.asdict(self)

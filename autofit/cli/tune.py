@@ -135,6 +135,10 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
 @click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
+@click.option("--engine", type=click.Choice(["auto", "deepspeed", "fsdp"]), default="auto", show_default=True,
+              help="Sharding engine over several ranks: auto searches ZeRO (DeepSpeed) and FSDP2; or pin one.")
+@click.option("--nvme-path", default=None,
+              help="Folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); kept in the plan and its launchers.")
 @click.option("--max-probes", type=int, default=DEFAULT_MAX_PROBES, show_default=True)
 @click.option("--warmup-steps", type=int, default=2, show_default=True)
 @click.option("--timed-steps", type=int, default=3, show_default=True)
@@ -142,8 +146,9 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def tune(model_arg: str, seq_len: int | None, global_batch_size: int | None, device: str | None,
-         memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, max_probes: int,
-         warmup_steps: int, timed_steps: int, out: str | None, resume: bool, as_json: bool) -> int:
+         memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, engine: str,
+         nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int, out: str | None, resume: bool,
+         as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
@@ -156,7 +161,7 @@ def tune(model_arg: str, seq_len: int | None, global_batch_size: int | None, dev
                            memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
                            optimizer=optimizer, seq_len=seq_len, storage=f"sqlite:///{out_dir / TRIALS}",
                            max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
-                           progress=progress)
+                           progress=progress, engine=engine, nvme_path=nvme_path)
     paths = write_run(plan, out_dir)
     console.print(probe_table(plan))
     if plan.fits:

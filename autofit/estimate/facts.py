@@ -29,6 +29,7 @@ class ModelFacts:
     block_params: int = 0  # parameters of one repeated block
     num_blocks: int = 0
     weight_bytes: float = 4.0  # bytes per weight as the model stores them (4 fp32; 2 for a bf16 model)
+    tied_params: int = 0  # the largest parameter used by two modules (GPT-2's embedding and head), else 0
 
 
 def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> ModelFacts:
@@ -49,7 +50,19 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         lora_params_per_rank=sum(i + o for i, o in adapted), factored_params=factored,
         largest_param=max((p.numel() for p in params), default=0),
         block_params=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0, num_blocks=len(blocks),
-        weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0)
+        weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0,
+        tied_params=_largest_tied(model))
+
+
+def _largest_tied(model: nn.Module) -> int:
+    """Elements of the largest parameter registered in two places (tied weights), or 0."""
+    seen: set[int] = set()
+    tied = 0
+    for _, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied = max(tied, param.numel())
+        seen.add(id(param))
+    return tied
 
 
 def _is_linear(module: nn.Module) -> bool:

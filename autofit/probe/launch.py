@@ -1,38 +1,50 @@
 """The launcher: one code that runs a probe outside the caller's process, as one child or as N ranks.
 
-Where a probe runs is the strategies' call (`Strategy.placement`): a CHILD is one spawned process
-(bitsandbytes paging, kernels: process-global state stays out of the caller); RANKS are `num_gpus`
-spawned processes joined in a process group as torchrun would launch them (MASTER_ADDR/PORT, RANK,
-WORLD_SIZE, LOCAL_RANK), over NCCL on CUDA or gloo on the CPU; engines (ZeRO, FSDP2, offload) run there
-even on one rank. Each process runs the ordinary probe (`run_probe`) under its own budget; the parent:
+Where a probe runs is the strategies' call (`Strategy.placement`): a CHILD is one process (bitsandbytes
+paging, kernels: process-global state stays out of the caller); RANKS are `num_gpus` processes joined
+in a process group as torchrun would launch them (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK), over
+NCCL on CUDA or gloo on the CPU; engines (ZeRO, FSDP2, offload) run there even on one rank.
+
+Each process is `python -m autofit.probe.child`, an autofit entry point: nothing of the user's
+`__main__` is imported or re-run there. The spec and the strategies travel with cloudpickle, so
+lambdas, closures and factories defined in a notebook, on standard input or in a script without a
+main guard work; what cannot be serialised at all is one `UsageError` naming it, before any probe
+(`check_serialisable`). Each process runs the ordinary probe (`run_probe`) under its own budget and
+reports one JSON result; the parent:
 - takes the first failure (OOM, error) as the candidate's and kills the others at once, since they may
   be waiting for it in a collective, so none is left hanging;
 - kills every process past the timeout and records an error;
 - reads a process killed by SIGKILL (exit code -9: the kernel's OOM killer) as an OOM of the host;
-- always kills and joins every process, whatever happens.
-A fit is the slowest rank's step time and the largest rank's peak.
+- always kills and reaps every process (and what it started), whatever happens.
+A fit is the slowest rank's step time and the largest rank's peak; every rank's peak is kept
+(`ProbeResult.rank_peaks`), and the reason names the rank that set the maximum.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import multiprocessing
-import multiprocessing.connection
+import json
 import os
 import pickle
+import select
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.probe.handover import adopt, parent_state
+from autofit.probe.handover import parent_state
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.spec.train import TrainSpec
 from autofit.strategies.base import Placement
+from autofit.units import format_size
 
 if TYPE_CHECKING:
     from autofit.strategies.base import Strategy
@@ -67,52 +79,71 @@ def probe_placed(spec: TrainSpec, config: Config, strategies: Sequence["Strategy
 def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], placement: Placement,
            timeout: float = DEFAULT_TIMEOUT, step_limit: float | None = None) -> ProbeResult:
     """Probe `config` in a child process (CHILD) or in `config.num_gpus` ranks (RANKS); never raises
-    but for bad input."""
+    but for bad input (a spec that cannot be serialised: `UsageError`)."""
+    from autofit.probe.payload import payload
+
     ranks = placement is Placement.RANKS
     world = config.num_gpus if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    payload = pickled(spec, config, strategies, step_limit, world)
-    if isinstance(payload, ProbeResult):
-        return payload
-    processes = _start(payload, world, ranks, timeout)
-    try:
-        reports = _collect(processes, config, timeout)
-    finally:
-        _reap(processes)
+    job = {"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": payload(spec, strategies),
+           "config": config.to_dict(), "step_limit": step_limit, "timeout": timeout,
+           "state": parent_state(spec.device, world)}  # cards, TF32/cuDNN flags (`autofit.probe.handover`)
+    with tempfile.TemporaryDirectory(prefix="autofit-probe-") as folder:
+        job_path = Path(folder) / "job.pickle"
+        job_path.write_bytes(pickle.dumps(job))
+        processes: list[_Process] = []
+        try:
+            processes = _start(job_path, world, ranks, spec.device)
+            reports = _collect(processes, config, timeout)
+        finally:
+            _reap(processes)
     return combine(spec, config, reports)
-
-
-def pickled(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
-            step_limit: float | None, world: int = 1) -> bytes | ProbeResult:
-    """What a child process (of `world`) needs to run the probe, its parent's state included
-    (`autofit.probe.handover`), or the error result saying why it does not pickle."""
-    try:
-        return pickle.dumps((spec, config, list(strategies), step_limit, parent_state(spec.device, world)))
-    except Exception as exc:  # noqa: BLE001 - lambdas, local classes, open handles
-        return ProbeResult(config, ProbeStatus.ERROR,
-                           f"cannot probe in a child process: the spec does not pickle ({exc}); "
-                           "define the model and batch factories at module level")
 
 
 @dataclasses.dataclass
 class _Process:
-    process: multiprocessing.process.BaseProcess
-    receiver: multiprocessing.connection.Connection
+    """One probe process and the read end of the pipe its result arrives on."""
+
+    popen: subprocess.Popen
+    result_fd: int
+    data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-def _start(payload: bytes, world: int, ranks: bool, timeout: float) -> list[_Process]:
-    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-    port = _free_port() if ranks else 0
+def _start(job_path: Path, world: int, ranks: bool, device: torch.device) -> list[_Process]:
+    port = _free_port() if ranks else None
     processes = []
     for rank in range(world):
-        receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=_main, args=(rank, world, port if ranks else None, timeout, payload, sender),
-                                  daemon=True, name=f"autofit-probe-{rank}")
-        process.start()
-        sender.close()
-        processes.append(_Process(process, receiver))
+        read_fd, write_fd = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "autofit.probe.child", str(job_path), str(write_fd)],
+                env=_environment(rank, world, port, device), pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
+                stdout=sys.__stderr__.fileno() if sys.__stderr__ else None,  # stdout stays the caller's (--json)
+                start_new_session=True)  # its own process group: a kill reaches what it started too
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        processes.append(_Process(popen, read_fd))
     return processes
+
+
+def _environment(rank: int, world: int, port: int | None, device: torch.device) -> dict[str, str]:
+    """The child's environment: the caller's, autofit importable as here, and the rank's place in the
+    process group as torchrun sets it (ranks only)."""
+    import autofit
+
+    env = dict(os.environ, AUTOFIT_LAUNCHER_PID=str(os.getpid()))
+    here = str(Path(autofit.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    if port is not None:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        if device.type != "cuda":
+            env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise look for a GPU
+    return env
 
 
 def _collect(processes: list[_Process], config: Config, timeout: float) -> list[ProbeResult]:
@@ -120,10 +151,13 @@ def _collect(processes: list[_Process], config: Config, timeout: float) -> list[
     deadline = time.monotonic() + timeout
     reports: dict[int, ProbeResult] = {}
     while len(reports) < len(processes) and time.monotonic() < deadline:
-        waiting = {p.receiver: i for i, p in enumerate(processes) if i not in reports}
-        for receiver in multiprocessing.connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
-            index = waiting[receiver]
-            reports[index] = _receive(receiver, processes[index], config, index, len(processes))
+        waiting = {p.result_fd: i for i, p in enumerate(processes) if i not in reports}
+        readable, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+        for fd in readable:
+            index = waiting[fd]
+            report = _receive(processes[index], config, index, len(processes))
+            if report is not None:
+                reports[index] = report
         if any(r.status is not ProbeStatus.FIT for r in reports.values()):
             deadline = min(deadline, time.monotonic() + _GRACE)  # a failed rank's peers are stuck in collectives
     if not reports:
@@ -134,13 +168,19 @@ def _collect(processes: list[_Process], config: Config, timeout: float) -> list[
     return [reports[i] for i in sorted(reports)]
 
 
-def _receive(receiver: multiprocessing.connection.Connection, process: _Process, config: Config, index: int,
-             world: int) -> ProbeResult:
-    try:
-        return ProbeResult.from_dict(receiver.recv())
-    except EOFError:  # the process died without reporting
-        process.process.join(_GRACE)
-        return died(config, process.process.exitcode, f"rank {index}" if world > 1 else "child process")
+def _receive(process: _Process, config: Config, index: int, world: int) -> ProbeResult | None:
+    """The process's result once its pipe is closed, or None while it is still writing."""
+    chunk = os.read(process.result_fd, 1 << 20)
+    if chunk:
+        process.data += chunk
+        return None
+    if process.data:
+        return ProbeResult.from_dict(json.loads(process.data.decode()))
+    try:  # the process closed the pipe without reporting: it died
+        process.popen.wait(_GRACE)
+    except subprocess.TimeoutExpired:
+        pass
+    return died(config, process.popen.returncode, f"rank {index}" if world > 1 else "child process")
 
 
 def died(config: Config, exitcode: int | None, who: str) -> ProbeResult:
@@ -153,30 +193,38 @@ def died(config: Config, exitcode: int | None, who: str) -> ProbeResult:
 
 
 def _reap(processes: list[_Process]) -> None:
+    """Kill every process still running, with what it started (its own process group), and wait for it."""
     for p in processes:
-        if p.process.is_alive():
-            p.process.kill()
+        if p.popen.poll() is None:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.popen.kill()
     for p in processes:
-        p.process.join()
-        p.receiver.close()
+        p.popen.wait()
+        os.close(p.result_fd)
 
 
 def combine(spec: TrainSpec, config: Config, reports: list[ProbeResult]) -> ProbeResult:
     """One result for the candidate: the first OOM, else the first error or prune, else the fit with the
-    largest peak and the slowest step (throughput over all ranks' samples)."""
+    largest peak and the slowest step (throughput over all ranks' samples). Every rank's peak is kept."""
     if len(reports) == 1:
         return dataclasses.replace(reports[0], config=config)
+    peaks = tuple(r.peak_bytes for r in reports)
     for status in (ProbeStatus.OOM, ProbeStatus.ERROR, ProbeStatus.PRUNED):
         failed = [r for r in reports if r.status is status]
         if failed:
-            return dataclasses.replace(failed[0], config=config,
+            return dataclasses.replace(failed[0], config=config, rank_peaks=peaks,
                                        reason=f"{failed[0].reason} (on {len(failed)} of {len(reports)} ranks)")
-    worst = max(reports, key=lambda r: (r.peak_bytes or 0))
+    rank = max(range(len(reports)), key=lambda i: reports[i].peak_bytes or 0)
     seconds = max(r.step_seconds for r in reports)
     samples = config.global_batch_size / seconds
     tokens = samples * spec.tokens_per_sample if spec.tokens_per_sample else None
-    return dataclasses.replace(worst, config=config, step_seconds=seconds, samples_per_s=samples,
-                               tokens_per_s=tokens, reason=worst.reason + " per rank")
+    every = ", ".join(format_size(p) for p in peaks)
+    return dataclasses.replace(reports[rank], config=config, step_seconds=seconds, samples_per_s=samples,
+                               tokens_per_s=tokens, rank_peaks=peaks,
+                               reason=f"{reports[rank].reason} per rank, set by rank {rank} of {len(reports)} "
+                                      f"(every rank: {every})")
 
 
 def _free_port() -> int:
@@ -185,40 +233,4 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _main(rank: int, world: int, port: int | None, timeout: float, payload: bytes,
-          sender: multiprocessing.connection.Connection) -> None:
-    """One process: join the process group (ranks only), run the ordinary probe, report, leave."""
-    spec, config, strategies, step_limit, state = pickle.loads(payload)
-    spec = adopt(state, spec, rank)  # the probe's cards, a memory baseline, the parent's TF32/cuDNN flags
-    if port is not None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        if spec.device.type != "cuda":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise look for a GPU
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    result = _probe(spec, config, strategies, step_limit, rank, world, port, timeout)
-    sender.send(result.to_dict())  # before leaving the group: leaving may wait for peers
-    sender.close()
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _probe(spec: TrainSpec, config: Config, strategies: list["Strategy"], step_limit: float | None, rank: int,
-           world: int, port: int | None, timeout: float) -> ProbeResult:
-    import torch.distributed as dist
-
-    from autofit.probe.run import run_probe
-
-    try:
-        if port is not None:
-            dist.init_process_group("nccl" if spec.device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout))
-        return run_probe(spec, config, strategies, step_limit)
-    except Exception as exc:  # noqa: BLE001 - bad input found in a child still comes back as a result
-        who = f"rank {rank}: " if world > 1 else ""
-        return ProbeResult(config, ProbeStatus.ERROR, f"{who}{type(exc).__name__}: {exc}")
-
-
-__all__ = ["DEFAULT_TIMEOUT", "check_ranks", "combine", "died", "launch", "pickled", "probe_placed"]
+__all__ = ["DEFAULT_TIMEOUT", "check_ranks", "combine", "died", "launch", "probe_placed"]

@@ -68,6 +68,20 @@ class StorageCounter(TorchDispatchMode):
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self._ignored: set[int] = set()
 
+    def __enter__(self) -> "StorageCounter":
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        return super().__exit__(*exc_info)
+
+    def resized(self, storage: Any) -> None:
+        """A tracked storage changed size outside any op (`UntypedStorage.resize_`): count its new size."""
+        if id(storage) in self._live:
+            self._count(storage)
+
     def ignore(self, tensors: Any) -> None:
         """Never count the storages of `tensors`."""
         self._ignored.update(id(t.untyped_storage()) for t in tensors)
@@ -116,6 +130,26 @@ class StorageCounter(TorchDispatchMode):
 
 
 _ALIASING: dict[Any, bool] = {}
+_ACTIVE: list[StorageCounter] = []  # counters entered and not left, innermost last
+
+
+def _resize_seen(original: Any) -> Any:
+    """`UntypedStorage.resize_` that tells the active counters. FSDP2 frees a block's gathered parameters
+    by resizing their storage to 0 bytes and re-allocates them the same way (torch/distributed/fsdp/
+    _fully_shard/_fsdp_param.py, `free_storage`/`alloc_storage`), which no dispatched op shows: without
+    this, every block's full parameters would stay counted after their reshard."""
+    def resize_(storage: Any, size: int) -> Any:
+        out = original(storage, size)
+        for counter in tuple(_ACTIVE):
+            counter.resized(storage)
+        return out
+
+    resize_.__wrapped__ = original  # type: ignore[attr-defined]
+    return resize_
+
+
+if not hasattr(torch.UntypedStorage.resize_, "__wrapped__"):
+    torch.UntypedStorage.resize_ = _resize_seen(torch.UntypedStorage.resize_)  # type: ignore[method-assign]
 
 
 def _input_storages(func: Any, args: Any, kwargs: Any) -> set[int]:

@@ -34,6 +34,12 @@ class Skip(str, enum.Enum):
     BUDGET = "budget"  # the probe budget (max_probes) was spent
 
 
+# Where in a probe a failure struck. "build" (the model and engine) and "step" (the optimizer step,
+# activations freed) hold no activations: memory there does not depend on the micro-batch.
+PHASES = ("build", "forward", "backward", "step")
+FIXED_PHASES = ("build", "step")
+
+
 class Source(str, enum.Enum):
     """Where a record comes from."""
 
@@ -59,9 +65,12 @@ class ProbeResult:
     oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ... (OOM only)
     skip: Skip | None = None  # why it was not run (SKIPPED only)
     source: Source = Source.PROBED
+    rank_peaks: tuple[int | None, ...] = ()  # each rank's peak (bytes; None: it did not report), several ranks only
+    phase: str | None = None  # where an OOM or error struck: "build", "forward", "backward" or "step" (`PHASES`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", ProbeStatus(self.status))
+        object.__setattr__(self, "rank_peaks", tuple(self.rank_peaks))
         object.__setattr__(self, "source", Source(self.source))
         if self.skip is not None:
             object.__setattr__(self, "skip", Skip(self.skip))
@@ -84,6 +93,18 @@ class ProbeResult:
     def fits(self) -> bool:
         """Whether this candidate is a fit."""
         return self.status is ProbeStatus.FIT
+
+    @property
+    def fixed_cost(self) -> bool:
+        """Whether this is an OOM where no activation was live (building the model and engine, or the
+        optimizer step): it does not depend on the micro-batch, checkpointing or attention."""
+        return self.status is ProbeStatus.OOM and self.phase in FIXED_PHASES
+
+    @property
+    def peak_rank(self) -> int | None:
+        """The rank that set the peak (the largest of `rank_peaks`), or None for a single process."""
+        known = [(peak, rank) for rank, peak in enumerate(self.rank_peaks) if peak is not None]
+        return max(known, key=lambda pair: (pair[0], -pair[1]))[1] if known else None
 
     @property
     def measured(self) -> bool:

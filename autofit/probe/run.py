@@ -18,7 +18,7 @@ from autofit.errors import CudaContextBroken, UsageError
 from autofit.probe.memory import Budget, DeadlinePassed, budget_for
 from autofit.probe.oom import classify_oom, first_line, release_memory, sticky_error
 from autofit.probe.outcome import ProbeResult, ProbeStatus
-from autofit.probe.step import build_run
+from autofit.probe.step import TrainRun, build_run
 from autofit.spec.batch import to_device
 from autofit.spec.train import TrainSpec
 from autofit.units import format_size
@@ -60,7 +60,8 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         _stop_if_broken(exc, config)
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
-        result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind)
+        result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind,
+                             phase=getattr(exc, "autofit_phase", None))
     else:
         result = _measured(spec, config, budget.peak, step_seconds)
     try:
@@ -79,8 +80,20 @@ def _stop_if_broken(exc: BaseException, config: Config) -> None:
 
 
 def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> float:
-    """Build the run, take the warm-up steps, return the mean seconds of the timed steps."""
+    """Build the run, take the warm-up steps, return the mean seconds of the timed steps. An exception
+    leaves carrying the phase it struck in (`autofit_phase`)."""
+    built: list[TrainRun] = []
+    try:
+        return _steps(spec, config, strategies, budget, built)
+    except BaseException as exc:
+        exc.autofit_phase = built[0].phase if built else "build"  # type: ignore[attr-defined]
+        raise
+
+
+def _steps(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget,
+           built: list[TrainRun]) -> float:
     run = build_run(spec, config, strategies)
+    built.append(run)
     micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
     micro_batches = [micro_batch] * config.grad_accum_steps  # the loader's worst case, every micro-step
     _warm_up(run, micro_batches, spec.warmup_steps, budget)

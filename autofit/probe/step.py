@@ -48,6 +48,7 @@ class TrainRun:
     engine_factory: Callable[["TrainRun"], "Engine | None"] | None = None
     engine: "Engine | None" = None
     nvme_path: str | None = None  # folder for NVMe offload, set by the offload strategy for the engine
+    phase: str = "build"  # what the run is doing (`autofit.probe.outcome.PHASES`): an OOM records it
 
     @property
     def device(self) -> torch.device:
@@ -77,10 +78,12 @@ class TrainRun:
 
     def forward_backward(self, micro_batch: Any, weight: float) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss scaled by `weight`; returns the unscaled loss."""
+        self.phase = "forward"
         with self.autocast():
             output = call_model(self.model, micro_batch)
             loss = self.spec.loss_fn(output, micro_batch)
         scaled = loss * weight
+        self.phase = "backward"
         if self.engine is not None:
             self.engine.backward(scaled)
         else:
@@ -89,6 +92,7 @@ class TrainRun:
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients and clear them."""
+        self.phase = "step"
         if self.engine is not None:
             self.engine.step()
         elif self.scaler is not None:

@@ -7,13 +7,17 @@ from typing import Any, Sequence
 from autofit.config import Config
 from autofit.estimate.estimator import predictor_for, tolerance_for
 from autofit.plan import Plan, make_plan
+from autofit.errors import UsageError
 from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed
 from autofit.probe.outcome import ProbeResult
+from autofit.probe.payload import check_serialisable
 from autofit.search.space import build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search
 from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
-from autofit.strategies import Strategy, default_strategies
+from autofit.strategies import ENGINES, Strategy, default_strategies
+from autofit.strategies.base import Placement
+from autofit.strategies.sharding import ShardingEngine
 
 
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
@@ -23,7 +27,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
             max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
             max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
             strategies: Sequence[Strategy] | None = None, progress: Progress | None = None,
-            predict: bool = True) -> Plan:
+            predict: bool = True, engine: str = "auto", nvme_path: Any = None) -> Plan:
     """Find the fastest training configuration that fits, by probing real training steps.
 
     Args:
@@ -56,23 +60,53 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         progress: receives `starting(config, why)` and `finished(result)` events.
         predict: use the dry-run estimator to start each level at the largest micro-batch predicted to
             fit and to skip configs predicted over the budget by more than its measured error.
+        engine: the sharding engines searched over several ranks: "auto" (ZeRO where DeepSpeed is
+            installed, and FSDP2; the faster measured one wins), "deepspeed" or "fsdp" to pin one.
+        nvme_path: a folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); checked writable
+            now, kept in the plan (`plan.spec["nvme_path"]`) and written by the exports.
 
     Returns:
         A `Plan`: `fits`, `config`, `throughput` (samples/s), `tokens_per_second`, `peak_memory`
         (bytes), `reason`, and every probe.
     """
+    chosen = engine_strategies(strategies, engine, nvme_path)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
                      memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
                      loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin,
-                     warmup_steps=warmup_steps, timed_steps=timed_steps, max_micro_batch=max_micro_batch)
+                     warmup_steps=warmup_steps, timed_steps=timed_steps, max_micro_batch=max_micro_batch,
+                     nvme_path=nvme_path if nvme_path is not None else _nvme_path_of(chosen))
     check_ranks(spec.device, spec.num_gpus)
-    chosen = list(strategies) if strategies is not None else default_strategies()
     space = build_space(spec, chosen)
+    if any(space.placement(level) is not Placement.IN_PROCESS for level in space.levels()):
+        check_serialisable(spec, space.strategies)  # one UsageError now, not one error per candidate
     store = TrialStore(space, storage)
 
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
         return probe_placed(spec, config, space.strategies, space.placement(config), probe_timeout, step_limit)
 
     predictor = predictor_for(spec, space.strategies) if predict else None
-    results = Search(space, store, prober, max_probes, progress, predictor, tolerance_for(spec.device)).run()
+    tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
+    results = Search(space, store, prober, max_probes, progress, predictor, tolerance).run()
     return make_plan(space, results, predictor)
+
+
+def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_path: Any = None) -> list[Strategy]:
+    """The strategies searched: the given ones or every rung, with the sharding engines narrowed to
+    `engine` ("auto", "deepspeed", "fsdp"); `nvme_path` goes to the offload rung."""
+    from autofit.strategies import Offload
+    from autofit.strategies.zero import installed_version
+
+    if engine not in ENGINES:
+        raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
+    if engine == "deepspeed" and installed_version() is None:
+        raise UsageError("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
+                         "or use engine='fsdp' (torch's own FSDP2).")
+    chosen = list(strategies) if strategies is not None else default_strategies(engine)
+    chosen = [s for s in chosen if not isinstance(s, ShardingEngine) or engine in ("auto", s.engine.value)]
+    if nvme_path is not None:
+        chosen = [Offload(nvme_path) if isinstance(s, Offload) else s for s in chosen]
+    return chosen
+
+
+def _nvme_path_of(strategies: Sequence[Strategy]) -> str | None:
+    return next((s.nvme_path for s in strategies if getattr(s, "nvme_path", None)), None)

@@ -7,6 +7,9 @@ The walk, and its stop rule:
    results bound it: a config that saves at least as much memory as a measured fit
    (same precision and attention, at least as much checkpointing, a smaller optimizer state, a
    micro-batch no larger) fits; one that needs at least as much as an OOM fails.
+   An OOM where no activation was live (building the model and engine, or the optimizer step) is a
+   fixed cost: it bounds every config of that engine and stage whose model states hold no less, at any
+   micro-batch, checkpointing and attention, so the search does not learn the same fixed cost again.
 3. A config implied to fit by a measured fit is not probed: it only adds work to that fit (more
    recomputation, compressed optimizer states, smaller micro-batches), so it cannot be faster. It is
    recorded as skipped with that reason; so is the smallest size above a level's largest fit that an
@@ -37,6 +40,8 @@ from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40
 WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
+# The knobs that change only activation memory: an OOM where no activation was live bounds every value of them.
+ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "checkpoint_every", "attention")
 
 
 class Verdict(enum.Enum):
@@ -68,9 +73,11 @@ class Search:
 
     def __init__(self, space: Space, store: TrialStore, prober: Callable[[Config, float | None], ProbeResult],
                  max_probes: int = DEFAULT_MAX_PROBES, progress: Progress | None = None,
-                 predictor: Callable[[Config], int | None] | None = None, tolerance: float = 0.0):
+                 predictor: Callable[[Config], int | None] | None = None,
+                 tolerance: float | Callable[[Config], float] = 0.0):
         """`predictor(config)` returns a predicted peak in bytes (or None); a config predicted over the
-        fit limit by more than `tolerance` (the predictor's measured relative error) is not probed."""
+        fit limit by more than `tolerance` (the predictor's measured relative error, or a function of
+        the config giving it) is not probed."""
         self.space = space
         self.store = store
         self.prober = prober
@@ -154,10 +161,21 @@ class Search:
                 failed = (result.measured and result.status is ProbeStatus.OOM) or result.skip is Skip.PREDICTED
                 if failed and self.space.saves_at_least(result.config, config):
                     return result.config
+                if result.measured and result.fixed_cost and self._holds_no_less(config, result.config):
+                    return result.config
             elif result.measured and result.status is _IMPLIES[verdict] \
                     and self.space.saves_at_least(config, result.config):
                 return result.config
         return None
+
+    def _holds_no_less(self, config: Config, failed: Config) -> bool:
+        """Whether `config` holds at least what `failed` held where no activation is live (model states,
+        engine buffers): the same engine and stage, and state knobs that save no more. Micro-batch,
+        checkpointing and attention only change activations, so they are set to `failed`'s to compare."""
+        if config.sharding is not failed.sharding or config.num_gpus != failed.num_gpus:
+            return False
+        aligned = config.replace(**{name: getattr(failed, name) for name in ACTIVATION_KNOBS})
+        return self.space.saves_at_least(failed, aligned)
 
     def _step_limit(self, config: Config) -> float | None:
         """Seconds per step below which `config` could still beat the best fit so far; None before any fit."""
@@ -173,10 +191,11 @@ class Search:
             return None
         predicted = self.predictor(config)
         limit = self.space.spec.fit_limit
-        if predicted is None or predicted <= limit * (1 + self.tolerance):
+        tolerance = self.tolerance(config) if callable(self.tolerance) else self.tolerance
+        if predicted is None or predicted <= limit * (1 + tolerance):
             return None
         return (f"predicted to need {format_size(predicted)}, over the fit limit {format_size(limit)} by "
-                f"{predicted / limit - 1:.0%}, more than the estimator's error ({self.tolerance:.0%})")
+                f"{predicted / limit - 1:.0%}, more than the estimator's error ({tolerance:.0%})")
 
     def _probe(self, config: Config, why: str) -> None:
         stored = self.store.lookup(config)

@@ -22,6 +22,7 @@ class ModelInfo:
     attention: tuple[str, ...] = ()  # fused attention implementations a Hugging Face model supports
     blocks: str | None = None  # dotted path of the repeated blocks (checkpointing unit), "" for the model itself
     num_blocks: int = 0
+    hidden_size: int = 0  # the model's width: the Hugging Face config's, else the widest matrix's smaller side
 
     @property
     def is_hf(self) -> bool:
@@ -52,7 +53,21 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     attention = tuple(name for name, flag in (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"))
                       if hf_config is not None and getattr(model, flag, False))
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
-                     attention, path, len(blocks))
+                     attention, path, len(blocks), hidden_size(model, hf_config))
+
+
+def hidden_size(model: nn.Module, hf_config: Any = None) -> int:
+    """The model's width (elements): `hidden_size` (or the largest of `hidden_sizes`) of a Hugging Face
+    config or its text config, as the DeepSpeed integrations read it; else the largest smaller side of
+    a weight matrix (a Linear's input width, an embedding's dimension); 0 for a model without matrices."""
+    for config in (hf_config, getattr(hf_config, "text_config", None)):
+        if config is None:
+            continue
+        if isinstance(getattr(config, "hidden_size", None), int):
+            return config.hidden_size
+        if getattr(config, "hidden_sizes", None):
+            return max(config.hidden_sizes)
+    return max((min(p.shape[:2]) for p in model.parameters() if p.dim() >= 2), default=0)
 
 
 def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:

@@ -71,6 +71,7 @@ class TrainSpec:
     # how this process's memory outside the allocator is measured (`autofit.probe.memory.accounting`).
     foreign_memory: int | None = None
     memory_accounting: str = ""
+    nvme_path: str | None = None  # folder on a fast local disk for NVMe offload (checked writable); exports write it
 
     @property
     def fit_limit(self) -> int:
@@ -83,6 +84,7 @@ class TrainSpec:
             "model": self.model.name,
             "model_fingerprint": self.model.fingerprint,
             "num_params": self.model.num_params,
+            "hidden_size": self.model.hidden_size,
             "device": str(self.device),
             "memory_budget": self.memory_budget,
             "budget_reason": self.budget_reason,
@@ -96,6 +98,7 @@ class TrainSpec:
             "resident_bytes": self.resident_bytes,
             "foreign_memory": self.foreign_memory,
             "memory_accounting": self.memory_accounting,
+            "nvme_path": self.nvme_path,
         }
 
 
@@ -104,7 +107,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
               num_gpus: int = 1, allow: Any = None, optimizer: Any = "adamw",
               loss_fn: LossFn | None = None, seq_len: int | None = None,
               safety_margin: float = DEFAULT_SAFETY_MARGIN, warmup_steps: int = 2, timed_steps: int = 3,
-              max_micro_batch: int = 1024, target: Target | None = None) -> TrainSpec:
+              max_micro_batch: int = 1024, target: Target | None = None, nvme_path: Any = None) -> TrainSpec:
     """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning).
 
     `target`: the hardware planned for, when it is not the probe device (the dry-run's GPU profile)."""
@@ -134,6 +137,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         max_micro_batch=_check_positive("max_micro_batch", max_micro_batch),
         tokens_per_sample=batches.tokens_per_sample(sample), batch_description=description,
         resident_bytes=resident, **memory_report(resolved),
+        nvme_path=_checked_nvme_path(nvme_path),
     )
     if meta_model is not None and loss_fn is None:
         _check_loss_on_meta(meta_model, sample)
@@ -282,6 +286,12 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
     if callable(optimizer):
         return OptimizerSpec("user", factory=optimizer, explore=False)
     raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")
+
+
+def _checked_nvme_path(path: Any) -> str | None:
+    from autofit.strategies.offload import check_nvme_path
+
+    return None if path is None else str(check_nvme_path(path))
 
 
 def _check_positive(name: str, value: Any, minimum: int = 1) -> int:

@@ -3,6 +3,12 @@
 The `num_gpus` knob has one value, the spec's rank count; this strategy wraps the model in
 `DistributedDataParallel` when there are several ranks and no sharding engine. Buys throughput, not
 memory; same math (tier 0).
+
+DDP all-reduces gradients through flat buckets; by default they are a second copy of every gradient.
+With `gradient_as_bucket_view=True` the gradients are views into the buckets, so that copy is gone at
+no cost (torch's DDP docs: "saves a memory size equal to the total gradients size"); the buckets then
+hold the gradients from the wrap on, even between steps (`zero_grad(set_to_none=True)` drops the views,
+not the buckets). The probe wraps that way, the estimator models it so, and the exports say so.
 """
 
 from __future__ import annotations
@@ -43,5 +49,8 @@ def wrap(run: "TrainRun") -> None:
     run.model.to(run.device)
     run.placed = True
     ids = [run.device.index] if run.device.type == "cuda" else None
-    run.model = DistributedDataParallel(run.model, device_ids=ids)
+    run.model = DistributedDataParallel(run.model, device_ids=ids, **DDP_KWARGS)
+
+
+DDP_KWARGS = {"gradient_as_bucket_view": True}  # gradients live in the all-reduce buckets: no second copy
 

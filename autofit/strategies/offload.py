@@ -33,18 +33,25 @@ class Offload(Ladder):
     values = (O.NONE, O.CPU, O.NVME)  # least GPU memory saved first
 
     def __init__(self, nvme_path: str | os.PathLike | None = None):
-        """`nvme_path`: folder on a fast local disk for NVMe offload; checked writable now."""
+        """`nvme_path`: folder on a fast local disk for NVMe offload; checked writable now. The spec's
+        `nvme_path` (`autofit.autofit(nvme_path=...)`, `autofit tune --nvme-path`) comes first: it is the
+        one the plan keeps and the exports write."""
         self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
+
+    def folder(self, spec: "TrainSpec") -> str | None:
+        """The NVMe folder for `spec`: the spec's, else this strategy's own."""
+        return getattr(spec, "nvme_path", None) or self.nvme_path
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = None if spec.target.cuda else \
             f"offload moves states from a GPU to the host; the target {spec.target.name} is already the host"
-        nvme_not = why_not or _nvme_reason(self.nvme_path)
+        folder = self.folder(spec)
+        nvme_not = why_not or _nvme_reason(folder)
         return [
             Option(O.NONE, 0, "model states stay on the device"),
             Option(O.CPU, 0, why_not or "optimizer states (ZeRO-3/FSDP2: parameters too) to host memory",
                    available=why_not is None),
-            Option(O.NVME, 0, nvme_not or f"optimizer states and parameters (ZeRO-3) to NVMe at {self.nvme_path}",
+            Option(O.NVME, 0, nvme_not or f"optimizer states and parameters (ZeRO-3) to NVMe at {folder}",
                    available=nvme_not is None),
         ]
 
@@ -54,12 +61,13 @@ class Offload(Ladder):
 
     def apply(self, run: "TrainRun") -> None:
         if run.config.offloads:
-            run.nvme_path = self.nvme_path  # the engine strategy reads it when it builds the engine
+            run.nvme_path = self.folder(run.spec)  # the engine strategy reads it when it builds the engine
 
 
 def _nvme_reason(nvme_path: str | None) -> str | None:
     if nvme_path is None:
-        return "NVMe offload needs a folder on a fast local disk: Offload(nvme_path=...) (autofit tune --nvme-path)"
+        return ("NVMe offload needs a folder on a fast local disk: autofit.autofit(nvme_path=...) or "
+                "autofit tune --nvme-path DIR")
     from autofit.strategies.zero import installed_version, version_problem
 
     return version_problem(installed_version(), "NVMe offload")

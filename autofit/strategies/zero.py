@@ -74,11 +74,14 @@ class DeepSpeedEngine:
     DeepSpeed must not divide by the accumulation steps again; DeepSpeed counts micro-steps in `step()`
     and applies the optimizer at the accumulation boundary, so it is stepped after every backward."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, run: "TrainRun | None" = None):
         self.engine = engine
+        self.run = run
 
     def backward(self, loss: Any) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
+        if self.run is not None and self.engine.is_gradient_accumulation_boundary():
+            self.run.phase = "step"  # what follows is the optimizer step: no activation is live
         self.engine.step()  # a micro-step; the optimizer steps on the last one of the accumulation
 
     def step(self) -> None:
@@ -86,8 +89,8 @@ class DeepSpeedEngine:
 
 
 def build_engine(run: "TrainRun") -> DeepSpeedEngine:
-    """`deepspeed.initialize` over the run's model with `deepspeed_config(run.config)`; the run's model
-    becomes the engine. Only inside a rank that `autofit.probe.launch` launched (a process group exists)."""
+    """`deepspeed.initialize` over the run's model with `deepspeed_config(run.config)` and buffers sized
+    for the spec's model and budget (what the export writes); the run's model becomes the engine. Only inside a rank that `autofit.probe.launch` launched (a process group exists)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -95,9 +98,9 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
                            "no process group here")
     import deepspeed
 
-    from autofit.export.deepspeed import deepspeed_config
+    from autofit.export.deepspeed import buffers_for, deepspeed_config
 
-    config = deepspeed_config(run.config, nvme_path=run.nvme_path)
+    config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()))
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     if run.config.shards_parameters:
         partition(run.model, config)
@@ -106,7 +109,7 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     engine, optimizer, _, _ = deepspeed.initialize(model=run.model, model_parameters=params, optimizer=optimizer,
                                                    config=config)
     run.model, run.optimizer = engine, optimizer
-    return DeepSpeedEngine(engine)
+    return DeepSpeedEngine(engine, run)
 
 
 def partition(model: Any, config: dict[str, Any]) -> None:

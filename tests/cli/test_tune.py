@@ -108,3 +108,11 @@ def test_console_script_subprocess(tmp_path, model_arg):
                            "--json", *FAST], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["fits"] is True
+
+
+def test_a_bad_nvme_path_and_engine_are_usage_errors(tmp_path, model_arg, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert tune(model_arg, tmp_path / "run", "--nvme-path", str(blocker / "nvme")) == 2
+    assert "not a writable folder" in capsys.readouterr().err
+    assert tune(model_arg, tmp_path / "run2", "--engine", "zero") == 2

@@ -90,3 +90,31 @@ def test_fsdp_plan_is_not_a_deepspeed_plan(tmp_path, plan_for):
         plan.export("deepspeed", tmp_path)
     assert applicable(plan) == ["accelerate", "trainer", "torchrun"]
     assert "deepspeed.json" not in {p.name for p in export_all(plan, tmp_path)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_buffers_are_sized_for_the_model_and_budget(tmp_path, plan_for, stage):
+    config = Config(micro_batch_size=2, grad_accum_steps=2, sharding=f"zero{stage}")  # one rank: the parser's world
+    plan = plan_for(config, hidden_size=256, memory_budget=400 * 2**20)
+    (path,) = export(plan, "deepspeed", tmp_path)
+    data = json.loads(path.read_text())
+    zero = data["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 256 * 256  # not DeepSpeed's 5e8
+    if stage == 3:
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 256 * 256)
+        assert zero["stage3_param_persistence_threshold"] == 2560
+        assert zero["stage3_max_live_parameters"] == 40 * 2**20 // 4  # a tenth of the budget, fp32 parameters
+    else:
+        assert not any(key.startswith("stage3") for key in zero)
+    assert data["optimizer"]["params"]["fused"] is True
+    parsed = parse(data)
+    assert parsed.zero_config.reduce_bucket_size == 256 * 256
+    # the probe builds the same dict from the spec's summary
+    from autofit.export.deepspeed import buffers_for
+
+    assert deepspeed_config(config, buffers=buffers_for(plan.spec))["zero_optimization"] == zero
+
+
+def test_a_plan_without_a_hidden_size_keeps_deepspeeds_defaults(tmp_path, plan_for):
+    (path,) = export(plan_for(Config(micro_batch_size=2, num_gpus=2, sharding="zero2")), "deepspeed", tmp_path)
+    assert "reduce_bucket_size" not in json.loads(path.read_text())["zero_optimization"]

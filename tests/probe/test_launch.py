@@ -131,9 +131,110 @@ def test_combine_takes_the_worst_rank():
     slow = ProbeResult(config, ProbeStatus.FIT, "fits: peak 2 MiB", 2 * 2**20, 1.0, 4.0)
     both = combine(spec, config, [fast, slow])
     assert both.fits and both.peak_bytes == 2 * 2**20 and both.step_seconds == 1.0
+    assert both.rank_peaks == (2**20, 2 * 2**20) and both.peak_rank == 1
+    assert "set by rank 1 of 2" in both.reason
+    assert type(both).from_dict(both.to_dict()) == both  # per-rank peaks survive the plan's JSON
     assert both.samples_per_s == pytest.approx(4.0)  # global batch 4 per 1.0 s step
     silent = ProbeResult(config, ProbeStatus.ERROR, "rank 1 did not report: timed out")
     assert combine(spec, config, [fast, silent]).status is ProbeStatus.ERROR
     oom = ProbeResult(config, ProbeStatus.OOM, "CPU budget exceeded", oom_kind="cpu-budget")
     worst = combine(spec, config, [silent, oom])
     assert worst.status is ProbeStatus.OOM and worst.reason.endswith("(on 1 of 2 ranks)")
+
+
+SCRIPT = """
+import torch, autofit
+from torch import nn
+print("TOP-LEVEL RAN")
+make = lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+def loss(out, batch):
+    return out.pow(2).mean()
+plan = autofit.autofit(make, lambda n: torch.randn(n, 16), device="cpu", num_gpus=2, global_batch_size=4,
+                       loss_fn=loss, memory_budget="256MiB", strategies=[], warmup_steps=1, timed_steps=1,
+                       max_probes=1)
+print("FITS", plan.fits, plan.peak_rank, plan.probes[0].rank_peaks)
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
+def test_ranks_need_nothing_from_the_callers_main(how, tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if how == "stdin":  # lambdas and a def of __main__ read from standard input (python3 - <<EOF)
+        done = subprocess.run([sys.executable, "-"], input=SCRIPT, capture_output=True, text=True, env=env,
+                              timeout=300, cwd=tmp_path)
+    else:
+        (tmp_path / "train.py").write_text(SCRIPT)
+        done = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, env=env, timeout=300,
+                              cwd=tmp_path)
+    assert "FITS True 0 (" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("TOP-LEVEL RAN") == 1  # the ranks did not re-run the caller's script
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_what_cannot_reach_the_ranks_is_one_usage_error_before_any_probe():
+    import threading
+
+    lock = threading.Lock()
+    started = []
+
+    class Counting:
+        def starting(self, config, why):
+            started.append(config)
+
+        def finished(self, result):
+            pass
+
+    with pytest.raises(UsageError, match=r"the batch \(or make_batch factory\).*cannot be sent to the probe"):
+        autofit.autofit(Blocks, lambda n, held=lock: make_batch(n), device="cpu", num_gpus=2, global_batch_size=4,
+                        strategies=[MicroBatch()], progress=Counting())
+    assert not started
+
+
+KILLED_PARENT = """
+import sys, torch
+sys.path[:0] = {path!r}
+from autofit.config import Config
+from autofit.strategies import MicroBatch
+from models import run_ranks
+from test_launch import _spec, hanging
+run_ranks(_spec(hanging), Config(num_gpus=2, micro_batch_size=2), [MicroBatch()], timeout=600)
+"""
+
+
+def test_ranks_leave_when_their_launcher_is_killed(tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT.format(path=[here, os.path.dirname(here), *sys.path])])
+    children = []
+    deadline = time.monotonic() + 120
+    while len(children) < 2 and time.monotonic() < deadline:  # wait until both ranks run
+        time.sleep(1)
+        listing = subprocess.run(["ps", "-eo", "pid,ppid,cmd"], capture_output=True, text=True).stdout.splitlines()
+        children = [int(line.split()[0]) for line in listing
+                    if "autofit.probe.child" in line and int(line.split()[1]) == parent.pid]
+    assert len(children) == 2
+    parent.send_signal(signal.SIGKILL)  # no finally runs in the launcher: the ranks must notice by themselves
+    parent.wait()
+    deadline = time.monotonic() + 30
+    alive = children
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [pid for pid in children if _running(pid)]
+    assert not alive
+
+
+def _running(pid):
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+        return stat.read().split()[2] != "Z"

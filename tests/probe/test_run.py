@@ -83,8 +83,22 @@ def test_isolated_probe_runs_in_a_child_process():
     assert result.peak_bytes == run_probe(spec(), FULL, STRATEGIES).peak_bytes
 
 
-def test_isolated_probe_explains_an_unpicklable_spec():
-    local = make_spec(lambda: make_mlp(), make_mlp_batch, global_batch_size=8, device="cpu",
-                      memory_budget="1GiB", loss_fn=mlp_loss)
-    result = launch(local, FULL, STRATEGIES, Placement.CHILD)
-    assert result.status is ProbeStatus.ERROR and "module level" in result.reason
+def test_isolated_probe_takes_lambdas_and_refuses_the_unserialisable_once():
+    import threading
+
+    from autofit.errors import UsageError
+
+    local = make_spec(lambda: make_mlp(), lambda n: make_mlp_batch(n), global_batch_size=8, device="cpu",
+                      memory_budget="1GiB", loss_fn=lambda out, batch: mlp_loss(out, batch))
+    result = launch(local, FULL, STRATEGIES, Placement.CHILD, timeout=120)
+    assert result.status is ProbeStatus.FIT, result.reason  # lambdas travel by value (cloudpickle)
+    lock = threading.Lock()
+
+    def locked_loss(out, batch):
+        with lock:
+            return mlp_loss(out, batch)
+
+    bad = make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                    loss_fn=locked_loss)
+    with pytest.raises(UsageError, match=r"the loss function \(loss_fn\).*lock.*inside the factory"):
+        launch(bad, FULL, STRATEGIES, Placement.CHILD)

@@ -134,3 +134,19 @@ def test_loading_a_bad_plan_file(tmp_path):
     (tmp_path / "plan.json").write_text("{not json")
     with pytest.raises(autofit.UsageError, match="plan.json"):
         autofit.Plan.load(tmp_path / "plan.json")
+
+
+def test_engine_pins_the_sharding_engine_and_rejects_unknown_ones(tmp_path):
+    from autofit.errors import UsageError
+    from autofit.search.tuner import engine_strategies
+    from autofit.strategies import Fsdp, Offload, Zero
+
+    fsdp = engine_strategies(None, "fsdp")
+    assert any(isinstance(s, Fsdp) for s in fsdp) and not any(isinstance(s, Zero) for s in fsdp)
+    auto = engine_strategies(None, "auto")
+    assert any(isinstance(s, Fsdp) for s in auto) and any(isinstance(s, Zero) for s in auto)
+    assert [type(s) for s in engine_strategies([Zero(), Fsdp()], "deepspeed")] == [Zero]
+    with pytest.raises(UsageError, match="engine='zero' is not known"):
+        engine_strategies(None, "zero")
+    offload = next(s for s in engine_strategies(None, "auto", tmp_path) if isinstance(s, Offload))
+    assert offload.nvme_path == str(tmp_path.resolve())

@@ -97,3 +97,9 @@ def test_fsdp_cpu_offload_on_one_gpu():
     config = Config(sharding="fsdp_full", offload="cpu", micro_batch_size=4, precision="bf16")
     result = run_ranks(spec, config, [MicroBatch(), Fsdp(), Offload()], timeout=600)
     assert result.status is ProbeStatus.FIT, result.reason
+
+
+def test_the_specs_nvme_path_is_offered_and_kept_in_the_plan(tmp_path):
+    spec = make_spec(Blocks, make_batch, device="cpu", nvme_path=tmp_path / "nvme")
+    assert spec.summary()["nvme_path"] == str((tmp_path / "nvme").resolve())
+    assert Offload().folder(spec) == spec.nvme_path

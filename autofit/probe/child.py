@@ -1,0 +1,107 @@
+"""The probe process: `python -m autofit.probe.child JOB RESULT_FD`, started by `autofit.probe.launch`.
+
+An autofit entry point, not a re-run of the user's `__main__`: the job file holds the spec and the
+strategies serialised with cloudpickle (lambdas, closures, notebook and standard-input definitions
+travel by value), so scripts without an `if __name__ == "__main__":` guard, notebooks and
+`python - <<EOF` all work. The rank's place in the process group comes from the environment, as
+torchrun sets it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a single child has none.
+The result is written as one JSON document to the file descriptor RESULT_FD, before the process
+group is left (leaving may wait for peers that are being killed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import sys
+from typing import Any
+
+LAUNCHER_PID = "AUTOFIT_LAUNCHER_PID"  # set by the launcher: the process whose death ends this one
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the job in `argv[0]`, write the result to descriptor `argv[1]`; exit status 0 when reported."""
+    job_path, result_fd = (argv if argv is not None else sys.argv[1:])[:2]
+    _leave_with_parent()
+    with open(job_path, "rb") as handle:
+        job = pickle.load(handle)
+    # The parent's import path first: modules its objects were pickled by reference from (a test's
+    # helpers, the user's package) import here as they did there.
+    sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
+    result = run_job(job)
+    with os.fdopen(int(result_fd), "w") as out:
+        out.write(json.dumps(result))
+    _leave_group()
+    return 0
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The probe's result as a dict (`ProbeResult.to_dict`), whatever happens inside it."""
+    from autofit.config import Config
+    from autofit.probe.outcome import ProbeResult, ProbeStatus
+
+    config = Config.from_dict(job["config"])
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        spec, strategies = pickle.loads(job["payload"])
+        spec = _placed(spec, job["state"], rank, world)
+        result = _probe(spec, config, strategies, job["step_limit"], job["timeout"])
+    except Exception as exc:  # noqa: BLE001 - bad input found in a child still comes back as a result
+        from autofit.probe.oom import first_line
+
+        who = f"rank {rank}: " if world > 1 else ""
+        result = ProbeResult(config, ProbeStatus.ERROR, who + first_line(exc))
+    return result.to_dict()
+
+
+def _placed(spec: Any, state: dict[str, Any], rank: int, world: int) -> Any:
+    """The spec as this rank sees it: the parent's flags and, on CUDA, its own card
+    (`autofit.probe.handover.adopt`); on the CPU a share of the host's cores."""
+    import torch
+
+    from autofit.probe.handover import adopt
+
+    spec = adopt(state, spec, rank)
+    if spec.device.type != "cuda" and "MASTER_PORT" in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return spec
+
+
+def _probe(spec: Any, config: Any, strategies: list, step_limit: float | None, timeout: float) -> Any:
+    import torch.distributed as dist
+
+    from autofit.probe.run import run_probe
+
+    if "MASTER_PORT" in os.environ:
+        dist.init_process_group("nccl" if spec.device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
+    return run_probe(spec, config, strategies, step_limit)
+
+
+def _leave_with_parent(poll: float = 1.0) -> None:
+    """Exit when the launching process is gone (killed before it could reap this one): a probe runs in
+    its own session so that the launcher's kill reaches what it starts, so no signal would reach it."""
+    import threading
+    import time
+
+    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))  # the launcher's own word: it may be gone already
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""What a probe process receives: the spec and the strategies, serialised once with cloudpickle.
+
+cloudpickle serialises by value what plain pickle can only name (lambdas, closures, functions and
+classes of `__main__`, a notebook or standard input), and by reference what a module defines, so the
+probe process needs nothing of the user's `__main__`. What cannot be serialised at all (an open file,
+a lock, a live connection captured by a factory) is found once, before any probe, and named in one
+`UsageError` with the fix.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from autofit.errors import UsageError
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+    from autofit.strategies.base import Strategy
+
+# id(spec) -> (the spec, weakly; the strategies' ids; the payload). A search probes one spec many
+# times; a model given as a module is serialised with its weights, so once is enough.
+_CACHE: dict[int, tuple[weakref.ref, tuple[int, ...], bytes]] = {}
+
+
+def payload(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> bytes:
+    """`(spec, strategies)` serialised for a probe process (cached per spec and strategies); raises
+    `UsageError` naming the part that cannot be serialised and the fix."""
+    key = tuple(id(s) for s in strategies)
+    entry = _CACHE.get(id(spec))
+    if entry is not None and entry[0]() is spec and entry[1] == key:
+        return entry[2]
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps((spec, list(strategies)))
+    except Exception as exc:  # noqa: BLE001 - any object can refuse; name it below
+        raise _unserialisable(spec, strategies, exc) from exc
+    _CACHE.clear()  # one spec at a time: the payload may hold a model's weights
+    _CACHE[id(spec)] = (weakref.ref(spec), key, data)
+    return data
+
+
+def check_serialisable(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> None:
+    """Raise the one `UsageError` a spec that cannot reach a probe process deserves, before any probe."""
+    payload(spec, strategies)
+
+
+def _parts(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> Iterator[tuple[str, Any]]:
+    yield "the model (or model factory)", spec.model_factory
+    yield "the batch (or make_batch factory)", spec.batch_factory
+    yield "the loss function (loss_fn)", spec.loss_fn
+    yield "the optimizer (factory or instance)", spec.optimizer.factory
+    yield "the Hugging Face model config", spec.model.hf_config
+    for strategy in strategies:
+        yield f"the strategy {type(strategy).__name__}", strategy
+
+
+def _unserialisable(spec: "TrainSpec", strategies: Sequence["Strategy"], exc: Exception) -> UsageError:
+    import cloudpickle
+
+    culprit, error = "the training spec", exc
+    for name, part in _parts(spec, strategies):
+        try:
+            cloudpickle.dumps(part)
+        except Exception as part_exc:  # noqa: BLE001
+            culprit, error = f"{name} ({_short(part)})", part_exc
+            break
+    return UsageError(
+        f"{culprit} cannot be sent to the probe processes ({type(error).__name__}: {error}): probes on several "
+        "ranks, or with an engine, run in their own processes and rebuild it there. Make it self-contained: "
+        "open files, locks, sockets and live connections cannot travel; create them inside the factory "
+        "instead of capturing them.")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,72 @@
+"""The walk's bookkeeping with a scripted prober (no training): fixed costs are learnt once."""
+
+import pytest
+import torch
+
+from autofit.config import Config, Sharding
+from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip
+from autofit.search.space import build_space
+from autofit.search.trials import TrialStore
+from autofit.search.walk import Search
+from autofit.spec.train import make_spec
+from autofit.strategies import Checkpointing, DataParallel, MicroBatch, Zero
+from autofit.strategies.zero import installed_version
+from models import LinearBlocks
+
+needs_deepspeed = pytest.mark.skipif(installed_version() is None, reason="DeepSpeed is not installed")
+
+
+class Blocks(LinearBlocks):
+    def __init__(self):
+        super().__init__(16, 2)
+
+
+def make_batch(n):
+    return torch.randn(n, 16)
+
+
+def _walk(prober):
+    spec = make_spec(Blocks, make_batch, device="cpu", num_gpus=2, global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), Checkpointing(), Zero(), DataParallel()])
+    probed = []
+
+    def record(config, step_limit):
+        probed.append(config)
+        return prober(config)
+
+    return Search(space, TrialStore(space), record).run(), probed
+
+
+def _scripted(phase):
+    """Plain data parallelism and ZeRO-1 run out of memory in `phase` at every micro-batch; ZeRO-2 and
+    ZeRO-3 fit."""
+    def prober(config):
+        if config.sharding.stage < 2:
+            return ProbeResult(config, ProbeStatus.OOM, "CPU budget exceeded", 2**20, oom_kind="cpu-budget", phase=phase)
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
+    return prober
+
+
+@needs_deepspeed
+def test_an_oom_without_live_activations_bounds_every_micro_batch_and_checkpointing():
+    results, probed = _walk(_scripted("step"))
+    for sharding in (Sharding.NONE, Sharding.ZERO1):  # one probe each: the fixed cost is learnt once
+        assert sum(c.sharding is sharding for c in probed) == 1, [c.describe() for c in probed]
+    implied = [r for r in results if r.skip is Skip.IMPLIED and r.config.sharding is Sharding.ZERO1]
+    assert implied and all("certain to fail" in r.reason for r in implied)
+    assert any(r.fits and r.config.sharding is Sharding.ZERO2 for r in results)
+
+
+@needs_deepspeed
+def test_an_oom_in_the_forward_pass_bounds_only_what_needs_no_less():
+    results, probed = _walk(_scripted("forward"))
+    zero1 = [c for c in probed if c.sharding is Sharding.ZERO1]
+    assert len(zero1) > 1  # other micro-batches and checkpointing might fit: they are tried
+
+
+def test_fixed_cost_is_read_from_the_phase():
+    config = Config(num_gpus=2, sharding="zero1")
+    oom = ProbeResult(config, ProbeStatus.OOM, "x", oom_kind="cpu-budget", phase="build")
+    assert oom.fixed_cost and ProbeResult.from_dict(oom.to_dict()).fixed_cost
+    assert not ProbeResult(config, ProbeStatus.OOM, "x", oom_kind="cpu-budget", phase="backward").fixed_cost
+    assert not ProbeResult(config, ProbeStatus.OOM, "x", oom_kind="margin").fixed_cost
