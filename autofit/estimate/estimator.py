@@ -317,6 +317,7 @@ class Estimator:
         terms += [t for t in engine.terms if t[1]]
         notes += [engine.note] if engine.note else []
         peak = states.params + gathered + states.optimizer + transient + overhead
+        gathered += dict(engine.terms).get("zero3_gathered", 0)  # shown apart, though live in the backward only
         breakdown = Breakdown(states.params, states.grads, states.optimizer + temp, act.largest, overhead, gathered)
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)

@@ -80,18 +80,13 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
            timeout: float = DEFAULT_TIMEOUT, step_limit: float | None = None) -> ProbeResult:
     """Probe `config` in a child process (CHILD) or in `config.num_gpus` ranks (RANKS); never raises
     but for bad input (a spec that cannot be serialised: `UsageError`)."""
-    from autofit.probe.payload import payload
-
     ranks = placement is Placement.RANKS
     world = config.num_gpus if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    job = {"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": payload(spec, strategies),
-           "config": config.to_dict(), "step_limit": step_limit, "timeout": timeout,
-           "state": parent_state(spec.device, world)}  # cards, TF32/cuDNN flags (`autofit.probe.handover`)
     with tempfile.TemporaryDirectory(prefix="autofit-probe-") as folder:
         job_path = Path(folder) / "job.pickle"
-        job_path.write_bytes(pickle.dumps(job))
+        job_path.write_bytes(pickle.dumps(make_job(spec, config, strategies, world, timeout, step_limit)))
         processes: list[_Process] = []
         try:
             processes = _start(job_path, world, ranks, spec.device)
@@ -99,6 +94,17 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
         finally:
             _reap(processes)
     return combine(spec, config, reports)
+
+
+def make_job(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], world: int, timeout: float,
+             step_limit: float | None) -> dict:
+    """What each probe process reads (`autofit.probe.child.run_job`): the serialised spec and strategies,
+    the config, the parent's import path, and its cards and TF32/cuDNN flags (`autofit.probe.handover`)."""
+    from autofit.probe.payload import payload
+
+    return {"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": payload(spec, strategies),
+            "config": config.to_dict(), "step_limit": step_limit, "timeout": timeout,
+            "state": parent_state(spec.device, world)}
 
 
 @dataclasses.dataclass

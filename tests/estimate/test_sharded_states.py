@@ -62,8 +62,10 @@ def test_zero3_gathered_working_set_is_apart_from_the_model_states(estimator):
     states = model_states(facts, config)
     parts = estimate.breakdown
     assert (parts.params, parts.grads) == (states.params, states.grads)  # the ZeRO paper's model states
-    assert parts.gathered == 2 * (2 * facts.block_params + facts.largest_param)
-    assert "ZeRO-3 gathered weights" in estimate.reason
+    # DeepSpeed keeps what the forward gathered until the backward has used it again (engines.py):
+    # the whole model here, since it is under stage3_max_live_parameters; live in the backward only
+    assert parts.gathered == dict(estimate.terms)["zero3_gathered"] == 2 * facts.num_params
+    assert estimate.peak_bytes <= parts.total and "ZeRO-3 gathered parameters" in estimate.reason
 
 
 def test_ddp_gradients_are_bucket_views_live_for_the_whole_step(estimator):

@@ -5,7 +5,6 @@ double records which card each `set_device` lands on through CUDA_VISIBLE_DEVICE
 real spawned child on the CPU.
 """
 
-import multiprocessing
 import os
 
 import pytest
@@ -15,6 +14,7 @@ from cuda_double import GiB, FakeCuda, FakeGpu
 from autofit import Config, ProbeStatus
 from autofit.errors import UsageError
 from autofit.probe import launch as launcher
+from autofit.probe.child import run_job
 from autofit.probe.memory import accounting
 from autofit.spec.train import make_spec
 from autofit.strategies import MicroBatch, Placement
@@ -33,13 +33,13 @@ def _batch(n):
 
 
 def _run_main(rank, world, port, spec, monkeypatch):
-    """The launcher's process entry, here: what it binds is what the double records."""
+    """The probe process's entry (`autofit.probe.child.run_job`), here, in the environment the launcher
+    gives rank `rank`: what it binds is what the double records."""
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the entry edits the environment
     monkeypatch.delitem(os.environ, "CUDA_VISIBLE_DEVICES", raising=False)
-    payload = launcher.pickled(spec, Config(micro_batch_size=1, num_gpus=world), [MicroBatch()], None, world)
-    receiver, sender = multiprocessing.Pipe(duplex=False)
-    launcher._main(rank, world, port, 5.0, payload, sender)
-    receiver.recv()  # the report (an error here: no NCCL on a CPU build; the binding came first)
+    job = launcher.make_job(spec, Config(micro_batch_size=1, num_gpus=world), [MicroBatch()], world, 5.0, None)
+    os.environ.update(launcher._environment(rank, world, port, spec.device) if port else {})
+    run_job(job)  # the report: an error here (no NCCL on a CPU build); the binding came first
 
 
 @pytest.mark.parametrize("rank, world, card", [(0, 1, 1), (1, 2, 2)])
