@@ -207,7 +207,7 @@ class _Planner:
 
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
-        sizes = self.space.sizes
+        sizes = self.space.sizes_at(level)
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2
@@ -235,7 +235,7 @@ def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: Mode
     """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring)."""
     tokens = spec.tokens_per_sample or 1
     adapters = config.adapters
-    per_token = (4 if adapters else 6) + 2 * config.checkpointed_share
+    per_token = (4 if adapters else 6) + 2 * config.recomputed_share
     hf = spec.model.hf_config
     attention = 12 * facts.num_blocks * tokens**2 * getattr(hf, "hidden_size", 0) if hf is not None else 0
     flops = config.micro_batch_size * (per_token * facts.num_params * tokens + attention)

@@ -139,6 +139,8 @@ def model_states(facts: ModelFacts, config: Config) -> States:
     wb = facts.weight_bytes
     trainable = facts.trainable_params
     frozen = facts.num_params - trainable
+    if config.pure_bf16:
+        return _pure_bf16_states(facts, config)
     if config.zero_stage == 0:
         return States(int(wb * facts.num_params), int(wb * trainable),
                       int(optimizer_bytes(facts, config.optimizer, trainable, wb)))
@@ -185,6 +187,13 @@ def _sharded(states: States, config: Config) -> States:
     return States(states.params // (n if fsdp or config.shards_parameters else 1),
                   states.grads // (n if fsdp or config.shards_gradients else 1),
                   states.optimizer // n, states.cpu)
+
+
+def _pure_bf16_states(facts: ModelFacts, config: Config) -> States:
+    """Pure bf16 (torch engine): 2-byte weights and gradients; AdamW moments and Adafactor's factored
+    moments follow the parameter dtype (half of `optimizer_bytes`), 8-bit states are 8-bit anyway."""
+    trainable = facts.trainable_params
+    return States(2 * facts.num_params, 2 * trainable, int(optimizer_bytes(facts, config.optimizer, trainable, 2)))
 
 
 def _adapter_states(facts: ModelFacts, config: Config) -> States:
@@ -379,6 +388,7 @@ class Estimator:
             trainable, size = (config.lora or 16) * self.facts.lora_params_per_rank, 4.0
         else:
             trainable, size = self.facts.trainable_params, 4.0 if config.zero_stage else self.facts.weight_bytes
+            size = 2.0 if config.pure_bf16 else size  # the temporaries take the parameters' dtype
         if self.target != "cuda":
             return int(2 * size * min(self.facts.largest_param, trainable))
         shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
@@ -399,9 +409,9 @@ class Estimator:
 
 
 def _half_weights(config: Config) -> bool:
-    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, and FSDP2's MixedPrecisionPolicy computes
-    on 16-bit gathered weights without autocast; torch AMP keeps fp32 weights."""
-    return config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP)
+    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
+    16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
+    return config.pure_bf16 or (config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP))
 
 
 def _ddp(config: Config) -> bool:

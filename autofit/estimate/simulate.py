@@ -103,7 +103,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
         # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
         model.set_attn_implementation("sdpa" if attention.fused else attention.value)
-    if half_weights and precision.half:
+    if config.pure_bf16:
+        from autofit.strategies.pure_bf16 import enable as pure_bf16
+
+        pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
+    elif half_weights and precision.half:
         model.to(_half_dtype(precision, device))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:

@@ -60,6 +60,11 @@ class Space:
         per_rank = (self.spec.global_batch_size or micro_batch * self.spec.num_gpus) // self.spec.num_gpus
         return level.replace(micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
 
+    def sizes_at(self, level: Config) -> tuple[int, ...]:
+        """The micro-batch sizes `level` may run at, ascending: those at whose accumulation no rule
+        forbids it (the optimizer step in backward runs at accumulation 1 only)."""
+        return tuple(m for m in self.sizes if violation(self.at(level, m), self.spec.target) is None)
+
     def values(self) -> dict[str, tuple[Any, ...]]:
         """Every value each knob takes in the levels, and the sizes (the trial store's distributions)."""
         names = dict.fromkeys(name for field, options in self.choices.items() for o in options for name in o.knobs(field))
@@ -117,7 +122,25 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
     levels, ruled_out = _levels(spec, base, frozen)
     space = Space(spec, ordered, frozen, sizes, tuple(levels), ())
     shown = tuple(dataclasses.replace(e, config=space.at(e.config, sizes[-1])) for e in excluded + ruled_out)
-    return dataclasses.replace(space, excluded=shown)
+    return dataclasses.replace(space, excluded=shown + _sizes_ruled_out(space))
+
+
+def _sizes_ruled_out(space: Space) -> tuple[Excluded, ...]:
+    """One `Excluded` per rule and distinct value of its knobs among the micro-batch sizes a rule forbids
+    at an allowed level (the accumulation they need)."""
+    excluded, seen = [], set()
+    for level in space.level_list:
+        for size in space.sizes:
+            config = space.at(level, size)
+            broken = violation(config, space.spec.target)
+            if broken is None:
+                continue
+            rule, reason = broken
+            key = (rule.name, *(config.knob(k) for k in rule.knobs))
+            if key not in seen:
+                seen.add(key)
+                excluded.append(Excluded(config, f"{reason} ({rule.name})", rule=rule.name))
+    return tuple(excluded)
 
 
 def _levels(spec: "TrainSpec", base: Config, choices: dict[str, tuple[Option, ...]]) -> tuple[list[Config], list[Excluded]]:

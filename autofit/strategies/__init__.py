@@ -14,6 +14,7 @@ from autofit.strategies.micro_batch import MicroBatch
 from autofit.strategies.offload import Offload
 from autofit.strategies.optimizer import OptimizerStates
 from autofit.strategies.precision import Precision
+from autofit.strategies.pure_bf16 import PureBf16
 from autofit.strategies.quantization import Quantization
 from autofit.strategies.zero import Zero
 
@@ -27,10 +28,10 @@ def default_strategies(engine: str = "auto") -> list[Strategy]:
         raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
     engines = [Zero()] * (engine != "fsdp") + [Fsdp()] * (engine != "deepspeed")
     # Quantization before Lora (same rung): the adapters go on the quantized layers.
-    return sorted([Precision(), Attention(), Checkpointing(), MicroBatch(), OptimizerStates(), *engines,
+    return sorted([Precision(), PureBf16(), Attention(), Checkpointing(), MicroBatch(), OptimizerStates(), *engines,
                    DataParallel(), Quantization(), Lora(), Offload()], key=lambda s: s.rung)
 
 
 __all__ = ["Attention", "Checkpointing", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
-           "OptimizerStates", "Placement", "Precision", "Quantization", "Strategy", "Zero", "default_strategies",
+           "OptimizerStates", "Placement", "Precision", "PureBf16", "Quantization", "Strategy", "Zero", "default_strategies",
            "plugins"]
