@@ -311,7 +311,11 @@ class Estimator:
         act = self._adjusted(act, config, notes)
         gathered = self._gathered(config, notes)
         temp = self._optimizer_temporaries(config)
-        if config.grad_accum_steps > 1 or _ddp(config):
+        if config.steps_in_backward:  # each parameter steps in its gradient's hook, inside backward
+            states, temp = dataclasses.replace(states, grads=0), self._step_in_backward(config)
+            notes.append("optimizer step in backward: one parameter's gradient and step live at a time")
+            transient = max(act.largest, act.at_grad + temp)
+        elif config.grad_accum_steps > 1 or _ddp(config):
             # the gradients of earlier micro-batches are live throughout; so are DDP's gradient buckets
             # (gradient_as_bucket_view=True: the gradients are views into buckets allocated up front)
             transient = states.grads + act.largest
@@ -373,6 +377,12 @@ class Estimator:
         blocks = 2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks
         staged = 0 if config.adapters else facts.block_params * (size + (4 if size < 4 else 0))
         return int(size * (root + min(blocks, facts.num_blocks) * facts.block_params) + staged)
+
+    def _step_in_backward(self, config: Config) -> int:
+        """Temporaries of one parameter's optimizer step inside backward, for the largest parameter: torch's
+        foreach path (CUDA) one tensor of its size, the single-tensor path (CPU) two."""
+        element = 2 if config.pure_bf16 else 4
+        return (1 if self.target == "cuda" else 2) * element * self.facts.largest_param
 
     def _optimizer_temporaries(self, config: Config) -> int:
         """Bytes the optimizer step allocates beyond its states. torch's foreach AdamW/Adafactor (the CUDA

@@ -33,6 +33,7 @@ class ActivationPeak:
     tail: int  # bytes live when the last weight gradient was made (end of backward)
     joint: int = 0  # most of (bytes live + weight-gradient bytes made so far) in the backward
     grads_at_joint: int = 0  # the gradient bytes at that moment
+    at_grad: int = 0  # most bytes live when a weight gradient is complete, that gradient included (its hook)
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
@@ -65,6 +66,7 @@ class _Tracker(StorageCounter):
         super().__init__()
         self.rounding = rounding
         self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
+        self.at_grad = 0
         self.forward = 0
         self.backward = False  # set when the backward starts
 
@@ -78,7 +80,8 @@ class _Tracker(StorageCounter):
             self.joint, self.grads_at_joint = self.current + self.grads, self.grads
 
     def take_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate hook: record the gradient's bytes, then drop it."""
+        """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""
+        self.at_grad = max(self.at_grad, self.current)
         self.grads += param.numel() * param.element_size()
         param.grad = None
         self.tail = self.current
@@ -135,7 +138,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         for hook in hooks:
             hook.remove()
     return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
-                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
+                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
+                          tracker.at_grad + batch_bytes)
 
 
 def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
