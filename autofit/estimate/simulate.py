@@ -119,7 +119,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     if adapted is not None:
         _freeze_all_but(model, adapted)
     if config.checkpointing is not Checkpointing.NONE:
-        enable(model, config.checkpoint_every)
+        enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
     tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
     tracker.ignore([*model.parameters(), *model.buffers()])
     hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
