@@ -77,7 +77,7 @@ class Estimate:
 
     breakdown: Breakdown
     peak_bytes: int  # the parts are not all live at the peak moment: peak <= breakdown.total
-    cpu_bytes: int  # host RAM for offloaded states, all ranks on one node (0 without offload)
+    cpu_bytes: int  # host RAM for offloaded states (all ranks on one node) and offloaded activations; 0 without
     reason: str  # one line: how activations were obtained and which parts are formulas only
     terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
     method: str = ""  # how the activations were obtained (one phrase, the first part of `reason`)
@@ -88,6 +88,7 @@ class Estimate:
     def upper_bytes(self) -> int:
         """The peak at its error bound (bytes): what a verdict resting on a formula must fit."""
         return int(self.peak_bytes * (1 + self.error_bound))
+    offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -256,8 +257,7 @@ class Estimator:
         return not any(self._key(config, mb) in self._failed for mb in sizes)
 
     def _key(self, config: Config, mb: int) -> tuple:
-        return (config.precision, config.attention, config.checkpointing, config.checkpoint_every, mb,
-                _half_weights(config), config.adapters)
+        return (*_simulation_key(config, mb), config.adapters)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -330,10 +330,13 @@ class Estimator:
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
         notes += _state_notes(config, states)
+        if config.offloads_activations:
+            notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
         bound = 0.0 if simulated else (FORMULA_UNDER_PREDICTION - 1) * breakdown.activations / max(peak, 1)
-        return Estimate(breakdown, int(peak), states.cpu, "; ".join(notes), tuple(terms), method=notes[0],
-                        simulated=simulated, error_bound=round(bound, 4))
+        return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
+                        method=notes[0], simulated=simulated, error_bound=round(bound, 4),
+                        offloaded_activations=act.offloaded)
 
     def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
         """What the simulation cannot see: bitsandbytes' quantized matmuls keep the packed weights for
@@ -418,6 +421,17 @@ class Estimator:
         return terms
 
 
+def _simulation_key(config: Config, mb: int) -> tuple:
+    """What a simulated forward + backward depends on: one simulation serves every config with the same
+    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16),
+    and every fused attention is simulated as SDPA."""
+    half = _half_weights(config)
+    precision = config.half_precision if half else config.precision
+    attention = "fused" if config.attention.fused else config.attention
+    return (precision, attention, config.checkpointing, config.checkpoint_every, mb, half,
+            config.activation_offload, config.loss)
+
+
 def _half_weights(config: Config) -> bool:
     """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
     16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
@@ -444,6 +458,12 @@ def _lora_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[st
 
     lora = next((s for s in strategies if isinstance(s, Lora)), None)
     return lora.targets(model) if lora is not None else None
+
+
+def _size(nbytes: int) -> str:
+    from autofit.units import format_size
+
+    return format_size(nbytes)
 
 
 def _state_notes(config: Config, states: States) -> list[str]:
