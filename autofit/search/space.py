@@ -111,7 +111,8 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
             reason, tier = _exclusion(option, spec.max_tier)
             if reason:
                 excluded.append(Excluded(base.replace(**option.knobs(strategy.field)), reason, tier))
-            elif all(o.value != option.value for o in kept):  # engines share the no-sharding value
+            elif all(o.knobs(strategy.field) != option.knobs(strategy.field) for o in kept):  # engines share
+                # the no-sharding value; every_k options differ in their frequency only
                 kept.append(option)
     empty = [field for field, kept in choices.items() if not kept]
     if empty:

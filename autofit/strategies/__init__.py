@@ -4,6 +4,7 @@ Each offers its options for a spec's `Target`; `autofit.search.space` lays them 
 """
 
 from autofit.errors import UsageError
+from autofit.strategies.activation_offload import ActivationOffload
 from autofit.strategies.attention import Attention
 from autofit.strategies.base import Option, Placement, Strategy, plugins
 from autofit.strategies.checkpointing import Checkpointing
@@ -31,10 +32,10 @@ def default_strategies(engine: str = "auto") -> list[Strategy]:
     engines = [Zero()] * (engine != "fsdp") + [Fsdp()] * (engine != "deepspeed")
     # Quantization before Lora (same rung): the adapters go on the quantized layers. OptimizerInBackward
     # after OptimizerStates (same rung): it runs the chosen optimizer per parameter.
-    return sorted([Precision(), PureBf16(), Attention(), ChunkedLoss(), Checkpointing(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
+    return sorted([Precision(), PureBf16(), Attention(), ChunkedLoss(), Checkpointing(), ActivationOffload(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
                    DataParallel(), Quantization(), Lora(), Offload()], key=lambda s: s.rung)
 
 
-__all__ = ["Attention", "Checkpointing", "ChunkedLoss", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
+__all__ = ["ActivationOffload", "Attention", "Checkpointing", "ChunkedLoss", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
            "OptimizerInBackward", "OptimizerStates", "Placement", "Precision", "PureBf16", "Quantization", "Strategy", "Zero", "default_strategies",
            "plugins"]
