@@ -31,6 +31,8 @@ class Knob(str, enum.Enum):
     @classmethod
     def parse(cls, value: Any, name: str) -> "Knob":
         """`value` as a member of this knob, or `UsageError` naming the value and the allowed ones."""
+        if isinstance(value, cls):
+            return value  # already checked: the search builds many configs from members
         try:
             return cls(value)
         except ValueError:

@@ -210,6 +210,8 @@ class _Planner:
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
         sizes = self.space.sizes_at(level)
+        if self.estimator.states_floor(self.space.at(level, sizes[0])) > self.spec.fit_limit:
+            return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2

@@ -302,6 +302,12 @@ class Estimator:
         total = formula_activations(self.spec.model.hf_config, self.facts, self.spec.tokens_per_sample, mb, config)
         return ActivationPeak(total, total, 0, 0, total, 0)
 
+    def states_floor(self, config: Config) -> int:
+        """Bytes per device that `config` holds whatever its activations: weights and optimizer states
+        (a lower bound of its peak, from formulas alone; no simulation)."""
+        states = model_states(self.facts, config)
+        return states.params + states.optimizer
+
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""

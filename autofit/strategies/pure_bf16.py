@@ -9,7 +9,7 @@ Which optimizer: torch's own AdamW over the bf16 parameters (its moments follow 
 as torchtune and litgpt train "bf16-true". The numerically safer variants -- torchao's AdamW with
 bf16 stochastic rounding, or Kahan-compensated bf16 -- are not searched here: torchao's optimizers
 compile their step with `torch.compile` (minutes of compilation per probe on a CPU, and a C++
-toolchain), and they change the optimizer rather than the precision; see docs/heavy-rungs.md.
+toolchain), and they change the optimizer rather than the precision; see docs/new-rungs.md.
 
 Plain models get their floating-point inputs cast to bf16 by a forward pre-hook (autocast did that).
 """
