@@ -8,8 +8,8 @@ The flow (DESIGN.md), one package per step: `spec` (what the user asked, the Tar
 steps, outcomes, the launcher) -> `plan` -> `export` / `report`; `guard` keeps a running job alive.
 """
 
-from autofit.config import (Attention, Checkpointing, Config, Engine, Offload, Optimizer, Precision, Quantization,
-                            Sharding)
+from autofit.config import (ActivationOffload, Attention, Checkpointing, Config, Engine, Loss, Offload, Optimizer,
+                            OptimizerStep, Precision, Quantization, Sharding)
 from autofit.errors import AutofitError, MissingExtraError, UsageError
 from autofit.estimate.dry_run import DryRunReport, dry_run
 from autofit.guard import GuardGaveUp, OomGuard
@@ -22,7 +22,7 @@ from autofit.units import format_size, parse_size
 
 __version__ = "0.1.0"
 
-__all__ = ["Attention", "AutofitError", "Checkpointing", "Config", "DryRunReport", "Engine", "GuardGaveUp",
-           "MissingExtraError", "Offload", "OomGuard", "Optimizer", "Plan", "Precision", "ProbeResult", "ProbeStatus",
+__all__ = ["ActivationOffload", "Attention", "AutofitError", "Checkpointing", "Config", "DryRunReport", "Engine", "GuardGaveUp",
+           "Loss", "MissingExtraError", "Offload", "OomGuard", "Optimizer", "OptimizerStep", "Plan", "Precision", "ProbeResult", "ProbeStatus",
            "Quantization", "Sharding", "Skip", "Source", "Target", "TrainSpec", "UsageError", "__version__",
            "autofit", "dry_run", "format_size", "make_spec", "parse_size"]

@@ -31,6 +31,8 @@ class Knob(str, enum.Enum):
     @classmethod
     def parse(cls, value: Any, name: str) -> "Knob":
         """`value` as a member of this knob, or `UsageError` naming the value and the allowed ones."""
+        if isinstance(value, cls):
+            return value  # already checked: the search builds many configs from members
         try:
             return cls(value)
         except ValueError:
@@ -39,16 +41,25 @@ class Knob(str, enum.Enum):
 
 
 class Precision(Knob):
-    """Compute precision of the forward/backward pass (weights and optimizer states stay fp32)."""
+    """Precision of the forward/backward pass; under autocast (bf16, fp16) weights and optimizer states
+    stay fp32, under pure bf16 they are bf16 too."""
 
     FP32 = "fp32"  # the baseline
     BF16 = "bf16"  # autocast: ~half activation memory, faster matmuls on tensor cores; numerics (tier 1)
     FP16 = "fp16"  # autocast + GradScaler, where bf16 is unsupported (pre-Ampere GPUs); numerics (tier 1)
+    # Weights, gradients and optimizer states in bf16, no autocast: halves the model states mixed precision
+    # keeps in fp32 (16 -> 8 bytes per parameter with AdamW); costs update precision (tier 1).
+    PURE_BF16 = "pure_bf16"
 
     @property
     def half(self) -> bool:
         """Whether the forward/backward computes in a 16-bit type."""
         return self is not Precision.FP32
+
+    @property
+    def pure(self) -> bool:
+        """Whether the weights themselves (and so gradients and optimizer states) are 16-bit."""
+        return self is Precision.PURE_BF16
 
 
 class Attention(Knob):
@@ -69,8 +80,39 @@ class Checkpointing(Knob):
     """Activation checkpointing mode; `Config.checkpoint_every` is its frequency."""
 
     NONE = "none"  # keep every activation
+    # Every block, op by op: matmul and attention outputs are kept, pointwise ops (activations, norms,
+    # dropout) recomputed; saves their share of the activations for almost no extra FLOPs.
+    OPS = "ops"
     EVERY_K = "every_k"  # recompute every k-th block (selective): saves ~1/k of the full saving
     FULL = "full"  # recompute every block: 50-70% of activation memory for ~20-35% more compute
+
+
+class ActivationOffload(Knob):
+    """Where the tensors autograd saves for backward live between forward and backward."""
+
+    NONE = "none"  # on the device
+    # Pinned host memory (`torch.autograd.graph.save_on_cpu`): the activations leave the GPU (with full
+    # checkpointing: the blocks' inputs), each copied out in forward and back in backward over PCIe.
+    CPU = "cpu"
+
+
+class OptimizerStep(Knob):
+    """When the optimizer updates the weights."""
+
+    AFTER_BACKWARD = "after_backward"  # one step over all gradients once backward is done (the baseline)
+    # Each parameter steps in a post-accumulate-grad hook as soon as its gradient is made, which is then
+    # freed: the gradients never exist for the whole model at once. Same math only at accumulation 1 with
+    # no clipping across parameters (rules); costs the optimizer's multi-tensor kernels.
+    IN_BACKWARD = "in_backward"
+
+
+class Loss(Knob):
+    """How a causal language model's cross-entropy is computed from its output head."""
+
+    FULL = "full"  # the model's own: logits of every token at once (gigabytes for a 128k vocabulary)
+    # The head and the cross-entropy run chunk by chunk, each chunk recomputed in backward: only one
+    # chunk's logits are ever live. Costs one more head matmul; same math (tier 0).
+    CHUNKED = "chunked"
 
 
 class Optimizer(Knob):
@@ -169,11 +211,15 @@ class Config:
     quantization: Quantization = Quantization.NONE  # 4/8-bit frozen base weights (with LoRA, tier 2)
     lora: int = 0  # LoRA rank (0 = full fine-tuning); trains adapters only (tier 2)
     num_gpus: int = 1  # data-parallel ranks
+    activation_offload: ActivationOffload = ActivationOffload.NONE  # saved activations to host: PCIe traffic
+    optimizer_step: OptimizerStep = OptimizerStep.AFTER_BACKWARD  # in backward: no whole-model gradients
+    loss: Loss = Loss.FULL  # chunked: one chunk of logits live at a time, one more head matmul
     extras: tuple[tuple[str, str], ...] = ()  # knobs of plug-in strategies (`register_knob`), sorted by name
 
     _KNOBS: ClassVar[dict[str, type[Knob]]] = {
         "precision": Precision, "attention": Attention, "checkpointing": Checkpointing,
-        "optimizer": Optimizer, "sharding": Sharding, "offload": Offload, "quantization": Quantization}
+        "optimizer": Optimizer, "sharding": Sharding, "offload": Offload, "quantization": Quantization,
+        "activation_offload": ActivationOffload, "optimizer_step": OptimizerStep, "loss": Loss}
     _COUNTS: ClassVar[dict[str, int]] = {  # integer knob -> its minimum
         "checkpoint_every": 1, "micro_batch_size": 1, "grad_accum_steps": 1, "lora": 0, "num_gpus": 1}
 
@@ -238,10 +284,31 @@ class Config:
 
     @property
     def checkpointed_share(self) -> float:
-        """Share of the blocks whose activations are recomputed: 0, 1/k, or 1."""
+        """Share of the blocks whose activations are (wholly or op by op) recomputed: 0, 1/k, or 1."""
         if self.checkpointing is Checkpointing.NONE:
             return 0.0
         return 1.0 / self.checkpoint_every
+
+    @property
+    def recomputed_share(self) -> float:
+        """Share of the forward's matmul FLOPs run again in backward: 0, 1/k, or 1 (op-level checkpointing
+        recomputes pointwise ops only: 0)."""
+        return 0.0 if self.checkpointing is Checkpointing.OPS else self.checkpointed_share
+
+    @property
+    def pure_bf16(self) -> bool:
+        """Whether weights, gradients and optimizer states are bf16 (no fp32 copy anywhere)."""
+        return self.precision.pure
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether each parameter steps during backward (no whole-model gradients)."""
+        return self.optimizer_step is OptimizerStep.IN_BACKWARD
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether the tensors saved for backward leave the device."""
+        return self.activation_offload is not ActivationOffload.NONE
 
     # -- values ----------------------------------------------------------------------------------------
     def knob(self, name: str) -> Any:
@@ -293,9 +360,9 @@ class Config:
             parts.append(f"ckpt={self.checkpointing.value}")
         parts.append(f"mb={self.micro_batch_size}x{self.grad_accum_steps}")
         parts.append(f"opt={self.optimizer.value}")
-        for name in ("sharding", "offload", "quantization"):
+        for name in ("sharding", "offload", "quantization", "activation_offload", "optimizer_step", "loss"):
             value = getattr(self, name)
-            if value.value != "none":
+            if value is not next(iter(type(value))):  # the first member of a knob is "no change"
                 parts.append(f"{_SHORT[name]}={value.value}")
         if self.lora:
             parts.append(f"lora=r{self.lora}")
@@ -307,7 +374,8 @@ class Config:
         return ", ".join(parts)
 
 
-_SHORT = {"sharding": "shard", "offload": "offload", "quantization": "quant"}
+_SHORT = {"sharding": "shard", "offload": "offload", "quantization": "quant", "activation_offload": "act_offload",
+          "optimizer_step": "step", "loss": "loss"}
 
 
 def _checked_extras(extras: Any) -> tuple[tuple[str, str], ...]:

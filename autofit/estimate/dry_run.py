@@ -18,7 +18,9 @@ The cost model that ranks fitting candidates (predicted seconds per optimizer st
 - communication over the GPU interconnect: a ring all-reduce / reduce-scatter of the gradients per step,
   and the parameter all-gathers of ZeRO-3 / FSDP2 full_shard in every micro-step's forward and backward;
 - offload over PCIe: gradients down and parameters up per step (ZeRO-3: parameters every micro-step),
-  plus CPU Adam at `CPU_ADAM_PARAMS_PER_S`.
+  plus CPU Adam at `CPU_ADAM_PARAMS_PER_S`; offloaded activations out and back every micro-step;
+- chunked loss: the head's forward once more (2 * vocabulary * hidden FLOPs per token); op-level
+  checkpointing recomputes no matmul, so it adds nothing here; pure bf16 runs at the bf16 rate.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.config import Config, Offload, Quantization
+from autofit.config import Config, Loss, Offload, Quantization
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
 from autofit.estimate.gpus import GpuProfile, get_gpu
 from autofit.search.space import TIER_NAMES, Space, build_space
@@ -207,7 +209,9 @@ class _Planner:
 
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
-        sizes = self.space.sizes
+        sizes = self.space.sizes_at(level)
+        if self.estimator.states_floor(self.space.at(level, sizes[0])) > self.spec.fit_limit:
+            return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2
@@ -224,29 +228,33 @@ class _Planner:
         """`config` predicted: its estimate, fit, speed and reason."""
         estimate = self.estimator.predict(config)
         fits = self._fits(estimate)
-        seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts)
+        seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts, estimate.offloaded_activations)
         samples = config.global_batch_size / seconds
         head = _verdict(estimate, fits, self.spec.fit_limit)
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s; {estimate.reason}",
                          self.space.tier(config), seconds, samples)
 
 
-def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts) -> float:
-    """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring)."""
+def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,
+                 offloaded_activations: int = 0) -> float:
+    """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring);
+    `offloaded_activations`: bytes of saved tensors copied to the host and back in each micro-step."""
     tokens = spec.tokens_per_sample or 1
     adapters = config.adapters
-    per_token = (4 if adapters else 6) + 2 * config.checkpointed_share
+    per_token = (4 if adapters else 6) + 2 * config.recomputed_share
     hf = spec.model.hf_config
     attention = 12 * facts.num_blocks * tokens**2 * getattr(hf, "hidden_size", 0) if hf is not None else 0
     flops = config.micro_batch_size * (per_token * facts.num_params * tokens + attention)
+    if config.loss is Loss.CHUNKED and hf is not None:  # the head's forward again, chunk by chunk
+        flops += config.micro_batch_size * 2 * getattr(hf, "vocab_size", 0) * getattr(hf, "hidden_size", 0) * tokens
     mb_tokens = config.micro_batch_size * tokens
-    rate = gpu.tflops(config.precision) * 1e12 * MFU * mb_tokens / (mb_tokens + HALF_SATURATION_TOKENS)
+    rate = gpu.tflops("bf16" if config.pure_bf16 else config.precision) * 1e12 * MFU * mb_tokens / (mb_tokens + HALF_SATURATION_TOKENS)
     slowdown = {Quantization.NF4: NF4_SLOWDOWN, Quantization.INT8: INT8_SLOWDOWN}.get(config.quantization, 1.0)
-    micro = flops / rate * slowdown
+    micro = flops / rate * slowdown + 2 * offloaded_activations / (gpu.pcie_gbps * 1e9)  # out and back
     n, link, pcie = config.num_gpus, gpu.interconnect_gbps * 1e9, gpu.pcie_gbps * 1e9
     trained = (config.lora or 16) * facts.lora_params_per_rank if adapters else facts.trainable_params
     half = 2 if config.half_precision else 4
-    grad_bytes = (half if config.zero_stage else 4) * trained
+    grad_bytes = (half if config.zero_stage or config.pure_bf16 else 4) * trained
     comm = 2 * (n - 1) / n * grad_bytes / link if n > 1 else 0.0
     if config.shards_parameters:  # parameters all-gathered in forward and backward, every micro-step
         micro += 2 * (n - 1) / max(n, 1) * half * facts.num_params / link

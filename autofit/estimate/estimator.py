@@ -33,7 +33,7 @@ from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sha
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, model_facts  # noqa: F401 (re-exported)
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
-from autofit.estimate.engines import engine_memory
+from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Estimate:
 
     breakdown: Breakdown
     peak_bytes: int  # the parts are not all live at the peak moment: peak <= breakdown.total
-    cpu_bytes: int  # host RAM for offloaded states, all ranks on one node (0 without offload)
+    cpu_bytes: int  # host RAM for offloaded states (all ranks on one node) and offloaded activations; 0 without
     reason: str  # one line: how activations were obtained and which parts are formulas only
     terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
     method: str = ""  # how the activations were obtained (one phrase, the first part of `reason`)
@@ -88,6 +88,7 @@ class Estimate:
     def upper_bytes(self) -> int:
         """The peak at its error bound (bytes): what a verdict resting on a formula must fit."""
         return int(self.peak_bytes * (1 + self.error_bound))
+    offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -139,6 +140,8 @@ def model_states(facts: ModelFacts, config: Config) -> States:
     wb = facts.weight_bytes
     trainable = facts.trainable_params
     frozen = facts.num_params - trainable
+    if config.pure_bf16:
+        return _pure_bf16_states(facts, config)
     if config.zero_stage == 0:
         return States(int(wb * facts.num_params), int(wb * trainable),
                       int(optimizer_bytes(facts, config.optimizer, trainable, wb)))
@@ -185,6 +188,13 @@ def _sharded(states: States, config: Config) -> States:
     return States(states.params // (n if fsdp or config.shards_parameters else 1),
                   states.grads // (n if fsdp or config.shards_gradients else 1),
                   states.optimizer // n, states.cpu)
+
+
+def _pure_bf16_states(facts: ModelFacts, config: Config) -> States:
+    """Pure bf16 (torch engine): 2-byte weights and gradients; AdamW moments and Adafactor's factored
+    moments follow the parameter dtype (half of `optimizer_bytes`), 8-bit states are 8-bit anyway."""
+    trainable = facts.trainable_params
+    return States(2 * facts.num_params, 2 * trainable, int(optimizer_bytes(facts, config.optimizer, trainable, 2)))
 
 
 def _adapter_states(facts: ModelFacts, config: Config) -> States:
@@ -248,8 +258,7 @@ class Estimator:
         return not any(self._key(config, mb) in self._failed for mb in sizes)
 
     def _key(self, config: Config, mb: int) -> tuple:
-        return (config.precision, config.attention, config.checkpointing, config.checkpoint_every, mb,
-                _half_weights(config), config.adapters)
+        return (*_simulation_key(config, mb), config.adapters)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -294,6 +303,12 @@ class Estimator:
         total = formula_activations(self.spec.model.hf_config, self.facts, self.spec.tokens_per_sample, mb, config)
         return ActivationPeak(total, total, 0, 0, total, 0)
 
+    def states_floor(self, config: Config) -> int:
+        """Bytes per device that `config` holds whatever its activations: weights and optimizer states
+        (a lower bound of its peak, from formulas alone; no simulation)."""
+        states = model_states(self.facts, config)
+        return states.params + states.optimizer
+
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
@@ -305,7 +320,11 @@ class Estimator:
         temp = self._optimizer_temporaries(config)
         # DeepSpeed's buffers, ZeRO-3's gathered weights and a tied weight's gradient, by phase (engines.py)
         engine = engine_memory(self.facts, config, deepspeed_elements(config, self.buffers))
-        if config.grad_accum_steps > 1 or _ddp(config) or engine.grads_held:
+        if config.steps_in_backward:  # each parameter steps in its gradient's hook, inside backward
+            states, temp = dataclasses.replace(states, grads=0), self._step_in_backward(config)
+            notes.append("optimizer step in backward: one parameter's gradient and step live at a time")
+            transient = max(act.largest, act.at_grad + temp)
+        elif config.grad_accum_steps > 1 or _ddp(config) or engine.grads_held:
             # the gradients of earlier micro-batches are live throughout; so are DDP's gradient buckets
             # (gradient_as_bucket_view=True: the gradients are views into buckets allocated up front)
             transient = states.grads + act.largest
@@ -317,16 +336,18 @@ class Estimator:
         terms += [t for t in engine.terms if t[1]]
         notes += [engine.note] if engine.note else []
         peak = states.params + gathered + states.optimizer + transient + overhead
-        gathered += dict(engine.terms).get("zero3_gathered", 0)  # shown apart, though live in the backward only
-        breakdown = Breakdown(states.params, states.grads, states.optimizer + temp, act.largest, overhead, gathered)
+        breakdown = _parts(states, temp, act.largest, overhead, gathered, engine, peak)
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
         notes += _state_notes(config, states)
+        if config.offloads_activations:
+            notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
         bound = 0.0 if simulated else (FORMULA_UNDER_PREDICTION - 1) * breakdown.activations / max(peak, 1)
-        return Estimate(breakdown, int(peak), states.cpu, "; ".join(notes), tuple(terms), method=notes[0],
-                        simulated=simulated, error_bound=round(bound, 4))
+        return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
+                        method=notes[0], simulated=simulated, error_bound=round(bound, 4),
+                        offloaded_activations=act.offloaded)
 
     def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
         """What the simulation cannot see: bitsandbytes' quantized matmuls keep the packed weights for
@@ -367,6 +388,12 @@ class Estimator:
         staged = 0 if config.adapters else facts.block_params * (size + (4 if size < 4 else 0))
         return int(size * (root + min(blocks, facts.num_blocks) * facts.block_params) + staged)
 
+    def _step_in_backward(self, config: Config) -> int:
+        """Temporaries of one parameter's optimizer step inside backward, for the largest parameter: torch's
+        foreach path (CUDA) one tensor of its size, the single-tensor path (CPU) two."""
+        element = 2 if config.pure_bf16 else 4
+        return (1 if self.target == "cuda" else 2) * element * self.facts.largest_param
+
     def _optimizer_temporaries(self, config: Config) -> int:
         """Bytes the optimizer step allocates beyond its states. torch's foreach AdamW/Adafactor (the CUDA
         default; also DeepSpeed's torch_adam over its fp32 partition) builds one list the size of the
@@ -381,6 +408,7 @@ class Estimator:
             trainable, size = (config.lora or 16) * self.facts.lora_params_per_rank, 4.0
         else:
             trainable, size = self.facts.trainable_params, 4.0 if config.zero_stage else self.facts.weight_bytes
+            size = 2.0 if config.pure_bf16 else size  # the temporaries take the parameters' dtype
         if self.target != "cuda":
             return int(2 * size * min(self.facts.largest_param, trainable))
         shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
@@ -395,10 +423,34 @@ class Estimator:
         return terms  # DeepSpeed's buffers: `autofit.estimate.engines`, on every device
 
 
+def _parts(states: States, temp: int, activations: int, overhead: int, gathered: int, engine: EngineMemory,
+           peak: int) -> Breakdown:
+    """The peak's parts, each at its own most (not every part is live at the peak, so they sum to at
+    least the peak): DeepSpeed's phase buffers beside the overhead, ZeRO-3's gathered weights beside
+    FSDP2's, and transient bytes the backward holds beyond the activations' peak (its last gradients'
+    inputs, a hook's step) counted as activations."""
+    buffers = dict(engine.terms)
+    gathered += buffers.pop("zero3_gathered", 0)
+    overhead += sum(buffers.values()) - engine.held
+    parts = Breakdown(states.params, states.grads, states.optimizer + temp, activations, overhead, gathered)
+    return dataclasses.replace(parts, activations=activations + max(0, peak - parts.total))
+
+
+def _simulation_key(config: Config, mb: int) -> tuple:
+    """What a simulated forward + backward depends on: one simulation serves every config with the same
+    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16),
+    and every fused attention is simulated as SDPA."""
+    half = _half_weights(config)
+    precision = config.half_precision if half else config.precision
+    attention = "fused" if config.attention.fused else config.attention
+    return (precision, attention, config.checkpointing, config.checkpoint_every, mb, half,
+            config.activation_offload, config.loss)
+
+
 def _half_weights(config: Config) -> bool:
-    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, and FSDP2's MixedPrecisionPolicy computes
-    on 16-bit gathered weights without autocast; torch AMP keeps fp32 weights."""
-    return config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP)
+    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
+    16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
+    return config.pure_bf16 or (config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP))
 
 
 def _ddp(config: Config) -> bool:
@@ -421,6 +473,12 @@ def _lora_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[st
 
     lora = next((s for s in strategies if isinstance(s, Lora)), None)
     return lora.targets(model) if lora is not None else None
+
+
+def _size(nbytes: int) -> str:
+    from autofit.units import format_size
+
+    return format_size(nbytes)
 
 
 def _state_notes(config: Config, states: States) -> list[str]:

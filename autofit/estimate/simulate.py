@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autofit.config import Attention, Checkpointing, Config, Precision
+from autofit.config import Attention, Checkpointing, Config, Loss, Precision
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -33,6 +33,8 @@ class ActivationPeak:
     tail: int  # bytes live when the last weight gradient was made (end of backward)
     joint: int = 0  # most of (bytes live + weight-gradient bytes made so far) in the backward
     grads_at_joint: int = 0  # the gradient bytes at that moment
+    at_grad: int = 0  # most bytes live when a weight gradient is complete, that gradient included (its hook)
+    offloaded: int = 0  # bytes of saved tensors moved to host memory in the forward (activation offload)
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
@@ -65,6 +67,7 @@ class _Tracker(StorageCounter):
         super().__init__()
         self.rounding = rounding
         self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
+        self.at_grad = self.offloaded = 0
         self.forward = 0
         self.backward = False  # set when the backward starts
 
@@ -78,7 +81,8 @@ class _Tracker(StorageCounter):
             self.joint, self.grads_at_joint = self.current + self.grads, self.grads
 
     def take_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate hook: record the gradient's bytes, then drop it."""
+        """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""
+        self.at_grad = max(self.at_grad, self.current)
         self.grads += param.numel() * param.element_size()
         param.grad = None
         self.tail = self.current
@@ -103,7 +107,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
         # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
         model.set_attn_implementation("sdpa" if attention.fused else attention.value)
-    if half_weights and precision.half:
+    if config.pure_bf16:
+        from autofit.strategies.pure_bf16 import enable as pure_bf16
+
+        pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
+    elif half_weights and precision.half:
         model.to(_half_dtype(precision, device))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -112,7 +120,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     if adapted is not None:
         _freeze_all_but(model, adapted)
     if config.checkpointing is not Checkpointing.NONE:
-        enable(model, config.checkpoint_every)
+        enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
+    if config.loss is Loss.CHUNKED:
+        from autofit.strategies.chunked_loss import enable as chunk_loss
+
+        chunk_loss(model)
     tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
     tracker.ignore([*model.parameters(), *model.buffers()])
     hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
@@ -121,7 +133,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         with fake, _fake_friendly_kernels():
             fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
             with tracker:
-                with _autocast(Precision.FP32 if half_weights else precision, device):
+                with _autocast(Precision.FP32 if half_weights else precision, device), \
+                        _offloading(tracker, config.offloads_activations):
                     output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
                     loss = loss_fn(output, fake_batch)
                 tracker.backward = True
@@ -131,7 +144,26 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         for hook in hooks:
             hook.remove()
     return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
-                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint)
+                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
+                          tracker.at_grad + batch_bytes, tracker.offloaded)
+
+
+def _offloading(tracker: _Tracker, enabled: bool) -> Any:
+    """What `torch.autograd.graph.save_on_cpu` does to device memory: a tensor saved for backward leaves
+    the device (its device storage is freed unless something else holds it) and comes back in backward
+    as a new device tensor. Its host copy is counted in `tracker.offloaded`, not on the device."""
+    if not enabled:
+        return contextlib.nullcontext()
+
+    def pack(tensor: torch.Tensor) -> tuple:
+        tracker.offloaded += tensor.numel() * tensor.element_size()
+        return tensor.shape, tensor.dtype, tensor.device
+
+    def unpack(saved: tuple) -> torch.Tensor:
+        shape, dtype, device = saved
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:

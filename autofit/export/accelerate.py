@@ -16,6 +16,7 @@ import yaml
 from autofit.config import Config, Engine, Offload, Precision
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, OFFLOAD
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
+from autofit.export.model_setup import setup_comments
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -24,6 +25,14 @@ FILENAME = "accelerate_config.yaml"
 LAUNCH_FILENAME = "accelerate_launch.sh"
 
 MIXED_PRECISION = {Precision.FP32.value: "no", Precision.BF16.value: "bf16", Precision.FP16.value: "fp16"}
+
+
+def applies(plan: "Plan") -> str | None:
+    """Why accelerate cannot run `plan` (the optimizer step in backward), or None."""
+    if plan.config.steps_in_backward:
+        return ("accelerate's optimizer wrapper and clip_grad_norm_ expect whole-model gradients after backward; "
+                "the plan steps each parameter inside backward: export torchrun instead")
+    return None
 
 
 def accelerate_config(plan: "Plan") -> dict[str, Any]:
@@ -37,7 +46,7 @@ def accelerate_config(plan: "Plan") -> dict[str, Any]:
         "num_processes": config.num_gpus,
         "num_machines": 1,
         "machine_rank": 0,
-        "mixed_precision": MIXED_PRECISION[config.precision],
+        "mixed_precision": MIXED_PRECISION.get(config.precision, "no"),  # pure bf16: cast in the script
         "use_cpu": on_cpu,
         "gpu_ids": "all",
         "main_training_function": "main",
@@ -112,7 +121,7 @@ def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
 def export(plan: "Plan", out_dir: Path) -> list[Path]:
     """Write accelerate_config.yaml and accelerate_launch.sh into `out_dir`."""
     data = accelerate_config(plan)
-    header = "\n".join(comment_lines(plan)) + (
+    header = "\n".join(comment_lines(plan) + setup_comments(plan.config)) + (
         f"\n# Gradient accumulation: {plan.config.grad_accum_steps} micro-batches of "
         f"{plan.config.micro_batch_size} per optimizer step (accelerate_launch.sh sets it).\n")
     config_path = out_dir / FILENAME

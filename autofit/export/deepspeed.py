@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from autofit.config import Config, Engine, Optimizer, Precision
 from autofit.errors import UsageError
 from autofit.export.measured import measured, require_fit, set_nested, with_plugin_keys
+from autofit.export.model_setup import setup_lines
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -180,10 +181,18 @@ def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
 
 
 def applies(plan: "Plan") -> str | None:
-    """Why a DeepSpeed file does not apply to `plan` (it shards with FSDP2), or None."""
-    if plan.config.engine is Engine.FSDP:
-        return (f"the plan shards with FSDP2 ({plan.config.sharding.value}), not DeepSpeed; export accelerate, "
+    """Why a DeepSpeed file does not apply to `plan` (it shards with FSDP2, trains pure bf16 weights or
+    steps in backward, which DeepSpeed's engine does not), or None."""
+    config = plan.config
+    if config.engine is Engine.FSDP:
+        return (f"the plan shards with FSDP2 ({config.sharding.value}), not DeepSpeed; export accelerate, "
                 "trainer or torchrun instead")
+    if config.pure_bf16:
+        return ("DeepSpeed's bf16 mode keeps fp32 master weights; the plan trains pure bf16 weights with torch's "
+                "optimizer: export trainer or torchrun instead")
+    if config.steps_in_backward:
+        return ("DeepSpeed's engine steps the optimizer after backward; the plan steps each parameter inside "
+                "backward: export torchrun instead")
     return None
 
 
@@ -193,7 +202,8 @@ def file_config(plan: "Plan") -> dict[str, Any]:
     nvme_path = plan.spec.get("nvme_path")
     config = deepspeed_config(plan.config, nvme_path=nvme_path, buffers=buffers_for(plan.spec))
     document = with_plugin_keys(config, plan.config, "deepspeed")
-    return {**document, "autofit": measured(plan)}
+    setup = setup_lines(plan.config)
+    return {**document, "autofit": {**measured(plan), **({"apply_in_script": setup} if setup else {})}}
 
 
 def export(plan: "Plan", out_dir: Path) -> list[Path]:

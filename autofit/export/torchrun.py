@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit
+from autofit.export.model_setup import setup_comments
 
 FILENAME = "torchrun.sh"
 
@@ -46,7 +47,7 @@ def script(plan: "Plan") -> str:
     exports = [f'export {name}="{value}"' if value.startswith("$here") else f"export {name}={shlex.quote(value)}"
                for name, value in environment(plan).items()]
     return "\n".join([
-        "#!/usr/bin/env bash", *comment_lines(plan),
+        "#!/usr/bin/env bash", *comment_lines(plan), *setup_comments(plan.config),
         "# Usage: bash torchrun.sh train.py [script args]", "set -euo pipefail",
         'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', *exports,
         f'exec {shlex.join(command(plan))} "$@"',

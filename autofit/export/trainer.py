@@ -2,7 +2,8 @@
 
 trainer_args.json is {"training_arguments": {...}, "autofit": {measurement}}: the first part goes straight
 into `TrainingArguments(**kwargs)`. What `TrainingArguments` cannot say (selective checkpointing, the
-attention implementation, LoRA / quantized base weights) is done to the model in train_with_trainer.py.
+attention implementation, LoRA / quantized base weights, pure bf16, the chunked loss, activation
+offloading) is done to the model in train_with_trainer.py. The optimizer step in backward refuses.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from autofit.config import Checkpointing, Engine, Offload, Optimizer, Precision,
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, measured, require_fit, with_plugin_keys
+from autofit.export.model_setup import setup_lines
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -29,6 +31,14 @@ OPTIM = {
     Optimizer.PAGED_ADAMW8BIT.value: "paged_adamw_8bit",
     Optimizer.ADAFACTOR.value: "adafactor",
 }
+
+
+def applies(plan: "Plan") -> str | None:
+    """Why the Trainer cannot run `plan` (the optimizer step in backward), or None."""
+    if plan.config.steps_in_backward:
+        return ("the Trainer steps the optimizer after backward and clips the global gradient norm "
+                "(max_grad_norm); the step in backward needs neither: export torchrun and step in your loop")
+    return None
 
 
 def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[str, Any]:
@@ -68,10 +78,7 @@ def model_setup(plan: "Plan") -> list[str]:
     if config.attention != "default":
         lines.append(f'# Build the model with attn_implementation="{config.attention}" '
                      f'(e.g. AutoModelForCausalLM.from_config(config, attn_implementation="{config.attention}")).')
-    if config.checkpointing is Checkpointing.EVERY_K:
-        lines += ["from autofit.strategies.checkpointing import enable",
-                  f"enable(model, {config.checkpoint_every})  # recompute every {config.checkpoint_every}"
-                  "-th block, as probed"]
+    lines += setup_lines(config)  # pure bf16, chunked loss, every-k / op-level checkpointing, activation offload
     if config.quantization is not Quantization.NONE:
         lines.append(f"# Load the base weights quantized ({config.quantization}) with transformers."
                      "BitsAndBytesConfig, then peft.prepare_model_for_kbit_training(model).")

@@ -3,6 +3,8 @@ space is built (`autofit.search.space`); every combination a rule excludes is re
 and never probed.
 
 A rule looks at a candidate's knobs and its `Target` and returns the reason it cannot run, or None.
+Most rules read level knobs; a rule that reads the accumulation (the optimizer step in backward) is
+applied at every micro-batch size too (`Space.sizes_at`).
 `Rule.knobs` names the fields the rule reads, so an excluded combination is recorded once per
 distinct value of those fields, not once per level.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from autofit.config import Attention, Config, Engine, Offload, Optimizer, Precision, Quantization, Sharding
+from autofit.config import (Attention, Checkpointing, Config, Engine, Offload, Optimizer, Precision, Quantization,
+                            Sharding)
 
 if TYPE_CHECKING:
     from autofit.spec.target import Target
@@ -89,6 +92,43 @@ def _one_rank_shards_nothing(c: Config, t: "Target") -> str | None:
     return None
 
 
+def _pure_bf16_needs_torch(c: Config, t: "Target") -> str | None:
+    if c.pure_bf16 and c.engine is not Engine.TORCH:
+        return (f"{c.sharding.value} keeps fp32 master weights under its own bf16 mode (that is precision=bf16); "
+                "pure bf16 trains bf16 weights with torch's optimizer")
+    return None
+
+
+def _in_backward_needs_one_torch_rank(c: Config, t: "Target") -> str | None:
+    if c.steps_in_backward and (c.engine is not Engine.TORCH or c.num_gpus > 1):
+        return ("the optimizer step in backward needs each parameter's final gradient in its hook; an engine or "
+                "several ranks reduce gradients after the hook has fired")
+    return None
+
+
+def _in_backward_accumulation(c: Config, t: "Target") -> str | None:
+    if c.steps_in_backward and c.grad_accum_steps > 1:
+        return (f"the optimizer step in backward is exact only at accumulation 1: at {c.grad_accum_steps} it "
+                "would step once per micro-batch")
+    return None
+
+
+def _in_backward_global_view(c: Config, t: "Target") -> str | None:
+    if c.steps_in_backward and c.precision is Precision.FP16:
+        return "fp16's GradScaler checks every gradient for inf/NaN before any step; in backward none is whole"
+    if c.steps_in_backward and c.optimizer is Optimizer.USER:
+        return "your own optimizer may couple parameters; the step in backward runs one optimizer per parameter"
+    return None
+
+
+def _activation_offload_pairing(c: Config, t: "Target") -> str | None:
+    if c.offloads_activations and c.checkpointing in (Checkpointing.EVERY_K, Checkpointing.OPS):
+        return (f"activation offloading is searched alone (every saved tensor moves) and on top of full "
+                f"checkpointing (the block inputs move), not with checkpointing={c.checkpointing.value}, which "
+                "keeps on the device some of what offloading moves")
+    return None
+
+
 RULES = (
     Rule("offload needs an engine", ("offload", "sharding"), _offload_needs_engine),
     Rule("NVMe needs ZeRO-3", ("offload", "sharding"), _nvme_needs_zero3),
@@ -99,6 +139,14 @@ RULES = (
     Rule("quantized weights are not sharded", ("quantization", "sharding"), _quantization_unsharded),
     Rule("flash-attention needs half precision", ("attention", "precision"), _flash_needs_half),
     Rule("one rank shards nothing", ("sharding", "num_gpus", "offload"), _one_rank_shards_nothing),
+    Rule("pure bf16 trains with torch", ("precision", "sharding"), _pure_bf16_needs_torch),
+    Rule("step in backward on one torch rank", ("optimizer_step", "sharding", "num_gpus"),
+         _in_backward_needs_one_torch_rank),
+    Rule("step in backward at accumulation 1", ("optimizer_step", "grad_accum_steps"), _in_backward_accumulation),
+    Rule("step in backward needs no global view", ("optimizer_step", "precision", "optimizer"),
+         _in_backward_global_view),
+    Rule("activation offload with none or full checkpointing", ("activation_offload", "checkpointing"),
+         _activation_offload_pairing),
 )
 
 

@@ -10,13 +10,12 @@ combination a rule forbids.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.probe.outcome import ProbeResult, Skip, decided
-from autofit.search.rules import violation
+from autofit.search.rules import RULES, Rule, violation
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
@@ -50,6 +49,7 @@ class Space:
     sizes: tuple[int, ...]  # micro-batch sizes, ascending
     level_list: tuple[Config, ...]  # every allowed combination, cheapest first
     excluded: tuple[Excluded, ...]
+    level_sizes: dict[Config, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # see sizes_at
 
     def levels(self) -> list[Config]:
         """Every allowed combination of the level knobs, cheapest first: fewer and earlier changes first."""
@@ -59,6 +59,14 @@ class Space:
         """`level` at `micro_batch`, with the accumulation that keeps the global batch."""
         per_rank = (self.spec.global_batch_size or micro_batch * self.spec.num_gpus) // self.spec.num_gpus
         return level.replace(micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
+
+    def sizes_at(self, level: Config) -> tuple[int, ...]:
+        """The micro-batch sizes `level` may run at, ascending: those at whose accumulation no rule
+        forbids it (the optimizer step in backward runs at accumulation 1 only)."""
+        known = self.level_sizes.get(level)
+        if known is not None:
+            return known
+        return tuple(m for m in self.sizes if _size_violation(self.at(level, m), self.spec.target) is None)
 
     def values(self) -> dict[str, tuple[Any, ...]]:
         """Every value each knob takes in the levels, and the sizes (the trial store's distributions)."""
@@ -106,7 +114,8 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
             reason, tier = _exclusion(option, spec.max_tier)
             if reason:
                 excluded.append(Excluded(base.replace(**option.knobs(strategy.field)), reason, tier))
-            elif all(o.value != option.value for o in kept):  # engines share the no-sharding value
+            elif all(o.knobs(strategy.field) != option.knobs(strategy.field) for o in kept):  # engines share
+                # the no-sharding value; every_k options differ in their frequency only
                 kept.append(option)
     empty = [field for field, kept in choices.items() if not kept]
     if empty:
@@ -117,30 +126,88 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
     levels, ruled_out = _levels(spec, base, frozen)
     space = Space(spec, ordered, frozen, sizes, tuple(levels), ())
     shown = tuple(dataclasses.replace(e, config=space.at(e.config, sizes[-1])) for e in excluded + ruled_out)
-    return dataclasses.replace(space, excluded=shown)
+    by_size, level_sizes = _sizes_ruled_out(space)
+    return dataclasses.replace(space, excluded=shown + by_size, level_sizes=level_sizes)
+
+
+SIZE_FIELDS = ("micro_batch_size", "grad_accum_steps")
+
+
+def _size_violation(config: Config, target: Any) -> tuple[Rule, str] | None:
+    """The first rule reading the micro-batch or the accumulation that `config` breaks (a level passed the
+    others already), with its reason."""
+    for rule in RULES:
+        if any(k in SIZE_FIELDS for k in rule.knobs):
+            reason = rule.check(config, target)
+            if reason:
+                return rule, reason
+    return None
+
+
+def _sizes_ruled_out(space: Space) -> tuple[tuple[Excluded, ...], dict[Config, tuple[int, ...]]]:
+    """The sizes each level may run at, and one `Excluded` per rule and distinct value of its knobs among
+    the micro-batch sizes a rule forbids at an allowed level (the accumulation they need)."""
+    excluded, seen, level_sizes = [], set(), {}
+    for level in space.level_list:
+        fine = []
+        for size in space.sizes:
+            config = space.at(level, size)
+            broken = _size_violation(config, space.spec.target)
+            if broken is None:
+                fine.append(size)
+                continue
+            rule, reason = broken
+            key = (rule.name, *(config.knob(k) for k in rule.knobs))
+            if key not in seen:
+                seen.add(key)
+                excluded.append(Excluded(config, f"{reason} ({rule.name})", rule=rule.name))
+        level_sizes[level] = tuple(fine)
+    return tuple(excluded), level_sizes
 
 
 def _levels(spec: "TrainSpec", base: Config, choices: dict[str, tuple[Option, ...]]) -> tuple[list[Config], list[Excluded]]:
     """Every combination cheapest first, split into the allowed levels and one `Excluded` per rule and
-    distinct value of the knobs that rule reads."""
+    distinct value of the knobs that rule reads (shown at the cheapest combination it excludes).
+
+    Combinations are built knob by knob; a rule is checked as soon as every knob it reads is set, so a
+    forbidden prefix is never extended (the product of all knobs is large; the allowed levels are few)."""
     fields = list(choices)
-    combos = itertools.product(*(range(len(choices[f])) for f in fields))
-    ordered = sorted(combos, key=lambda idx: (sum(idx), tuple(reversed(idx))))
-    levels, excluded, seen = [], [], set()
-    for idx in ordered:
-        knobs: dict[str, Any] = {}
-        for field, i in zip(fields, idx):
-            knobs.update(choices[field][i].knobs(field))
-        level = base.replace(**knobs)
-        broken = violation(level, spec.target)
-        if broken is None:
-            levels.append(level)
-            continue
-        rule, reason = broken
-        key = (rule.name, *(level.knob(k) for k in rule.knobs))
+    # Knobs that rules read most are set first, so forbidden prefixes are cut early; the levels are
+    # ordered afterwards by their indices in `fields` (the decision tree's order).
+    reads = {f: sum(any(k in o.knobs(f) for o in choices[f] for k in r.knobs) for r in RULES) for f in fields}
+    order = sorted(fields, key=lambda f: -reads[f])
+    setter = {name: depth for depth, field in enumerate(order) for o in choices[field] for name in o.knobs(field)}
+    checks: list[list[Rule]] = [[] for _ in order]
+    for rule in RULES:
+        checks[max((setter.get(k, 0) for k in rule.knobs), default=0)].append(rule)
+    allowed: list[tuple[tuple[int, ...], Config]] = []
+    pruned: list[tuple[tuple[int, ...], Rule, str, Config]] = []
+
+    def visit(depth: int, idx: dict[str, int], knobs: dict[str, Any]) -> None:
+        field = order[depth]
+        for i, option in enumerate(choices[field]):
+            here, at = {**knobs, **option.knobs(field)}, {**idx, field: i}
+            config = base.replace(**here)
+            broken = next(((r, why) for r in checks[depth] if (why := r.check(config, spec.target))), None)
+            if broken is not None:
+                pruned.append((tuple(at.get(f, 0) for f in fields), *broken, config))
+            elif depth + 1 == len(order):
+                allowed.append((tuple(at[f] for f in fields), config))
+            else:
+                visit(depth + 1, at, here)
+
+    def cheapest(idx: tuple[int, ...]) -> tuple:
+        return sum(idx), tuple(reversed(idx))
+
+    if fields:
+        visit(0, {}, {})
+    levels = [config for _, config in sorted(allowed, key=lambda item: cheapest(item[0]))]
+    excluded, seen = [], set()
+    for _, rule, reason, config in sorted(pruned, key=lambda item: cheapest(item[0])):
+        key = (rule.name, *(config.knob(k) for k in rule.knobs))
         if key not in seen:
             seen.add(key)
-            excluded.append(Excluded(level, f"{reason} ({rule.name})", rule=rule.name))
+            excluded.append(Excluded(config, f"{reason} ({rule.name})", rule=rule.name))
     return levels, excluded
 
 

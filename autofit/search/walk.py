@@ -91,7 +91,7 @@ class Search:
     def run(self) -> list[ProbeResult]:
         """Walk every level; return all results (probed, stored and decided)."""
         for level in self.space.levels():
-            top = self.space.at(level, self.space.sizes[-1])
+            top = self.space.at(level, self.space.sizes_at(level)[-1])
             if self.probes_run >= self.max_probes:
                 self._add(decided(top, Skip.BUDGET, f"probe budget of {self.max_probes} probes spent"))
                 continue
@@ -100,13 +100,14 @@ class Search:
 
     # -- one level -------------------------------------------------------------------------------
     def _walk(self, level: Config) -> None:
+        sizes = self.space.sizes_at(level)
         while self.probes_run < self.max_probes:
-            verdicts = {m: self._verdict(self.space.at(level, m)) for m in self.space.sizes}
+            verdicts = {m: self._verdict(self.space.at(level, m)) for m in sizes}
             if any(r.status in (ProbeStatus.ERROR, ProbeStatus.PRUNED) for r in self._measured_at(level)):
                 return
             lo = max((m for m, v in verdicts.items() if v is Verdict.FIT), default=0)
             hi = min((m for m, v in verdicts.items() if v is Verdict.FAIL), default=math.inf)
-            unknown = [m for m in self.space.sizes if lo < m < hi and verdicts[m] is None]
+            unknown = [m for m in sizes if lo < m < hi and verdicts[m] is None]
             if not unknown:
                 self._note_implied(level, lo, hi)
                 return
@@ -143,7 +144,7 @@ class Search:
     def _note_implied(self, level: Config, lo: int, hi: float) -> None:
         """Record what the level was decided by without probing: its largest fit or, failing that, its
         largest size implied too slow; and its first certain failure."""
-        slow = max((m for m in self.space.sizes
+        slow = max((m for m in self.space.sizes_at(level)
                     if m < hi and self._verdict(self.space.at(level, m)) is Verdict.SLOW), default=0)
         notes = ((lo, Verdict.FIT, "fits, but cannot be faster than {}: it only adds work"),
                  (0 if lo else slow, Verdict.SLOW, "cannot win: it only adds work to {}, which was too slow"),

@@ -1,9 +1,12 @@
 """Rung 3, activation checkpointing: recompute blocks in backward instead of keeping their activations.
 
-"every_k" checkpoints every k-th block (selective), "full" all blocks. Buys 50-70% of activation memory
-at full; costs ~20-35% more compute (tier 0: same math). Hugging Face models use their own switch;
-plain models (blocks in an nn.ModuleList / nn.Sequential) get `torch.utils.checkpoint` with
-`use_reentrant=False` on the chosen blocks' forward.
+"ops" checkpoints every block op by op (selective activation checkpointing, torch's
+`create_selective_checkpoint_contexts`): the outputs of matmuls and attention are kept, pointwise ops
+(activation functions, norms, dropout, residual adds) are recomputed -- their share of the activations
+for almost no extra FLOPs. "every_k" checkpoints every k-th block wholly (k = 2 and 4 where the depth
+allows), "full" all blocks: 50-70% of activation memory for ~20-35% more compute. All tier 0 (same
+math). Hugging Face models use their own switch; plain models (blocks in an nn.ModuleList /
+nn.Sequential) get `torch.utils.checkpoint` with `use_reentrant=False` on the chosen blocks' forward.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autofit.config import Checkpointing as C
 from autofit.config import Config
@@ -24,11 +29,20 @@ if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
     from autofit.probe.step import TrainRun
 
-EVERY = (2,)  # selective frequencies offered: every k-th block
+EVERY = (4, 2)  # whole-block frequencies offered where the depth exceeds k: every k-th block, cheapest first
+
+aten = torch.ops.aten
+# What op-level checkpointing keeps: the outputs of matmuls and attention kernels (the FLOPs); everything
+# else in a block is recomputed in backward. torchtitan's selective policy keeps the same kind of ops.
+KEPT_OPS = frozenset(op for op in (
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.convolution,
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+    getattr(aten, "_scaled_dot_product_cudnn_attention", None),
+    getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)) if op is not None)
 
 
 class Checkpointing(Strategy):
-    """none, every k-th block, all blocks."""
+    """none, op by op, every k-th block, all blocks."""
 
     field = "checkpointing"
     rung = 3
@@ -39,32 +53,52 @@ class Checkpointing(Strategy):
         selective = [Option(C.EVERY_K, 0, f"recompute every {k}th of {blocks} blocks" if blocks > k
                             else f"{blocks} blocks are too few to checkpoint every {k}th",
                             available=blocks > k, also=(("checkpoint_every", k),)) for k in EVERY]
-        return [Option(C.NONE, 0, "keep all activations"), *selective,
+        return [Option(C.NONE, 0, "keep all activations"),
+                Option(C.OPS, 0, f"every block op by op: keep matmul and attention outputs, recompute the "
+                       f"pointwise ops" if blocks >= 2 else why_not, available=blocks >= 2),
+                *selective,
                 Option(C.FULL, 0, f"recompute all {blocks} blocks" if blocks >= 2 else why_not,
                        available=blocks >= 2)]
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
-        return a.checkpointed_share >= b.checkpointed_share
+        # A partial order: full saves at least any mode, any mode at least none, every_k at least every_j
+        # for k <= j; op-level and every_k keep different things, so neither is known to save more.
+        if a.checkpointing is b.checkpointing:
+            return a.checkpoint_every <= b.checkpoint_every
+        return a.checkpointing is C.FULL or b.checkpointing is C.NONE
 
     def apply(self, run: "TrainRun") -> None:
         config = run.config
         if config.checkpointing is not C.NONE:
-            enable(run.model, config.checkpoint_every)
+            enable(run.model, config.checkpoint_every, ops=config.checkpointing is C.OPS)
 
 
-def enable(model: nn.Module, k: int) -> None:
-    """Checkpoint every k-th block of `model` (k=1: all), through Hugging Face's switch where it has one."""
+def enable(model: nn.Module, k: int, ops: bool = False) -> None:
+    """Checkpoint every k-th block of `model` (k=1: all), wholly or (`ops`) op by op, through Hugging
+    Face's switch where it has one."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if ops:
+        kwargs["context_fn"] = keep_matmuls
     hf_switch = getattr(model, "activation_checkpointing_enable", None)
     if getattr(model, "supports_gradient_checkpointing", False) and hf_switch is not None \
             and "every_n_layers" in inspect.signature(hf_switch).parameters:
-        hf_switch(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=k)
+        hf_switch(activation_checkpointing_kwargs=kwargs, every_n_layers=k)
         return
     if k == 1 and getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     for index, block in enumerate(find_blocks(model)[1]):
         if index % k == 0 and "forward" not in vars(block):
-            block.forward = _checkpointed(block.forward)
+            block.forward = _checkpointed(block.forward, kwargs)
+
+
+def keep_matmuls() -> Any:
+    """`context_fn` for `torch.utils.checkpoint.checkpoint`: keep the outputs of `KEPT_OPS`, recompute the rest."""
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def disable(model: nn.Module) -> None:
@@ -75,9 +109,9 @@ def disable(model: nn.Module) -> None:
         vars(block).pop("forward", None)
 
 
-def _checkpointed(forward: Any) -> Any:
+def _checkpointed(forward: Any, options: dict[str, Any]) -> Any:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, **options, **kwargs)
 
     return run

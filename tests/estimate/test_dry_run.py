@@ -124,3 +124,15 @@ def test_bad_input_is_a_usage_error():
         dry_run(tiny_llama(), seq_len=4096, global_batch_size=4)
     with pytest.raises(UsageError, match="did you mean"):
         dry_run("llama-2-7", seq_len=128, global_batch_size=4)
+
+
+def test_the_new_rungs_are_listed_with_predicted_peaks():
+    result = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="rtx-4090", gpu_memory="256MiB")
+    listed = {name: [c for c in result.candidates if test(c.config)] for name, test in (
+        ("pure_bf16", lambda c: c.pure_bf16), ("activation_offload", lambda c: c.offloads_activations),
+        ("optimizer_in_backward", lambda c: c.steps_in_backward), ("chunked_loss", lambda c: c.loss == "chunked"),
+        ("ops", lambda c: c.checkpointing == "ops"))}
+    for name, candidates in listed.items():
+        assert candidates and all(c.peak_bytes > 0 for c in candidates), name
+    assert all(c.config.grad_accum_steps == 1 for c in listed["optimizer_in_backward"])
+    assert all(c.estimate.cpu_bytes > 0 for c in listed["activation_offload"])

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from autofit import Config
+from autofit import Config, UsageError
 
 EXAMPLE = textwrap.dedent("""
     import json, sys
@@ -99,3 +99,11 @@ def test_fsdp_section_builds_accelerates_plugin(tmp_path, plan_for, fsdp, offloa
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is (fsdp == "fsdp_full")
     assert (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") is (offload == "cpu")
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2" in launch.read_text()
+
+
+def test_the_step_in_backward_refuses_accelerate_and_pure_bf16_is_cast_in_the_script(tmp_path, plan_for):
+    with pytest.raises(UsageError, match="whole-model gradients"):
+        plan_for(Config(micro_batch_size=4, optimizer_step="in_backward")).export("accelerate", tmp_path)
+    config_path, _ = plan_for(Config(micro_batch_size=4, precision="pure_bf16")).export("accelerate", tmp_path)
+    assert "#   pure_bf16(model)" in config_path.read_text()
+    assert load_config_from_file(str(config_path)).mixed_precision == "no"

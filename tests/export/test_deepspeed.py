@@ -118,3 +118,19 @@ def test_buffers_are_sized_for_the_model_and_budget(tmp_path, plan_for, stage):
 def test_a_plan_without_a_hidden_size_keeps_deepspeeds_defaults(tmp_path, plan_for):
     (path,) = export(plan_for(Config(micro_batch_size=2, num_gpus=2, sharding="zero2")), "deepspeed", tmp_path)
     assert "reduce_bucket_size" not in json.loads(path.read_text())["zero_optimization"]
+
+
+def test_pure_bf16_and_the_step_in_backward_refuse_with_the_reason(tmp_path, plan_for):
+    for knobs, why in (({"precision": "pure_bf16"}, "keeps fp32 master weights"),
+                       ({"optimizer_step": "in_backward"}, "steps the optimizer after backward")):
+        with pytest.raises(UsageError, match=why):
+            plan_for(Config(micro_batch_size=4, **knobs)).export("deepspeed", tmp_path)
+
+
+def test_model_side_rungs_are_listed_for_the_script(tmp_path, plan_for):
+    plan = plan_for(Config(micro_batch_size=4, checkpointing="ops", loss="chunked"), device="cuda:0")
+    path, = plan.export("deepspeed", tmp_path)
+    document = json.loads(path.read_text())
+    parse({k: v for k, v in document.items() if k != "autofit"})  # the real parser still accepts it
+    lines = document["autofit"]["apply_in_script"]
+    assert any("chunk_loss(model)" in line for line in lines) and any("ops=True" in line for line in lines)

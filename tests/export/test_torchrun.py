@@ -46,3 +46,12 @@ def test_zero_plan_points_at_its_deepspeed_config(tmp_path, plan_for):
     assert "--nproc_per_node 2" in text
     assert 'AUTOFIT_DEEPSPEED_CONFIG="$here/deepspeed.json"' in text
     assert json.loads(ds.read_text())["train_batch_size"] == 8
+
+
+def test_new_knobs_travel_and_their_setup_is_named(tmp_path, plan_for):
+    plan = plan_for(Config(micro_batch_size=4, optimizer_step="in_backward", activation_offload="cpu"),
+                    device="cuda:0")
+    path, = plan.export("torchrun", tmp_path)
+    text = path.read_text()
+    assert "AUTOFIT_OPTIMIZER_STEP=in_backward" in text and "AUTOFIT_ACTIVATION_OFFLOAD=cpu" in text
+    assert "#   optimizer = InBackward(model.parameters(), torch.optim.AdamW)" in text

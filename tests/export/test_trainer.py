@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-from autofit import Config
+from autofit import Config, UsageError
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
 
@@ -37,7 +37,7 @@ def test_training_arguments_accept_kwargs(tmp_path, plan_for, precision, checkpo
     assert args.gradient_checkpointing is (checkpointing == "full")
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert args.optim.value == optim
-    assert ("enable(model, 2)" in script_path.read_text()) is (checkpointing == 2)
+    assert ("checkpoint(model, 2)" in script_path.read_text()) is (checkpointing == 2)
 
 
 def test_exported_script_trains_two_steps(tmp_path, plan_for):
@@ -72,3 +72,29 @@ def test_fsdp_plan_sets_fsdp2_arguments(tmp_path, plan_for):
     args = TrainingArguments(**load_kwargs(args_path))
     assert args.fsdp_config["version"] == 2
     assert args.fsdp_config["reshard_after_forward"] is True and args.fsdp_config["cpu_offload"] is True
+
+
+def test_new_rungs_run_in_the_exported_script(tmp_path, plan_for):
+    torch.manual_seed(0)
+    config = Config(micro_batch_size=2, grad_accum_steps=2, precision="pure_bf16", checkpointing="ops",
+                    loss="chunked", activation_offload="cpu")
+    args_path, script_path = plan_for(config).export("trainer", tmp_path)
+    text = script_path.read_text()
+    assert "pure_bf16(model)" in text and "chunk_loss(model)" in text and "ops=True" in text
+    assert "offload_activations(model)" in text
+    spec = importlib.util.spec_from_file_location("train_with_trainer_rungs", script_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = GPT2LMHeadModel(GPT2Config(**TINY))
+    ids = torch.randint(0, 64, (8, 16))
+    trainer = module.train(model, [{"input_ids": row, "labels": row} for row in ids], max_steps=2,
+                           output_dir=str(tmp_path / "out"), save_strategy="no")
+    assert trainer.state.global_step == 2 and trainer.state.log_history
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert load_kwargs(args_path)["bf16"] is False  # no autocast: the weights are bf16 themselves
+
+
+def test_the_step_in_backward_refuses_the_trainer_with_the_reason(tmp_path, plan_for):
+    plan = plan_for(Config(micro_batch_size=4, optimizer_step="in_backward"))
+    with pytest.raises(UsageError, match="steps the optimizer after backward"):
+        plan.export("trainer", tmp_path)

@@ -1,7 +1,11 @@
+import torch
 from forcing import budget_between, long_batch, peak, tune
 from models import make_gpt2, make_mlp, mlp_loss
+from torch import nn
 
 from autofit.config import Config
+from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run
 from autofit.strategies import Checkpointing, MicroBatch, default_strategies
@@ -38,6 +42,82 @@ def test_full_saves_at_least_every_2():
     full, every_2, none = Config(checkpointing="full"), Config(checkpointing="every_k", checkpoint_every=2), Config()
     assert strategy.saves_at_least(full, every_2) and strategy.saves_at_least(every_2, none)
     assert not strategy.saves_at_least(none, full)
+
+
+def test_op_level_sits_between_none_and_full_and_beside_every_k():
+    strategy = Checkpointing()
+    ops, full, none = Config(checkpointing="ops"), Config(checkpointing="full"), Config()
+    every_2, every_4 = (Config(checkpointing="every_k", checkpoint_every=k) for k in (2, 4))
+    assert strategy.saves_at_least(ops, none) and strategy.saves_at_least(full, ops)
+    assert not strategy.saves_at_least(ops, every_4) and not strategy.saves_at_least(every_4, ops)
+    assert strategy.saves_at_least(every_2, every_4) and not strategy.saves_at_least(every_4, every_2)
+    assert ops.recomputed_share == 0 and full.recomputed_share == 1 and every_4.recomputed_share == 0.25
+
+
+class GatedBlock(nn.Module):
+    """Few matmuls, many pointwise ops: what op-level checkpointing recomputes."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        h = self.up(x)
+        g = nn.functional.gelu(h) * torch.sigmoid(h)
+        return x + self.down(nn.functional.silu(g * torch.tanh(g)))
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(6))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def gated_batch(n):
+    return torch.randn(n, 512, 64, generator=torch.Generator().manual_seed(n))
+
+
+def test_every_4_is_offered_where_the_depth_allows():
+    six = {o.knobs("checkpointing").get("checkpoint_every"): o for o in Checkpointing().options(
+        make_spec(Gated, gated_batch, device="cpu", memory_budget="1GiB")) if o.value == "every_k"}
+    four = [o for o in Checkpointing().options(make_spec(make_mlp, long_batch, device="cpu", memory_budget="1GiB",
+                                                         loss_fn=mlp_loss)) if o.value == "every_k"]
+    assert six[4].available and six[2].available
+    assert [o.available for o in four] == [False, True] and "too few" in four[0].reason
+
+
+def test_op_level_gives_the_same_gradients():
+    spec = make_spec(Gated, gated_batch, global_batch_size=2, device="cpu", memory_budget="1GiB")
+    grads = []
+    for mode in ("none", "ops"):
+        run = build_run(spec, Config(checkpointing=mode, micro_batch_size=2), default_strategies())
+        run.forward_backward(gated_batch(2), 1.0)
+        grads.append([p.grad for p in run.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_forced_by_a_budget_only_op_level_meets_without_recomputing_matmuls():
+    # One sample per step: a smaller micro-batch cannot rescue every_k.
+    ops = peak(Gated, gated_batch, Config(checkpointing="ops"))
+    every_2 = peak(Gated, gated_batch, Config(checkpointing="every_k", checkpoint_every=2))
+    plan = tune(Gated, gated_batch, [Checkpointing(), MicroBatch()], budget_between(ops, every_2), 1)
+    assert plan.fits and plan.config.checkpointing == "ops", plan.reason
+    full = [p for p in plan.probes if p.config.checkpointing == "full"]
+    assert full and not full[0].measured and "only adds work" in full[0].reason
+
+
+def test_estimator_predicts_op_level_within_its_tolerance():
+    spec = make_spec(Gated, gated_batch, global_batch_size=4, device="cpu", memory_budget="1GiB")
+    config = Config(checkpointing="ops", micro_batch_size=4)
+    measured = run_probe(spec, config, default_strategies()).peak_bytes
+    predicted = Estimator(spec).predict(config).peak_bytes
+    assert abs(predicted / measured - 1) <= PREDICTION_TOLERANCE["cpu"], (predicted, measured)
 
 
 def test_forced_by_a_budget_only_checkpointing_meets():

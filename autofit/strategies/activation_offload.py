@@ -1,0 +1,62 @@
+"""Rung 3, activation offloading: what autograd saves for backward waits in pinned host memory.
+
+The model's forward runs under `torch.autograd.graph.save_on_cpu(pin_memory=True)`: every tensor saved
+for backward is copied to the host in the forward and back to the device when backward needs it, so the
+activations leave the GPU. Alone it moves everything the forward saves; on top of full checkpointing
+(the rule table pairs it with none or full) it moves what checkpointing keeps -- the blocks' inputs,
+`layers x tokens x hidden` values, which dominate at long sequences. Buys those bytes of device memory;
+costs a device-to-host copy in the forward and a host-to-device copy in the backward on the compute
+stream (PCIe-bound, not overlapped), and as much pinned host RAM. Same math (tier 0). Only on a GPU:
+on the CPU the activations are already on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autofit.config import ActivationOffload as A
+from autofit.config import Config
+from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
+    from autofit.spec.train import TrainSpec
+
+
+class ActivationOffload(Strategy):
+    """none, cpu (pinned host memory)."""
+
+    field = "activation_offload"
+    rung = 3  # with checkpointing: both trade a cost for activation memory
+
+    def options(self, spec: "TrainSpec") -> list[Option]:
+        target = spec.target
+        why_not = None if target.cuda else \
+            f"activation offloading moves saved tensors from a GPU to the host; the target {target.name} is the host"
+        return [Option(A.NONE, 0, "saved activations stay on the device"),
+                Option(A.CPU, 0, why_not or "saved activations to pinned host memory (with full checkpointing: the "
+                       "block inputs), back in backward", available=why_not is None)]
+
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return a.offloads_activations or not b.offloads_activations
+
+    def apply(self, run: "TrainRun") -> None:
+        if run.config.offloads_activations:
+            enable(run.model)
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Run `model`'s forward under `save_on_cpu(pin_memory=True)` from now on. Returns `model`."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def offloaded(*args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return forward(*args, **kwargs)
+
+    model.forward = offloaded
+    return model

@@ -1,0 +1,96 @@
+"""Rung 5, the optimizer step inside backward: each parameter steps as soon as its gradient is made.
+
+A post-accumulate-grad hook per parameter runs that parameter's own optimizer and frees the gradient,
+so the gradients never exist for the whole model at once: the step's peak loses all gradients but the
+one being applied (4 bytes per parameter in fp32, 2 in pure bf16). It is the same math as a step after
+backward only where every update reads its own parameter alone: accumulation 1 (otherwise the step would
+run once per micro-batch), no clipping of the global gradient norm, no fp16 loss scaler (which checks
+every gradient first), one torch rank (an engine or DDP reduces gradients after the hook) -- the rules
+in `autofit.search.rules` keep it there, so it is tier 0. Costs the optimizer's multi-tensor (foreach)
+kernels: one small step per parameter.
+
+In your own loop: `optimizer = InBackward(model.parameters(), torch.optim.AdamW)`, then `loss.backward()`
+steps the weights; `optimizer.step()` and `zero_grad()` are no-ops (torchtune's `optimizer_in_bwd` works
+the same way).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from autofit.config import Config
+from autofit.config import OptimizerStep as S
+from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
+    from autofit.spec.train import TrainSpec
+
+
+class OptimizerInBackward(Strategy):
+    """after_backward (the baseline), in_backward."""
+
+    field = "optimizer_step"
+    rung = 5  # after the optimizer strategy, whose optimizer it runs per parameter
+
+    def options(self, spec: "TrainSpec") -> list[Option]:
+        return [Option(S.AFTER_BACKWARD, 0, "one optimizer step after backward"),
+                Option(S.IN_BACKWARD, 0, "optimizer step per parameter inside backward: no whole-model gradients "
+                       "(accumulation 1, no global clipping)")]
+
+    def saves_at_least(self, a: Config, b: Config) -> bool:
+        return a.steps_in_backward or not b.steps_in_backward
+
+    def apply(self, run: "TrainRun") -> None:
+        if run.config.steps_in_backward:
+            inner = run.optimizer_factory or torch.optim.AdamW
+            run.optimizer_factory = lambda params: InBackward(params, inner)
+
+
+class InBackward:
+    """One optimizer per parameter, stepped by that parameter's post-accumulate-grad hook; `step` and
+    `zero_grad` are no-ops (the work happened in backward), so a plain training loop runs unchanged."""
+
+    def __init__(self, params: Iterable[nn.Parameter], factory: Callable[[list[nn.Parameter]], Any]):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizers = [factory([p]) for p in self.params]
+        by_id = {id(p): o for p, o in zip(self.params, self.optimizers)}
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p: _step(by_id[id(p)], p)) for p in self.params]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every per-parameter optimizer's groups (a learning-rate scheduler may edit them)."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """The states of all per-parameter optimizers, by parameter."""
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self, closure: Any = None) -> None:
+        """Nothing: each parameter stepped when its gradient was made."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: each gradient was freed once applied."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-parameter optimizers' state dicts, in parameter order."""
+        return {"per_parameter": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        for optimizer, saved in zip(self.optimizers, state["per_parameter"], strict=True):
+            optimizer.load_state_dict(saved)
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters then keep their gradients again)."""
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _step(optimizer: Any, param: nn.Parameter) -> None:
+    optimizer.step()
+    param.grad = None

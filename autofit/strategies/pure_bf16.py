@@ -1,0 +1,66 @@
+"""Rung 1, pure bf16: weights, gradients and optimizer states in bf16, no autocast and no fp32 copy.
+
+Mixed precision (the `precision` strategy's bf16) keeps fp32 weights (4 bytes), fp32 gradients (4) and
+fp32 AdamW moments (8): 16 bytes per parameter. Pure bf16 keeps 2 + 2 + 4 = 8, and computes in bf16
+without casting the weights in every forward. Costs update precision (tier 1): a bf16 weight cannot
+absorb an update smaller than ~1/256 of itself, which slows late training at small learning rates.
+
+Which optimizer: torch's own AdamW over the bf16 parameters (its moments follow the parameter dtype),
+as torchtune and litgpt train "bf16-true". The numerically safer variants -- torchao's AdamW with
+bf16 stochastic rounding, or Kahan-compensated bf16 -- are not searched here: torchao's optimizers
+compile their step with `torch.compile` (minutes of compilation per probe on a CPU, and a C++
+toolchain), and they change the optimizer rather than the precision; see docs/new-rungs.md.
+
+Plain models get their floating-point inputs cast to bf16 by a forward pre-hook (autocast did that).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from autofit.config import Precision as P
+from autofit.strategies.base import Option, Strategy
+
+if TYPE_CHECKING:
+    from autofit.probe.step import TrainRun
+    from autofit.spec.train import TrainSpec
+
+
+class PureBf16(Strategy):
+    """fp32 (the baseline, shared with the precision strategy), pure bf16."""
+
+    field = "precision"
+    rung = 1
+
+    def options(self, spec: "TrainSpec") -> list[Option]:
+        target = spec.target
+        return [Option(P.FP32, 0, "full precision, the baseline"),
+                Option(P.PURE_BF16, 1, "pure bf16: weights, gradients and AdamW states in bf16 (8 bytes per "
+                       "parameter instead of 16)" if target.bf16 else f"pure bf16 needs native bf16 "
+                       f"({target.bf16_reason})", available=target.bf16)]
+
+    def apply(self, run: "TrainRun") -> None:
+        if run.config.pure_bf16:
+            enable(run.model)
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Cast `model`'s parameters and buffers to bf16 and its floating-point inputs too (a forward
+    pre-hook); build the optimizer afterwards so its states are bf16 as well. Returns `model`."""
+    model.to(torch.bfloat16)
+    model.register_forward_pre_hook(_bf16_inputs, with_kwargs=True)
+    return model
+
+
+def _bf16_inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    return tree_map(_to_bf16, args), tree_map(_to_bf16, kwargs)
+
+
+def _to_bf16(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.bfloat16)
+    return value

@@ -1,0 +1,85 @@
+"""Activation offloading: unavailable on the CPU (already the host), the same gradients, paired with no
+or full checkpointing by the rules, chosen by the planner where only it fits; on a GPU (`gpu`-marked)
+chosen by the tuner and predicted within the CUDA tolerance."""
+
+import pytest
+import torch
+
+import autofit
+from autofit.config import Config
+from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.gpus import get_gpu
+from autofit.probe.run import run_probe
+from autofit.search.rules import violation
+from autofit.spec.target import Target
+from autofit.spec.train import make_spec
+from autofit.strategies import ActivationOffload, Attention, Checkpointing, MicroBatch, default_strategies
+from autofit.strategies.activation_offload import enable
+
+
+def long_gpt2():
+    """Activations dominate: 4096 tokens over 8 blocks."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=1024, n_positions=4096,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+STRATEGIES = [Attention(), Checkpointing(), ActivationOffload(), MicroBatch()]
+
+
+def test_unavailable_on_the_cpu_offered_for_a_gpu():
+    cpu = ActivationOffload().options(make_spec(long_gpt2, device="cpu", memory_budget="1GiB", seq_len=64))
+    assert not cpu[1].available and "is the host" in cpu[1].reason
+    gpu = ActivationOffload().options(type("S", (), {"target": Target.from_profile(get_gpu("a100-80gb"), 1)})())
+    assert gpu[1].available and gpu[1].tier == 0
+
+
+def test_the_same_gradients_with_the_forward_under_save_on_cpu():
+    batch = {"input_ids": torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+    grads = []
+    for model in (long_gpt2(), enable(long_gpt2())):
+        torch.manual_seed(1)
+        model(**batch).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_paired_with_none_or_full_checkpointing():
+    target = Target.from_profile(get_gpu("a100-80gb"), 1)
+    offload = Config(activation_offload="cpu")
+    assert violation(offload, target) is None and violation(offload.replace(checkpointing="full"), target) is None
+    assert "not with checkpointing=ops" in violation(offload.replace(checkpointing="ops"), target)[1]
+
+
+def test_the_planner_chooses_it_where_only_it_fits():
+    wide = autofit.dry_run(long_gpt2, gpu="a100-80gb", seq_len=4096, global_batch_size=1, strategies=STRATEGIES)
+    offloaded = [c.peak_bytes for c in wide.candidates if c.config.offloads_activations]
+    kept = [c.peak_bytes for c in wide.candidates if not c.config.offloads_activations]
+    assert min(offloaded) < min(kept)
+    memory = int((min(offloaded) + min(kept)) / 2 / 0.9)  # a fit limit between the two
+    report = autofit.dry_run(long_gpt2, gpu="a100-80gb", gpu_memory=memory, seq_len=4096, global_batch_size=1,
+                             strategies=STRATEGIES)
+    assert report.fits and report.chosen.config.offloads_activations, report.reason
+    assert report.chosen.estimate.cpu_bytes >= report.chosen.estimate.offloaded_activations > 0
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_tuner_chooses_it_and_the_estimator_predicts_it():
+    spec = make_spec(long_gpt2, global_batch_size=1, device="cuda", seq_len=4096, warmup_steps=1, timed_steps=1)
+    peaks = {}
+    for config in (Config(attention="sdpa", checkpointing="full"),
+                   Config(attention="sdpa", checkpointing="full", activation_offload="cpu")):
+        result = run_probe(spec, config, default_strategies())
+        assert result.fits, result.reason
+        predicted = Estimator(spec).predict(config).peak_bytes
+        assert abs(predicted / result.peak_bytes - 1) <= PREDICTION_TOLERANCE["cuda"], (config, predicted, result)
+        peaks[config.offloads_activations] = result.peak_bytes
+    budget = int((peaks[True] + peaks[False]) / 2 / 0.9)
+    plan = autofit.autofit(long_gpt2, global_batch_size=1, device="cuda", seq_len=4096, memory_budget=budget,
+                           strategies=STRATEGIES, predict=False, warmup_steps=1, timed_steps=1)
+    assert plan.fits and plan.config.offloads_activations, plan.reason

@@ -1,0 +1,79 @@
+"""The optimizer step in backward: the same update as a step after backward, no whole-model gradients,
+kept by the rules at accumulation 1 on one torch rank; chosen where only it fits; predicted."""
+
+import torch
+from forcing import budget_between, peak, tune
+from models import LinearBlocks
+
+from autofit.config import Config
+from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.gpus import get_gpu
+from autofit.probe.run import run_probe
+from autofit.probe.step import build_run
+from autofit.search.rules import violation
+from autofit.search.space import build_space
+from autofit.spec.target import Target
+from autofit.spec.train import make_spec
+from autofit.strategies import MicroBatch, OptimizerInBackward, default_strategies
+
+
+class Wide(LinearBlocks):
+    """Model states dominate: 4 x 512^2 weights, a thin batch."""
+
+    def __init__(self):
+        super().__init__(512, 4)
+
+
+def thin_batch(n):
+    return torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
+
+
+def _spec(**kwargs):
+    return make_spec(Wide, thin_batch, global_batch_size=4, device="cpu", memory_budget="1GiB", **kwargs)
+
+
+def test_same_weights_as_a_step_after_backward_and_no_gradients_left():
+    spec = _spec()
+    runs = []
+    for step in ("after_backward", "in_backward"):
+        torch.manual_seed(0)  # the same initial weights
+        runs.append(build_run(spec, Config(micro_batch_size=4, optimizer_step=step), default_strategies()))
+    for _ in range(3):
+        losses = [run.step([thin_batch(4)]) for run in runs]
+        assert torch.equal(*losses)
+    for after, inside in zip(runs[0].model.parameters(), runs[1].model.parameters()):
+        assert torch.equal(after, inside) and inside.grad is None
+
+
+def test_rules_keep_it_exact():
+    target = Target.from_profile(get_gpu("a100-80gb"), 2)
+    inside = Config(optimizer_step="in_backward")
+    assert "accumulation 1" in violation(inside.replace(grad_accum_steps=2), target)[1]
+    assert "GradScaler" in violation(inside.replace(precision="fp16"), target)[1]
+    assert "several ranks" in violation(inside.replace(num_gpus=2), target)[1]
+    assert "engine" in violation(inside.replace(sharding="zero2", offload="cpu"), target)[1]
+    assert violation(inside.replace(precision="pure_bf16", optimizer="adafactor"), target) is None
+
+
+def test_the_space_runs_it_at_accumulation_1_only_and_says_why():
+    space = build_space(_spec(), [OptimizerInBackward(), MicroBatch()])
+    inside = [level for level in space.levels() if level.steps_in_backward]
+    assert inside and space.sizes_at(inside[0]) == (4,) and space.sizes == (1, 2, 4)
+    reasons = [e.reason for e in space.excluded if e.config.steps_in_backward]
+    assert reasons and all("exact only at accumulation 1" in r for r in reasons)
+
+
+def test_forced_by_a_budget_only_the_step_in_backward_meets():
+    after = peak(Wide, thin_batch, Config(micro_batch_size=1, grad_accum_steps=4))
+    inside = peak(Wide, thin_batch, Config(micro_batch_size=4, optimizer_step="in_backward"))
+    plan = tune(Wide, thin_batch, [OptimizerInBackward(), MicroBatch()], budget_between(inside, after), 4)
+    assert plan.fits and plan.config.steps_in_backward and plan.config.grad_accum_steps == 1, plan.reason
+
+
+def test_estimator_predicts_the_peak_within_its_tolerance():
+    spec = _spec()
+    for precision in ("fp32", "pure_bf16"):
+        config = Config(precision=precision, micro_batch_size=4, optimizer_step="in_backward")
+        measured = run_probe(spec, config, default_strategies()).peak_bytes
+        predicted = Estimator(spec).predict(config).peak_bytes
+        assert abs(predicted / measured - 1) <= PREDICTION_TOLERANCE["cpu"], (precision, predicted, measured)

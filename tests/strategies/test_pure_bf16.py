@@ -1,0 +1,70 @@
+"""Pure bf16: weights, gradients and optimizer states in bf16; chosen where only it fits; predicted."""
+
+import torch
+from forcing import budget_between, peak, tune
+from models import LinearBlocks
+
+from autofit.config import Config
+from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.gpus import get_gpu
+from autofit.probe.run import run_probe
+from autofit.probe.step import build_run
+from autofit.search.rules import violation
+from autofit.spec.target import Target
+from autofit.spec.train import make_spec
+from autofit.strategies import MicroBatch, Precision, PureBf16, default_strategies
+
+
+class Wide(LinearBlocks):
+    """Model states dominate: 4 x 512^2 weights, a thin batch."""
+
+    def __init__(self):
+        super().__init__(512, 4)
+
+
+def thin_batch(n):
+    return torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
+
+
+def _spec(**kwargs):
+    return make_spec(Wide, thin_batch, global_batch_size=4, device="cpu", memory_budget="1GiB", **kwargs)
+
+
+def test_offered_where_bf16_is_native_with_reason():
+    options = {o.value: o for o in PureBf16().options(_spec())}
+    assert options["pure_bf16"].available and options["pure_bf16"].tier == 1
+    v100 = PureBf16().options(type("S", (), {"target": Target.from_profile(get_gpu("v100-32gb"), 1)})())
+    assert not v100[1].available and "native bf16" in v100[1].reason
+
+
+def test_weights_and_optimizer_states_are_bf16_after_a_step():
+    spec = _spec()
+    run = build_run(spec, Config(precision="pure_bf16", micro_batch_size=4), default_strategies())
+    run.step([thin_batch(4)])  # float32 inputs: cast by the pre-hook
+    assert run.autocast_dtype is None
+    assert {p.dtype for p in run.model.parameters()} == {torch.bfloat16}
+    states = [t for s in run.optimizer.state.values() for k, t in s.items() if k != "step"]
+    assert states and {t.dtype for t in states} == {torch.bfloat16}
+
+
+def test_pure_bf16_is_excluded_under_an_engine():
+    target = Target.from_profile(get_gpu("a100-80gb"), 2)
+    assert "fp32 master weights" in violation(Config(precision="pure_bf16", sharding="zero2", num_gpus=2), target)[1]
+    assert violation(Config(precision="pure_bf16", num_gpus=2), target) is None
+
+
+def test_forced_by_a_budget_only_pure_bf16_meets():
+    mixed = peak(Wide, thin_batch, Config(precision="bf16", micro_batch_size=4))
+    pure = peak(Wide, thin_batch, Config(precision="pure_bf16", micro_batch_size=4))
+    assert pure < 0.6 * mixed  # 8 bytes per parameter instead of 16
+    plan = tune(Wide, thin_batch, [Precision(), PureBf16(), MicroBatch()], budget_between(pure, mixed), 4)
+    assert plan.fits and plan.config.precision == "pure_bf16", plan.reason
+    assert {p.status.value for p in plan.probes if p.config.precision != "pure_bf16" and p.measured} == {"oom"}
+
+
+def test_estimator_predicts_the_peak_within_its_tolerance():
+    spec = _spec()
+    config = Config(precision="pure_bf16", micro_batch_size=4)
+    measured = run_probe(spec, config, default_strategies()).peak_bytes
+    predicted = Estimator(spec).predict(config).peak_bytes
+    assert abs(predicted / measured - 1) <= PREDICTION_TOLERANCE["cpu"], (predicted, measured)
