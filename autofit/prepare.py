@@ -108,7 +108,7 @@ class Prepared:
 
 def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: LossFn | None = None,
             device: str | torch.device | None = None, strategies: Sequence[Strategy] | None = None,
-            nvme_path: str | os.PathLike | None = None) -> Prepared:
+            nvme_path: str | os.PathLike | None = None, engine: bool = True) -> Prepared:
     """Apply every knob of `plan` to `model` with the strategies' own code; return what a loop needs.
 
     Args:
@@ -124,17 +124,20 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
         strategies: the strategies the plan was tuned with, when not the defaults (LoRA target modules,
             plug-in techniques; plug-ins defined so far are included by default).
         nvme_path: folder for NVMe offload, when the plan offloads there.
+        engine: False leaves the ranks and the engine (DDP, ZeRO, FSDP2) to a launcher that builds them
+            itself (`accelerator.prepare`, the Trainer): every other knob is applied, nothing is wrapped.
     """
     config, summary = _config_of(plan)
     where = _device(device, summary, config)
-    _join_ranks(config, where)
+    if engine:
+        _join_ranks(config, where)
     given = _optimizer_spec(optimizer, config)
     spec = _spec(model, where, config, summary, given, loss_fn)
     run = TrainRun(spec=spec, config=config, model=model)
     model.train()
-    for strategy in sorted(_strategies(strategies, nvme_path), key=lambda s: s.rung):
+    for strategy in sorted(_strategies(strategies, nvme_path, engine), key=lambda s: s.rung):
         strategy.apply(run)
-    if isinstance(optimizer, torch.optim.Optimizer) and run.engine_factory is None:
+    if isinstance(optimizer, torch.optim.Optimizer) and run.engine_factory is None:  # an engine builds its own
         run.optimizer = _reused(optimizer, config, run.model)
     return Prepared(config, run.ready())
 
@@ -230,13 +233,13 @@ def _no_batches(_: int) -> Any:
     raise RuntimeError("a prepared run trains the batches its loop gives it")
 
 
-def _strategies(strategies: Sequence[Strategy] | None, nvme_path: Any) -> list[Strategy]:
-    from autofit.strategies import Offload, default_strategies
+def _strategies(strategies: Sequence[Strategy] | None, nvme_path: Any, engine: bool) -> list[Strategy]:
+    from autofit.strategies import DataParallel, Offload, default_strategies
+    from autofit.strategies.sharding import ShardingEngine
 
-    if strategies is not None:
-        return list(strategies)
-    chosen = [s for s in default_strategies() if not isinstance(s, Offload)] + [Offload(nvme_path)]
-    return chosen + plugins()
+    if strategies is None:
+        strategies = [s for s in default_strategies() if not isinstance(s, Offload)] + [Offload(nvme_path)] + plugins()
+    return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, Offload))]
 
 
 def _reused(optimizer: torch.optim.Optimizer, config: Config, model: nn.Module) -> torch.optim.Optimizer | None:

@@ -159,7 +159,8 @@ def file_factory(text: str, option: str = "--model") -> "FileFactory":
     """`FILE.py:name` as a `FileFactory` (the file resolved); `UsageError` naming the fix when a part is missing."""
     file, _, name = text.rpartition(":") if ".py:" in text else (text, "", "")
     if not name:
-        what, example = ("function", "loss_fn") if option == "--loss-fn" else ("factory", "make_model")
+        what, example = {"--loss-fn": ("function", "loss_fn"), "--dataset": ("function", "make_dataset")}.get(
+            option, ("factory", "make_model"))
         raise UsageError(f"{option} {text!r} names a file but no {what}; write FILE.py:{what}, e.g. {text}:{example}.")
     return FileFactory(str(Path(file).expanduser().resolve()), name, option)
 
