@@ -142,6 +142,19 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     return Prepared(config, run.ready())
 
 
+def apply_in_place(config: Config, model: nn.Module, precision: bool = True) -> TrainRun:
+    """The knobs a live model takes without being rebuilt — precision (when `precision`: the run's autocast
+    dtype and fp16 scaler), attention implementation, checkpointing — applied to `model` with the
+    strategies' own code; the run holds the results. For the OOM guard, which trains the model it is given."""
+    from autofit.strategies import Attention, Checkpointing, Precision
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    run = TrainRun(spec=_spec(model, device, config, {}, OptimizerSpec("adamw"), None), config=config, model=model)
+    for strategy in [Precision()] * precision + [Attention(), Checkpointing()]:
+        strategy.apply(run)
+    return run
+
+
 def _config_of(plan: Any) -> tuple[Config, dict[str, Any]]:
     from autofit.plan import Plan
 
@@ -264,4 +277,4 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["OPTIMIZER_CLASSES", "Prepared", "apply_in_place", "prepare"]
