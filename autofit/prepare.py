@@ -137,9 +137,18 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     model.train()
     for strategy in sorted(_strategies(strategies, nvme_path, engine), key=lambda s: s.rung):
         strategy.apply(run)
+    factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+    if factory and config.optimizer is not O.USER:
+        run.optimizer_factory = optimizer
     if isinstance(optimizer, torch.optim.Optimizer) and run.engine_factory is None:  # an engine builds its own
         run.optimizer = _reused(optimizer, config, run.model)
-    return Prepared(config, run.ready())
+    run.ready()
+    if factory and run.engine is None and config.optimizer is not O.USER \
+            and _class_name(run.optimizer) != OPTIMIZER_CLASSES[config.optimizer]:
+        raise UsageError(f"The optimizer factory built {_class_name(run.optimizer)}, but the plan's memory was "
+                         f"measured with {OPTIMIZER_CLASSES[config.optimizer]}; return one from the factory, or "
+                         "tune again with this optimizer.")
+    return Prepared(config, run)
 
 
 def apply_in_place(config: Config, model: nn.Module, precision: bool = True) -> TrainRun:
@@ -207,22 +216,19 @@ def _join_ranks(config: Config, device: torch.device) -> None:
 
 def _optimizer_spec(optimizer: Any, config: Config) -> OptimizerSpec:
     """What the optimizer strategy builds from: the plan's kind, with the given optimizer's hyperparameters."""
-    if optimizer is None:
-        if config.optimizer is O.USER:
+    if config.optimizer is O.USER:
+        if optimizer is None:
             raise UsageError("The plan was tuned with your own optimizer; pass it again: "
                              "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer).")
-        return OptimizerSpec(config.optimizer.value)
-    given = parse_optimizer(optimizer)
-    if config.optimizer is O.USER:
-        return given
-    expected = OPTIMIZER_CLASSES[config.optimizer]
-    if given.name == "user" and given.factory is not None and _class_name(optimizer) == expected:
-        return OptimizerSpec(config.optimizer.value, factory=given.factory)  # its class and every hyperparameter
-    if given.name != "adamw":
+        return parse_optimizer(optimizer)
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return OptimizerSpec(config.optimizer.value)  # a factory is checked once it has built (see prepare)
+    given, expected = parse_optimizer(optimizer), OPTIMIZER_CLASSES[config.optimizer]
+    if _class_name(optimizer) not in (expected, "AdamW"):
         raise UsageError(f"The plan's memory was measured with {expected} (optimizer={config.optimizer.value!r}), "
                          f"but the optimizer given is {_class_name(optimizer)}; pass an AdamW or a {expected} (its "
                          "hyperparameters are kept), or tune again with this optimizer.")
-    if expected != "AdamW":
+    if _class_name(optimizer) != expected:
         logger.warning("autofit.prepare: the plan chose %s; a %s is built over the model with your AdamW's lr and "
                        "weight decay", expected, expected)
     return OptimizerSpec(config.optimizer.value, given.kwargs)

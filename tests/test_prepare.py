@@ -88,6 +88,21 @@ def test_an_optimizer_of_the_plans_kind_is_kept_and_another_kind_rebuilt_with_it
     assert isinstance(rebuilt, torch.optim.Adafactor) and rebuilt.defaults["lr"] == 0.05
 
 
+def test_an_optimizer_of_the_plans_kind_keeps_its_hyperparameters_when_rebuilt():
+    model = make_gpt2()
+    mine = torch.optim.Adafactor(model.parameters(), lr=0.05)
+    prepared = autofit.prepare(Config(optimizer="adafactor", lora=4), model, mine)  # adapters: new parameters
+    assert prepared.optimizer is not mine and isinstance(prepared.optimizer, torch.optim.Adafactor)
+    assert prepared.optimizer.defaults["lr"] == 0.05
+
+
+def test_an_optimizer_factory_is_used_and_checked():
+    prepared = autofit.prepare(Config(), make_mlp(), lambda ps: torch.optim.AdamW(ps, lr=0.2), loss_fn=mlp_loss)
+    assert prepared.optimizer.defaults["lr"] == 0.2
+    with pytest.raises(UsageError, match="factory built SGD.*measured with AdamW"):
+        autofit.prepare(Config(), make_mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
 def test_lora_trains_the_adapters_only():
     model = make_gpt2()
     given = torch.optim.AdamW(model.parameters(), lr=0.01)
