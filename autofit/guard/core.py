@@ -377,7 +377,10 @@ def _initial_config(plan: Plan | None, micro_batch_size: int | None) -> Config |
     size = _positive("micro_batch_size", micro_batch_size)
     if plan is None:
         return Config(micro_batch_size=size) if size is not None else None
-    return plan.config.replace(micro_batch_size=size) if size is not None else plan.config
+    if size is None:
+        return plan.config
+    per_rank = plan.config.micro_batch_size * plan.config.grad_accum_steps  # the samples per step it was tuned for
+    return plan.config.replace(micro_batch_size=size, grad_accum_steps=max(1, math.ceil(per_rank / size)))
 
 
 def _positive(name: str, value: int | None) -> int | None:

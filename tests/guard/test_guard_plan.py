@@ -29,7 +29,7 @@ def test_the_plans_precision_and_checkpointing_are_applied_to_the_model(tmp_path
     dtypes = []
     model.blocks[0].register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
     guard = OomGuard(model, optimizer, micro_batch_size=8, plan=path, loss_fn=loss_fn)
-    assert guard.config.describe() == "bf16, ckpt=full, mb=8x2, opt=adafactor"
+    assert guard.config.describe() == "bf16, ckpt=full, mb=8x1, opt=adafactor"  # the plan's 8 samples per step
     assert all("forward" in vars(block) for block in model.blocks)  # checkpointed for real
     guard.step(make_batch(0, 8, 4))
     assert dtypes and set(dtypes) == {torch.bfloat16}  # the forward ran under the plan's autocast
