@@ -132,10 +132,10 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     if engine:
         _join_ranks(config, where)
     given = _optimizer_spec(optimizer, config)
-    spec = _spec(model, where, config, summary, given, loss_fn)
+    spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
     run = TrainRun(spec=spec, config=config, model=model)
     model.train()
-    for strategy in sorted(_strategies(strategies, nvme_path, engine), key=lambda s: s.rung):
+    for strategy in sorted(_strategies(strategies, engine), key=lambda s: s.rung):
         strategy.apply(run)
     factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
     if factory and config.optimizer is not O.USER:
@@ -239,25 +239,26 @@ def _class_name(optimizer: Any) -> str:
 
 
 def _spec(model: nn.Module, device: torch.device, config: Config, summary: dict[str, Any], optimizer: OptimizerSpec,
-          loss_fn: LossFn | None) -> TrainSpec:
+          loss_fn: LossFn | None, nvme_path: Any = None) -> TrainSpec:
     """The spec the strategies read while they apply (no batches: the loop brings its own)."""
     budget = int(summary.get("memory_budget") or 0)
     return TrainSpec(model_factory=lambda: model, batch_factory=_no_batches, model=inspect_model(model),
                      device=device, target=Target.from_device(device, config.num_gpus, budget),
                      memory_budget=budget, budget_reason="the plan's", global_batch_size=config.global_batch_size,
-                     num_gpus=config.num_gpus, optimizer=optimizer, loss_fn=loss_fn or default_loss)
+                     num_gpus=config.num_gpus, optimizer=optimizer, loss_fn=loss_fn or default_loss,
+                     nvme_path=str(nvme_path) if nvme_path else None)
 
 
 def _no_batches(_: int) -> Any:
     raise RuntimeError("a prepared run trains the batches its loop gives it")
 
 
-def _strategies(strategies: Sequence[Strategy] | None, nvme_path: Any, engine: bool) -> list[Strategy]:
+def _strategies(strategies: Sequence[Strategy] | None, engine: bool) -> list[Strategy]:
     from autofit.strategies import DataParallel, Offload, default_strategies
     from autofit.strategies.sharding import ShardingEngine
 
     if strategies is None:
-        strategies = [s for s in default_strategies() if not isinstance(s, Offload)] + [Offload(nvme_path)] + plugins()
+        strategies = default_strategies() + plugins()
     return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, Offload))]
 
 
