@@ -14,6 +14,7 @@ from autofit.errors import AutofitError, MissingExtraError, UsageError
 from autofit.estimate.dry_run import DryRunReport, dry_run
 from autofit.guard import GuardGaveUp, OomGuard
 from autofit.plan import Plan
+from autofit.prepare import Prepared, prepare
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.search.tuner import autofit
 from autofit.spec.target import Target
@@ -23,6 +24,6 @@ from autofit.units import format_size, parse_size
 __version__ = "0.1.0"
 
 __all__ = ["ActivationOffload", "Attention", "AutofitError", "Checkpointing", "Config", "DryRunReport", "Engine", "GuardGaveUp",
-           "Loss", "MissingExtraError", "Offload", "OomGuard", "Optimizer", "OptimizerStep", "Plan", "Precision", "ProbeResult", "ProbeStatus",
+           "Loss", "MissingExtraError", "Offload", "OomGuard", "Optimizer", "OptimizerStep", "Plan", "Precision", "Prepared", "ProbeResult", "ProbeStatus",
            "Quantization", "Sharding", "Skip", "Source", "Target", "TrainSpec", "UsageError", "__version__",
-           "autofit", "dry_run", "format_size", "make_spec", "parse_size"]
+           "autofit", "dry_run", "format_size", "make_spec", "parse_size", "prepare"]

@@ -31,6 +31,11 @@ def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+def make_dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
+    """`n` samples of token ids and labels, as a Trainer takes them (for the exported scripts' --dataset)."""
+    return [{key: value[0] for key, value in make_batch(1).items()} for _ in range(n)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-budget", default=None, help="e.g. 160MiB (default: the GPU, or 160MiB on CPU)")

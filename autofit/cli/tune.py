@@ -10,8 +10,12 @@ stdout. Exit codes: 0 fits, 3 nothing fits, 2 bad usage, 1 other errors.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
+import os
 import re
+import shlex
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +26,7 @@ from rich.table import Table
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
-from autofit.spec.models import resolve_model
+from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
 from autofit.probe.outcome import ProbeResult
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES
@@ -31,8 +35,9 @@ from autofit.units import format_size
 if TYPE_CHECKING:
     from autofit.plan import Plan
 
-EXIT_FITS, EXIT_NOTHING_FITS = 0, 3
+EXIT_FITS, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130  # 130: the shell's code for Ctrl-C (128 + SIGINT)
 PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
+LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second one
 
 
 class RichProgress:
@@ -42,6 +47,7 @@ class RichProgress:
         self.console = console
         self.log_path = log_path
         self.count = 0
+        self.finished_count = 0  # probes whose result is recorded (the trial store has them)
         self._status = None
 
     def starting(self, config: Config, why: str) -> None:
@@ -57,6 +63,7 @@ class RichProgress:
             self._status.stop()
             self._status = None
         self._log({"event": "finished", **result.to_dict()})
+        self.finished_count += 1
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
         self.console.print(f"  [{COLORS[status_of(result)]}]{label(result)}[/] {result.config.describe()}:{peak} "
@@ -86,18 +93,88 @@ def parse_allow_option(values: tuple[str, ...]) -> Any:
     return set(values)
 
 
-def run_dir(out: str | None, model: str, resume: bool) -> Path:
-    """The run directory: --out, or runs/<model>; refuses to mix a new run into an old one."""
+def run_dir(out: str | None, model: str, resume: bool) -> tuple[Path, "RunLock"]:
+    """The run directory (--out, or runs/<model>) and its lock: refuses a directory another `tune` is
+    running in (naming it), and refuses to mix a new run into an old one."""
     path = Path(out) if out else Path("runs") / (re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).stem) or "run")
-    exists = (path / TRIALS).exists()
-    if resume and not exists:
-        raise UsageError(f"--resume: {path} holds no {TRIALS} to resume from; run without --resume first "
-                         "or point --out at the interrupted run.")
-    if exists and not resume:
-        raise UsageError(f"{path} already holds a run ({TRIALS}); pass --resume to continue it, or choose "
-                         "another --out.")
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    lock = RunLock(path)
+    try:
+        exists = (path / TRIALS).exists()
+        if resume and not exists:
+            raise UsageError(f"--resume: {path} holds no {TRIALS} to resume from; run without --resume first "
+                             "or point --out at the interrupted run.")
+        if exists and not resume:
+            raise UsageError(f"{path} already holds a run ({TRIALS}); pass --resume to continue it, or choose "
+                             "another --out.")
+    except UsageError:
+        lock.release()
+        raise
+    return path, lock
+
+
+class RunLock:
+    """An exclusive lock on a run directory for one `autofit tune`: a second one on the same --out is
+    refused with the first's pid, host, start time and command. The operating system releases it when
+    the process ends, however it ends, so a crashed run leaves no stale lock."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise UsageError(f"{folder} is in use by a running autofit tune ({holder}); wait for it to finish, "
+                             "or choose another --out.") from None
+        self._file.truncate(0)
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+                         f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}: "
+                         f"{shlex.join(_command_line())}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Unlock (the file stays: removing it could let two later runs lock two different files)."""
+        if not self._file.closed:
+            self._file.truncate(0)
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def _command_line() -> list[str]:
+    """The tune command as typed (from click's parsed options, so it holds under `main(argv)` too)."""
+    context = click.get_current_context(silent=True)
+    if context is None:
+        return ["autofit", "tune"]
+    words = ["autofit", "tune"]
+    for param in context.command.params:
+        value = context.params.get(param.name)
+        if not isinstance(param, click.Option) or value in (None, False, ()) or value == param.default:
+            continue
+        flag = param.opts[-1] if param.opts[-1].startswith("--") else param.opts[0]
+        if param.is_flag:
+            words.append(flag)
+        else:
+            for item in value if param.multiple else (value,):
+                words += [flag, str(item)]
+    return words
+
+
+def resume_command(out_dir: Path) -> str:
+    """The command that continues an interrupted run in `out_dir`."""
+    words = [w for w in _command_line() if w != "--resume"]
+    if "--out" not in words:
+        words += ["--out", str(out_dir)]
+    return shlex.join(words + ["--resume"])
+
+
+def positive_option(context: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """Click callback: an integer option that must be >= 1 when given."""
+    if value is not None and value < 1:
+        raise UsageError(f"{param.opts[-1]} {value}: must be an integer >= 1 ({param.help.rstrip('.').lower()}).")
+    return value
 
 
 def probe_table(plan: "Plan") -> Table:
@@ -128,7 +205,10 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.command("tune")
 @click.option("--model", "model_arg", required=True,
               help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face config.json or model folder, or FILE.py:factory.")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample of the synthesized batch.")
+@click.option("--loss-fn", "loss_fn_arg", default=None,
+              help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model whose output has no .loss.")
+@click.option("--seq-len", type=int, default=None, callback=positive_option,
+              help="Tokens per sample of the synthesized batch.")
 @click.option("--global-batch-size", type=int, default=None, help="Samples per optimizer step, kept exactly.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
@@ -145,31 +225,42 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--out", default=None, help="Run directory (default runs/<model>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
-def tune(model_arg: str, seq_len: int | None, global_batch_size: int | None, device: str | None,
-         memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str, engine: str,
-         nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int, out: str | None, resume: bool,
-         as_json: bool) -> int:
+def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_batch_size: int | None,
+         device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
+         engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int, out: str | None,
+         resume: bool, as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
     console = make_console(as_json)
     model_factory, batch_factory, description = resolve_model(model_arg)
-    out_dir = run_dir(out, model_arg, resume)
-    progress = RichProgress(console, out_dir / PROBES_LOG)
-    console.print(f"Tuning {description}; run directory {out_dir}")
-    plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
-                           memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
-                           optimizer=optimizer, seq_len=seq_len, storage=f"sqlite:///{out_dir / TRIALS}",
-                           max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
-                           progress=progress, engine=engine, nvme_path=nvme_path)
-    paths = write_run(plan, out_dir)
-    console.print(probe_table(plan))
-    if plan.fits:
-        console.print(f"[bold green]Chosen:[/] {plan.summary()}")
-    else:
-        console.print(f"[bold red]Nothing fits.[/] {plan.reason}")
-    console.print(f"Run directory {out_dir}: {PLAN}, {TRIALS}, {PROBES_LOG}, {REPORT}"
-                  + (f", launchers in {LAUNCHERS}/" if plan.fits else ""))
-    if as_json:
-        click.echo(json.dumps({**plan.to_dict(), "paths": paths}, indent=2))
-    return EXIT_FITS if plan.fits else EXIT_NOTHING_FITS
+    loss_fn = resolve_loss_fn(loss_fn_arg) if loss_fn_arg else factory_loss_fn(model_arg)
+    out_dir, lock = run_dir(out, model_arg, resume)
+    try:
+        progress = RichProgress(console, out_dir / PROBES_LOG)
+        console.print(f"Tuning {description}; run directory {out_dir}")
+        try:
+            plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
+                                   memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
+                                   optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,
+                                   storage=f"sqlite:///{out_dir / TRIALS}", max_probes=max_probes,
+                                   warmup_steps=warmup_steps, timed_steps=timed_steps, progress=progress,
+                                   engine=engine, nvme_path=nvme_path)
+        except KeyboardInterrupt:
+            click.echo(f"\nInterrupted. {progress.finished_count} finished probe(s) are recorded in "
+                       f"{out_dir / TRIALS} (and {PROBES_LOG}); the one running was dropped. Resume, re-probing "
+                       f"nothing already measured:\n  {resume_command(out_dir)}", err=True)
+            return EXIT_INTERRUPTED
+        paths = write_run(plan, out_dir)
+        console.print(probe_table(plan))
+        if plan.fits:
+            console.print(f"[bold green]Chosen:[/] {plan.summary()}")
+        else:
+            console.print(f"[bold red]Nothing fits.[/] {plan.reason}")
+        console.print(f"Run directory {out_dir}: {PLAN}, {TRIALS}, {PROBES_LOG}, {REPORT}"
+                      + (f", launchers in {LAUNCHERS}/" if plan.fits else ""))
+        if as_json:
+            click.echo(json.dumps({**plan.to_dict(), "paths": paths}, indent=2))
+        return EXIT_FITS if plan.fits else EXIT_NOTHING_FITS
+    finally:
+        lock.release()

@@ -177,8 +177,9 @@ def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_bat
 
     description = None
     if isinstance(model, str):
-        from autofit.spec.models import resolve_model
+        from autofit.spec.models import factory_loss_fn, resolve_model
 
+        loss_fn = loss_fn or factory_loss_fn(model)  # a (model, make_batch, loss_fn) factory's loss
         model, file_batch, description = resolve_model(model)
         batch = batch if batch is not None else file_batch
     # The spec is built on the CPU (nothing is probed) for the profile's Target: its memory is the budget.

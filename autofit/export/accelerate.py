@@ -3,11 +3,16 @@
 The YAML holds what accelerate's config file can hold: distributed type, number of processes, mixed
 precision, and the DeepSpeed section (ZeRO stage, offload, accumulation, clipping) where ZeRO is used.
 Gradient accumulation outside DeepSpeed has no config-file key; the launch script passes it through
-`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, which `Accelerator()` reads.
+`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, which `Accelerator()` reads. The micro-batch, checkpointing,
+optimizer (and the other knobs accelerate has no key for) reach the script through the plan, written
+beside the launch script and named in AUTOFIT_PLAN: `autofit.prepare(os.environ["AUTOFIT_PLAN"], model,
+engine=False)` applies them with the probe's code, and `prepared.micro_batch_size` sizes the DataLoader
+(the same AUTOFIT_* variables as torchrun.sh are exported too).
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
 
 FILENAME = "accelerate_config.yaml"
 LAUNCH_FILENAME = "accelerate_launch.sh"
+PLAN_FILENAME = "plan.json"  # read by autofit.prepare in the training script (AUTOFIT_PLAN)
 
 MIXED_PRECISION = {Precision.FP32.value: "no", Precision.BF16.value: "bf16", Precision.FP16.value: "fp16"}
 
@@ -108,18 +114,25 @@ def _deepspeed_section(plan: "Plan") -> dict[str, Any]:
 
 
 def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
-    """A bash script running `accelerate launch` with the exported config and the plan's accumulation."""
+    """A bash script running `accelerate launch` with the exported config, the plan's accumulation, and
+    the plan itself (AUTOFIT_PLAN) for `autofit.prepare` in the training script."""
+    from autofit.export.torchrun import environment
+
     lines = ["#!/usr/bin/env bash", *comment_lines(plan),
-             "# Usage: bash accelerate_launch.sh train.py [script args]", "set -euo pipefail",
-             'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+             "# Usage: bash accelerate_launch.sh train.py [script args]",
+             "# In train.py: prepared = autofit.prepare(os.environ[\"AUTOFIT_PLAN\"], model, engine=False) applies the",
+             "# micro-batch (prepared.micro_batch_size), checkpointing and optimizer; then accelerator.prepare(...).",
+             "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
     if not plan.config.zero_stage:  # DeepSpeed takes accumulation from its section instead
         lines.append(f"export ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.config.grad_accum_steps}")
+    lines += [f'export {name}="{value}"' if value.startswith("$here") else f"export {name}={shlex.quote(value)}"
+              for name, value in environment(plan).items() if name != "AUTOFIT_DEEPSPEED_CONFIG"]
     lines.append(f'exec accelerate launch --config_file "$here/{config_file}" "$@"')
     return "\n".join(lines) + "\n"
 
 
 def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write accelerate_config.yaml and accelerate_launch.sh into `out_dir`."""
+    """Write accelerate_config.yaml, accelerate_launch.sh and plan.json into `out_dir`."""
     data = accelerate_config(plan)
     header = "\n".join(comment_lines(plan) + setup_comments(plan.config)) + (
         f"\n# Gradient accumulation: {plan.config.grad_accum_steps} micro-batches of "
@@ -129,4 +142,4 @@ def export(plan: "Plan", out_dir: Path) -> list[Path]:
     script_path = out_dir / LAUNCH_FILENAME
     script_path.write_text(launch_script(plan))
     script_path.chmod(0o755)
-    return [config_path, script_path]
+    return [config_path, script_path, plan.save(out_dir / PLAN_FILENAME)]

@@ -108,15 +108,19 @@ PRECISION = {
     Precision.FP16.value: {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}},
 }
 
-# The optimizers DeepSpeed builds itself (with ZeRO-Offload it swaps in its CPU Adam). Hyperparameters
-# are torch's AdamW defaults, which the probe used. Others (8-bit, Adafactor, a user's own) are built by
-# the training script and passed to deepspeed.initialize(optimizer=...).
+# The optimizers DeepSpeed builds itself from its config (with ZeRO-Offload it swaps in its CPU Adam), with
+# the hyperparameters the probe used (torch's defaults). A type DeepSpeed does not know by name is looked
+# up in torch.optim (deepspeed/runtime/engine.py, _configure_basic_optimizer: `getattr(torch.optim,
+# self.optimizer_name())`), which is how Adafactor is named. bitsandbytes' 8-bit optimizers have no name
+# there: the `deepspeed` format refuses them (see `applies`); a user's own optimizer is passed to
+# deepspeed.initialize(optimizer=...) by the script.
 DEEPSPEED_OPTIMIZERS = {
     # torch_adam: torch's AdamW, not DeepSpeed's FusedAdam, which is compiled with nvcc on first use
     # (deepspeed/runtime/engine.py, get_optimizer_configuration: `torch_adam` is read before the offload
     # check, so it is only set without offload, where DeepSpeed's CPU Adam steps on the host).
     Optimizer.ADAMW.value: {"type": "AdamW",
                             "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+    Optimizer.ADAFACTOR.value: {"type": "Adafactor", "params": {"lr": 1e-2}},  # torch.optim.Adafactor
 }
 
 # offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
@@ -151,13 +155,13 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: B
     optimizer = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
     if optimizer is not None:
         out["optimizer"] = json.loads(json.dumps(optimizer))  # a copy: callers may edit theirs
-        if not config.offloads:
+        if config.optimizer is Optimizer.ADAMW and not config.offloads:
             # torch's fused AdamW: one kernel over the flat fp32 partition, no temporaries (the
             # single-tensor path makes two of the partition's size, the foreach path one); the
             # keys DeepSpeed does not read go to the constructor (engine.py, _configure_basic_optimizer)
             out["optimizer"]["params"].update(torch_adam=True, fused=True)
-    elif config.zero_stage:
-        out["zero_allow_untested_optimizer"] = True  # the script's own optimizer under ZeRO
+    if config.zero_stage and config.optimizer is not Optimizer.ADAMW:
+        out["zero_allow_untested_optimizer"] = True  # ZeRO tests its own Adam types; others run as they are
     return out
 
 
@@ -182,8 +186,14 @@ def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
 
 def applies(plan: "Plan") -> str | None:
     """Why a DeepSpeed file does not apply to `plan` (it shards with FSDP2, trains pure bf16 weights or
-    steps in backward, which DeepSpeed's engine does not), or None."""
+    steps in backward, which DeepSpeed's engine does not, or its optimizer is one DeepSpeed's config
+    cannot build), or None."""
     config = plan.config
+    if config.optimizer.eight_bit:
+        return (f"the plan's optimizer is bitsandbytes' {config.optimizer.value}, which a DeepSpeed config "
+                "cannot name (its types are DeepSpeed's own and torch.optim's); export torchrun (its script builds "
+                "the optimizer with autofit.prepare and hands it to deepspeed.initialize) or trainer "
+                "(TrainingArguments.optim) instead")
     if config.engine is Engine.FSDP:
         return (f"the plan shards with FSDP2 ({config.sharding.value}), not DeepSpeed; export accelerate, "
                 "trainer or torchrun instead")

@@ -1,8 +1,10 @@
-"""torchrun: the command line and the environment it needs, as a bash script.
+"""torchrun: the command line and the environment it needs, as a bash script, and a training script.
 
-The plan's knobs travel as AUTOFIT_* environment variables that the training script reads (see
-docs/launchers.md); with ZeRO the DeepSpeed config is written beside it and named in
-AUTOFIT_DEEPSPEED_CONFIG for the script's `deepspeed.initialize(config=...)`.
+torchrun.sh names the plan (AUTOFIT_PLAN, plan.json written beside it) for `autofit.prepare`, which
+applies every knob in the training script with the probe's own code; train_with_prepare.py is such a
+script (`--model`, `--dataset`, as `autofit tune` reads them). The knobs also travel as AUTOFIT_*
+variables for scripts of your own; with ZeRO the DeepSpeed config is written beside them and named in
+AUTOFIT_DEEPSPEED_CONFIG.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from autofit.export.measured import comment_lines, require_fit
 from autofit.export.model_setup import setup_comments
 
 FILENAME = "torchrun.sh"
+SCRIPT_FILENAME = "train_with_prepare.py"
+PLAN_FILENAME = "plan.json"
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -31,6 +35,7 @@ def environment(plan: "Plan") -> dict[str, str]:
     config = plan.config
     env = {f"AUTOFIT_{name.upper()}": str(value) for name, value in config.to_dict().items()}
     env["AUTOFIT_GLOBAL_BATCH_SIZE"] = str(config.global_batch_size)
+    env["AUTOFIT_PLAN"] = "$here/" + PLAN_FILENAME
     if config.zero_stage:
         env["AUTOFIT_DEEPSPEED_CONFIG"] = '$here/' + DEEPSPEED_FILENAME
     return env
@@ -54,12 +59,70 @@ def script(plan: "Plan") -> str:
     ]) + "\n"
 
 
+def training_script(plan: "Plan") -> str:
+    """train_with_prepare.py: a plain PyTorch loop over a DataLoader, the plan applied by `autofit.prepare`."""
+    return f'''"""Train with the configuration autofit measured, in a plain PyTorch loop: autofit.prepare applies the
+plan (precision, checkpointing, optimizer, LoRA, engine) with the code its probe ran.
+
+{chr(10).join(comment_lines(plan, prefix=""))}
+
+    bash {FILENAME} {SCRIPT_FILENAME} --model MODEL --dataset FILE.py:fn [--loss-fn FILE.py:fn] [--max-steps N]
+
+MODEL is what `autofit tune --model` took. Copy `train` into your own script as a starting point.
+"""
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+import autofit
+
+
+def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None):
+    """Train on `dataset` (one epoch, or `max_steps` optimizer steps); returns the prepared run."""
+    plan = os.environ.get("AUTOFIT_PLAN", Path(__file__).with_name("{PLAN_FILENAME}"))
+    prepared = autofit.prepare(plan, model, optimizer, loss_fn=loss_fn)
+    ranks = dist.is_initialized() and dist.get_world_size() > 1
+    sampler = DistributedSampler(dataset) if ranks else None
+    loader = DataLoader(dataset, batch_size=prepared.batch_size, shuffle=sampler is None, sampler=sampler,
+                        drop_last=True)  # micro-batch x accumulation samples per optimizer step and rank
+    if not len(loader):
+        raise SystemExit(f"The dataset has {{len(dataset)}} samples, fewer than one optimizer step's "
+                         f"{{prepared.batch_size}} per rank; give it more samples.")
+    step, epoch = 0, 0
+    while step < (max_steps or len(loader)):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            loss = prepared.step(batch)
+            step += 1
+            if not ranks or dist.get_rank() == 0:
+                print(f"step {{step}}: loss {{loss.item():.4f}} ({{prepared.config.describe()}})", flush=True)
+            if step == (max_steps or len(loader)):
+                break
+        epoch += 1
+    return prepared
+
+
+if __name__ == "__main__":
+    from autofit.export.scripts import command_line, load_dataset, load_loss, load_model
+
+    options = command_line(__doc__)
+    train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, options.loss_fn),
+          max_steps=options.max_steps)
+'''
+
+
 def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write torchrun.sh (and deepspeed.json when ZeRO is used) into `out_dir`."""
+    """Write torchrun.sh, plan.json and train_with_prepare.py (and deepspeed.json when ZeRO is used)."""
     path = out_dir / FILENAME
     path.write_text(script(plan))
     path.chmod(0o755)
-    paths = [path]
+    paths = [path, plan.save(out_dir / PLAN_FILENAME)]
+    trainer = out_dir / SCRIPT_FILENAME
+    trainer.write_text(training_script(plan))
+    paths.append(trainer)
     if plan.config.zero_stage:
         ds = out_dir / DEEPSPEED_FILENAME
         ds.write_text(json.dumps(deepspeed_file_config(plan), indent=2) + "\n")

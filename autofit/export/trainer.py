@@ -1,9 +1,11 @@
 """Hugging Face `Trainer`: `TrainingArguments` keyword arguments as JSON, and a short script using them.
 
-trainer_args.json is {"training_arguments": {...}, "autofit": {measurement}}: the first part goes straight
-into `TrainingArguments(**kwargs)`. What `TrainingArguments` cannot say (selective checkpointing, the
-attention implementation, LoRA / quantized base weights, pure bf16, the chunked loss, activation
-offloading) is done to the model in train_with_trainer.py. The optimizer step in backward refuses.
+trainer_args.json holds `TrainingArguments` keyword arguments and nothing else, so
+`TrainingArguments(**json.load(open("launch/trainer_args.json")))` works as it reads; the measurement is
+in train_with_trainer.py's docstring (and plan.json beside them). What `TrainingArguments` cannot say
+(selective checkpointing, the attention implementation, LoRA / quantized base weights, pure bf16, the
+chunked loss, activation offloading) is done to the model in train_with_trainer.py, which trains when
+run (`--model`, `--dataset`) or says what to pass. The optimizer step in backward refuses.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from autofit.config import Checkpointing, Engine, Offload, Optimizer, Precision, Quantization
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
-from autofit.export.measured import comment_lines, measured, require_fit, with_plugin_keys
+from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 from autofit.export.model_setup import setup_lines
 
 if TYPE_CHECKING:
@@ -91,11 +93,17 @@ def model_setup(plan: "Plan") -> list[str]:
 
 
 def script(plan: "Plan") -> str:
-    """train_with_trainer.py: loads the kwargs, prepares the model, trains."""
+    """train_with_trainer.py: `train(model, dataset, **overrides)`, and a command line that calls it."""
     setup = "\n".join(model_setup(plan)) or "# Nothing to change on the model for this plan."
     return f'''"""Train with the configuration autofit measured, through the Hugging Face Trainer.
 
 {chr(10).join(comment_lines(plan, prefix=""))}
+
+    python train_with_trainer.py --model MODEL --dataset FILE.py:fn [--max-steps N]
+
+MODEL is what `autofit tune --model` took; the dataset's samples are dicts the model takes, with labels
+(a Hugging Face model returns its loss). In Python: `from train_with_trainer import train`, then
+`train(model, dataset, num_train_epochs=3)` (keyword overrides win).
 """
 import json
 from pathlib import Path
@@ -105,12 +113,20 @@ from transformers import Trainer, TrainingArguments
 
 def train(model, train_dataset, **overrides):
     """Train `model` on `train_dataset` with the exported arguments (`overrides` win, e.g. max_steps)."""
-    kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())["training_arguments"]
+    kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())
     args = TrainingArguments(**{{**kwargs, **overrides}})
 {_indent(setup)}
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
     trainer.train()
     return trainer
+
+
+if __name__ == "__main__":
+    from autofit.export.scripts import command_line, load_dataset, load_model
+
+    options = command_line(__doc__, loss=False)
+    overrides = {{"max_steps": options.max_steps}} if options.max_steps else {{}}
+    train(load_model(options.model), load_dataset(options.dataset), **overrides)
 '''
 
 
@@ -119,7 +135,8 @@ def _indent(text: str) -> str:
 
 
 def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write trainer_args.json and train_with_trainer.py (and deepspeed.json when ZeRO is used)."""
+    """Write trainer_args.json (the kwargs alone) and train_with_trainer.py (and deepspeed.json when ZeRO
+    is used)."""
     paths = []
     deepspeed_path = None
     if plan.config is not None and plan.config.zero_stage:
@@ -127,9 +144,8 @@ def export(plan: "Plan", out_dir: Path) -> list[Path]:
         ds.write_text(json.dumps(deepspeed_file_config(plan), indent=2) + "\n")
         paths.append(ds)
         deepspeed_path = str(ds.resolve())
-    data = {"training_arguments": training_arguments(plan, deepspeed_path), "autofit": measured(plan)}
     args_path = out_dir / FILENAME
-    args_path.write_text(json.dumps(data, indent=2) + "\n")
+    args_path.write_text(json.dumps(training_arguments(plan, deepspeed_path), indent=2) + "\n")
     script_path = out_dir / SCRIPT_FILENAME
     script_path.write_text(script(plan))
     return [args_path, script_path, *paths]

@@ -38,7 +38,8 @@ class AccelerateGuard:
         self.accelerator = accelerator
         self.guard = OomGuard(model, optimizer, micro_batch_size=micro_batch_size, loss_fn=loss_fn, plan=plan,
                               grow_back_after=grow_back_after, eval_micro_batch_size=eval_micro_batch_size,
-                              escalate=escalate)
+                              escalate=escalate, running_precision={"no": "fp32"}.get(
+                                  str(accelerator.mixed_precision), str(accelerator.mixed_precision)))
         self.guard.accumulation_multiplier = accelerator.gradient_accumulation_steps
         self.last_report: StepReport | None = None
 

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 from autofit.spec.batch import call_model, default_loss, leading_dim
 from autofit.config import Checkpointing, Config
 from autofit.errors import AutofitError, UsageError
+from autofit.guard.plan import apply_plan
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
 from autofit.guard.sync import Round, sync_for, unwrap
 from autofit.probe.oom import classify_oom, first_line, release_memory
@@ -99,6 +100,10 @@ class OomGuard:
         for batch in loader:
             report = guard.step(batch)      # forward/backward/optimizer step; report.loss
 
+    `plan=` (a plan.json) starts from a tuned plan: its precision, attention and checkpointing are applied
+    to `model` with the strategies' own code, its optimizer, adapters and engine are checked against what
+    the guard is given (a mismatch is a `UsageError` naming the fix), and each change is written back to it.
+    `running_precision` is for integrations whose framework runs the forward (checked, not applied).
     `micro_batch_size=None` runs each batch whole until an OOM (`config.micro_batch_size` reads 0 until
     the first step sets it). `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
     (DDP or a plain model) every rank must call `step` with its own shard; the ranks step down together.
@@ -109,7 +114,8 @@ class OomGuard:
                  micro_batch_size: int | None = None, loss_fn: LossFn | None = None,
                  plan: str | Path | None = None, grow_back_after: int | None = None,
                  eval_micro_batch_size: int | None = None, autocast_dtype: torch.dtype | None = None,
-                 scaler: Any = None, escalate: bool = True, process_group: Any = None):
+                 scaler: Any = None, escalate: bool = True, process_group: Any = None,
+                 running_precision: Any = None):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
@@ -118,6 +124,9 @@ class OomGuard:
         self.config = _initial_config(self._plan, micro_batch_size)
         self.grow_back_after = _positive("grow_back_after", grow_back_after)
         self.eval_micro_batch_size = _positive("eval_micro_batch_size", eval_micro_batch_size)
+        if self._plan is not None:  # the model runs the plan's knobs, or the guard refuses to start
+            autocast_dtype, scaler = apply_plan(self._plan.config, model, optimizer, autocast_dtype, scaler,
+                                                running_precision)
         self.autocast_dtype = autocast_dtype
         self.scaler = scaler
         self.escalate = escalate
@@ -368,7 +377,10 @@ def _initial_config(plan: Plan | None, micro_batch_size: int | None) -> Config |
     size = _positive("micro_batch_size", micro_batch_size)
     if plan is None:
         return Config(micro_batch_size=size) if size is not None else None
-    return plan.config.replace(micro_batch_size=size) if size is not None else plan.config
+    if size is None:
+        return plan.config
+    per_rank = plan.config.micro_batch_size * plan.config.grad_accum_steps  # the samples per step it was tuned for
+    return plan.config.replace(micro_batch_size=size, grad_accum_steps=max(1, math.ceil(per_rank / size)))
 
 
 def _positive(name: str, value: int | None) -> int | None:

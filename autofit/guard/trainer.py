@@ -50,7 +50,8 @@ class GuardedTrainer(Trainer):
             eval_size = self.oom_guard.eval_micro_batch_size if self.oom_guard else None
             options = dict(self._guard_options)
             options["eval_micro_batch_size"] = eval_size or options["eval_micro_batch_size"]
-            self.oom_guard = OomGuard(model, self.optimizer, **options)
+            running = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
+            self.oom_guard = OomGuard(model, self.optimizer, running_precision=running, **options)
         return self.oom_guard
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],

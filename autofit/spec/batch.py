@@ -94,7 +94,8 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise UsageError(
             f"The model returned {shape}, which has no scalar loss. Pass labels in the batch (Hugging Face), "
-            "make forward return the loss, or pass loss_fn=lambda output, batch: ... to autofit."
+            "make forward return the loss, or pass loss_fn=lambda output, batch: ... to autofit (autofit tune: "
+            "--loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn))."
         )
     return loss
 

@@ -34,8 +34,8 @@ def resolve_model(arg: str) -> tuple[Callable[[], nn.Module], Callable[[int], An
     """(model factory, batch factory or None, one-line description) for a `--model` argument.
 
     `arg` is a preset name ("gpt2"), a Hugging Face hub id ("Qwen/Qwen2.5-7B-Instruct": `hub_config`), a
-    config.json or a folder holding one, or "path/to/file.py:factory" where factory() returns a model or
-    (model, make_batch).
+    config.json or a folder holding one, or "path/to/file.py:factory" where factory() returns a model,
+    (model, make_batch) or (model, make_batch, loss_fn) (`factory_loss_fn` gives the loss).
     A None batch factory means: synthesize one from the model's config.
     """
     text = str(arg).strip()
@@ -146,56 +146,96 @@ def load_config(path: Path, name: str | None = None) -> Any:
 
 
 def _from_file(text: str) -> tuple[Callable[[], nn.Module], Callable[[int], Any] | None, str]:
+    factory = file_factory(text)
+    built = factory.probe_call()
+    description = f"{factory.name}() from {factory.path}"
+    if isinstance(built, tuple):
+        extra = " and loss_fn" if len(built) == 3 else ""
+        return factory, FileBatch(factory.path, factory.name), description + f" (with its make_batch{extra})"
+    return factory, None, description
+
+
+def file_factory(text: str, option: str = "--model") -> "FileFactory":
+    """`FILE.py:name` as a `FileFactory` (the file resolved); `UsageError` naming the fix when a part is missing."""
     file, _, name = text.rpartition(":") if ".py:" in text else (text, "", "")
     if not name:
-        raise UsageError(f"--model {text!r} names a file but no factory; write FILE.py:factory, e.g. "
-                         f"{text}:make_model.")
-    factory = FileFactory(str(Path(file).expanduser().resolve()), name)
+        what, example = {"--loss-fn": ("function", "loss_fn"), "--dataset": ("function", "make_dataset")}.get(
+            option, ("factory", "make_model"))
+        raise UsageError(f"{option} {text!r} names a file but no {what}; write FILE.py:{what}, e.g. {text}:{example}.")
+    return FileFactory(str(Path(file).expanduser().resolve()), name, option)
+
+
+def resolve_loss_fn(text: str) -> "FileFunction":
+    """`--loss-fn FILE.py:fn`: the function `fn(output, batch) -> scalar loss` from a Python file (picklable,
+    so probes in child processes load it too); `UsageError` naming the file, the function and the fix."""
+    function = FileFunction(file_factory(text, "--loss-fn"))
+    function.load()  # a missing file or function is reported now, not in the first probe
+    return function
+
+
+def factory_loss_fn(text: str) -> "FileLoss | None":
+    """The loss_fn a `--model FILE.py:factory` returns as the third item of (model, make_batch, loss_fn)."""
+    if ".py:" not in text:
+        return None
+    factory = file_factory(text)
     built = factory.probe_call()
-    description = f"{factory.name}() from {file}"
-    if isinstance(built, tuple):
-        return factory, FileBatch(factory.path, factory.name), description + " (with its make_batch)"
-    return factory, None, description
+    return FileLoss(factory.path, factory.name) if isinstance(built, tuple) and len(built) == 3 else None
 
 
 @dataclasses.dataclass(frozen=True)
 class FileFactory:
-    """`factory()` from a Python file, returning the model (the first item when it returns a pair)."""
+    """`factory()` from a Python file, returning the model (the first item when it returns a tuple
+    (model, make_batch) or (model, make_batch, loss_fn))."""
 
     path: str
     name: str
+    option: str = dataclasses.field(default="--model", compare=False)  # the CLI option that named it
 
-    def load(self) -> Callable[[], Any]:
-        """The factory function itself."""
-        module = import_file(self.path)
+    def load(self) -> Callable[..., Any]:
+        """The function itself."""
+        module = import_file(self.path, self.option)
         factory = getattr(module, self.name, None)
         if not callable(factory):
             found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise UsageError(f"{self.path} has no function {self.name!r}; functions there: {found}.")
+            raise UsageError(f"{self.option}: {self.path} has no function {self.name!r}; functions there: {found}.")
         return factory
 
     def probe_call(self) -> Any:
         """Call the factory once, on the meta device where it allows (nothing allocated); check the result."""
-        factory = self.load()
-        try:
-            with torch.device("meta"):
-                built = factory()
-        except Exception:  # factories that load weights or touch devices cannot build on meta
-            built = factory()
-        model = built[0] if isinstance(built, tuple) else built
-        if not isinstance(model, nn.Module) or (isinstance(built, tuple) and (len(built) != 2 or not callable(built[1]))):
-            raise UsageError(f"{self.name}() in {self.path} returned {type(built).__name__}; it must return an "
-                             "nn.Module, or a pair (model, make_batch) where make_batch(n) returns n samples.")
-        return built
+        return _probed(self.path, self.name)
 
     def __call__(self) -> nn.Module:
         built = self.load()()
         return built[0] if isinstance(built, tuple) else built
 
 
+@functools.lru_cache(maxsize=None)
+def _probed(path: str, name: str) -> Any:
+    """What the factory returns, built on the meta device where it allows; checked once per factory."""
+    factory = FileFactory(path, name).load()
+    try:
+        with torch.device("meta"):
+            built = factory()
+    except Exception:  # factories that load weights or touch devices cannot build on meta
+        try:
+            built = factory()
+        except Exception as exc:
+            raise UsageError(f"--model {path}:{name}: {name}() raised {type(exc).__name__}: {exc}. Fix the factory "
+                             f"(calling {name}() alone shows the traceback) and retry.") from exc
+    model = built[0] if isinstance(built, tuple) else built
+    shape_ok = not isinstance(built, tuple) or (len(built) in (2, 3) and all(callable(f) for f in built[1:]))
+    if not isinstance(model, nn.Module) or not shape_ok:
+        what = type(built).__name__ if not isinstance(built, tuple) else \
+            f"a tuple of {len(built)} ({', '.join(type(x).__name__ for x in built)})"
+        raise UsageError(f"--model {path}:{name}: {name}() returned {what}; it must return an nn.Module, a pair "
+                         "(model, make_batch) where make_batch(n) returns n samples, or a triple "
+                         "(model, make_batch, loss_fn) where loss_fn(output, batch) returns the scalar loss.")
+    return built
+
+
 @dataclasses.dataclass(frozen=True)
 class FileBatch:
-    """make_batch(n) taken from the pair a file's factory returns."""
+    """make_batch(n) taken from the tuple a file's factory returns."""
 
     path: str
     name: str
@@ -204,24 +244,52 @@ class FileBatch:
         return _make_batch(self.path, self.name)(n)
 
 
+@dataclasses.dataclass(frozen=True)
+class FileLoss:
+    """loss_fn(output, batch) taken from the triple (model, make_batch, loss_fn) a file's factory returns."""
+
+    path: str
+    name: str
+
+    def __call__(self, output: Any, batch: Any) -> Any:
+        return _probed(self.path, self.name)[2](output, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileFunction:
+    """A module-level function of a Python file (`--loss-fn FILE.py:fn`), loaded where it is called."""
+
+    source: FileFactory
+
+    def load(self) -> Callable[..., Any]:
+        """The function itself."""
+        return self.source.load()
+
+    def __call__(self, *args: Any) -> Any:
+        return self.load()(*args)
+
+
 @functools.lru_cache(maxsize=None)
 def _make_batch(path: str, name: str) -> Callable[[int], Any]:
     """make_batch from a meta-device call, unless its batches come out on meta too (then a real call)."""
-    factory = FileFactory(path, name)
-    make_batch = factory.probe_call()[1]
+    make_batch = _probed(path, name)[1]
     leaves = torch.utils._pytree.tree_leaves(make_batch(1))
     if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in leaves):
-        make_batch = factory.load()()[1]
+        make_batch = FileFactory(path, name).load()()[1]
     return make_batch
 
 
-def import_file(path: str) -> Any:
-    """Import a Python file as a module (once per path); clear errors for missing or broken files."""
+def import_file(path: str, option: str = "--model") -> Any:
+    """Import a Python file as a module (once per path), with its folder importable (so it may import the
+    modules beside it, as `python FILE.py` would); clear errors for missing or broken files."""
     module_name = "autofit_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]
     if not Path(path).is_file():
-        raise UsageError(f"--model file {path} does not exist; give FILE.py:factory with an existing file.")
+        raise UsageError(f"{option} file {path} does not exist; give FILE.py:function with an existing file.")
+    folder = str(Path(path).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -229,5 +297,6 @@ def import_file(path: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise UsageError(f"Importing {path} failed: {type(exc).__name__}: {exc}. Fix the file and retry.") from exc
+        raise UsageError(f"{option}: Importing {path} failed: {type(exc).__name__}: {exc}. Fix the file and "
+                         "retry.") from exc
     return module

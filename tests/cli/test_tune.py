@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -116,3 +119,115 @@ def test_a_bad_nvme_path_and_engine_are_usage_errors(tmp_path, model_arg, capsys
     assert tune(model_arg, tmp_path / "run", "--nvme-path", str(blocker / "nvme")) == 2
     assert "not a writable folder" in capsys.readouterr().err
     assert tune(model_arg, tmp_path / "run2", "--engine", "zero") == 2
+
+
+CLASSIFIER = textwrap.dedent("""
+    import torch
+    from layers import Block   # beside this file: the factory's folder is importable
+
+    def make():
+        model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(8, 3))
+        return model, lambda n: (torch.randn(n, 8), torch.randint(0, 3, (n,))), loss
+
+    def loss(output, batch):
+        return torch.nn.functional.cross_entropy(output, batch[1])
+""")
+LAYERS = "import torch\nclass Block(torch.nn.Sequential):\n    def __init__(self):\n" \
+         "        super().__init__(torch.nn.Linear(8, 8), torch.nn.ReLU())\n"
+
+
+def test_a_plain_classifier_tunes_with_its_loss(tmp_path, capsys):
+    (tmp_path / "layers.py").write_text(LAYERS)
+    (tmp_path / "cls.py").write_text(CLASSIFIER)
+    assert tune(f"{tmp_path}/cls.py:make", tmp_path / "a", "--json") == 0  # the triple's loss_fn
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    (tmp_path / "cls2.py").write_text(CLASSIFIER.replace("), loss", ")"))  # a pair: the loss comes from --loss-fn
+    assert tune(f"{tmp_path}/cls2.py:make", tmp_path / "b", "--json", "--loss-fn", f"{tmp_path}/cls.py:loss") == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert tune(f"{tmp_path}/cls2.py:make", tmp_path / "c") == 2  # no loss at all: says how to give one
+    assert "--loss-fn FILE.py:fn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq-len", "0"], "--seq-len 0: must be an integer >= 1"),
+    (["--loss-fn", "nowhere.py:loss"], "--loss-fn file .*nowhere.py does not exist"),
+])
+def test_bad_values_name_the_fix(tmp_path, model_arg, capsys, args, message):
+    assert tune(model_arg, tmp_path / "run", *args) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_second_tune_on_the_same_out_is_refused_naming_the_first(tmp_path, model_arg, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.argv = ["autofit"]
+        from autofit.cli.tune import RunLock
+        from pathlib import Path
+        lock = RunLock(Path({str(out)!r}))
+        print("locked", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert tune(model_arg, out) == 2
+        err = capsys.readouterr().err
+        assert f"in use by a running autofit tune (pid {holder.pid} on" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert tune(model_arg, out) == 0  # the lock died with its process
+
+
+SLOW = textwrap.dedent("""
+    import time
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            if x.shape[0] > 2:
+                raise torch.OutOfMemoryError("more than 2 samples (a test's stand-in for a small card)")
+            time.sleep(0.5)
+            return self.lin(x).pow(2).mean()
+
+    def make():
+        return Net(), lambda n: torch.randn(n, 8)
+""")
+
+
+def test_ctrl_c_records_what_finished_and_says_how_to_resume(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW)
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "autofit.cli.main", "tune", "--model", f"{tmp_path}/slow.py:make",
+            "--global-batch-size", "4", "--out", str(out), "--device", "cpu", "--allow", "0", "--timed-steps", "100"]
+    job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "probes.jsonl"
+    try:  # the first probe runs out of memory (a recorded result), the second is slow: interrupt it
+        _wait_for(lambda: log.exists() and log.read_text().count('"starting"') == 2)
+        job.send_signal(signal.SIGINT)
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-2000:]
+    assert "Interrupted. 1 finished probe(s) are recorded" in err
+    resume = err.strip().splitlines()[-1].strip()
+    assert resume.startswith("autofit tune --model") and resume.endswith(f"--out {out} --resume")
+    assert not (out / "plan.json").exists()
+    from autofit.search.trials import RESULT_ATTR
+    import optuna
+
+    (study,) = optuna.get_all_study_summaries(f"sqlite:///{out / 'trials.db'}")
+    trials = optuna.load_study(study_name=study.study_name, storage=f"sqlite:///{out / 'trials.db'}").trials
+    assert [t.user_attrs[RESULT_ATTR]["status"] for t in trials] == ["oom"]
+
+
+def _wait_for(condition, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)

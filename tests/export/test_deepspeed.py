@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from autofit import Config, UsageError
-from autofit.export import deepspeed_config, export
+from autofit.export import applicable, deepspeed_config, export
 
 ds_config = pytest.importorskip("deepspeed.runtime.config", reason="deepspeed is not installed (pip install deepspeed)")
 
@@ -49,10 +50,24 @@ def test_measurement_rides_along(tmp_path, plan_for):
     assert record["device"] == "cpu" and record["autofit_version"] == "0.1.0" and record["date"]
 
 
-def test_script_built_optimizer_is_left_to_the_script():
+def test_adafactor_is_named_and_8bit_is_left_to_the_script():
+    data = deepspeed_config(Config(micro_batch_size=2, sharding="zero2", optimizer="adafactor"))
+    assert data["optimizer"] == {"type": "Adafactor", "params": {"lr": 1e-2}}
+    assert data["zero_allow_untested_optimizer"] is True
+    parsed = parse(data)
+    assert parsed.optimizer_name == "Adafactor" and hasattr(torch.optim, parsed.optimizer_name)  # DeepSpeed's lookup
+    torch.optim.Adafactor(torch.nn.Linear(2, 2).parameters(), **parsed.optimizer_params)
     data = deepspeed_config(Config(micro_batch_size=2, sharding="zero2", optimizer="adamw8bit"))
-    assert "optimizer" not in data and data["zero_allow_untested_optimizer"] is True
+    assert "optimizer" not in data and data["zero_allow_untested_optimizer"] is True  # torchrun / Trainer scripts
     parse(data)
+
+
+def test_the_deepspeed_export_refuses_an_optimizer_it_cannot_name(tmp_path, plan_for):
+    plan = plan_for(Config(micro_batch_size=2, sharding="zero2", num_gpus=2, optimizer="paged_adamw8bit"),
+                    device="cuda:0")
+    with pytest.raises(UsageError, match="paged_adamw8bit, which a DeepSpeed config cannot name.*export torchrun"):
+        export(plan, "deepspeed", tmp_path)
+    assert "deepspeed" not in applicable(plan) and "torchrun" in applicable(plan)
 
 
 def test_dict_is_a_fresh_copy():

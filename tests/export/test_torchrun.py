@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from autofit import Config
 
 SCRIPT = textwrap.dedent("""
@@ -26,7 +28,7 @@ def run(script, target, result, tmp_path):
 
 def test_torchrun_launches_with_the_plan_environment(tmp_path, plan_for):
     plan = plan_for(Config(micro_batch_size=2, grad_accum_steps=4, precision="bf16", checkpointing="full"))
-    (script,) = plan.export("torchrun", tmp_path / "launch")
+    script = plan.export("torchrun", tmp_path / "launch")[0]
     (tmp_path / "train.py").write_text(SCRIPT)
     done = run(script, tmp_path / "train.py", tmp_path / "env.json", tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -36,12 +38,14 @@ def test_torchrun_launches_with_the_plan_environment(tmp_path, plan_for):
     assert env["AUTOFIT_GLOBAL_BATCH_SIZE"] == "8"
     assert env["AUTOFIT_PRECISION"] == "bf16" and env["AUTOFIT_CHECKPOINTING"] == "full"
     assert "AUTOFIT_DEEPSPEED_CONFIG" not in env
+    assert env["AUTOFIT_PLAN"] == str(tmp_path / "launch" / "plan.json")
     assert "8.00 samples/s" in script.read_text()
 
 
 def test_zero_plan_points_at_its_deepspeed_config(tmp_path, plan_for):
     plan = plan_for(Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2, sharding="zero3"), device="cuda:0")
-    script, ds = plan.export("torchrun", tmp_path)
+    script, plan_file, trainer, ds = plan.export("torchrun", tmp_path)
+    assert plan_file.name == "plan.json" and trainer.name == "train_with_prepare.py"
     text = script.read_text()
     assert "--nproc_per_node 2" in text
     assert 'AUTOFIT_DEEPSPEED_CONFIG="$here/deepspeed.json"' in text
@@ -51,7 +55,51 @@ def test_zero_plan_points_at_its_deepspeed_config(tmp_path, plan_for):
 def test_new_knobs_travel_and_their_setup_is_named(tmp_path, plan_for):
     plan = plan_for(Config(micro_batch_size=4, optimizer_step="in_backward", activation_offload="cpu"),
                     device="cuda:0")
-    path, = plan.export("torchrun", tmp_path)
+    path, *_ = plan.export("torchrun", tmp_path)
     text = path.read_text()
     assert "AUTOFIT_OPTIMIZER_STEP=in_backward" in text and "AUTOFIT_ACTIVATION_OFFLOAD=cpu" in text
     assert "#   optimizer = InBackward(model.parameters(), torch.optim.AdamW)" in text
+
+
+DATA = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    def make():
+        return Net(), lambda n: (torch.randn(n, 8), torch.randint(0, 3, (n,))), loss
+
+    def loss(output, batch):
+        return nn.functional.cross_entropy(output, batch[1])
+
+    def make_dataset():
+        return torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+""")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_exported_script_trains_with_autofit_prepare(tmp_path, plan_for, ranks):
+    config = Config(micro_batch_size=2, grad_accum_steps=2, checkpointing="full", optimizer="adafactor", num_gpus=ranks)
+    script = plan_for(config).export("torchrun", tmp_path / "launch")[0]
+    (tmp_path / "data.py").write_text(DATA)
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    done = subprocess.run(["bash", str(script), str(tmp_path / "launch" / "train_with_prepare.py"), "--model",
+                           "data.py:make", "--dataset", "data.py:make_dataset", "--max-steps", "3"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 2", "step 3"]  # rank 0 prints
+    assert f"ckpt=full, mb=2x2, opt=adafactor" in lines[0]
+    bare = subprocess.run(["bash", str(script), str(tmp_path / "launch" / "train_with_prepare.py")], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert bare.returncode != 0 and "pass --model and --dataset" in bare.stderr

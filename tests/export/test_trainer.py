@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
 
 
 def load_kwargs(path):
-    return json.loads(path.read_text())["training_arguments"]
+    return json.load(open(path))  # as the README does it: the file holds the kwargs and nothing else
 
 
 @pytest.mark.parametrize("precision,checkpointing,optimizer,optim", [
@@ -98,3 +101,29 @@ def test_the_step_in_backward_refuses_the_trainer_with_the_reason(tmp_path, plan
     plan = plan_for(Config(micro_batch_size=4, optimizer_step="in_backward"))
     with pytest.raises(UsageError, match="steps the optimizer after backward"):
         plan.export("trainer", tmp_path)
+
+
+DATA = textwrap.dedent("""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make_model():
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+
+    def make_dataset():
+        ids = torch.randint(0, 64, (8, 16))
+        return [{"input_ids": row, "labels": row} for row in ids]
+""")
+
+
+def test_run_as_a_script_it_trains_or_says_what_to_pass(tmp_path, plan_for):
+    _, script_path = plan_for(Config(micro_batch_size=2, grad_accum_steps=2)).export("trainer", tmp_path / "launch")
+    (tmp_path / "data.py").write_text(DATA)
+    bare = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bare.returncode == 2 and "pass --model and --dataset" in bare.stderr
+    done = subprocess.run([sys.executable, str(script_path), "--model", "data.py:make_model", "--dataset",
+                           "data.py:make_dataset", "--max-steps", "2"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'train_loss'" in done.stdout + done.stderr or "train_runtime" in done.stdout + done.stderr
+    assert (tmp_path / "trainer_output").is_dir()

@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config
 
 from autofit import UsageError, make_spec
-from autofit.spec.models import resolve_model
+from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
 
@@ -200,3 +200,37 @@ def test_dry_run_takes_a_cached_hub_id(hf_home):
     report = autofit.dry_run("Qwen/Qwen2.5-7B-Instruct", seq_len=32, global_batch_size=2, gpu="l4",
                              strategies=[Precision(), MicroBatch()])
     assert report.fits and "Qwen/Qwen2.5-7B-Instruct" in report.model
+
+
+def test_factory_returning_a_triple_gives_its_loss(tmp_path):
+    (tmp_path / "helpers.py").write_text("import torch\nSHIFT = 1.0\n")
+    (tmp_path / "triple.py").write_text(textwrap.dedent("""
+        import torch
+        from helpers import SHIFT   # a module beside the factory's file
+
+        def make():
+            model = torch.nn.Linear(4, 2)
+            return model, lambda n: (torch.randn(n, 4), torch.randn(n, 2)), loss
+        def loss(output, batch):
+            return (output - batch[1] + SHIFT).pow(2).mean()
+    """))
+    factory, batch, description = resolve_model(f"{tmp_path}/triple.py:make")
+    loss = factory_loss_fn(f"{tmp_path}/triple.py:make")
+    assert "make_batch and loss_fn" in description
+    sample = batch(3)
+    value = pickle.loads(pickle.dumps(loss))(factory()(sample[0]), sample)
+    assert value.dim() == 0
+    direct = resolve_loss_fn(f"{tmp_path}/triple.py:loss")
+    assert pickle.loads(pickle.dumps(direct))(factory()(sample[0]), sample).dim() == 0
+
+
+def test_a_factory_that_raises_names_file_factory_and_fix(tmp_path):
+    (tmp_path / "bad.py").write_text("def make():\n    raise ValueError('no weights here')\n")
+    with pytest.raises(UsageError, match=r"bad.py:make: make\(\) raised ValueError: no weights here. Fix the factory"):
+        resolve_model(f"{tmp_path}/bad.py:make")
+    with pytest.raises(UsageError, match="--loss-fn .* names a file but no function"):
+        resolve_loss_fn(f"{tmp_path}/bad.py")
+    with pytest.raises(UsageError, match="a tuple of 4"):
+        (tmp_path / "four.py").write_text("import torch\ndef make():\n    f = lambda *a: None\n"
+                                          "    return torch.nn.Linear(1, 1), f, f, f\n")
+        resolve_model(f"{tmp_path}/four.py:make")

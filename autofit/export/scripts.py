@@ -1,0 +1,57 @@
+"""What the exported training scripts share: their command line, read as `autofit tune` reads its own.
+
+    python train_with_trainer.py --model gpt2 --dataset data.py:make_dataset --max-steps 100
+
+`--model` takes what `autofit tune --model` takes (a preset, a config.json or model folder, or
+FILE.py:factory returning a model, (model, make_batch) or (model, make_batch, loss_fn)); `--dataset`
+is FILE.py:fn returning the training set (any map-style dataset: a list of samples, a TensorDataset,
+a `datasets.Dataset`); `--loss-fn FILE.py:fn` as in `autofit tune`. Run with no arguments, a script
+says what to pass and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Sequence
+
+from torch import nn
+
+from autofit.spec.models import factory_loss_fn, file_factory, resolve_loss_fn, resolve_model
+
+EXIT_USAGE = 2
+
+
+def command_line(description: str, argv: Sequence[str] | None = None, loss: bool = True) -> argparse.Namespace:
+    """The script's options; without --model and --dataset, the usage and what to pass (exit 2)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="what `autofit tune --model` took: a preset, a config.json or model folder, "
+                                        "or FILE.py:factory")
+    parser.add_argument("--dataset", help="FILE.py:fn returning the training set (a map-style dataset)")
+    if loss:
+        parser.add_argument("--loss-fn", help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model "
+                                              "whose output has no .loss (or the factory's third item)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    options = parser.parse_args(argv)
+    missing = [name for name in ("model", "dataset") if not getattr(options, name)]
+    if missing:
+        parser.print_usage()
+        parser.exit(EXIT_USAGE, f"{parser.prog}: pass {' and '.join('--' + m for m in missing)}: the model you "
+                                f"tuned (as autofit tune --model took it) and FILE.py:fn returning the training set, "
+                                f"e.g. --model examples/quickstart.py:make_model --dataset "
+                                f"examples/quickstart.py:make_dataset --max-steps 2\n")
+    return options
+
+
+def load_model(text: str) -> nn.Module:
+    """The model `--model` names, built as `autofit tune` builds it (random weights for presets and configs)."""
+    return resolve_model(text)[0]()
+
+
+def load_loss(model_text: str, loss_text: str | None) -> Any:
+    """`--loss-fn`, else the loss a (model, make_batch, loss_fn) factory returns, else None (`output.loss`)."""
+    return resolve_loss_fn(loss_text) if loss_text else factory_loss_fn(model_text)
+
+
+def load_dataset(text: str) -> Any:
+    """The training set `--dataset FILE.py:fn` returns."""
+    return file_factory(text, "--dataset").load()()

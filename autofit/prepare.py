@@ -1,0 +1,287 @@
+"""Using a plan in your own training loop: `autofit.prepare(plan, model, optimizer)`.
+
+    prepared = autofit.prepare("runs/x/plan.json", model, optimizer)
+    for batch in loader:                    # prepared.batch_size samples per optimizer step (per rank)
+        loss = prepared.step(batch)         # micro-batches, autocast, backward, accumulation, optimizer step
+
+In the spirit of `accelerator.prepare`: every knob of the plan is applied with the code the probe ran
+(`Strategy.apply` on a `TrainRun`, as `autofit.probe.step.build_run` does): precision (autocast, the fp16
+GradScaler), attention implementation, checkpointing, the optimizer, LoRA / quantized base weights, and
+the engine (DDP, ZeRO, FSDP2). So what was measured is what runs. The pieces stay reachable for a loop
+of your own (`prepared.model`, `.optimizer`, `.micro_batch_size`, `.grad_accum_steps`, `.autocast()`,
+`.micro_batches(batch)`, `.forward_backward(micro_batch, weight)`, `.optimizer_step()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from autofit.config import Config, Engine
+from autofit.config import Optimizer as O
+from autofit.errors import UsageError
+from autofit.probe.step import TrainRun
+from autofit.spec.batch import default_loss, leading_dim, to_device
+from autofit.spec.model_info import inspect_model
+from autofit.spec.target import Target
+from autofit.spec.train import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
+from autofit.strategies.base import Strategy, plugins
+from autofit.strategies.optimizer import BNB
+
+logger = logging.getLogger("autofit.prepare")
+
+# The optimizer knob -> the class name its factory builds (a USER optimizer is whatever was given).
+OPTIMIZER_CLASSES = {O.ADAMW: "AdamW", O.ADAFACTOR: "Adafactor", **BNB}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A model, its optimizer and the step the plan measured, ready for a training loop."""
+
+    config: Config  # the plan's configuration, applied
+    run: TrainRun  # the training run the strategies shaped (the same class the probe trains)
+
+    @property
+    def model(self) -> nn.Module:
+        """The model to train (LoRA-wrapped, engine-wrapped or sharded where the plan says)."""
+        return self.run.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the plan chose, over the model's trainable parameters."""
+        return self.run.optimizer
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model trains."""
+        return self.run.device
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward/backward."""
+        return self.config.micro_batch_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.config.grad_accum_steps
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per optimizer step on this rank (micro-batch x accumulation): a DataLoader's batch_size."""
+        return self.config.micro_batch_size * self.config.grad_accum_steps
+
+    def autocast(self) -> Any:
+        """The plan's autocast context for forward and loss (a no-op in fp32 or where an engine casts)."""
+        return self.run.autocast()
+
+    def micro_batches(self, batch: Any) -> list[Any]:
+        """`batch` split along its sample axis into micro-batches of `micro_batch_size`, on the device
+        (views of the batch where it already is there: nothing is copied)."""
+        total, size = leading_dim(batch), self.micro_batch_size
+        batch = to_device(batch, self.device)
+        return [_rows(batch, start, min(size, total - start)) for start in range(0, total, size)]
+
+    def forward_backward(self, micro_batch: Any, weight: float = 1.0) -> torch.Tensor:
+        """Forward and backward of one micro-batch with its loss scaled by `weight` (its share of the step's
+        samples); returns the unscaled loss, detached."""
+        return self.run.forward_backward(micro_batch, weight)
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients (through the scaler or the engine) and clear them."""
+        self.run.optimizer_step()
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step over every sample of `batch`, in micro-batches; returns the mean loss.
+        Give it `batch_size` samples to train as the plan was measured; any other size works (the
+        gradient is the mean over the samples given)."""
+        return self.run.step(self.micro_batches(batch))
+
+
+def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: LossFn | None = None,
+            device: str | torch.device | None = None, strategies: Sequence[Strategy] | None = None,
+            nvme_path: str | os.PathLike | None = None, engine: bool = True) -> Prepared:
+    """Apply every knob of `plan` to `model` with the strategies' own code; return what a loop needs.
+
+    Args:
+        plan: an `autofit.Plan`, a path to a plan.json, or an `autofit.Config`.
+        model: the model to train; changed in place where a knob allows (checkpointing, attention) and
+            moved to the device; `prepared.model` is what to train (it may be a wrapper).
+        optimizer: None (the plan's optimizer with its default hyperparameters), an optimizer instance
+            (kept when it is the plan's kind over exactly the trainable parameters; otherwise one of the
+            plan's kind is built with its hyperparameters), or a factory `params -> optimizer`. A plan
+            tuned with your own optimizer needs it again here.
+        loss_fn: `loss_fn(output, micro_batch) -> scalar` for `step`; default `output.loss` or a scalar output.
+        device: where to train; default the plan's device kind (cuda:LOCAL_RANK under a launcher), else the CPU.
+        strategies: the strategies the plan was tuned with, when not the defaults (LoRA target modules,
+            plug-in techniques; plug-ins defined so far are included by default).
+        nvme_path: folder for NVMe offload, when the plan offloads there.
+        engine: False leaves the ranks and the engine (DDP, ZeRO, FSDP2) to a launcher that builds them
+            itself (`accelerator.prepare`, the Trainer): every other knob is applied, nothing is wrapped.
+    """
+    config, summary = _config_of(plan)
+    where = _device(device, summary, config)
+    if engine:
+        _join_ranks(config, where)
+    given = _optimizer_spec(optimizer, config)
+    spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
+    run = TrainRun(spec=spec, config=config, model=model)
+    model.train()
+    for strategy in sorted(_strategies(strategies, engine), key=lambda s: s.rung):
+        strategy.apply(run)
+    factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+    if factory and config.optimizer is not O.USER:
+        run.optimizer_factory = optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and run.engine_factory is None:  # an engine builds its own
+        run.optimizer = _reused(optimizer, config, run.model)
+    run.ready()
+    if factory and run.engine is None and config.optimizer is not O.USER \
+            and _class_name(run.optimizer) != OPTIMIZER_CLASSES[config.optimizer]:
+        raise UsageError(f"The optimizer factory built {_class_name(run.optimizer)}, but the plan's memory was "
+                         f"measured with {OPTIMIZER_CLASSES[config.optimizer]}; return one from the factory, or "
+                         "tune again with this optimizer.")
+    return Prepared(config, run)
+
+
+def apply_in_place(config: Config, model: nn.Module, precision: bool = True) -> TrainRun:
+    """The knobs a live model takes without being rebuilt — precision (when `precision`: the run's autocast
+    dtype and fp16 scaler), attention implementation, checkpointing — applied to `model` with the
+    strategies' own code; the run holds the results. For the OOM guard, which trains the model it is given."""
+    from autofit.strategies import Attention, Checkpointing, Precision
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    run = TrainRun(spec=_spec(model, device, config, {}, OptimizerSpec("adamw"), None), config=config, model=model)
+    for strategy in [Precision()] * precision + [Attention(), Checkpointing()]:
+        strategy.apply(run)
+    return run
+
+
+def _config_of(plan: Any) -> tuple[Config, dict[str, Any]]:
+    from autofit.plan import Plan
+
+    if isinstance(plan, Config):
+        return plan, {}
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(Path(plan))
+    if not isinstance(plan, Plan):
+        raise UsageError(f"prepare takes a Plan, a path to a plan.json or a Config, but got {type(plan).__name__}.")
+    if not plan.fits or plan.config is None:
+        raise UsageError(f"This plan does not fit, so there is nothing to apply: {plan.reason} Tune again with "
+                         "what the message allows.")
+    return plan.config, dict(plan.spec)
+
+
+def _device(device: Any, summary: dict[str, Any], config: Config) -> torch.device:
+    if device is not None:
+        from autofit.spec.devices import resolve_device
+
+        return resolve_device(device)
+    if str(summary.get("device", "cpu")).startswith("cuda") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _join_ranks(config: Config, device: torch.device) -> None:
+    """Join (or start) the process group an engine or several ranks need."""
+    import torch.distributed as dist
+
+    if config.num_gpus == 1 and config.engine is Engine.TORCH:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise look for a GPU
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        if not world and config.num_gpus > 1:
+            raise UsageError(f"This plan trains on {config.num_gpus} ranks ({config.describe()}); start them with "
+                             "a launcher: bash launch/torchrun.sh train.py (torchrun), which sets WORLD_SIZE.")
+        if not world:  # one rank with an engine (offload on one GPU): a process group of one
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=30))
+    if dist.get_world_size() != config.num_gpus:
+        raise UsageError(f"The plan was tuned for {config.num_gpus} ranks but {dist.get_world_size()} are running; "
+                         f"launch it with --nproc_per_node {config.num_gpus}, or tune for this many ranks.")
+
+
+def _optimizer_spec(optimizer: Any, config: Config) -> OptimizerSpec:
+    """What the optimizer strategy builds from: the plan's kind, with the given optimizer's hyperparameters."""
+    if config.optimizer is O.USER:
+        if optimizer is None:
+            raise UsageError("The plan was tuned with your own optimizer; pass it again: "
+                             "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer).")
+        return parse_optimizer(optimizer)
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return OptimizerSpec(config.optimizer.value)  # a factory is checked once it has built (see prepare)
+    given, expected = parse_optimizer(optimizer), OPTIMIZER_CLASSES[config.optimizer]
+    if _class_name(optimizer) not in (expected, "AdamW"):
+        raise UsageError(f"The plan's memory was measured with {expected} (optimizer={config.optimizer.value!r}), "
+                         f"but the optimizer given is {_class_name(optimizer)}; pass an AdamW or a {expected} (its "
+                         "hyperparameters are kept), or tune again with this optimizer.")
+    if _class_name(optimizer) != expected:
+        logger.warning("autofit.prepare: the plan chose %s; a %s is built over the model with your AdamW's lr and "
+                       "weight decay", expected, expected)
+    return OptimizerSpec(config.optimizer.value, given.kwargs)
+
+
+def _class_name(optimizer: Any) -> str:
+    return type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "__name__", "?")
+
+
+def _spec(model: nn.Module, device: torch.device, config: Config, summary: dict[str, Any], optimizer: OptimizerSpec,
+          loss_fn: LossFn | None, nvme_path: Any = None) -> TrainSpec:
+    """The spec the strategies read while they apply (no batches: the loop brings its own)."""
+    budget = int(summary.get("memory_budget") or 0)
+    return TrainSpec(model_factory=lambda: model, batch_factory=_no_batches, model=inspect_model(model),
+                     device=device, target=Target.from_device(device, config.num_gpus, budget),
+                     memory_budget=budget, budget_reason="the plan's", global_batch_size=config.global_batch_size,
+                     num_gpus=config.num_gpus, optimizer=optimizer, loss_fn=loss_fn or default_loss,
+                     nvme_path=str(nvme_path) if nvme_path else None)
+
+
+def _no_batches(_: int) -> Any:
+    raise RuntimeError("a prepared run trains the batches its loop gives it")
+
+
+def _strategies(strategies: Sequence[Strategy] | None, engine: bool) -> list[Strategy]:
+    from autofit.strategies import DataParallel, Offload, default_strategies
+    from autofit.strategies.sharding import ShardingEngine
+
+    if strategies is None:
+        strategies = default_strategies() + plugins()
+    return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, Offload))]
+
+
+def _reused(optimizer: torch.optim.Optimizer, config: Config, model: nn.Module) -> torch.optim.Optimizer | None:
+    """The given optimizer when it is the plan's kind over exactly the trainable parameters, else None
+    (the run builds one of the plan's kind over them, with its hyperparameters)."""
+    if config.optimizer is not O.USER and _class_name(optimizer) != OPTIMIZER_CLASSES[config.optimizer]:
+        return None
+    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return optimizer if given == trainable else None
+
+
+def _rows(batch: Any, start: int, count: int) -> Any:
+    from autofit.guard.parts import slice_rows
+
+    return slice_rows(batch, start, count)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+__all__ = ["OPTIMIZER_CLASSES", "Prepared", "apply_in_place", "prepare"]
