@@ -59,6 +59,15 @@ class ProbeResult:
     oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ... (OOM only)
     skip: Skip | None = None  # why it was not run (SKIPPED only)
     source: Source = Source.PROBED
+    step_spread: float | None = None  # (slowest - fastest) / median of the timed steps' seconds
+    alloc_retries: int | None = None  # CUDA caching-allocator retries (cudaMalloc failed, cache flushed) while timed
+    fragmentation: float | None = None  # CUDA: inactive split bytes / reserved bytes after the timed steps
+
+    @property
+    def near_limit(self) -> bool:
+        """Whether the allocator had to flush its cache and retry during the timed steps: a fit that thrashes
+        near the memory limit (slower than it should be, and at risk over a long run)."""
+        return bool(self.alloc_retries)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", ProbeStatus(self.status))

@@ -8,8 +8,10 @@ attempt is released before the next probe.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import statistics
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -18,7 +20,7 @@ from autofit.errors import UsageError
 from autofit.probe.memory import Budget, DeadlinePassed, budget_for
 from autofit.probe.oom import classify_oom, first_line, release_memory
 from autofit.probe.outcome import ProbeResult, ProbeStatus
-from autofit.probe.step import build_run
+from autofit.probe.step import TrainRun, build_run
 from autofit.spec.batch import to_device
 from autofit.spec.train import TrainSpec
 from autofit.units import format_size
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 
 MIN_ALLOWANCE = 5.0  # seconds a probe may always take before its deadline stops it
 STEADY_STEPS = 2  # optimizer steps after which every step allocates the same (see _train)
+SETTLED_WITHIN = 0.15  # the first probe of a process warms up until two steps agree this closely...
+MAX_SETTLE_STEPS = 6  # ... or for at most this many extra untimed steps
 
 
 def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
@@ -46,7 +50,7 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         budget.deadline = time.perf_counter() + allowance
     try:
         with budget:
-            step_seconds = _train(spec, config, strategies, budget)
+            timed = _train(spec, config, strategies, budget)
     except UsageError:
         raise
     except DeadlinePassed:
@@ -58,41 +62,124 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
         result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind)
     else:
-        result = _measured(spec, config, budget.peak, step_seconds)
+        result = _measured(spec, config, budget.peak, timed)
     release_memory()
     return result
 
 
-def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> float:
-    """Build the run, take the warm-up steps, return the mean seconds of the timed steps."""
-    run = build_run(spec, config, strategies)
-    micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
-    micro_batches = [micro_batch] * config.grad_accum_steps  # the loader's worst case, every micro-step
+def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> "Timed":
+    """Build the run, take the warm-up steps (more on the first probe of the process: `settle`), then
+    time each timed step."""
+    run, micro_batches = prepare(spec, config, strategies)
     for _ in range(spec.warmup_steps):
         run.step(micro_batches)
         budget.check_deadline()
-    _sync(spec.device)
     # Two steps reach the steady-state peak: the first ends by creating the optimizer states, the
     # second holds them through its backward. When the warm-up steps counted both, the timed steps
     # repeat the second and run as plain training does.
     with budget.timing() if spec.warmup_steps >= STEADY_STEPS else contextlib.nullcontext():
-        start = time.perf_counter()
+        settle(spec.device, lambda: timed_step(run, micro_batches, spec.device), budget.check_deadline)
+        watch = AllocatorWatch(spec.device)
+        seconds = []
         for _ in range(spec.timed_steps):
-            run.step(micro_batches)
+            seconds.append(timed_step(run, micro_batches, spec.device))
             budget.check_deadline()
-        _sync(spec.device)
-        return (time.perf_counter() - start) / spec.timed_steps
+    return Timed(tuple(seconds), *watch.stop())
 
 
-def _measured(spec: TrainSpec, config: Config, peak: int, step_seconds: float) -> ProbeResult:
+def prepare(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"]) -> tuple[TrainRun, list[Any]]:
+    """A fresh run of `config` and its micro-batches at the worst-case shape (the same one every micro-step,
+    the loader's worst case)."""
+    run = build_run(spec, config, strategies)
+    micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
+    return run, [micro_batch] * config.grad_accum_steps
+
+
+def timed_step(run: TrainRun, micro_batches: Sequence[Any], device: torch.device) -> float:
+    """Wall seconds of one optimizer step, the device synchronised on both sides."""
+    _sync(device)
+    start = time.perf_counter()
+    run.step(micro_batches)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+_SETTLED: set[str] = set()  # devices whose one-time process costs this process has paid
+
+
+def settle(device: torch.device, step: Callable[[], float], check: Callable[[], None] = lambda: None) -> int:
+    """On the first probe of `device` in this process, take untimed steps until two in a row agree within
+    SETTLED_WITHIN (at most MAX_SETTLE_STEPS): thread pools start, kernels are selected and autotuned
+    (oneDNN primitives, cuBLAS/cuDNN heuristics), the allocator grows, lazy imports run. Later probes
+    find all of that done. Returns the steps taken."""
+    if str(device) in _SETTLED:
+        return 0
+    previous, taken = None, 0
+    while taken < MAX_SETTLE_STEPS:
+        seconds = step()
+        taken += 1
+        check()
+        if previous is not None and abs(seconds - previous) <= SETTLED_WITHIN * min(seconds, previous):
+            break
+        previous = seconds
+    _SETTLED.add(str(device))
+    return taken
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """What the timed steps measured: seconds per step, and the CUDA allocator's behaviour meanwhile."""
+
+    seconds: tuple[float, ...]  # wall seconds of each timed optimizer step
+    alloc_retries: int | None = None  # None off CUDA
+    fragmentation: float | None = None
+
+    @property
+    def median(self) -> float:
+        """Median seconds per step: robust to one step disturbed by another process."""
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median: how much the steps disagreed."""
+        return (max(self.seconds) - min(self.seconds)) / self.median
+
+
+class AllocatorWatch:
+    """Counts the CUDA caching allocator's retries from construction to `stop()`, and reads its
+    fragmentation then (`torch.cuda.memory_stats`: "num_alloc_retries" counts failed cudaMalloc calls
+    that flushed the cache and retried; "inactive_split_bytes" is reserved memory split and unusable for
+    larger blocks). A retry during timed steps means the micro-batch runs at the allocator's limit: it
+    pays cudaFree/cudaMalloc and synchronisations every step. Off CUDA it records nothing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.start = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if self.cuda else 0
+
+    def stop(self) -> tuple[int | None, float | None]:
+        """(retries since construction, inactive split bytes / reserved bytes), or (None, None) off CUDA."""
+        if not self.cuda:
+            return None, None
+        stats = torch.cuda.memory_stats(self.device)
+        reserved = stats.get("reserved_bytes.all.current", 0)
+        split = stats.get("inactive_split_bytes.all.current", 0)
+        return stats.get("num_alloc_retries", 0) - self.start, (split / reserved if reserved else 0.0)
+
+
+def _measured(spec: TrainSpec, config: Config, peak: int, timed: Timed) -> ProbeResult:
+    step_seconds = timed.median
     samples = config.global_batch_size / step_seconds
     tokens = samples * spec.tokens_per_sample if spec.tokens_per_sample else None
     share = f"{format_size(peak)} of {format_size(spec.memory_budget)} ({peak / spec.memory_budget:.0%})"
+    figures = dict(step_spread=timed.spread, alloc_retries=timed.alloc_retries, fragmentation=timed.fragmentation)
     if peak > spec.fit_limit:
         return ProbeResult(config, ProbeStatus.OOM,
                            f"peak {share} is inside the {spec.safety_margin:.0%} safety margin",
-                           peak, step_seconds, samples, tokens, oom_kind="margin")
-    return ProbeResult(config, ProbeStatus.FIT, f"fits: peak {share}", peak, step_seconds, samples, tokens)
+                           peak, step_seconds, samples, tokens, oom_kind="margin", **figures)
+    thrash = f"; {timed.alloc_retries} allocator retries while timed: near the limit" if timed.alloc_retries else ""
+    return ProbeResult(config, ProbeStatus.FIT, f"fits: peak {share}{thrash}", peak, step_seconds, samples, tokens,
+                       **figures)
 
 
 def _sync(device: torch.device) -> None:

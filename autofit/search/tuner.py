@@ -1,4 +1,4 @@
-"""`autofit.autofit`: spec -> space -> walk (probes) -> plan, wired in one function."""
+"""`autofit.autofit`: spec -> space -> walk (probes) -> confirmation (finalists re-measured) -> plan."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ from autofit.estimate.estimator import predictor_for, tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed
 from autofit.probe.outcome import ProbeResult
-from autofit.search.space import build_space
+from autofit.search import confirm as confirmation
+from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search
-from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
-from autofit.strategies import Strategy, default_strategies
+from autofit.spec.devices import device_memory
+from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, TrainSpec, make_spec
+from autofit.strategies import Placement, Strategy, default_strategies
+
+LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
 
 
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
@@ -23,7 +27,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
             max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
             max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
             strategies: Sequence[Strategy] | None = None, progress: Progress | None = None,
-            predict: bool = True) -> Plan:
+            predict: bool = True, exact_margin: float = confirmation.DEFAULT_EXACT_MARGIN) -> Plan:
     """Find the fastest training configuration that fits, by probing real training steps.
 
     Args:
@@ -56,11 +60,16 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         progress: receives `starting(config, why)` and `finished(result)` events.
         predict: use the dry-run estimator to start each level at the largest micro-batch predicted to
             fit and to skip configs predicted over the budget by more than its measured error.
+        exact_margin: how much faster (0.10 = 10%) a numerics change (bf16/fp16, 8-bit optimizer states,
+            Adafactor in place of your AdamW) must be than the best exact fit, re-measured back to back,
+            to be chosen over it; a numerics change is chosen regardless when nothing exact fits.
 
     Returns:
-        A `Plan`: `fits`, `config`, `throughput` (samples/s), `tokens_per_second`, `peak_memory`
-        (bytes), `reason`, and every probe.
+        A `Plan`: `fits`, `config`, `throughput` (samples/s, as confirmed), `tokens_per_second`,
+        `peak_memory` (bytes), `reason`, every probe, and the `confirmation` (finalists re-measured back to
+        back, see `autofit.search.confirm`).
     """
+    margin = confirmation.check_margin(exact_margin)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
                      memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
                      loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin,
@@ -74,5 +83,32 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         return probe_placed(spec, config, space.strategies, space.placement(config), probe_timeout, step_limit)
 
     predictor = predictor_for(spec, space.strategies) if predict else None
-    results = Search(space, store, prober, max_probes, progress, predictor, tolerance_for(spec.device)).run()
-    return make_plan(space, results, predictor)
+    search = Search(space, store, prober, max_probes, progress, predictor, tolerance_for(spec.device))
+    results = search.run()
+
+    def probe(config: Config, why: str) -> ProbeResult:
+        stored = store.lookup(config)
+        if stored is not None:
+            return stored
+        search.progress.starting(config, why)
+        result = prober(config, None)
+        store.record(result)
+        search.progress.finished(result)
+        return result
+
+    results = confirmation.follow_near_limit(space, results, probe)
+    measure, rounds, method = _measurer(spec, space, results, prober)
+    confirmed = confirmation.confirm(space, results, measure, rounds, margin, method)
+    return make_plan(space, results, predictor, confirmed)
+
+
+def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
+              prober: Any) -> tuple[confirmation.Measure, int, str]:
+    """How the finalists are re-measured: live runs side by side when they all run in this process on the
+    CPU and fit in host memory together, else whole probes (child processes, ranks, CUDA)."""
+    fits = [r for r in results if r.fits]
+    in_process = all(space.placement(r.config) is Placement.IN_PROCESS for r in fits)
+    held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:confirmation.MAX_FINALISTS + 2])
+    if spec.device.type == "cpu" and in_process and held <= LIVE_SHARE * device_memory(spec.device):
+        return confirmation.live_measure(spec, space.strategies), confirmation.LIVE_ROUNDS, "live runs"
+    return confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, "probes"
