@@ -210,11 +210,11 @@ def large_cpu_scenarios() -> list[Scenario]:
     mlp = functools.partial(make_mlp, 1024, 6)  # 50.4M parameters
     gpt2 = functools.partial(make_gpt2, 8, 640, 10, 20000, 64)  # 52.2M parameters
     return [
-        Scenario("mlp-50m@65%", "mlp", mlp, TokenFeatures(16, 1024), 8, 0.65, loss_fn=token_loss, strategies=rungs,
-                 robustness_steps=20, large=True,
+        Scenario("mlp-50m@65%", "mlp", mlp, TokenFeatures(16, 1024), 4, 0.65, loss_fn=token_loss, strategies=rungs,
+                 robustness_steps=10, large=True,
                  intent="model states dominate: AdamW's 8 bytes/param cannot fit, Adafactor's factored states do"),
-        Scenario("gpt2-50m@125%", "transformer", gpt2, TokenBatches(20000, 32), 4, 1.25, strategies=rungs,
-                 robustness_steps=20, large=True,
+        Scenario("gpt2-50m@125%", "transformer", gpt2, TokenBatches(20000, 16), 4, 1.25, strategies=rungs,
+                 robustness_steps=10, large=True,
                  intent="everything fits: an exact AdamW fit is there, a numerics change must earn its place"),
     ]
 

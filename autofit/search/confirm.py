@@ -4,9 +4,11 @@ Throughput probed minutes apart on a shared machine (or a GPU whose clocks drift
 one search once chose different optimizers by a few percent. So the plan is not chosen from the walk's
 figures alone. This step runs after the walk:
 
-1. **Near the limit** (`follow_near_limit`): a fit whose CUDA allocator retried during its timed steps
-   runs at the allocator's limit, where a smaller micro-batch is often faster (the walk assumes a larger
-   micro-batch is never slower); the next smaller micro-batch of its level is probed too.
+1. **What the walk only implied** (`follow_near_limit`, `follow_numerics`): a fit whose CUDA allocator
+   retried during its timed steps runs at the allocator's limit, where a smaller micro-batch is often
+   faster (the walk assumes a larger micro-batch is never slower): the next smaller micro-batch of its
+   level is probed too. And a numerics change of the fastest fit that the walk decided "cannot be
+   faster" (Adafactor where AdamW fits) is probed: it changes the arithmetic, it may do less work.
 2. **Finalists** (`finalists`): every fit within FINALIST_MARGIN (20%) of the best probed throughput, at
    most MAX_FINALISTS of them, plus the best fit of each safer class (a lower exactness tier; no allocator
    retries) whose gap to the best is within the margin it must clear, widened by FINALIST_MARGIN, so the
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.probe.outcome import ProbeResult, Source
+from autofit.probe.outcome import ProbeResult, Skip, Source
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
@@ -186,6 +188,34 @@ def follow_near_limit(space: "Space", results: list[ProbeResult], probe: Probe) 
         if result.fits and result.near_limit:
             queue.append(result)
     return results
+
+
+def follow_numerics(space: "Space", results: list[ProbeResult], probe: Probe) -> list[ProbeResult]:
+    """`results` with the numerics changes of the fastest fit probed where the walk only implied them: the
+    walk holds a config that saves memory "only adds work", which is true of checkpointing or a smaller
+    micro-batch, but an optimizer or precision of a higher tier changes the arithmetic itself (Adafactor
+    keeps no first moment and its step is cheaper than AdamW's). So each option of a higher exactness
+    tier than the fastest fit's, applied to it alone, is probed when the walk decided it without running
+    it; the confirmation then asks it to clear `exact_margin`."""
+    results = list(results)
+    fits = [r for r in results if r.fits]
+    if not fits:
+        return results
+    best = max(fits, key=lambda r: r.samples_per_s)
+    allowed = set(space.levels())
+    for field, options in space.choices.items():
+        for option in options:
+            config = best.config.replace(**option.knobs(field))
+            implied = [r for r in results if r.config == config and r.skip is Skip.IMPLIED]
+            if option.tier > space.tier(best.config) and implied and _level(config) in allowed:
+                result = probe(config, f"a numerics change of the fastest fit ({best.config.describe()}): "
+                                       "it may do less work, not more")
+                results = [r for r in results if r.config != config] + [result]
+    return results
+
+
+def _level(config: Config) -> Config:
+    return config.replace(micro_batch_size=1, grad_accum_steps=1)
 
 
 # -- 2. finalists -----------------------------------------------------------------------------------------

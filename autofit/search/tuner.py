@@ -97,6 +97,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         return result
 
     results = confirmation.follow_near_limit(space, results, probe)
+    results = confirmation.follow_numerics(space, results, probe)
     measure, rounds, method = _measurer(spec, space, results, prober)
     confirmed = confirmation.confirm(space, results, measure, rounds, margin, method)
     return make_plan(space, results, predictor, confirmed)

@@ -12,7 +12,8 @@ from autofit.config import Config, Optimizer, Precision
 from autofit.plan import make_plan
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Source, decided, Skip
 from autofit.search import confirm
-from autofit.search.confirm import Finalist, confirm as run_confirm, decide, finalists, follow_near_limit
+from autofit.search.confirm import (Finalist, confirm as run_confirm, decide, finalists, follow_near_limit,
+                                    follow_numerics)
 from autofit.search.space import build_space
 from autofit.spec.train import make_spec
 from autofit.strategies import MicroBatch, OptimizerStates, Precision as PrecisionStrategy
@@ -228,3 +229,18 @@ def test_a_thrashing_fit_loses_to_the_next_smaller_micro_batch(monkeypatch):
     assert eight.near_limit
     assert plan.config.micro_batch_size == 4 and not next(
         p for p in plan.probes if p.config == plan.config).near_limit
+
+
+def test_a_numerics_change_the_walk_only_implied_is_probed(space):
+    asked = []
+
+    def probe(config, why):
+        asked.append((config, why))
+        return fit(config, 150)
+
+    results = [fit(EXACT, 100), decided(ADAFACTOR, Skip.IMPLIED, "fits, but cannot be faster than fp32 ...")]
+    out = follow_numerics(space, results, probe)
+    # Adafactor where AdamW fits: probed, since its step may do less work; bf16 was never decided, so not
+    assert [c for c, _ in asked] == [ADAFACTOR] and "may do less work" in asked[0][1]
+    assert {r.config: r.fits for r in out} == {EXACT: True, ADAFACTOR: True}
+    assert follow_numerics(space, out, probe) == out and len(asked) == 1  # measured now: nothing more
