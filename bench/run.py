@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run N busy processes (matrix multiplies, one thread each) for the whole run")
     parser.add_argument("--no-large", action="store_true", help="skip the >= 50M-parameter CPU scenarios")
     parser.add_argument("--no-repeat", action="store_true", help="tune each scenario once (not twice)")
+    parser.add_argument("--tag", default="", help="suffix of the results file name (<device>-<date>-<tag>.json)")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON results")
     parser.add_argument("--readme", type=Path, default=HERE / "README.md", help="README whose table is regenerated")
     parser.add_argument("--no-readme", action="store_true", help="do not touch the README")
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
     header.update(load_after=os.getloadavg(), load_during=loads, wall_s=time.perf_counter() - start, scenarios=results)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{slug(args.gpu)}-{header['date']}.json"
+    path = args.out / f"{slug(args.gpu)}-{header['date']}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(header, indent=2, default=str) + "\n")
     log(f"wrote {path} ({header['wall_s']:.0f} s)")
     if not args.no_readme:
