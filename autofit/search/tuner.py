@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from autofit.config import Config
 from autofit.estimate.estimator import predictor_for, tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed
-from autofit.probe.outcome import ProbeResult
+from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.search import confirm as confirmation
 from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
@@ -85,22 +86,28 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     predictor = predictor_for(spec, space.strategies) if predict else None
     search = Search(space, store, prober, max_probes, progress, predictor, tolerance_for(spec.device))
     results = search.run()
-
-    def probe(config: Config, why: str) -> ProbeResult:
-        stored = store.lookup(config)
-        if stored is not None:
-            return stored
-        search.progress.starting(config, why)
-        result = prober(config, None)
-        store.record(result)
-        search.progress.finished(result)
-        return result
-
+    probe = functools.partial(_follow_up, search, prober)
     results = confirmation.follow_near_limit(space, results, probe)
     results = confirmation.follow_numerics(space, results, probe)
     measure, rounds, method = _measurer(spec, space, results, prober)
     confirmed = confirmation.confirm(space, results, measure, rounds, margin, method)
     return make_plan(space, results, predictor, confirmed)
+
+
+def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeResult:
+    """Probe `config` after the walk (no deadline: it is measured to be compared), recorded in the trial
+    store and shown like the walk's probes; a stored result is reused; within the same probe budget."""
+    stored = search.store.lookup(config)
+    if stored is not None:
+        return stored
+    if search.probes_run >= search.max_probes:
+        return decided(config, Skip.BUDGET, f"probe budget of {search.max_probes} probes spent")
+    search.progress.starting(config, why)
+    result = prober(config, None)
+    search.probes_run += 1
+    search.store.record(result)
+    search.progress.finished(result)
+    return result
 
 
 def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],

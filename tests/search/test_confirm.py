@@ -244,3 +244,15 @@ def test_a_numerics_change_the_walk_only_implied_is_probed(space):
     assert [c for c, _ in asked] == [ADAFACTOR] and "may do less work" in asked[0][1]
     assert {r.config: r.fits for r in out} == {EXACT: True, ADAFACTOR: True}
     assert follow_numerics(space, out, probe) == out and len(asked) == 1  # measured now: nothing more
+
+
+def test_follow_up_probes_keep_to_the_probe_budget(monkeypatch):
+    spec_args = dict(global_batch_size=8, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
+    card = FakeCard(make_spec(make_mlp, make_mlp_batch, **spec_args).fit_limit)
+    monkeypatch.setattr("autofit.search.tuner.probe_placed", card)
+    monkeypatch.setattr("autofit.search.tuner.LIVE_SHARE", 0.0)
+    plan = autofit.autofit(make_mlp, make_mlp_batch, strategies=[MicroBatch()], predict=False, max_probes=1,
+                           **spec_args)
+    assert card.asked[0] == 8 and plan.probes_run == 1  # the rest of the card's answers are re-measurements
+    four = next(p for p in plan.probes if p.config.micro_batch_size == 4)
+    assert four.skip is Skip.BUDGET and plan.config.micro_batch_size == 8
