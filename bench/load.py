@@ -8,16 +8,20 @@ the whole run (one torch thread each, at the benchmark's own priority) and stops
 from __future__ import annotations
 
 import multiprocessing
+import os
 from typing import Any
 
 
-def _spin(stop: Any) -> None:
-    """Multiply 256x256 matrices until `stop` is set (about the working set of a small model's layer)."""
+def _spin(stop: Any, parent: int) -> None:
+    """Multiply 256x256 matrices (about the working set of a small model's layer) until `stop` is set or
+    the benchmark that started this process is gone (killed before it could stop it)."""
+    import os
+
     import torch
 
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:
         for _ in range(50):
             a = torch.tanh(a @ b)
 
@@ -33,7 +37,8 @@ class CompetingLoad:
 
     def __enter__(self) -> "CompetingLoad":
         for index in range(self.processes):
-            worker = self._context.Process(target=_spin, args=(self._stop,), daemon=True, name=f"bench-load-{index}")
+            worker = self._context.Process(target=_spin, args=(self._stop, os.getpid()), daemon=True,
+                                           name=f"bench-load-{index}")
             worker.start()
             self._workers.append(worker)
         return self
