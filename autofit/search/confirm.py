@@ -19,8 +19,8 @@ figures alone. This step runs after the walk:
    them are re-measured here.
 3. **Re-measured back to back, interleaved** (`confirm`): live runs when the probes run in this process on
    the CPU (each finalist built once and warmed up, then LIVE_ROUNDS rounds of one optimizer step each,
-   the order rotating); otherwise PROBE_ROUNDS rounds of whole probes (child processes, ranks, CUDA,
-   where one run at a time fits). A comparison takes the ratio within each round (paired: both measured
+   the order rotating); otherwise PROBE_ROUNDS rounds of whole probes of at most PROBE_FINALISTS
+   finalists from the window (child processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round (paired: both measured
    within the same seconds, so a load that comes and goes cancels out) and keeps the median.
 4. **The choice** (`decide`): the finalists in order from the least to the most change (exactness tier,
    then allocator retries, then fewer knobs changed, then the larger micro-batch). Starting from the
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 FINALIST_MARGIN = 0.20  # fits within 20% of the best probed throughput are re-measured
 MAX_FINALISTS = 3  # the fastest few of them (plus the best of each safer class, see `finalists`)
 LIVE_ROUNDS = 7  # rounds of one optimizer step per finalist, live runs
-PROBE_ROUNDS = 3  # rounds of one whole probe per finalist, when runs cannot stay alive side by side
+PROBE_ROUNDS = 2  # rounds of one whole probe per finalist, when runs cannot stay alive side by side...
+PROBE_FINALISTS = 2  # ... of the fastest two (plus the best of each safer class): a probe is a model build
 DEFAULT_EXACT_MARGIN = 0.10  # a numerics change must be this much faster than an exact fit to replace it
 NEAR_LIMIT_MARGIN = 0.10  # a fit whose allocator retried must be this much faster than one that did not
 NOISE_MARGIN = 0.03  # any other change must be this much faster than a simpler finalist
@@ -219,15 +220,17 @@ def _level(config: Config) -> Config:
 
 
 # -- 2. finalists -----------------------------------------------------------------------------------------
-def finalists(space: "Space", results: Sequence[ProbeResult], exact_margin: float) -> list[ProbeResult]:
-    """The fits to re-measure (see the module doc), from the least to the most change."""
+def finalists(space: "Space", results: Sequence[ProbeResult], exact_margin: float,
+              limit: int = MAX_FINALISTS) -> list[ProbeResult]:
+    """The fits to re-measure (see the module doc), from the least to the most change; `limit` caps the
+    fits taken by the window (the safer-class and same-level additions come on top)."""
     chosen: list[ProbeResult] = []
     for source in (Source.PROBED, Source.STORED):
         group = sorted((r for r in results if r.fits and r.source is source), key=lambda r: -r.samples_per_s)
         if not group:
             continue
         best = group[0]
-        picked = [r for r in group if r.samples_per_s * (1 + FINALIST_MARGIN) >= best.samples_per_s][:MAX_FINALISTS]
+        picked = [r for r in group if r.samples_per_s * (1 + FINALIST_MARGIN) >= best.samples_per_s][:limit]
         for safer in {_risk(space, r) for r in group if _risk(space, r) < _risk(space, best)}:
             top = next(r for r in group if _risk(space, r) == safer)
             needed = (1 + _margin(safer, _risk(space, best), exact_margin)[0]) * (1 + FINALIST_MARGIN)
@@ -270,10 +273,11 @@ def _margin(safer: tuple[int, bool], riskier: tuple[int, bool], exact_margin: fl
 
 # -- 3. re-measured back to back --------------------------------------------------------------------------
 def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | None, rounds: int,
-            exact_margin: float, method: str) -> Confirmation | None:
-    """Re-measure the finalists with `measure(configs, rounds)` (samples/s per round, or why it failed) and
-    decide. None when nothing fits. A lone finalist measured in this session needs no rounds."""
-    picked = finalists(space, results, exact_margin)
+            exact_margin: float, method: str, limit: int = MAX_FINALISTS) -> Confirmation | None:
+    """Re-measure the finalists (`limit`: see `finalists`) with `measure(configs, rounds)` (samples/s per
+    round, or why it failed) and decide. None when nothing fits. A lone finalist measured in this session
+    needs no rounds."""
+    picked = finalists(space, results, exact_margin, limit)
     if not picked:
         return None
     stored = any(r.source is Source.STORED for r in picked)
