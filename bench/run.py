@@ -120,15 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.competing_load} competing process(es)")
     start = time.perf_counter()
     loads = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{slug(args.gpu)}-{header['date']}{'-' + args.tag if args.tag else ''}.json"
     with CompetingLoad(args.competing_load):
         results = []
         for scenario in scenarios:
             results.append(run_scenario(scenario, options))
             loads.append(os.getloadavg()[0])
+            partial = {**header, "partial": True, "load_during": loads, "scenarios": results}
+            path.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2, default=str) + "\n")
     header.update(load_after=os.getloadavg(), load_during=loads, wall_s=time.perf_counter() - start, scenarios=results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{slug(args.gpu)}-{header['date']}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(header, indent=2, default=str) + "\n")
+    path.with_suffix(".partial.json").unlink(missing_ok=True)
     log(f"wrote {path} ({header['wall_s']:.0f} s)")
     if not args.no_readme:
         update_readme(args.readme, header, path.relative_to(args.readme.parent) if path.is_relative_to(args.readme.parent) else path)

@@ -205,10 +205,10 @@ def follow_numerics(space: "Space", results: list[ProbeResult], probe: Probe) ->
     best = max(fits, key=lambda r: r.samples_per_s)
     allowed = set(space.levels())
     for field, options in space.choices.items():
-        for option in options:
+        for option in (o for o in options if o.tier > space.tier(best.config)):
             config = best.config.replace(**option.knobs(field))
             implied = [r for r in results if r.config == config and r.skip is Skip.IMPLIED]
-            if option.tier > space.tier(best.config) and implied and _level(config) in allowed:
+            if implied and _level(config) in allowed:
                 result = probe(config, f"a numerics change of the fastest fit ({best.config.describe()}): "
                                        "it may do less work, not more")
                 results = [r for r in results if r.config != config] + [result]

@@ -256,3 +256,16 @@ def test_follow_up_probes_keep_to_the_probe_budget(monkeypatch):
     assert card.asked[0] == 8 and plan.probes_run == 1  # the rest of the card's answers are re-measurements
     four = next(p for p in plan.probes if p.config.micro_batch_size == 4)
     assert four.skip is Skip.BUDGET and plan.config.micro_batch_size == 8
+
+
+def test_numerics_follow_up_of_a_checkpointed_fit(tmp_path):
+    # every_k checkpointing carries its frequency: the follow-up must not build checkpointing=none with it
+    spec = make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=mlp_loss)
+    from autofit.strategies import Checkpointing
+
+    space = build_space(spec, [Checkpointing(), OptimizerStates(), MicroBatch()])
+    every2 = Config(checkpointing="every_k", checkpoint_every=2, micro_batch_size=8)
+    results = [fit(every2, 100), decided(every2.replace(optimizer="adafactor"), Skip.IMPLIED, "cannot be faster")]
+    out = follow_numerics(space, results, lambda c, why: fit(c, 90))
+    assert {r.config.optimizer for r in out if r.measured} == {Optimizer.ADAMW, Optimizer.ADAFACTOR}
