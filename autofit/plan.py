@@ -1,8 +1,10 @@
 """Plan: the chosen configuration with what was measured for it, every probe, and the reason.
 
-This module owns the plan: choosing among the fits (`choose`), composing why it won or why nothing
-fits (from recorded results and predictions only: no probe runs while a message is composed), and the
-value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
+This module owns the plan: choosing among the fits (`choose`: the confirmed choice of
+`autofit.search.confirm` when the finalists were re-measured, else the fastest fit), composing why it won
+(`chosen_reason`: the confirmed ratio and its spread, the margin a numerics change cleared, a swapped
+optimizer said plainly) or why nothing fits (from recorded results and predictions only: no probe runs
+while a message is composed), and the value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
 autofit 0.1 too).
 """
 
@@ -14,8 +16,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from autofit.config import Config
+from autofit.config import Config, Optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
+from autofit.search.confirm import FINALIST_MARGIN, Comparison, Confirmation, Finalist, Ratio
 from autofit.units import format_size
 
 if TYPE_CHECKING:
@@ -38,6 +41,7 @@ class Plan:
     spec: dict[str, Any]  # the spec summary: model, device, budget, global batch, ...
     created: str = dataclasses.field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     autofit_version: str = ""
+    confirmation: Confirmation | None = None  # the finalists re-measured back to back, and the decision
 
     @property
     def probes_run(self) -> int:
@@ -60,6 +64,7 @@ class Plan:
         data = dataclasses.asdict(self)
         data["config"] = self.config.to_dict() if self.config else None
         data["probes"] = [p.to_dict() for p in self.probes]
+        data["confirmation"] = self.confirmation.to_dict() if self.confirmation else None
         data["format_version"] = FORMAT_VERSION
         return data
 
@@ -69,6 +74,8 @@ class Plan:
         fields = {k: v for k, v in data.items() if k != "format_version"}
         fields["config"] = Config.from_dict(fields["config"]) if fields["config"] else None
         fields["probes"] = tuple(ProbeResult.from_dict(p) for p in fields["probes"])
+        confirmed = fields.get("confirmation")
+        fields["confirmation"] = Confirmation.from_dict(confirmed) if confirmed else None
         return cls(**fields)
 
     def save(self, path: str | Path) -> Path:
@@ -105,38 +112,123 @@ class Plan:
                 f"peak {format_size(self.peak_memory)}\n{self.reason}")
 
 
-def choose(results: Sequence[ProbeResult]) -> ProbeResult | None:
-    """The fit with the highest measured throughput."""
+def choose(results: Sequence[ProbeResult], confirmation: Confirmation | None = None) -> ProbeResult | None:
+    """The confirmed choice's result when there is a confirmation, else the fit with the highest
+    measured throughput (what the walk's deadlines compare against)."""
     fits = [r for r in results if r.fits]
+    if confirmation is not None:
+        return next((r for r in fits if r.config == confirmation.winner.config), None)
     return max(fits, key=lambda r: r.samples_per_s, default=None)
 
 
-def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult]) -> str:
-    """Why `best` won: its throughput against the runner-up's."""
-    others = sorted((r for r in results if r.fits and r.config != best.config),
-                    key=lambda r: r.samples_per_s, reverse=True)
-    fits = len(others) + 1
+def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult], confirmation: Confirmation | None = None,
+                  space: "Space | None" = None) -> str:
+    """Why `best` won: with a confirmation, its confirmed ratio to the runner-up and the spread over the
+    rounds, the margin a numerics change had to clear, and a swapped optimizer said plainly; without one,
+    its probed throughput against the runner-up's."""
+    fits = [r for r in results if r.fits]
+    if confirmation is None:
+        return _probed_reason(best, fits, len(results))
+    parts = [_confirmed_head(confirmation, len(fits))]
+    parts += [_comparison_words(c, confirmation) for c in confirmation.comparisons if _worth_saying(c, confirmation)]
+    if space is not None:
+        parts.append(_exactness_words(space, confirmation, fits))
+    parts.append(best.reason)
+    return "; ".join(p for p in parts if p)
+
+
+def _probed_reason(best: ProbeResult, fits: Sequence[ProbeResult], candidates: int) -> str:
+    others = sorted((r for r in fits if r.config != best.config), key=lambda r: r.samples_per_s, reverse=True)
     if not others:
-        return f"the only configuration of {len(results)} candidates that fits ({best.reason})"
+        return f"the only configuration of {candidates} candidates that fits ({best.reason})"
     runner = others[0]
-    return (f"highest measured throughput of {fits} fitting configurations: {best.samples_per_s:,.2f} samples/s, "
-            f"{best.samples_per_s / runner.samples_per_s:.2f}x the runner-up ({runner.config.describe()}); "
+    return (f"highest measured throughput of {len(others) + 1} fitting configurations: {best.samples_per_s:,.2f} "
+            f"samples/s, {best.samples_per_s / runner.samples_per_s:.2f}x the runner-up ({runner.config.describe()}); "
             f"{best.reason}")
 
 
+def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
+    winner, runner = confirmation.winner, confirmation.runner_up()
+    where = f"{fits} fitting configuration{'s' if fits != 1 else ''}"
+    if runner is None:
+        return (f"the only finalist of {where} (no other within {FINALIST_MARGIN:.0%} of it as probed): "
+                f"{winner.median:,.2f} samples/s" + (", re-measured in this session" if winner.rounds else ""))
+    ratio = Ratio.of(winner, runner)
+    rounds = len(winner.rounds)
+    how = f"{rounds} interleaved rounds ({confirmation.method})" if rounds else "as probed"
+    return (f"chosen of {len(confirmation.finalists)} finalists ({where}) re-measured back to back, {how}: "
+            f"{winner.median:,.2f} samples/s, {ratio.median:.2f}x the runner-up ({runner.config.describe()}; "
+            f"per-round ratio {ratio.low:.2f}-{ratio.high:.2f})")
+
+
+def _worth_saying(comparison: Comparison, confirmation: Confirmation) -> bool:
+    """A comparison a reader needs: a change that won on its margin, or a faster one that did not clear it."""
+    if comparison.won:
+        return comparison.kind != "noise"
+    return comparison.ratio.median > 1 and comparison.challenger != confirmation.chosen
+
+
+_MARGIN_WORDS = {"exactness": "a numerics change must clear (exact_margin)",
+                 "near-limit": "a fit whose allocator retried must clear",
+                 "noise": "of noise (or faster in too few rounds) any further change must clear"}
+
+
+def _comparison_words(comparison: Comparison, confirmation: Confirmation) -> str:
+    challenger = confirmation.finalists[comparison.challenger]
+    holder = confirmation.finalists[comparison.holder]
+    ratio = comparison.ratio
+    figures = f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f}, faster in {ratio.wins:.0%} of rounds)"
+    margin = f"the {comparison.margin:.0%} margin {_MARGIN_WORDS[comparison.kind]}"
+    if comparison.won:
+        return f"{challenger.config.describe()} is {figures} {holder.config.describe()}, above {margin}"
+    return (f"{challenger.config.describe()} was {figures} {holder.config.describe()}, within {margin}: "
+            f"{holder.config.describe()} is kept")
+
+
+def _exactness_words(space: "Space", confirmation: Confirmation, fits: Sequence[ProbeResult]) -> str:
+    """Plain words when the choice changes numerics: the user's optimizer swapped, and on what evidence."""
+    winner = confirmation.winner
+    if winner.tier == 0:
+        return ""
+    swap = _optimizer_swap(space, winner)
+    exact = [r for r in fits if space.tier(r.config) < winner.tier]
+    if not exact:
+        evidence = "no exact configuration fits"
+    elif any(c.won and c.kind == "exactness" and c.challenger == confirmation.chosen for c in confirmation.comparisons):
+        evidence = f"it cleared the {confirmation.exact_margin:.0%} margin over an exact configuration (above)"
+    else:
+        fastest = max(exact, key=lambda r: r.samples_per_s)
+        evidence = (f"as probed it is {winner.probed / fastest.samples_per_s:.2f}x the fastest exact configuration "
+                    f"({fastest.config.describe()}), far beyond the {confirmation.exact_margin:.0%} margin")
+    change = swap or f"a numerics change (tier {winner.tier}: {winner.config.describe()})"
+    return f"{change}, because {evidence}"
+
+
+def _optimizer_swap(space: "Space", winner: Finalist) -> str:
+    asked = space.spec.optimizer
+    if asked.explore and winner.config.optimizer is not Optimizer(asked.name):
+        return (f"your optimizer {asked.name} is replaced by {winner.config.optimizer.value} "
+                "(different numerics, same hyperparameters where they apply)")
+    return ""
+
+
 def make_plan(space: "Space", results: Sequence[ProbeResult],
-              predict: Callable[[Config], int | None] | None = None) -> Plan:
-    """The plan for a finished search: the fastest fit, or why nothing fits and what to allow next.
-    `plan.probes` holds the search's results, then every option and combination the space excluded.
-    `predict(config)` (predicted peak bytes) names what the smallest candidate needs when nothing fits."""
+              predict: Callable[[Config], int | None] | None = None,
+              confirmation: Confirmation | None = None) -> Plan:
+    """The plan for a finished search: the confirmed choice (or the fastest fit), or why nothing fits and
+    what to allow next. `plan.probes` holds the search's results, then every option and combination the
+    space excluded. `predict(config)` (predicted peak bytes) names what the smallest candidate needs when
+    nothing fits. The plan's throughput is the confirmed median where the finalists were re-measured."""
     from autofit import __version__
 
     common = dict(probes=tuple(results) + tuple(space.excluded_results()), spec=space.spec.summary(),
-                  autofit_version=__version__)
-    best = choose(results)
+                  autofit_version=__version__, confirmation=confirmation)
+    best = choose(results, confirmation)
     if best is not None:
-        return Plan(True, best.config, best.samples_per_s, best.tokens_per_s, best.peak_bytes,
-                    chosen_reason(best, results), **common)
+        throughput = confirmation.winner.median if confirmation is not None else best.samples_per_s
+        tokens = best.tokens_per_s * throughput / best.samples_per_s if best.tokens_per_s else None
+        return Plan(True, best.config, throughput, tokens, best.peak_bytes,
+                    chosen_reason(best, results, confirmation, space), **common)
     return Plan(False, None, None, None, None, nothing_fits_reason(space, results, predict), **common)
 
 

@@ -16,8 +16,11 @@ def render(doc: dict[str, Any], source: Any = "") -> str:
     """The whole generated block: run facts, then the autofit-vs-oracle, tools and dry-run tables."""
     versions = doc["versions"]
     load = ", ".join(f"{x:.2f}" for x in doc["load_before"])
+    during = doc.get("load_during") or []
+    load += f"; 1-min load after each scenario {', '.join(f'{x:.1f}' for x in during)}" if during else ""
+    competing = f", {doc['competing_load']} competing CPU-bound process(es) started by the run" if doc.get("competing_load") else ""
     lines = [f"Latest run: **{doc['device']}**, {doc['date']} (started {doc['started_utc']}), "
-             f"`{doc['command']}`, {doc['wall_s']:.0f} s in all, torch threads {doc['torch_threads']}, "
+             f"`{doc['command']}`, {doc['wall_s']:.0f} s in all, torch threads {doc['torch_threads']}{competing}, "
              f"load average before {load}. torch {versions['torch']}, autofit {versions['autofit']}, "
              f"transformers {versions['transformers']}, accelerate {versions['accelerate']}, "
              f"lightning {versions['lightning'] or 'not installed'}. Raw figures: `{source}`.", ""]
@@ -26,33 +29,51 @@ def render(doc: dict[str, Any], source: Any = "") -> str:
 
 
 def _main_table(scenarios: list[dict[str, Any]]) -> list[str]:
-    rows = ["| scenario | budget | autofit's choice | probes | tuning s | exhaustive s (candidates) | cost | "
-            "oracle's best, as probed | quality, as probed | oracle's best, plain training | quality, plain | robustness |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| scenario | params | budget | autofit's choice | probes | tuning s | exhaustive s (candidates) | cost | "
+            "fastest re-measured | quality | the exactness rule's pick | quality, rule | tuned again | robustness |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in scenarios:
-        a, ex, rm = s["autofit"], s["exhaustive"], s.get("remeasured") or {}
+        a, ex = s["autofit"], s["exhaustive"]
+        plain = (s.get("remeasured") or {}).get("plain") or {}
         budget = format_size(s["budget_bytes"]) + (f" ({s['budget_fraction']:.0%})" if s.get("budget_fraction") else "")
-        probed, plain = _quality(rm.get("as_probed")), _quality(rm.get("plain"))
-        if not rm:
-            probed = (ex["best_describe"] or "nothing fits", "-")
         rob = s.get("robustness")
         robust = "-" if not rob else (f"{rob['steps_done']}/{rob['steps_asked']} steps, peak {format_size(rob['peak_bytes'])}"
                                       + ("" if rob["ok"] else f": {rob['error']}"))
-        rows.append(f"| {s['name']} | {budget} | {a['describe'] or 'nothing fits'} | {a['probes_run']} | {a['wall_s']:.1f} | "
-                    f"{ex['wall_s']:.1f} ({ex['candidates']}) | {_ratio(s.get('cost_ratio'))} | {probed[0]} | {probed[1]} | "
-                    f"{plain[0]} | {plain[1]} | {robust} |")
-    rows += [""] + [_spread(f"Decision quality ({name})", [s["remeasured"][key]["decision_quality"]
-                                                           for s in scenarios if key in (s.get("remeasured") or {})])
-                    for key, name in (("as_probed", "as probed"), ("plain", "plain training"))]
-    rows.append(_spread("Cost (autofit's tuning time / exhaustive time)", [s["cost_ratio"] for s in scenarios if s.get("cost_ratio")]))
+        fastest = (plain.get("oracle", ex["best_describe"] or "nothing fits"),
+                   _q(plain.get("decision_quality"), plain.get("same_config")))
+        rule = (plain.get("policy_oracle", "-"), _q(plain.get("decision_quality_policy"), plain.get("policy_same_config")))
+        rows.append(f"| {s['name']} | {s['num_params'] / 1e6:.1f}M | {budget} | {a['describe'] or 'nothing fits'} | "
+                    f"{a['probes_run']} | {a['wall_s']:.1f} | {ex['wall_s']:.1f} ({ex['candidates']}) | "
+                    f"{_ratio(s.get('cost_ratio'))} | {fastest[0]} | {fastest[1]} | {rule[0]} | {rule[1]} | "
+                    f"{_repeat(plain.get('repeat'))} | {robust} |")
+    measured = [(s.get("remeasured") or {}).get("plain") for s in scenarios]
+    measured = [m for m in measured if m]
+    rows += ["", _spread("Decision quality (plain training, against the fastest re-measured fit)",
+                         [m["decision_quality"] for m in measured]),
+             _spread("Decision quality (plain training, against what the exactness rule picks from re-measured figures)",
+                     [m["decision_quality_policy"] for m in measured]),
+             _spread("Cost (autofit's tuning time / exhaustive time)", [s["cost_ratio"] for s in scenarios if s.get("cost_ratio")])]
+    repeats = [m["repeat"] for m in measured if "repeat" in m]
+    if repeats:
+        same = sum(r["same_config"] for r in repeats)
+        rows.append(f"Tuned twice: the same configuration in {same} of {len(repeats)} scenarios, within the confirmed "
+                    f"noise in {sum(r['agrees'] for r in repeats)} of {len(repeats)}.")
     return rows
 
 
-def _quality(part: dict[str, Any] | None) -> tuple[str, str]:
+def _q(value: float | None, same: bool | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" + (" (same config)" if same else "")
+
+
+def _repeat(part: dict[str, Any] | None) -> str:
     if not part:
-        return "-", "-"
-    same = " (same config)" if part["same_config"] else ""
-    return part["oracle"], f"{part['decision_quality']:.2f}{same}"
+        return "-"
+    if part["same_config"]:
+        return "same config"
+    verdict = "within" if part["agrees"] else "outside"
+    return f"{part['describe']}: {part['ratio']:.2f}x, {verdict} the noise ({part['noise']:.0%})"
 
 
 def _spread(label: str, values: list[float]) -> str:

@@ -3,6 +3,7 @@
     python bench/run.py                 # CPU scenarios (tiny models under CPU budgets), ~10 min on 2 cores
     python bench/run.py --gpu           # GPU scenarios (~125M-3B models, budgets for 16-80 GB cards)
     python bench/run.py --only gpt2-tiny@60% --robustness-steps 20 --no-tools   # a quick look
+    python bench/run.py --threads 1 --competing-load 1   # with another CPU-bound process running
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(HERE.parent))  # `python bench/run.py` from anywhere impo
 
 import torch  # noqa: E402
 
+from bench.load import CompetingLoad  # noqa: E402
 from bench.report import update_readme  # noqa: E402
 from bench.scenarios import cpu_scenarios, gpu_scenarios  # noqa: E402
 from bench.suite import Options, log, run_scenario  # noqa: E402
@@ -38,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-tools", action="store_true", help="skip accelerate / Trainer / Lightning")
     parser.add_argument("--no-dry-run", action="store_true", help="skip predicted-vs-measured peaks")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--competing-load", type=int, default=0, metavar="N",
+                        help="run N busy processes (matrix multiplies, one thread each) for the whole run")
+    parser.add_argument("--no-large", action="store_true", help="skip the >= 50M-parameter CPU scenarios")
+    parser.add_argument("--no-repeat", action="store_true", help="tune each scenario once (not twice)")
+    parser.add_argument("--tag", default="", help="suffix of the results file name (<device>-<date>-<tag>.json)")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON results")
     parser.add_argument("--readme", type=Path, default=HERE / "README.md", help="README whose table is regenerated")
     parser.add_argument("--no-readme", action="store_true", help="do not touch the README")
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     scenarios = gpu_scenarios() if args.gpu else cpu_scenarios()
+    if args.no_large:
+        scenarios = [s for s in scenarios if not s.large]
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in scenarios})
         if unknown:
@@ -100,20 +109,29 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = [s for s in scenarios if s.name in args.only]
     options = Options(device="cuda" if args.gpu else "cpu", tools=not args.no_tools,
                       robustness_steps=args.robustness_steps, repetitions=args.repetitions,
-                      dry_run=not args.no_dry_run)
+                      dry_run=not args.no_dry_run, repeat=not args.no_repeat)
     started = datetime.datetime.now(datetime.timezone.utc)
     header: dict[str, Any] = dict(
         device=device_name(args.gpu), device_kind=options.device, date=started.date().isoformat(),
         started_utc=started.isoformat(timespec="seconds"), command=" ".join(["python", "bench/run.py", *sys.argv[1:]]),
         versions=versions(), torch_threads=torch.get_num_threads(), load_before=os.getloadavg(),
-        options={k: v for k, v in vars(options).items() if k != "strategies"})
-    log(f"{header['device']}, load {header['load_before']}, {len(scenarios)} scenarios")
+        competing_load=args.competing_load, options={k: v for k, v in vars(options).items() if k != "strategies"})
+    log(f"{header['device']}, load {header['load_before']}, {len(scenarios)} scenarios, "
+        f"{args.competing_load} competing process(es)")
     start = time.perf_counter()
-    results = [run_scenario(s, options) for s in scenarios]
-    header.update(load_after=os.getloadavg(), wall_s=time.perf_counter() - start, scenarios=results)
+    loads = []
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{slug(args.gpu)}-{header['date']}.json"
+    path = args.out / f"{slug(args.gpu)}-{header['date']}{'-' + args.tag if args.tag else ''}.json"
+    with CompetingLoad(args.competing_load):
+        results = []
+        for scenario in scenarios:
+            results.append(run_scenario(scenario, options))
+            loads.append(os.getloadavg()[0])
+            partial = {**header, "partial": True, "load_during": loads, "scenarios": results}
+            path.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2, default=str) + "\n")
+    header.update(load_after=os.getloadavg(), load_during=loads, wall_s=time.perf_counter() - start, scenarios=results)
     path.write_text(json.dumps(header, indent=2, default=str) + "\n")
+    path.with_suffix(".partial.json").unlink(missing_ok=True)
     log(f"wrote {path} ({header['wall_s']:.0f} s)")
     if not args.no_readme:
         update_readme(args.readme, header, path.relative_to(args.readme.parent) if path.is_relative_to(args.readme.parent) else path)

@@ -38,6 +38,9 @@ class Scenario:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None  # None: the model's own loss (Hugging Face)
     intent: str = ""  # which rungs the budget is meant to need, in words
     allow: Any = None  # autofit's allow= (None: tiers 0-1)
+    strategies: Callable[[], list[Any]] | None = None  # the techniques searched (None: the suite's)
+    robustness_steps: int | None = None  # at most this many robustness steps (None: the suite's)
+    large: bool = False  # >= 50M parameters: arithmetic, not per-operation overhead, dominates a step
 
     def spec(self, device: str, memory_budget: int, **overrides: Any) -> TrainSpec:
         """The `TrainSpec` autofit and the oracle both search."""
@@ -189,6 +192,30 @@ def cpu_scenarios() -> list[Scenario]:
                  intent="activations dominate: micro-batch or checkpointing"),
         Scenario("cnn@30%", "cnn", cnn, Images(16), 16, 0.30, loss_fn=class_loss,
                  intent="conv activations dominate: micro-batch or checkpointing"),
+        *large_cpu_scenarios(),
+    ]
+
+
+def large_cpu_scenarios() -> list[Scenario]:
+    """Two ~50M-parameter models under budgets over 500 MiB, where a step is arithmetic (1024- and
+    640-wide matmuls), not per-operation overhead. They search checkpointing, micro-batch and optimizer
+    states (and the attention kernel): bf16 autocast is left out because this CPU has no bf16 units
+    (no avx512_bf16), so every bf16 probe is pruned by autofit after a few seconds but runs for minutes
+    in the exhaustive search."""
+    from autofit.strategies import Attention, Checkpointing, MicroBatch, OptimizerStates
+
+    def rungs() -> list[Any]:
+        return [Attention(), Checkpointing(), MicroBatch(), OptimizerStates()]
+
+    mlp = functools.partial(make_mlp, 1024, 6)  # 50.4M parameters
+    gpt2 = functools.partial(make_gpt2, 8, 640, 10, 20000, 64)  # 52.2M parameters
+    return [
+        Scenario("mlp-50m@65%", "mlp", mlp, TokenFeatures(16, 1024), 4, 0.65, loss_fn=token_loss, strategies=rungs,
+                 robustness_steps=10, large=True,
+                 intent="model states dominate: AdamW's 8 bytes/param cannot fit, Adafactor's factored states do"),
+        Scenario("gpt2-50m@125%", "transformer", gpt2, TokenBatches(20000, 16), 4, 1.25, strategies=rungs,
+                 robustness_steps=10, large=True,
+                 intent="everything fits: an exact AdamW fit is there, a numerics change must earn its place"),
     ]
 
 

@@ -31,6 +31,8 @@ class Options:
     oracle_top: int = 2  # the oracle's k fastest fits (as probed) are re-measured; the best of them is the oracle
     dry_run: bool = True
     strategies: Callable[[], list[Strategy]] = default_strategies  # the techniques searched (all rungs by default)
+    repeat: bool = True  # tune a second time, identically, to see whether the choice holds
+    large: bool = True  # run the >= 50M-parameter CPU scenarios too
 
 
 def log(message: str) -> None:
@@ -43,14 +45,21 @@ def run_scenario(scenario: Scenario, options: Options) -> dict[str, Any]:
     phases: dict[str, float] = {}
     with _phase(phases, "budget"):
         budget, baseline = budget_for(scenario, options.device)
-    strategies = options.strategies()
+    rungs = scenario.strategies or options.strategies
+    strategies = rungs()
     spec = scenario.spec(options.device, budget)
     log(f"{scenario.name}: budget {autofit.format_size(budget)}"
         + (f" ({scenario.budget_fraction:.0%} of the baseline peak {autofit.format_size(baseline)})" if baseline else ""))
     with _phase(phases, "autofit"):
-        plan = autofit.autofit(scenario.model_factory, scenario.batch_factory, strategies=options.strategies(),
+        plan = autofit.autofit(scenario.model_factory, scenario.batch_factory, strategies=rungs(),
                                **scenario.autofit_kwargs(options.device, budget))
     log(f"  autofit: {plan.config.describe() if plan.fits else 'nothing fits'}, {plan.probes_run} probes, {phases['autofit']:.1f} s")
+    again = None
+    if options.repeat:
+        with _phase(phases, "autofit_repeat"):
+            again = autofit.autofit(scenario.model_factory, scenario.batch_factory, strategies=rungs(),
+                                    **scenario.autofit_kwargs(options.device, budget))
+        log(f"  autofit again: {again.config.describe() if again.fits else 'nothing fits'}, {phases['autofit_repeat']:.1f} s")
     with _phase(phases, "exhaustive"):
         oracle = exhaustive(spec, strategies)
     log(f"  exhaustive: {len(oracle.results)} candidates {oracle.counts()}, {oracle.wall_s:.1f} s")
@@ -65,17 +74,21 @@ def run_scenario(scenario: Scenario, options: Options) -> dict[str, Any]:
         baseline_peak_bytes=baseline, budget_fraction=scenario.budget_fraction, budget_bytes=budget,
         fit_limit_bytes=spec.fit_limit, allow=sorted(scenario.allow) if scenario.allow else None,
         autofit=_autofit_part(plan, phases["autofit"]), exhaustive=_oracle_part(oracle, options.oracle_top),
-        tools=[t.to_dict(scenario.global_batch_size) for t in tools])
+        tools=[t.to_dict(scenario.global_batch_size) for t in tools], large=scenario.large,
+        repeat=_autofit_part(again, phases["autofit_repeat"]) if again is not None else None)
     if plan.fits and oracle.best is not None:
         with _phase(phases, "remeasure"):
-            out["remeasured"] = _compare(spec, plan, oracle, tools, strategies, options)
-        log("  decision quality " + ", ".join(f"{k} {v['decision_quality']:.3f}" for k, v in out["remeasured"].items())
+            out["remeasured"] = _compare(spec, plan, again, oracle, tools, strategies, options)
+        plain = out["remeasured"]["plain"]
+        log(f"  decision quality {plain['decision_quality']:.3f} (exactness rule {plain['decision_quality_policy']:.3f})"
+            + (f", repeat agrees: {plain['repeat']['agrees']}" if "repeat" in plain else "")
             + f"; cost {phases['autofit'] / oracle.wall_s:.3f}")
     out["cost_ratio"] = phases["autofit"] / oracle.wall_s if oracle.wall_s else None
-    if plan.fits and options.robustness_steps:
+    steps = min(options.robustness_steps, scenario.robustness_steps or options.robustness_steps)
+    if plan.fits and steps:
         with _phase(phases, "robustness"):
-            out["robustness"] = dataclasses.asdict(robustness(spec, plan.config, strategies, options.robustness_steps))
-        log(f"  robustness: {out['robustness']['steps_done']}/{options.robustness_steps} steps, ok={out['robustness']['ok']}")
+            out["robustness"] = dataclasses.asdict(robustness(spec, plan.config, strategies, steps))
+        log(f"  robustness: {out['robustness']['steps_done']}/{steps} steps, ok={out['robustness']['ok']}")
     if options.dry_run and plan.fits:
         with _phase(phases, "dry_run"):
             probed = {p.config for p in plan.probes if p.source is Source.PROBED}
@@ -85,10 +98,25 @@ def run_scenario(scenario: Scenario, options: Options) -> dict[str, Any]:
 
 
 def _autofit_part(plan: Any, wall: float) -> dict[str, Any]:
+    confirmed = plan.confirmation
     return dict(fits=plan.fits, config=plan.config.to_dict() if plan.config else None,
                 describe=plan.config.describe() if plan.config else None, probes_run=plan.probes_run,
                 probes_decided=len(plan.probes), wall_s=wall, probe_samples_per_s=plan.throughput,
-                peak_bytes=plan.peak_memory, reason=plan.reason)
+                peak_bytes=plan.peak_memory, reason=plan.reason,
+                confirmation=confirmed.to_dict() if confirmed is not None else None,
+                noise=_confirmed_noise(confirmed))
+
+
+def _confirmed_noise(confirmed: Any) -> float:
+    """The noise the search itself saw between its top two finalists: the width of their per-round ratio
+    (upper over lower quartile), at least the noise margin."""
+    from autofit.search.confirm import NOISE_MARGIN, Ratio
+
+    runner = confirmed.runner_up() if confirmed is not None else None
+    if runner is None or not runner.rounds:
+        return NOISE_MARGIN
+    ratio = Ratio.of(confirmed.winner, runner)
+    return max(NOISE_MARGIN, ratio.high / ratio.low - 1)
 
 
 def _oracle_part(oracle: Any, top: int) -> dict[str, Any]:
@@ -100,42 +128,59 @@ def _oracle_part(oracle: Any, top: int) -> dict[str, Any]:
                      for r in oracle.ranked(top)])
 
 
-def _compare(spec: Any, plan: Any, oracle: Any, tools: list[Any], strategies: Any, options: Options) -> dict[str, Any]:
-    """Re-measure autofit's choice against the oracle's best and each tool's end configuration, back to back.
+def _compare(spec: Any, plan: Any, again: Any, oracle: Any, tools: list[Any], strategies: Any,
+             options: Options) -> dict[str, Any]:
+    """Re-measure autofit's choice against the oracle's candidates, the repeat run's choice and each tool's
+    end configuration, back to back in plain training (the speed a user gets, and the conditions of the
+    probes' timed steps). Every fit of the exhaustive search is screened once; the two fastest, and the
+    two fastest exact (tier 0) ones, are the oracle's candidates. Two oracles: the fastest of them all
+    (autofit's choice included, so quality <= 1), and the choice the same exactness rule makes (a
+    numerics change only when `exact_margin` faster than the best exact fit, re-measured)."""
+    from autofit.search.space import build_space
 
-    "as probed": under the probes' conditions (on the CPU, the budget's per-storage bookkeeping on), the
-    oracle's candidates being the exhaustive search's fastest fits: this judges the search's decision.
-    "plain" (CPU only): plain training, the speed a user gets; every fit of the exhaustive search is
-    screened once in plain training and the two fastest are the oracle's candidates.
-    In both, the oracle is the fastest re-measured fit, autofit's choice included (so quality <= 1).
-    """
+    space = build_space(spec, strategies)
     level = baseline_config(spec)
     tool_configs = {t.tool: t.config(level) for t in tools if t.config(level) is not None}
-    tops = [r.config for r in oracle.ranked(options.oracle_top)]
-    out = {"as_probed": _side_by_side(spec, plan.config, tops, tool_configs, strategies, options, accounting=True)}
-    if spec.device.type == "cpu":
-        fits = [r.config for r in oracle.results if r.fits]
-        screen = remeasure(spec, fits, strategies, repetitions=1, steps=2)
-        plain_tops = [m.config for m in sorted(screen, key=lambda m: m.median, reverse=True)[:2]]
-        out["plain"] = _side_by_side(spec, plan.config, plain_tops, tool_configs, strategies, options, accounting=False)
-    return out
-
-
-def _side_by_side(spec: Any, chosen: Any, tops: list[Any], tool_configs: dict[str, Any], strategies: Any,
-                  options: Options, accounting: bool) -> dict[str, Any]:
-    configs = [chosen, *tops, *tool_configs.values()]
+    fits = [r.config for r in oracle.results if r.fits]
+    screen = sorted(remeasure(spec, fits, strategies, repetitions=1, steps=2), key=lambda m: m.median, reverse=True)
+    tops = [m.config for m in screen[:options.oracle_top]]
+    exact = [m.config for m in screen if space.tier(m.config) == 0][:options.oracle_top]
+    repeat = again.config if again is not None and again.fits else None
+    configs = [plan.config, *tops, *exact, *([repeat] if repeat else []), *tool_configs.values()]
     measured = {m.config: m for m in remeasure(spec, configs, strategies, options.repetitions,
-                                               options.remeasure_steps, accounting=accounting)}
-    # The chosen config is a fit too: the oracle is the fastest of all of them, so quality <= 1.
-    oracle_best = max([chosen, *tops], key=lambda c: measured[c].median)
-    ours = measured[chosen].median
-    return dict(
-        repetitions=options.repetitions, steps=options.remeasure_steps, accounting=accounting,
-        autofit_samples_per_s=ours, oracle=oracle_best.describe(), oracle_samples_per_s=measured[oracle_best].median,
-        same_config=oracle_best == chosen, decision_quality=ours / measured[oracle_best].median,
-        tools={name: dict(describe=c.describe(), samples_per_s=measured[c].median,
-                          vs_autofit=measured[c].median / ours) for name, c in tool_configs.items()},
+                                               options.remeasure_steps, accounting=False)}
+    speed = {c: measured[c].median for c in measured}
+    candidates = list(dict.fromkeys([plan.config, *tops, *exact]))
+    fastest = max(candidates, key=speed.get)
+    policy = _policy_oracle(candidates, speed, space, plan.confirmation.exact_margin if plan.confirmation else 0.1)
+    ours = speed[plan.config]
+    part = dict(
+        repetitions=options.repetitions, steps=options.remeasure_steps, accounting=False,
+        autofit_samples_per_s=ours, oracle=fastest.describe(), oracle_samples_per_s=speed[fastest],
+        same_config=fastest == plan.config, decision_quality=ours / speed[fastest],
+        policy_oracle=policy.describe(), policy_same_config=policy == plan.config,
+        decision_quality_policy=min(1.0, ours / speed[policy]),
+        tools={name: dict(describe=c.describe(), samples_per_s=speed[c], vs_autofit=speed[c] / ours)
+               for name, c in tool_configs.items()},
+        screen=[dict(describe=m.config.describe(), samples_per_s=m.median) for m in screen],
         all=[dict(describe=m.config.describe(), median=m.median, samples=list(m.samples_per_s)) for m in measured.values()])
+    if repeat is not None:
+        noise = _confirmed_noise(plan.confirmation)
+        ratio = speed[repeat] / ours
+        part["repeat"] = dict(describe=repeat.describe(), same_config=repeat == plan.config, ratio=ratio,
+                              noise=noise, agrees=repeat == plan.config or abs(ratio - 1) <= noise)
+    return {"plain": part}
+
+
+def _policy_oracle(candidates: list[Any], speed: dict[Any, float], space: Any, margin: float) -> Any:
+    """What the exactness rule chooses from re-measured figures: the fastest exact candidate, unless the
+    fastest of all is a numerics change faster than it by `margin` (or nothing exact is among them)."""
+    fastest = max(candidates, key=speed.get)
+    exact = [c for c in candidates if space.tier(c) == 0]
+    if not exact:
+        return fastest
+    best_exact = max(exact, key=speed.get)
+    return fastest if speed[fastest] >= speed[best_exact] * (1 + margin) else best_exact
 
 
 class _phase:

@@ -222,13 +222,15 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--max-probes", type=int, default=DEFAULT_MAX_PROBES, show_default=True)
 @click.option("--warmup-steps", type=int, default=2, show_default=True)
 @click.option("--timed-steps", type=int, default=3, show_default=True)
+@click.option("--exact-margin", type=float, default=0.10, show_default=True,
+              help="How much faster a numerics change (bf16, 8-bit states, Adafactor) must be than an exact fit.")
 @click.option("--out", default=None, help="Run directory (default runs/<model>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_batch_size: int | None,
          device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
-         engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int, out: str | None,
-         resume: bool, as_json: bool) -> int:
+         engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int,
+         exact_margin: float, out: str | None, resume: bool, as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
@@ -245,7 +247,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
                                    optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,
                                    storage=f"sqlite:///{out_dir / TRIALS}", max_probes=max_probes,
                                    warmup_steps=warmup_steps, timed_steps=timed_steps, progress=progress,
-                                   engine=engine, nvme_path=nvme_path)
+                                   engine=engine, nvme_path=nvme_path, exact_margin=exact_margin)
         except KeyboardInterrupt:
             click.echo(f"\nInterrupted. {progress.finished_count} finished probe(s) are recorded in "
                        f"{out_dir / TRIALS} (and {PROBES_LOG}); the one running was dropped. Resume, re-probing "

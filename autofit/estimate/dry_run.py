@@ -10,9 +10,13 @@ micro-batch predicted to fit (its smallest when none does). The dry-run adds onl
 its report.
 
 The cost model that ranks fitting candidates (predicted seconds per optimizer step, on one GPU's figures):
-- compute: 6 FLOPs per parameter per token (forward 2, backward 4; 4 with a frozen LoRA base) plus
+- compute: 6 FLOPs per parameter per position (forward 2, backward 4; 4 with a frozen LoRA base) plus
   12 * layers * seq^2 * hidden per sample for attention, at `MFU` of the GPU's peak TFLOP/s for the
-  precision, times a utilisation `t / (t + HALF_SATURATION_TOKENS)` of the micro-batch's t tokens;
+  precision, times a utilisation `t / (t + HALF_SATURATION_TOKENS)` of the micro-batch's t positions,
+  and never faster than the peak itself. Positions per sample are what the model processes
+  (`autofit.estimate.workload`): tokens, image patches (197 for ViT-B/16 at 224 px), speech frames
+  (1,500 for Whisper), or an encoder-decoder's source tokens through the encoder plus its target tokens
+  through the decoder;
 - recomputation: full checkpointing adds one forward (+2 FLOPs per parameter-token), every k-th block 1/k of that;
 - quantized base weights: dequantization slows NF4 by `NF4_SLOWDOWN`, LLM.int8 by `INT8_SLOWDOWN`;
 - communication over the GPU interconnect: a ring all-reduce / reduce-scatter of the gradients per step,
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from autofit.config import Config, Loss, Offload, Quantization
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
 from autofit.estimate.gpus import GpuProfile, get_gpu
+from autofit.estimate.workload import Workload, workload
 from autofit.search.space import TIER_NAMES, Space, build_space
 from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
@@ -207,6 +212,7 @@ class _Planner:
 
     def __init__(self, space: Space, estimator: Estimator, gpu: GpuProfile):
         self.space, self.spec, self.estimator, self.gpu = space, space.spec, estimator, gpu
+        self.work = workload(self.spec, estimator.facts.num_params, estimator.facts.num_blocks)
 
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
@@ -229,29 +235,34 @@ class _Planner:
         """`config` predicted: its estimate, fit, speed and reason."""
         estimate = self.estimator.predict(config)
         fits = self._fits(estimate)
-        seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts, estimate.offloaded_activations)
+        seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts, self.work,
+                               estimate.offloaded_activations)
         samples = config.global_batch_size / seconds
         head = _verdict(estimate, fits, self.spec.fit_limit)
-        return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s; {estimate.reason}",
+        return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}); {estimate.reason}",
                          self.space.tier(config), seconds, samples)
 
 
 def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,
-                 offloaded_activations: int = 0) -> float:
-    """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring);
-    `offloaded_activations`: bytes of saved tensors copied to the host and back in each micro-step."""
-    tokens = spec.tokens_per_sample or 1
+                 work: Workload | None = None, offloaded_activations: int = 0) -> float:
+    """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring).
+    `work` is the model's per-sample arithmetic (`autofit.estimate.workload`), found from `spec` when None;
+    `offloaded_activations`: bytes of saved tensors copied to the host and back in each micro-step. The
+    compute part never implies more than the card's peak FLOP/s."""
+    work = work or workload(spec, facts.num_params, facts.num_blocks)
     adapters = config.adapters
-    per_token = (4 if adapters else 6) + 2 * config.recomputed_share
+    per_position = (4 if adapters else 6) + 2 * config.recomputed_share
+    flops = config.micro_batch_size * work.flops(per_position, config.recomputed_share)
     hf = spec.model.hf_config
-    attention = 12 * facts.num_blocks * tokens**2 * getattr(hf, "hidden_size", 0) if hf is not None else 0
-    flops = config.micro_batch_size * (per_token * facts.num_params * tokens + attention)
     if config.loss is Loss.CHUNKED and hf is not None:  # the head's forward again, chunk by chunk
+        tokens = spec.tokens_per_sample or 1
         flops += config.micro_batch_size * 2 * getattr(hf, "vocab_size", 0) * getattr(hf, "hidden_size", 0) * tokens
-    mb_tokens = config.micro_batch_size * tokens
-    rate = gpu.tflops("bf16" if config.pure_bf16 else config.precision) * 1e12 * MFU * mb_tokens / (mb_tokens + HALF_SATURATION_TOKENS)
+    positions = config.micro_batch_size * work.positions
+    peak = gpu.tflops("bf16" if config.pure_bf16 else config.precision) * 1e12
+    rate = peak * MFU * positions / (positions + HALF_SATURATION_TOKENS)
     slowdown = {Quantization.NF4: NF4_SLOWDOWN, Quantization.INT8: INT8_SLOWDOWN}.get(config.quantization, 1.0)
-    micro = flops / rate * slowdown + 2 * offloaded_activations / (gpu.pcie_gbps * 1e9)  # out and back
+    pcie_copies = 2 * offloaded_activations / (gpu.pcie_gbps * 1e9)  # out and back
+    micro = max(flops / rate * slowdown, flops / peak) + pcie_copies
     n, link, pcie = config.num_gpus, gpu.interconnect_gbps * 1e9, gpu.pcie_gbps * 1e9
     trained = (config.lora or 16) * facts.lora_params_per_rank if adapters else facts.trainable_params
     half = 2 if config.half_precision else 4

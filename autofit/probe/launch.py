@@ -211,14 +211,28 @@ def _reap(processes: list[_Process]) -> None:
         os.close(p.result_fd)
 
 
+# What a rank's collective raises when a peer has left (gloo: transport/tcp/pair.cc; NCCL: a remote
+# process exited or the communicator was aborted): a consequence of the peer's outcome, never the cause.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+             "NCCL communicator was aborted")
+
+
+def _lost_peer(result: ProbeResult) -> bool:
+    return result.status is ProbeStatus.ERROR and any(text in result.reason for text in PEER_LOST)
+
+
 def combine(spec: TrainSpec, config: Config, reports: list[ProbeResult]) -> ProbeResult:
-    """One result for the candidate: the first OOM, else the first error or prune, else the fit with the
-    largest peak and the slowest step (throughput over all ranks' samples). Every rank's peak is kept."""
+    """One result for the candidate: the first OOM, else the first error or prune (an error that only
+    says a peer left comes after the peer's own prune), else the fit with the largest peak and the slowest
+    step (throughput over all ranks' samples). Every rank's peak is kept."""
     if len(reports) == 1:
         return dataclasses.replace(reports[0], config=config)
     peaks = tuple(r.peak_bytes for r in reports)
-    for status in (ProbeStatus.OOM, ProbeStatus.ERROR, ProbeStatus.PRUNED):
-        failed = [r for r in reports if r.status is status]
+    causes = [[r for r in reports if r.status is ProbeStatus.OOM],
+              [r for r in reports if r.status is ProbeStatus.ERROR and not _lost_peer(r)],
+              [r for r in reports if r.status is ProbeStatus.PRUNED],
+              [r for r in reports if _lost_peer(r)]]
+    for failed in causes:
         if failed:
             return dataclasses.replace(failed[0], config=config, rank_peaks=peaks,
                                        reason=f"{failed[0].reason} (on {len(failed)} of {len(reports)} ranks)")

@@ -67,6 +67,15 @@ class ProbeResult:
     source: Source = Source.PROBED
     rank_peaks: tuple[int | None, ...] = ()  # each rank's peak (bytes; None: it did not report), several ranks only
     phase: str | None = None  # where an OOM or error struck: "build", "forward", "backward" or "step" (`PHASES`)
+    step_spread: float | None = None  # (slowest - fastest) / median of the timed steps' seconds
+    alloc_retries: int | None = None  # CUDA caching-allocator retries (cudaMalloc failed, cache flushed) while timed
+    fragmentation: float | None = None  # CUDA: inactive split bytes / reserved bytes after the timed steps
+
+    @property
+    def near_limit(self) -> bool:
+        """Whether the allocator had to flush its cache and retry during the timed steps: a fit that thrashes
+        near the memory limit (slower than it should be, and at risk over a long run)."""
+        return bool(self.alloc_retries)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", ProbeStatus(self.status))

@@ -8,8 +8,10 @@ attempt is released before the next probe.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import statistics
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 MIN_ALLOWANCE = 5.0  # seconds a probe may always take before its deadline stops it
 STEADY_STEPS = 2  # optimizer steps after which every step allocates the same (see _train)
 MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps beyond the asked ones: 24 halvings take the scale from 2**16 to 2**-8
+SETTLED_WITHIN = 0.15  # the first probe of a process warms up until two steps agree this closely...
+MAX_SETTLE_STEPS = 6  # ... or for at most this many extra untimed steps
 
 
 def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
@@ -48,7 +52,7 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         budget.allowance = allowance
     try:
         with budget:
-            step_seconds = _train(spec, config, strategies, budget)
+            timed = _train(spec, config, strategies, budget)
     except UsageError:
         raise
     except DeadlinePassed:
@@ -63,7 +67,7 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind,
                              phase=getattr(exc, "autofit_phase", None))
     else:
-        result = _measured(spec, config, budget.peak, step_seconds)
+        result = _measured(spec, config, budget.peak, timed)
     try:
         release_memory()
     except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
@@ -79,9 +83,9 @@ def _stop_if_broken(exc: BaseException, config: Config) -> None:
         raise CudaContextBroken(config.describe(), cause) from exc
 
 
-def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> float:
-    """Build the run, take the warm-up steps, return the mean seconds of the timed steps. An exception
-    leaves carrying the phase it struck in (`autofit_phase`)."""
+def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> "Timed":
+    """Build the run, take the warm-up steps (more on the first probe of the process: `settle`), then
+    time each timed step. An exception leaves carrying the phase it struck in (`autofit_phase`)."""
     built: list[TrainRun] = []
     try:
         return _steps(spec, config, strategies, budget, built)
@@ -91,24 +95,27 @@ def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
 
 
 def _steps(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget,
-           built: list[TrainRun]) -> float:
-    run = build_run(spec, config, strategies)
+           built: list[TrainRun]) -> "Timed":
+    run, micro_batches = fresh_run(spec, config, strategies)
     built.append(run)
-    micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
-    micro_batches = [micro_batch] * config.grad_accum_steps  # the loader's worst case, every micro-step
     _warm_up(run, micro_batches, spec.warmup_steps, budget)
-    _sync(spec.device)
     # Two steps reach the steady-state peak: the first ends by creating the optimizer states, the
     # second holds them through its backward. When the warm-up steps counted both, the timed steps
     # repeat the second and run as plain training does.
     with budget.timing() if spec.warmup_steps >= STEADY_STEPS else contextlib.nullcontext():
-        start = time.perf_counter()
+        settle(spec.device, lambda: timed_step(run, micro_batches, spec.device), lambda: _clocked(budget))
+        watch = AllocatorWatch(spec.device)
+        seconds = []
         for _ in range(spec.timed_steps):
-            run.step(micro_batches)
-            budget.start_clock()  # no warm-up: the first timed step was the first step
-            budget.check_deadline()
-        _sync(spec.device)
-        return (time.perf_counter() - start) / spec.timed_steps
+            seconds.append(timed_step(run, micro_batches, spec.device))
+            _clocked(budget)
+    return Timed(tuple(seconds), *watch.stop())
+
+
+def _clocked(budget: Budget) -> None:
+    """After a step: the deadline's clock runs from the first step (setup excluded); stop if it passed."""
+    budget.start_clock()
+    budget.check_deadline()
 
 
 def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -> None:
@@ -132,19 +139,115 @@ def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -
         run.step(micro_batches)
         stepped = stepped or not scaled or run.scaler.get_scale() >= before  # a skipped step halves the scale
         taken += 1
-        budget.start_clock()
-        budget.check_deadline()
+        _clocked(budget)
 
 
-def _measured(spec: TrainSpec, config: Config, peak: int, step_seconds: float) -> ProbeResult:
+def fresh_run(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"]) -> tuple[TrainRun, list[Any]]:
+    """A fresh run of `config` and its micro-batches at the worst-case shape (the same one every micro-step,
+    the loader's worst case)."""
+    run = build_run(spec, config, strategies)
+    micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
+    return run, [micro_batch] * config.grad_accum_steps
+
+
+def timed_step(run: TrainRun, micro_batches: Sequence[Any], device: torch.device) -> float:
+    """Wall seconds of one optimizer step, the device synchronised on both sides."""
+    _sync(device)
+    start = time.perf_counter()
+    run.step(micro_batches)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+_SETTLED: set[str] = set()  # devices whose one-time process costs this process has paid
+
+
+def settle(device: torch.device, step: Callable[[], float], check: Callable[[], None] = lambda: None) -> int:
+    """On the first probe of `device` in this process, take untimed steps until two in a row agree within
+    SETTLED_WITHIN (at most MAX_SETTLE_STEPS): thread pools start, kernels are selected and autotuned
+    (oneDNN primitives, cuBLAS/cuDNN heuristics), the allocator grows, lazy imports run. Later probes
+    find all of that done. Ranks stop together, once every one has settled. Returns the steps taken."""
+    if str(device) in _SETTLED:
+        return 0
+    previous, taken = None, 0
+    while taken < MAX_SETTLE_STEPS:
+        seconds = step()
+        taken += 1
+        check()
+        settled = previous is not None and abs(seconds - previous) <= SETTLED_WITHIN * min(seconds, previous)
+        if _all_ranks(settled, device):
+            break
+        previous = seconds
+    _SETTLED.add(str(device))
+    return taken
+
+
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank of the process group (this process's alone outside one): ranks
+    must take the same steps, or one leaves while its peers wait in a collective."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    agreed = torch.tensor([int(flag)], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """What the timed steps measured: seconds per step, and the CUDA allocator's behaviour meanwhile."""
+
+    seconds: tuple[float, ...]  # wall seconds of each timed optimizer step
+    alloc_retries: int | None = None  # None off CUDA
+    fragmentation: float | None = None
+
+    @property
+    def median(self) -> float:
+        """Median seconds per step: robust to one step disturbed by another process."""
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median: how much the steps disagreed."""
+        return (max(self.seconds) - min(self.seconds)) / self.median
+
+
+class AllocatorWatch:
+    """Counts the CUDA caching allocator's retries from construction to `stop()`, and reads its
+    fragmentation then (`torch.cuda.memory_stats`: "num_alloc_retries" counts failed cudaMalloc calls
+    that flushed the cache and retried; "inactive_split_bytes" is reserved memory split and unusable for
+    larger blocks). A retry during timed steps means the micro-batch runs at the allocator's limit: it
+    pays cudaFree/cudaMalloc and synchronisations every step. Off CUDA it records nothing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.start = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if self.cuda else 0
+
+    def stop(self) -> tuple[int | None, float | None]:
+        """(retries since construction, inactive split bytes / reserved bytes), or (None, None) off CUDA."""
+        if not self.cuda:
+            return None, None
+        stats = torch.cuda.memory_stats(self.device)
+        reserved = stats.get("reserved_bytes.all.current", 0)
+        split = stats.get("inactive_split_bytes.all.current", 0)
+        return stats.get("num_alloc_retries", 0) - self.start, (split / reserved if reserved else 0.0)
+
+
+def _measured(spec: TrainSpec, config: Config, peak: int, timed: Timed) -> ProbeResult:
+    step_seconds = timed.median
     samples = config.global_batch_size / step_seconds
     tokens = samples * spec.tokens_per_sample if spec.tokens_per_sample else None
     share = f"{format_size(peak)} of {format_size(spec.memory_budget)} ({peak / spec.memory_budget:.0%})"
+    figures = dict(step_spread=timed.spread, alloc_retries=timed.alloc_retries, fragmentation=timed.fragmentation)
     if peak > spec.fit_limit:
         return ProbeResult(config, ProbeStatus.OOM,
                            f"peak {share} is inside the {spec.safety_margin:.0%} safety margin",
-                           peak, step_seconds, samples, tokens, oom_kind="margin")
-    return ProbeResult(config, ProbeStatus.FIT, f"fits: peak {share}", peak, step_seconds, samples, tokens)
+                           peak, step_seconds, samples, tokens, oom_kind="margin", **figures)
+    thrash = f"; {timed.alloc_retries} allocator retries while timed: near the limit" if timed.alloc_retries else ""
+    return ProbeResult(config, ProbeStatus.FIT, f"fits: peak {share}{thrash}", peak, step_seconds, samples, tokens,
+                       **figures)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,7 +1,8 @@
-"""`autofit.autofit`: spec -> space -> walk (probes) -> plan, wired in one function."""
+"""`autofit.autofit`: spec -> space -> walk (probes) -> confirmation (finalists re-measured) -> plan."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 from autofit.config import Config
@@ -9,15 +10,18 @@ from autofit.estimate.estimator import predictor_for, tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.errors import UsageError
 from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed
-from autofit.probe.outcome import ProbeResult
+from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.probe.payload import check_serialisable
-from autofit.search.space import build_space
+from autofit.search import confirm as confirmation
+from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search
-from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, make_spec
-from autofit.strategies import ENGINES, Strategy, default_strategies
-from autofit.strategies.base import Placement
+from autofit.spec.devices import device_memory
+from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, TrainSpec, make_spec
+from autofit.strategies import ENGINES, Placement, Strategy, default_strategies
 from autofit.strategies.sharding import ShardingEngine
+
+LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
 
 
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
@@ -27,7 +31,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
             max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
             max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
             strategies: Sequence[Strategy] | None = None, progress: Progress | None = None,
-            predict: bool = True, engine: str = "auto", nvme_path: Any = None) -> Plan:
+            predict: bool = True, engine: str = "auto", nvme_path: Any = None,
+            exact_margin: float = confirmation.DEFAULT_EXACT_MARGIN) -> Plan:
     """Find the fastest training configuration that fits, by probing real training steps.
 
     Args:
@@ -64,11 +69,16 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
             installed, and FSDP2; the faster measured one wins), "deepspeed" or "fsdp" to pin one.
         nvme_path: a folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); checked writable
             now, kept in the plan (`plan.spec["nvme_path"]`) and written by the exports.
+        exact_margin: how much faster (0.10 = 10%) a numerics change (bf16/fp16, 8-bit optimizer states,
+            Adafactor in place of your AdamW) must be than the best exact fit, re-measured back to back,
+            to be chosen over it; a numerics change is chosen regardless when nothing exact fits.
 
     Returns:
-        A `Plan`: `fits`, `config`, `throughput` (samples/s), `tokens_per_second`, `peak_memory`
-        (bytes), `reason`, and every probe.
+        A `Plan`: `fits`, `config`, `throughput` (samples/s, as confirmed), `tokens_per_second`,
+        `peak_memory` (bytes), `reason`, every probe, and the `confirmation` (finalists re-measured back to
+        back, see `autofit.search.confirm`).
     """
+    margin = confirmation.check_margin(exact_margin)
     chosen = engine_strategies(strategies, engine, nvme_path)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
                      memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
@@ -86,8 +96,45 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
 
     predictor = predictor_for(spec, space.strategies) if predict else None
     tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
-    results = Search(space, store, prober, max_probes, progress, predictor, tolerance).run()
-    return make_plan(space, results, predictor)
+    search = Search(space, store, prober, max_probes, progress, predictor, tolerance)
+    results = search.run()
+    probe = functools.partial(_follow_up, search, prober)
+    results = confirmation.follow_near_limit(space, results, probe)
+    results = confirmation.follow_numerics(space, results, probe)
+    measure, rounds, method, limit = _measurer(spec, space, results, prober)
+    confirmed = confirmation.confirm(space, results, measure, rounds, margin, method, limit)
+    return make_plan(space, results, predictor, confirmed)
+
+
+def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeResult:
+    """Probe `config` after the walk (no deadline: it is measured to be compared), recorded in the trial
+    store and shown like the walk's probes; a stored result is reused; within the same probe budget."""
+    stored = search.store.lookup(config)
+    if stored is not None:
+        return stored
+    if search.probes_run >= search.max_probes:
+        return decided(config, Skip.BUDGET, f"probe budget of {search.max_probes} probes spent")
+    search.progress.starting(config, why)
+    result = prober(config, None)
+    search.probes_run += 1
+    search.store.record(result)
+    search.progress.finished(result)
+    return result
+
+
+def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
+              prober: Any) -> tuple[confirmation.Measure, int, str, int]:
+    """How the finalists are re-measured (measure, rounds, its name, how many the window takes): live runs
+    side by side when they all run in this process on the CPU and fit in host memory together, else whole
+    probes (child processes, ranks, CUDA)."""
+    fits = [r for r in results if r.fits]
+    in_process = all(space.placement(r.config) is Placement.IN_PROCESS for r in fits)
+    held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:confirmation.MAX_FINALISTS + 2])
+    if spec.device.type == "cpu" and in_process and held <= LIVE_SHARE * device_memory(spec.device):
+        return (confirmation.live_measure(spec, space.strategies), confirmation.LIVE_ROUNDS, "live runs",
+                confirmation.MAX_FINALISTS)
+    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, "probes",
+            confirmation.PROBE_FINALISTS)
 
 
 def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_path: Any = None) -> list[Strategy]:

@@ -13,7 +13,9 @@ from bench.measure import remeasure, robustness
 from bench.oracle import exhaustive
 from bench.report import END, START, update_readme
 from bench.scenarios import Scenario, TokenFeatures, baseline_config, budget_for, make_mlp, token_loss
-from bench.suite import Options, run_scenario
+from autofit.search.space import build_space
+from bench.load import CompetingLoad
+from bench.suite import Options, _policy_oracle, run_scenario
 from bench.tools import AllocatorWordedBudget, run_accelerate, run_lightning, run_trainer
 
 TINY = Scenario("tiny-mlp@60%", "mlp", functools.partial(make_mlp, 16, 3), TokenFeatures(256, 16), 2, 0.6,
@@ -88,8 +90,11 @@ def test_one_scenario_end_to_end_fills_the_readme(tmp_path):
                       strategies=lambda: [Checkpointing(), MicroBatch()])
     result = run_scenario(TINY, options)
     assert result["autofit"]["fits"] and result["exhaustive"]["candidates"] >= result["autofit"]["probes_run"]
-    quality = result["remeasured"]["as_probed"]["decision_quality"]
-    assert quality > 0 and result["cost_ratio"] > 0 and result["robustness"]["ok"]
+    plain = result["remeasured"]["plain"]
+    quality = plain["decision_quality"]
+    assert 0 < quality <= 1 and 0 < plain["decision_quality_policy"] <= 1
+    assert result["cost_ratio"] > 0 and result["robustness"]["ok"]
+    assert result["repeat"]["fits"] and plain["repeat"]["agrees"] in (True, False)  # tuned twice, compared
     rows = result["dry_run"]
     assert len(rows) == result["exhaustive"]["candidates"] and sum(r["role"] == "chosen" for r in rows) == 1
     assert any(r["role"] == "oom" and r["measured_bytes"] > result["fit_limit_bytes"] for r in rows)
@@ -102,6 +107,25 @@ def test_one_scenario_end_to_end_fills_the_readme(tmp_path):
     text = readme.read_text()
     assert text.startswith("# Bench\n\nintro") and text.rstrip().endswith("tail") and "old" not in text
     assert "| tiny-mlp@60% |" in text and f"{quality:.2f}" in text and "Dry-run error" in text
+    assert "Tuned twice: the same configuration in" in text
+
+
+def test_policy_oracle_keeps_exact_unless_the_change_clears_the_margin():
+    space = build_space(TINY.spec("cpu", 2**30), default_strategies())
+    exact, changed = Config(micro_batch_size=2), Config(micro_batch_size=2, optimizer="adafactor")
+    assert _policy_oracle([exact, changed], {exact: 100, changed: 105}, space, 0.10) == exact
+    assert _policy_oracle([exact, changed], {exact: 100, changed: 115}, space, 0.10) == changed
+    assert _policy_oracle([changed], {changed: 1}, space, 0.10) == changed
+
+
+def test_competing_load_runs_and_stops():
+    import time
+
+    with CompetingLoad(1) as load:
+        (worker,) = load._workers
+        time.sleep(1.0)
+        assert worker.is_alive()
+    assert not worker.is_alive() and not load._workers
 
 
 def test_probe_status_values_used_by_the_report_exist():

@@ -140,6 +140,12 @@ def test_combine_takes_the_worst_rank():
     oom = ProbeResult(config, ProbeStatus.OOM, "CPU budget exceeded", oom_kind="cpu-budget")
     worst = combine(spec, config, [silent, oom])
     assert worst.status is ProbeStatus.OOM and worst.reason.endswith("(on 1 of 2 ranks)")
+    # a rank stopped as too slow leaves its peer's collective failing: the prune is the outcome
+    pruned = ProbeResult(config, ProbeStatus.PRUNED, "too slow to win: stopped 5.0 s after its first step")
+    left = ProbeResult(config, ProbeStatus.ERROR, "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection "
+                                                  "closed by peer [127.0.0.1]:32408.")
+    assert combine(spec, config, [left, pruned]).status is ProbeStatus.PRUNED
+    assert combine(spec, config, [left, silent]).reason.startswith("rank 1 did not report")
 
 
 SCRIPT = """

@@ -32,8 +32,12 @@ def check_plan(plan, budget, global_batch):
     assert plan.config.micro_batch_size * plan.config.grad_accum_steps * plan.config.num_gpus == global_batch
     assert any(p.status is ProbeStatus.OOM for p in plan.probes)
     fits = [p for p in plan.probes if p.fits]
-    assert plan.throughput == max(p.samples_per_s for p in fits)
-    assert plan.config == next(p.config for p in fits if p.samples_per_s == plan.throughput)
+    assert plan.config in {p.config for p in fits}
+    confirmed = plan.confirmation
+    assert confirmed is not None and confirmed.winner.config == plan.config
+    assert plan.throughput == confirmed.winner.median  # the figure the choice was made on
+    # the fastest fit as probed was among the finalists re-measured back to back
+    assert max(fits, key=lambda p: p.samples_per_s).config in {f.config for f in confirmed.finalists}
     assert plan.probes_run <= 25
 
 
@@ -121,7 +125,11 @@ def test_resumed_search_reprobes_nothing(tmp_path):
     second = autofit.autofit(make_mlp, make_mlp_batch, **args)
     assert first.probes_run > 0 and second.probes_run == 0
     assert {p.source for p in second.probes} <= {Source.STORED, Source.DECIDED}
-    assert second.config == first.config and second.throughput == first.throughput
+    # the stored figures are re-confirmed in this session, never taken raw
+    finalists = second.confirmation.finalists
+    assert finalists and all(f.source is Source.STORED and f.rounds for f in finalists)
+    assert second.config in {f.config for f in first.confirmation.finalists} | {first.config}
+    assert second.throughput == second.confirmation.winner.median
 
 
 def test_plan_round_trips(tmp_path):

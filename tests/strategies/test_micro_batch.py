@@ -24,6 +24,15 @@ def test_forced_by_a_budget_the_full_micro_batch_misses():
     full = peak(make_mlp, long_batch, Config(micro_batch_size=8), loss_fn=mlp_loss)
     half = peak(make_mlp, long_batch, Config(micro_batch_size=4, grad_accum_steps=2), loss_fn=mlp_loss)
     plan = tune(make_mlp, long_batch, [MicroBatch()], budget_between(half, full), 8, loss_fn=mlp_loss)
-    assert plan.fits and plan.config.micro_batch_size == 4 and plan.config.grad_accum_steps == 2
     probed = [p.config.micro_batch_size for p in plan.probes if p.source == "probed"]
     assert probed == [8, 2, 4]  # bisection: 8 runs out of memory, 2 fits, 4 fits; 1 only adds work to 2
+    assert plan.fits and plan.config.global_batch_size == 8
+    # 2 and 4 run at about the same speed: both are re-measured back to back, and 2 replaces 4 (the
+    # larger micro-batch, the walk's prior) only when clearly faster there, never on one noisy probe
+    confirmation = plan.confirmation
+    assert [f.config.micro_batch_size for f in confirmation.finalists] == [4, 2]
+    if plan.config.micro_batch_size == 2:
+        (comparison,) = confirmation.comparisons
+        assert comparison.won and comparison.ratio.median >= 1.03 and comparison.ratio.wins >= 0.7
+    else:
+        assert plan.config.micro_batch_size == 4 and plan.config.grad_accum_steps == 2

@@ -1,0 +1,149 @@
+"""What one training sample costs in arithmetic: the positions each stack of the model processes, and
+the FLOPs that follow, for the dry-run's speed model.
+
+A sample is not one token: a ViT-B/16 image at 224 px is 197 positions (196 patches and a class token),
+thirty seconds of Whisper audio is 1,500 encoder frames plus the decoder's tokens, and a T5 example is
+its input tokens through the encoder plus its target tokens through the decoder (which also attends to
+every encoder position). Counted per sample (forward and backward, matmuls only):
+
+- `per_token * parameters * positions` for each stack (6 FLOPs per weight and position for training:
+  forward 2, backward 4; embeddings looked up rather than multiplied are left out of the encoder's share);
+- self-attention `12 * layers * positions^2 * width` (QK^T and AV: 4 * T^2 * width forward, x3 with
+  backward), and cross-attention `12 * layers * target positions * source positions * width`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autofit.spec.train import TrainSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One stack of layers: the positions per sample it processes and the weights it multiplies them by."""
+
+    name: str  # "model", "encoder" or "decoder"
+    positions: int  # tokens, patches or frames per sample
+    params: int  # parameters applied to every position (matmul weights)
+    layers: int
+    width: int  # attention width: heads x head dimension
+    attends_to: int = 0  # positions of another stack it cross-attends to (an encoder-decoder's decoder)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Per-sample arithmetic of a model: its stacks and how their positions were found (one phrase)."""
+
+    stacks: tuple[Stack, ...]
+    how: str
+
+    @property
+    def positions(self) -> int:
+        """Positions per sample over all stacks (a stand-in for "tokens" in utilisation)."""
+        return sum(s.positions for s in self.stacks)
+
+    def flops(self, per_param_position: float, recompute_share: float = 0.0) -> float:
+        """Training FLOPs per sample: `per_param_position` FLOPs per weight and position (6 for full
+        training, 4 with a frozen base), attention FLOPs growing by a third of `recompute_share` (the
+        forward recomputed under activation checkpointing)."""
+        total = 0.0
+        for s in self.stacks:
+            attention = 12 * s.layers * s.positions * (s.positions + s.attends_to) * s.width
+            total += per_param_position * s.params * s.positions + attention * (1 + recompute_share / 3)
+        return total
+
+
+def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
+    """The `Workload` of `spec`'s model: vision (patches), speech (frames), encoder-decoder (source and
+    target tokens) or one stack of `spec.tokens_per_sample` positions (1 when the batch has none)."""
+    hf = spec.model.hf_config
+    sample = spec.batch_factory(1)
+    if hf is not None and getattr(hf, "is_encoder_decoder", False):
+        return _encoder_decoder(spec, hf, sample, num_params)
+    width = _width(hf) if hf is not None else 0
+    layers = _first(hf, "num_hidden_layers", "n_layer", "num_layers", default=num_blocks) if hf is not None else num_blocks
+    patches = _patches(hf) if hf is not None else None
+    if patches is not None:
+        return Workload((Stack("model", patches, num_params, layers, width),),
+                        f"{patches} patches per image ({_side(hf)} px in {hf.patch_size} px patches, a class token)")
+    frames = _frames(hf, sample) if hf is not None else None
+    if frames is not None:
+        return Workload((Stack("model", frames, num_params, layers, width),), f"{frames} frames per sample")
+    tokens = spec.tokens_per_sample or _sequence(sample, "input_ids")
+    how = f"{tokens} tokens per sample" if tokens else "1 position per sample (no sequence axis in the batch)"
+    return Workload((Stack("model", tokens or 1, num_params, layers, width),), how)
+
+
+def _encoder_decoder(spec: "TrainSpec", hf: Any, sample: Any, num_params: int) -> Workload:
+    source = _frames(hf, sample) or spec.tokens_per_sample or _sequence(sample, "input_ids") or 1
+    target = _sequence(sample, "labels") or _sequence(sample, "decoder_input_ids") or \
+        _first(hf, "max_target_positions", default=source)
+    encoder = _encoder_params(spec)
+    width = _width(hf)
+    enc_layers = _first(hf, "encoder_layers", "num_layers", "num_hidden_layers", default=1)
+    dec_layers = _first(hf, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers", default=1)
+    what = "frames" if _frames(hf, sample) else "tokens"
+    return Workload((Stack("encoder", source, encoder, enc_layers, width),
+                     Stack("decoder", target, num_params - encoder, dec_layers, width, attends_to=source)),
+                    f"{source} source {what} through the encoder and {target} target tokens through the decoder")
+
+
+def _encoder_params(spec: "TrainSpec") -> int:
+    """Matmul weights of the encoder: its parameters less the embeddings it only looks up."""
+    from torch import nn
+
+    from autofit.estimate.estimator import meta_model
+
+    model = meta_model(spec.model_factory)
+    encoder = model.get_encoder()
+    looked_up = {id(p) for m in encoder.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    return sum(p.numel() for p in encoder.parameters() if id(p) not in looked_up)
+
+
+def _patches(hf: Any) -> int | None:
+    patch = getattr(hf, "patch_size", None)
+    if patch is None or getattr(hf, "image_size", None) is None:
+        return None
+    patch = patch if isinstance(patch, int) else patch[0]
+    return (_side(hf) // patch) ** 2 + 1
+
+
+def _side(hf: Any) -> int:
+    size = hf.image_size
+    return size if isinstance(size, int) else size[0]
+
+
+def _frames(hf: Any, sample: Any) -> int | None:
+    """Encoder frames of a speech model: Whisper's fixed window (`max_source_positions`, 1,500 for 30 s),
+    or a waveform model's samples over its convolutions' total stride."""
+    if getattr(hf, "num_mel_bins", None) is not None and getattr(hf, "max_source_positions", None):
+        return int(hf.max_source_positions)
+    stride = getattr(hf, "conv_stride", None)
+    values = sample.get("input_values") if isinstance(sample, dict) else None
+    if stride and values is not None:
+        return int(values.shape[-1]) // math.prod(stride)
+    return None
+
+
+def _sequence(sample: Any, key: str) -> int | None:
+    value = sample.get(key) if isinstance(sample, dict) else None
+    return int(value.shape[1]) if value is not None and value.dim() >= 2 else None
+
+
+def _width(hf: Any) -> int:
+    heads, head_dim = _first(hf, "num_heads", "num_attention_heads", "n_head", default=0), getattr(hf, "d_kv", None)
+    if heads and head_dim:
+        return heads * head_dim
+    return _first(hf, "hidden_size", "d_model", "n_embd", default=0)
+
+
+def _first(hf: Any, *names: str, default: int) -> int:
+    for name in names:
+        value = getattr(hf, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default

@@ -1,0 +1,88 @@
+"""The dry-run's speed model counts what a sample really costs (autofit/estimate/workload.py) and never
+implies more than the card's peak FLOP/s: ViT patches, Whisper frames, T5 source and target tokens.
+
+Bounds are physics, computed here independently of the model: samples/s x FLOPs per sample <= peak.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from autofit.config import Config
+from autofit.estimate.dry_run import dry_run, step_seconds
+from autofit.estimate.estimator import meta_model, model_facts
+from autofit.estimate.gpus import get_gpu
+from autofit.estimate.workload import workload
+from autofit.spec.batch import TokenBatches
+from autofit.spec.presets import build_model, get_preset
+from autofit.spec.train import make_spec
+from autofit.strategies import MicroBatch
+
+RTX_4090 = get_gpu("rtx-4090")  # 165 dense bf16 TFLOP/s
+
+
+def predicted(spec, config, gpu=RTX_4090):
+    facts = model_facts(meta_model(spec.model_factory))
+    return config.global_batch_size / step_seconds(spec, config, gpu, facts)
+
+
+def test_vit_b16_counts_197_patches_and_stays_under_the_4090s_peak():
+    spec = make_spec(get_preset("vit-base"), global_batch_size=64, device="cpu", memory_budget="24GiB")
+    work = workload(spec, spec.model.num_params, 12)
+    assert work.positions == 197 and "197 patches per image" in work.how
+    images = predicted(spec, Config(precision="bf16", micro_batch_size=64))
+    at_peak = 165e12 / (6 * 86e6 * 197)  # ~1,600 images/s at 100% of the tensor cores
+    assert 200 < images < at_peak  # was 53,000: one "token" per image
+
+
+def whisper_small():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(d_model=768, encoder_layers=12, decoder_layers=12, encoder_attention_heads=12,
+                           decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072)
+    return functools.partial(WhisperForConditionalGeneration, config)
+
+
+def audio(n):
+    return {"input_features": torch.randn(n, 80, 3000), "labels": torch.randint(0, 51865, (n, 448))}
+
+
+def test_whisper_counts_encoder_frames_and_decoder_tokens():
+    spec = make_spec(whisper_small(), audio, global_batch_size=16, device="cpu", memory_budget="24GiB")
+    work = workload(spec, spec.model.num_params, 12)
+    encoder, decoder = work.stacks
+    assert (encoder.positions, decoder.positions, decoder.attends_to) == (1500, 448, 1500)
+    assert 0 < encoder.params < decoder.params < spec.model.num_params  # the decoder holds the 51,865-token head
+    # the encoder alone: 12 layers of attention (4 d^2) and MLP (2 d x 3072) weights over 1,500 frames
+    encoder_flops = 6 * 12 * (4 * 768**2 + 2 * 768 * 3072) * 1500
+    samples = predicted(spec, Config(precision="bf16", micro_batch_size=16))
+    assert samples < 165e12 / encoder_flops  # ~216/s even at peak; was ~2,500
+
+
+def test_t5_counts_source_and_target_tokens():
+    t5 = functools.partial(build_model, get_preset("t5-small"))  # T5ForConditionalGeneration, as the dry-run builds it
+    spec = make_spec(t5, TokenBatches(32128, 512), global_batch_size=32, device="cpu", memory_budget="24GiB")
+    encoder, decoder = workload(spec, spec.model.num_params, 6).stacks
+    assert (encoder.positions, decoder.positions) == (512, 512)
+    assert encoder.params + decoder.params <= spec.model.num_params
+    flops = 6 * spec.model.num_params * 512  # at least every weight over the source (or target) tokens
+    assert predicted(spec, Config(precision="bf16", micro_batch_size=32)) < 165e12 / flops
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_no_prediction_exceeds_the_peak(precision):
+    spec = make_spec(get_preset("vit-base"), global_batch_size=4096, device="cpu", memory_budget="80GiB")
+    facts = model_facts(meta_model(spec.model_factory))
+    work = workload(spec, facts.num_params, facts.num_blocks)
+    h100 = get_gpu("h100-80gb")
+    config = Config(precision=precision, micro_batch_size=4096)
+    seconds = step_seconds(spec, config, h100, facts, work)
+    assert 4096 * work.flops(6) / seconds <= h100.tflops(precision) * 1e12
+
+
+def test_the_dry_run_of_vit_b16_on_a_4090_is_physical():
+    report = dry_run("vit-base", gpu="rtx-4090", global_batch_size=64, strategies=[MicroBatch()])
+    assert report.chosen is not None
+    assert report.chosen.samples_per_s < 165e12 / (6 * 86e6 * 197)
+    assert "197 patches per image" in report.chosen.reason
