@@ -22,7 +22,10 @@ in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linear
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import hashlib
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -212,6 +215,65 @@ def _adapter_states(facts: ModelFacts, config: Config) -> States:
     return States(int(base_bytes + 4 * adapters), 4 * adapters, int(optimizer_bytes(facts, config.optimizer, adapters)))
 
 
+# -- simulations kept for the process --------------------------------------------------------------------
+class _Simulations:
+    """Simulated steps kept for the life of the process, least recently used dropped past `size`: a second
+    dry-run or tune of the same model and batch (another GPU, budget or rank count, in a notebook or a
+    script planning several) simulates nothing again. Keyed by `workload_key` and the simulation key."""
+
+    def __init__(self, size: int = 20_000):
+        self.size = size
+        self.kept: collections.OrderedDict[tuple, tuple[ActivationPeak | None, str]] = collections.OrderedDict()
+
+    def get(self, key: tuple) -> tuple[ActivationPeak | None, str] | None:
+        found = self.kept.get(key)
+        if found is not None:
+            self.kept.move_to_end(key)
+        return found
+
+    def put(self, key: tuple, value: tuple[ActivationPeak | None, str]) -> None:
+        self.kept[key] = value
+        self.kept.move_to_end(key)
+        while len(self.kept) > self.size:
+            self.kept.popitem(last=False)
+
+
+_SIMULATIONS = _Simulations()
+
+
+def workload_key(meta: nn.Module, spec: "TrainSpec", sim_device: str, adapted: frozenset[str]) -> str:
+    """What a simulated step depends on besides its config: the model (class, modules and their shapes,
+    a Hugging Face config in full), the batch's structure, shapes and dtypes, the loss function's code,
+    the simulating device and the layers LoRA adapts."""
+    hf = getattr(meta, "config", None)
+    parts = [type(meta).__module__, type(meta).__qualname__, repr(meta),
+             hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else "",
+             _structure(spec.batch_factory(1)), _code(spec.loss_fn), sim_device, sorted(adapted)]
+    return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
+
+
+def _structure(value: Any) -> str:
+    """Shapes and dtypes of every tensor in a batch, keys and nesting kept; other leaves by type."""
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{value.dtype}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_structure(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}[" + ",".join(_structure(v) for v in value) + "]"
+    return type(value).__qualname__
+
+
+def _code(fn: Any) -> str:
+    """A loss function by its code (a partial by its function and arguments); None is the default loss."""
+    if fn is None:
+        return "default"
+    if isinstance(fn, functools.partial):
+        return f"partial({_code(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
+    code = getattr(fn, "__code__", None)
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    return name + (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() if code else repr(fn))
+
+
 # -- the estimator ---------------------------------------------------------------------------------------
 class Estimator:
     """Predicts `Estimate`s for the configurations of one spec, caching each simulated forward + backward
@@ -240,6 +302,7 @@ class Estimator:
         self._adapted = frozenset(name.rsplit(".", 1)[-1] for name in (targets or _block_linears(self._meta)))
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
+        self._workload = workload_key(self._meta, spec, self.sim_device, self._adapted)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
 
     # -- activations ---------------------------------------------------------------------------------
@@ -263,7 +326,8 @@ class Estimator:
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache:
-            self._cache[key] = self._simulated(config, mb)
+            self._cache[key] = _SIMULATIONS.get((self._workload, key)) or self._simulated(config, mb)
+            _SIMULATIONS.put((self._workload, key), self._cache[key])
             if self._cache[key][0] is None:
                 self._failed.add(key)
                 self._cache[key] = (self._formula(config, mb), self._cache[key][1])

@@ -38,7 +38,7 @@ def test_exhaustive_probes_every_level_at_every_size(budget):
     described = sorted((r.config.checkpointing.value, r.config.checkpoint_every, r.config.micro_batch_size)
                        for r in oracle.results)
     assert described == [("every_k", 2, 1), ("every_k", 2, 2), ("full", 1, 1), ("full", 1, 2), ("none", 1, 1),
-                         ("none", 1, 2)]
+                         ("none", 1, 2), ("ops", 1, 1), ("ops", 1, 2)]  # op-level selective checkpointing too
     assert oracle.counts().get("oom", 0) >= 1  # the baseline (no checkpointing, micro-batch 2) cannot fit 60% of its peak
     assert oracle.best is not None and oracle.best.fits and oracle.wall_s > 0
     assert oracle.ranked(2)[0] is oracle.best

@@ -130,3 +130,29 @@ def test_a_given_module_is_planned_without_a_real_copy():
     assert {p.device.type for p in meta.parameters()} == {"meta"}
     assert net[0].weight.device.type == "cpu"  # the user's module is untouched
     assert predict_peak(spec, Config(micro_batch_size=4)).breakdown.params == 4 * sum(p.numel() for p in net.parameters())
+
+
+def test_a_second_estimator_of_the_same_workload_simulates_nothing_again(monkeypatch):
+    """Simulations are kept for the process (a notebook planning one model for several GPUs); another
+    batch shape or model simulates anew."""
+    import autofit.estimate.estimator as estimator_module
+
+    runs = []
+    real = estimator_module.simulate_step
+    monkeypatch.setattr(estimator_module, "_SIMULATIONS", estimator_module._Simulations())
+    monkeypatch.setattr(estimator_module, "simulate_step", lambda *a, **k: runs.append(1) or real(*a, **k))
+    config = Config(precision="bf16", attention="sdpa", checkpointing="full", micro_batch_size=2)
+
+    def predict(layers=3, seq_len=32):
+        made = make_spec(tiny_llama(layers), None, seq_len=seq_len, global_batch_size=2, device="cpu",
+                         memory_budget="4GiB")
+        return Estimator(made, target="cuda").predict(config).peak_bytes
+
+    first = predict()
+    simulated = len(runs)
+    assert simulated and predict() == first and len(runs) == simulated  # a new LlamaConfig, the same workload
+    predict(seq_len=64)
+    assert len(runs) > simulated  # another batch shape
+    again = len(runs)
+    predict(layers=2)
+    assert len(runs) > again  # another model

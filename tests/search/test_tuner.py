@@ -44,7 +44,7 @@ def check_plan(plan, budget, global_batch):
 def test_plain_model_at_half_the_baseline_peak():
     budget = baseline_peak(make_mlp, make_mlp_batch, 8, loss_fn=mlp_loss) // 2
     plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, memory_budget=budget,
-                           loss_fn=mlp_loss, predict=False, **FAST)
+                           loss_fn=mlp_loss, **FAST)
     check_plan(plan, budget, 8)
 
 
@@ -64,7 +64,7 @@ def test_predictions_save_probes():
 
 def test_tiny_gpt2_at_half_the_baseline_peak():
     budget = baseline_peak(make_gpt2, None, 8) // 2
-    plan = autofit.autofit(make_gpt2, global_batch_size=8, memory_budget=budget, predict=False, **FAST)
+    plan = autofit.autofit(make_gpt2, global_batch_size=8, memory_budget=budget, **FAST)
     check_plan(plan, budget, 8)
     assert plan.config.attention == "sdpa"
     assert plan.tokens_per_second == pytest.approx(plan.throughput * 64)
