@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import json
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -246,8 +247,8 @@ def workload_key(meta: nn.Module, spec: "TrainSpec", sim_device: str, adapted: f
     a Hugging Face config in full), the batch's structure, shapes and dtypes, the loss function's code,
     the simulating device and the layers LoRA adapts."""
     hf = getattr(meta, "config", None)
-    parts = [type(meta).__module__, type(meta).__qualname__, repr(meta),
-             hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else "",
+    described = {k: v for k, v in hf.to_dict().items() if k != "_name_or_path"} if hasattr(hf, "to_dict") else {}
+    parts = [type(meta).__module__, type(meta).__qualname__, repr(meta), json.dumps(described, sort_keys=True, default=str),
              _structure(spec.batch_factory(1)), _code(spec.loss_fn), sim_device, sorted(adapted)]
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
 

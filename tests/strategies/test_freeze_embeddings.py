@@ -30,7 +30,8 @@ def test_search_dry_run_exports_and_report_handle_it(tmp_path):
     assert frozen and all(p.skip is not Skip.EXCLUDED for p in frozen)
     assert "freeze_embeddings=on" in render(plan)
 
-    on = plan.config.replace(freeze_embeddings="on")
+    # a config every launcher can express (the plan's own may be one DeepSpeed refuses, pure bf16 say)
+    on = Config(micro_batch_size=2).replace(freeze_embeddings="on")
     plan_on = autofit.Plan(True, on, plan.throughput, None, plan.peak_memory, "test", plan.probes, plan.spec)
     env = (tmp_path / "t").mkdir() or plan_on.export("torchrun", tmp_path / "t")[0].read_text()
     assert "AUTOFIT_FREEZE_EMBEDDINGS=on" in env

@@ -30,7 +30,8 @@ def test_forced_by_a_budget_the_full_micro_batch_misses():
     # 2 and 4 run at about the same speed: both are re-measured back to back, and 2 replaces 4 (the
     # larger micro-batch, the walk's prior) only when clearly faster there, never on one noisy probe
     confirmation = plan.confirmation
-    assert [f.config.micro_batch_size for f in confirmation.finalists] == [4, 2]
+    finalists = [f.config.micro_batch_size for f in confirmation.finalists]
+    assert finalists[0] == 4 and set(finalists) <= {4, 2}  # 2 joins when its probe came within 20% of 4's
     if plan.config.micro_batch_size == 2:
         (comparison,) = confirmation.comparisons
         assert comparison.won and comparison.ratio.median >= 1.03 and comparison.ratio.wins >= 0.7
