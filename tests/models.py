@@ -72,6 +72,17 @@ class LinearBlocks(nn.Module):
         return x.pow(2).mean()
 
 
+class WideBlocks(LinearBlocks):
+    """Model states dominate: 4 x 512^2 weights, with `thin_batch` a thin batch."""
+
+    def __init__(self):
+        super().__init__(512, 4)
+
+
+def thin_batch(n):
+    return torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
+
+
 def run_ranks(spec, config, strategies, timeout=600.0, step_limit=None):
     """Probe `config` on `config.num_gpus` launched ranks (plain data parallelism where no engine shards)."""
     from autofit.probe.launch import launch

@@ -3,7 +3,7 @@ kept by the rules at accumulation 1 on one torch rank; chosen where only it fits
 
 import torch
 from forcing import budget_between, peak, tune
-from models import LinearBlocks
+from models import WideBlocks, thin_batch
 
 from autofit.config import Config
 from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
@@ -17,19 +17,8 @@ from autofit.spec.train import make_spec
 from autofit.strategies import MicroBatch, OptimizerInBackward, default_strategies
 
 
-class Wide(LinearBlocks):
-    """Model states dominate: 4 x 512^2 weights, a thin batch."""
-
-    def __init__(self):
-        super().__init__(512, 4)
-
-
-def thin_batch(n):
-    return torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
-
-
 def _spec(**kwargs):
-    return make_spec(Wide, thin_batch, global_batch_size=4, device="cpu", memory_budget="1GiB", **kwargs)
+    return make_spec(WideBlocks, thin_batch, global_batch_size=4, device="cpu", memory_budget="1GiB", **kwargs)
 
 
 def test_same_weights_as_a_step_after_backward_and_no_gradients_left():
@@ -64,9 +53,9 @@ def test_the_space_runs_it_at_accumulation_1_only_and_says_why():
 
 
 def test_forced_by_a_budget_only_the_step_in_backward_meets():
-    after = peak(Wide, thin_batch, Config(micro_batch_size=1, grad_accum_steps=4))
-    inside = peak(Wide, thin_batch, Config(micro_batch_size=4, optimizer_step="in_backward"))
-    plan = tune(Wide, thin_batch, [OptimizerInBackward(), MicroBatch()], budget_between(inside, after), 4)
+    after = peak(WideBlocks, thin_batch, Config(micro_batch_size=1, grad_accum_steps=4))
+    inside = peak(WideBlocks, thin_batch, Config(micro_batch_size=4, optimizer_step="in_backward"))
+    plan = tune(WideBlocks, thin_batch, [OptimizerInBackward(), MicroBatch()], budget_between(inside, after), 4)
     assert plan.fits and plan.config.steps_in_backward and plan.config.grad_accum_steps == 1, plan.reason
 
 

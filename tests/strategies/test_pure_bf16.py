@@ -2,7 +2,7 @@
 
 import torch
 from forcing import budget_between, peak, tune
-from models import LinearBlocks
+from models import WideBlocks, thin_batch
 
 from autofit.config import Config
 from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
@@ -15,19 +15,8 @@ from autofit.spec.train import make_spec
 from autofit.strategies import MicroBatch, Precision, PureBf16, default_strategies
 
 
-class Wide(LinearBlocks):
-    """Model states dominate: 4 x 512^2 weights, a thin batch."""
-
-    def __init__(self):
-        super().__init__(512, 4)
-
-
-def thin_batch(n):
-    return torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
-
-
 def _spec(**kwargs):
-    return make_spec(Wide, thin_batch, global_batch_size=4, device="cpu", memory_budget="1GiB", **kwargs)
+    return make_spec(WideBlocks, thin_batch, global_batch_size=4, device="cpu", memory_budget="1GiB", **kwargs)
 
 
 def test_offered_where_bf16_is_native_with_reason():
@@ -54,10 +43,10 @@ def test_pure_bf16_is_excluded_under_an_engine():
 
 
 def test_forced_by_a_budget_only_pure_bf16_meets():
-    mixed = peak(Wide, thin_batch, Config(precision="bf16", micro_batch_size=4))
-    pure = peak(Wide, thin_batch, Config(precision="pure_bf16", micro_batch_size=4))
+    mixed = peak(WideBlocks, thin_batch, Config(precision="bf16", micro_batch_size=4))
+    pure = peak(WideBlocks, thin_batch, Config(precision="pure_bf16", micro_batch_size=4))
     assert pure < 0.6 * mixed  # 8 bytes per parameter instead of 16
-    plan = tune(Wide, thin_batch, [Precision(), PureBf16(), MicroBatch()], budget_between(pure, mixed), 4)
+    plan = tune(WideBlocks, thin_batch, [Precision(), PureBf16(), MicroBatch()], budget_between(pure, mixed), 4)
     assert plan.fits and plan.config.precision == "pure_bf16", plan.reason
     assert {p.status.value for p in plan.probes if p.config.precision != "pure_bf16" and p.measured} == {"oom"}
 
