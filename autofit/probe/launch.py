@@ -211,8 +211,10 @@ def _reap(processes: list[_Process]) -> None:
         os.close(p.result_fd)
 
 
-# What a rank's collective raises when a peer has left (gloo: transport/tcp/pair.cc; NCCL: a remote
-# process exited or the communicator was aborted): a consequence of the peer's outcome, never the cause.
+# What a rank's collective raises when a peer has left, a consequence of the peer's outcome, never the
+# cause: gloo's "Connection closed by peer" (third_party/gloo/gloo/transport/tcp/pair.cc, seen here on CPU
+# ranks) or "reset"; NCCL's ncclGetErrorString(ncclRemoteError), and torch's ProcessGroupNCCL comm getter
+# (TORCH_CHECK "NCCL communicator was aborted on rank N") once the watchdog has aborted it.
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
              "NCCL communicator was aborted")
 

@@ -145,6 +145,9 @@ def test_combine_takes_the_worst_rank():
     left = ProbeResult(config, ProbeStatus.ERROR, "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection "
                                                   "closed by peer [127.0.0.1]:32408.")
     assert combine(spec, config, [left, pruned]).status is ProbeStatus.PRUNED
+    nccl = ProbeResult(config, ProbeStatus.ERROR, "DistBackendError: NCCL error: remote process exited or there "
+                                                  "was a network error")
+    assert combine(spec, config, [nccl, pruned]).status is ProbeStatus.PRUNED
     assert combine(spec, config, [left, silent]).reason.startswith("rank 1 did not report")
 
 
