@@ -26,7 +26,8 @@ import torch  # noqa: E402
 
 from bench.load import CompetingLoad  # noqa: E402
 from bench.report import update_readme  # noqa: E402
-from bench.scenarios import cpu_scenarios, gpu_scenarios  # noqa: E402
+from autofit.strategies import default_strategies  # noqa: E402
+from bench.scenarios import cpu_rungs, cpu_scenarios, gpu_scenarios  # noqa: E402
 from bench.suite import Options, log, run_scenario  # noqa: E402
 
 
@@ -109,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = [s for s in scenarios if s.name in args.only]
     options = Options(device="cuda" if args.gpu else "cpu", tools=not args.no_tools,
                       robustness_steps=args.robustness_steps, repetitions=args.repetitions,
-                      dry_run=not args.no_dry_run, repeat=not args.no_repeat)
+                      dry_run=not args.no_dry_run, repeat=not args.no_repeat,
+                      strategies=default_strategies if args.gpu else cpu_rungs)
     started = datetime.datetime.now(datetime.timezone.utc)
     header: dict[str, Any] = dict(
         device=device_name(args.gpu), device_kind=options.device, date=started.date().isoformat(),
         started_utc=started.isoformat(timespec="seconds"), command=" ".join(["python", "bench/run.py", *sys.argv[1:]]),
         versions=versions(), torch_threads=torch.get_num_threads(), load_before=os.getloadavg(),
-        competing_load=args.competing_load, options={k: v for k, v in vars(options).items() if k != "strategies"})
+        competing_load=args.competing_load, options={k: v for k, v in vars(options).items() if k != "strategies"},
+        default_rungs=sorted({type(s).__name__ for s in options.strategies()}))
     log(f"{header['device']}, load {header['load_before']}, {len(scenarios)} scenarios, "
         f"{args.competing_load} competing process(es)")
     start = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -177,6 +178,26 @@ def class_loss(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -
 
 
 # -- the suites ---------------------------------------------------------------------------------------
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (avx512_bf16 or AMX); without them torch emulates bf16 and
+    every bf16 step runs several times slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True  # not Linux: assume it has (the rungs are searched)
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_rungs() -> list[Any]:
+    """The rungs the CPU suite searches: every rung, less bf16 autocast and pure bf16 on a CPU without bf16
+    instructions, where they cannot win and each costs the exhaustive search minutes (autofit prunes them
+    after a few seconds, which would flatter its cost ratio)."""
+    from autofit.strategies import Precision, PureBf16
+
+    skipped = () if cpu_has_bf16() else (Precision, PureBf16)
+    return [s for s in default_strategies() if not isinstance(s, skipped)]
+
+
 def cpu_scenarios() -> list[Scenario]:
     """Tiny transformer and non-transformer models under budgets that need different rungs."""
     gpt2 = functools.partial(make_gpt2, 2, 64, 2, 256, 64)

@@ -157,7 +157,9 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     space = build_space(spec, chosen_strategies)
     estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies)
     planner = _Planner(space, estimator, profile)
-    allowed = [planner.best_at(level) for level in space.levels()]
+    levels = list(space.levels())
+    estimator.prefetch(config for level in levels for config in planner.asks(level))
+    allowed = [planner.best_at(level) for level in levels]
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
@@ -214,10 +216,21 @@ class _Planner:
         self.space, self.spec, self.estimator, self.gpu = space, space.spec, estimator, gpu
         self.work = workload(self.spec, estimator.facts.num_params, estimator.facts.num_blocks)
 
+    def asks(self, level: Config) -> list[Config]:
+        """The configurations `best_at(level)` may predict: the smallest size alone when the model
+        states alone are over the limit (no size fits), else every size."""
+        sizes = self.space.sizes_at(level)
+        if self._states_over(level, sizes[0]):
+            sizes = sizes[:1]
+        return [self.space.at(level, size) for size in sizes]
+
+    def _states_over(self, level: Config, size: int) -> bool:
+        return self.estimator.states_floor(self.space.at(level, size)) > self.spec.fit_limit
+
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
         sizes = self.space.sizes_at(level)
-        if self.estimator.states_floor(self.space.at(level, sizes[0])) > self.spec.fit_limit:
+        if self._states_over(level, sizes[0]):
             return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:

@@ -27,8 +27,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ MIB = 1024**2
 CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels with lazy loading: typically 300-600 MiB (not measured here)
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes (activations, optimizer temporaries)
+SPREAD_AFTER_S = 0.5  # a first simulation this slow makes sharing the rest with worker processes pay
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 second-level absmax per 256 blocks
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
@@ -310,7 +312,7 @@ class Estimator:
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
         """The `ActivationPeak` at `config`'s micro-batch and how it was obtained (one phrase)."""
         mb = config.micro_batch_size
-        if mb <= 2 or not self.extrapolate_batch:
+        if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)
         (one, how), (two, _) = self._at_batch(config, 1), self._at_batch(config, 2)
         return one.extrapolate(two, mb, 1, 2), f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
@@ -318,8 +320,38 @@ class Estimator:
     def simulated(self, config: Config) -> bool:
         """Whether `config`'s activations were simulated (False: by formula, the simulation failed)."""
         self.activations(config)
-        sizes = (config.micro_batch_size,) if config.micro_batch_size <= 2 or not self.extrapolate_batch else (1, 2)
-        return not any(self._key(config, mb) in self._failed for mb in sizes)
+        return not any(self._key(config, mb) in self._failed for mb in self._sizes(config))
+
+    def prefetch(self, configs: Iterable[Config]) -> None:
+        """Simulate now what predicting `configs` will need, shared with worker processes when the
+        simulations are slow and CPUs are spare (`autofit.estimate.workers`): the first one runs here and
+        is timed; if it took `SPREAD_AFTER_S` or more, the rest are shared out. The predictions are the
+        same either way."""
+        todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
+        todo = [job for key, job in todo.items() if key not in self._cache]
+        if not todo:
+            return
+        from autofit.estimate import workers  # here: `python -m autofit.estimate.workers` imports this module
+
+        started = time.perf_counter()
+        self._at_batch(*todo[0])
+        rest = todo[1:]
+        helpers = min(workers.spare_cpus(), len(rest) // 2)
+        if helpers < 1 or time.perf_counter() - started < SPREAD_AFTER_S:
+            return  # cheap (or no CPU to spare): the rest are simulated when predicted
+        shares = [rest[i::helpers + 1] for i in range(helpers + 1)]
+        running = workers.start(self.spec, self.strategies, self.target, shares[1:])
+        try:
+            for config, mb in shares[0] if running else rest:
+                self._at_batch(config, mb)
+        finally:
+            for (config, mb), found in running.collect() if running else ():
+                self._keep(config, mb, found)
+
+    def _sizes(self, config: Config) -> tuple[int, ...]:
+        """The micro-batches simulated for `config`: its own, or 1 and 2 to extrapolate from."""
+        mb = config.micro_batch_size
+        return (mb,) if mb <= 2 or not self.extrapolate_batch else (1, 2)
 
     def _key(self, config: Config, mb: int) -> tuple:
         return (*_simulation_key(config, mb), config.adapters)
@@ -327,14 +359,24 @@ class Estimator:
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache:
-            self._cache[key] = _SIMULATIONS.get((self._workload, key)) or self._simulated(config, mb)
-            _SIMULATIONS.put((self._workload, key), self._cache[key])
-            if self._cache[key][0] is None:
-                self._failed.add(key)
-                self._cache[key] = (self._formula(config, mb), self._cache[key][1])
+            self._keep(config, mb, _SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
         return self._cache[key]
 
-    def _simulated(self, config: Config, mb: int) -> tuple[ActivationPeak | None, str]:
+    def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:
+        """Keep a simulation's result (for the process too); a failed one's activations come by formula."""
+        key = self._key(config, mb)
+        if key in self._cache:
+            return
+        _SIMULATIONS.put((self._workload, key), found)
+        peak, how = found
+        if peak is None:
+            self._failed.add(key)
+            peak = self._formula(config, mb)
+        self._cache[key] = (peak, how)
+
+    def simulate(self, config: Config, mb: int) -> tuple[ActivationPeak | None, str]:
+        """One simulated forward + backward of `config` at micro-batch `mb` (extrapolated in depth for deep
+        models) and how it was obtained; (None, why) when it cannot be simulated."""
         where = "CUDA" if self.sim_device == "cuda" else \
             ("CPU kernels standing in for CUDA (this torch build has no CUDA)" if self.target == "cuda" else "CPU")
         k = config.checkpoint_every
@@ -503,13 +545,12 @@ def _parts(states: States, temp: int, activations: int, overhead: int, gathered:
 
 def _simulation_key(config: Config, mb: int) -> tuple:
     """What a simulated forward + backward depends on: one simulation serves every config with the same
-    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16),
-    and every fused attention is simulated as SDPA."""
-    half = _half_weights(config)
-    precision = config.half_precision if half else config.precision
+    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16);
+    autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device in
+    torch's autocast_mode.cpp; CPU kernels simulate fp16 as bf16); every fused attention is simulated as SDPA."""
     attention = "fused" if config.attention.fused else config.attention
-    return (precision, attention, config.checkpointing, config.checkpoint_every, mb, half,
-            config.activation_offload, config.loss)
+    return (config.half_precision, attention, config.checkpointing, config.checkpoint_every, mb,
+            _half_weights(config), config.activation_offload, config.loss)
 
 
 def _half_weights(config: Config) -> bool:

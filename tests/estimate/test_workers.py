@@ -1,0 +1,90 @@
+"""Simulations shared with worker processes (`autofit.estimate.workers`) predict exactly what the caller
+alone predicts; what a worker does not deliver, the caller simulates itself."""
+
+import sys
+import threading
+
+import pytest
+from transformers import LlamaConfig
+
+import autofit.estimate.estimator as estimator_module
+from autofit.config import Config
+from autofit.estimate import workers
+from autofit.estimate.estimator import Estimator
+from autofit.spec.train import make_spec
+
+CONFIGS = [Config(precision=p, attention="sdpa", checkpointing=c, micro_batch_size=mb)
+           for p, c in (("fp32", "none"), ("bf16", "none"), ("fp32", "full")) for mb in (1, 4)]
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=128)
+
+
+def llama_factory():
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(tiny_llama())
+
+
+@pytest.fixture
+def simulations(monkeypatch):
+    """Fresh process-wide simulations, spreading forced (every simulation counts as slow, 2 spare CPUs),
+    and the simulations the caller itself runs, counted."""
+    monkeypatch.setattr(estimator_module, "SPREAD_AFTER_S", 0.0)
+    monkeypatch.setattr(workers, "spare_cpus", lambda: 2)  # the caller and 2 workers share 5 of the 6
+    here = []
+    real = Estimator.simulate
+    monkeypatch.setattr(Estimator, "simulate", lambda self, config, mb: here.append(mb) or real(self, config, mb))
+    return here
+
+
+def fresh_estimator(monkeypatch, model=llama_factory) -> Estimator:
+    monkeypatch.setattr(estimator_module, "_SIMULATIONS", estimator_module._Simulations())
+    spec = make_spec(model, None, seq_len=64, global_batch_size=4, device="cpu", memory_budget="4GiB")
+    return Estimator(spec, target="cuda", extrapolate_batch=True)
+
+
+def expected(monkeypatch) -> list:
+    alone = fresh_estimator(monkeypatch)
+    return [alone.predict(c) for c in CONFIGS]
+
+
+def test_workers_predict_what_the_caller_alone_predicts(monkeypatch, simulations):
+    want = expected(monkeypatch)
+    keys = len(simulations)  # 3 simulation keys x micro-batches 1 and 2
+    simulations.clear()
+    shared = fresh_estimator(monkeypatch)
+    shared.prefetch(CONFIGS)
+    assert 0 < len(simulations) < keys  # the caller ran its share; the workers delivered the rest
+    assert [shared.predict(c) for c in CONFIGS] == want
+    assert len(simulations) < keys  # nothing was simulated again to predict
+
+
+def test_a_model_that_cannot_travel_is_simulated_by_the_caller(monkeypatch, simulations):
+    want = expected(monkeypatch)
+    keys = len(simulations)
+    simulations.clear()
+    lock = threading.Lock()  # cloudpickle cannot serialise a lock: the spec stays in this process
+
+    def held_factory():
+        with lock:
+            return llama_factory()
+
+    shared = fresh_estimator(monkeypatch, held_factory)
+    shared.prefetch(CONFIGS)
+    assert len(simulations) == keys
+    assert [shared.predict(c) for c in CONFIGS] == want
+
+
+def test_a_worker_that_fails_delivers_nothing_and_the_caller_simulates_its_share(monkeypatch, simulations):
+    want = expected(monkeypatch)
+    keys = len(simulations)
+    simulations.clear()
+    shared = fresh_estimator(monkeypatch)
+    with monkeypatch.context() as patched:
+        patched.setattr(sys, "executable", "/bin/false")  # every worker exits at once with status 1
+        shared.prefetch(CONFIGS)
+    assert [shared.predict(c) for c in CONFIGS] == want
+    assert len(simulations) == keys
