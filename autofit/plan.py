@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config, Optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
-from autofit.search.confirm import FINALIST_MARGIN, Comparison, Confirmation, Finalist, Ratio
+from autofit.search.confirm import Comparison, Confirmation, Finalist, Ratio
 from autofit.units import format_size
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
     winner, runner = confirmation.winner, confirmation.runner_up()
     where = f"{fits} fitting configuration{'s' if fits != 1 else ''}"
     if runner is None:
-        return (f"the only finalist of {where} (no other within {FINALIST_MARGIN:.0%} of it as probed): "
+        return (f"the only finalist of {where} (no other within {confirmation.window:.0%} of it as probed): "
                 f"{winner.median:,.2f} samples/s" + (", re-measured in this session" if winner.rounds else ""))
     ratio = Ratio.of(winner, runner)
     rounds = len(winner.rounds)
@@ -194,12 +194,14 @@ def _exactness_words(space: "Space", confirmation: Confirmation, fits: Sequence[
     exact = [r for r in fits if space.tier(r.config) < winner.tier]
     if not exact:
         evidence = "no exact configuration fits"
-    elif any(c.won and c.kind == "exactness" and c.challenger == confirmation.chosen for c in confirmation.comparisons):
+    elif any(c.won and c.kind == "exactness" for c in confirmation.comparisons):
         evidence = f"it cleared the {confirmation.exact_margin:.0%} margin over an exact configuration (above)"
-    else:
+    else:  # the exact finalists could not be re-measured beside it
         fastest = max(exact, key=lambda r: r.samples_per_s)
-        evidence = (f"as probed it is {winner.probed / fastest.samples_per_s:.2f}x the fastest exact configuration "
-                    f"({fastest.config.describe()}), far beyond the {confirmation.exact_margin:.0%} margin")
+        why = "; ".join(w for _, w in confirmation.dropped) or "none was a finalist"
+        evidence = (f"no exact configuration could be re-measured beside it ({why}); "
+                    f"as probed it is {winner.probed / fastest.samples_per_s:.2f}x the fastest exact one "
+                    f"({fastest.config.describe()})")
     change = swap or f"a numerics change (tier {winner.tier}: {winner.config.describe()})"
     return f"{change}, because {evidence}"
 

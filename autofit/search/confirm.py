@@ -9,12 +9,13 @@ figures alone. This step runs after the walk:
    faster (the walk assumes a larger micro-batch is never slower): the next smaller micro-batch of its
    level is probed too. And a numerics change of the fastest fit that the walk decided "cannot be
    faster" (Adafactor where AdamW fits) is probed: it changes the arithmetic, it may do less work.
-2. **Finalists** (`finalists`): every fit within FINALIST_MARGIN (20%) of the best probed throughput, at
-   most MAX_FINALISTS of them, plus the best fit of each safer class (a lower exactness tier; no allocator
-   retries) whose gap to the best is within the margin it must clear, widened by FINALIST_MARGIN, so the
-   decision between them is taken on confirmed figures, plus the largest fitting micro-batch of each
-   finalist's level (the walk holds a larger micro-batch is never slower: a smaller one that probed
-   faster must show it). Figures from a resumed trial store are compared
+2. **Finalists** (`finalists`): every fit within the window's margin of the best probed throughput, at
+   most its limit of them (`LIVE_WINDOW`: 50%, 5, where a round is one optimizer step of each;
+   `PROBE_WINDOW`: 20%, 2, where a round builds each again: one probe on a loaded machine can be off by
+   a third), plus the best fit of each safer class (a lower exactness tier; no allocator retries)
+   however far behind it probed, so a numerics change is chosen over an exact fit only on confirmed
+   figures, plus the largest fitting micro-batch of each finalist's level (the walk holds a larger
+   micro-batch is never slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
    only with each other, never raw with this session's: each source picks its own finalists, and all of
    them are re-measured here.
 3. **Re-measured back to back, interleaved** (`confirm`): live runs when the probes run in this process on
@@ -43,11 +44,8 @@ from autofit.probe.outcome import ProbeResult, Skip, Source
 if TYPE_CHECKING:
     from autofit.search.space import Space
 
-FINALIST_MARGIN = 0.20  # fits within 20% of the best probed throughput are re-measured
-MAX_FINALISTS = 3  # the fastest few of them (plus the best of each safer class, see `finalists`)
 LIVE_ROUNDS = 7  # rounds of one optimizer step per finalist, live runs
-PROBE_ROUNDS = 2  # rounds of one whole probe per finalist, when runs cannot stay alive side by side...
-PROBE_FINALISTS = 2  # ... of the fastest two (plus the best of each safer class): a probe is a model build
+PROBE_ROUNDS = 2  # rounds of one whole probe per finalist, when runs cannot stay alive side by side
 DEFAULT_EXACT_MARGIN = 0.10  # a numerics change must be this much faster than an exact fit to replace it
 NEAR_LIMIT_MARGIN = 0.10  # a fit whose allocator retried must be this much faster than one that did not
 NOISE_MARGIN = 0.03  # any other change must be this much faster than a simpler finalist
@@ -55,6 +53,19 @@ CLEAR_SHARE = 0.7  # ... and faster in at least this share of the rounds
 
 Measure = Callable[[Sequence[Config], int], "dict[Config, tuple[float, ...] | str]"]
 Probe = Callable[[Config, str], ProbeResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Which fits are re-measured: those within `margin` of the best as probed, at most `limit` of them
+    (the best of each safer class and each finalist's largest micro-batch come on top)."""
+
+    margin: float
+    limit: int
+
+
+LIVE_WINDOW = Window(0.50, 5)  # live runs: a round is one optimizer step of each finalist
+PROBE_WINDOW = Window(0.20, 2)  # whole probes: a round builds every finalist again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +147,7 @@ class Confirmation:
     method: str  # "live runs" | "probes" | "none" (a single finalist measured in this session)
     exact_margin: float
     dropped: tuple[tuple[str, str], ...] = ()  # (config described, why) of finalists a re-measurement lost
+    window: float = PROBE_WINDOW.margin  # the window's margin the finalists were taken within
 
     @property
     def winner(self) -> Finalist:
@@ -151,14 +163,15 @@ class Confirmation:
         """JSON form (stored in the plan)."""
         return {"finalists": [f.to_dict() for f in self.finalists], "chosen": self.chosen,
                 "comparisons": [c.to_dict() for c in self.comparisons], "method": self.method,
-                "exact_margin": self.exact_margin, "dropped": [list(d) for d in self.dropped]}
+                "exact_margin": self.exact_margin, "dropped": [list(d) for d in self.dropped], "window": self.window}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Confirmation":
         """Inverse of `to_dict`."""
         return cls(tuple(Finalist.from_dict(f) for f in data["finalists"]), data["chosen"],
                    tuple(Comparison.from_dict(c) for c in data["comparisons"]), data["method"],
-                   data["exact_margin"], tuple(tuple(d) for d in data.get("dropped", ())))
+                   data["exact_margin"], tuple(tuple(d) for d in data.get("dropped", ())),
+                   data.get("window", PROBE_WINDOW.margin))
 
 
 def check_margin(exact_margin: Any) -> float:
@@ -220,21 +233,18 @@ def _level(config: Config) -> Config:
 
 
 # -- 2. finalists -----------------------------------------------------------------------------------------
-def finalists(space: "Space", results: Sequence[ProbeResult], exact_margin: float,
-              limit: int = MAX_FINALISTS) -> list[ProbeResult]:
-    """The fits to re-measure (see the module doc), from the least to the most change; `limit` caps the
-    fits taken by the window (the safer-class and same-level additions come on top)."""
+def finalists(space: "Space", results: Sequence[ProbeResult], window: Window = PROBE_WINDOW) -> list[ProbeResult]:
+    """The fits to re-measure (see the module doc), from the least to the most change."""
     chosen: list[ProbeResult] = []
     for source in (Source.PROBED, Source.STORED):
         group = sorted((r for r in results if r.fits and r.source is source), key=lambda r: -r.samples_per_s)
         if not group:
             continue
         best = group[0]
-        picked = [r for r in group if r.samples_per_s * (1 + FINALIST_MARGIN) >= best.samples_per_s][:limit]
+        picked = [r for r in group if r.samples_per_s * (1 + window.margin) >= best.samples_per_s][:window.limit]
         for safer in {_risk(space, r) for r in group if _risk(space, r) < _risk(space, best)}:
             top = next(r for r in group if _risk(space, r) == safer)
-            needed = (1 + _margin(safer, _risk(space, best), exact_margin)[0]) * (1 + FINALIST_MARGIN)
-            if top not in picked and top.samples_per_s * needed >= best.samples_per_s:
+            if top not in picked:
                 picked.append(top)
         for largest in {_largest_of_level(group, r) for r in picked} - set(picked):
             picked.append(largest)
@@ -273,11 +283,11 @@ def _margin(safer: tuple[int, bool], riskier: tuple[int, bool], exact_margin: fl
 
 # -- 3. re-measured back to back --------------------------------------------------------------------------
 def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | None, rounds: int,
-            exact_margin: float, method: str, limit: int = MAX_FINALISTS) -> Confirmation | None:
-    """Re-measure the finalists (`limit`: see `finalists`) with `measure(configs, rounds)` (samples/s per
+            exact_margin: float, method: str, window: Window = PROBE_WINDOW) -> Confirmation | None:
+    """Re-measure the finalists (`window`: see `finalists`) with `measure(configs, rounds)` (samples/s per
     round, or why it failed) and decide. None when nothing fits. A lone finalist measured in this session
     needs no rounds."""
-    picked = finalists(space, results, exact_margin, limit)
+    picked = finalists(space, results, window)
     if not picked:
         return None
     stored = any(r.source is Source.STORED for r in picked)
@@ -292,7 +302,7 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
                           tuple(measured.get(r.config, ()) if not isinstance(measured.get(r.config), str) else ()))
                  for r in kept)
     chosen, comparisons = decide(pool, exact_margin)
-    return Confirmation(pool, chosen, tuple(comparisons), method, exact_margin, dropped)
+    return Confirmation(pool, chosen, tuple(comparisons), method, exact_margin, dropped, window.margin)
 
 
 def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:

@@ -101,8 +101,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     probe = functools.partial(_follow_up, search, prober)
     results = confirmation.follow_near_limit(space, results, probe)
     results = confirmation.follow_numerics(space, results, probe)
-    measure, rounds, method, limit = _measurer(spec, space, results, prober)
-    confirmed = confirmation.confirm(space, results, measure, rounds, margin, method, limit)
+    measure, rounds, method, window = _measurer(spec, space, results, prober)
+    confirmed = confirmation.confirm(space, results, measure, rounds, margin, method, window)
     return make_plan(space, results, predictor, confirmed)
 
 
@@ -123,18 +123,17 @@ def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeRe
 
 
 def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
-              prober: Any) -> tuple[confirmation.Measure, int, str, int]:
-    """How the finalists are re-measured (measure, rounds, its name, how many the window takes): live runs
+              prober: Any) -> tuple[confirmation.Measure, int, str, confirmation.Window]:
+    """How the finalists are re-measured (measure, rounds, its name, the window they are taken in): live runs
     side by side when they all run in this process on the CPU and fit in host memory together, else whole
     probes (child processes, ranks, CUDA)."""
     fits = [r for r in results if r.fits]
     in_process = all(space.placement(r.config) is Placement.IN_PROCESS for r in fits)
-    held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:confirmation.MAX_FINALISTS + 2])
+    held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:2 * confirmation.LIVE_WINDOW.limit])
     if spec.device.type == "cpu" and in_process and held <= LIVE_SHARE * device_memory(spec.device):
         return (confirmation.live_measure(spec, space.strategies), confirmation.LIVE_ROUNDS, "live runs",
-                confirmation.MAX_FINALISTS)
-    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, "probes",
-            confirmation.PROBE_FINALISTS)
+                confirmation.LIVE_WINDOW)
+    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, "probes", confirmation.PROBE_WINDOW)
 
 
 def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_path: Any = None) -> list[Strategy]:
