@@ -442,7 +442,8 @@ class Estimator:
         across the step; full_shard (`reshard_after_forward=True`) holds two blocks (the current one and the
         prefetched next), shard_grad_op keeps every block gathered from its forward to its backward.
         Each block's unsharded gradient (policy dtype) and its fp32 copy for the reduce-scatter are
-        staged one block at a time (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)."""
+        staged one block at a time (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), for the
+        weights that train only: a frozen weight (LoRA's base, built into the model or not) has none."""
         facts = self.facts
         size = 2 if config.half_precision else facts.weight_bytes
         if config.quantization is not Quantization.NONE:  # a quantized base gathers its packed weights
@@ -450,7 +451,7 @@ class Estimator:
             size = model_states(facts, whole).params / max(facts.num_params, 1)
         root = facts.num_params - facts.num_blocks * facts.block_params
         blocks = 2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks
-        staged = 0 if config.adapters else facts.block_params * (size + (4 if size < 4 else 0))
+        staged = 0 if config.adapters else facts.block_trainable_params * (size + (4 if size < 4 else 0))
         return int(size * (root + min(blocks, facts.num_blocks) * facts.block_params) + staged)
 
     def _step_in_backward(self, config: Config) -> int:
