@@ -71,13 +71,13 @@ RENAMED = {"PhiConfig": {"o_proj": ["dense"], "gate_proj": [], "up_proj": ["fc1"
            "GPTNeoXConfig": {"q_proj": ["query_key_value"], "k_proj": ["query_key_value"], "v_proj": ["query_key_value"],
                              "o_proj": ["dense"], "gate_proj": [], "up_proj": ["dense_h_to_4h"],
                              "down_proj": ["dense_4h_to_h"]}}
-# Sources that ran transformers 4.38-4.40 (fsdp_qlora, Feb-Mar 2024): its loss, not today's (measured_code.py).
-TRANSFORMERS_438 = ("fsdpqlora-",)
-# Sources whose loss keeps the logits in bf16 (no fp32 upcast): litgpt's chunked cross-entropy, torchtune's.
-BF16_LOSS = ("litgpt-", "torchtune-")
+# litgpt rows not simulated with litgpt's code (its QLoRA rows, or litgpt not installed): cross-entropy on
+# bf16 logits, as litgpt's chunked cross-entropy computes it.
+BF16_LOSS = ("litgpt-",)
 MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss)",
-              "transformers-4.38": "transformers classes with 4.38's causal-LM forward and loss",
-              "transformers": "transformers classes of the architecture (today's code)"}
+              "fsdp_qlora": "transformers classes with 4.38's fp32 logits and loss; LoRA rows: PEFT 0.10's bf16 adapters",
+              "torchtune": "transformers classes with fp32 logits, torchtune's loss and bf16 adapters",
+              "transformers": "transformers classes of the architecture (today's code), autofit's LoRA formulas"}
 NOT_EXPRESSIBLE = {  # row id prefix -> what the estimator lacks (beside the table's own `expressible: false`)
     "torchtitan-": "op-level selective activation checkpointing (torchtitan's 'op' mode): not a Checkpointing "
                    "value yet (issue 16 adds it)",
@@ -105,25 +105,22 @@ def expressible(row: dict) -> str | None:
     return None
 
 
-def build(class_name: str, fields: dict) -> torch.nn.Module:
-    """The causal LM of `class_name`'s config, weights in bf16 (every row stores them so)."""
+def build(class_name: str, fields: dict, upcast_logits: bool = False, lora: dict | None = None,
+          lora_targets: tuple = ()) -> torch.nn.Module:
+    """The causal LM of `class_name`'s config, weights in bf16 (every row stores them so); its logits
+    upcast to fp32 in the forward where the source's code did (`measured_code.upcast_logits`), and with
+    `lora`, bf16 LoRA adapters on `lora_targets` (`measured_code.bf16_adapters`)."""
     import transformers
 
     config = getattr(transformers, class_name)(**fields)
-    cls = getattr(transformers, class_name.replace("Config", "ForCausalLM"))
-    return cls(config).to(torch.bfloat16)
-
-
-def build_438(class_name: str, fields: dict) -> torch.nn.Module:
-    """`build`, with transformers 4.38's causal-LM forward and loss (measured_code.transformers_438)."""
-    import transformers
-
-    config = getattr(transformers, class_name)(**fields)
-    return measured_code.transformers_438(class_name)(config).to(torch.bfloat16)
+    cls = measured_code.upcast_logits(class_name) if upcast_logits else \
+        getattr(transformers, class_name.replace("Config", "ForCausalLM"))
+    model = cls(config).to(torch.bfloat16)
+    return measured_code.bf16_adapters(model, lora, list(lora_targets)) if lora else model
 
 
 def bf16_cross_entropy(output, batch):
-    """Cross-entropy on the logits as the model returns them (bf16, not upcast), as litgpt and torchtune do."""
+    """Cross-entropy on the logits as the model returns them (bf16, not upcast), as litgpt does."""
     logits = output.logits
     return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
@@ -145,14 +142,19 @@ class Batches:
 
 
 def model_code(row: dict) -> str:
-    """Whose code the row's step is simulated with (measured_code.py): "litgpt" (litgpt's own model, LoRA
-    and loss, when installed), "transformers-4.38" (fsdp_qlora's loss), or "transformers" (today's classes
-    of the architecture). litgpt's QLoRA rows stay on transformers + autofit's NF4 formulas: bitsandbytes'
-    layers cannot be simulated here."""
-    if row["id"].startswith("litgpt-") and row["quantization"] == "none" and not measured_code.litgpt_missing():
+    """Whose code the row's step is simulated with (measured_code.py):
+    - "litgpt": litgpt's own model, LoRA and loss (when installed; its QLoRA rows excepted: bitsandbytes'
+      layers cannot be simulated here, they stay on transformers and autofit's NF4 formulas);
+    - "fsdp_qlora": transformers 4.38's forward and loss, and for LoRA rows PEFT 0.10's bf16 adapters
+      (its QLoRA rows keep autofit's NF4 formulas, which count today's fp32 adapters);
+    - "torchtune": fp32 logits and torchtune's loss, bf16 adapters;
+    - "transformers": today's transformers classes of the architecture, autofit's LoRA formulas."""
+    quantized = row["quantization"] != "none"
+    if row["id"].startswith("litgpt-") and not quantized and not measured_code.litgpt_missing():
         return "litgpt"
-    if row["id"].startswith(TRANSFORMERS_438):
-        return "transformers-4.38"
+    for prefix, code in (("fsdpqlora-", "fsdp_qlora"), ("torchtune-", "torchtune")):
+        if row["id"].startswith(prefix):
+            return code
     return "transformers"
 
 
@@ -171,13 +173,16 @@ def setup(row: dict) -> tuple:
                          Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
                          loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
         return spec, _config(row, 0), []
-    bf16_loss = row["id"].startswith(BF16_LOSS)
-    batch = Batches(m["vocab"], row["seq_len"], bf16_loss)
-    factory = functools.partial(build_438 if code == "transformers-4.38" else build, class_name, fields)
-    spec = make_spec(factory, batch, device="cpu", memory_budget="1TiB",
-                     loss_fn=bf16_cross_entropy if bf16_loss else None)
-    strategies = [Lora(target_modules=targets(row, class_name))] if lora else []
-    return spec, _config(row, lora["rank"] if lora else 0), strategies
+    # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
+    in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
+    loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(
+        code, bf16_cross_entropy if row["id"].startswith(BF16_LOSS) else None)
+    factory = functools.partial(build, class_name, fields, upcast_logits=code in ("fsdp_qlora", "torchtune"),
+                                lora=in_model, lora_targets=tuple(targets(row, class_name)) if in_model else ())
+    spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], loss is not None), device="cpu",
+                     memory_budget="1TiB", loss_fn=loss)
+    strategies = [Lora(target_modules=targets(row, class_name))] if lora and not in_model else []
+    return spec, _config(row, lora["rank"] if lora and not in_model else 0), strategies
 
 
 def _config(row: dict, lora_rank: int) -> Config:

@@ -101,15 +101,17 @@ def litgpt_full_loss(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
     return chunked_cross_entropy(logits[..., :-1, :], batch[1][..., 1:])
 
 
-# -- transformers 4.38's causal-LM loss ---------------------------------------------------------------
+# -- logits upcast to fp32 in the model: transformers 4.38, torchtune -----------------------------------
 @functools.lru_cache(maxsize=None)
-def transformers_438(class_name: str) -> type:
-    """The transformers `*ForCausalLM` class of `class_name`'s config with the forward of transformers
-    4.38 (src/transformers/models/llama/modeling_llama.py @ 002272831fba, LlamaForCausalLM.forward):
-    `logits = self.lm_head(hidden_states); logits = logits.float()`, then
-    `shift_logits = logits[..., :-1, :].contiguous()` and `CrossEntropyLoss()` on the flattened shift.
-    The fp32 logits are returned (held by the caller's `output` through backward), the bf16 ones freed;
-    today's loss instead keeps the bf16 logits and upcasts inside the loss, without the shifted copy."""
+def upcast_logits(class_name: str) -> type:
+    """The transformers `*ForCausalLM` class of `class_name`'s config whose forward returns fp32 logits,
+    the bf16 ones freed, and with labels the loss of transformers 4.38 (src/transformers/models/llama/
+    modeling_llama.py @ 002272831fba, LlamaForCausalLM.forward: `logits = self.lm_head(hidden_states);
+    logits = logits.float()`, then `shift_logits = logits[..., :-1, :].contiguous()` and
+    `CrossEntropyLoss()` on the flattened shift). The caller's `output` holds the fp32 logits through
+    backward, as fsdp_qlora's train.py holds `output`. torchtune's TransformerDecoder upcasts the same
+    way (`output = self.output(h).float()`); its recipe's loss is `torchtune_loss`. Today's transformers
+    keeps the bf16 logits and upcasts inside the loss, without the shifted copy."""
     import transformers
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -125,4 +127,29 @@ def transformers_438(class_name: str) -> type:
             loss = nn.CrossEntropyLoss()(shift_logits.view(-1, self.config.vocab_size), shift_labels.view(-1))
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    return type(f"{base.__name__}438", (base,), {"forward": forward, "__module__": __name__})
+    return type(f"{base.__name__}UpcastLogits", (base,), {"forward": forward, "__module__": __name__})
+
+
+def torchtune_loss(output: Any, batch: tuple) -> torch.Tensor:
+    """torchtune's LoRA recipe loss (recipes/lora_finetune_single_device.py @ 0097adab, train()):
+    `logits = logits[..., :-1, :].contiguous()`, `logits = logits.transpose(1, 2)`, `CrossEntropyLoss`
+    on the fp32 logits its decoder returned (`upcast_logits`)."""
+    logits = output.logits[..., :-1, :].contiguous().transpose(1, 2)
+    return nn.functional.cross_entropy(logits, batch[1][..., 1:].contiguous())
+
+
+# -- LoRA adapters in the base's dtype: PEFT <= 0.10, torchtune ------------------------------------------
+def bf16_adapters(model: nn.Module, lora: dict, targets: list[str]) -> nn.Module:
+    """`model` with LoRA adapters in its own dtype (bf16), as PEFT made them before 0.11 (adapters moved
+    to the base weight's device and dtype, `_move_adapter_to_device_of_base_layer`; fp32 upcasting by
+    default came with huggingface/peft#1706, May 2024) and as torchtune builds them (every parameter in
+    the recipe's `dtype: bf16`). Only the adapters train; their gradients and AdamW states are bf16 too.
+    autofit's own LoRA rung runs today's PEFT (fp32 adapters), which its formulas count."""
+    import peft
+
+    config = peft.LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora.get("dropout") or 0.0,
+                             target_modules=targets)
+    dtype = next(model.parameters()).dtype
+    # PEFT leaves adapters built on the meta device (the estimator's build) in fp32: cast them as PEFT 0.10
+    # cast them on a real device
+    return peft.get_peft_model(model, config, autocast_adapter_dtype=False).to(dtype)
