@@ -27,6 +27,7 @@ class ModelFacts:
     factored_params: int = 0  # Adafactor state elements: rows + cols per matrix, numel per vector
     largest_param: int = 0
     block_params: int = 0  # parameters of one repeated block
+    block_trainable_params: int = 0  # those of them that train (a frozen block has no gradient to stage)
     num_blocks: int = 0
     weight_bytes: float = 4.0  # bytes per weight as the model stores them (4 fp32; 2 for a bf16 model)
     tied_params: int = 0  # the largest parameter used by two modules (GPT-2's embedding and head), else 0
@@ -50,6 +51,7 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         lora_params_per_rank=sum(i + o for i, o in adapted), factored_params=factored,
         largest_param=max((p.numel() for p in params), default=0),
         block_params=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0, num_blocks=len(blocks),
+        block_trainable_params=sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) if blocks else 0,
         weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0,
         tied_params=_largest_tied(model))
 

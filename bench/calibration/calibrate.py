@@ -36,6 +36,7 @@ from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import Lora  # noqa: E402
+from bench.calibration import measured_code  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROWS = HERE / "published.json"
@@ -70,8 +71,13 @@ RENAMED = {"PhiConfig": {"o_proj": ["dense"], "gate_proj": [], "up_proj": ["fc1"
            "GPTNeoXConfig": {"q_proj": ["query_key_value"], "k_proj": ["query_key_value"], "v_proj": ["query_key_value"],
                              "o_proj": ["dense"], "gate_proj": [], "up_proj": ["dense_h_to_4h"],
                              "down_proj": ["dense_4h_to_h"]}}
-# Sources whose loss keeps the logits in bf16 (no fp32 upcast): litgpt's chunked cross-entropy, torchtune's.
-BF16_LOSS = ("litgpt-", "torchtune-")
+# litgpt rows not simulated with litgpt's code (its QLoRA rows, or litgpt not installed): cross-entropy on
+# bf16 logits, as litgpt's chunked cross-entropy computes it.
+BF16_LOSS = ("litgpt-",)
+MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss)",
+              "fsdp_qlora": "transformers classes with 4.38's fp32 logits and loss; LoRA rows: PEFT 0.10's bf16 adapters",
+              "torchtune": "transformers classes with fp32 logits, torchtune's loss and bf16 adapters",
+              "transformers": "transformers classes of the architecture (today's code), autofit's LoRA formulas"}
 NOT_EXPRESSIBLE = {  # row id prefix -> what the estimator lacks (beside the table's own `expressible: false`)
     "torchtitan-": "op-level selective activation checkpointing (torchtitan's 'op' mode): not a Checkpointing "
                    "value yet (issue 16 adds it)",
@@ -99,17 +105,22 @@ def expressible(row: dict) -> str | None:
     return None
 
 
-def build(class_name: str, fields: dict) -> torch.nn.Module:
-    """The causal LM of `class_name`'s config, weights in bf16 (every row stores them so)."""
+def build(class_name: str, fields: dict, upcast_logits: bool = False, lora: dict | None = None,
+          lora_targets: tuple = ()) -> torch.nn.Module:
+    """The causal LM of `class_name`'s config, weights in bf16 (every row stores them so); its logits
+    upcast to fp32 in the forward where the source's code did (`measured_code.upcast_logits`), and with
+    `lora`, bf16 LoRA adapters on `lora_targets` (`measured_code.bf16_adapters`)."""
     import transformers
 
     config = getattr(transformers, class_name)(**fields)
-    cls = getattr(transformers, class_name.replace("Config", "ForCausalLM"))
-    return cls(config).to(torch.bfloat16)
+    cls = measured_code.upcast_logits(class_name) if upcast_logits else \
+        getattr(transformers, class_name.replace("Config", "ForCausalLM"))
+    model = cls(config).to(torch.bfloat16)
+    return measured_code.bf16_adapters(model, lora, list(lora_targets)) if lora else model
 
 
 def bf16_cross_entropy(output, batch):
-    """Cross-entropy on the logits as the model returns them (bf16, not upcast), as litgpt and torchtune do."""
+    """Cross-entropy on the logits as the model returns them (bf16, not upcast), as litgpt does."""
     logits = output.logits
     return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
@@ -130,32 +141,63 @@ class Batches:
         return tokens(self.vocab, self.seq, n, self.as_tuple)
 
 
+def model_code(row: dict) -> str:
+    """Whose code the row's step is simulated with (measured_code.py):
+    - "litgpt": litgpt's own model, LoRA and loss (when installed; its QLoRA rows excepted: bitsandbytes'
+      layers cannot be simulated here, they stay on transformers and autofit's NF4 formulas);
+    - "fsdp_qlora": transformers 4.38's forward and loss, and for LoRA rows PEFT 0.10's bf16 adapters
+      (its QLoRA rows keep autofit's NF4 formulas, which count today's fp32 adapters);
+    - "torchtune": fp32 logits and torchtune's loss, bf16 adapters;
+    - "transformers": today's transformers classes of the architecture, autofit's LoRA formulas."""
+    quantized = row["quantization"] != "none"
+    if row["id"].startswith("litgpt-") and not quantized and not measured_code.litgpt_missing():
+        return "litgpt"
+    for prefix, code in (("fsdpqlora-", "fsdp_qlora"), ("torchtune-", "torchtune")):
+        if row["id"].startswith(prefix):
+            return code
+    return "transformers"
+
+
 def setup(row: dict) -> tuple:
-    """(spec, Config, strategies, metric) expressing `row`."""
+    """(spec, Config, strategies) expressing `row`, with the code `model_code(row)` names."""
     m = row["model"]
     class_name, extra = ARCH[m["hf_id"]]
     fields = {"hidden_size": m["hidden"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
               "intermediate_size": m["intermediate"], "vocab_size": m["vocab"], **extra}
     if class_name != "GPTNeoXConfig" and class_name != "PhiConfig":
         fields["num_key_value_heads"] = m["kv_heads"]
-    bf16_loss = row["id"].startswith(BF16_LOSS)
-    batch = Batches(m["vocab"], row["seq_len"], bf16_loss)
-    spec = make_spec(functools.partial(build, class_name, fields), batch, device="cpu", memory_budget="1TiB",
-                     loss_fn=bf16_cross_entropy if bf16_loss else None)
     lora = row["lora"] if isinstance(row["lora"], dict) else None
-    strategies = [Lora(target_modules=targets(row, class_name))] if lora else []
+    code = model_code(row)
+    if code == "litgpt":  # LoRA lives in litgpt's model (bf16 adapters, only they trainable): no Lora strategy
+        spec = make_spec(functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora),
+                         Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
+                         loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
+        return spec, _config(row, 0), []
+    # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
+    in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
+    loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(
+        code, bf16_cross_entropy if row["id"].startswith(BF16_LOSS) else None)
+    factory = functools.partial(build, class_name, fields, upcast_logits=code in ("fsdp_qlora", "torchtune"),
+                                lora=in_model, lora_targets=tuple(targets(row, class_name)) if in_model else ())
+    spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], loss is not None), device="cpu",
+                     memory_budget="1TiB", loss_fn=loss)
+    strategies = [Lora(target_modules=targets(row, class_name))] if lora and not in_model else []
+    return spec, _config(row, lora["rank"] if lora and not in_model else 0), strategies
+
+
+def _config(row: dict, lora_rank: int) -> Config:
+    """The row's training configuration as a `Config` (`lora_rank` 0: no adapters for autofit to add)."""
     sharding = row["sharding"].lower()
     # Every row trains bf16 weights without autocast (litgpt bf16-true, torchtune, fsdp_qlora, PEFT's
     # use_amp=False): autofit's precision="fp32" means no autocast, so the bf16 model computes in bf16.
-    config = Config(precision="fp32", attention="sdpa",
-                    checkpointing="full" if row["activation_checkpointing"].startswith("full") else "none",
-                    micro_batch_size=row["micro_batch"], grad_accum_steps=max(row["grad_accum"] or 1, 1),
-                    lora=lora["rank"] if lora else 0,
-                    quantization="nf4" if row["quantization"].startswith("nf4") else "none",
-                    sharding="fsdp_full" if "full_shard" in sharding or "full shard" in sharding else "none",
-                    offload="cpu" if row["cpu_offload"] else "none",
-                    num_gpus=row["num_gpus"])
-    return spec, config, strategies
+    return Config(precision="fp32", attention="sdpa",
+                  checkpointing="full" if row["activation_checkpointing"].startswith("full") else "none",
+                  micro_batch_size=row["micro_batch"], grad_accum_steps=max(row["grad_accum"] or 1, 1),
+                  lora=lora_rank,
+                  quantization="nf4" if row["quantization"].startswith("nf4") else "none",
+                  sharding="fsdp_full" if "full_shard" in sharding or "full shard" in sharding else "none",
+                  offload="cpu" if row["cpu_offload"] else "none",
+                  num_gpus=row["num_gpus"])
 
 
 def targets(row: dict, class_name: str) -> list[str]:
@@ -185,6 +227,7 @@ def run_row(row: dict) -> dict:
     value, basis = predicted(row, estimator, config)
     error = value / row["value_bytes"] - 1
     return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
+            "model_code": MODEL_CODE[model_code(row)],
             "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],
             "predicted_bytes": int(value), "compared": basis, "error": round(error, 4)}
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.calibration import calibrate
+from autofit.estimate.facts import meta_model
+from bench.calibration import calibrate, measured_code
 
 RESULTS = json.loads((Path(calibrate.__file__).parent / "results" / "calibration.json").read_text())
 ROWS = {row["id"]: row for row in json.loads(calibrate.ROWS.read_text())}
@@ -38,8 +39,68 @@ def test_a_row_is_expressed_as_its_source_ran_it():
         "q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2", "lm_head"]
 
 
-def test_committed_result_is_reproduced():
-    committed = next(r for r in RESULTS["rows"] if r["id"] == "litgpt-hub-tinyllama-full-mb4")
-    again = calibrate.run_row(ROWS["litgpt-hub-tinyllama-full-mb4"])
+def _reproduced(row_id: str) -> None:
+    committed = next(r for r in RESULTS["rows"] if r["id"] == row_id)
+    again = calibrate.run_row(ROWS[row_id])
+    assert again["model_code"] == committed["model_code"]
     assert again["predicted_bytes"] == committed["predicted_bytes"]
     assert again["error"] == committed["error"]
+
+
+def test_committed_result_is_reproduced():
+    _reproduced("litgpt-hub-stablelm3b-qlora-mb1")  # transformers classes + autofit's LoRA and NF4 formulas
+
+
+@pytest.mark.skipif(bool(measured_code.litgpt_missing()), reason="litgpt is not installed in bench/calibration/vendor "
+                    "(bench/calibration/install_measured_code.sh installs it)")
+def test_committed_litgpt_result_is_reproduced_with_litgpts_own_code():
+    assert calibrate.model_code(ROWS["litgpt-hub-tinyllama-full-mb4"]) == "litgpt"
+    _reproduced("litgpt-hub-tinyllama-full-mb4")
+
+
+def test_litgpt_rows_fall_back_to_transformers_without_litgpt_and_say_so(monkeypatch):
+    monkeypatch.setattr(measured_code, "litgpt_missing", lambda: "not installed")
+    row = ROWS["litgpt-hub-tinyllama-full-mb4"]
+    assert calibrate.model_code(row) == "transformers"
+    spec, config, strategies = calibrate.setup(row)
+    assert type(meta_model(spec.model_factory)).__name__ == "LlamaForCausalLM"
+    assert spec.loss_fn is calibrate.bf16_cross_entropy
+
+
+def test_a_lora_row_of_peft_010_trains_bf16_adapters_built_into_the_model():
+    row = ROWS["fsdpqlora-llama2-7b-lora-ctx2048-bs4"]
+    spec, config, strategies = calibrate.setup(row)
+    assert calibrate.model_code(row) == "fsdp_qlora" and config.lora == 0 and not strategies
+    model = meta_model(spec.model_factory)
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert trainable == {torch.bfloat16} and sum(p.numel() for p in model.parameters() if p.requires_grad) == \
+        32 * 64 * (3 * (4096 + 4096) + 3 * (4096 + 11008))  # rank 64 on q, k, v, gate, up, down
+
+
+def _tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64)
+
+
+def test_upcast_logits_computes_transformers_438s_loss_on_fp32_logits():
+    torch.manual_seed(0)
+    model = measured_code.upcast_logits("LlamaConfig")(_tiny_llama_config()).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 9))
+    output = model(input_ids=ids, labels=ids)
+    assert output.logits.dtype == torch.float32
+    expected = torch.nn.functional.cross_entropy(output.logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
+    assert torch.allclose(output.loss, expected)
+    assert torch.allclose(measured_code.torchtune_loss(output, (ids, ids)), expected)
+
+
+def test_bf16_adapters_are_bf16_and_alone_trainable_even_when_built_on_meta():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = measured_code.bf16_adapters(LlamaForCausalLM(_tiny_llama_config()).to(torch.bfloat16),
+                                            {"rank": 4, "alpha": 16, "dropout": 0.1}, ["q_proj", "v_proj"])
+    trainable = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert set(trainable.values()) == {torch.bfloat16}

@@ -47,6 +47,27 @@ def test_fsdp2_shards_every_state_and_reports_gathered_blocks_apart(estimator):
     assert predictor_for(estimator.spec)(Config(sharding="fsdp_full", num_gpus=N)) is not None  # the tuner prunes FSDP2 too
 
 
+def _frozen_but_norms():
+    """tiny_llama with every weight frozen but the blocks' norms (a model that freezes its own base)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama())
+    for name, param in model.named_parameters():
+        param.requires_grad_("layernorm" in name)
+    return model
+
+
+def test_fsdp2_stages_gradients_of_the_weights_that_train_only():
+    estimator = Estimator(make_spec(_frozen_but_norms, seq_len=64, device="cpu", memory_budget="4GiB", num_gpus=N),
+                          target="cuda")
+    facts = estimator.facts
+    assert 0 < facts.block_trainable_params == 2 * 128 < facts.block_params
+    gathered = estimator.predict(Config(precision="bf16", sharding="fsdp_full", num_gpus=N)).breakdown.gathered
+    root = facts.num_params - facts.num_blocks * facts.block_params
+    # a frozen weight has no unsharded gradient: only the norms' bf16 gradients and fp32 copies are staged
+    assert gathered == 2 * (root + 2 * facts.block_params) + facts.block_trainable_params * (2 + 4)
+
+
 def test_fsdp2_cpu_offload_keeps_only_gathered_weights_on_the_gpu(estimator):
     facts = estimator.facts
     estimate = estimator.predict(Config(precision="bf16", sharding="fsdp_full", offload="cpu", num_gpus=N))

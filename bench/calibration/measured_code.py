@@ -1,0 +1,155 @@
+"""The code the sources measured, where it differs from what autofit simulates by default.
+
+A published peak is the memory of the source's own code: litgpt's model and loss for litgpt's tables,
+transformers 4.38's loss for AnswerDotAI's fsdp_qlora benchmarks (Feb-Mar 2024). Simulating today's
+transformers classes instead measures another program (README.md, "What the misses have in common").
+This module rebuilds those programs for the estimator, which accepts any `nn.Module` factory and loss.
+
+litgpt is not a dependency of autofit: its package is looked for in `VENDOR` (install it there with
+`bench/calibration/install_measured_code.sh`, which never touches the environment). Without it, the
+litgpt rows fall back to the transformers classes of their architecture and their result says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+VENDOR = Path(os.environ.get("AUTOFIT_CALIBRATION_VENDOR", HERE / "vendor"))
+# The litgpt release whose model and LoRA code matches the measured runs: the resource tables were
+# measured at lit-gpt commit 8641822 (Oct 2023) and the config-hub table at litgpt commit 03ffc55 (spring
+# 2024). 0.3.1 and 0.4.0 have byte-identical litgpt/model.py and litgpt/lora.py; the LoRA module of both
+# is the one of the Oct 2023 lit_gpt/lora.py (LoRAQKVLinear: zero_pad + conv1d on the fused qkv).
+LITGPT_VERSION = "0.4.0"
+
+
+def litgpt_missing() -> str | None:
+    """None when litgpt can be imported from `VENDOR` (put on sys.path), else why not and how to install it."""
+    for folder in (VENDOR / f"litgpt-{LITGPT_VERSION}", VENDOR / "lightning"):
+        if folder.is_dir() and str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    try:
+        import litgpt.lora  # noqa: F401
+        import litgpt.utils  # noqa: F401
+    except ImportError as exc:
+        return (f"litgpt {LITGPT_VERSION} not importable from {VENDOR} ({exc}); run "
+                "bench/calibration/install_measured_code.sh to simulate litgpt's own model code")
+    return None
+
+
+# -- litgpt ---------------------------------------------------------------------------------------------
+# A source's LoRA target names -> litgpt's `lora_*` switches (litgpt/lora.py Config).
+LITGPT_SWITCHES = {"q": "lora_query", "k": "lora_key", "v": "lora_value", "proj": "lora_projection",
+                   "mlp": "lora_mlp", "head": "lora_head"}
+LM_HEAD_CHUNK = 128  # litgpt/finetune/lora.py: `logits = model(input_ids, lm_head_chunk_size=128)`
+
+
+class LitgptStep(nn.Module):
+    """litgpt's GPT called as its fine-tuning script calls it: finetune/lora.py chunks the lm head
+    (`lm_head_chunk_size=128`, a list of logit chunks), finetune/full.py does not."""
+
+    def __init__(self, gpt: nn.Module, lm_head_chunk_size: int):
+        super().__init__()
+        self.gpt, self.lm_head_chunk_size = gpt, lm_head_chunk_size
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        if self.lm_head_chunk_size:
+            return self.gpt(input_ids, lm_head_chunk_size=self.lm_head_chunk_size)
+        return self.gpt(input_ids)
+
+
+def build_litgpt(name: str, seq_len: int, lora: dict | None) -> nn.Module:
+    """litgpt's model `name` (a litgpt config name or a hub name) as the script builds it: LoRA on the
+    row's targets with its rank, alpha and dropout and only LoRA trainable (`mark_only_lora_as_trainable`),
+    every weight in bf16 (`--precision bf16-true`), `max_seq_length` set to the longest sample (fit())."""
+    import litgpt.lora as litgpt_lora
+    import litgpt.model as litgpt_model
+
+    if lora:
+        switches = {switch: False for switch in LITGPT_SWITCHES.values()}
+        switches.update({LITGPT_SWITCHES[t]: True for t in lora["targets"]})
+        config = litgpt_lora.Config.from_name(name, lora_r=lora["rank"], lora_alpha=lora["alpha"],
+                                              lora_dropout=lora["dropout"], **switches)
+        gpt = litgpt_lora.GPT(config)
+        litgpt_lora.mark_only_lora_as_trainable(gpt)
+    else:
+        gpt = litgpt_model.GPT(litgpt_model.Config.from_name(name))
+    gpt.max_seq_length = seq_len
+    return LitgptStep(gpt.to(torch.bfloat16), LM_HEAD_CHUNK if lora else 0)
+
+
+def litgpt_lora_loss(logits: list, batch: tuple) -> torch.Tensor:
+    """litgpt/finetune/lora.py's training loss: the last logit chunk shifted, then `chunked_cross_entropy`
+    over the chunks (bf16 logits, no upcast)."""
+    from litgpt.utils import chunked_cross_entropy
+
+    logits[-1] = logits[-1][..., :-1, :]
+    return chunked_cross_entropy(logits, batch[1][..., 1:])
+
+
+def litgpt_full_loss(logits: torch.Tensor, batch: tuple) -> torch.Tensor:
+    """litgpt/finetune/full.py's training loss: `chunked_cross_entropy` over the shifted full logits."""
+    from litgpt.utils import chunked_cross_entropy
+
+    return chunked_cross_entropy(logits[..., :-1, :], batch[1][..., 1:])
+
+
+# -- logits upcast to fp32 in the model: transformers 4.38, torchtune -----------------------------------
+@functools.lru_cache(maxsize=None)
+def upcast_logits(class_name: str) -> type:
+    """The transformers `*ForCausalLM` class of `class_name`'s config whose forward returns fp32 logits,
+    the bf16 ones freed, and with labels the loss of transformers 4.38 (src/transformers/models/llama/
+    modeling_llama.py @ 002272831fba, LlamaForCausalLM.forward: `logits = self.lm_head(hidden_states);
+    logits = logits.float()`, then `shift_logits = logits[..., :-1, :].contiguous()` and
+    `CrossEntropyLoss()` on the flattened shift). The caller's `output` holds the fp32 logits through
+    backward, as fsdp_qlora's train.py holds `output`. torchtune's TransformerDecoder upcasts the same
+    way (`output = self.output(h).float()`); its recipe's loss is `torchtune_loss`. Today's transformers
+    keeps the bf16 logits and upcasts inside the loss, without the shifted copy."""
+    import transformers
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base = getattr(transformers, class_name.replace("Config", "ForCausalLM"))
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden).float()
+        loss = None
+        if labels is not None:
+            shift_logits = logits[..., :-1, :].contiguous()
+            shift_labels = labels[..., 1:].contiguous()
+            loss = nn.CrossEntropyLoss()(shift_logits.view(-1, self.config.vocab_size), shift_labels.view(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    return type(f"{base.__name__}UpcastLogits", (base,), {"forward": forward, "__module__": __name__})
+
+
+def torchtune_loss(output: Any, batch: tuple) -> torch.Tensor:
+    """torchtune's LoRA recipe loss (recipes/lora_finetune_single_device.py @ 0097adab, train()):
+    `logits = logits[..., :-1, :].contiguous()`, `logits = logits.transpose(1, 2)`, `CrossEntropyLoss`
+    on the fp32 logits its decoder returned (`upcast_logits`)."""
+    logits = output.logits[..., :-1, :].contiguous().transpose(1, 2)
+    return nn.functional.cross_entropy(logits, batch[1][..., 1:].contiguous())
+
+
+# -- LoRA adapters in the base's dtype: PEFT <= 0.10, torchtune ------------------------------------------
+def bf16_adapters(model: nn.Module, lora: dict, targets: list[str]) -> nn.Module:
+    """`model` with LoRA adapters in its own dtype (bf16), as PEFT made them before 0.11 (adapters moved
+    to the base weight's device and dtype, `_move_adapter_to_device_of_base_layer`; fp32 upcasting by
+    default came with huggingface/peft#1706, May 2024) and as torchtune builds them (every parameter in
+    the recipe's `dtype: bf16`). Only the adapters train; their gradients and AdamW states are bf16 too.
+    autofit's own LoRA rung runs today's PEFT (fp32 adapters), which its formulas count."""
+    import peft
+
+    config = peft.LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora.get("dropout") or 0.0,
+                             target_modules=targets)
+    dtype = next(model.parameters()).dtype
+    # PEFT leaves adapters built on the meta device (the estimator's build) in fp32: cast them as PEFT 0.10
+    # cast them on a real device
+    return peft.get_peft_model(model, config, autocast_adapter_dtype=False).to(dtype)
