@@ -206,7 +206,9 @@ def _beyond(space: Space, estimator: Estimator, profile: GpuProfile,
     wider = build_space(dataclasses.replace(space.spec, max_tier=tiers[-1]), strategies)
     planner = _Planner(wider, estimator, profile)
     known = set(space.levels())
-    return [planner.best_at(level) for level in wider.levels() if level not in known]
+    levels = [level for level in wider.levels() if level not in known]
+    estimator.prefetch(config for level in levels for config in planner.asks(level))
+    return [planner.best_at(level) for level in levels]
 
 
 class _Planner:
