@@ -1,6 +1,6 @@
 """Simulations spread over processes: a dry-run of a deep model with every rung needs dozens of simulated
 steps, each a second or more of Python dispatch under fake tensors. Python runs one of them at a time per
-process (the GIL), so they are shared between the caller and a worker process per spare CPU (`spare_cpus`).
+process (the GIL), so they are shared between the caller and a worker process per idle CPU (`spare_cpus`).
 
 Each worker is `python -m autofit.estimate.workers JOB RESULT`, an autofit entry point (nothing of the
 user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input
@@ -34,12 +34,16 @@ Found = tuple[ActivationPeak | None, str]  # what `Estimator.simulate` returns
 TIMEOUT_S = 1800.0  # a worker still running after this is killed (its jobs fall back to the caller)
 
 
-def spare_cpus() -> int:
-    """CPUs this process may run on (its affinity where the platform says) less the load on them (the
-    one-minute load average, at least this process's own CPU): on a busy machine more processes queue."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return max(0, int(cpus - max(load, 1.0)))
+def spare_cpus(window: float = 0.2) -> int:
+    """CPUs this process may run on (its affinity where the platform says) that were idle over the last
+    `window` seconds, less the caller's own: on a busy machine more processes only queue. (The load
+    average would lag: right after a dry-run it still counts that run.)"""
+    import psutil
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    busy = psutil.cpu_percent(interval=window, percpu=True)
+    idle = sum(1 for cpu, percent in enumerate(busy) if percent < 50 and (allowed is None or cpu in allowed))
+    return max(0, idle - 1)
 
 
 @dataclasses.dataclass
