@@ -344,9 +344,12 @@ class Estimator:
         try:
             for config, mb in shares[0] if running else rest:
                 self._at_batch(config, mb)
-        finally:
-            for (config, mb), found in running.collect() if running else ():
-                self._keep(config, mb, found)
+        except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for
+            if running:
+                running.close()
+            raise
+        for (config, mb), found in running.collect() if running else ():
+            self._keep(config, mb, found)
 
     def _sizes(self, config: Config) -> tuple[int, ...]:
         """The micro-batches simulated for `config`: its own, or 1 and 2 to extrapolate from."""
