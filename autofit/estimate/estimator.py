@@ -336,9 +336,11 @@ class Estimator:
         started = time.perf_counter()
         self._at_batch(*todo[0])
         rest = todo[1:]
-        helpers = min(workers.spare_cpus(), len(rest) // 2)
-        if helpers < 1 or time.perf_counter() - started < SPREAD_AFTER_S:
-            return  # cheap (or no CPU to spare): the rest are simulated when predicted
+        if len(rest) < 2 or time.perf_counter() - started < SPREAD_AFTER_S:
+            return  # cheap: the rest are simulated when predicted
+        helpers = min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
+        if helpers < 1:
+            return  # no CPU to spare
         shares = [rest[i::helpers + 1] for i in range(helpers + 1)]
         running = workers.start(self.spec, self.strategies, self.target, shares[1:])
         try:

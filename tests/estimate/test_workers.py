@@ -88,3 +88,11 @@ def test_a_worker_that_fails_delivers_nothing_and_the_caller_simulates_its_share
         shared.prefetch(CONFIGS)
     assert [shared.predict(c) for c in CONFIGS] == want
     assert len(simulations) == keys
+
+
+def test_cheap_simulations_are_neither_spread_nor_wait_for_a_cpu_sample(monkeypatch, simulations):
+    monkeypatch.setattr(estimator_module, "SPREAD_AFTER_S", float("inf"))  # every simulation counts as cheap
+    monkeypatch.setattr(workers, "spare_cpus", lambda: pytest.fail("the CPUs were sampled for cheap simulations"))
+    monkeypatch.setattr(workers, "start", lambda *a: pytest.fail("workers were started for cheap simulations"))
+    fresh_estimator(monkeypatch).prefetch(CONFIGS)
+    assert len(simulations) == 1  # the first, timed; the rest wait until they are predicted
