@@ -552,8 +552,9 @@ def _parts(states: States, temp: int, activations: int, overhead: int, gathered:
 def _simulation_key(config: Config, mb: int) -> tuple:
     """What a simulated forward + backward depends on: one simulation serves every config with the same
     key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16);
-    autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device in
-    torch's autocast_mode.cpp; CPU kernels simulate fp16 as bf16); every fused attention is simulated as SDPA."""
+    autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device,
+    AT_FORALL_LOWER_PRECISION_FP in aten/src/ATen/autocast_mode.h, cast to the autocast dtype read at run
+    time; CPU kernels simulate fp16 as bf16); every fused attention is simulated as SDPA."""
     attention = "fused" if config.attention.fused else config.attention
     return (config.half_precision, attention, config.checkpointing, config.checkpoint_every, mb,
             _half_weights(config), config.activation_offload, config.loss)
