@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sharding
+from autofit.config import Checkpointing, Config, Engine, Offload, Optimizer, Quantization, Sharding
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, model_facts  # noqa: F401 (re-exported)
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
@@ -303,6 +303,7 @@ class Estimator:
         # LoRA simulates the base frozen and these layers' weights trained: like the adapters beside
         # them, they keep their inputs for backward (names of the layers, last component).
         self._adapted = frozenset(name.rsplit(".", 1)[-1] for name in (targets or _block_linears(self._meta)))
+        self._adapted_params = _weights_of(self._meta, self._adapted)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
         self._workload = workload_key(self._meta, spec, self.sim_device, self._adapted)
@@ -359,7 +360,7 @@ class Estimator:
         return (mb,) if mb <= 2 or not self.extrapolate_batch else (1, 2)
 
     def _key(self, config: Config, mb: int) -> tuple:
-        return (*_simulation_key(config, mb), config.adapters)
+        return (*_simulation_key(config, mb), config.adapters, _implementation_key(config))
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -462,17 +463,22 @@ class Estimator:
                         offloaded_activations=act.offloaded)
 
     def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
-        """What the simulation cannot see: bitsandbytes' quantized matmuls keep the packed weights for
-        backward, not the 16-bit copies autocast saves of fp32 weights (2 bytes each)."""
+        """What the simulation cannot see: bitsandbytes' quantized matmuls use no 16-bit copy that autocast
+        keeps of an fp32 weight (2 bytes each). NF4 layers are simulated as bitsandbytes' (no such copy)
+        but the adapted ones, which the simulation trains in place of their adapters; int8 layers are not
+        simulated at all."""
         if config.adapters:
             notes.append("LoRA simulated as its frozen base with the adapted layers' inputs kept (adapter "
                          "dropout not modelled)")
-        if config.quantization is not Quantization.NONE and config.half_precision and self.facts.weight_bytes > 2:
-            notes.append(f"{config.quantization.value} kernels not simulated: 16-bit weight copies removed by formula")
-            copies = 2 * self.facts.linear_params
-            return dataclasses.replace(act, forward=max(0, act.forward - copies), peak=max(0, act.peak - copies),
-                                       joint=max(0, act.joint - copies))
-        return act
+        if config.quantization is Quantization.NF4:
+            notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
+        if config.quantization is Quantization.NONE or not config.half_precision or self.facts.weight_bytes <= 2:
+            return act
+        if config.quantization is Quantization.INT8:
+            notes.append("int8 kernels not simulated: 16-bit weight copies removed by formula")
+        copies = 2 * (self._adapted_params if config.quantization is Quantization.NF4 else self.facts.linear_params)
+        return dataclasses.replace(act, forward=max(0, act.forward - copies), peak=max(0, act.peak - copies),
+                                   joint=max(0, act.joint - copies))
 
     def _gathered(self, config: Config, notes: list[str]) -> int:
         """Full weights gathered from their shards while in use (`Breakdown.gathered`, apart from the
@@ -560,6 +566,17 @@ def _simulation_key(config: Config, mb: int) -> tuple:
             _half_weights(config), config.activation_offload, config.loss)
 
 
+def _implementation_key(config: Config) -> tuple:
+    """What a simulation depends on besides the config, in the libraries' behaviour it simulates: whether
+    bitsandbytes keeps each NF4 layer's input, whether checkpointing re-enters (both set by the calibration
+    to simulate runs of older releases and other modes)."""
+    from autofit.strategies import checkpointing
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    nf4 = config.quantization is Quantization.NF4 and SimulatedLinear4bit.keeps_input
+    return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT
+
+
 def _half_weights(config: Config) -> bool:
     """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
     16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
@@ -578,6 +595,14 @@ def _block_linears(model: nn.Module) -> list[str]:
     path, blocks = find_blocks(model)
     return [name for block in blocks for name, m in block.named_modules() if isinstance(m, nn.Linear)
             or type(m).__name__ == "Conv1D"]
+
+
+def _weights_of(model: nn.Module, names: frozenset[str]) -> int:
+    """Elements of the weights of the linear layers whose name's last component is in `names`."""
+    from autofit.strategies.quantization import quantizable_layers
+
+    return sum(model.get_submodule(name).weight.numel() for name in quantizable_layers(model)
+               if name.rsplit(".", 1)[-1] in names)
 
 
 def _lora_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[str] | None:

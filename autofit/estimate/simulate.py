@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autofit.config import Attention, Checkpointing, Config, Loss, Precision
+from autofit.config import Attention, Checkpointing, Config, Loss, Precision, Quantization
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -97,7 +97,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
     used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight.
     `adapted` (LoRA): every weight is frozen but those of the linear layers named so (last name
-    component): they keep their inputs for backward as the adapters beside them would."""
+    component): they keep their inputs for backward as the adapters beside them would. NF4 base weights:
+    the other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model
@@ -113,6 +114,10 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
     elif half_weights and precision.half:
         model.to(_half_dtype(precision, device))
+    if config.quantization is Quantization.NF4:
+        from autofit.strategies.quantization import simulate_nf4
+
+        simulate_nf4(model, keep=adapted or frozenset())
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device=device)

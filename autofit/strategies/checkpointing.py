@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
     from autofit.probe.step import TrainRun
 
+# autofit checkpoints without re-entry (`use_reentrant=False`, torch's recommended mode): the forward keeps
+# its autograd graph, so what a custom autograd Function holds as a plain attribute (bitsandbytes before
+# 0.43.2, `autofit.strategies.quantization.SimulatedLinear4bit`) is kept through the forward. The
+# calibration sets True to simulate runs measured with the re-entrant mode.
+REENTRANT = False
+
 EVERY = (4, 2)  # whole-block frequencies offered where the depth exceeds k: every k-th block, cheapest first
 
 aten = torch.ops.aten
@@ -76,7 +82,7 @@ class Checkpointing(Strategy):
 def enable(model: nn.Module, k: int, ops: bool = False) -> None:
     """Checkpoint every k-th block of `model` (k=1: all), wholly or (`ops`) op by op, through Hugging
     Face's switch where it has one."""
-    kwargs: dict[str, Any] = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": REENTRANT}
     if ops:
         kwargs["context_fn"] = keep_matmuls
     hf_switch = getattr(model, "activation_checkpointing_enable", None)

@@ -4,7 +4,8 @@
 compute, as in the QLoRA paper: base weights take ~0.5 byte per parameter instead of 4. "int8": 8-bit
 base weights (LLM.int8, outlier threshold 6.0): 1 byte per parameter. Both train LoRA adapters only
 (the LoRA strategy, applied right after this one), so they change what is trained: tier 2, opt-in.
-Needs bitsandbytes (`pip install 'autofit[bnb]'`) and CUDA. The output head stays in full precision.
+Needs bitsandbytes (`pip install 'autofit[bnb]'`, 0.43.2 or later: see `SimulatedLinear4bit`) and CUDA.
+The output head stays in full precision.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autofit.config import Config
@@ -154,3 +156,69 @@ def _import_bnb() -> Any:
     except ImportError as exc:
         raise MissingExtraError("bitsandbytes", "bnb", "4/8-bit base weights") from exc
     return bitsandbytes
+
+
+# -- what the estimator simulates in place of bitsandbytes --------------------------------------------------
+def simulate_nf4(model: nn.Module, keep: frozenset[str] = frozenset()) -> int:
+    """Replace every layer of `quantizable_layers` but those named in `keep` (last name component: the
+    layers the simulation trains in place of LoRA's adapters) by a `SimulatedLinear4bit`, in place, for the
+    estimator's fake-tensor step; returns how many were replaced."""
+    names = [name for name in quantizable_layers(model) if name.rsplit(".", 1)[-1] not in keep]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
+    return len(names)
+
+
+class SimulatedLinear4bit(nn.Module):
+    """The memory a bitsandbytes NF4 `Linear4bit` uses while LoRA trains beside it, for a step under fake
+    tensors (bitsandbytes cannot run there: fake tensors have no data to quantize). As
+    `Linear4bit.forward` (bitsandbytes/nn/modules.py) does: the input is cast to the compute dtype (a copy
+    where it differs), `MatMul4Bit` (bitsandbytes/autograd/_functions.py) dequantizes the whole weight to a
+    16-bit copy for the matmul, forward and again backward, freed after it, and the output is cast back to
+    the input's dtype. The packed weight itself is counted by the estimator's NF4 formula; here the layer
+    holds the original parameter, which the simulation does not count.
+
+    `keeps_input`: bitsandbytes before 0.43.2 kept each input for backward (`ctx.tensors = (A, B)`, a plain
+    attribute that activation checkpointing cannot drop) though a frozen weight needs no input; 0.43.2
+    stopped (bitsandbytes-foundation/bitsandbytes#1270, "delete useless buffered activation"; its changelog:
+    10.1 GB per sequence of 1,024 tokens on a 70B model). autofit requires 0.43.2 or later, so False; the
+    calibration sets it for runs measured with older releases."""
+
+    keeps_input = False
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return _MatMul4bit.apply(x.to(self.compute_dtype), self.weight, bias, type(self).keeps_input).to(dtype)
+
+
+class _MatMul4bit(torch.autograd.Function):
+    """bitsandbytes' `MatMul4Bit` as memory: a dequantized 16-bit weight per matmul; the input kept only
+    where `keeps_input` (releases before 0.43.2)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                keeps_input: bool) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.kept = x if keeps_input and ctx.needs_input_grad[0] else None
+        return F.linear(x, _dequantized(weight, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_x = grad @ _dequantized(ctx.weight, grad.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of the weight's shape in `dtype`: what `dequantize_4bit(...).to(dtype)` allocates."""
+    return torch.empty(weight.shape, dtype=dtype, device=weight.device)

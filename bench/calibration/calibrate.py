@@ -224,10 +224,14 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
 def run_row(row: dict) -> dict:
     spec, config, strategies = setup(row)
     estimator = Estimator(spec, target="cuda", strategies=strategies)
-    value, basis = predicted(row, estimator, config)
+    bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
+    reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
+    with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant):
+        value, basis = predicted(row, estimator, config)
     error = value / row["value_bytes"] - 1
     return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
-            "model_code": MODEL_CODE[model_code(row)],
+            "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
+            + ("; re-entrant checkpointing" if reentrant else ""),
             "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],
             "predicted_bytes": int(value), "compared": basis, "error": round(error, 4)}
 

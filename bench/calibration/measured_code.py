@@ -12,6 +12,7 @@ litgpt rows fall back to the transformers classes of their architecture and thei
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -42,6 +43,53 @@ def litgpt_missing() -> str | None:
         return (f"litgpt {LITGPT_VERSION} not importable from {VENDOR} ({exc}); run "
                 "bench/calibration/install_measured_code.sh to simulate litgpt's own model code")
     return None
+
+
+# -- bitsandbytes ---------------------------------------------------------------------------------------
+# The release each source's QLoRA runs used; every one predates 0.43.2, whose fix stopped `MatMul4Bit`
+# keeping its input (autofit.strategies.quantization.SimulatedLinear4bit).
+BITSANDBYTES = {
+    "litgpt-rt-": "0.41.1",  # the resource tables' own header: "bitsandbytes 0.41.1"
+    "litgpt-hub-": "0.42.0",  # litgpt 0.3.1 and 0.4.0 pin bitsandbytes==0.42.0 (their `all` extra)
+    "fsdpqlora-": "0.43.0",  # FSDP + QLoRA needs `quant_storage`, new in 0.43.0; benchmarks Feb-Mar 2024
+}
+
+
+def bitsandbytes_of(row_id: str) -> str | None:
+    """The bitsandbytes release a row was measured with, or None where the source names none."""
+    return next((version for prefix, version in BITSANDBYTES.items() if row_id.startswith(prefix)), None)
+
+
+@contextlib.contextmanager
+def bitsandbytes_release(version: str | None) -> Any:
+    """Simulate NF4 layers as bitsandbytes `version` ran them: releases before 0.43.2 kept every
+    layer's input for backward (`SimulatedLinear4bit.keeps_input`)."""
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    kept = SimulatedLinear4bit.keeps_input
+    SimulatedLinear4bit.keeps_input = version is not None and _release(version) < (0, 43, 2)
+    try:
+        yield
+    finally:
+        SimulatedLinear4bit.keeps_input = kept
+
+
+@contextlib.contextmanager
+def reentrant_checkpointing(on: bool) -> Any:
+    """Simulate activation checkpointing in torch's re-entrant mode where the source ran it so
+    (`autofit.strategies.checkpointing.REENTRANT`)."""
+    from autofit.strategies import checkpointing
+
+    was = checkpointing.REENTRANT
+    checkpointing.REENTRANT = on
+    try:
+        yield
+    finally:
+        checkpointing.REENTRANT = was
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3])
 
 
 # -- litgpt ---------------------------------------------------------------------------------------------

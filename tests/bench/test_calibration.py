@@ -104,3 +104,17 @@ def test_bf16_adapters_are_bf16_and_alone_trainable_even_when_built_on_meta():
     trainable = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     assert set(trainable.values()) == {torch.bfloat16}
+
+
+def test_quantized_rows_are_simulated_with_the_bitsandbytes_release_their_source_ran():
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    quantized = [r for r in RESULTS["rows"] if "quant=nf4" in r["config"]]
+    assert len(quantized) == 10
+    assert all(f"bitsandbytes {measured_code.bitsandbytes_of(r['id'])}" in r["model_code"] for r in quantized)
+    assert "bitsandbytes 0.41.1" in next(r for r in quantized if r["id"].startswith("litgpt-rt-"))["model_code"]
+    with measured_code.bitsandbytes_release("0.43.0"):
+        assert SimulatedLinear4bit.keeps_input  # before the fix of bitsandbytes#1270
+        with measured_code.bitsandbytes_release("0.43.2"):
+            assert not SimulatedLinear4bit.keeps_input
+    assert not SimulatedLinear4bit.keeps_input  # autofit's own default, restored

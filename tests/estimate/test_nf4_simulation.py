@@ -1,0 +1,69 @@
+"""NF4 base weights simulated as bitsandbytes runs them (`autofit.strategies.quantization.SimulatedLinear4bit`):
+a 16-bit weight dequantized per matmul and, before bitsandbytes 0.43.2, every layer's input kept for backward."""
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+
+from autofit.config import Config
+from autofit.estimate.estimator import Estimator
+from autofit.spec.train import make_spec
+from autofit.strategies import Lora, checkpointing
+from autofit.strategies.quantization import SimulatedLinear4bit
+
+D, I, LAYERS, TOKENS = 256, 688, 4, 128  # hidden, MLP width, blocks, tokens per sample
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(hidden_size=D, intermediate_size=I, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def _batch(n: int) -> dict:
+    ids = torch.randint(0, 512, (n, TOKENS), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@contextlib.contextmanager
+def _simulated(keeps_input: bool, reentrant: bool = False):
+    was = SimulatedLinear4bit.keeps_input, checkpointing.REENTRANT
+    SimulatedLinear4bit.keeps_input, checkpointing.REENTRANT = keeps_input, reentrant
+    try:
+        yield
+    finally:
+        SimulatedLinear4bit.keeps_input, checkpointing.REENTRANT = was
+
+
+def _activations(quantization: str, checkpointing_mode: str, keeps_input: bool = False, reentrant: bool = False) -> int:
+    spec = make_spec(_llama, _batch, device="cpu", memory_budget="1TiB")
+    estimator = Estimator(spec, target="cuda", strategies=[Lora(target_modules=["q_proj", "v_proj"])])
+    config = Config(precision="fp32", attention="sdpa", micro_batch_size=1, lora=8, quantization=quantization,
+                    checkpointing=checkpointing_mode)
+    with _simulated(keeps_input, reentrant):
+        return estimator.activations(config)[0].largest
+
+
+# the inputs bitsandbytes < 0.43.2 kept per block that nothing else keeps under checkpointing: q/k/v's
+# (shared), o_proj's, gate/up's (shared), down_proj's; bf16
+KEPT_PER_BLOCK = (3 * D + I) * 2 * TOKENS
+
+
+def test_releases_before_0_43_2_keep_every_quantized_layers_input_through_the_checkpointed_forward():
+    kept = _activations("nf4", "full", keeps_input=True) - _activations("nf4", "full")
+    assert kept == LAYERS * KEPT_PER_BLOCK  # a plain attribute of the autograd context: no checkpoint drops it
+
+
+def test_re_entrant_checkpointing_keeps_them_for_the_recomputed_block_only():
+    kept = _activations("nf4", "full", keeps_input=True, reentrant=True) - _activations("nf4", "full", reentrant=True)
+    assert 0 <= kept <= KEPT_PER_BLOCK
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_today_a_quantized_layer_adds_only_its_dequantized_weight(mode):
+    extra = _activations("nf4", mode) - _activations("none", mode)
+    largest_weight = D * I * 2  # bf16, gate/up/down
+    assert 0 <= extra <= 2 * largest_weight  # one dequantized weight (and its gradient's matmul) at a time
+    assert _activations("nf4", mode, keeps_input=True) - _activations("nf4", mode) > 2 * largest_weight
