@@ -88,11 +88,15 @@ def quantize_linears(model: nn.Module, value: Q) -> int:
         return 0
     bnb = _import_bnb()
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _quantized(bnb, as_linear(model.get_submodule(name)), value))
+        _replace(model, name, _quantized(bnb, as_linear(model.get_submodule(name)), value))
     setattr(model, "is_loaded_in_4bit" if value is Q.NF4 else "is_loaded_in_8bit", True)
     return len(names)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` in `model` at the dotted `name`."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def as_linear(module: nn.Module) -> nn.Linear:
@@ -165,9 +169,7 @@ def simulate_nf4(model: nn.Module, keep: frozenset[str] = frozenset()) -> int:
     estimator's fake-tensor step; returns how many were replaced."""
     names = [name for name in quantizable_layers(model) if name.rsplit(".", 1)[-1] not in keep]
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
+        _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
     return len(names)
 
 
