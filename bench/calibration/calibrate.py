@@ -79,8 +79,8 @@ MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA
               "torchtune": "transformers classes with fp32 logits, torchtune's loss and bf16 adapters",
               "transformers": "transformers classes of the architecture (today's code), autofit's LoRA formulas"}
 NOT_EXPRESSIBLE = {  # row id prefix -> what the estimator lacks (beside the table's own `expressible: false`)
-    "torchtitan-": "op-level selective activation checkpointing (torchtitan's 'op' mode): not a Checkpointing "
-                   "value yet (issue 16 adds it)",
+    "torchtitan-": "op-level selective activation checkpointing in torchtitan's 'op' mode, which recomputes every "
+                   "second matmul (torchtitan activation_checkpoint.py `_custom_policy`); autofit's `ops` keeps every one",
     "fsdpqlora-yi34b": "Yi-34B dimensions are unverified in the table (taken from memory)",
 }
 
