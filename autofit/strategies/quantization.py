@@ -10,6 +10,7 @@ The output head stays in full precision.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.config import Quantization as Q
-from autofit.errors import MissingExtraError
+from autofit.errors import MissingExtraError, UsageError
 from autofit.strategies.base import Ladder, Option, Placement
 from autofit.strategies.lora import output_head
 
@@ -154,12 +155,24 @@ def _quantized(bnb: Any, linear: nn.Linear, value: Q) -> nn.Module:
     return layer
 
 
+BNB_MINIMUM = (0, 43, 2)  # earlier releases keep every quantized layer's input for backward (`SimulatedLinear4bit`)
+
+
 def _import_bnb() -> Any:
     try:
         import bitsandbytes
     except ImportError as exc:
         raise MissingExtraError("bitsandbytes", "bnb", "4/8-bit base weights") from exc
+    version = getattr(bitsandbytes, "__version__", "0")
+    if version_tuple(version) < BNB_MINIMUM:
+        raise UsageError(f"bitsandbytes {version} keeps every quantized layer's input for backward (fixed in "
+                         "0.43.2, bitsandbytes#1270): pip install -U 'autofit[bnb]'")
     return bitsandbytes
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'0.43.2' -> (0, 43, 2): the leading digits of each of the first three parts ('0rc1' -> 0)."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
 
 
 # -- what the estimator simulates in place of bitsandbytes --------------------------------------------------

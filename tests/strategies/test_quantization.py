@@ -100,3 +100,29 @@ def _wide():
 
 def _wide_batch(n):
     return torch.randn(n, 8192)
+
+
+@pytest.mark.parametrize("version", ["0.41.1", "0.43.1", "0.43.0rc1"])
+def test_a_bitsandbytes_that_keeps_every_input_is_refused_with_the_fix(monkeypatch, version):
+    import sys
+    import types
+
+    from autofit.errors import UsageError
+    from autofit.strategies.quantization import _import_bnb
+
+    # a test double of the bitsandbytes module: only its version is read
+    monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(__version__=version))
+    with pytest.raises(UsageError, match=rf"bitsandbytes {version} keeps .*pip install -U 'autofit\[bnb\]'"):
+        _import_bnb()
+
+
+@pytest.mark.parametrize("version", ["0.43.2", "0.45.0", "0.48.0.dev0", "1.0.0+cu121"])
+def test_a_bitsandbytes_with_the_fix_is_used(monkeypatch, version):
+    import sys
+    import types
+
+    from autofit.strategies.quantization import _import_bnb
+
+    double = types.SimpleNamespace(__version__=version)  # a test double of the bitsandbytes module
+    monkeypatch.setitem(sys.modules, "bitsandbytes", double)
+    assert _import_bnb() is double
