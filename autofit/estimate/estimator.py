@@ -40,6 +40,7 @@ from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, 
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
+from autofit.estimate.simulate import is_adapted, within_block
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -301,8 +302,8 @@ class Estimator:
         targets = _lora_targets(self._meta, self.strategies)
         self.facts = model_facts(self._meta, targets)
         # LoRA simulates the base frozen and these layers' weights trained: like the adapters beside
-        # them, they keep their inputs for backward (names of the layers, last component).
-        self._adapted = frozenset(name.rsplit(".", 1)[-1] for name in (targets or _block_linears(self._meta)))
+        # them, they keep their inputs for backward (their paths inside a block: `simulate.is_adapted`).
+        self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
         self._adapted_params = _weights_of(self._meta, self._adapted)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
@@ -597,12 +598,12 @@ def _block_linears(model: nn.Module) -> list[str]:
             or type(m).__name__ == "Conv1D"]
 
 
-def _weights_of(model: nn.Module, names: frozenset[str]) -> int:
-    """Elements of the weights of the linear layers whose name's last component is in `names`."""
+def _weights_of(model: nn.Module, adapted: frozenset[str]) -> int:
+    """Elements of the weights of the linear layers `adapted` names (`simulate.is_adapted`)."""
     from autofit.strategies.quantization import quantizable_layers
 
     return sum(model.get_submodule(name).weight.numel() for name in quantizable_layers(model)
-               if name.rsplit(".", 1)[-1] in names)
+               if is_adapted(name, adapted))
 
 
 def _lora_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[str] | None:

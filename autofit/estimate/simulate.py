@@ -96,9 +96,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
 
     `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
     used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight.
-    `adapted` (LoRA): every weight is frozen but those of the linear layers named so (last name
-    component): they keep their inputs for backward as the adapters beside them would. NF4 base weights:
-    the other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`)."""
+    `adapted` (LoRA): every weight is frozen but those of the linear layers named so (`is_adapted`): they
+    keep their inputs for backward as the adapters beside them would. NF4 base weights: the other linear
+    layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model
@@ -117,7 +117,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     if config.quantization is Quantization.NF4:
         from autofit.strategies.quantization import simulate_nf4
 
-        simulate_nf4(model, keep=adapted or frozenset())
+        simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device=device)
@@ -172,11 +172,27 @@ def _offloading(tracker: _Tracker, enabled: bool) -> Any:
 
 
 def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
-    """Freeze every parameter except the weights of linear layers whose name ends in one of `adapted`."""
+    """Freeze every parameter except the weights of the linear layers `is_adapted` names."""
     for name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            param.requires_grad_(param_name == "weight" and name.rsplit(".", 1)[-1] in adapted
+            param.requires_grad_(param_name == "weight" and is_adapted(name, adapted)
                                  and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"))
+
+
+def within_block(name: str) -> str:
+    """A layer's name as `is_adapted` reads it: its path inside its repeated block ('model.layers.5.self_attn.q_proj'
+    -> 'self_attn.q_proj'), so that it names the same layer in a model rebuilt with fewer blocks; a name
+    outside the blocks (no index in it) whole."""
+    parts = name.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return name if index is None else ".".join(parts[index + 1:])
+
+
+def is_adapted(name: str, adapted: frozenset[str]) -> bool:
+    """Whether the module `name` is one of `adapted` (`within_block` names), matched as peft matches a target
+    module: the whole name or a suffix after a dot. A wrapper's generic name ('attn.linear' beside
+    'mlp.fc.linear') stays distinct."""
+    return any(name == target or name.endswith("." + target) for target in adapted)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ The output head stays in full precision.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -176,11 +176,11 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 # -- what the estimator simulates in place of bitsandbytes --------------------------------------------------
-def simulate_nf4(model: nn.Module, keep: frozenset[str] = frozenset()) -> int:
-    """Replace every layer of `quantizable_layers` but those named in `keep` (last name component: the
-    layers the simulation trains in place of LoRA's adapters) by a `SimulatedLinear4bit`, in place, for the
-    estimator's fake-tensor step; returns how many were replaced."""
-    names = [name for name in quantizable_layers(model) if name.rsplit(".", 1)[-1] not in keep]
+def simulate_nf4(model: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> int:
+    """Replace every layer of `quantizable_layers` but those `keep` names (the layers the simulation trains
+    in place of LoRA's adapters) by a `SimulatedLinear4bit`, in place, for the estimator's fake-tensor
+    step; returns how many were replaced."""
+    names = [name for name in quantizable_layers(model) if not keep(name)]
     for name in names:
         _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
     return len(names)
