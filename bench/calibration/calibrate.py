@@ -75,6 +75,8 @@ RENAMED = {"PhiConfig": {"o_proj": ["dense"], "gate_proj": [], "up_proj": ["fc1"
 # bf16 logits, as litgpt's chunked cross-entropy computes it.
 BF16_LOSS = ("litgpt-",)
 MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss)",
+              "litgpt_qlora": f"litgpt {measured_code.LITGPT_VERSION} (its model and loss; autofit's LoRA and NF4 "
+                              "on its fused qkv and every linear layer)",
               "fsdp_qlora": "transformers classes with 4.38's fp32 logits and loss; LoRA rows: PEFT 0.10's bf16 adapters",
               "torchtune": "transformers classes with fp32 logits, torchtune's loss and bf16 adapters",
               "transformers": "transformers classes of the architecture (today's code), autofit's LoRA formulas"}
@@ -150,8 +152,8 @@ def model_code(row: dict) -> str:
     - "torchtune": fp32 logits and torchtune's loss, bf16 adapters;
     - "transformers": today's transformers classes of the architecture, autofit's LoRA formulas."""
     quantized = row["quantization"] != "none"
-    if row["id"].startswith("litgpt-") and not quantized and not measured_code.litgpt_missing():
-        return "litgpt"
+    if row["id"].startswith("litgpt-") and not measured_code.litgpt_missing():
+        return "litgpt_qlora" if quantized else "litgpt"
     for prefix, code in (("fsdpqlora-", "fsdp_qlora"), ("torchtune-", "torchtune")):
         if row["id"].startswith(prefix):
             return code
@@ -173,6 +175,12 @@ def setup(row: dict) -> tuple:
                          Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
                          loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
         return spec, _config(row, 0), []
+    if code == "litgpt_qlora":  # litgpt's q, k and v are one fused layer: its LoRA on q and v adapts it
+        spec = make_spec(functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora,
+                                           quantized=True),
+                         Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
+                         loss_fn=measured_code.litgpt_lora_loss)
+        return spec, _config(row, lora["rank"]), [Lora(target_modules=["attn.attn.linear"])]
     # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
     in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
     loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(
