@@ -50,7 +50,7 @@ MIB = 1024**2
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
 CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels with lazy loading: typically 300-600 MiB (not measured here)
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
-FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes (activations, optimizer temporaries)
+FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the step is not simulated
 SPREAD_AFTER_S = 0.5  # a first simulation this slow makes sharing the rest with worker processes pay
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 second-level absmax per 256 blocks
@@ -445,7 +445,7 @@ class Estimator:
         else:  # gradients appear as activations are freed
             transient = act.with_grads(states.grads)
         transient = max(transient + engine.backward, states.grads + temp + engine.step)  # backward, the step
-        terms = self._overhead(config, act.largest + temp)
+        terms = self._overhead(config, act, temp)
         overhead = sum(b for _, b in terms) + engine.held
         terms += [t for t in engine.terms if t[1]]
         notes += [engine.note] if engine.note else []
@@ -534,12 +534,16 @@ class Estimator:
         shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
         return int(size * trainable / shards)
 
-    def _overhead(self, config: Config, transient: int) -> list[tuple[str, int]]:
-        """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only)."""
+    def _overhead(self, config: Config, act: ActivationPeak, temp: int) -> list[tuple[str, int]]:
+        """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only). Fragmentation:
+        what the caching allocator reserves beyond its most allocated bytes when the simulated step is
+        replayed through it (`autofit.estimate.allocator`; the optimizer step's temporaries reuse the
+        blocks the backward freed), else `FRAGMENTATION` of the transient bytes."""
         if self.target != "cuda":
             return []
+        fragmentation = act.fragmentation if self.simulated(config) else int(FRAGMENTATION * (act.largest + temp))
         terms = [("cuda_context", CUDA_CONTEXT_BYTES), ("cublas_workspace", CUBLAS_WORKSPACE_BYTES),
-                 ("fragmentation", int(FRAGMENTATION * transient))]
+                 ("fragmentation", fragmentation)]
         return terms  # DeepSpeed's buffers: `autofit.estimate.engines`, on every device
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Loss, Precision, Quantization
+from autofit.estimate.allocator import CachingAllocator
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -35,6 +36,7 @@ class ActivationPeak:
     grads_at_joint: int = 0  # the gradient bytes at that moment
     at_grad: int = 0  # most bytes live when a weight gradient is complete, that gradient included (its hook)
     offloaded: int = 0  # bytes of saved tensors moved to host memory in the forward (activation offload)
+    fragmentation: int = 0  # what the CUDA caching allocator reserves beyond its most allocated (`allocator`)
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
@@ -61,11 +63,13 @@ class ActivationPeak:
 class _Tracker(StorageCounter):
     """Counts the bytes of every live storage made by an op (`autofit.probe.memory.StorageCounter`), rounded as
     the target's allocator rounds; tracks the forward's peak and the backward's peaks apart; weight
-    gradients are counted apart (`take_grad`) and dropped at once."""
+    gradients are counted apart (`take_grad`) and dropped at once. Every allocation and free is replayed
+    through the CUDA caching allocator (`autofit.estimate.allocator`) for the bytes it would reserve."""
 
     def __init__(self, rounding: int):
         super().__init__()
         self.rounding = rounding
+        self.allocator = CachingAllocator()
         self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
         self.at_grad = self.offloaded = 0
         self.forward = 0
@@ -79,6 +83,20 @@ class _Tracker(StorageCounter):
             self.peak, self.grads_at_peak = self.current, self.grads
         if self.current + self.grads > self.joint:
             self.joint, self.grads_at_joint = self.current + self.grads, self.grads
+
+    def _count(self, storage: Any) -> None:
+        key = id(storage)
+        before = self._live.get(key)
+        super()._count(storage)
+        after = self._live.get(key)
+        if after is not None and after is not before and (before is None or before[1] != after[1]):
+            if before is not None:
+                self.allocator.free(key)  # resized in place: the allocator frees and allocates
+            self.allocator.malloc(key, storage.nbytes())
+
+    def _forget(self, key: int) -> None:
+        super()._forget(key)
+        self.allocator.free(key)
 
     def take_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""
@@ -148,9 +166,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     finally:
         for hook in hooks:
             hook.remove()
+    replayed = tracker.allocator
     return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                           tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
-                          tracker.at_grad + batch_bytes, tracker.offloaded)
+                          tracker.at_grad + batch_bytes, tracker.offloaded,
+                          replayed.peak_reserved - replayed.peak_allocated)
 
 
 def _offloading(tracker: _Tracker, enabled: bool) -> Any:

@@ -1,0 +1,129 @@
+"""The CUDA caching allocator, replayed: what `torch.cuda.max_memory_reserved` shows for a sequence of
+allocations and frees, beside `max_memory_allocated`.
+
+PyTorch keeps freed blocks cached in the segments it took from `cudaMalloc` and serves later requests
+from them; a request that no cached block fits takes a new segment, so the reserved bytes exceed the
+allocated ones by whatever the cache cannot reuse. The rules, from c10/cuda/CUDACachingAllocator.cpp
+in its default configuration (no `max_split_size_mb`, no expandable segments, one stream):
+
+- every request is rounded up to a multiple of 512 bytes (`round_size`);
+- requests up to 1 MiB come from the small pool, larger ones from the large pool (`get_pool`);
+- a request is served by the smallest cached block of its pool that fits, the lowest address first
+  (`get_free_block`: `lower_bound` over blocks ordered by size, then address);
+- else a new segment is taken (`get_allocation_size`): 2 MiB for a small request, 20 MiB for a request
+  under 10 MiB, the request rounded up to 2 MiB above that;
+- the block is split when what remains is at least 512 bytes (small pool) or more than 1 MiB (large
+  pool) (`should_split`); the rest stays cached;
+- a freed block merges with free neighbours in its segment (`free_block`, `try_merge_blocks`); segments
+  are never given back (only on an out-of-memory retry or `empty_cache`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+_SEGMENT_SPACING = 1 << 48  # addresses: segments apart, in the order they were taken
+
+
+def round_size(nbytes: int) -> int:
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The bytes `cudaMalloc` is asked for when no cached block fits a rounded request of `size`."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclasses.dataclass(eq=False)
+class _Block:
+    address: int
+    size: int
+    small: bool
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+
+class CachingAllocator:
+    """Replays `malloc(key, nbytes)` / `free(key)` and keeps the allocated and reserved bytes and their peaks."""
+
+    def __init__(self) -> None:
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # pool -> sorted (size, address)
+        self._at: dict[int, _Block] = {}  # address -> free block
+        self._used: dict[int, _Block] = {}  # key -> allocated block
+        self._segments = 0
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._cached(small, size) or self._segment(small, size)
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+            rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._cache(rest)
+        block.free = False
+        self._used[key] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key: int) -> None:
+        block = self._used.pop(key, None)
+        if block is None:
+            return
+        self.allocated -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._uncache(neighbour)
+                block = _merged(block, neighbour)
+        self._cache(block)
+
+    def _cached(self, small: bool, size: int) -> _Block | None:
+        pool = self._free[small]
+        index = bisect.bisect_left(pool, (size, -1))
+        if index == len(pool):
+            return None
+        block = self._at[pool[index][1]]
+        self._uncache(block)
+        return block
+
+    def _segment(self, small: bool, size: int) -> _Block:
+        nbytes = segment_size(size)
+        self._segments += 1
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return _Block(self._segments * _SEGMENT_SPACING, nbytes, small)
+
+    def _cache(self, block: _Block) -> None:
+        bisect.insort(self._free[block.small], (block.size, block.address))
+        self._at[block.address] = block
+
+    def _uncache(self, block: _Block) -> None:
+        pool = self._free[block.small]
+        del pool[bisect.bisect_left(pool, (block.size, block.address))]
+        del self._at[block.address]
+
+
+def _merged(block: _Block, neighbour: _Block) -> _Block:
+    """`block` and the free `neighbour` beside it in its segment as one free block."""
+    first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
+    first.size += second.size
+    first.next = second.next
+    if second.next is not None:
+        second.next.prev = first
+    return first

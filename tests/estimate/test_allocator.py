@@ -1,0 +1,76 @@
+"""The CUDA caching allocator replayed (autofit/estimate/allocator.py): the rules of
+c10/cuda/CUDACachingAllocator.cpp in its default configuration, and the estimate's fragmentation term."""
+
+import torch
+from torch import nn
+
+from autofit.config import Config
+from autofit.estimate.allocator import CachingAllocator, round_size, segment_size
+from autofit.estimate.estimator import Estimator
+from autofit.spec.train import make_spec
+
+MIB = 1 << 20
+
+
+def test_requests_are_rounded_and_segments_sized_by_pool():
+    assert (round_size(1), round_size(513), round_size(1024)) == (512, 1024, 1024)
+    assert segment_size(MIB) == 2 * MIB  # small pool: 2 MiB segments
+    assert segment_size(MIB + 512) == segment_size(9 * MIB) == 20 * MIB  # 1-10 MiB: 20 MiB segments
+    assert segment_size(31 * MIB) == 32 * MIB  # above: rounded up to 2 MiB
+
+
+def test_small_requests_share_a_segment():
+    allocator = CachingAllocator()
+    for key in range(100):
+        allocator.malloc(key, 3000)
+    assert (allocator.allocated, allocator.reserved) == (100 * 3072, 2 * MIB)
+
+
+def test_a_freed_block_too_small_for_the_next_request_stays_reserved():
+    allocator = CachingAllocator()
+    allocator.malloc("a", 30 * MIB)
+    allocator.malloc("b", 30 * MIB)
+    allocator.free("a")
+    allocator.malloc("c", 31 * MIB)  # the cached 30 MiB block cannot serve it: a new segment
+    assert (allocator.peak_allocated, allocator.peak_reserved) == (62 * MIB, 92 * MIB)
+    allocator.free("b")
+    allocator.malloc("d", 29 * MIB)  # the smallest cached block that fits: one of the 30 MiB ones
+    assert allocator.reserved == 92 * MIB
+
+
+def test_freed_neighbours_merge_and_serve_a_larger_request():
+    allocator = CachingAllocator()
+    allocator.malloc("a", 3 * MIB)  # a 20 MiB segment, split: 17 MiB stays cached
+    allocator.malloc("b", 3 * MIB)  # from the cached rest
+    assert allocator.reserved == 20 * MIB
+    allocator.free("a")
+    allocator.free("b")  # merges with "a" and the cached rest: one free 20 MiB block
+    allocator.malloc("c", 15 * MIB)
+    assert (allocator.reserved, allocator.allocated) == (20 * MIB, 15 * MIB)
+
+
+def test_a_large_block_is_not_split_for_a_remainder_of_1_mib_or_less():
+    allocator = CachingAllocator()
+    allocator.malloc("a", 20 * MIB)
+    allocator.free("a")
+    allocator.malloc("b", 19 * MIB + 512 * 1024)  # 0.5 MiB would remain: the whole block is used
+    assert allocator.allocated == 20 * MIB
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_the_cuda_estimate_counts_the_replayed_fragmentation():
+    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+                     loss_fn=lambda output, batch: output.square().mean())
+    estimator = Estimator(spec, target="cuda")
+    config = Config(micro_batch_size=4)
+    replayed = estimator.activations(config)[0].fragmentation
+    assert dict(estimator.predict(config).terms)["fragmentation"] == replayed
+    assert replayed >= 0
