@@ -174,7 +174,8 @@ def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> 
     """`strategies` with the LoRA strategy adapting `targets` (its ranks kept)."""
     from autofit.strategies.lora import Lora
 
-    return [Lora(s.ranks, target_modules=targets, alpha=s.alpha) if isinstance(s, Lora) else s for s in strategies]
+    return [Lora(s.ranks, target_modules=targets, alpha=s.alpha, dropout=s.dropout) if isinstance(s, Lora) else s
+            for s in strategies]
 
 
 def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,

@@ -245,14 +245,15 @@ class _Simulations:
 _SIMULATIONS = _Simulations()
 
 
-def workload_key(meta: nn.Module, spec: "TrainSpec", sim_device: str, adapted: frozenset[str]) -> str:
+def workload_key(meta: nn.Module, spec: "TrainSpec", sim_device: str, adapted: frozenset[str],
+                 adapter_dropout: float = 0.0) -> str:
     """What a simulated step depends on besides its config: the model (class, modules and their shapes,
     a Hugging Face config in full), the batch's structure, shapes and dtypes, the loss function's code,
-    the simulating device and the layers LoRA adapts."""
+    the simulating device, the layers LoRA adapts and whether its adapters drop out their inputs."""
     hf = getattr(meta, "config", None)
     described = {k: v for k, v in hf.to_dict().items() if k != "_name_or_path"} if hasattr(hf, "to_dict") else {}
     parts = [type(meta).__module__, type(meta).__qualname__, repr(meta), json.dumps(described, sort_keys=True, default=str),
-             _structure(spec.batch_factory(1)), _code(spec.loss_fn), sim_device, sorted(adapted)]
+             _structure(spec.batch_factory(1)), _code(spec.loss_fn), sim_device, sorted(adapted), adapter_dropout > 0]
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
 
 
@@ -305,9 +306,10 @@ class Estimator:
         # them, they keep their inputs for backward (their paths inside a block: `simulate.is_adapted`).
         self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
         self._adapted_params = _weights_of(self._meta, self._adapted)
+        self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
-        self._workload = workload_key(self._meta, spec, self.sim_device, self._adapted)
+        self._workload = workload_key(self._meta, spec, self.sim_device, self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
 
     # -- activations ---------------------------------------------------------------------------------
@@ -409,7 +411,8 @@ class Estimator:
             model = _rebuild(self._meta, self._depth_key, depth)
         batch = self.spec.batch_factory(mb)
         return simulate_step(model, batch, self.spec.loss_fn, config, device=self.sim_device,
-                             half_weights=_half_weights(config), adapted=self._adapted if config.adapters else None)
+                             half_weights=_half_weights(config), adapted=self._adapted if config.adapters else None,
+                             adapter_dropout=self._adapter_dropout)
 
     def _formula(self, config: Config, mb: int) -> ActivationPeak:
         """The fallback when the step cannot be simulated: `formula_activations` (its error bound is
@@ -469,8 +472,8 @@ class Estimator:
         but the adapted ones, which the simulation trains in place of their adapters; int8 layers are not
         simulated at all."""
         if config.adapters:
-            notes.append("LoRA simulated as its frozen base with the adapted layers' inputs kept (adapter "
-                         "dropout not modelled)")
+            notes.append("LoRA simulated as its frozen base with the adapted layers' inputs kept" +
+                         (" (dropped-out copies)" if self._adapter_dropout else ""))
         if config.quantization is Quantization.NF4:
             notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
         if config.quantization is Quantization.NONE or not config.half_precision or self.facts.weight_bytes <= 2:
@@ -608,6 +611,13 @@ def _weights_of(model: nn.Module, adapted: frozenset[str]) -> int:
 
     return sum(model.get_submodule(name).weight.numel() for name in quantizable_layers(model)
                if is_adapted(name, adapted))
+
+
+def _lora_dropout(strategies: Sequence["Strategy"]) -> float:
+    """The planned LoRA strategy's adapter dropout (0 without one)."""
+    from autofit.strategies.lora import Lora
+
+    return next((s.dropout for s in strategies if isinstance(s, Lora)), 0.0)
 
 
 def _lora_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[str] | None:

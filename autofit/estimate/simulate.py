@@ -107,7 +107,8 @@ class _Tracker(StorageCounter):
 
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
-                  device: str, half_weights: bool = False, adapted: frozenset[str] | None = None) -> ActivationPeak:
+                  device: str, half_weights: bool = False, adapted: frozenset[str] | None = None,
+                  adapter_dropout: float = 0.0) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
     tensors on `device` ("cpu" or "cuda") with `config`'s precision, attention and checkpointing, and
     return its `ActivationPeak`. Nothing real is allocated.
@@ -115,8 +116,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
     used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight.
     `adapted` (LoRA): every weight is frozen but those of the linear layers named so (`is_adapted`): they
-    keep their inputs for backward as the adapters beside them would. NF4 base weights: the other linear
-    layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`)."""
+    keep their inputs for backward as the adapters beside them would; with `adapter_dropout`, a dropped-out
+    copy of each input and its mask, as peft's `lora_dropout` keeps for its adapter. NF4 base weights: the
+    other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model
@@ -142,6 +144,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     model.train()
     if adapted is not None:
         _freeze_all_but(model, adapted)
+        if adapter_dropout:
+            _drop_adapter_inputs(model, adapted, adapter_dropout)
     if config.checkpointing is not Checkpointing.NONE:
         enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
     if config.loss is Loss.CHUNKED:
@@ -197,6 +201,15 @@ def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
         for param_name, param in module.named_parameters(recurse=False):
             param.requires_grad_(param_name == "weight" and is_adapted(name, adapted)
                                  and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"))
+
+
+def _drop_adapter_inputs(model: nn.Module, adapted: frozenset[str], p: float) -> None:
+    """Run each adapted layer on a dropped-out copy of its input: what peft's adapter keeps for backward
+    (`lora_A(lora_dropout(x))`: the copy and its mask), while the frozen base layer keeps nothing of x."""
+    for name, module in model.named_modules():
+        if is_adapted(name, adapted) and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+            module.register_forward_pre_hook(
+                lambda _module, args: (torch.native_dropout(args[0], p, True)[0], *args[1:]))
 
 
 def within_block(name: str) -> str:

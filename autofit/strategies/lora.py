@@ -32,16 +32,20 @@ class Lora(Strategy):
     rung = 7
 
     def __init__(self, ranks: Sequence[int] = (DEFAULT_RANK,), target_modules: Sequence[str] | None = None,
-                 alpha: int | None = None):
+                 alpha: int | None = None, dropout: float = 0.0):
         """`ranks`: adapter ranks to try (smallest saves most); `target_modules`: module names or name
         suffixes to adapt (default: every linear layer but the output head); `alpha`: LoRA scaling
-        numerator (default 2 x rank)."""
+        numerator (default 2 x rank); `dropout`: peft's `lora_dropout` on each adapter's input (keeps a
+        copy of that input and its mask for backward, which the estimator simulates)."""
         bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 1]
         if bad or not ranks:
             raise UsageError(f"LoRA ranks must be integers >= 1, but got {list(ranks)!r}; e.g. ranks=(16,).")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise UsageError(f"LoRA dropout must be a probability in [0, 1), but got {dropout!r}; e.g. dropout=0.05.")
         self.ranks = tuple(sorted(set(ranks), reverse=True))
         self.target_modules = tuple(target_modules) if target_modules is not None else None
         self.alpha = alpha
+        self.dropout = float(dropout)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         full = Option(0, 0, "full fine-tuning: every parameter trained")
@@ -68,7 +72,7 @@ class Lora(Strategy):
         if is_quantized(run.model):
             run.model = peft.prepare_model_for_kbit_training(run.model, use_gradient_checkpointing=False)
         conv1d = all(type(run.model.get_submodule(name)).__name__ == "Conv1D" for name in targets)
-        config = peft.LoraConfig(r=value, lora_alpha=self.alpha or 2 * value, lora_dropout=0.0,
+        config = peft.LoraConfig(r=value, lora_alpha=self.alpha or 2 * value, lora_dropout=self.dropout,
                                  target_modules=list(targets), fan_in_fan_out=conv1d)  # GPT-2 stores W transposed
         run.model = peft.get_peft_model(run.model, config)
 

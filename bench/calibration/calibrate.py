@@ -180,7 +180,7 @@ def setup(row: dict) -> tuple:
                                            quantized=True),
                          Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
                          loss_fn=measured_code.litgpt_lora_loss)
-        return spec, _config(row, lora["rank"]), [Lora(target_modules=["attn.attn.linear"])]
+        return spec, _config(row, lora["rank"]), [Lora(target_modules=["attn.attn.linear"], dropout=lora["dropout"])]
     # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
     in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
     loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(
@@ -189,7 +189,8 @@ def setup(row: dict) -> tuple:
                                 lora=in_model, lora_targets=tuple(targets(row, class_name)) if in_model else ())
     spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], loss is not None), device="cpu",
                      memory_budget="1TiB", loss_fn=loss)
-    strategies = [Lora(target_modules=targets(row, class_name))] if lora and not in_model else []
+    strategies = [Lora(target_modules=targets(row, class_name), dropout=lora.get("dropout") or 0.0)] \
+        if lora and not in_model else []
     return spec, _config(row, lora["rank"] if lora and not in_model else 0), strategies
 
 

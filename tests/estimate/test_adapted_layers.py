@@ -77,3 +77,36 @@ def test_names_are_read_inside_their_block_and_matched_as_peft_matches_them():
     assert is_adapted("transformer.h.7.attn.attn.linear", adapted)
     assert not is_adapted("transformer.h.7.attn.proj.linear", adapted)
     assert not is_adapted("transformer.h.7.mlp.fc.linear", adapted)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 8)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_adapter_dropout_keeps_a_dropped_out_copy_of_the_input_and_its_mask():
+    def forward_peak(dropout: float) -> int:
+        spec = make_spec(TwoLayers, _batch, device="cpu", memory_budget="1TiB", loss_fn=_loss)
+        estimator = Estimator(spec, target="cpu", strategies=[Lora(target_modules=["first", "second"], dropout=dropout)])
+        return estimator.activations(Config(micro_batch_size=2, lora=8))[0].forward
+
+    elements = 2 * TOKENS * WIDTH  # each adapted layer's input
+    # kept through the forward: the first layer's input is the batch (not counted, needs no gradient), so
+    # its fp32 copy alone; the second's needs a gradient (the first trains): its copy and the bool mask
+    # native_dropout saves. Each peak is taken at its own moment, so the difference is bounded, not exact.
+    added = forward_peak(0.1) - forward_peak(0.0)
+    assert elements * 4 < added <= elements * 4 + elements * (4 + 1)
+
+
+def test_lora_dropout_is_a_probability():
+    import pytest
+
+    from autofit.errors import UsageError
+
+    for bad in (1.0, -0.1, "0.1", True):
+        with pytest.raises(UsageError, match="LoRA dropout must be a probability"):
+            Lora(dropout=bad)
