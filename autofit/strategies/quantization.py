@@ -179,11 +179,15 @@ def version_tuple(version: str) -> tuple[int, ...]:
 def simulate_nf4(model: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> int:
     """Replace every layer of `quantizable_layers` but those `keep` names (the layers the simulation trains
     in place of LoRA's adapters) by a `SimulatedLinear4bit`, in place, for the estimator's fake-tensor
-    step; returns how many were replaced."""
-    names = [name for name in quantizable_layers(model) if not keep(name)]
+    step; returns how many were replaced. Where bitsandbytes keeps inputs (`keeps_input`), a kept layer
+    keeps its input as its quantized base would (`_Kept`)."""
+    names = quantizable_layers(model)
     for name in names:
-        _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
-    return len(names)
+        if not keep(name):
+            _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
+        elif SimulatedLinear4bit.keeps_input:  # the quantized base under the adapter keeps its input too
+            model.get_submodule(name).register_forward_pre_hook(lambda _layer, args: (_Kept.apply(args[0]), *args[1:]))
+    return sum(not keep(name) for name in names)
 
 
 class SimulatedLinear4bit(nn.Module):
@@ -232,6 +236,20 @@ class _MatMul4bit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad_x = grad @ _dequantized(ctx.weight, grad.dtype) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
+
+
+class _Kept(torch.autograd.Function):
+    """The input a base `MatMul4Bit` before 0.43.2 keeps (a plain context attribute), for a layer the
+    simulation trains in place of its adapter: the identity, holding its input until its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.kept = x if ctx.needs_input_grad[0] else None
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
