@@ -400,7 +400,10 @@ class Estimator:
         if len(peaks) == 1:
             return peaks[0], f"activations simulated under fake tensors on {where}"
         total = self.facts.num_blocks
-        return (peaks[0].extrapolate(peaks[1], total, *depths),
+        # What the allocator's cache holds free at the peak is one block's transients and the loss's
+        # reused or not, not a sum over blocks: the deeper simulation's, not a line through both.
+        deep = dataclasses.replace(peaks[0].extrapolate(peaks[1], total, *depths), fragmentation=peaks[1].fragmentation)
+        return (deep,
                 f"activations simulated under fake tensors on {where} at {depths[0]} and {depths[1]} "
                 f"of {total} blocks, extrapolated")
 

@@ -36,7 +36,8 @@ class ActivationPeak:
     grads_at_joint: int = 0  # the gradient bytes at that moment
     at_grad: int = 0  # most bytes live when a weight gradient is complete, that gradient included (its hook)
     offloaded: int = 0  # bytes of saved tensors moved to host memory in the forward (activation offload)
-    fragmentation: int = 0  # what the CUDA caching allocator reserves beyond its most allocated (`allocator`)
+    fragmentation: int = 0  # what the CUDA caching allocator reserves beyond its most allocated (`allocator`);
+    # not linear in depth (`Estimator.simulate` keeps the deeper simulation's)
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
