@@ -10,7 +10,6 @@ The output head stays in full precision.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -155,7 +154,7 @@ def _quantized(bnb: Any, linear: nn.Linear, value: Q) -> nn.Module:
     return layer
 
 
-BNB_MINIMUM = (0, 43, 2)  # earlier releases keep every quantized layer's input for backward (`SimulatedLinear4bit`)
+BNB_MINIMUM = "0.43.2"  # earlier releases keep every quantized layer's input for backward (`SimulatedLinear4bit`)
 
 
 def _import_bnb() -> Any:
@@ -164,15 +163,17 @@ def _import_bnb() -> Any:
     except ImportError as exc:
         raise MissingExtraError("bitsandbytes", "bnb", "4/8-bit base weights") from exc
     version = getattr(bitsandbytes, "__version__", "0")
-    if version_tuple(version) < BNB_MINIMUM:
+    if keeps_inputs(version):
         raise UsageError(f"bitsandbytes {version} keeps every quantized layer's input for backward (fixed in "
-                         "0.43.2, bitsandbytes#1270): pip install -U 'autofit[bnb]'")
+                         f"{BNB_MINIMUM}, bitsandbytes#1270): pip install -U 'autofit[bnb]'")
     return bitsandbytes
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    """'0.43.2' -> (0, 43, 2): the leading digits of each of the first three parts ('0rc1' -> 0)."""
-    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
+def keeps_inputs(version: str) -> bool:
+    """Whether bitsandbytes `version` predates `BNB_MINIMUM` (its pre-releases included)."""
+    from packaging.version import Version
+
+    return Version(version) < Version(BNB_MINIMUM)
 
 
 # -- what the estimator simulates in place of bitsandbytes --------------------------------------------------

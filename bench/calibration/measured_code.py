@@ -64,10 +64,10 @@ def bitsandbytes_of(row_id: str) -> str | None:
 def bitsandbytes_release(version: str | None) -> Any:
     """Simulate NF4 layers as bitsandbytes `version` ran them: releases before 0.43.2 kept every
     layer's input for backward (`SimulatedLinear4bit.keeps_input`)."""
-    from autofit.strategies.quantization import BNB_MINIMUM, SimulatedLinear4bit, version_tuple
+    from autofit.strategies.quantization import SimulatedLinear4bit, keeps_inputs
 
     kept = SimulatedLinear4bit.keeps_input
-    SimulatedLinear4bit.keeps_input = version is not None and version_tuple(version) < BNB_MINIMUM
+    SimulatedLinear4bit.keeps_input = version is not None and keeps_inputs(version)
     try:
         yield
     finally:

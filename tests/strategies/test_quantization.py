@@ -102,7 +102,7 @@ def _wide_batch(n):
     return torch.randn(n, 8192)
 
 
-@pytest.mark.parametrize("version", ["0.41.1", "0.43.1", "0.43.0rc1"])
+@pytest.mark.parametrize("version", ["0.41.1", "0.43.1", "0.43.0rc1", "0.43.2rc1"])
 def test_a_bitsandbytes_that_keeps_every_input_is_refused_with_the_fix(monkeypatch, version):
     import sys
     import types
