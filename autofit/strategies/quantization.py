@@ -177,18 +177,20 @@ def keeps_inputs(version: str) -> bool:
 
 
 # -- what the estimator simulates in place of bitsandbytes --------------------------------------------------
-def simulate_nf4(model: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> int:
+def simulate_nf4(model: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> None:
     """Replace every layer of `quantizable_layers` but those `keep` names (the layers the simulation trains
     in place of LoRA's adapters) by a `SimulatedLinear4bit`, in place, for the estimator's fake-tensor
-    step; returns how many were replaced. Where bitsandbytes keeps inputs (`keeps_input`), a kept layer
-    keeps its input as its quantized base would (`_Kept`)."""
-    names = quantizable_layers(model)
-    for name in names:
+    step. Where bitsandbytes keeps inputs (`keeps_input`), a kept layer keeps its input as its quantized
+    base would (`_Kept`)."""
+    for name in quantizable_layers(model):
         if not keep(name):
             _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
         elif SimulatedLinear4bit.keeps_input:  # the quantized base under the adapter keeps its input too
-            model.get_submodule(name).register_forward_pre_hook(lambda _layer, args: (_Kept.apply(args[0]), *args[1:]))
-    return sum(not keep(name) for name in names)
+            model.get_submodule(name).register_forward_pre_hook(_keep_input)
+
+
+def _keep_input(_layer: nn.Module, args: tuple) -> tuple:
+    return (_Kept.apply(args[0]), *args[1:])
 
 
 class SimulatedLinear4bit(nn.Module):

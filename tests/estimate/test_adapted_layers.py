@@ -91,7 +91,8 @@ class TwoLayers(nn.Module):
 def test_adapter_dropout_keeps_a_dropped_out_copy_of_the_input_and_its_mask():
     def forward_peak(dropout: float) -> int:
         spec = make_spec(TwoLayers, _batch, device="cpu", memory_budget="1TiB", loss_fn=_loss)
-        estimator = Estimator(spec, target="cpu", strategies=[Lora(target_modules=["first", "second"], dropout=dropout)])
+        lora = Lora(target_modules=["first", "second"], dropout=dropout)
+        estimator = Estimator(spec, target="cpu", strategies=[lora])
         return estimator.activations(Config(micro_batch_size=2, lora=8))[0].forward
 
     elements = 2 * TOKENS * WIDTH  # each adapted layer's input
