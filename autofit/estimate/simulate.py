@@ -198,19 +198,23 @@ def _offloading(tracker: _Tracker, enabled: bool) -> Any:
 
 def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
     """Freeze every parameter except the weights of the linear layers `is_adapted` names."""
-    for name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            param.requires_grad_(param_name == "weight" and is_adapted(name, adapted)
-                                 and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for module in _adapted_layers(model, adapted):
+        module.weight.requires_grad_(True)
 
 
 def _drop_adapter_inputs(model: nn.Module, adapted: frozenset[str], p: float) -> None:
     """Run each adapted layer on a dropped-out copy of its input: what peft's adapter keeps for backward
     (`lora_A(lora_dropout(x))`: the copy and its mask), while the frozen base layer keeps nothing of x."""
-    for name, module in model.named_modules():
-        if is_adapted(name, adapted) and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
-            module.register_forward_pre_hook(
-                lambda _module, args: (torch.native_dropout(args[0], p, True)[0], *args[1:]))
+    for module in _adapted_layers(model, adapted):
+        module.register_forward_pre_hook(lambda _module, args: (torch.native_dropout(args[0], p, True)[0], *args[1:]))
+
+
+def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:
+    """The linear layers (nn.Linear, transformers' Conv1D) `is_adapted` names."""
+    return [module for name, module in model.named_modules() if is_adapted(name, adapted)
+            and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")]
 
 
 def within_block(name: str) -> str:

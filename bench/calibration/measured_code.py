@@ -12,12 +12,12 @@ litgpt rows fall back to the transformers classes of their architecture and thei
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -60,32 +60,20 @@ def bitsandbytes_of(row_id: str) -> str | None:
     return next((version for prefix, version in BITSANDBYTES.items() if row_id.startswith(prefix)), None)
 
 
-@contextlib.contextmanager
 def bitsandbytes_release(version: str | None) -> Any:
     """Simulate NF4 layers as bitsandbytes `version` ran them: releases before 0.43.2 kept every
-    layer's input for backward (`SimulatedLinear4bit.keeps_input`)."""
+    layer's input for backward (`SimulatedLinear4bit.keeps_input`). A context manager."""
     from autofit.strategies.quantization import SimulatedLinear4bit, keeps_inputs
 
-    kept = SimulatedLinear4bit.keeps_input
-    SimulatedLinear4bit.keeps_input = version is not None and keeps_inputs(version)
-    try:
-        yield
-    finally:
-        SimulatedLinear4bit.keeps_input = kept
+    return mock.patch.object(SimulatedLinear4bit, "keeps_input", version is not None and keeps_inputs(version))
 
 
-@contextlib.contextmanager
 def reentrant_checkpointing(on: bool) -> Any:
     """Simulate activation checkpointing in torch's re-entrant mode where the source ran it so
-    (`autofit.strategies.checkpointing.REENTRANT`)."""
+    (`autofit.strategies.checkpointing.REENTRANT`). A context manager."""
     from autofit.strategies import checkpointing
 
-    was = checkpointing.REENTRANT
-    checkpointing.REENTRANT = on
-    try:
-        yield
-    finally:
-        checkpointing.REENTRANT = was
+    return mock.patch.object(checkpointing, "REENTRANT", on)
 
 
 # -- litgpt ---------------------------------------------------------------------------------------------

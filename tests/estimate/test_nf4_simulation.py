@@ -1,7 +1,7 @@
 """NF4 base weights simulated as bitsandbytes runs them (`autofit.strategies.quantization.SimulatedLinear4bit`):
 a 16-bit weight dequantized per matmul and, before bitsandbytes 0.43.2, every layer's input kept for backward."""
 
-import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -27,22 +27,13 @@ def _batch(n: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-@contextlib.contextmanager
-def _simulated(keeps_input: bool, reentrant: bool = False):
-    was = SimulatedLinear4bit.keeps_input, checkpointing.REENTRANT
-    SimulatedLinear4bit.keeps_input, checkpointing.REENTRANT = keeps_input, reentrant
-    try:
-        yield
-    finally:
-        SimulatedLinear4bit.keeps_input, checkpointing.REENTRANT = was
-
-
 def _activations(quantization: str, checkpointing_mode: str, keeps_input: bool = False, reentrant: bool = False) -> int:
     spec = make_spec(_llama, _batch, device="cpu", memory_budget="1TiB")
     estimator = Estimator(spec, target="cuda", strategies=[Lora(target_modules=["q_proj", "v_proj"])])
     config = Config(precision="fp32", attention="sdpa", micro_batch_size=1, lora=8, quantization=quantization,
                     checkpointing=checkpointing_mode)
-    with _simulated(keeps_input, reentrant):
+    with mock.patch.object(SimulatedLinear4bit, "keeps_input", keeps_input), \
+            mock.patch.object(checkpointing, "REENTRANT", reentrant):
         return estimator.activations(config)[0].largest
 
 
