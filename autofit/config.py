@@ -273,6 +273,13 @@ class Config:
         return self.sharding.stage >= 3
 
     @property
+    def needs_sync_each_micro_batch(self) -> bool:
+        """Whether the gradients must be reduced on every micro-batch, as autofit's loop does, to keep the
+        measured memory: FSDP2 with accumulation. A loop that defers the reduce to the last micro-batch
+        (accelerate's `accumulate()`, the Trainer) keeps the whole model's gradients unsharded until then."""
+        return self.engine is Engine.FSDP and self.grad_accum_steps > 1
+
+    @property
     def offloads(self) -> bool:
         """Model states leave the device."""
         return self.offload is not Offload.NONE

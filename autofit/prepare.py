@@ -79,6 +79,16 @@ class Prepared:
         """Samples per optimizer step on this rank (micro-batch x accumulation): a DataLoader's batch_size."""
         return self.config.micro_batch_size * self.config.grad_accum_steps
 
+    def gradient_accumulation_plugin(self) -> Any:
+        """accelerate's `GradientAccumulationPlugin` for the plan, for `Accelerator(gradient_accumulation_plugin=
+        ...)`: its accumulation, with the gradients reduced on every micro-batch where the plan measured
+        that (`Config.needs_sync_each_micro_batch`, FSDP2): `accumulate()` otherwise skips the reduce-scatter
+        until the last micro-batch, and every rank holds the whole model's unsharded gradients."""
+        from accelerate.utils import GradientAccumulationPlugin
+
+        return GradientAccumulationPlugin(num_steps=self.grad_accum_steps,
+                                          sync_each_batch=self.config.needs_sync_each_micro_batch)
+
     def autocast(self) -> Any:
         """The plan's autocast context for forward and loss (a no-op in fp32 or where an engine casts)."""
         return self.run.autocast()

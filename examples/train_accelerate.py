@@ -26,8 +26,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=10, help="optimizer steps")
     args = parser.parse_args()
-    accelerator = Accelerator()  # reads ACCELERATE_GRADIENT_ACCUMULATION_STEPS from accelerate_launch.sh
     prepared = autofit.prepare(os.environ["AUTOFIT_PLAN"], make_model(), engine=False)
+    # The plan's accumulation, with gradients reduced on every micro-batch where it was measured so (FSDP2)
+    accelerator = Accelerator(gradient_accumulation_plugin=prepared.gradient_accumulation_plugin())
     loader = DataLoader(make_dataset(), batch_size=prepared.micro_batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader = accelerator.prepare(prepared.model, prepared.optimizer, loader)
     steps = 0

@@ -80,6 +80,13 @@ def test_the_pieces_for_a_loop_of_your_own():
     assert any(not torch.equal(a, b) for a, b in zip(before, prepared.model.parameters()))
 
 
+@pytest.mark.parametrize("sharding,synced", [("fsdp_full", True), ("none", False)])
+def test_accelerates_accumulation_reduces_as_the_plan_was_measured(sharding, synced):
+    config = Config(micro_batch_size=2, grad_accum_steps=3, num_gpus=2, sharding=sharding)
+    plugin = autofit.prepare(config, make_mlp(), loss_fn=mlp_loss, engine=False).gradient_accumulation_plugin()
+    assert (plugin.num_steps, plugin.sync_each_batch) == (3, synced)  # FSDP2 reduce-scatters every micro-batch
+
+
 def test_an_optimizer_of_the_plans_kind_is_kept_and_another_kind_rebuilt_with_its_lr():
     model = make_mlp()
     mine = torch.optim.AdamW(model.parameters(), lr=0.05)

@@ -173,9 +173,10 @@ def _fsdp_states(facts: ModelFacts, config: Config) -> States:
     """FSDP2 (`fully_shard` on each block and the root) keeps each parameter as a 1/N shard in its own
     dtype, its gradient shard in the same dtype (the reduce-scatter output) and the optimizer's states on
     the shards: everything over N, at every sharding mode (the modes differ in what is gathered, see
-    `Estimator._gathered`). `CPUOffloadPolicy` keeps all three in host memory."""
+    `Estimator._gathered`). `CPUOffloadPolicy` keeps all three in host memory. Pure bf16 casts the
+    weights to bf16 before they are sharded."""
     n = max(config.num_gpus, 1)
-    wb, trainable = facts.weight_bytes, facts.trainable_params
+    wb, trainable = 2.0 if config.pure_bf16 else facts.weight_bytes, facts.trainable_params
     states = States(int(wb * facts.num_params / n), int(wb * trainable / n),
                     int(optimizer_bytes(facts, config.optimizer, trainable, wb) / n))
     if config.offload is Offload.CPU:
@@ -287,11 +288,17 @@ class Estimator:
     `target` is the device type predicted for: "cuda" adds the CUDA overhead terms and simulates CUDA
     kernels where this torch build has CUDA (else CPU kernels stand in, and the reason says so);
     "cpu" predicts what `autofit.probe.memory.CpuBudget` measures.
+
+    `deferred_sync`: the training loop reduces gradients on the last micro-batch of each step only
+    (accelerate's `accumulate()` and the Trainer without `sync_each_batch`, Lightning's
+    `no_backward_sync`, FSDP1's `no_sync`). Under FSDP that keeps every gradient unsharded between
+    micro-batches (`_held_grads`). False: autofit's loop and its exports, which reduce every micro-batch.
     """
 
     def __init__(self, spec: "TrainSpec", target: str | None = None, extrapolate_batch: bool = False,
-                 strategies: Sequence["Strategy"] = ()):
+                 strategies: Sequence["Strategy"] = (), deferred_sync: bool = False):
         self.spec = spec
+        self.deferred_sync = deferred_sync
         self.strategies = tuple(strategies)
         self.buffers = buffers_for(spec.summary())  # DeepSpeed's buffer sizes, as the probe and the export set them
         self.target = target or spec.device.type
@@ -440,14 +447,15 @@ class Estimator:
         temp = self._optimizer_temporaries(config)
         # DeepSpeed's buffers, ZeRO-3's gathered weights and a tied weight's gradient, by phase (engines.py)
         engine = engine_memory(self.facts, config, deepspeed_elements(config, self.buffers))
+        held = self._held_grads(config, states, notes)
         if config.steps_in_backward:  # each parameter steps in its gradient's hook, inside backward
-            states, temp = dataclasses.replace(states, grads=0), self._step_in_backward(config)
+            states, held, temp = dataclasses.replace(states, grads=0), 0, self._step_in_backward(config)
             notes.append("optimizer step in backward: one parameter's gradient and step live at a time")
             transient = max(act.largest, act.at_grad + temp)
         elif config.grad_accum_steps > 1 or _ddp(config) or engine.grads_held:
             # the gradients of earlier micro-batches are live throughout; so are DDP's gradient buckets
             # (gradient_as_bucket_view=True: the gradients are views into buckets allocated up front)
-            transient = states.grads + act.largest
+            transient = held + act.largest
         else:  # gradients appear as activations are freed
             transient = act.with_grads(states.grads)
         transient = max(transient + engine.backward, states.grads + temp + engine.step)  # backward, the step
@@ -456,7 +464,7 @@ class Estimator:
         terms += [t for t in engine.terms if t[1]]
         notes += [engine.note] if engine.note else []
         peak = states.params + gathered + states.optimizer + transient + overhead
-        breakdown = _parts(states, temp, act.largest, overhead, gathered, engine, peak)
+        breakdown = _parts(dataclasses.replace(states, grads=held), temp, act.largest, overhead, gathered, engine, peak)
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
@@ -468,6 +476,28 @@ class Estimator:
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
                         method=notes[0], simulated=simulated, error_bound=round(bound, 4),
                         offloaded_activations=act.offloaded)
+
+    def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
+        """Gradient bytes live through a backward after the first micro-batch. Under FSDP with
+        `deferred_sync`, every micro-batch but the last skips the reduce-scatter and its gradients stay
+        unsharded until the last one's: the whole model's, in the reduce dtype (FSDP2's
+        `set_requires_gradient_sync(False)`: `FSDPParam.to_accumulated_grad_if_needed` upcasts to it,
+        torch/distributed/fsdp/_fully_shard/_fsdp_param.py; FSDP1's `no_sync` keeps the flat parameter's
+        unsharded gradient, fully_sharded_data_parallel.py): fp32 under autofit's bf16/fp16 policy
+        (`reduce_dtype=torch.float32`) and for adapters, else the weights' dtype. Otherwise the gradients
+        of `states`."""
+        if not (self.deferred_sync and config.needs_sync_each_micro_batch):
+            return states.grads
+        facts = self.facts
+        if config.adapters:
+            held = 4 * (config.lora or 16) * facts.lora_params_per_rank
+        elif config.pure_bf16:
+            held = 2 * facts.trainable_params
+        else:
+            held = int((4 if config.half_precision else facts.weight_bytes) * facts.trainable_params)
+        notes.append(f"gradient reduction deferred to the last micro-batch: {_size(held)} of unsharded "
+                     "gradients held")
+        return held
 
     def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
         """What the simulation cannot see: bitsandbytes' quantized matmuls use no 16-bit copy that autocast

@@ -3,11 +3,14 @@
 The YAML holds what accelerate's config file can hold: distributed type, number of processes, mixed
 precision, and the DeepSpeed section (ZeRO stage, offload, accumulation, clipping) where ZeRO is used.
 Gradient accumulation outside DeepSpeed has no config-file key; the launch script passes it through
-`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, which `Accelerator()` reads. The micro-batch, checkpointing,
-optimizer (and the other knobs accelerate has no key for) reach the script through the plan, written
-beside the launch script and named in AUTOFIT_PLAN: `autofit.prepare(os.environ["AUTOFIT_PLAN"], model,
-engine=False)` applies them with the probe's code, and `prepared.micro_batch_size` sizes the DataLoader
-(the same AUTOFIT_* variables as torchrun.sh are exported too).
+`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, which `Accelerator()` reads; under FSDP2 the script passes
+`prepared.gradient_accumulation_plugin()` instead, which also reduces gradients on every micro-batch as
+the plan was measured (`sync_each_batch`; accelerate's default holds them unsharded until the last
+micro-batch, the whole model's per rank). The micro-batch, checkpointing, optimizer (and the other knobs
+accelerate has no key for) reach the script through the plan, written beside the launch script and named
+in AUTOFIT_PLAN: `autofit.prepare(os.environ["AUTOFIT_PLAN"], model, engine=False)` applies them with
+the probe's code, and `prepared.micro_batch_size` sizes the DataLoader (the same AUTOFIT_* variables as
+torchrun.sh are exported too).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
              "# Usage: bash accelerate_launch.sh train.py [script args]",
              "# In train.py: prepared = autofit.prepare(os.environ[\"AUTOFIT_PLAN\"], model, engine=False) applies the",
              "# micro-batch (prepared.micro_batch_size), checkpointing and optimizer; then accelerator.prepare(...).",
+             *_sync_lines(plan.config),
              "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
     if not plan.config.zero_stage:  # DeepSpeed takes accumulation from its section instead
         lines.append(f"export ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.config.grad_accum_steps}")
@@ -129,6 +133,15 @@ def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
               for name, value in environment(plan).items() if name != "AUTOFIT_DEEPSPEED_CONFIG"]
     lines.append(f'exec accelerate launch --config_file "$here/{config_file}" "$@"')
     return "\n".join(lines) + "\n"
+
+
+def _sync_lines(config: "Config") -> list[str]:
+    """What the training script must pass so that accelerate reduces gradients as the plan measured."""
+    if not config.needs_sync_each_micro_batch:
+        return []
+    return ["# FSDP2 with accumulation, measured reducing gradients on every micro-batch: build the accelerator",
+            "# with Accelerator(gradient_accumulation_plugin=prepared.gradient_accumulation_plugin()); a plain",
+            "# Accelerator() defers the reduce to the last micro-batch and holds every gradient unsharded until then."]
 
 
 def export(plan: "Plan", out_dir: Path) -> list[Path]:

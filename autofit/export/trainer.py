@@ -70,6 +70,8 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
         kwargs["fsdp_config"] = {"version": 2, "reshard_after_forward": config.shards_parameters,
                                  "cpu_offload": config.offload is Offload.CPU,
                                  "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    if config.needs_sync_each_micro_batch:  # as measured; the Trainer defers the reduce-scatter otherwise
+        kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     return with_plugin_keys(kwargs, config, "trainer")
 
 

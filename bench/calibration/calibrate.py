@@ -74,6 +74,11 @@ RENAMED = {"PhiConfig": {"o_proj": ["dense"], "gate_proj": [], "up_proj": ["fc1"
 # litgpt rows not simulated with litgpt's code (its QLoRA rows, or litgpt not installed): cross-entropy on
 # bf16 logits, as litgpt's chunked cross-entropy computes it.
 BF16_LOSS = ("litgpt-",)
+# Loops that reduce gradients on an optimizer step's last micro-batch only: litgpt's finetune scripts
+# (0.4.0 finetune/full.py l.236, lora.py l.286: `with fabric.no_backward_sync(model, enabled=is_accumulating)`),
+# which Lightning's FSDPStrategy turns into FSDP1's `no_sync()` (lightning/fabric/strategies/fsdp.py
+# `_FSDPBackwardSyncControl`): every gradient stays unsharded until the last micro-batch.
+DEFERRED_SYNC = ("litgpt-",)
 MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss)",
               "litgpt_qlora": f"litgpt {measured_code.LITGPT_VERSION} (its model and loss; autofit's LoRA and NF4 "
                               "on its fused qkv and every linear layer)",
@@ -232,7 +237,8 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
 
 def run_row(row: dict) -> dict:
     spec, config, strategies = setup(row)
-    estimator = Estimator(spec, target="cuda", strategies=strategies)
+    deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch  # where it matters
+    estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred)
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
     with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant):
@@ -240,7 +246,8 @@ def run_row(row: dict) -> dict:
     error = value / row["value_bytes"] - 1
     return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
             "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
-            + ("; re-entrant checkpointing" if reentrant else ""),
+            + ("; re-entrant checkpointing" if reentrant else "")
+            + ("; gradients reduced on the last micro-batch" if deferred else ""),
             "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],
             "predicted_bytes": int(value), "compared": basis, "error": round(error, 4)}
 

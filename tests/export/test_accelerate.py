@@ -114,6 +114,7 @@ def test_fsdp_section_builds_accelerates_plugin(tmp_path, plan_for, fsdp, offloa
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is (fsdp == "fsdp_full")
     assert (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") is (offload == "cpu")
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2" in launch.read_text()
+    assert "gradient_accumulation_plugin=prepared.gradient_accumulation_plugin()" in launch.read_text()
 
 
 def test_the_step_in_backward_refuses_accelerate_and_pure_bf16_is_cast_in_the_script(tmp_path, plan_for):

@@ -75,6 +75,15 @@ def test_fsdp_plan_sets_fsdp2_arguments(tmp_path, plan_for):
     args = TrainingArguments(**load_kwargs(args_path))
     assert args.fsdp_config["version"] == 2
     assert args.fsdp_config["reshard_after_forward"] is True and args.fsdp_config["cpu_offload"] is True
+    # measured reducing gradients on every micro-batch; the Trainer defers the reduce-scatter otherwise
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+
+
+@pytest.mark.parametrize("config", [Config(micro_batch_size=2, num_gpus=2, sharding="fsdp_full"),
+                                    Config(micro_batch_size=2, grad_accum_steps=2, num_gpus=2)])
+def test_the_trainers_own_accumulation_stays_where_it_costs_no_memory(tmp_path, plan_for, config):
+    args_path, _ = plan_for(config).export("trainer", tmp_path)  # FSDP2 without accumulation; DDP
+    assert "accelerator_config" not in load_kwargs(args_path)
 
 
 def test_new_rungs_run_in_the_exported_script(tmp_path, plan_for):
