@@ -164,7 +164,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = fitting[0] if fitting else None
-    reason = _chosen_reason(chosen, fitting) if chosen else \
+    reason = _chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) if chosen else \
         _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(fitting + rest), chosen, reason, time.perf_counter() - started)
@@ -315,6 +315,18 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
             f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
             + (f" ({others} other(s) fit, slower)" if others else ""))
+
+
+def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
+    """For FSDP2 with accumulation: the prediction reduces gradients after every micro-batch, and what a
+    loop that defers the reduce would add."""
+    config = chosen.config
+    if not config.needs_sync_each_micro_batch:
+        return ""
+    more = estimator.unsharded_grads(config) - chosen.estimate.breakdown.grads
+    return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
+            f"(sync_each_batch); a loop that waits for the last one (accelerate's accumulate(), the Trainer's "
+            f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
 
 
 def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate], beyond: list[Candidate]) -> str:

@@ -477,24 +477,27 @@ class Estimator:
                         method=notes[0], simulated=simulated, error_bound=round(bound, 4),
                         offloaded_activations=act.offloaded)
 
-    def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
-        """Gradient bytes live through a backward after the first micro-batch. Under FSDP with
-        `deferred_sync`, every micro-batch but the last skips the reduce-scatter and its gradients stay
-        unsharded until the last one's: the whole model's, in the reduce dtype (FSDP2's
-        `set_requires_gradient_sync(False)`: `FSDPParam.to_accumulated_grad_if_needed` upcasts to it,
-        torch/distributed/fsdp/_fully_shard/_fsdp_param.py; FSDP1's `no_sync` keeps the flat parameter's
-        unsharded gradient, fully_sharded_data_parallel.py): fp32 under autofit's bf16/fp16 policy
-        (`reduce_dtype=torch.float32`) and for adapters, else the weights' dtype. Otherwise the gradients
-        of `states`."""
-        if not (self.deferred_sync and config.needs_sync_each_micro_batch):
-            return states.grads
+    def unsharded_grads(self, config: Config) -> int:
+        """Bytes of the whole model's gradients as FSDP holds them when the reduce waits for the last
+        micro-batch: unsharded, in the reduce dtype (FSDP2's `set_requires_gradient_sync(False)`:
+        `FSDPParam.to_accumulated_grad_if_needed` upcasts to it, torch/distributed/fsdp/_fully_shard/
+        _fsdp_param.py; FSDP1's `no_sync` keeps the flat parameter's unsharded gradient,
+        fully_sharded_data_parallel.py): fp32 under autofit's bf16/fp16 policy (`reduce_dtype=torch.float32`)
+        and for adapters, else the weights' dtype (bf16 under pure bf16)."""
         facts = self.facts
         if config.adapters:
-            held = 4 * (config.lora or 16) * facts.lora_params_per_rank
-        elif config.pure_bf16:
-            held = 2 * facts.trainable_params
-        else:
-            held = int((4 if config.half_precision else facts.weight_bytes) * facts.trainable_params)
+            return 4 * (config.lora or 16) * facts.lora_params_per_rank
+        if config.pure_bf16:
+            return 2 * facts.trainable_params
+        return int((4 if config.half_precision else facts.weight_bytes) * facts.trainable_params)
+
+    def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
+        """Gradient bytes live through a backward after the first micro-batch: `unsharded_grads` under FSDP
+        with `deferred_sync` (every micro-batch but the last skips the reduce-scatter), else those of
+        `states`."""
+        if not (self.deferred_sync and config.needs_sync_each_micro_batch):
+            return states.grads
+        held = self.unsharded_grads(config)
         notes.append(f"gradient reduction deferred to the last micro-batch: {_size(held)} of unsharded "
                      "gradients held")
         return held

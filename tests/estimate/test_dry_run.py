@@ -142,3 +142,22 @@ def test_the_new_rungs_are_listed_with_predicted_peaks():
         assert candidates and all(c.peak_bytes > 0 for c in candidates), name
     assert all(c.config.grad_accum_steps == 1 for c in listed["optimizer_in_backward"])
     assert all(c.estimate.cpu_bytes > 0 for c in listed["activation_offload"])
+
+
+def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_would_add():
+    from autofit.strategies import Fsdp, MicroBatch
+
+    wide_vocab = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=512)  # states decide: DDP is over
+    result = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory="870MiB",
+                     num_gpus=2, strategies=[MicroBatch(), Fsdp()])
+    config = result.chosen.config
+    assert config.needs_sync_each_micro_batch
+    from transformers import LlamaForCausalLM
+
+    from autofit.units import format_size
+
+    params = sum(p.numel() for p in LlamaForCausalLM(wide_vocab).parameters())
+    assert result.chosen.estimate.breakdown.grads == 4 * params // 2  # fp32 shards, reduced every micro-batch
+    assert f"holds every gradient unsharded: {format_size(4 * params - 4 * params // 2)} more per GPU" in result.reason
+
