@@ -158,11 +158,15 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--lora-targets", default=None,
               help="Modules LoRA adapts, comma-separated (e.g. q_proj,v_proj); default: every linear layer "
                    "but the output head.")
+@click.option("--deferred-sync", is_flag=True,
+              help="Your loop reduces gradients on an optimizer step's last micro-batch only (accelerate's "
+                   "accumulate(), the Trainer without sync_each_batch): FSDP2 with accumulation holds every "
+                   "gradient unsharded. Default: reduced after every micro-batch, as autofit's exports run.")
 @click.option("--top", type=int, default=20, show_default=True, help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
                     gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
-                    lora_targets: str | None, top: int, as_json: bool) -> int:
+                    lora_targets: str | None, deferred_sync: bool, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.estimate.dry_run import dry_run
 
@@ -170,7 +174,7 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     console = make_console(as_json, width)
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                      gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer,
-                     lora_targets=_targets(lora_targets))
+                     lora_targets=_targets(lora_targets), deferred_sync=deferred_sync)
     render(report, console, top, width)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

@@ -121,7 +121,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
-            lora_targets: Sequence[str] | None = None) -> DryRunReport:
+            lora_targets: Sequence[str] | None = None, deferred_sync: bool = False) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -139,6 +139,10 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         strategies: the techniques to plan (default: all, as `autofit.autofit` searches them).
         lora_targets: module names LoRA adapts, e.g. ("q_proj", "v_proj"); None: every linear layer but
             the output head (the default LoRA strategy's choice).
+        deferred_sync: plan for a training loop that reduces gradients on the last micro-batch of each step
+            only (accelerate's `accumulate()`, the Trainer without `sync_each_batch`): FSDP2 with
+            accumulation then holds every gradient unsharded. False: as autofit's loop and exports run,
+            reducing after every micro-batch (the chosen FSDP2 plan's reason says what deferring would add).
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
@@ -155,7 +159,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     if lora_targets is not None:
         chosen_strategies = _with_lora_targets(chosen_strategies, lora_targets)
     space = build_space(spec, chosen_strategies)
-    estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies)
+    estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies,
+                          deferred_sync=deferred_sync)
     planner = _Planner(space, estimator, profile)
     levels = list(space.levels())
     estimator.prefetch(config for level in levels for config in planner.asks(level))
@@ -321,7 +326,7 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
     """For FSDP2 with accumulation: the prediction reduces gradients after every micro-batch, and what a
     loop that defers the reduce would add."""
     config = chosen.config
-    if not config.needs_sync_each_micro_batch:
+    if not config.needs_sync_each_micro_batch or estimator.deferred_sync:
         return ""
     more = estimator.unsharded_grads(config) - chosen.estimate.breakdown.grads
     return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "

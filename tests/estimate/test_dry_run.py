@@ -144,7 +144,7 @@ def test_the_new_rungs_are_listed_with_predicted_peaks():
     assert all(c.estimate.cpu_bytes > 0 for c in listed["activation_offload"])
 
 
-def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_would_add():
+def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_it_when_asked():
     from autofit.strategies import Fsdp, MicroBatch
 
     wide_vocab = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -160,4 +160,8 @@ def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_would_add():
     params = sum(p.numel() for p in LlamaForCausalLM(wide_vocab).parameters())
     assert result.chosen.estimate.breakdown.grads == 4 * params // 2  # fp32 shards, reduced every micro-batch
     assert f"holds every gradient unsharded: {format_size(4 * params - 4 * params // 2)} more per GPU" in result.reason
+    deferred = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory="870MiB",
+                       num_gpus=2, strategies=[MicroBatch(), Fsdp()], deferred_sync=True)
+    assert not deferred.fits and "unsharded" not in deferred.reason  # the loop the user runs: over the limit
+    assert deferred.candidates[0].estimate.breakdown.grads == 4 * params  # every gradient, unsharded
 
