@@ -1,7 +1,8 @@
 """One of two CPU ranks (gloo) for test_deferred_sync.py: FSDP2 through `autofit.prepare`, then the bytes
 of tensors left live by one micro-batch's backward, with the reduce-scatter done (FSDP2's default, as
 autofit's loop runs) and deferred (`set_requires_gradient_sync(False)`, as accelerate's `accumulate()`
-and the Trainer run every micro-batch but the last). Rank 0 prints one JSON line per case."""
+and the Trainer run every micro-batch but the last); then the peak of whole optimizer steps both ways,
+model states included. Rank 0 prints one JSON line per case."""
 
 import json
 import sys
@@ -12,10 +13,10 @@ import torch.distributed as dist
 
 import autofit
 from autofit.config import Config
-from autofit.probe.memory import StorageCounter
+from autofit.probe.memory import CpuBudget, StorageCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_deferred_sync import CASES, make_model  # noqa: E402
+from test_deferred_sync import CASES, PEAK_CONFIG, make_model  # noqa: E402
 
 
 def live_after_backward(prepared, deferred: bool) -> int:
@@ -36,3 +37,22 @@ for precision, dtype in CASES:
     live = {"synced": live_after_backward(prepared, False), "deferred": live_after_backward(prepared, True)}
     if dist.get_rank() == 0:
         print(json.dumps({"precision": precision, "dtype": dtype, **live}), flush=True)
+
+
+def step_peak(deferred: bool) -> int:
+    """The most bytes live over two optimizer steps of PEAK_CONFIG's micro-batches, from the model's build."""
+    ids = torch.randint(0, 1000, (1, 64))
+    with CpuBudget(None) as budget:
+        prepared = autofit.prepare(PEAK_CONFIG, make_model("float32"), device="cpu")
+        for _ in range(2):
+            for i in range(PEAK_CONFIG.grad_accum_steps):
+                prepared.model.set_requires_gradient_sync(not deferred or i == PEAK_CONFIG.grad_accum_steps - 1)
+                prepared.forward_backward({"input_ids": ids, "labels": ids}, 1 / PEAK_CONFIG.grad_accum_steps)
+            prepared.optimizer_step()
+    return budget.peak
+
+
+peaks = {"synced": step_peak(False), "deferred": step_peak(True)}
+if dist.get_rank() == 0:
+    print(json.dumps({"precision": "peak", "dtype": "float32", **peaks}), flush=True)
+
