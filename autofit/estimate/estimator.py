@@ -41,6 +41,7 @@ from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.simulate import is_adapted, within_block
+from autofit.strategies.quantization import NF4_BYTES, nf4_bytes  # noqa: F401 (NF4_BYTES re-exported)
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -53,7 +54,6 @@ CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the step is not simulated
 SPREAD_AFTER_S = 0.5  # a first simulation this slow makes sharing the rest with worker processes pay
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 second-level absmax per 256 blocks
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
 
 
@@ -212,7 +212,7 @@ def _adapter_states(facts: ModelFacts, config: Config) -> States:
     adapters = rank * facts.lora_params_per_rank
     base, wb = facts.num_params, facts.weight_bytes
     if config.quantization is Quantization.NF4:
-        base_bytes = NF4_BYTES * facts.linear_params + wb * (base - facts.linear_params)
+        base_bytes = nf4_bytes() * facts.linear_params + wb * (base - facts.linear_params)
     elif config.quantization is Quantization.INT8:
         base_bytes = INT8_BYTES * facts.linear_params + 4 * facts.linear_rows + wb * (base - facts.linear_params)
     else:

@@ -139,8 +139,8 @@ def _quantized(bnb: Any, linear: nn.Linear, value: Q) -> nn.Module:
     has_bias = linear.bias is not None
     if value is Q.NF4:
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,
-                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
-        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
+                                  compute_dtype=torch.bfloat16, compress_statistics=DOUBLE_QUANT, quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=DOUBLE_QUANT,
                                          quant_type="nf4")
     elif value is Q.INT8:
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,
@@ -155,6 +155,17 @@ def _quantized(bnb: Any, linear: nn.Linear, value: Q) -> nn.Module:
 
 
 BNB_MINIMUM = "0.43.2"  # earlier releases keep every quantized layer's input for backward (`SimulatedLinear4bit`)
+# Bytes per NF4 weight (bitsandbytes/functional.py `quantize_4bit`, blocks of 64): 4 bits and an fp32 absmax
+# per block; double quantization (`compress_statistics=True`, as QLoRA and autofit quantize) stores the
+# absmax in 8 bits instead, itself in blocks of 256 with an fp32 absmax each.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_BYTES_PLAIN = 0.5 + 4 / 64
+DOUBLE_QUANT = True  # autofit's `_quantized`; the calibration sets False for runs quantized without it
+
+
+def nf4_bytes() -> float:
+    """Bytes per weight of an NF4 layer, as `DOUBLE_QUANT` quantizes it."""
+    return NF4_BYTES if DOUBLE_QUANT else NF4_BYTES_PLAIN
 
 
 def _import_bnb() -> Any:

@@ -241,11 +241,13 @@ def run_row(row: dict) -> dict:
     estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred)
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
-    with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant):
+    with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant), \
+            measured_code.nf4_double_quant(row["id"]):
         value, basis = predicted(row, estimator, config)
     error = value / row["value_bytes"] - 1
     return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
             "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
+            + ("; NF4 without double quantization" if bnb and row["id"].startswith(measured_code.PLAIN_NF4) else "")
             + ("; re-entrant checkpointing" if reentrant else "")
             + ("; gradients reduced on the last micro-batch" if deferred else ""),
             "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],

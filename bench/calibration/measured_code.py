@@ -68,6 +68,20 @@ def bitsandbytes_release(version: str | None) -> Any:
     return mock.patch.object(SimulatedLinear4bit, "keeps_input", version is not None and keeps_inputs(version))
 
 
+# Rows quantized without double quantization: litgpt's `--quantize bnb.nf4` is Lightning's `_NF4Linear`,
+# `compress_statistics=False` (lightning/fabric/plugins/precision/bitsandbytes.py; `bnb.nf4-dq` is the
+# double-quantized one). fsdp_qlora's `Linear4bit` keeps bitsandbytes' default, True.
+PLAIN_NF4 = ("litgpt-",)
+
+
+def nf4_double_quant(row_id: str) -> Any:
+    """Count NF4 weights as `row_id`'s source quantized them (`autofit.strategies.quantization.DOUBLE_QUANT`).
+    A context manager."""
+    from autofit.strategies import quantization
+
+    return mock.patch.object(quantization, "DOUBLE_QUANT", not row_id.startswith(PLAIN_NF4))
+
+
 def reentrant_checkpointing(on: bool) -> Any:
     """Simulate activation checkpointing in torch's re-entrant mode where the source ran it so
     (`autofit.strategies.checkpointing.REENTRANT`). A context manager."""

@@ -1,6 +1,7 @@
 """Estimate: model-state formulas against published figures, activations against measured CPU peaks."""
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from autofit.estimate.estimator import (CUDA_CONTEXT_BYTES, Estimator, ModelFact
                               predict_peak)
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
-from autofit.strategies import default_strategies
+from autofit.strategies import default_strategies, quantization
 
 GB = 1e9
 
@@ -56,6 +57,9 @@ def test_qlora_base_weights_and_adapter_states():
     assert states.params == int(NF4_BYTES * 9e8 + 4 * 1e8 + 4 * adapters)
     assert states.grads == 4 * adapters and states.optimizer == 8 * adapters
     assert 0.5 < NF4_BYTES < 0.52  # 4 bits + double-quantized constants (QLoRA paper: 0.127 bits/param)
+    with mock.patch.object(quantization, "DOUBLE_QUANT", False):  # an fp32 absmax per 64 weights instead
+        plain = model_states(facts, Config(precision="bf16", quantization="nf4", lora=16))
+    assert plain.params - states.params == pytest.approx(9e8 * (4 / 64 - (NF4_BYTES - 0.5)), abs=1)
 
 
 def test_offload_moves_states_to_host():
