@@ -31,14 +31,6 @@ def live_after_backward(prepared, deferred: bool) -> int:
     return live
 
 
-for precision, dtype in CASES:
-    config = Config(precision=precision, sharding="fsdp_full", num_gpus=2, micro_batch_size=1, grad_accum_steps=2)
-    prepared = autofit.prepare(config, make_model(dtype), device="cpu")
-    live = {"synced": live_after_backward(prepared, False), "deferred": live_after_backward(prepared, True)}
-    if dist.get_rank() == 0:
-        print(json.dumps({"precision": precision, "dtype": dtype, **live}), flush=True)
-
-
 def step_peak(deferred: bool) -> int:
     """The most bytes live over two optimizer steps of PEAK_CONFIG's micro-batches, from the model's build."""
     ids = torch.randint(0, 1000, (1, 64))
@@ -52,7 +44,13 @@ def step_peak(deferred: bool) -> int:
     return budget.peak
 
 
+for precision, dtype in CASES:
+    config = Config(precision=precision, sharding="fsdp_full", num_gpus=2, micro_batch_size=1, grad_accum_steps=2)
+    prepared = autofit.prepare(config, make_model(dtype), device="cpu")
+    live = {"synced": live_after_backward(prepared, False), "deferred": live_after_backward(prepared, True)}
+    if dist.get_rank() == 0:
+        print(json.dumps({"precision": precision, "dtype": dtype, **live}), flush=True)
+
 peaks = {"synced": step_peak(False), "deferred": step_peak(True)}
 if dist.get_rank() == 0:
     print(json.dumps({"precision": "peak", "dtype": "float32", **peaks}), flush=True)
-

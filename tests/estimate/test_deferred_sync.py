@@ -1,8 +1,9 @@
-"""Gradient accumulation under FSDP2 when the loop defers the reduce to the last micro-batch (accelerate's
-`accumulate()`, the Trainer, Lightning's `no_backward_sync`): every gradient stays unsharded until then.
-The estimator's gradients (`Estimator(deferred_sync=...)`) against the bytes real FSDP2 keeps on two CPU
-ranks, for each gradient dtype rule, and its peaks against whole optimizer steps' both ways. (The exports make accelerate and the Trainer reduce on every
-micro-batch, as autofit's loop does: tests/export.)"""
+"""Gradient accumulation under FSDP2 when the loop defers the reduce to the last micro-batch
+(accelerate's `accumulate()`, the Trainer, Lightning's `no_backward_sync`): every gradient stays
+unsharded until then. The estimator's gradients (`Estimator(deferred_sync=...)`) against the bytes real
+FSDP2 keeps on two CPU ranks, for each gradient dtype rule, and its peaks against those of whole
+optimizer steps both ways. (The exports make accelerate and the Trainer reduce on every micro-batch, as
+autofit's loop does: tests/export.)"""
 
 import functools
 import json
@@ -81,4 +82,3 @@ def test_a_deferred_reduce_raises_the_steps_peak_as_predicted(measured):
     assert abs(synced / row["synced"] - 1) <= tolerance and abs(deferred / row["deferred"] - 1) <= tolerance
     # the extra is never under-predicted (measured: less, the synced step's root gradients live unsharded anyway)
     assert 0 < row["deferred"] - row["synced"] <= deferred - synced
-

@@ -145,7 +145,10 @@ def test_the_new_rungs_are_listed_with_predicted_peaks():
 
 
 def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_it_when_asked():
+    from transformers import LlamaForCausalLM
+
     from autofit.strategies import Fsdp, MicroBatch
+    from autofit.units import format_size
 
     wide_vocab = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, max_position_embeddings=512)  # states decide: DDP is over
@@ -153,10 +156,6 @@ def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_
                      num_gpus=2, strategies=[MicroBatch(), Fsdp()])
     config = result.chosen.config
     assert config.needs_sync_each_micro_batch
-    from transformers import LlamaForCausalLM
-
-    from autofit.units import format_size
-
     params = sum(p.numel() for p in LlamaForCausalLM(wide_vocab).parameters())
     assert result.chosen.estimate.breakdown.grads == 4 * params // 2  # fp32 shards, reduced every micro-batch
     assert f"holds every gradient unsharded: {format_size(4 * params - 4 * params // 2)} more per GPU" in result.reason
@@ -164,4 +163,3 @@ def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_
                        num_gpus=2, strategies=[MicroBatch(), Fsdp()], deferred_sync=True)
     assert not deferred.fits and "unsharded" not in deferred.reason  # the loop the user runs: over the limit
     assert deferred.candidates[0].estimate.breakdown.grads == 4 * params  # every gradient, unsharded
-
