@@ -219,7 +219,9 @@ class CudaBudget(_Deadline):
 
     def __init__(self, limit: int | None, device: torch.device, resident: int = 0):
         self.limit = limit
-        self.device = device
+        # with its index: torch's `get_per_process_memory_fraction` refuses a bare "cuda"
+        # (torch/cuda/_utils.py `_get_device_index(device)`, not optional)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.resident = resident
         self.peak = 0
         self._previous_fraction: float | None = None

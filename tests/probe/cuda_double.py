@@ -172,6 +172,12 @@ class FakeCuda:
             self.context_made = True  # cudaMemGetInfo makes a context (torch/csrc/cuda/shared/cudart.cpp)
             return self.gpus[i].total - self.device_used(i), self.gpus[i].total
 
+        def get_fraction(device=None):  # torch/cuda/memory.py: `_get_device_index(device)`, not optional
+            if device is None or (not isinstance(device, int) and torch.device(device).index is None):
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+            self._call("get_per_process_memory_fraction", self._index(device))
+            return self.fraction[self._index(device)]
+
         def recorded(name, value):
             def function(device=None):
                 self._call(name, self._index(device))
@@ -204,7 +210,7 @@ class FakeCuda:
             "memory_stats": recorded("memory_stats", lambda i: {"reserved_bytes.all.current": self.reserved[i],
                                                                 "allocated_bytes.all.current": self.allocated[i]}),
             "set_per_process_memory_fraction": set_fraction,
-            "get_per_process_memory_fraction": recorded("get_per_process_memory_fraction", lambda i: self.fraction[i]),
+            "get_per_process_memory_fraction": get_fraction,
             "synchronize": recorded("synchronize", lambda i: None),
             "empty_cache": lambda: self._call("empty_cache"),
             "reset_peak_memory_stats": reset_peak,

@@ -86,3 +86,13 @@ def test_release_memory_clears_the_cublas_workspaces_too():
         release_memory()
         names = [c[0] for c in cuda.calls]
         assert names.index("clear_cublas_workspaces") < names.index("empty_cache")
+
+
+def test_a_budget_on_a_bare_cuda_device_uses_the_current_index():
+    # Seen on an H100 (torch 2.11): `get_per_process_memory_fraction(torch.device("cuda"))` raises, so the
+    # OOM guard's `CudaBudget(limit, torch.device("cuda"))` failed on entry. The double refuses it as torch does.
+    with FakeCuda([FakeGpu(total=80 * GiB), FakeGpu(total=80 * GiB)]) as cuda:
+        cuda.current = 1
+        with CudaBudget(20 * GiB, torch.device("cuda")) as budget:
+            assert budget.device == torch.device("cuda", 1)
+        assert ("get_per_process_memory_fraction", 1) in cuda.calls and _fraction_set(cuda)[-1][2] == 1
