@@ -1,7 +1,8 @@
 """Predicted vs measured peak memory: `autofit.estimate.estimator.predict_peak` against the probe's measured peak.
 
     python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
-    python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak (not run yet)
+    python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
+    python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama at 1,024 tokens
 
 Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
 x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
@@ -67,16 +68,23 @@ def mlp_batch(n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, 64, 128, generator=gen), "y": torch.randint(0, 10, (n,), generator=gen)}
 
 
-def models() -> dict[str, tuple]:
-    """name -> (model, batch, seq_len): tiny models, each simulated in full (no depth extrapolation)."""
+def models(large: bool = False) -> dict[str, tuple]:
+    """name -> (model, batch, seq_len): tiny models, each simulated in full (no depth extrapolation), and
+    with `large` a TinyLlama-sized one (1.1B: 22 layers, hidden 2048, GQA 4 heads of 32), whose depth is
+    extrapolated as the dry-run does."""
     from transformers import GPT2Config, LlamaConfig
 
     llama = LlamaConfig(vocab_size=2000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                         num_attention_heads=4, max_position_embeddings=1024)
     gpt2 = GPT2Config(vocab_size=2000, n_embd=128, n_layer=4, n_head=4, n_positions=1024, eos_token_id=0,
                       bos_token_id=0)
-    return {"tiny-llama": (llama, None, 128), "tiny-gpt2": (gpt2, None, 128),
+    tiny = {"tiny-llama": (llama, None, 128), "tiny-gpt2": (gpt2, None, 128),
             "residual-mlp": (ResidualMLP, mlp_batch, None)}
+    if not large:
+        return tiny
+    llama_1b = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    return {**tiny, "llama-1.1b": (llama_1b, None, 1024)}
 
 
 def configs(hf: bool) -> list[Config]:
@@ -90,9 +98,9 @@ def configs(hf: bool) -> list[Config]:
     return grid
 
 
-def measure(device: str) -> list[dict]:
+def measure(device: str, large: bool = False) -> list[dict]:
     rows = []
-    for name, (model, batch, seq_len) in models().items():
+    for name, (model, batch, seq_len) in models(large).items():
         spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device=device,
                          memory_budget="16GiB" if device == "cpu" else None, warmup_steps=1, timed_steps=1)
         for config in configs(spec.model.is_hf):
@@ -116,10 +124,11 @@ def measure(device: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--large", action="store_true", help="add a 1.1B Llama at 1,024 tokens (a GPU's worth)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    rows = measure(args.device)
+    rows = measure(args.device, args.large)
     errors = [abs(r["error"]) for r in rows]
     now = datetime.datetime.now(datetime.timezone.utc)
     device = torch.device(args.device)

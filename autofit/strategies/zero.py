@@ -11,6 +11,7 @@ launches, never in the caller's process.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,9 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     optimizer = None if "optimizer" in config else _factory(run)(params)
     engine, optimizer, _, _ = deepspeed.initialize(model=run.model, model_parameters=params, optimizer=optimizer,
                                                    config=config)
+    dtype = _half_dtype(config)
+    if dtype is not None:
+        engine.register_forward_pre_hook(functools.partial(_cast_inputs, dtype), with_kwargs=True)
     run.model, run.optimizer = engine, optimizer
     return DeepSpeedEngine(engine, run)
 
@@ -126,13 +130,35 @@ def partition(model: Any, config: dict[str, Any]) -> None:
     import deepspeed
     import torch
 
-    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
-        torch.float16 if config.get("fp16", {}).get("enabled") else None
+    dtype = _half_dtype(config)
     if dtype is not None:
         for param in model.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(dtype)
     deepspeed.zero.Init(module=model, config_dict_or_path=config, mem_efficient_linear=False)
+
+
+def _half_dtype(config: dict[str, Any]) -> Any:
+    """The 16-bit dtype DeepSpeed trains the weights in under `config` (bf16 or fp16 section), or None."""
+    import torch
+
+    return torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
+        torch.float16 if config.get("fp16", {}).get("enabled") else None
+
+
+def _cast_inputs(dtype: Any, _engine: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The engine's floating-point inputs in its 16-bit `dtype`. DeepSpeed's forward switches off an outer
+    `torch.autocast` unless its config has a `torch_autocast` section (deepspeed/runtime/torch_autocast.py
+    `autocast_if_enabled`), and casts inputs itself only for fp16 with `auto_cast`
+    (engine.py `_cast_inputs_half`): without this, a model taking float inputs (pixels, features) meets
+    its bf16 weights with fp32 activations ("mat1 and mat2 must have the same dtype"; seen on an H100)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def _factory(run: "TrainRun") -> Any:

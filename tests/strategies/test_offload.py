@@ -13,7 +13,7 @@ from autofit.spec.train import make_spec
 from autofit.estimate.gpus import get_gpu
 from autofit.search.rules import violation
 from autofit.spec.target import Target
-from autofit.strategies import Fsdp, MicroBatch, Offload, Zero
+from autofit.strategies import Fsdp, MicroBatch, Offload, Precision, Zero
 from autofit.strategies.zero import installed_version
 from models import run_ranks
 
@@ -86,7 +86,9 @@ def test_zero_offload_on_one_gpu(stage, tmp_path):
     spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
     for value in ("cpu", "nvme") if stage == 3 else ("cpu",):  # NVMe needs ZeRO-3 (the rule table)
         config = Config(sharding=f"zero{stage}", offload=value, micro_batch_size=4, precision="bf16")
-        result = run_ranks(spec, config, [MicroBatch(), Zero(), Offload(nvme_path=tmp_path)], timeout=600)
+        # Precision sets bf16 autocast: DeepSpeed casts the weights to bf16, the batch stays fp32
+        result = run_ranks(spec, config, [Precision(), MicroBatch(), Zero(), Offload(nvme_path=tmp_path)],
+                           timeout=600)
         assert result.status is ProbeStatus.FIT, result.reason
 
 
@@ -103,3 +105,17 @@ def test_the_specs_nvme_path_is_offered_and_kept_in_the_plan(tmp_path):
     spec = make_spec(Blocks, make_batch, device="cpu", nvme_path=tmp_path / "nvme")
     assert spec.summary()["nvme_path"] == str((tmp_path / "nvme").resolve())
     assert Offload().folder(spec) == spec.nvme_path
+
+
+
+def test_zero_casts_float_inputs_to_its_16_bit_dtype():
+    # DeepSpeed's forward switches off the run's bf16 autocast (deepspeed/runtime/torch_autocast.py), so the
+    # engine's float inputs are cast to its dtype (zero.py `_cast_inputs`, a forward pre-hook). Without it a
+    # float-input model failed on an H100 ("mat1 and mat2 must have the same dtype"); on CPU ranks DeepSpeed
+    # keeps fp32 weights, so only test_zero_offload_on_one_gpu (-m gpu) runs the engine this way.
+    from autofit.strategies.zero import _cast_inputs
+
+    pixels, ids = torch.randn(2, 3), torch.arange(4)
+    args, kwargs = _cast_inputs(torch.bfloat16, None, (pixels, [ids]), {"x": pixels, "mask": ids > 1})
+    assert args[0].dtype is torch.bfloat16 and args[1][0].dtype is torch.int64
+    assert kwargs["x"].dtype is torch.bfloat16 and kwargs["mask"].dtype is torch.bool
