@@ -49,7 +49,13 @@ if TYPE_CHECKING:
 
 MIB = 1024**2
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
-CUDA_CONTEXT_BYTES = 512 * MIB  # driver context + kernels with lazy loading: typically 300-600 MiB (not measured here)
+# The CUDA context of a training process: the driver context plus every kernel module the step loads
+# lazily (cuBLAS, attention, the optimizer's foreach kernels). Measured in a probe on one H100, torch
+# 2.11 + CUDA 13 (bench/results/estimate-cuda-2026-11-22.json): 790-796 MiB beyond the allocator on tiny
+# models. A bare context before any kernel loads is smaller: 287 MB (CUDA 11.7, pytorch/pytorch#86509),
+# 426 MiB (torch 2.10 + CUDA 13, RTX 6000 Ada, unslothai/unsloth-zoo#1053); the larger figure is kept, an
+# over-count being a margin and an under-count a promised fit that runs out of memory.
+CUDA_CONTEXT_BYTES = 800 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the step is not simulated
 SPREAD_AFTER_S = 0.5  # a first simulation this slow makes sharing the rest with worker processes pay

@@ -9,11 +9,19 @@ from transformers import LlamaConfig
 
 import autofit
 from autofit.estimate.dry_run import dry_run, step_seconds
+from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
 from autofit.errors import UsageError
+from autofit.spec.train import DEFAULT_SAFETY_MARGIN
 from autofit.strategies import (ActivationOffload, Attention, ChunkedLoss, OptimizerInBackward, PureBf16,
                                 default_strategies)
 
 GIB = 1024**3
+MIB = 1024**2
+
+
+def above_overhead(mib: int) -> str:
+    """A card whose fit limit leaves `mib` MiB beyond the CUDA context and cuBLAS workspace the estimator counts."""
+    return f"{int(((CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES) // MIB + mib) / (1 - DEFAULT_SAFETY_MARGIN))}MiB"
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +77,7 @@ def test_largest_fitting_micro_batch_per_level(report):
 
     chosen = report.chosen.config
     assert chosen.micro_batch_size == 8  # the whole per-rank batch fits 1 GiB for this tiny model
-    tight = dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory="640MiB")  # 544 MiB CUDA context + workspace
+    tight = dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory=above_overhead(32))
     assert tight.fits and tight.chosen.config.micro_batch_size < 16
     assert all(c.peak_bytes <= tight.fit_limit for c in tight.candidates if c.fits)
     assert isinstance(_Planner, type)
@@ -152,14 +160,14 @@ def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_
 
     wide_vocab = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, max_position_embeddings=512)  # states decide: DDP is over
-    result = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory="870MiB",
+    result = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239),
                      num_gpus=2, strategies=[MicroBatch(), Fsdp()])
     config = result.chosen.config
     assert config.needs_sync_each_micro_batch
     params = sum(p.numel() for p in LlamaForCausalLM(wide_vocab).parameters())
     assert result.chosen.estimate.breakdown.grads == 4 * params // 2  # fp32 shards, reduced every micro-batch
     assert f"holds every gradient unsharded: {format_size(4 * params - 4 * params // 2)} more per GPU" in result.reason
-    deferred = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory="870MiB",
+    deferred = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239),
                        num_gpus=2, strategies=[MicroBatch(), Fsdp()], deferred_sync=True)
     assert not deferred.fits and "unsharded" not in deferred.reason  # the loop the user runs: over the limit
     assert deferred.candidates[0].estimate.breakdown.grads == 4 * params  # every gradient, unsharded
