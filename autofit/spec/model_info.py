@@ -26,8 +26,18 @@ class ModelInfo:
 
     @property
     def is_hf(self) -> bool:
-        """Whether the model is a Hugging Face `PreTrainedModel`."""
+        """Whether the model is a Hugging Face `PreTrainedModel` (or a peft model wrapping one)."""
         return self.hf_config is not None
+
+    @property
+    def trains_part(self) -> bool:
+        """Whether the model trains only part of its parameters: its own adapters (a peft model), or
+        weights its author froze. What it trains is then the author's choice, which LoRA would change."""
+        return self.trainable_params < self.num_params
+
+    def trained(self) -> str:
+        """What the model trains, e.g. "294,912 of 1,060,992 parameters"."""
+        return f"{self.trainable_params:,} of {self.num_params:,} parameters"
 
 
 def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module | None:
@@ -48,10 +58,11 @@ def inspect_model(model: nn.Module) -> ModelInfo:
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
-    hf_config = getattr(model, "config", None) if _is_hf(model) else None
+    hf = hf_model(model)
+    hf_config = hf.config if hf is not None else None
     path, blocks = find_blocks(model)
     attention = tuple(name for name, flag in (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"))
-                      if hf_config is not None and getattr(model, flag, False))
+                      if hf is not None and getattr(hf, flag, False))
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
                      attention, path, len(blocks), hidden_size(model, hf_config))
 
@@ -86,9 +97,14 @@ def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:
     return best[1], best[2]
 
 
-def _is_hf(model: nn.Module) -> bool:
+def hf_model(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face `PreTrainedModel` that `model` is, or wraps as a peft `PeftModel` (adapters on a
+    transformers model: `get_base_model()`), else None."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
+        return None
+    if isinstance(model, PreTrainedModel):
+        return model
+    base = model.get_base_model() if callable(getattr(type(model), "get_base_model", None)) else None
+    return base if isinstance(base, PreTrainedModel) else None

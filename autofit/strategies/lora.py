@@ -48,6 +48,11 @@ class Lora(Strategy):
         self.dropout = float(dropout)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
+        if spec.model.trains_part:  # its own adapters or frozen weights: adapters over them train something else
+            why = (f"{spec.model.name} already trains {spec.model.trained()} (its own adapters or a frozen "
+                   "part): LoRA over it would change what it trains")
+            return [Option(0, 0, f"as the model trains: {spec.model.trained()}")] + \
+                [Option(r, 2, why, available=False) for r in self.ranks]
         full = Option(0, 0, "full fine-tuning: every parameter trained")
         if not spec.target.has("peft"):
             why = "LoRA needs peft, which is not installed: pip install 'autofit[peft]'"

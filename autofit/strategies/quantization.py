@@ -37,7 +37,7 @@ class Quantization(Ladder):
     values = (Q.NONE, Q.INT8, Q.NF4)  # least base-weight memory saved first
 
     def options(self, spec: "TrainSpec") -> list[Option]:
-        why_not = unavailable_reason(spec.target) or _nothing_to_quantize(spec)
+        why_not = unavailable_reason(spec.target) or _trains_part(spec) or _nothing_to_quantize(spec)
         return [
             Option(Q.NONE, 0, "base weights in full precision"),
             Option(Q.INT8, 2, why_not or "8-bit base weights (LLM.int8) + LoRA: 1 byte per weight",
@@ -121,6 +121,16 @@ def _is_projection(module: nn.Module) -> bool:
     except ImportError:
         return False
     return type(module) is Conv1D
+
+
+def _trains_part(spec: "TrainSpec") -> str | None:
+    """Why a model that trains only part of its parameters is not quantized here, or None: autofit
+    quantizes a whole base and trains its own LoRA adapters over it."""
+    if not spec.model.trains_part:
+        return None
+    return (f"{spec.model.name} trains {spec.model.trained()} (its own adapters or a frozen part); autofit "
+            "quantizes a fully trainable base under its own LoRA adapters: load the base quantized yourself "
+            "(bitsandbytes, peft's prepare_model_for_kbit_training) before adding adapters")
 
 
 def _nothing_to_quantize(spec: "TrainSpec") -> str | None:

@@ -137,3 +137,39 @@ def test_search_without_allow_hints_at_lora():
                            strategies=[MicroBatch(), Lora(ranks=(4,))], warmup_steps=1, timed_steps=1)
     assert not plan.fits
     assert "allow={'lora'}" in plan.reason
+
+
+def peft_llama():
+    """A transformers Llama with the user's own peft adapters (r=8 on q and v): only they train."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=256)
+    return peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+
+def test_a_model_with_its_own_adapters_gets_no_lora_or_quantization_over_them():
+    import dataclasses
+
+    from autofit.estimate.gpus import get_gpu
+    from autofit.spec.target import Target
+    from autofit.strategies import Quantization
+
+    spec = make_spec(peft_llama, device="cpu", seq_len=32)  # a peft model is a Hugging Face one: batch synthesized
+    assert spec.model.is_hf and spec.model.trains_part
+    options = Lora(ranks=(16,)).options(spec)
+    assert [o.value for o in options] == [0, 16] and options[0].available and not options[1].available
+    assert f"already trains {spec.model.trained()}" in options[1].reason and "(its own adapters" in options[1].reason
+    on_a_gpu = dataclasses.replace(spec, target=Target.from_profile(get_gpu("a100-80gb"), 1))
+    nf4 = Quantization().options(on_a_gpu)[-1]
+    assert not nf4.available and "load the base quantized yourself" in nf4.reason
+
+
+def test_a_dry_run_of_a_peft_model_plans_its_own_adapters():
+    report = autofit.dry_run(peft_llama, seq_len=64, global_batch_size=4, gpu="a100-80gb", allow={"lora"})
+    assert report.fits and report.candidates
+    assert all(not c.config.lora and c.config.quantization.value == "none" for c in report.candidates)
+    trainable = sum(p.numel() for p in peft_llama().parameters() if p.requires_grad)
+    fp32 = next(c for c in report.candidates if c.config.precision.value == "fp32")
+    assert fp32.estimate.breakdown.grads == 4 * trainable  # the adapters' gradients only
