@@ -38,6 +38,7 @@ from autofit.config import Checkpointing, Config, Engine, Offload, Optimizer, Qu
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, model_facts  # noqa: F401 (re-exported)
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
+from autofit.estimate import cuda_attention
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.simulate import is_adapted, within_block
@@ -312,6 +313,10 @@ class Estimator:
         # sizes; checkpointed runs come out a few percent low). False: simulate each micro-batch.
         self.extrapolate_batch = extrapolate_batch
         self.sim_device = "cuda" if self.target == "cuda" and torch.cuda.is_available() else "cpu"
+        # CPU kernels standing in for CUDA run attention as CUDA's kernel for that GPU would (Ampere or
+        # later where no GPU profile says otherwise); None where the kernels are the target's own.
+        self.cuda_ampere = (spec.target.bf16 if spec.target.cuda else True) \
+            if self.target == "cuda" and self.sim_device == "cpu" else None
         self._meta = meta_model(spec.model_factory)
         targets = _lora_targets(self._meta, self.strategies)
         self.facts = model_facts(self._meta, targets)
@@ -322,7 +327,8 @@ class Estimator:
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
-        self._workload = workload_key(self._meta, spec, self.sim_device, self._adapted, self._adapter_dropout)
+        self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere),
+                                      self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
 
     # -- activations ---------------------------------------------------------------------------------
@@ -400,7 +406,8 @@ class Estimator:
         """One simulated forward + backward of `config` at micro-batch `mb` (extrapolated in depth for deep
         models) and how it was obtained; (None, why) when it cannot be simulated."""
         where = "CUDA" if self.sim_device == "cuda" else \
-            ("CPU kernels standing in for CUDA (this torch build has no CUDA)" if self.target == "cuda" else "CPU")
+            (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)})"
+             if self.target == "cuda" else "CPU")
         k = config.checkpoint_every
         depths = tuple(k * d for d in SIM_DEPTHS)
         try:
@@ -428,7 +435,7 @@ class Estimator:
         batch = self.spec.batch_factory(mb)
         return simulate_step(model, batch, self.spec.loss_fn, config, device=self.sim_device,
                              half_weights=_half_weights(config), adapted=self._adapted if config.adapters else None,
-                             adapter_dropout=self._adapter_dropout)
+                             adapter_dropout=self._adapter_dropout, cuda_ampere=self.cuda_ampere)
 
     def _formula(self, config: Config, mb: int) -> ActivationPeak:
         """The fallback when the step cannot be simulated: `formula_activations` (its error bound is

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Loss, Precision, Quantization
+from autofit.estimate import cuda_attention
 from autofit.estimate.allocator import CachingAllocator
 from autofit.probe.memory import StorageCounter
 
@@ -109,7 +110,7 @@ class _Tracker(StorageCounter):
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
                   device: str, half_weights: bool = False, adapted: frozenset[str] | None = None,
-                  adapter_dropout: float = 0.0) -> ActivationPeak:
+                  adapter_dropout: float = 0.0, cuda_ampere: bool | None = None) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
     tensors on `device` ("cpu" or "cuda") with `config`'s precision, attention and checkpointing, and
     return its `ActivationPeak`. Nothing real is allocated.
@@ -119,7 +120,10 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     `adapted` (LoRA): every weight is frozen but those of the linear layers named so (`is_adapted`): they
     keep their inputs for backward as the adapters beside them would; with `adapter_dropout`, a dropped-out
     copy of each input and its mask, as peft's `lora_dropout` keeps for its adapter. NF4 base weights: the
-    other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`)."""
+    other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
+    `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
+    attention keeps what CUDA's kernel would (`autofit.estimate.cuda_attention`); None: the kernels are
+    the target's own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model
@@ -158,7 +162,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
     batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
     try:
-        with fake, _fake_friendly_kernels():
+        half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
+        with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half):
             fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
             with tracker:
                 with _autocast(Precision.FP32 if half_weights else precision, device), \

@@ -1,0 +1,55 @@
+"""Attention simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda_attention.py): the backend
+CUDA's rules pick, and the scores the math backend keeps, which the CPU's fused kernel does not."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from autofit.config import Config
+from autofit.estimate.cuda_attention import backend
+from autofit.estimate.simulate import simulate_step
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def qkv(heads=8, kv_heads=8, dim=64, seq=16):
+    return torch.empty(1, heads, seq, dim), torch.empty(1, kv_heads, seq, dim), torch.empty(1, kv_heads, seq, dim)
+
+
+@pytest.mark.parametrize("dtype, shapes, mask, gqa, ampere, expected", [
+    (BF16, {}, None, False, True, "flash"),
+    (BF16, {"kv_heads": 2}, None, True, True, "flash"),  # grouped heads: flash takes them with enable_gqa
+    (F32, {"kv_heads": 2}, None, True, True, "math"),  # fp32: no flash; grouped: no memory-efficient
+    (F32, {}, None, False, True, "efficient"),
+    (BF16, {}, torch.empty(16, 16), False, True, "efficient"),  # a mask: no flash
+    (BF16, {"kv_heads": 2}, torch.empty(16, 16), True, True, "math"),
+    (BF16, {"dim": 320}, None, False, True, "efficient"),  # heads over 256: no flash
+    (F16, {"kv_heads": 2}, None, True, False, "math"),  # a T4 or V100: no flash at all
+    (F16, {}, None, False, False, "efficient"),
+    (BF16, {}, None, False, False, "math"),  # bf16 before Ampere: neither fused kernel
+    (F32, {"dim": 66}, None, False, True, "math"),  # fp32 head size not a multiple of 4
+])
+def test_the_backend_cuda_picks(dtype, shapes, mask, gqa, ampere, expected):
+    assert backend(dtype, *qkv(**shapes), mask, gqa, ampere) == expected
+
+
+def grouped_llama():
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def peak(config, seq=256, **kwargs):
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    return simulate_step(grouped_llama(), {"input_ids": ids, "labels": ids}, lambda out, batch: out.loss, config,
+                         device="cpu", **kwargs).peak
+
+
+def test_fp32_grouped_attention_keeps_the_scores_cuda_keeps_and_bf16_does_not():
+    torch.set_num_threads(1)
+    fp32, bf16 = Config(attention="sdpa"), Config(attention="sdpa", precision="bf16")
+    scores = 2 * 8 * 256 * 256 * 4  # the softmax of one layer: batch x heads x seq x seq, fp32
+    assert peak(fp32, cuda_ampere=True) - peak(fp32) >= 2 * scores  # both layers keep theirs
+    assert peak(bf16, cuda_ampere=True) == peak(bf16)  # flash on CUDA: what the CPU kernel keeps
+    assert peak(Config(attention="sdpa", precision="fp16"), cuda_ampere=False) - peak(bf16) >= scores  # a T4
