@@ -3,6 +3,9 @@
     python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
     python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
     python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama at 1,024 tokens
+    python bench/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
+        # no probe: predict here (CPU kernels standing in for CUDA, as a dry-run does) the peaks a GPU
+        # run measured, beside what that run's own estimator said
 
 Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
 x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.config import Config  # noqa: E402
 from autofit.spec.devices import describe  # noqa: E402
-from autofit.estimate.estimator import predict_peak  # noqa: E402
+from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
@@ -121,13 +124,38 @@ def measure(device: str, large: bool = False) -> list[dict]:
     return rows
 
 
+def replay(recorded: dict) -> list[dict]:
+    """The rows of a recorded GPU run (`measure` on CUDA) predicted again here, without probing, for a CUDA
+    target: on a machine without CUDA the dry-run's case, CPU kernels standing in."""
+    estimators: dict[str, Estimator] = {}
+    rows = []
+    for row in recorded["rows"]:
+        if row["model"] not in estimators:
+            model, batch, seq_len = models(large=True)[row["model"]]
+            spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cpu",
+                             memory_budget="1TiB")
+            estimators[row["model"]] = Estimator(spec, target="cuda")
+        estimate = estimators[row["model"]].predict(Config.from_dict(row["config"]))
+        error = estimate.peak_bytes / row["measured_bytes"] - 1
+        rows.append({"model": row["model"], "describe": row["describe"], "measured_bytes": row["measured_bytes"],
+                     "predicted_bytes": estimate.peak_bytes, "error": round(error, 5),
+                     "predicted_by_the_run": row["predicted_bytes"], "error_of_the_run": row["error"],
+                     "reason": estimate.reason})
+        print(f"{row['model']:13s} {row['describe']:45s} measured {row['measured_bytes'] / 2**30:7.2f} GiB, predicted "
+              f"here {estimate.peak_bytes / 2**30:7.2f} GiB {error:+.1%} (by the run {row['error']:+.1%})", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--large", action="store_true", help="add a 1.1B Llama at 1,024 tokens (a GPU's worth)")
+    parser.add_argument("--against", type=Path, help="a recorded GPU run's results: predict its rows here, no probe")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
+    if args.against:
+        return write_replay(args.against, started)
     rows = measure(args.device, args.large)
     errors = [abs(r["error"]) for r in rows]
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -141,6 +169,24 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{len(rows)} points on {result['device']}: median |error| {result['median_abs_error']:.2%}, "
           f"worst {result['worst_abs_error']:.2%} -> {path}")
+
+
+def write_replay(path: Path, started: float) -> None:
+    recorded = json.loads(path.read_text())
+    rows = replay(recorded)
+    errors = [r["error"] for r in rows]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {"what": "peaks measured on a GPU, predicted on this machine without probing (a dry-run's estimate)",
+              "measured": {"file": path.name, "device": recorded["device"], "torch": recorded["torch"],
+                           "date": recorded["date"]},
+              "machine": f"{platform.machine()}, {describe(torch.device('cpu'))}", "torch": torch.__version__,
+              "cuda_here": torch.cuda.is_available(), "date": now.isoformat(timespec="seconds"),
+              "median_abs_error": statistics.median(abs(e) for e in errors), "worst_abs_error": max(map(abs, errors)),
+              "largest_under": min(min(errors), 0.0), "seconds": round(time.perf_counter() - started, 1), "rows": rows}
+    out = RESULTS / f"estimate-replay-{path.stem}-{now.date().isoformat()}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{len(rows)} measured peaks predicted here: median |error| {result['median_abs_error']:.2%}, worst "
+          f"{result['worst_abs_error']:.2%}, largest under-prediction {result['largest_under']:.2%} -> {out}")
 
 
 if __name__ == "__main__":
