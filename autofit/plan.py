@@ -42,6 +42,9 @@ class Plan:
     created: str = dataclasses.field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     autofit_version: str = ""
     confirmation: Confirmation | None = None  # the finalists re-measured back to back, and the decision
+    # What reproducing the chosen knobs takes beyond their values, by knob (`Strategy.settings`: LoRA's
+    # target modules, alpha and dropout), for the exports and `autofit.prepare`.
+    settings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def probes_run(self) -> int:
@@ -229,8 +232,10 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
     if best is not None:
         throughput = confirmation.winner.median if confirmation is not None else best.samples_per_s
         tokens = best.tokens_per_s * throughput / best.samples_per_s if best.tokens_per_s else None
+        settings = {s.field: s.settings(best.config) for s in space.strategies}
         return Plan(True, best.config, throughput, tokens, best.peak_bytes,
-                    chosen_reason(best, results, confirmation, space), **common)
+                    chosen_reason(best, results, confirmation, space), **common,
+                    settings={field: value for field, value in settings.items() if value})
     return Plan(False, None, None, None, None, nothing_fits_reason(space, results, predict), **common)
 
 

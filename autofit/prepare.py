@@ -131,13 +131,14 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
             tuned with your own optimizer needs it again here.
         loss_fn: `loss_fn(output, micro_batch) -> scalar` for `step`; default `output.loss` or a scalar output.
         device: where to train; default the plan's device kind (cuda:LOCAL_RANK under a launcher), else the CPU.
-        strategies: the strategies the plan was tuned with, when not the defaults (LoRA target modules,
-            plug-in techniques; plug-ins defined so far are included by default).
+        strategies: the strategies the plan was tuned with, when not the defaults (plug-in techniques;
+            plug-ins defined so far are included by default). LoRA's adapters are those the plan recorded
+            (`plan.settings["lora"]`: target modules, alpha, dropout) unless strategies are given.
         nvme_path: folder for NVMe offload, when the plan offloads there.
         engine: False leaves the ranks and the engine (DDP, ZeRO, FSDP2) to a launcher that builds them
             itself (`accelerator.prepare`, the Trainer): every other knob is applied, nothing is wrapped.
     """
-    config, summary = _config_of(plan)
+    config, summary, settings = _config_of(plan)
     where = _device(device, summary, config)
     if engine:
         _join_ranks(config, where)
@@ -145,7 +146,7 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
     run = TrainRun(spec=spec, config=config, model=model)
     model.train()
-    for strategy in sorted(_strategies(strategies, engine), key=lambda s: s.rung):
+    for strategy in sorted(_strategies(strategies, engine, config, settings), key=lambda s: s.rung):
         strategy.apply(run)
     factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
     if factory and config.optimizer is not O.USER:
@@ -174,11 +175,12 @@ def apply_in_place(config: Config, model: nn.Module, precision: bool = True) -> 
     return run
 
 
-def _config_of(plan: Any) -> tuple[Config, dict[str, Any]]:
+def _config_of(plan: Any) -> tuple[Config, dict[str, Any], dict[str, dict[str, Any]]]:
+    """The plan's config, its spec summary and its knobs' settings (`Plan.settings`)."""
     from autofit.plan import Plan
 
     if isinstance(plan, Config):
-        return plan, {}
+        return plan, {}, {}
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(Path(plan))
     if not isinstance(plan, Plan):
@@ -186,7 +188,7 @@ def _config_of(plan: Any) -> tuple[Config, dict[str, Any]]:
     if not plan.fits or plan.config is None:
         raise UsageError(f"This plan does not fit, so there is nothing to apply: {plan.reason} Tune again with "
                          "what the message allows.")
-    return plan.config, dict(plan.spec)
+    return plan.config, dict(plan.spec), dict(plan.settings)
 
 
 def _device(device: Any, summary: dict[str, Any], config: Config) -> torch.device:
@@ -263,12 +265,15 @@ def _no_batches(_: int) -> Any:
     raise RuntimeError("a prepared run trains the batches its loop gives it")
 
 
-def _strategies(strategies: Sequence[Strategy] | None, engine: bool) -> list[Strategy]:
-    from autofit.strategies import DataParallel, Offload, default_strategies
+def _strategies(strategies: Sequence[Strategy] | None, engine: bool, config: Config,
+                settings: dict[str, dict[str, Any]]) -> list[Strategy]:
+    """The strategies given, else the defaults, LoRA as the plan recorded its adapters (`Plan.settings`)."""
+    from autofit.strategies import DataParallel, Lora, Offload, default_strategies
     from autofit.strategies.sharding import ShardingEngine
 
     if strategies is None:
-        strategies = default_strategies() + plugins()
+        recorded = Lora.from_settings(config.lora, settings["lora"]) if "lora" in settings else None
+        strategies = [recorded if recorded and isinstance(s, Lora) else s for s in default_strategies() + plugins()]
     return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, Offload))]
 
 

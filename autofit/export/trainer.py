@@ -19,6 +19,7 @@ from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEP
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 from autofit.export.model_setup import setup_lines
+from autofit.strategies.lora import Lora
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -86,9 +87,10 @@ def model_setup(plan: "Plan") -> list[str]:
     if config.quantization is not Quantization.NONE:
         lines.append(f"# Load the base weights quantized ({config.quantization}) with transformers."
                      "BitsAndBytesConfig, then peft.prepare_model_for_kbit_training(model).")
-    if config.lora:
+    if config.lora:  # the adapters the probe trained (`Plan.settings`)
+        kwargs = Lora.from_settings(config.lora, plan.settings.get("lora", {})).peft_kwargs(config.lora)
         lines += ["from peft import LoraConfig, get_peft_model",
-                  f'model = get_peft_model(model, LoraConfig(r={config.lora}, target_modules="all-linear"))']
+                  f"model = get_peft_model(model, LoraConfig({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}))"]
     if config.optimizer not in OPTIM:
         lines.append("# Your own optimizer was probed: pass Trainer(..., optimizers=(optimizer, None)).")
     return lines

@@ -93,6 +93,12 @@ class Strategy(abc.ABC):
         (those cover autofit's own knobs); a plug-in technique says here what it does to memory."""
         return parts
 
+    def settings(self, config: Config) -> dict[str, Any]:
+        """What reproducing `config`'s value of this knob takes beyond the value itself (LoRA's target
+        modules, scaling and dropout), recorded in the plan (`Plan.settings`) for the exports and
+        `autofit.prepare`; nothing by default. JSON values only."""
+        return {}
+
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
         """Keys this knob adds to launcher format `fmt` ("deepspeed", "accelerate", "trainer", "torchrun";
         dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs); nothing

@@ -68,6 +68,26 @@ class Lora(Strategy):
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.lora == b.lora or (a.lora > 0 and (b.lora == 0 or a.lora <= b.lora))
 
+    def settings(self, config: Config) -> dict[str, Any]:
+        """The adapters the probe trained beside the rank: target modules as given (None: every linear
+        layer but the output head), alpha, dropout."""
+        if not config.lora:
+            return {}
+        targets = list(self.target_modules) if self.target_modules is not None else None
+        return {"target_modules": targets, "alpha": self.alpha or 2 * config.lora, "dropout": self.dropout}
+
+    @classmethod
+    def from_settings(cls, rank: int, settings: dict[str, Any]) -> "Lora":
+        """The strategy that trains the adapters `settings` (`Lora.settings`) recorded, at `rank`."""
+        return cls((rank,), target_modules=settings.get("target_modules"), alpha=settings.get("alpha"),
+                   dropout=settings.get("dropout", 0.0))
+
+    def peft_kwargs(self, rank: int) -> dict[str, Any]:
+        """`peft.LoraConfig` keyword arguments for these adapters on a Hugging Face model (peft's
+        "all-linear" leaves the output layer out, as the default targets do)."""
+        targets = list(self.target_modules) if self.target_modules is not None else "all-linear"
+        return {"r": rank, "lora_alpha": self.alpha or 2 * rank, "lora_dropout": self.dropout, "target_modules": targets}
+
     def apply(self, run: "TrainRun") -> None:
         value = run.config.lora
         if not value:

@@ -136,3 +136,15 @@ def test_run_as_a_script_it_trains_or_says_what_to_pass(tmp_path, plan_for):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'train_loss'" in done.stdout + done.stderr or "train_runtime" in done.stdout + done.stderr
     assert (tmp_path / "trainer_output").is_dir()
+
+
+def test_lora_is_exported_as_the_probes_trained_it(plan_for):
+    import dataclasses
+
+    from autofit.export.trainer import model_setup
+
+    plan = dataclasses.replace(plan_for(Config(lora=8)), settings={
+        "lora": {"target_modules": ["c_attn"], "alpha": 4, "dropout": 0.05}})
+    assert "LoraConfig(r=8, lora_alpha=4, lora_dropout=0.05, target_modules=['c_attn'])" in "\n".join(model_setup(plan))
+    older = plan_for(Config(lora=8))  # a plan saved before settings were recorded: autofit's defaults
+    assert "LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules='all-linear')" in "\n".join(model_setup(older))

@@ -122,14 +122,20 @@ def test_default_strategies_put_quantization_before_lora():
 BUDGET = 3 * 2**20
 
 
-def test_search_picks_lora_when_allowed():
+def test_search_picks_lora_when_allowed(tmp_path):
+    lora = Lora(ranks=(4,), target_modules=["blocks.0", "blocks.1"], alpha=8, dropout=0.05)
     plan = autofit.autofit(Mlp, make_batch, device="cpu", memory_budget=BUDGET, global_batch_size=4,
-                           allow={"lora"}, strategies=[MicroBatch(), Lora(ranks=(4,))],
-                           warmup_steps=1, timed_steps=1)
+                           allow={"lora"}, strategies=[MicroBatch(), lora], warmup_steps=1, timed_steps=1)
     assert plan.fits, plan.reason
     assert plan.config.lora == 4
     full = [p for p in plan.probes if p.config.lora == 0]
     assert full and not any(p.fits for p in full)  # full fine-tuning ran out (or was predicted to)
+    recorded = {"target_modules": ["blocks.0", "blocks.1"], "alpha": 8, "dropout": 0.05}
+    assert plan.settings == {"lora": recorded}  # the adapters the probes trained, for exports and prepare
+    assert autofit.Plan.load(plan.save(tmp_path / "plan.json")).settings == plan.settings
+    prepared = autofit.prepare(plan, Mlp())  # no strategies given: the recorded adapters
+    adapted = {name.split(".lora_")[0] for name, p in prepared.model.named_parameters() if p.requires_grad}
+    assert adapted == {"base_model.model.blocks.0", "base_model.model.blocks.1"}
 
 
 def test_search_without_allow_hints_at_lora():
