@@ -10,6 +10,7 @@ backend materialises the scores: it keeps the softmax of every head's (query x k
 
 The rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `can_use_flash_attention`,
 `can_use_mem_efficient_attention`, `select_sdp_backend`: flash first, then memory-efficient, then math):
+- both fused kernels take 4-D inputs only (`check_tensor_shapes`), as the CPU's does.
 - flash: fp16/bf16 on Ampere or later (sm80+), no attention mask (`is_causal` is fine), one head size
   for q, k and v of at most 256; grouped keys and values with `enable_gqa`.
 - memory-efficient: fp16 or fp32 (bf16 too on sm80+), head sizes divisible by the GEMM alignment (8 for
@@ -36,6 +37,8 @@ def backend(dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: t
             attn_mask: torch.Tensor | None, enable_gqa: bool, ampere: bool) -> str:
     """"flash", "efficient" or "math": the kernel CUDA runs for these inputs in `dtype` (the dtype the
     call computes in, after autocast) on a GPU that is Ampere or later (`ampere`) or older."""
+    if not query.dim() == key.dim() == value.dim() == 4:  # both fused kernels take 4-D inputs only
+        return "math"
     heads = (query.size(-3), key.size(-3), value.size(-3))
     dims = (query.size(-1), key.size(-1), value.size(-1))
     grouped = len(set(heads)) > 1

@@ -33,6 +33,11 @@ def test_the_backend_cuda_picks(dtype, shapes, mask, gqa, ampere, expected):
     assert backend(dtype, *qkv(**shapes), mask, gqa, ampere) == expected
 
 
+def test_inputs_that_are_not_4d_run_on_the_math_backend():
+    q = k = v = torch.empty(8, 16, 64)
+    assert backend(BF16, q, k, v, None, False, True) == "math"
+
+
 def grouped_llama():
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
