@@ -212,19 +212,34 @@ def _pure_bf16_states(facts: ModelFacts, config: Config) -> States:
     return States(2 * facts.num_params, 2 * trainable, int(optimizer_bytes(facts, config.optimizer, trainable, 2)))
 
 
+def own_adapters(facts: ModelFacts, config: Config) -> bool:
+    """Whether `config` quantizes the base of a model that brings its own adapters: no LoRA rank, and the
+    model trains only part of itself (the estimator's case; the planner does not offer it)."""
+    return config.quantization is not Quantization.NONE and not config.lora and facts.trains_part
+
+
+def adapter_weights(facts: ModelFacts, config: Config) -> tuple[int, float]:
+    """(elements, bytes each) of the weights that train beside a frozen base: autofit's LoRA adapters, fp32
+    (peft upcasts adapters of a 16-bit base: `autocast_adapter_dtype=True`), r=16 where quantization names
+    no rank (QLoRA's usual); or the model's own adapters as it stores them (`own_adapters`)."""
+    if own_adapters(facts, config):
+        return facts.trainable_params, facts.trainable_bytes
+    return (config.lora or 16) * facts.lora_params_per_rank, 4.0
+
+
 def _adapter_states(facts: ModelFacts, config: Config) -> States:
-    """LoRA: the frozen base as stored (or NF4/int8 where quantized), fp32 adapters (peft upcasts adapters
-    of a 16-bit base: `autocast_adapter_dtype=True`) with fp32 gradients and states."""
-    rank = config.lora or 16  # quantization without a rank: QLoRA's usual r=16
-    adapters = rank * facts.lora_params_per_rank
-    base, wb = facts.num_params, facts.weight_bytes
+    """LoRA: the frozen base as stored (or NF4/int8 where quantized), the adapters (`adapter_weights`)
+    with gradients and states in their dtype."""
+    adapters, size = adapter_weights(facts, config)
+    base, wb = facts.num_params - (adapters if own_adapters(facts, config) else 0), facts.weight_bytes
     if config.quantization is Quantization.NF4:
         base_bytes = nf4_bytes() * facts.linear_params + wb * (base - facts.linear_params)
     elif config.quantization is Quantization.INT8:
         base_bytes = INT8_BYTES * facts.linear_params + 4 * facts.linear_rows + wb * (base - facts.linear_params)
     else:
         base_bytes = wb * base
-    return States(int(base_bytes + 4 * adapters), 4 * adapters, int(optimizer_bytes(facts, config.optimizer, adapters)))
+    return States(int(base_bytes + size * adapters), int(size * adapters),
+                  int(optimizer_bytes(facts, config.optimizer, adapters, size)))
 
 
 # -- simulations kept for the process --------------------------------------------------------------------
@@ -382,7 +397,8 @@ class Estimator:
         return (mb,) if mb <= 2 or not self.extrapolate_batch else (1, 2)
 
     def _key(self, config: Config, mb: int) -> tuple:
-        return (*_simulation_key(config, mb), config.adapters, _implementation_key(config))
+        return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
+                _implementation_key(config))
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -434,7 +450,8 @@ class Estimator:
             model = _rebuild(self._meta, self._depth_key, depth)
         batch = self.spec.batch_factory(mb)
         return simulate_step(model, batch, self.spec.loss_fn, config, device=self.sim_device,
-                             half_weights=_half_weights(config), adapted=self._adapted if config.adapters else None,
+                             half_weights=_half_weights(config),
+                             adapted=self._adapted if config.adapters and not own_adapters(self.facts, config) else None,
                              adapter_dropout=self._adapter_dropout, cuda_ampere=self.cuda_ampere)
 
     def _formula(self, config: Config, mb: int) -> ActivationPeak:
@@ -499,7 +516,8 @@ class Estimator:
         and for adapters, else the weights' dtype (bf16 under pure bf16)."""
         facts = self.facts
         if config.adapters:
-            return 4 * (config.lora or 16) * facts.lora_params_per_rank
+            adapters, size = adapter_weights(facts, config)
+            return int((4 if config.half_precision else size) * adapters)
         if config.pure_bf16:
             return 2 * facts.trainable_params
         return int((4 if config.half_precision else facts.weight_bytes) * facts.trainable_params)
@@ -520,7 +538,9 @@ class Estimator:
         keeps of an fp32 weight (2 bytes each). NF4 layers are simulated as bitsandbytes' (no such copy)
         but the adapted ones, which the simulation trains in place of their adapters; int8 layers are not
         simulated at all."""
-        if config.adapters:
+        if own_adapters(self.facts, config):
+            notes.append("the model's own adapters trained beside its quantized base")
+        elif config.adapters:
             notes.append("LoRA simulated as its frozen base with the adapted layers' inputs kept" +
                          (" (dropped-out copies)" if self._adapter_dropout else ""))
         if config.quantization is Quantization.NF4:
@@ -577,7 +597,7 @@ class Estimator:
                 (config.engine is Engine.FSDP and config.offload is Offload.CPU):
             return 0  # ZeRO: DeepSpeed is configured with torch's fused AdamW (or its CPU Adam with offload)
         if config.adapters:
-            trainable, size = (config.lora or 16) * self.facts.lora_params_per_rank, 4.0
+            trainable, size = adapter_weights(self.facts, config)
         else:
             trainable, size = self.facts.trainable_params, 4.0 if config.zero_stage else self.facts.weight_bytes
             size = 2.0 if config.pure_bf16 else size  # the temporaries take the parameters' dtype
@@ -705,7 +725,7 @@ def _state_notes(config: Config, states: States) -> list[str]:
 # over-prediction is +4.6%; against 32 peaks measured on an H100 and predicted without CUDA, as a dry-run
 # predicts (bench/results/estimate-replay-estimate-cuda-2026-11-22-2026-11-22.json), +3.1%. So a
 # candidate predicted more than 5% over the limit is skipped. The estimator still under-predicts some
-# published runs (median |error| 4.2%, down to -32%: FSDP1 and QLoRA) and the H100's by up to -9.0%
+# published runs (median |error| 3.9%, down to -32%: FSDP1 and QLoRA) and the H100's by up to -9.0%
 # (allocator segments across steps, bench/allocator_steps.py): an under-prediction never prunes, it
 # makes a probe that runs out of memory, which the tuner records and steps back from.
 PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}

@@ -31,6 +31,12 @@ class ModelFacts:
     num_blocks: int = 0
     weight_bytes: float = 4.0  # bytes per weight as the model stores them (4 fp32; 2 for a bf16 model)
     tied_params: int = 0  # the largest parameter used by two modules (GPT-2's embedding and head), else 0
+    trainable_bytes: float = 4.0  # bytes per trainable weight as the model stores them
+
+    @property
+    def trains_part(self) -> bool:
+        """Whether the model trains only part of its weights (its own adapters, or a frozen part)."""
+        return self.trainable_params < self.num_params
 
 
 def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> ModelFacts:
@@ -40,7 +46,8 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
 
     params = list(model.parameters())
     _, blocks = find_blocks(model)
-    linears = [m for block in blocks for m in block.modules() if _is_linear(m)]
+    part = {p.requires_grad for p in params} == {True, False}  # its own adapters: the frozen layers are the base
+    linears = [m for block in blocks for m in block.modules() if _is_linear(m) and not (part and m.weight.requires_grad)]
     shapes = [_in_out(m) for m in linears]
     adapted = shapes if lora_targets is None else [_in_out(model.get_submodule(name)) for name in lora_targets]
     factored = sum(sum(p.shape[-2:]) if p.dim() >= 2 else p.numel() for p in params if p.requires_grad)
@@ -53,7 +60,14 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         block_params=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0, num_blocks=len(blocks),
         block_trainable_params=sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) if blocks else 0,
         weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0,
-        tied_params=_largest_tied(model))
+        tied_params=_largest_tied(model),
+        trainable_bytes=_bytes_each([p for p in params if p.requires_grad]))
+
+
+def _bytes_each(params: list) -> float:
+    """Bytes per element over `params` as stored (4.0 for none)."""
+    total = sum(p.numel() for p in params)
+    return sum(p.numel() * p.element_size() for p in params) / total if total else 4.0
 
 
 def _largest_tied(model: nn.Module) -> int:

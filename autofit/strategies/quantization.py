@@ -73,9 +73,14 @@ def unavailable_reason(target: "Target") -> str | None:
 
 def quantizable_layers(model: nn.Module) -> list[str]:
     """Names of the layers 4/8-bit weights replace: every `nn.Linear` and transformers `Conv1D` (GPT-2's
-    projections: a linear layer with its weight stored transposed), but the output head."""
+    projections: a linear layer with its weight stored transposed), but the output head; in a model that
+    trains only part of itself (its own adapters), the frozen ones only."""
     head = output_head(model)
-    return [name for name, module in model.named_modules() if name and name != head and _is_projection(module)]
+    names = [name for name, module in model.named_modules() if name and name != head and _is_projection(module)]
+    trains = {p.requires_grad for p in model.parameters()}
+    if trains == {True, False}:
+        return [name for name in names if not model.get_submodule(name).weight.requires_grad]
+    return names
 
 
 def quantize_linears(model: nn.Module, value: Q) -> int:
@@ -233,6 +238,7 @@ class SimulatedLinear4bit(nn.Module):
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features  # as Linear4bit has
         self.weight = linear.weight
         self.bias = linear.bias
         for param in self.parameters():

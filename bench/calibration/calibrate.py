@@ -80,8 +80,8 @@ BF16_LOSS = ("litgpt-",)
 # `_FSDPBackwardSyncControl`): every gradient stays unsharded until the last micro-batch.
 DEFERRED_SYNC = ("litgpt-",)
 MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss)",
-              "litgpt_qlora": f"litgpt {measured_code.LITGPT_VERSION} (its model and loss; autofit's LoRA and NF4 "
-                              "on its fused qkv and every linear layer)",
+              "litgpt_qlora": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss; NF4 under its "
+                              "adapters on every linear layer, the head too)",
               "fsdp_qlora": "transformers classes with 4.38's fp32 logits and loss; LoRA rows: PEFT 0.10's bf16 adapters",
               "torchtune": "transformers classes with fp32 logits, torchtune's loss and bf16 adapters",
               "transformers": "transformers classes of the architecture (today's code), autofit's LoRA formulas"}
@@ -150,8 +150,8 @@ class Batches:
 
 def model_code(row: dict) -> str:
     """Whose code the row's step is simulated with (measured_code.py):
-    - "litgpt": litgpt's own model, LoRA and loss (when installed; its QLoRA rows excepted: bitsandbytes'
-      layers cannot be simulated here, they stay on transformers and autofit's NF4 formulas);
+    - "litgpt": litgpt's own model, LoRA and loss (when installed); "litgpt_qlora" the same with NF4 base
+      weights under litgpt's adapters (`autofit.estimate.estimator.own_adapters`);
     - "fsdp_qlora": transformers 4.38's forward and loss, and for LoRA rows PEFT 0.10's bf16 adapters
       (its QLoRA rows keep autofit's NF4 formulas, which count today's fp32 adapters);
     - "torchtune": fp32 logits and torchtune's loss, bf16 adapters;
@@ -175,17 +175,13 @@ def setup(row: dict) -> tuple:
         fields["num_key_value_heads"] = m["kv_heads"]
     lora = row["lora"] if isinstance(row["lora"], dict) else None
     code = model_code(row)
-    if code == "litgpt":  # LoRA lives in litgpt's model (bf16 adapters, only they trainable): no Lora strategy
+    if code in ("litgpt", "litgpt_qlora"):
+        # LoRA lives in litgpt's model (bf16 adapters, only they trainable): no Lora strategy. QLoRA: the
+        # estimator quantizes the frozen linear layers under litgpt's own adapters (`own_adapters`).
         spec = make_spec(functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora),
                          Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
                          loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
         return spec, _config(row, 0), []
-    if code == "litgpt_qlora":  # litgpt's q, k and v are one fused layer: its LoRA on q and v adapts it
-        spec = make_spec(functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora,
-                                           quantized=True),
-                         Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
-                         loss_fn=measured_code.litgpt_lora_loss)
-        return spec, _config(row, lora["rank"]), [Lora(target_modules=["attn.attn.linear"], dropout=lora["dropout"])]
     # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
     in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
     loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(

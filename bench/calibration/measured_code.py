@@ -111,23 +111,16 @@ class LitgptStep(nn.Module):
         return self.gpt(input_ids)
 
 
-def build_litgpt(name: str, seq_len: int, lora: dict | None, quantized: bool = False) -> nn.Module:
+def build_litgpt(name: str, seq_len: int, lora: dict | None) -> nn.Module:
     """litgpt's model `name` (a litgpt config name or a hub name) as the script builds it: LoRA on the
     row's targets with its rank, alpha and dropout and only LoRA trainable (`mark_only_lora_as_trainable`),
     every weight in bf16 (`--precision bf16-true`), `max_seq_length` set to the longest sample (fit()).
-
-    `quantized` (QLoRA): litgpt's LoRA model with no adapter in it, so that autofit's LoRA and NF4 rungs
-    add them as the estimator models them: its linear layers stay wrapped (`LoRALinear.linear`), and
-    Lightning's `BitsandbytesPrecision` replaces every one of them, the head too, as autofit's NF4
-    simulation does where a model names no output head (litgpt's GPT has no `get_output_embeddings`)."""
+    QLoRA rows quantize the frozen linear layers under it, as Lightning's `BitsandbytesPrecision` replaces
+    every `nn.Linear` (the head's too; autofit's NF4 simulation does the same where a model names no
+    output head: litgpt's GPT has no `get_output_embeddings`)."""
     import litgpt.lora as litgpt_lora
     import litgpt.model as litgpt_model
 
-    if quantized:
-        switches = {switch: False for switch in LITGPT_SWITCHES.values()}
-        gpt = litgpt_lora.GPT(litgpt_lora.Config.from_name(name, lora_r=lora["rank"], **switches))
-        gpt.max_seq_length = seq_len
-        return LitgptStep(gpt.to(torch.bfloat16), LM_HEAD_CHUNK)
     if lora:
         switches = {switch: False for switch in LITGPT_SWITCHES.values()}
         switches.update({LITGPT_SWITCHES[t]: True for t in lora["targets"]})

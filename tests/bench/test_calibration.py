@@ -59,7 +59,7 @@ def test_committed_litgpt_result_is_reproduced_with_litgpts_own_code():
     assert calibrate.model_code(ROWS["litgpt-hub-tinyllama-full-mb4"]) == "litgpt"
     _reproduced("litgpt-hub-tinyllama-full-mb4")
     assert calibrate.model_code(ROWS["litgpt-hub-stablelm3b-qlora-mb1"]) == "litgpt_qlora"
-    _reproduced("litgpt-hub-stablelm3b-qlora-mb1")  # litgpt's model, autofit's LoRA and NF4
+    _reproduced("litgpt-hub-stablelm3b-qlora-mb1")  # litgpt's model and LoRA, NF4 under its adapters
 
 
 def test_litgpt_rows_fall_back_to_transformers_without_litgpt_and_say_so(monkeypatch):

@@ -160,3 +160,26 @@ def test_a_second_estimator_of_the_same_workload_simulates_nothing_again(monkeyp
     again = len(runs)
     predict(layers=2)
     assert len(runs) > again  # another model
+
+
+def test_a_quantized_base_under_the_models_own_adapters():
+    """A model that brings its own adapters (a peft model: only they train) over an NF4 base: the frozen
+    linear layers are what NF4 replaces, the adapters train as stored, no LoRA is added over them."""
+    import peft
+    from transformers import LlamaForCausalLM
+
+    def own():
+        model = LlamaForCausalLM(tiny_llama(2))
+        return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+    model = own()
+    layers = quantization.quantizable_layers(model)
+    assert layers and all(name.endswith("base_layer") or "lora_" not in name for name in layers)
+    assert not any(model.get_submodule(name).weight.requires_grad for name in layers)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    estimate = Estimator(make_spec(own, device="cpu", seq_len=64), target="cuda").predict(Config(quantization="nf4"))
+    assert estimate.breakdown.grads == 4 * trainable  # the model's fp32 adapters, not autofit's r=16 ones
+    assert "the model's own adapters trained beside its quantized base" in estimate.reason
+    frozen = sum(model.get_submodule(name).weight.numel() for name in layers if ".layers." in name)
+    base = sum(p.numel() for p in model.parameters()) - trainable
+    assert estimate.breakdown.params == int(quantization.nf4_bytes() * frozen + 4 * (base - frozen) + 4 * trainable)
