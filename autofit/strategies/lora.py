@@ -97,8 +97,8 @@ class Lora(Strategy):
         if is_quantized(run.model):
             run.model = peft.prepare_model_for_kbit_training(run.model, use_gradient_checkpointing=False)
         conv1d = all(type(run.model.get_submodule(name)).__name__ == "Conv1D" for name in targets)
-        config = peft.LoraConfig(r=value, lora_alpha=self.alpha or 2 * value, lora_dropout=self.dropout,
-                                 target_modules=list(targets), fan_in_fan_out=conv1d)  # GPT-2 stores W transposed
+        config = peft.LoraConfig(**{**self.peft_kwargs(value), "target_modules": list(targets)},
+                                 fan_in_fan_out=conv1d)  # GPT-2 stores W transposed
         run.model = peft.get_peft_model(run.model, config)
 
     def targets(self, model: nn.Module) -> list[str]:

@@ -167,6 +167,7 @@ print("FITS", plan.fits, plan.peak_rank, plan.probes[0].rank_peaks)
 
 @pytest.mark.parametrize("how", ["stdin", "script without a main guard"])
 def test_ranks_need_nothing_from_the_callers_main(how, tmp_path):
+    import ast
     import os
     import subprocess
 
@@ -178,7 +179,10 @@ def test_ranks_need_nothing_from_the_callers_main(how, tmp_path):
         (tmp_path / "train.py").write_text(SCRIPT)
         done = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, env=env, timeout=300,
                               cwd=tmp_path)
-    assert "FITS True 0 (" in done.stdout, done.stdout + done.stderr[-3000:]
+    fits = next((line.split(" ", 3) for line in done.stdout.splitlines() if line.startswith("FITS ")), None)
+    assert fits and fits[1] == "True", done.stdout + done.stderr[-3000:]
+    peaks = ast.literal_eval(fits[3])  # the two ranks' peaks: the plan names the rank whose peak is the highest
+    assert len(peaks) == 2 and peaks[int(fits[2])] == max(peaks), done.stdout
     assert done.stdout.count("TOP-LEVEL RAN") == 1  # the ranks did not re-run the caller's script
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
