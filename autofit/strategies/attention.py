@@ -2,7 +2,7 @@
 
 Buys attention memory O(n) instead of O(n^2) in sequence length; costs nothing (tier 0). Only Hugging
 Face models expose the switch (`attn_implementation`); other models keep their own attention.
-Flash-attention runs in fp16/bf16 only: the rule table excludes it with fp32.
+Flash-attention runs in fp16/bf16 only (the rule table excludes it with fp32), on Ampere or later GPUs.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def _flash_available(spec: "TrainSpec") -> tuple[bool, str]:
         return False, f"{spec.model.name} does not support flash-attention"
     if not spec.target.cuda:
         return False, "flash-attention needs CUDA"
+    if not spec.target.bf16:  # the GPU's compute capability is under 8.0 (`Target.bf16`)
+        return False, (f"flash-attention 2 runs on Ampere or later GPUs (compute capability 8.0+, flash-attn's "
+                       f"README); {spec.target.name} is older: SDPA instead")
     if not spec.target.has("flash_attn"):
         return False, "flash-attention is not installed: pip install flash-attn"
     if spec.target.live and not _transformers_can_use_flash():

@@ -1,3 +1,5 @@
+import dataclasses
+
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
@@ -34,3 +36,15 @@ def test_switching_leaves_a_shared_config_alone():
     assert all(m.config is run.model.config for m in run.model.modules() if hasattr(m, "config"))
     assert shared._attn_implementation == before
     run.step([spec.batch_factory(2)])
+
+
+def test_flash_attention_is_not_offered_before_ampere():
+    from autofit.estimate.gpus import get_gpu
+    from autofit.spec.target import Target
+
+    spec = make_spec(make_gpt2, device="cpu", seq_len=16)
+    for gpu, offered in (("t4", False), ("v100-16gb", False), ("a10g", True)):
+        on = dataclasses.replace(spec, target=Target.from_profile(get_gpu(gpu), 1))
+        flash = next(o for o in Attention().options(on) if o.value == "flash_attention_2")
+        assert flash.available is offered, flash.reason
+        assert offered or "Ampere or later" in flash.reason
