@@ -173,7 +173,10 @@ def test_a_model_with_its_own_adapters_gets_no_lora_or_quantization_over_them():
 
 
 def test_a_dry_run_of_a_peft_model_plans_its_own_adapters():
-    report = autofit.dry_run(peft_llama, seq_len=64, global_batch_size=4, gpu="a100-80gb", allow={"lora"})
+    from autofit.strategies import Precision, Quantization
+
+    report = autofit.dry_run(peft_llama, seq_len=64, global_batch_size=4, gpu="a100-80gb", allow={"lora"},
+                             strategies=[MicroBatch(), Precision(), Quantization(), Lora(ranks=(16,))])
     assert report.fits and report.candidates
     assert all(not c.config.lora and c.config.quantization.value == "none" for c in report.candidates)
     trainable = sum(p.numel() for p in peft_llama().parameters() if p.requires_grad)
