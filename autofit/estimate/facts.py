@@ -42,11 +42,11 @@ class ModelFacts:
 def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> ModelFacts:
     """`ModelFacts` of a built model (meta or real). `lora_targets`: the full names of the linear layers
     LoRA adapts (`Lora.targets`); None: every linear layer inside the blocks."""
-    from autofit.spec.model_info import find_blocks
+    from autofit.spec.model_info import find_blocks, partly_trainable
 
     params = list(model.parameters())
     _, blocks = find_blocks(model)
-    part = {p.requires_grad for p in params} == {True, False}  # its own adapters: the frozen layers are the base
+    part = partly_trainable(model)  # its own adapters: the frozen layers are the base
     linears = [m for block in blocks for m in block.modules() if _is_linear(m) and not (part and m.weight.requires_grad)]
     shapes = [_in_out(m) for m in linears]
     adapted = shapes if lora_targets is None else [_in_out(model.get_submodule(name)) for name in lora_targets]

@@ -67,6 +67,12 @@ def inspect_model(model: nn.Module) -> ModelInfo:
                      attention, path, len(blocks), hidden_size(model, hf_config))
 
 
+def partly_trainable(model: nn.Module) -> bool:
+    """Whether `model` trains some of its weights and not others: its own adapters (a peft model), or a
+    part its author froze (`ModelInfo.trains_part`)."""
+    return {p.requires_grad for p in model.parameters()} == {True, False}
+
+
 def hidden_size(model: nn.Module, hf_config: Any = None) -> int:
     """The model's width (elements): `hidden_size` (or the largest of `hidden_sizes`) of a Hugging Face
     config or its text config, as the DeepSpeed integrations read it; else the largest smaller side of

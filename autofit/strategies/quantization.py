@@ -20,6 +20,7 @@ from autofit.config import Config
 from autofit.config import Quantization as Q
 from autofit.errors import MissingExtraError, UsageError
 from autofit.strategies.base import Ladder, Option, Placement
+from autofit.spec.model_info import partly_trainable
 from autofit.strategies.lora import output_head
 
 if TYPE_CHECKING:
@@ -77,8 +78,7 @@ def quantizable_layers(model: nn.Module) -> list[str]:
     trains only part of itself (its own adapters), the frozen ones only."""
     head = output_head(model)
     names = [name for name, module in model.named_modules() if name and name != head and _is_projection(module)]
-    trains = {p.requires_grad for p in model.parameters()}
-    if trains == {True, False}:
+    if partly_trainable(model):
         return [name for name in names if not model.get_submodule(name).weight.requires_grad]
     return names
 
