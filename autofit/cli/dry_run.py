@@ -18,7 +18,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from autofit.cli.tune import parse_allow_option
+from autofit.cli.tune import env_columns, parse_allow_option
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.units import format_size
@@ -31,12 +31,10 @@ DEFAULT_WIDTH = 80  # piped output without COLUMNS, as a terminal's default
 
 def render_width() -> int:
     """Columns to render in: `COLUMNS` when set (piped output included), else the terminal's, else 80."""
-    import os
     import shutil
 
-    value = os.environ.get("COLUMNS", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
+    if env_columns():
+        return env_columns()
     return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if _is_terminal() else DEFAULT_WIDTH
 
 

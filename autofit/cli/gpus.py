@@ -6,11 +6,18 @@ import dataclasses
 import json
 
 import click
+from rich import box
 from rich.table import Table
 
 from autofit.cli.tune import make_console
 from autofit.estimate.gpus import list_gpus
 from autofit.units import format_size
+
+
+COLUMNS = ("name", "GPU", "memory", "bf16", "bf16 TFLOP/s", "fp16 TFLOP/s", "fp32 TFLOP/s", "PCIe GB/s",
+           "GPU-GPU GB/s", "aliases")
+WIDE = 130  # columns from which every field is shown; narrower: name, memory and compute
+NARROW = ("name", "memory", "bf16", "16-bit TF", "fp32 TF")
 
 
 @click.command("gpus")
@@ -21,12 +28,20 @@ def gpus_command(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"gpus": [dataclasses.asdict(g) for g in profiles]}, indent=2))
         return
-    table = Table(title="GPU profiles (dense tensor-core TFLOP/s, FP32 accumulate)", title_justify="left")
-    for name in ("name", "GPU", "memory", "bf16", "bf16 TFLOP/s", "fp16 TFLOP/s", "fp32 TFLOP/s", "PCIe GB/s",
-                 "GPU-GPU GB/s", "aliases"):
-        table.add_column(name, justify="left" if name in ("name", "GPU", "aliases", "bf16") else "right")
+    console = make_console(False)
+    wide = console.width >= WIDE
+    table = Table(title="GPU profiles (dense tensor-core TFLOP/s, FP32 accumulate)", title_justify="left",
+                  box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+                  caption=None if wide else "TF: TFLOP/s (16-bit: bf16 where native, else fp16). The driver's name, "
+                  "links and aliases: --json or a wider COLUMNS")
+    for name in COLUMNS if wide else NARROW:
+        wrap = name in ("GPU", "aliases")
+        table.add_column(name, justify="left" if name in ("name", "GPU", "aliases", "bf16") else "right",
+                         no_wrap=not wrap, overflow="fold")
     for g in profiles:
-        table.add_row(g.name, g.display, format_size(g.memory_bytes), "yes" if g.bf16 else "no",
-                      f"{g.bf16_tflops:g}" if g.bf16_tflops else "-", f"{g.fp16_tflops:g}", f"{g.fp32_tflops:g}",
-                      f"{g.pcie_gbps:g}", f"{g.interconnect_gbps:g}", ", ".join(g.aliases))
-    make_console(False).print(table)
+        cells = [g.name, g.display, format_size(g.memory_bytes), "yes" if g.bf16 else "no",
+                 f"{g.bf16_tflops:g}" if g.bf16_tflops else "-", f"{g.fp16_tflops:g}", f"{g.fp32_tflops:g}",
+                 f"{g.pcie_gbps:g}", f"{g.interconnect_gbps:g}", ", ".join(g.aliases)]
+        half = f"{g.bf16_tflops or g.fp16_tflops:g}"  # what autocast runs in: bf16 where native, else fp16
+        table.add_row(*(cells if wide else [g.name, cells[2], cells[3], half, cells[6]]))
+    console.print(table)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130  # 130: the shell's code for Ctrl-C (128 + SIGINT)
 PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
 LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second one
+NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
 
 
 class RichProgress:
@@ -75,11 +76,17 @@ class RichProgress:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
 
 
+def env_columns() -> int | None:
+    """`COLUMNS` when set to a positive number (piped output honours it too), else None."""
+    value = os.environ.get("COLUMNS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def make_console(as_json: bool) -> Console:
-    """Rich console on stderr with --json (stdout is the JSON document's), else stdout; 140 columns
-    when not a terminal (logs, CI) so the probe table stays readable."""
+    """Rich console on stderr with --json (stdout is the JSON document's), else stdout; `COLUMNS` wide
+    when set, else the terminal's width, else 140 columns (logs, CI) so the probe table stays readable."""
     probe = Console(stderr=as_json)
-    return Console(stderr=as_json, highlight=False, width=None if probe.is_terminal else 140)
+    return Console(stderr=as_json, highlight=False, width=env_columns() or (None if probe.is_terminal else 140))
 
 
 def parse_allow_option(values: tuple[str, ...]) -> Any:
@@ -177,18 +184,22 @@ def positive_option(context: click.Context, param: click.Parameter, value: int |
     return value
 
 
-def probe_table(plan: "Plan") -> Table:
-    """Every probe: knobs, status, peak, throughput, reason; the chosen one starred."""
-    table = Table(title="Every probe", show_lines=False, title_justify="left")
-    for name, justify in (("#", "right"), ("configuration", "left"), ("status", "left"), ("peak", "right"),
-                          ("samples/s", "right"), ("reason", "left")):
-        table.add_column(name, justify=justify, overflow="fold")
+def probe_table(plan: "Plan", width: int = NARROW) -> Table:
+    """Every probe: knobs, status, peak, throughput, and from `NARROW` columns its reason (narrower, the
+    reasons stay in report.html and probes.jsonl); the chosen one starred; figures never split."""
+    reasons = width >= NARROW
+    table = Table(title="Every probe", show_lines=False, title_justify="left",
+                  caption=None if reasons else "reasons: report.html, probes.jsonl (or a wider COLUMNS)")
+    for name, justify, wrap in (("#", "right", False), ("configuration", "left", True), ("status", "left", False),
+                                ("peak", "right", False), ("samples/s", "right", False), ("reason", "left", True)):
+        if name != "reason" or reasons:
+            table.add_column(name, justify=justify, overflow="fold", no_wrap=not wrap)
     for index, probe in enumerate(plan.probes, 1):
         chosen = plan.fits and probe.fits and probe.config == plan.config
         table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),
                       f"[{COLORS[status_of(probe)]}]{label(probe)}[/]", format_size(probe.peak_bytes),
-                      f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-", probe.reason,
-                      style="bold" if chosen else None)
+                      f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-",
+                      *([probe.reason] if reasons else []), style="bold" if chosen else None)
     return table
 
 
@@ -254,7 +265,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
                        f"nothing already measured:\n  {resume_command(out_dir)}", err=True)
             return EXIT_INTERRUPTED
         paths = write_run(plan, out_dir)
-        console.print(probe_table(plan))
+        console.print(probe_table(plan, console.width))
         if plan.fits:
             console.print(f"[bold green]Chosen:[/] {plan.summary()}")
         else:

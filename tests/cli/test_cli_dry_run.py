@@ -69,9 +69,14 @@ def test_unreadable_config_exits_2(tmp_path, capsys):
     assert "Cannot read" in capsys.readouterr().err
 
 
-def test_gpus_lists_profiles(capsys):
+@pytest.mark.parametrize("columns", ["200", "80", "60"])
+def test_gpus_lists_profiles(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", columns)
     assert main(["gpus"]) == 0
-    assert "a100-80gb" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("a100-80gb", "rtx-4090", "v100-32gb"))  # names whole
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= int(columns)
+    assert ("a100-sxm4-80gb" in out) == (int(columns) >= 130)  # aliases where there is room, else --json
     assert main(["gpus", "--json"]) == 0
     names = [g["name"] for g in json.loads(capsys.readouterr().out)["gpus"]]
     assert {"h100-80gb", "t4", "v100-32gb"} <= set(names)

@@ -15,6 +15,7 @@ import pytest
 
 from autofit import Plan
 from autofit.cli.main import main
+from autofit.units import format_size
 
 MODEL = textwrap.dedent("""
     import torch
@@ -64,17 +65,22 @@ def test_fitting_run_writes_everything_and_one_json_document(tmp_path, model_arg
     assert {"deepspeed.json", "accelerate_config.yaml", "trainer_args.json", "torchrun.sh"} <= names
 
 
-def test_resume_reprobes_nothing(tmp_path, model_arg, capsys):
+def test_resume_reprobes_nothing(tmp_path, model_arg, capsys, monkeypatch):
     out = tmp_path / "run"
     assert tune(model_arg, out, "--json") == 0
     first = json.loads(capsys.readouterr().out)
     assert tune(model_arg, out, "--json") == 2  # the run exists: refuse to mix without --resume
     assert "--resume" in capsys.readouterr().err
+    monkeypatch.setenv("COLUMNS", "80")  # a narrow terminal, or a pipe that asks for one
     assert tune(model_arg, out, "--json", "--resume") == 0
-    again = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    again = json.loads(captured.out)
     assert [p["source"] for p in again["probes"] if p["status"] != "skipped"] == \
         ["stored"] * sum(p["status"] != "skipped" for p in first["probes"])
     assert again["config"] == first["config"]
+    table = captured.err[captured.err.index("Every probe"):]
+    assert max(len(line.rstrip()) for line in table.splitlines()) <= 80 and "reasons: report.html" in table
+    assert all(format_size(p["peak_bytes"]) in table for p in again["probes"] if p["peak_bytes"])  # whole figures
 
 
 def test_nothing_fits_exits_3_without_launchers(tmp_path, model_arg, capsys):
