@@ -33,9 +33,7 @@ def render_width() -> int:
     """Columns to render in: `COLUMNS` when set (piped output included), else the terminal's, else 80."""
     import shutil
 
-    if env_columns():
-        return env_columns()
-    return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if _is_terminal() else DEFAULT_WIDTH
+    return env_columns() or (shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns if _is_terminal() else DEFAULT_WIDTH)
 
 
 def _is_terminal() -> bool:

@@ -14,7 +14,7 @@ from autofit.estimate.gpus import list_gpus
 from autofit.units import format_size
 
 
-COLUMNS = ("name", "GPU", "memory", "bf16", "bf16 TFLOP/s", "fp16 TFLOP/s", "fp32 TFLOP/s", "PCIe GB/s",
+FIELDS = ("name", "GPU", "memory", "bf16", "bf16 TFLOP/s", "fp16 TFLOP/s", "fp32 TFLOP/s", "PCIe GB/s",
            "GPU-GPU GB/s", "aliases")
 WIDE = 130  # columns from which every field is shown; narrower: name, memory and compute
 NARROW = ("name", "memory", "bf16", "16-bit TF", "fp32 TF")
@@ -34,7 +34,7 @@ def gpus_command(as_json: bool) -> None:
                   box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
                   caption=None if wide else "TF: TFLOP/s (16-bit: bf16 where native, else fp16). The driver's name, "
                   "links and aliases: --json or a wider COLUMNS")
-    for name in COLUMNS if wide else NARROW:
+    for name in FIELDS if wide else NARROW:
         wrap = name in ("GPU", "aliases")
         table.add_column(name, justify="left" if name in ("name", "GPU", "aliases", "bf16") else "right",
                          no_wrap=not wrap, overflow="fold")

@@ -36,7 +36,7 @@ class ModelFacts:
     @property
     def trains_part(self) -> bool:
         """Whether the model trains only part of its weights (its own adapters, or a frozen part)."""
-        return self.trainable_params < self.num_params
+        return 0 < self.trainable_params < self.num_params
 
 
 def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> ModelFacts:

@@ -33,7 +33,7 @@ class ModelInfo:
     def trains_part(self) -> bool:
         """Whether the model trains only part of its parameters: its own adapters (a peft model), or
         weights its author froze. What it trains is then the author's choice, which LoRA would change."""
-        return self.trainable_params < self.num_params
+        return 0 < self.trainable_params < self.num_params
 
     def trained(self) -> str:
         """What the model trains, e.g. "294,912 of 1,060,992 parameters"."""
