@@ -51,7 +51,7 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
     """One row per candidate, chosen starred. From `WIDE` columns: knobs, the predicted peak split into
     parts, fit, speed, host RAM and reason; narrower: knobs, peak, fit, speed (and host RAM where a row
     offloads), numbers never split; the chosen row's parts follow in `breakdown_table`."""
-    shown = report.candidates if top <= 0 else report.candidates[:top]
+    shown = shown_rows(report, top)
     title = (f"{report.model} on {report.num_gpus} x {report.gpu.name} ({format_size(report.gpu.memory_bytes)}, "
              f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates")
     wide = width >= WIDE
@@ -74,6 +74,11 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
             cells.append(short_reason(candidate.reason, candidate.estimate.method))
         table.add_row(*cells, style="bold" if candidate is report.chosen else None)
     return table
+
+
+def shown_rows(report: DryRunReport, top: int) -> tuple[Candidate, ...]:
+    """The rows the table shows: the first `top` (all for 0 or less)."""
+    return report.candidates if top <= 0 else report.candidates[:top]
 
 
 def fit_cell(candidate: Candidate) -> str:
@@ -126,8 +131,8 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     row = report.chosen or (report.candidates[0] if report.candidates else None)
     if row is not None and width < WIDE:
         console.print(breakdown_table(row))
-    if any(not c.estimate.simulated for c in report.candidates):
-        console.print("[dim]~ the verdict rests on the activation formula (the step could not be simulated).[/]")
+    if any(not c.estimate.simulated for c in shown_rows(report, top)):
+        console.print("[dim]~ marks a verdict resting on the activation formula (that step could not be simulated).[/]")
     if report.fits and report.formula_only:
         console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {report.reason}")
     elif report.fits:

@@ -72,6 +72,9 @@ def _why_not(spec: "TrainSpec") -> str | None:
 def head_problem(model: nn.Module) -> str | None:
     """Why `model` exposes no output head to chunk (None when it does)."""
     name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return (f"{name} is an encoder-decoder model: its decoder reads the labels shifted right, not the "
+                "causal LM's loss over shifted logits")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:

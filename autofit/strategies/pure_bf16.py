@@ -16,6 +16,7 @@ Plain models get their floating-point inputs cast to bf16 by a forward pre-hook 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,15 +53,19 @@ def enable(model: nn.Module) -> nn.Module:
     """Cast `model`'s parameters and buffers to bf16 and its floating-point inputs too (a forward
     pre-hook); build the optimizer afterwards so its states are bf16 as well. Returns `model`."""
     model.to(torch.bfloat16)
-    model.register_forward_pre_hook(_bf16_inputs, with_kwargs=True)
+    cast_inputs(model, torch.bfloat16)
     return model
 
 
-def _bf16_inputs(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    return tree_map(_to_bf16, args), tree_map(_to_bf16, kwargs)
+def cast_inputs(module: nn.Module, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors among `module`'s forward arguments to `dtype` (a forward pre-hook;
+    returns its handle): what autocast did for a model whose weights are now 16-bit, and what a model
+    taking float inputs (pixels, audio features) needs to meet them."""
+    return module.register_forward_pre_hook(functools.partial(_cast, dtype), with_kwargs=True)
 
 
-def _to_bf16(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(torch.bfloat16)
-    return value
+def _cast(dtype: torch.dtype, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)

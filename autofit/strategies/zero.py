@@ -11,7 +11,6 @@ launches, never in the caller's process.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +110,14 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
                                                    config=config)
     dtype = _half_dtype(config)
     if dtype is not None:
-        engine.register_forward_pre_hook(functools.partial(_cast_inputs, dtype), with_kwargs=True)
+        from autofit.strategies.pure_bf16 import cast_inputs
+
+        # DeepSpeed's forward switches off an outer `torch.autocast` unless its config has a
+        # `torch_autocast` section (deepspeed/runtime/torch_autocast.py `autocast_if_enabled`), and casts
+        # inputs itself only for fp16 with `auto_cast` (engine.py `_cast_inputs_half`): without this, a
+        # model taking float inputs (pixels, features) meets its bf16 weights with fp32 activations
+        # ("mat1 and mat2 must have the same dtype"; seen on an H100).
+        cast_inputs(engine, dtype)
     run.model, run.optimizer = engine, optimizer
     return DeepSpeedEngine(engine, run)
 
@@ -144,21 +150,6 @@ def _half_dtype(config: dict[str, Any]) -> Any:
 
     return torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
         torch.float16 if config.get("fp16", {}).get("enabled") else None
-
-
-def _cast_inputs(dtype: Any, _engine: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The engine's floating-point inputs in its 16-bit `dtype`. DeepSpeed's forward switches off an outer
-    `torch.autocast` unless its config has a `torch_autocast` section (deepspeed/runtime/torch_autocast.py
-    `autocast_if_enabled`), and casts inputs itself only for fp16 with `auto_cast`
-    (engine.py `_cast_inputs_half`): without this, a model taking float inputs (pixels, features) meets
-    its bf16 weights with fp32 activations ("mat1 and mat2 must have the same dtype"; seen on an H100)."""
-    import torch
-    from torch.utils._pytree import tree_map
-
-    def cast(value: Any) -> Any:
-        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def _factory(run: "TrainRun") -> Any:

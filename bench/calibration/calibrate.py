@@ -231,10 +231,11 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
     return estimate.peak_bytes, "peak"
 
 
-def run_row(row: dict) -> dict:
+def run_row(row: dict, extrapolate_batch: bool = False) -> dict:
     spec, config, strategies = setup(row)
     deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch  # where it matters
-    estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred)
+    estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred,
+                          extrapolate_batch=extrapolate_batch)
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
     with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant), \
@@ -260,6 +261,9 @@ def summary(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="row ids to predict (default: all)")
+    parser.add_argument("--extrapolate-batch", action="store_true",
+                        help="predict as `autofit dry-run` does: micro-batches above 2 extrapolated from "
+                             "simulations at 1 and 2 (default: each row's micro-batch simulated)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started, load = time.time(), os.getloadavg()[0]
@@ -271,7 +275,7 @@ def main() -> None:
             apart.append({"id": row["id"], "missing": why})
             continue
         try:
-            result = run_row(row)
+            result = run_row(row, args.extrapolate_batch)
         except Exception as exc:  # noqa: BLE001 - a row that cannot be predicted is reported, never dropped
             apart.append({"id": row["id"], "missing": f"prediction failed: {type(exc).__name__}: {exc}"[:300]})
             print(f"{row['id']:48} FAILED {type(exc).__name__}: {exc}"[:200], flush=True)
@@ -291,9 +295,14 @@ def main() -> None:
         print(f"not expressible: {row['id']}: {row['missing']}")
     if args.only:
         return
-    RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "what": "estimator (target cuda) vs published measured GPU training peaks", "date": datetime.date.today().isoformat(),
+    what = "estimator (target cuda) vs published measured GPU training peaks"
+    out = RESULT
+    if args.extrapolate_batch:
+        what += ", micro-batches above 2 extrapolated from 1 and 2 as autofit dry-run does"
+        out = RESULT.with_name("calibration-extrapolated-batch.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({
+        "what": what, "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (CPU kernels stand in for CUDA in the simulation)",
         "load_at_start": load, "torch": torch.__version__, "seconds": round(time.time() - started),
         "summary": report, "rows": done, "not_expressible": apart}, indent=1) + "\n")

@@ -75,6 +75,21 @@ def test_dry_run_from_config_json_simulates_every_architecture(tmp_path, name):
     assert shapes == ARCHITECTURES[name][1]
 
 
+def test_float_inputs_are_simulated_under_every_16_bit_weight_mode(tmp_path):
+    """Pure bf16, ZeRO's bf16 and FSDP2's policy train 16-bit weights without autocast and cast a model's float
+    inputs (audio features here) to them; the simulation casts them too. It did not under ZeRO and FSDP2,
+    and pure bf16 rows shared that failed simulation: a real-size Whisper dry-run rested on the formula."""
+    from autofit.strategies import ChunkedLoss, Fsdp, PureBf16, Zero
+
+    path = _config_file(tmp_path, "whisper")
+    report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090", num_gpus=2,
+                     strategies=[Precision(), PureBf16(), ChunkedLoss(), Zero(), Fsdp(), MicroBatch()])
+    assert {c.config.precision.value for c in report.candidates} >= {"bf16", "pure_bf16"}
+    assert {c.config.sharding.value for c in report.candidates} >= {"none", "zero2", "fsdp_full"}
+    assert all(c.estimate.simulated for c in report.candidates), \
+        [c.reason for c in report.candidates if not c.estimate.simulated][:1]
+
+
 def test_whisper_labels_follow_the_decoder_not_the_2048_default(tmp_path):
     from autofit.spec.batch import synthesize_batch
 

@@ -62,6 +62,22 @@ def test_offered_only_where_the_head_is_known():
     assert not any(o.available for o in ChunkedLoss().options(own_loss)[1:])
 
 
+def test_not_offered_for_an_encoder_decoder():
+    # Whisper's and T5's decoders read the labels shifted right; chunking the causal LM's shifted logits
+    # over their base model failed ("You cannot specify both decoder_input_ids and decoder_inputs_embeds").
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    def tiny_t5():
+        return T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                   num_heads=2, decoder_start_token_id=0))
+
+    spec = make_spec(tiny_t5, device="cpu", memory_budget="1GiB", seq_len=16)
+    chunked = ChunkedLoss().options(spec)[1]
+    assert not chunked.available and "encoder-decoder" in chunked.reason
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        enable(tiny_t5())
+
+
 def test_forced_by_a_budget_only_the_chunked_loss_meets():
     kwargs = dict(seq_len=256)
     full = peak(big_vocab_gpt2, None, Config(attention="sdpa"), **kwargs)

@@ -110,12 +110,21 @@ def test_the_specs_nvme_path_is_offered_and_kept_in_the_plan(tmp_path):
 
 def test_zero_casts_float_inputs_to_its_16_bit_dtype():
     # DeepSpeed's forward switches off the run's bf16 autocast (deepspeed/runtime/torch_autocast.py), so the
-    # engine's float inputs are cast to its dtype (zero.py `_cast_inputs`, a forward pre-hook). Without it a
-    # float-input model failed on an H100 ("mat1 and mat2 must have the same dtype"); on CPU ranks DeepSpeed
-    # keeps fp32 weights, so only test_zero_offload_on_one_gpu (-m gpu) runs the engine this way.
-    from autofit.strategies.zero import _cast_inputs
+    # engine's float inputs are cast to its dtype (zero.py, `pure_bf16.cast_inputs`, a forward pre-hook).
+    # Without it a float-input model failed on an H100 ("mat1 and mat2 must have the same dtype"); on CPU
+    # ranks DeepSpeed keeps fp32 weights, so only test_zero_offload_on_one_gpu (-m gpu) runs the engine this way.
+    from autofit.strategies.pure_bf16 import cast_inputs
 
+    seen = []
+
+    class Engine(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            seen.append((args, kwargs))
+
+    engine = Engine()
+    cast_inputs(engine, torch.bfloat16)
     pixels, ids = torch.randn(2, 3), torch.arange(4)
-    args, kwargs = _cast_inputs(torch.bfloat16, None, (pixels, [ids]), {"x": pixels, "mask": ids > 1})
+    engine(pixels, [ids], x=pixels, mask=ids > 1)
+    (args, kwargs), = seen
     assert args[0].dtype is torch.bfloat16 and args[1][0].dtype is torch.int64
     assert kwargs["x"].dtype is torch.bfloat16 and kwargs["mask"].dtype is torch.bool
