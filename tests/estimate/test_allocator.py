@@ -94,3 +94,15 @@ def test_fragmentation_is_the_deeper_simulations_not_a_line_through_depths():
     config = Config(micro_batch_size=2)
     deepest = estimator._run(config, 2, SIM_DEPTHS[-1])  # what the 8-block estimate is extrapolated from
     assert estimator.activations(config)[0].fragmentation == deepest.fragmentation
+
+
+def test_fragmentation_is_the_larger_simulated_batchs_not_a_line_through_batches():
+    # Simulated at micro-batches 1 and 2, a real-size Whisper's free blocks fell from 213 to 45 MiB (and were
+    # 217 MiB at 8): the line read 0 at 16. The dry-run keeps the larger of the two.
+    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+                     loss_fn=lambda output, batch: output.square().mean())
+    estimator = Estimator(spec, target="cuda", extrapolate_batch=True)
+    one, two = (estimator.activations(Config(micro_batch_size=mb))[0] for mb in (1, 2))
+    at_16 = estimator.activations(Config(micro_batch_size=16))[0]
+    assert at_16.fragmentation == max(one.fragmentation, two.fragmentation)
+    assert at_16.peak == one.extrapolate(two, 16, 1, 2).peak  # the rest is the line
