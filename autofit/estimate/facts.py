@@ -101,11 +101,10 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     the blocks: the output logits (16-bit, their fp32 upcast and its gradient: 10 bytes per logit) and,
     under autocast of fp32 weights, the 16-bit copy of every block weight autocast keeps (2 bytes each).
     fp32 compute doubles the activation bytes. Its measured bound is `autofit.estimate.estimator.FORMULA_UNDER_PREDICTION`."""
-    hidden = int(getattr(hf, "hidden_size", 0) or 0)
-    heads = int(getattr(hf, "num_attention_heads", 1) or 1)
+    hidden = _widest(hf, "hidden_size", "hidden_sizes")
+    heads = _widest(hf, "num_attention_heads") or 1
     s, b, blocks = _formula_tokens(hf, tokens), mb, max(facts.num_blocks, 1)
-    inter = int(getattr(hf, "intermediate_size", 0) or getattr(hf, "n_inner", 0) or getattr(hf, "d_ff", 0)
-                or 4 * hidden)
+    inter = _widest(hf, "intermediate_size", "n_inner", "d_ff") or 4 * hidden
     gated = getattr(hf, "hidden_act", "") in ("silu", "swiglu") or bool(getattr(hf, "is_gated_act", False))
     mlp = 2 * hidden + (6 if gated else 4) * inter + inter // 4  # input + intermediates (+ a dropout mask)
     attention = 0 if config.attention.fused else 5 * heads * s
@@ -117,6 +116,18 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     half_weights = config.zero_stage > 0 or config.engine is Engine.FSDP  # 16-bit weights, no autocast copies
     copies = 2 * facts.linear_params if config.half_precision and not half_weights and facts.weight_bytes > 2 else 0
     return int(scale * kept + logits + copies)
+
+
+def _widest(hf: Any, *names: str) -> int:
+    """The first of `names` the config sets, as an int; a per-stage list (Swin's, SegFormer's) gives its
+    largest: the formula bounds every stage by the widest."""
+    for name in names:
+        value = getattr(hf, name, None)
+        if isinstance(value, (list, tuple)):
+            value = max((v for v in value if isinstance(v, int)), default=None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
 
 
 def _formula_tokens(hf: Any, tokens: int | None) -> int:
@@ -158,7 +169,14 @@ def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
     if facts.trainable_params != facts.num_params:
         return None
     key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
-    return key if getattr(config, key, None) == facts.num_blocks else None
+    if getattr(config, key, None) != facts.num_blocks:
+        return None
+    from autofit.spec.model_info import find_blocks
+
+    # ConvNeXt's "layers" are stages of growing width (its num_hidden_layers is num_stages, its widths a
+    # list per stage): fewer of them is another model, not a shallower one
+    shapes = {tuple(p.shape for p in block.parameters()) for block in find_blocks(model)[1]}
+    return key if len(shapes) == 1 else None
 
 
 def rebuild(model: nn.Module, key: str, depth: int) -> nn.Module:

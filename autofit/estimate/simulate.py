@@ -129,63 +129,140 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     from autofit.spec.batch import call_model
     from autofit.strategies.checkpointing import enable
 
-    precision, attention = config.precision, config.attention
-    if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
-        # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
-        model.set_attn_implementation("sdpa" if attention.fused else attention.value)
-    if config.pure_bf16:
-        from autofit.strategies.pure_bf16 import enable as pure_bf16
+    with _configs_restored(model):  # the model's config may be the caller's own object: it is set back
+        precision, attention = config.precision, config.attention
+        if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
+            # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
+            model.set_attn_implementation(_fused_stand_in(model) if attention.fused else attention.value)
+        if config.pure_bf16:
+            from autofit.strategies.pure_bf16 import enable as pure_bf16
 
-        pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
-    elif half_weights and precision.half:
-        from autofit.strategies.pure_bf16 import cast_inputs
+            pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
+        elif half_weights and precision.half:
+            from autofit.strategies.pure_bf16 import cast_inputs
 
-        # and float inputs (pixels, audio features) cast, as DeepSpeed's engine under autofit and FSDP2's
-        # MixedPrecisionPolicy (`cast_forward_inputs`) cast them
-        half = _half_dtype(precision, device)
-        cast_inputs(model.to(half), half)
-    if config.quantization is Quantization.NF4:
-        from autofit.strategies.quantization import simulate_nf4
+            # and float inputs (pixels, audio features) cast, as DeepSpeed's engine under autofit and FSDP2's
+            # MixedPrecisionPolicy (`cast_forward_inputs`) cast them
+            half = _half_dtype(precision, device)
+            cast_inputs(model.to(half), half)
+        if config.quantization is Quantization.NF4:
+            from autofit.strategies.quantization import simulate_nf4
 
-        simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
-        model.to_empty(device=device)
-    model.train()
-    if adapted is not None:
-        _freeze_all_but(model, adapted)
-        if adapter_dropout:
-            _drop_adapter_inputs(model, adapted, adapter_dropout)
-    if config.checkpointing is not Checkpointing.NONE:
-        enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
-    if config.loss is Loss.CHUNKED:
-        from autofit.strategies.chunked_loss import enable as chunk_loss
+            simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
+        batch, loss_fn = _without_data_dependent_steps(model, batch, loss_fn)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            model.to_empty(device=device)
+        model.train()
+        if adapted is not None:
+            _freeze_all_but(model, adapted)
+            if adapter_dropout:
+                _drop_adapter_inputs(model, adapted, adapter_dropout)
+        if config.checkpointing is not Checkpointing.NONE:
+            enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
+        if config.loss is Loss.CHUNKED:
+            from autofit.strategies.chunked_loss import enable as chunk_loss
 
-        chunk_loss(model)
-    tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
-    tracker.ignore([*model.parameters(), *model.buffers()])
-    hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
-    batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
+            chunk_loss(model)
+        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
+        tracker.ignore([*model.parameters(), *model.buffers()])
+        hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
+        batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
+        try:
+            half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
+            with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half):
+                fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
+                with tracker:
+                    with _autocast(Precision.FP32 if half_weights else precision, device), \
+                            _offloading(tracker, config.offloads_activations):
+                        output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
+                        loss = loss_fn(output, fake_batch)
+                    tracker.backward = True
+                    loss.backward()
+                    del output, loss
+        finally:
+            for hook in hooks:
+                hook.remove()
+        replayed = tracker.allocator
+        return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
+                              tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
+                              tracker.at_grad + batch_bytes, tracker.offloaded,
+                              replayed.peak_reserved - replayed.peak_allocated)
+
+
+@contextlib.contextmanager
+def _configs_restored(model: nn.Module) -> Any:
+    """Set every Hugging Face config `model`'s modules hold (sub-configs included) back as it was on
+    exit. A simulation sets the attention implementation and switches off random layer skips on the
+    model's config, which is the caller's own object when a factory builds its model from one."""
+    configs: dict[int, Any] = {}
+    stack = [getattr(module, "config", None) for module in model.modules()]
+    while stack:
+        config = stack.pop()
+        if config is None or id(config) in configs or not hasattr(config, "to_dict"):
+            continue
+        configs[id(config)] = (config, dict(vars(config)))
+        stack.extend(value for value in vars(config).values() if hasattr(value, "to_dict"))
     try:
-        half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
-        with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half):
-            fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
-            with tracker:
-                with _autocast(Precision.FP32 if half_weights else precision, device), \
-                        _offloading(tracker, config.offloads_activations):
-                    output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
-                    loss = loss_fn(output, fake_batch)
-                tracker.backward = True
-                loss.backward()
-                del output, loss
+        yield
     finally:
-        for hook in hooks:
-            hook.remove()
-    replayed = tracker.allocator
-    return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
-                          tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
-                          tracker.at_grad + batch_bytes, tracker.offloaded,
-                          replayed.peak_reserved - replayed.peak_allocated)
+        for config, saved in configs.values():
+            vars(config).clear()
+            vars(config).update(saved)
+
+
+def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple:
+    """The batch and loss a simulation runs for `model`: as given, but where the model's own training
+    step has shapes that depend on the data, which fake tensors hold none of.
+
+    LayerDrop (wav2vec2's 0.1 by default) skips each layer at random (`torch.rand([]) < layerdrop`):
+    switched off, every layer runs, the most memory a step takes (a step that drops none). Waveform
+    models (wav2vec2, HuBERT) mask random spans of their features in training (SpecAugment:
+    `hidden_states[mask] = masked_spec_embed`, an in-place write through a boolean mask): switched off,
+    which leaves out a boolean mask of batch x frames. Their CTC heads compute the loss over
+    `labels.masked_select(...)` and tensor lengths (`ctc_loss`'s outputs are sized by them): the labels
+    are dropped and the loss is the fp32 log-softmax of the logits, which is what `ctc_loss` keeps for
+    backward and the size of the gradient it returns (its alpha table, batch x frames x (2 x characters
+    + 1) fp32, under 1 MB per sample for 10 s of audio, is left out)."""
+    from autofit.spec.batch import default_loss
+
+    config = getattr(model, "config", None)
+    for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+        if getattr(config, name, 0):
+            setattr(config, name, 0.0)
+    if getattr(config, "apply_spec_augment", False):
+        config.apply_spec_augment = False
+    if not type(model).__name__.endswith("ForCTC") or loss_fn is not default_loss or "labels" not in batch:
+        return batch, loss_fn
+    return {k: v for k, v in batch.items() if k != "labels"}, _ctc_memory
+
+
+def _ctc_memory(output: Any, batch: Any) -> torch.Tensor:
+    return torch.log_softmax(output.logits, dim=-1, dtype=torch.float32).mean()
+
+
+FUSED_STAND_IN = "autofit_fused_memory"  # SDPA under a name of its own, soft-capping dropped: memory only
+
+
+def _fused_stand_in(model: nn.Module) -> str:
+    """The attention implementation a fused kernel (flash-attention, SDPA) is simulated with: SDPA, whose
+    fused kernels keep what flash-attention keeps (the output and its log-sum-exp). A model that refuses
+    SDPA for what only flash-attention's kernels do (Gemma-2's soft-capped attention scores:
+    `_supports_sdpa = False`, and transformers' SDPA raises on `softcap`) gets SDPA registered under
+    `FUSED_STAND_IN`, which drops the soft-capping: the memory is the fused kernel's, the numbers are
+    not (fake tensors hold none)."""
+    if getattr(type(model), "_supports_sdpa", True):
+        return "sdpa"
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def fused(module: nn.Module, *args: Any, softcap: Any = None, **kwargs: Any) -> Any:
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register(FUSED_STAND_IN, fused)
+    AttentionMaskInterface.register(FUSED_STAND_IN, sdpa_mask)
+    return FUSED_STAND_IN
 
 
 def _offloading(tracker: _Tracker, enabled: bool) -> Any:

@@ -73,6 +73,10 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
     frames = _frames(hf, sample) if hf is not None else None
     if frames is not None:
         return Workload((Stack("model", frames, num_params, layers, width),), f"{frames} frames per sample")
+    tiles = _spectrogram_patches(hf) if hf is not None else None
+    if tiles is not None:
+        return Workload((Stack("model", tiles, num_params, layers, width),),
+                        f"{tiles} spectrogram patches per clip ({hf.max_length} frames x {hf.num_mel_bins} mel bins)")
     tokens = spec.tokens_per_sample or _sequence(sample, "input_ids")
     how = f"{tokens} tokens per sample" if tokens else "1 position per sample (no sequence axis in the batch)"
     return Workload((Stack("model", tokens or 1, num_params, layers, width),), how)
@@ -127,6 +131,16 @@ def _frames(hf: Any, sample: Any) -> int | None:
     if stride and values is not None:
         return int(values.shape[-1]) // math.prod(stride)
     return None
+
+
+def _spectrogram_patches(hf: Any) -> int | None:
+    """Positions of the Audio Spectrogram Transformer: its spectrogram cut into `patch_size` squares at
+    `frequency_stride` x `time_stride`, plus a class and a distillation token (ASTEmbeddings)."""
+    names = ("patch_size", "frequency_stride", "time_stride", "num_mel_bins", "max_length")
+    patch, f_stride, t_stride, mels, length = (getattr(hf, name, None) for name in names)
+    if not all(isinstance(v, int) and v > 0 for v in (patch, f_stride, t_stride, mels, length)):
+        return None
+    return ((mels - patch) // f_stride + 1) * ((length - patch) // t_stride + 1) + 2
 
 
 def _sequence(sample: Any, key: str) -> int | None:

@@ -111,19 +111,17 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     (T5, BART) and language models token ids and labels of `seq_len` tokens (default: the model's maximum
     positions capped at 2048).
     """
-    params = forward_parameters(model_class or next(iter(getattr(config, "architectures", None) or ()), None))
-    name = model_class or ""
+    name = model_class or next(iter(getattr(config, "architectures", None) or ()), None) or ""
+    params = forward_parameters(name)
     if "input_features" in params:
         return _speech(config, seq_len)
+    if "input_values" in params:
+        return _audio(config, seq_len, name)
     if "pixel_values" in params and "input_ids" in params:
         return _image_text(config, seq_len)
     image_size = getattr(config, "image_size", None)
     if "pixel_values" in params or (image_size is not None and not hasattr(config, "vocab_size")):
-        channels = getattr(config, "num_channels", 3)
-        side = image_size if isinstance(image_size, int) else image_size[0]
-        labels = max(int(getattr(config, "num_labels", 2)), 1)
-        return SyntheticBatches((Field("pixel_values", (channels, side, side)), Field("labels", (), labels))), \
-            f"pixel_values {channels}x{side}x{side} and labels"
+        return _image(config, name)
     if params and not params & {"input_ids"}:
         raise UsageError(f"Cannot synthesize a batch for {name or type(config).__name__}: its forward takes "
                          f"{sorted(params)[:6]}, none of which autofit synthesizes. Pass a batch or a "
@@ -141,6 +139,9 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     if name.endswith("ForSequenceClassification"):
         return SyntheticBatches((ids, Field("labels", (), labels))), \
             f"input_ids of {length} tokens and a label per sample ({labels} classes)"
+    if {"start_positions", "end_positions"} <= params:  # extractive question answering
+        spans = (Field("start_positions", (), length), Field("end_positions", (), length))
+        return SyntheticBatches((ids, *spans)), f"input_ids of {length} tokens and an answer span"
     if getattr(config, "is_encoder_decoder", False):  # decoder inputs given: no decoder_start_token_id needed
         decoder = (Field("decoder_input_ids", (length,), vocab), Field("labels", (length,), vocab))
         return SyntheticBatches((ids, *decoder)), f"input_ids and decoder labels of {length} tokens each"
@@ -183,6 +184,55 @@ def _speech(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
     return SyntheticBatches(fields), f"input_features {mels}x{frames} and decoder labels of {length} tokens"
 
 
+def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
+    """Image models: pixel values at the config's size, and a class label per image, or per pixel for
+    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width)."""
+    channels = getattr(config, "num_channels", 3)
+    image_size = config.image_size
+    side = image_size if isinstance(image_size, int) else image_size[0]
+    labels = max(int(getattr(config, "num_labels", 2)), 1)
+    pixels = Field("pixel_values", (channels, side, side))
+    if name.endswith("ForSemanticSegmentation"):
+        return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
+            f"pixel_values {channels}x{side}x{side} and a label per pixel ({labels} classes)"
+    return SyntheticBatches((pixels, Field("labels", (), labels))), f"pixel_values {channels}x{side}x{side} and labels"
+
+
+AUDIO_RATE = 16_000  # samples per second: what every waveform model in transformers was trained on
+AUDIO_SECONDS = 10  # default clip when no --seq-len is given
+
+
+def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, str]:
+    """Waveform models (wav2vec2, HuBERT, WavLM): `seq_len` audio samples at 16 kHz (default 10 s) with
+    CTC transcripts (a character per 3 output frames, about 17 per second at wav2vec2's 20 ms frames;
+    ids from 1, the blank being the pad id 0) or a label per clip. The Audio Spectrogram Transformer
+    takes a spectrogram of `max_length` frames x `num_mel_bins` instead."""
+    labels = max(int(getattr(config, "num_labels", 2)), 1)
+    if getattr(config, "model_type", "") == "audio-spectrogram-transformer":
+        shape = (int(config.max_length), int(config.num_mel_bins))
+        return SyntheticBatches((Field("input_values", shape), Field("labels", (), labels))), \
+            f"input_values {shape[0]}x{shape[1]} (spectrogram frames x mel bins) and a label per clip"
+    kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
+    if not (kernels and strides) or not name.endswith(("ForCTC", "ForSequenceClassification")):
+        raise UsageError(f"Cannot synthesize audio for {name or type(config).__name__} (autofit knows "
+                         "waveform CTC and clip classification heads, and the Audio Spectrogram Transformer); "
+                         "pass a batch or a make_batch(batch_size) factory.")
+    samples = seq_len or AUDIO_RATE * AUDIO_SECONDS
+    frames = samples
+    for kernel, stride in zip(kernels, strides):
+        frames = (frames - kernel) // stride + 1
+    if frames < 1:
+        raise UsageError(f"seq_len {samples} audio samples is shorter than {name}'s convolutions take in; "
+                         f"give --seq-len in samples at {AUDIO_RATE // 1000} kHz, e.g. {AUDIO_RATE} for a second.")
+    audio = Field("input_values", (samples,))
+    clip = f"input_values of {samples:,} samples ({samples / AUDIO_RATE:.1f} s at {AUDIO_RATE // 1000} kHz)"
+    if name.endswith("ForCTC"):
+        characters = max(1, frames // 3)
+        return SyntheticBatches((audio, Field("labels", (characters,), int(config.vocab_size), low=1))), \
+            f"{clip} and CTC transcripts of {characters} characters"
+    return SyntheticBatches((audio, Field("labels", (), labels))), f"{clip} and a label per clip ({labels} classes)"
+
+
 def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
     """CLIP-style contrastive models: token ids, pixel values and `return_loss=True`."""
     text = getattr(config, "text_config", config)
@@ -198,11 +248,12 @@ def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One tensor of a synthesized batch: its name, its shape per sample, and its values (`high` > 0:
-    integers in [0, high), token ids or labels; 0: standard normal floats, pixels or features)."""
+    integers in [low, high), token ids or labels; 0: standard normal floats, pixels or features)."""
 
     name: str
     shape: tuple[int, ...]
     high: int = 0
+    low: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +269,7 @@ class SyntheticBatches:
         batch: dict[str, Any] = {}
         for f in self.fields:
             shape = (n, *f.shape)
-            batch[f.name] = torch.randint(0, f.high, shape, generator=gen) if f.high else \
+            batch[f.name] = torch.randint(f.low, f.high, shape, generator=gen) if f.high else \
                 torch.randn(shape, generator=gen)
         batch.update(self.extras)
         return batch

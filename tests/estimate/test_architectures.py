@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import BertConfig, CLIPConfig, MixtralConfig, T5Config, ViTConfig, WhisperConfig
+from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DistilBertConfig, Gemma2Config, MixtralConfig,
+                          SegformerConfig, T5Config, ViTConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
 from autofit.estimate.dry_run import dry_run
@@ -38,7 +39,23 @@ ARCHITECTURES = {
                                          intermediate_size=128, num_labels=5,
                                          architectures=["BertForTokenClassification"]),
                               {"input_ids": (32,), "labels": (32,)}),
+    "wav2vec2-ctc": (Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                    num_feat_extract_layers=2, num_conv_pos_embeddings=16,
+                                    num_conv_pos_embedding_groups=4, architectures=["Wav2Vec2ForCTC"]),
+                     {"input_values": (1600,), "labels": (53,)}),  # 1,600 samples: 159 frames, a character per 3
+    "segformer": (SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                  num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5, image_size=32,
+                                  architectures=["SegformerForSemanticSegmentation"]),
+                  {"pixel_values": (3, 32, 32), "labels": (32, 32)}),
+    "convnext": (ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10, image_size=32,
+                                architectures=["ConvNextForImageClassification"]),
+                 {"pixel_values": (3, 32, 32), "labels": ()}),
+    "distilbert-qa": (DistilBertConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                                       architectures=["DistilBertForQuestionAnswering"]),
+                      {"input_ids": (32,), "start_positions": (), "end_positions": ()}),
 }
+SEQ_LEN = {"wav2vec2-ctc": 1600}  # audio samples; the rest: tokens
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +73,7 @@ def _config_file(tmp_path, name):
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_dry_run_from_config_json_simulates_every_architecture(tmp_path, name):
     path = _config_file(tmp_path, name)
-    report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090",
+    report = dry_run(str(path), seq_len=SEQ_LEN.get(name, 32), global_batch_size=4, gpu="rtx-4090",
                      strategies=[Precision(), MicroBatch()])
     assert report.fits and not report.formula_only
     for candidate in report.candidates:
@@ -69,7 +86,7 @@ def test_dry_run_from_config_json_simulates_every_architecture(tmp_path, name):
     from autofit.spec.train import make_spec
 
     factory, _, _ = resolve_model(str(path))
-    spec = make_spec(factory, seq_len=32, device="cpu", memory_budget="1GiB")
+    spec = make_spec(factory, seq_len=SEQ_LEN.get(name, 32), device="cpu", memory_budget="1GiB")
     batch = spec.batch_factory(2)
     shapes = {key: tuple(value.shape[1:]) for key, value in batch.items() if isinstance(value, torch.Tensor)}
     assert shapes == ARCHITECTURES[name][1]
@@ -134,3 +151,67 @@ def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, cap
 
     spec = make_spec(resolve_model(str(path))[0], seq_len=32, device="cpu", memory_budget="1GiB")
     assert predictor_for(spec)(Config()) is None
+
+
+def test_flash_attention_is_simulated_for_a_model_that_refuses_sdpa(tmp_path):
+    # Gemma-2 soft-caps its attention scores, which flash-attention's kernels do and SDPA does not
+    # (`_supports_sdpa = False`): its flash rows failed to simulate as SDPA and rested on the formula.
+    from autofit.strategies import Attention
+
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          architectures=["Gemma2ForCausalLM"], **TOKENS)
+    path = tmp_path / "gemma2" / "config.json"
+    path.parent.mkdir()
+    config.to_json_file(path)
+    report = dry_run(str(path), seq_len=64, global_batch_size=2, gpu="rtx-4090",
+                     strategies=[Precision(), Attention(), MicroBatch()])
+    by_attention = {c.config.attention.value: c for c in report.candidates
+                    if c.config.micro_batch_size == 2 and c.config.precision.value == "bf16"}
+    assert set(by_attention) == {"eager", "flash_attention_2"}
+    assert all(c.estimate.simulated for c in report.candidates), [c.reason for c in report.candidates]
+    flash, eager = by_attention["flash_attention_2"], by_attention["eager"]
+    assert flash.estimate.breakdown.activations < eager.estimate.breakdown.activations  # no scores kept
+
+
+def test_the_simulation_leaves_the_callers_config_as_it_was():
+    # A factory built from the caller's config shares it with the simulated model; the simulation switches
+    # off LayerDrop and SpecAugment (random, data-dependent steps) and sets the attention, then sets them back.
+    from transformers import Wav2Vec2ForCTC
+
+    from autofit.strategies import Attention
+
+    config = Wav2Vec2Config(**{k: v for k, v in ARCHITECTURES["wav2vec2-ctc"][0].to_dict().items()
+                               if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "intermediate_size", "conv_dim", "conv_stride", "conv_kernel",
+                                        "num_feat_extract_layers", "num_conv_pos_embeddings",
+                                        "num_conv_pos_embedding_groups")},
+                            layerdrop=0.1, apply_spec_augment=True, mask_time_prob=0.05)
+    Wav2Vec2ForCTC(config)  # transformers settles the attention implementation on the first build
+    before = dict(vars(config))
+    report = dry_run(lambda: Wav2Vec2ForCTC(config), seq_len=1600, global_batch_size=2, gpu="rtx-4090",
+                     strategies=[Attention(), MicroBatch()])
+    assert report.fits and all(c.estimate.simulated for c in report.candidates)
+    assert vars(config) == before
+
+
+def test_audio_batches_follow_each_audio_models_input():
+    from transformers import ASTConfig
+
+    from autofit.errors import UsageError
+    from autofit.spec.batch import synthesize_batch
+
+    waveform = ARCHITECTURES["wav2vec2-ctc"][0]
+    make_batch, description = synthesize_batch(waveform, None, "Wav2Vec2ForCTC")  # default: 10 s at 16 kHz
+    batch = make_batch(2)
+    assert batch["input_values"].shape == (2, 160_000) and batch["input_values"].is_floating_point()
+    assert batch["labels"].shape == (2, 5333) and batch["labels"].min() >= 1  # 16,000 frames; 0 is CTC's blank
+    assert "10.0 s at 16 kHz" in description
+    clip = synthesize_batch(waveform, 16_000, "Wav2Vec2ForSequenceClassification")[0](1)
+    assert clip["labels"].shape == (1,)
+    with pytest.raises(UsageError, match="shorter than Wav2Vec2ForCTC's convolutions"):
+        synthesize_batch(waveform, 8, "Wav2Vec2ForCTC")
+    with pytest.raises(UsageError, match="Wav2Vec2ForPreTraining"):
+        synthesize_batch(waveform, None, "Wav2Vec2ForPreTraining")
+    spectrogram = ASTConfig(max_length=128, num_mel_bins=16, architectures=["ASTForAudioClassification"])
+    assert synthesize_batch(spectrogram, None, "ASTForAudioClassification")[0](1)["input_values"].shape == (1, 128, 16)
