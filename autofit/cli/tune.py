@@ -219,7 +219,8 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--loss-fn", "loss_fn_arg", default=None,
               help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model whose output has no .loss.")
 @click.option("--seq-len", type=int, default=None, callback=positive_option,
-              help="Tokens per sample of the synthesized batch.")
+              help="Tokens per sample of the synthesized batch; audio samples at 16 kHz for waveform models; "
+                   "none for image models.")
 @click.option("--global-batch-size", type=int, default=None, help="Samples per optimizer step, kept exactly.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")

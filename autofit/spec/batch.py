@@ -121,6 +121,7 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
         return _image_text(config, seq_len)
     image_size = getattr(config, "image_size", None)
     if "pixel_values" in params or (image_size is not None and not hasattr(config, "vocab_size")):
+        _no_sequence(seq_len, name or type(config).__name__, "images of the config's image_size")
         return _image(config, name)
     if params and not params & {"input_ids"}:
         raise UsageError(f"Cannot synthesize a batch for {name or type(config).__name__}: its forward takes "
@@ -184,6 +185,13 @@ def _speech(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
     return SyntheticBatches(fields), f"input_features {mels}x{frames} and decoder labels of {length} tokens"
 
 
+def _no_sequence(seq_len: int | None, name: str, takes: str) -> None:
+    """`UsageError` when a sequence length is given for a model whose input has a fixed size."""
+    if seq_len is not None:
+        raise UsageError(f"seq_len {seq_len} does not apply to {name}: it takes {takes}. Leave seq_len "
+                         "(--seq-len) out, or pass a batch of the size you train on.")
+
+
 def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     """Image models: pixel values at the config's size, and a class label per image, or per pixel for
     semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width)."""
@@ -209,6 +217,7 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
     takes a spectrogram of `max_length` frames x `num_mel_bins` instead."""
     labels = max(int(getattr(config, "num_labels", 2)), 1)
     if getattr(config, "model_type", "") == "audio-spectrogram-transformer":
+        _no_sequence(seq_len, name, "spectrograms of the config's max_length frames")
         shape = (int(config.max_length), int(config.num_mel_bins))
         return SyntheticBatches((Field("input_values", shape), Field("labels", (), labels))), \
             f"input_values {shape[0]}x{shape[1]} (spectrogram frames x mel bins) and a label per clip"

@@ -55,7 +55,7 @@ ARCHITECTURES = {
                                        architectures=["DistilBertForQuestionAnswering"]),
                       {"input_ids": (32,), "start_positions": (), "end_positions": ()}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600}  # audio samples; the rest: tokens
+SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None}  # audio samples; images: none
 
 
 @pytest.fixture(autouse=True)
@@ -193,6 +193,14 @@ def test_the_simulation_leaves_the_callers_config_as_it_was():
                      strategies=[Attention(), MicroBatch()])
     assert report.fits and all(c.estimate.simulated for c in report.candidates)
     assert vars(config) == before
+
+
+def test_a_sequence_length_for_an_image_model_is_refused(tmp_path):
+    # typed in a hurry: --seq-len means nothing to a ViT, whose batch is its config's image size
+    from autofit.errors import UsageError
+
+    with pytest.raises(UsageError, match="seq_len 512 does not apply to ViTForImageClassification"):
+        dry_run(str(_config_file(tmp_path, "vit")), seq_len=512, global_batch_size=4, gpu="rtx-4090")
 
 
 def test_audio_batches_follow_each_audio_models_input():
