@@ -105,11 +105,13 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
 
     The batch follows what the model's `forward` takes (`model_class` names the transformers class; the
     config's `architectures` otherwise): speech encoder-decoders (Whisper) get log-mel `input_features`
-    of the encoder's full window and decoder `labels` of `seq_len` tokens; image-text models (CLIP,
-    SigLIP) token ids, pixel values and `return_loss`; image classifiers pixel values and class labels;
-    token classifiers a label per token; sequence classifiers a label per sample; text encoder-decoders
-    (T5, BART) and language models token ids and labels of `seq_len` tokens (default: the model's maximum
-    positions capped at 2048).
+    of the encoder's full window and decoder `labels` of `seq_len` tokens; waveform models (wav2vec2)
+    `seq_len` audio samples and CTC transcripts or clip labels (`_audio`); image-text models (CLIP,
+    SigLIP) token ids, pixel values and `return_loss`; image models pixel values and a label per image or
+    per pixel (`_image`; a `seq_len` is refused there); token classifiers a label per token; sequence
+    classifiers a label per sample; question answering an answer span; text encoder-decoders (T5, BART)
+    and language models token ids and labels of `seq_len` tokens (default: the model's maximum positions
+    capped at 2048).
     """
     name = model_class or next(iter(getattr(config, "architectures", None) or ()), None) or ""
     params = forward_parameters(name)
