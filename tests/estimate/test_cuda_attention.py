@@ -58,3 +58,28 @@ def test_fp32_grouped_attention_keeps_the_scores_cuda_keeps_and_bf16_does_not():
     assert peak(fp32, cuda_ampere=True) - peak(fp32) >= 2 * scores  # both layers keep theirs
     assert peak(bf16, cuda_ampere=True) == peak(bf16)  # flash on CUDA: what the CPU kernel keeps
     assert peak(Config(attention="sdpa", precision="fp16"), cuda_ampere=False) - peak(bf16) >= scores  # a T4
+
+
+def test_flash_attention_is_simulated_for_a_model_that_refuses_sdpa(tmp_path):
+    # Gemma-2 soft-caps its attention scores, which flash-attention's kernels do and SDPA does not
+    # (`_supports_sdpa = False`): its flash rows failed to simulate as SDPA and rested on the formula.
+    from transformers import Gemma2Config
+
+    from autofit.estimate.dry_run import dry_run
+    from autofit.strategies import Attention, MicroBatch, Precision
+
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          architectures=["Gemma2ForCausalLM"], pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2)
+    path = tmp_path / "gemma2" / "config.json"
+    path.parent.mkdir()
+    config.to_json_file(path)
+    report = dry_run(str(path), seq_len=64, global_batch_size=2, gpu="rtx-4090",
+                     strategies=[Precision(), Attention(), MicroBatch()])
+    by_attention = {c.config.attention.value: c for c in report.candidates
+                    if c.config.micro_batch_size == 2 and c.config.precision.value == "bf16"}
+    assert set(by_attention) == {"eager", "flash_attention_2"}
+    assert all(c.estimate.simulated for c in report.candidates), [c.reason for c in report.candidates]
+    flash, eager = by_attention["flash_attention_2"], by_attention["eager"]
+    assert flash.estimate.breakdown.activations < eager.estimate.breakdown.activations  # no scores kept
