@@ -106,6 +106,11 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     endpoint = os.environ.get("HF_ENDPOINT") or None
+    unreachable = _unreachable(repo_id, endpoint)
+    if unreachable:
+        raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {unreachable}. Set HF_HUB_OFFLINE=1 "
+                         f"to look in the cache alone, run `hf download {repo_id} config.json` where the network "
+                         "is reachable, or pass a local config.json or a preset (autofit presets lists them).")
     try:
         path = hf_hub_download(repo_id, "config.json", cache_dir=cache, endpoint=endpoint, etag_timeout=10)
     except GatedRepoError as exc:
@@ -118,6 +123,23 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
         return load_config(Path(path), name=repo_id)
     raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {why}. Pass a local config.json or a "
                      "preset (autofit presets lists them).")
+
+
+def _unreachable(repo_id: str, endpoint: str | None) -> str | None:
+    """Why the hub cannot be reached, from one request for config.json's metadata (None when it answers).
+    `hf_hub_download` retries an unreachable hub five times with backoff: offline, a mistyped id took
+    half a minute of "Retrying in 8s" before its error."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", endpoint=endpoint), timeout=10, endpoint=endpoint)
+    except HfHubHTTPError:
+        return None  # it answered: the download says what is wrong (gated, missing, ...)
+    except Exception as exc:  # noqa: BLE001 - the HTTP client's transport errors (httpx's, under any name)
+        host = endpoint or "https://huggingface.co"
+        return f"the hub ({host}) did not answer ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})"
+    return None
 
 
 def _architecture(config: Any) -> str:
