@@ -147,8 +147,9 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--model", "model_arg", required=True,
               help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face hub id (ORG/NAME: its config.json from "
                    "the local cache, else downloaded alone), a config.json or model folder, or FILE.py:factory.")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample (at most the model's maximum); audio samples at 16 kHz for waveform "
-                   "models (wav2vec2, HuBERT); none for image models.")
+@click.option("--seq-len", type=int, default=None,
+              help="Tokens per sample (at most the model's maximum); audio samples at 16 kHz for waveform models "
+                   "(wav2vec2, HuBERT); none for image models.")
 @click.option("--global-batch-size", type=int, default=None,
               help="Samples per optimizer step over all GPUs, kept exactly; default: micro-batches up to "
                    f"{DEFAULT_MAX_MICRO_BATCH} without accumulation.")

@@ -171,7 +171,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half):
-                fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
+                fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x,
+                                      batch)
                 with tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \
                             _offloading(tracker, config.offloads_activations):
