@@ -101,10 +101,10 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     the blocks: the output logits (16-bit, their fp32 upcast and its gradient: 10 bytes per logit) and,
     under autocast of fp32 weights, the 16-bit copy of every block weight autocast keeps (2 bytes each).
     fp32 compute doubles the activation bytes. Its measured bound is `autofit.estimate.estimator.FORMULA_UNDER_PREDICTION`."""
-    hidden = _widest(hf, "hidden_size", "hidden_sizes")
-    heads = _widest(hf, "num_attention_heads") or 1
+    hidden = config_int(hf, "hidden_size", "hidden_sizes")
+    heads = config_int(hf, "num_attention_heads", default=1)
     s, b, blocks = _formula_tokens(hf, tokens), mb, max(facts.num_blocks, 1)
-    inter = _widest(hf, "intermediate_size", "n_inner", "d_ff") or 4 * hidden
+    inter = config_int(hf, "intermediate_size", "n_inner", "d_ff", default=4 * hidden)
     gated = getattr(hf, "hidden_act", "") in ("silu", "swiglu") or bool(getattr(hf, "is_gated_act", False))
     mlp = 2 * hidden + (6 if gated else 4) * inter + inter // 4  # input + intermediates (+ a dropout mask)
     attention = 0 if config.attention.fused else 5 * heads * s
@@ -118,16 +118,16 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     return int(scale * kept + logits + copies)
 
 
-def _widest(hf: Any, *names: str) -> int:
-    """The first of `names` the config sets, as an int; a per-stage list (Swin's, SegFormer's) gives its
-    largest: the formula bounds every stage by the widest."""
+def config_int(hf: Any, *names: str, default: int = 0) -> int:
+    """The first of `names` a Hugging Face config sets to a positive int, else `default`; a per-stage list
+    (Swin's, SegFormer's widths and heads) gives its largest, which bounds every stage."""
     for name in names:
         value = getattr(hf, name, None)
         if isinstance(value, (list, tuple)):
-            value = max((v for v in value if isinstance(v, int)), default=None)
-        if isinstance(value, int) and value > 0:
+            value = max((v for v in value if isinstance(v, int) and not isinstance(v, bool)), default=None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    return 0
+    return default
 
 
 def _formula_tokens(hf: Any, tokens: int | None) -> int:

@@ -18,6 +18,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from autofit.estimate.facts import config_int
+
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
 
@@ -65,7 +67,7 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
     if hf is not None and getattr(hf, "is_encoder_decoder", False):
         return _encoder_decoder(spec, hf, sample, num_params)
     width = _width(hf) if hf is not None else 0
-    layers = _first(hf, "num_hidden_layers", "n_layer", "num_layers", default=num_blocks) if hf is not None else num_blocks
+    layers = config_int(hf, "num_hidden_layers", "n_layer", "num_layers", default=num_blocks) if hf is not None else num_blocks
     patches = _patches(hf) if hf is not None else None
     if patches is not None:
         return Workload((Stack("model", patches, num_params, layers, width),),
@@ -85,11 +87,11 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
 def _encoder_decoder(spec: "TrainSpec", hf: Any, sample: Any, num_params: int) -> Workload:
     source = _frames(hf, sample) or spec.tokens_per_sample or _sequence(sample, "input_ids") or 1
     target = _sequence(sample, "labels") or _sequence(sample, "decoder_input_ids") or \
-        _first(hf, "max_target_positions", default=source)
+        config_int(hf, "max_target_positions", default=source)
     encoder = _encoder_params(spec)
     width = _width(hf)
-    enc_layers = _first(hf, "encoder_layers", "num_layers", "num_hidden_layers", default=1)
-    dec_layers = _first(hf, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers", default=1)
+    enc_layers = config_int(hf, "encoder_layers", "num_layers", "num_hidden_layers", default=1)
+    dec_layers = config_int(hf, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers", default=1)
     what = "frames" if _frames(hf, sample) else "tokens"
     return Workload((Stack("encoder", source, encoder, enc_layers, width),
                      Stack("decoder", target, num_params - encoder, dec_layers, width, attends_to=source)),
@@ -149,15 +151,7 @@ def _sequence(sample: Any, key: str) -> int | None:
 
 
 def _width(hf: Any) -> int:
-    heads, head_dim = _first(hf, "num_heads", "num_attention_heads", "n_head", default=0), getattr(hf, "d_kv", None)
+    heads, head_dim = config_int(hf, "num_heads", "num_attention_heads", "n_head", default=0), getattr(hf, "d_kv", None)
     if heads and head_dim:
         return heads * head_dim
-    return _first(hf, "hidden_size", "d_model", "n_embd", default=0)
-
-
-def _first(hf: Any, *names: str, default: int) -> int:
-    for name in names:
-        value = getattr(hf, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return default
+    return config_int(hf, "hidden_size", "d_model", "n_embd", default=0)

@@ -135,7 +135,7 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
                          "nor image_size. Pass a batch or a make_batch(batch_size) factory.")
     length = _length(config, seq_len)
     ids = Field("input_ids", (length,), vocab)
-    labels = max(int(getattr(config, "num_labels", 2)), 1)
+    labels = _classes(config)
     if name.endswith("ForTokenClassification"):
         return SyntheticBatches((ids, Field("labels", (length,), labels))), \
             f"input_ids of {length} tokens and a label per token ({labels} classes)"
@@ -187,6 +187,11 @@ def _speech(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
     return SyntheticBatches(fields), f"input_features {mels}x{frames} and decoder labels of {length} tokens"
 
 
+def _classes(config: Any) -> int:
+    """Label classes of a classification head (`num_labels`, transformers' default 2)."""
+    return max(int(getattr(config, "num_labels", 2)), 1)
+
+
 def _no_sequence(seq_len: int | None, name: str, takes: str) -> None:
     """`UsageError` when a sequence length is given for a model whose input has a fixed size."""
     if seq_len is not None:
@@ -200,7 +205,7 @@ def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     channels = getattr(config, "num_channels", 3)
     image_size = config.image_size
     side = image_size if isinstance(image_size, int) else image_size[0]
-    labels = max(int(getattr(config, "num_labels", 2)), 1)
+    labels = _classes(config)
     pixels = Field("pixel_values", (channels, side, side))
     if name.endswith("ForSemanticSegmentation"):
         return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
@@ -217,7 +222,7 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
     CTC transcripts (a character per 3 output frames, about 17 per second at wav2vec2's 20 ms frames;
     ids from 1, the blank being the pad id 0) or a label per clip. The Audio Spectrogram Transformer
     takes a spectrogram of `max_length` frames x `num_mel_bins` instead."""
-    labels = max(int(getattr(config, "num_labels", 2)), 1)
+    labels = _classes(config)
     if getattr(config, "model_type", "") == "audio-spectrogram-transformer":
         _no_sequence(seq_len, name, "spectrograms of the config's max_length frames")
         shape = (int(config.max_length), int(config.num_mel_bins))

@@ -74,7 +74,7 @@ class Lora(Strategy):
         if not config.lora:
             return {}
         targets = list(self.target_modules) if self.target_modules is not None else None
-        return {"target_modules": targets, "alpha": self.alpha or 2 * config.lora, "dropout": self.dropout}
+        return {"target_modules": targets, "alpha": self.scaling_alpha(config.lora), "dropout": self.dropout}
 
     @classmethod
     def from_settings(cls, rank: int, settings: dict[str, Any]) -> "Lora":
@@ -82,11 +82,15 @@ class Lora(Strategy):
         return cls((rank,), target_modules=settings.get("target_modules"), alpha=settings.get("alpha"),
                    dropout=settings.get("dropout", 0.0))
 
+    def scaling_alpha(self, rank: int) -> float:
+        """LoRA's alpha at `rank`: as given, else 2 x rank (a scaling alpha / r of 2)."""
+        return self.alpha or 2 * rank
+
     def peft_kwargs(self, rank: int) -> dict[str, Any]:
         """`peft.LoraConfig` keyword arguments for these adapters on a Hugging Face model (peft's
         "all-linear" leaves the output layer out, as the default targets do)."""
         targets = list(self.target_modules) if self.target_modules is not None else "all-linear"
-        return {"r": rank, "lora_alpha": self.alpha or 2 * rank, "lora_dropout": self.dropout, "target_modules": targets}
+        return {"r": rank, "lora_alpha": self.scaling_alpha(rank), "lora_dropout": self.dropout, "target_modules": targets}
 
     def apply(self, run: "TrainRun") -> None:
         value = run.config.lora
