@@ -205,16 +205,18 @@ def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_bat
 
 def _beyond(space: Space, estimator: Estimator, profile: GpuProfile,
             strategies: Sequence["Strategy"]) -> list[Candidate]:
-    """The candidates the next tier would add (what an allow= would open), planned the same way."""
+    """The levels the next tiers would add (what an allow= would open), each at its smallest micro-batch:
+    when nothing allowed fits, whether a level fits at all is the question (its smallest size answers
+    it, with the fewest simulations)."""
     tiers = sorted({e.tier for e in space.excluded if e.tier is not None})
     if not tiers:
         return []
     wider = build_space(dataclasses.replace(space.spec, max_tier=tiers[-1]), strategies)
     planner = _Planner(wider, estimator, profile)
     known = set(space.levels())
-    levels = [level for level in wider.levels() if level not in known]
-    estimator.prefetch(config for level in levels for config in planner.asks(level))
-    return [planner.best_at(level) for level in levels]
+    smallest = [wider.at(level, wider.sizes_at(level)[0]) for level in wider.levels() if level not in known]
+    estimator.prefetch(smallest)
+    return [planner.candidate(config) for config in smallest]
 
 
 class _Planner:

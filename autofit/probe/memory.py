@@ -87,6 +87,8 @@ class StorageCounter(TorchDispatchMode):
         self._ignored.update(id(t.untyped_storage()) for t in tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:  # creates nothing; the autograd engine asks it of every tensor it sees
+            return func(*args, **(kwargs or {}))
         self._before_op()
         out = func(*args, **(kwargs or {}))
         inputs = _input_storages(func, args, kwargs)
@@ -129,6 +131,9 @@ class StorageCounter(TorchDispatchMode):
             self.current -= entry[1]
 
 
+# `tensor.device` of a tensor subclass (fake tensors, DTensor) as a dispatched op: two dispatches in three
+# of a simulated step, answered without the bookkeeping.
+_DEVICE_QUERY = torch.ops.prim.device.default
 _ALIASING: dict[Any, bool] = {}
 _ACTIVE: list[StorageCounter] = []  # counters entered and not left, innermost last
 

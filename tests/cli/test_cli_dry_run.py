@@ -43,7 +43,7 @@ def test_json_is_one_document_with_every_candidate(config_json, capsys):
 
 
 def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
-    assert dry_run("--model", str(config_json), "--gpu", "t4", "--gpu-memory", "8MiB", "--json") == 3
+    assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--gpu-memory", "8MiB", "--json") == 3
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["chosen"] is None and "the smallest needs" in data["reason"]
