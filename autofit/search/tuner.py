@@ -15,7 +15,7 @@ from autofit.probe.payload import check_serialisable
 from autofit.search import confirm as confirmation
 from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
-from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search
+from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search, make_progress
 from autofit.spec.devices import device_memory
 from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, TrainSpec, make_spec
 from autofit.strategies import ENGINES, Placement, Strategy, default_strategies
@@ -30,7 +30,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
             safety_margin: float = DEFAULT_SAFETY_MARGIN, storage: Any = None,
             max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
             max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
-            strategies: Sequence[Strategy] | None = None, progress: Progress | None = None,
+            strategies: Sequence[Strategy] | None = None, progress: Progress | bool | None = None,
             predict: bool = True, engine: str = "auto", nvme_path: Any = None,
             exact_margin: float = confirmation.DEFAULT_EXACT_MARGIN) -> Plan:
     """Find the fastest training configuration that fits, by probing real training steps.
@@ -62,7 +62,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         max_micro_batch: largest micro-batch tried when `global_batch_size` is None.
         probe_timeout: seconds a probe in a child process may take.
         strategies: the techniques to search (default: all single-device rungs).
-        progress: receives `starting(config, why)` and `finished(result)` events.
+        progress: True prints a line on stderr as each probe starts and lands; or an object receiving
+            `starting(config, why)` and `finished(result)` events (the CLI's table). Default: silent.
         predict: use the dry-run estimator to start each level at the largest micro-batch predicted to
             fit and to skip configs predicted over the budget by more than its measured error.
         engine: the sharding engines searched over several ranks: "auto" (ZeRO where DeepSpeed is
@@ -79,6 +80,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         back, see `autofit.search.confirm`).
     """
     margin = confirmation.check_margin(exact_margin)
+    listener = make_progress(progress)
     chosen = engine_strategies(strategies, engine, nvme_path)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
                      memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
@@ -96,7 +98,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
 
     predictor = predictor_for(spec, space.strategies) if predict else None
     tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
-    search = Search(space, store, prober, max_probes, progress, predictor, tolerance)
+    search = Search(space, store, prober, max_probes, listener, predictor, tolerance)
     results = search.run()
     probe = functools.partial(_follow_up, search, prober)
     results = confirmation.follow_near_limit(space, results, probe)

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Callable, Protocol
+import sys
+from typing import Callable, Protocol, TextIO
 
 from autofit.config import Config
+from autofit.errors import UsageError
 from autofit.plan import choose
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, decided
 from autofit.search.space import Space
@@ -68,11 +70,45 @@ class _Silent:
         pass
 
 
+class PrintedProgress:
+    """`progress=True`: a line on stderr as each probe starts (the candidate and why) and one as it lands
+    (its status, peak and speed, and the reason), for a script or a notebook cell."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self.stream = stream
+        self.count = 0
+
+    def starting(self, config: Config, why: str) -> None:
+        self.count += 1
+        self._print(f"autofit probe {self.count}: {config.describe()} ({why})")
+
+    def finished(self, result: ProbeResult) -> None:
+        peak = f", peak {format_size(result.peak_bytes)}" if result.peak_bytes else ""
+        speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
+        self._print(f"  {result.status.value} {result.config.describe()}{peak}{speed} - {result.reason}")
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.stream or sys.stderr, flush=True)
+
+
+def make_progress(progress: "Progress | bool | None") -> "Progress":
+    """The search's listener for `progress`: None or False (silent), True (`PrintedProgress`), or an
+    object with `starting(config, why)` and `finished(result)`."""
+    if progress is None or progress is False:
+        return _Silent()
+    if progress is True:
+        return PrintedProgress()
+    if not (callable(getattr(progress, "starting", None)) and callable(getattr(progress, "finished", None))):
+        raise UsageError(f"progress={progress!r}: pass True (a line per probe on stderr), False, or an object "
+                         "with starting(config, why) and finished(result) methods.")
+    return progress
+
+
 class Search:
     """One walk over a `Space`; `run()` returns every result in the order it was decided."""
 
     def __init__(self, space: Space, store: TrialStore, prober: Callable[[Config, float | None], ProbeResult],
-                 max_probes: int = DEFAULT_MAX_PROBES, progress: Progress | None = None,
+                 max_probes: int = DEFAULT_MAX_PROBES, progress: Progress | bool | None = None,
                  predictor: Callable[[Config], int | None] | None = None,
                  tolerance: float | Callable[[Config], float] = 0.0):
         """`predictor(config)` returns a predicted peak in bytes (or None); a config predicted over the
@@ -82,7 +118,7 @@ class Search:
         self.store = store
         self.prober = prober
         self.max_probes = max_probes
-        self.progress = progress or _Silent()
+        self.progress = make_progress(progress)
         self.predictor = predictor
         self.tolerance = tolerance
         self.results: list[ProbeResult] = []

@@ -158,3 +158,18 @@ def test_engine_pins_the_sharding_engine_and_rejects_unknown_ones(tmp_path):
         engine_strategies(None, "zero")
     offload = next(s for s in engine_strategies(None, "auto", tmp_path) if isinstance(s, Offload))
     assert offload.nvme_path == str(tmp_path.resolve())
+
+
+def test_progress_true_prints_each_probe_as_it_starts_and_lands(capsys):
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, loss_fn=mlp_loss, memory_budget="64MiB",
+                           allow=0, max_probes=1, progress=True, **FAST)
+    err = capsys.readouterr().err.splitlines()
+    probed = [p for p in plan.probes if p.source is Source.PROBED]
+    assert len(probed) == 1 and err[0].startswith(f"autofit probe 1: {probed[0].config.describe()} (")
+    assert err[1].startswith(f"  {probed[0].status.value} {probed[0].config.describe()}, peak ")
+
+
+@pytest.mark.parametrize("progress", ["yes", print])
+def test_progress_that_is_no_listener_is_a_usage_error(progress):
+    with pytest.raises(autofit.UsageError, match=r"progress=.*pass True"):
+        autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, loss_fn=mlp_loss, progress=progress, **FAST)
