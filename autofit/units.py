@@ -12,6 +12,7 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+MIN_UNITLESS = 2**20  # a number without a unit under this many bytes is a unit left out
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -25,17 +26,26 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, (int, float)):
         if value <= 0:
             raise UsageError(f"{what} must be positive, but got {value!r}; pass bytes or e.g. '20GiB'.")
-        return int(value)
+        return _plausible(int(value), value, what)
     if isinstance(value, str):
         match = _SIZE.match(value)
         unit = match.group(2).lower() if match else None
         if match and unit in _UNITS:
             size = int(float(match.group(1)) * _UNITS[unit])
             if size > 0:
-                return size
+                return _plausible(size, value, what) if unit == "" else size
     raise UsageError(
         f"{what} must be a size such as '20GiB', '512MB' or a number of bytes, but got {value!r}."
     )
+
+
+def _plausible(size: int, value: int | float | str, what: str) -> int:
+    """A size given without a unit, refused under 1 MiB: `--gpu-memory 24` meant 24 GiB, not 24 bytes."""
+    if size < MIN_UNITLESS:
+        number = str(value).strip()
+        raise UsageError(f"{what}={value!r} is {size} bytes, too few to train anything: give a unit, e.g. "
+                         f"'{number}GiB' or '{number}GB' (a number alone counts bytes).")
+    return size
 
 
 def format_size(num_bytes: int | float | None) -> str:

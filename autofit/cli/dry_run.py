@@ -21,6 +21,7 @@ from rich.table import Table
 from autofit.cli.tune import env_columns, parse_allow_option
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
+from autofit.estimate.gpus import other_sizes
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
@@ -178,6 +179,10 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                      gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer,
                      lora_targets=_targets(lora_targets), deferred_sync=deferred_sync)
+    others = other_sizes(gpu) if gpu_memory is None else []
+    if others:
+        console.print(f"--gpu {gpu} is read as {report.gpu.name}; for another size pass "
+                      + " or ".join(f"--gpu {name}" for name in others), style="dim")
     render(report, console, top, width)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

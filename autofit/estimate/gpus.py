@@ -63,9 +63,22 @@ def list_gpus() -> list[GpuProfile]:
     return sorted(_profiles().values(), key=lambda g: (-g.memory_bytes, g.name))
 
 
+def _key(name: str) -> str:
+    return str(name).strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def other_sizes(name: str) -> list[str]:
+    """The other profiles of the family an alias such as "a100" names (["a100-80gb"] when it reads as
+    a100-40gb): empty for a profile's own name and for an alias of one card."""
+    key, chosen = _key(name), get_gpu(name)
+    if key == chosen.name:
+        return []
+    return [p.name for p in list_gpus() if p is not chosen and p.name.startswith(key + "-")]
+
+
 def get_gpu(name: str) -> GpuProfile:
     """The profile called `name` or one of its aliases (any case); `UsageError` listing the profiles otherwise."""
-    key = str(name).strip().lower().replace("_", "-").replace(" ", "-")
+    key = _key(name)
     for profile in _profiles().values():
         if key == profile.name or key in profile.aliases:
             return profile

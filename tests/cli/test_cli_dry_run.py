@@ -27,13 +27,16 @@ def dry_run(*args):
 def test_table_marks_the_chosen_candidate(config_json, capsys):
     assert dry_run("--model", str(config_json.parent), "--gpu", "rtx-4090", "--top", "0") == 0
     out = capsys.readouterr().out
+    assert "is read as" not in out  # a card of one size
     assert "★ bf16" in out and "Chosen:" in out and "peak/GPU" in out and "activations" in out
     assert "RAM" in out and "offload" in out  # offload rows show their host RAM (cells may wrap)
 
 
 def test_json_is_one_document_with_every_candidate(config_json, capsys):
-    assert dry_run("--model", str(config_json), "--gpu", "a100-40gb", "--num-gpus", "2", "--json") == 0
-    data = json.loads(capsys.readouterr().out)
+    assert dry_run("--model", str(config_json), "--gpu", "a100", "--num-gpus", "2", "--json") == 0
+    captured = capsys.readouterr()
+    assert "--gpu a100 is read as a100-40gb; for another size pass --gpu a100-80gb" in captured.err
+    data = json.loads(captured.out)
     assert data["chosen"]["fits"] and data["gpu"] == "a100-40gb" and data["num_gpus"] == 2
     for candidate in data["candidates"]:
         assert {"config", "peak_bytes", "fits", "reason", "breakdown"} <= set(candidate)

@@ -3,7 +3,7 @@
 import pytest
 
 from autofit.errors import UsageError
-from autofit.estimate.gpus import get_gpu, list_gpus
+from autofit.estimate.gpus import get_gpu, list_gpus, other_sizes
 
 GIB = 1024**3
 
@@ -37,3 +37,9 @@ def test_with_memory_overrides_size_only():
 def test_unknown_gpu_lists_profiles():
     with pytest.raises(UsageError, match=r"Did you mean a100-80gb.*Known GPUs: a100-40gb.*--gpu-memory"):
         get_gpu("a100-90gb")
+
+
+@pytest.mark.parametrize("name, others", [("a100", ["a100-80gb"]), ("V100", ["v100-32gb"]), ("h100", []),
+                                          ("a100-80gb", []), ("4090", [])])
+def test_an_alias_of_several_sizes_names_the_others(name, others):
+    assert other_sizes(name) == others
