@@ -80,8 +80,40 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
         return Workload((Stack("model", tiles, num_params, layers, width),),
                         f"{tiles} spectrogram patches per clip ({hf.max_length} frames x {hf.num_mel_bins} mel bins)")
     tokens = spec.tokens_per_sample or _sequence(sample, "input_ids")
-    how = f"{tokens} tokens per sample" if tokens else "1 position per sample (no sequence axis in the batch)"
-    return Workload((Stack("model", tokens or 1, num_params, layers, width),), how)
+    if tokens:
+        return Workload((Stack("model", tokens, num_params, layers, width),), f"{tokens} tokens per sample")
+    applied = _weight_applications(spec, num_params)
+    if applied is None:
+        return Workload((Stack("model", 1, num_params, layers, width),),
+                        "1 position per sample (no sequence axis in the batch; its FLOPs could not be counted)")
+    return Workload((Stack("model", applied, num_params, layers, width),),
+                    f"each weight applied {applied:,} times per sample (FLOPs of one sample's forward counted)")
+
+
+def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
+    """How many times one sample applies the average weight (a convolution's at every pixel it slides
+    over): the forward FLOPs of one sample, counted by `torch.utils.flop_counter` under fake tensors
+    (nothing allocated), over 2 FLOPs per weight. None when the forward cannot be counted."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autofit.estimate.estimator import meta_model
+    from autofit.spec.batch import call_model
+
+    if num_params <= 0:
+        return None
+    try:
+        model = meta_model(spec.model_factory)
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            model.to_empty(device="cpu")
+            batch = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, spec.batch_factory(1))
+            with FlopCounterMode(display=False) as counter, torch.no_grad():
+                call_model(model, batch)
+    except Exception:  # noqa: BLE001 - an op without a fake kernel: the plain count stands, and says so
+        return None
+    return max(1, round(counter.get_total_flops() / (2 * num_params)))
 
 
 def _encoder_decoder(spec: "TrainSpec", hf: Any, sample: Any, num_params: int) -> Workload:

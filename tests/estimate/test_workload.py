@@ -86,3 +86,18 @@ def test_the_dry_run_of_vit_b16_on_a_4090_is_physical():
     assert report.chosen is not None
     assert report.chosen.samples_per_s < 165e12 / (6 * 86e6 * 197)
     assert "197 patches per image" in report.chosen.reason
+
+
+def _conv_net():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(16 * 16 * 16, 10))
+
+
+def test_a_model_without_a_sequence_counts_how_often_a_sample_applies_its_weights():
+    spec = make_spec(_conv_net, lambda n: torch.randn(n, 3, 16, 16), global_batch_size=64, device="cpu",
+                     memory_budget="1GiB", loss_fn=lambda out, batch: out.sum())
+    conv, linear = 3 * 3 * 3 * 16, 16 * 16 * 16 * 10  # the conv's weights slide over 16 x 16 pixels
+    forward = 2 * conv * 16 * 16 + 2 * linear  # FLOPs, biases aside
+    work = workload(spec, spec.model.num_params, 1)
+    assert work.positions == round(forward / (2 * spec.model.num_params)) > 1  # it was 1: one "position"
+    assert f"applied {work.positions:,} times per sample" in work.how
