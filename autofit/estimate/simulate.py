@@ -126,10 +126,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     the target's own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autofit.spec.batch import call_model
+    from autofit.spec.batch import call_model, quiet_transformers
     from autofit.strategies.checkpointing import enable
 
-    with _configs_restored(model):  # the model's config may be the caller's own object: it is set back
+    # the model's config may be the caller's own object: it is set back
+    with _configs_restored(model), quiet_transformers():
         precision, attention = config.precision, config.attention
         if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
             # flash-attention has no CPU kernel; SDPA's memory is the same O(n)

@@ -100,7 +100,7 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from autofit.estimate.estimator import meta_model
-    from autofit.spec.batch import call_model
+    from autofit.spec.batch import call_model, quiet_transformers
 
     if num_params <= 0:
         return None
@@ -109,7 +109,7 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
             batch = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, spec.batch_factory(1))
-            with FlopCounterMode(display=False) as counter, torch.no_grad():
+            with FlopCounterMode(display=False) as counter, torch.no_grad(), quiet_transformers():
                 call_model(model, batch)
     except Exception:  # noqa: BLE001 - an op without a fake kernel: the plain count stands, and says so
         return None

@@ -6,6 +6,7 @@ size by taking its rows cyclically, so micro-batches are exact slices of the glo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -69,6 +70,22 @@ def tokens_per_sample(batch: Batch) -> int | None:
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         return int(first.shape[1])
     return None
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Any:
+    """transformers' warnings held back while autofit runs a model to look at it (a meta forward, a
+    simulated step): what it warns of there (`use_cache` under the checkpointing a simulation switched
+    on, the loss it picks for a head) concerns autofit's look, not the plan; a dry-run printed them
+    above its table. Probes and the user's own training keep them."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 def call_model(model: torch.nn.Module, batch: Batch) -> Any:

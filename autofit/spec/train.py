@@ -315,7 +315,8 @@ def _check_fraction(name: str, value: float) -> None:
 def _check_loss_on_meta(meta_model: nn.Module, sample: Any) -> None:
     """Raise the loss error now, before any probe, when a meta forward shows the model returns no loss."""
     try:
-        output = batches.call_model(meta_model, batches.to_device(sample, torch.device("meta")))
+        with batches.quiet_transformers():
+            output = batches.call_model(meta_model, batches.to_device(sample, torch.device("meta")))
     except Exception:  # some ops have no meta kernel: the first probe will tell instead
         return
     batches.default_loss(output, sample)

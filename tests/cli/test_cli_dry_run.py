@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -109,3 +112,16 @@ def test_wide_terminal_shows_every_part_per_row(config_json, capsys, monkeypatch
     assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--top", "3") == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if "configuration" in line)
     assert all(name in header for name in ("params", "grads", "optimizer", "activations", "overhead", "reason"))
+
+
+def test_the_simulation_prints_no_transformers_warnings(config_json):
+    # a fresh process: transformers warns once per process, and this file's other tests simulate the same model
+    code = textwrap.dedent(f"""
+        import autofit
+        from autofit.strategies import Checkpointing, MicroBatch
+        autofit.dry_run({str(config_json)!r}, seq_len=128, global_batch_size=2, gpu="rtx-4090",
+                        strategies=[MicroBatch(), Checkpointing()])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "use_cache" not in done.stderr and "[transformers]" not in done.stderr, done.stderr[-2000:]
