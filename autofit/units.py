@@ -12,7 +12,7 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-MIN_UNITLESS = 2**20  # a number without a unit under this many bytes is a unit left out
+MIN_UNITLESS = 2**20  # a size typed without a unit under this many bytes is a unit left out
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -26,7 +26,7 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, (int, float)):
         if value <= 0:
             raise UsageError(f"{what} must be positive, but got {value!r}; pass bytes or e.g. '20GiB'.")
-        return _plausible(int(value), value, what)
+        return int(value)
     if isinstance(value, str):
         match = _SIZE.match(value)
         unit = match.group(2).lower() if match else None
@@ -39,8 +39,9 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     )
 
 
-def _plausible(size: int, value: int | float | str, what: str) -> int:
-    """A size given without a unit, refused under 1 MiB: `--gpu-memory 24` meant 24 GiB, not 24 bytes."""
+def _plausible(size: int, value: str, what: str) -> int:
+    """A size typed without a unit, refused under 1 MiB: `--gpu-memory 24` meant 24 GiB, not 24 bytes (a
+    number passed from code is bytes at any size)."""
     if size < MIN_UNITLESS:
         number = str(value).strip()
         raise UsageError(f"{what}={value!r} is {size} bytes, too few to train anything: give a unit, e.g. "
