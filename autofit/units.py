@@ -20,6 +20,7 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     """Return `value` in bytes. Accepts a number of bytes or a string such as "20GiB", "1.5 GB", "512MiB".
 
     Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    A string without a unit counts bytes, and is refused under `MIN_UNITLESS` (a unit left out).
     """
     if isinstance(value, bool):
         raise UsageError(f"{what} must be a size in bytes or a string like '20GiB', but got {value!r}.")
