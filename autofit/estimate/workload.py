@@ -86,7 +86,8 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
     if applied is None:
         return Workload((Stack("model", 1, num_params, layers, width),),
                         "1 position per sample (no sequence axis in the batch; its FLOPs could not be counted)")
-    return Workload((Stack("model", applied, num_params, layers, width),),
+    # the count holds the attention's FLOPs too: no attention term on top
+    return Workload((Stack("model", applied, num_params, layers, width=0),),
                     f"each weight applied {applied:,} times per sample (FLOPs of one sample's forward counted)")
 
 
