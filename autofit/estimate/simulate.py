@@ -172,8 +172,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half):
-                fake_batch = tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x,
-                                      batch)
+                fake_batch = as_fake(fake, batch, device)
                 with tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \
                             _offloading(tracker, config.offloads_activations):
@@ -190,6 +189,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                               tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
                               tracker.at_grad + batch_bytes, tracker.offloaded,
                               replayed.peak_reserved - replayed.peak_allocated)
+
+
+def as_fake(fake: Any, batch: Any, device: str) -> Any:
+    """`batch` with every tensor made a fake tensor of `fake` (a `FakeTensorMode`) on `device`."""
+    return tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
 @contextlib.contextmanager

@@ -97,10 +97,10 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
     (nothing allocated), over 2 FLOPs per weight. None when the forward cannot be counted."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import FlopCounterMode
 
     from autofit.estimate.estimator import meta_model
+    from autofit.estimate.simulate import as_fake
     from autofit.spec.batch import call_model, quiet_transformers
 
     if num_params <= 0:
@@ -109,7 +109,7 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
         model = meta_model(spec.model_factory)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
-            batch = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, spec.batch_factory(1))
+            batch = as_fake(fake, spec.batch_factory(1), "cpu")
             with FlopCounterMode(display=False) as counter, torch.no_grad(), quiet_transformers():
                 call_model(model, batch)
     except Exception:  # noqa: BLE001 - an op without a fake kernel: the plain count stands, and says so
