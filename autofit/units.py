@@ -50,6 +50,11 @@ def _plausible(size: int, value: str, what: str) -> int:
     return size
 
 
+def is_unit(word: str) -> bool:
+    """Whether `word` is a size unit alone ("GiB", "gb"): what a shell splits off `--gpu-memory 24 GiB`."""
+    return word.lower() in _UNITS and word != "" and word.lower() != "b"
+
+
 def format_size(num_bytes: int | float | None) -> str:
     """Human-readable binary size ("5.42 GiB"); "-" for None."""
     if num_bytes is None:

@@ -11,8 +11,10 @@ import sys
 import click
 
 from autofit.errors import UsageError
+from autofit.units import is_unit
 
 EXIT_FITS, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
+SIZE_OPTIONS = ("--gpu-memory", "--memory-budget")  # options whose value is a size
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,7 +26,7 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
     try:
-        code = cli.main(args=argv, standalone_mode=False)
+        code = cli.main(args=sizes_joined(sys.argv[1:] if argv is None else argv), standalone_mode=False)
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except (click.UsageError, UsageError) as exc:
@@ -40,6 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         sys.exit(code)
     return code
+
+
+def sizes_joined(args: list[str]) -> list[str]:
+    """`args` with a size typed with a space and no quotes joined again: the shell splits
+    `--gpu-memory 24 GiB` into three words, and click would read "GiB" as an extra argument."""
+    joined: list[str] = []
+    for word in args:
+        previous = joined[-1] if joined else ""
+        option = joined[-2] if len(joined) > 1 else ""
+        typed_as = previous.split("=", 1)[0] if "=" in previous else option  # --gpu-memory=24 GiB
+        if is_unit(word) and typed_as in SIZE_OPTIONS:
+            joined[-1] = previous + word
+        else:
+            joined.append(word)
+    return joined
 
 
 from autofit.cli.tune import tune  # noqa: E402

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from autofit.cli.main import main
+from autofit.cli.main import main, sizes_joined
 
 TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
@@ -62,10 +62,21 @@ def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     (["--model", "gpt2", "--gpu", "a100-90gb"], "Known GPUs: a100-40gb"),
     (["--model", "gpt2", "--seq-len", "4096"], "exceeds the model's maximum of 1024"),
     (["--model", "gpt2", "--gpu-memory", "lots"], "gpu_memory must be a size"),
+    # a size typed with a space and no quotes is read whole: the next check speaks, not click's
+    # "unexpected extra argument (GiB)"
+    (["--model", "gpt2", "--gpu-memory", "24", "GiB", "--seq-len", "4096"], "exceeds the model's maximum"),
+    (["--model", "gpt2", "--gpu-memory=24", "gb", "--seq-len", "4096"], "exceeds the model's maximum"),
 ])
 def test_bad_usage_exits_2(args, message, capsys):
     assert main(["dry-run", "--global-batch-size", "8", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_unit_after_a_space_joins_only_a_size_option():
+    assert sizes_joined(["dry-run", "--gpu-memory", "24", "GiB"]) == ["dry-run", "--gpu-memory", "24GiB"]
+    assert sizes_joined(["tune", "--memory-budget=4", "GB"]) == ["tune", "--memory-budget=4GB"]
+    assert sizes_joined(["tune", "--model", "GB"]) == ["tune", "--model", "GB"]  # a value, not a unit
+    assert sizes_joined(["dry-run", "--gpu-memory", "24GiB", "--model", "GiB"])[-1] == "GiB"
 
 
 def test_unreadable_config_exits_2(tmp_path, capsys):
