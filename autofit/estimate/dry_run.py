@@ -24,7 +24,14 @@ The cost model that ranks fitting candidates (predicted seconds per optimizer st
 - offload over PCIe: gradients down and parameters up per step (ZeRO-3: parameters every micro-step),
   plus CPU Adam at `CPU_ADAM_PARAMS_PER_S`; offloaded activations out and back every micro-step;
 - chunked loss: the head's forward once more (2 * vocabulary * hidden FLOPs per token); op-level
-  checkpointing recomputes no matmul, so it adds nothing here; pure bf16 runs at the bf16 rate.
+  checkpointing recomputes no matmul, so it adds nothing here; pure bf16 runs at the bf16 rate;
+- a floor for small models: a step never runs faster than the host issues its operations, at
+  `SECONDS_PER_KERNEL` each (`host_seconds`): the kernels counted in each simulated forward + backward
+  (recomputation and activation-offload copies included), a sharding engine's per-parameter or per-unit
+  work (`engine_host_ops`) and the optimizer step's ops (`optimizer_host_ops`). Eager PyTorch spends
+  ~5-25 us of host work per op before its kernel runs (Python, autograd, the dispatcher,
+  `cudaLaunchKernel`); `python bench/host_ops.py` measures it on the host at hand, and counts the ops
+  FSDP2 and the optimizers add.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.config import Config, Loss, Offload, Quantization
+from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
 from autofit.estimate.gpus import GpuProfile, get_gpu
 from autofit.estimate.workload import Workload, workload
@@ -50,6 +57,16 @@ HALF_SATURATION_TOKENS = 512  # tokens per micro-batch at which a GPU reaches ha
 NF4_SLOWDOWN, INT8_SLOWDOWN = 1.25, 2.0
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank
 DEFAULT_MAX_MICRO_BATCH = 64  # largest micro-batch planned when no global batch is given
+SECONDS_PER_KERNEL = 10e-6  # host time to issue one op of an eager training step (bench/host_ops.py)
+# Ops FSDP2 dispatches per unit and micro-step on one rank beside the model's: copies in and out of the
+# gathered and reduced buffers, `chunk_cat`, and its `record_function` markers (bench/host_ops.py, torch 2.13)
+FSDP_OPS_PER_UNIT = {Sharding.FSDP_FULL: 26, Sharding.FSDP_GRAD_OP: 22}
+# Ops of one optimizer step on the weights' device as CUDA's default runs it (foreach): (fixed, per
+# trainable tensor, a one-tensor step), counted on the CPU with foreach=True (bench/host_ops.py, torch
+# 2.13). bitsandbytes' 8-bit step loops over the parameters in Python: one fused update and a
+# `torch.cuda.synchronize()` each (bitsandbytes/optim/optimizer.py `Optimizer8bit.step`).
+OPTIMIZER_OPS = {Optimizer.ADAMW: (8, 0, 8), Optimizer.USER: (8, 0, 8), Optimizer.ADAFACTOR: (23, 4, 20),
+                 Optimizer.ADAMW8BIT: (0, 2, 2), Optimizer.PAGED_ADAMW8BIT: (0, 2, 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +276,7 @@ class _Planner:
         estimate = self.estimator.predict(config)
         fits = self._fits(estimate)
         seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts, self.work,
-                               estimate.offloaded_activations)
+                               estimate.offloaded_activations, estimate.kernels)
         samples = config.global_batch_size / seconds
         head = _verdict(estimate, fits, self.spec.fit_limit)
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}); {estimate.reason}",
@@ -267,11 +284,12 @@ class _Planner:
 
 
 def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,
-                 work: Workload | None = None, offloaded_activations: int = 0) -> float:
+                 work: Workload | None = None, offloaded_activations: int = 0, kernels: int = 0) -> float:
     """Predicted seconds per optimizer step of `config` on `gpu` (the cost model in the module docstring).
     `work` is the model's per-sample arithmetic (`autofit.estimate.workload`), found from `spec` when None;
-    `offloaded_activations`: bytes of saved tensors copied to the host and back in each micro-step. The
-    compute part never implies more than the card's peak FLOP/s."""
+    `offloaded_activations`: bytes of saved tensors copied to the host and back in each micro-step;
+    `kernels`: kernels one micro-step launches (`Estimate.kernels`; 0: no launch floor). The compute part
+    never implies more than the card's peak FLOP/s."""
     work = work or workload(spec, facts.num_params, facts.num_blocks)
     adapters = config.adapters
     per_position = (4 if adapters else 6) + 2 * config.recomputed_share
@@ -298,7 +316,42 @@ def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: Mode
         offload = 2 * half * trained / n / pcie + trained / n / CPU_ADAM_PARAMS_PER_S
         if config.shards_parameters:
             micro += 2 * half * facts.num_params / n / pcie
-    return config.grad_accum_steps * micro + comm + offload
+    return max(config.grad_accum_steps * micro + comm + offload, host_seconds(config, facts, kernels))
+
+
+def host_seconds(config: Config, facts: ModelFacts, kernels: int) -> float:
+    """Seconds the host needs to issue one optimizer step's ops, the GPU's floor (0 without a simulated
+    kernel count): every micro-step's kernels and its engine's work, then the optimizer step."""
+    if not kernels:
+        return 0.0
+    micro = kernels + engine_host_ops(config, facts)
+    return (config.grad_accum_steps * micro + optimizer_host_ops(config, facts)) * SECONDS_PER_KERNEL
+
+
+def optimizer_host_ops(config: Config, facts: ModelFacts) -> int:
+    """Ops of one optimizer step (`OPTIMIZER_OPS`): the whole model's foreach step, or with the step in
+    backward one single-tensor step per trainable tensor."""
+    fixed, per_tensor, single = OPTIMIZER_OPS[config.optimizer]
+    tensors = facts.tensors_trained(config.adapters)
+    return tensors * single if config.steps_in_backward else fixed + per_tensor * tensors
+
+
+def engine_host_ops(config: Config, facts: ModelFacts) -> int:
+    """Host operations a sharding engine adds to each micro-step beside the model's kernels.
+
+    DeepSpeed ZeRO runs a Python hook per trainable parameter that copies its gradient into the reduce
+    bucket (deepspeed/runtime/zero/stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`:
+    `new_grad_tensor.copy_(...)`; stage 3 likewise), and with CPU offload copies it to the host as well.
+    FSDP2 works per unit (each block and the root): `FSDP_OPS_PER_UNIT` as counted on one rank, plus an
+    all-gather per gather and a reduce-scatter over several GPUs, and with CPU offload as many copies
+    across PCIe."""
+    if config.engine is Engine.DEEPSPEED:
+        return (3 if config.offloads else 2) * facts.tensors_trained(config.adapters)
+    if config.engine is Engine.FSDP:
+        transfers = (2 if config.shards_parameters else 1) + 1  # gathers in forward (and backward), one reduce
+        per_unit = FSDP_OPS_PER_UNIT[config.sharding] + transfers * ((config.num_gpus > 1) + config.offloads)
+        return per_unit * (facts.num_blocks + 1)
+    return 0
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:

@@ -103,6 +103,7 @@ class Estimate:
         """The peak at its error bound (bytes): what a verdict resting on a formula must fit."""
         return int(self.peak_bytes * (1 + self.error_bound))
     offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
+    kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -511,7 +512,7 @@ class Estimator:
         bound = 0.0 if simulated else (FORMULA_UNDER_PREDICTION - 1) * breakdown.activations / max(peak, 1)
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
                         method=notes[0], simulated=simulated, error_bound=round(bound, 4),
-                        offloaded_activations=act.offloaded)
+                        offloaded_activations=act.offloaded, kernels=act.kernels)
 
     def unsharded_grads(self, config: Config) -> int:
         """Bytes of the whole model's gradients as FSDP holds them when the reduce waits for the last

@@ -32,6 +32,12 @@ class ModelFacts:
     weight_bytes: float = 4.0  # bytes per weight as the model stores them (4 fp32; 2 for a bf16 model)
     tied_params: int = 0  # the largest parameter used by two modules (GPT-2's embedding and head), else 0
     trainable_bytes: float = 4.0  # bytes per trainable weight as the model stores them
+    trainable_tensors: int = 0  # trainable parameter tensors (an engine's per-parameter hooks run for each)
+    adapted_layers: int = 0  # linear layers LoRA adapts (two adapter tensors each)
+
+    def tensors_trained(self, adapters: bool) -> int:
+        """Parameter tensors that train: the model's trainable ones, or two per adapted layer with LoRA."""
+        return 2 * self.adapted_layers if adapters else self.trainable_tensors
 
     @property
     def trains_part(self) -> bool:
@@ -61,7 +67,8 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         block_trainable_params=sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) if blocks else 0,
         weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0,
         tied_params=_largest_tied(model),
-        trainable_bytes=_bytes_each([p for p in params if p.requires_grad]))
+        trainable_bytes=_bytes_each([p for p in params if p.requires_grad]),
+        trainable_tensors=sum(1 for p in params if p.requires_grad), adapted_layers=len(adapted))
 
 
 def _bytes_each(params: list) -> float:

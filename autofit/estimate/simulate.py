@@ -22,6 +22,10 @@ from autofit.estimate.allocator import CachingAllocator
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
+aten = torch.ops.aten
+# Ops that launch no kernel beside views (`OpOverload.is_view`): allocations without a fill.
+_NO_KERNEL = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+                        aten.new_empty_strided.default, aten.lift_fresh.default})
 
 
 # -- activations ---------------------------------------------------------------------------------------
@@ -39,6 +43,8 @@ class ActivationPeak:
     offloaded: int = 0  # bytes of saved tensors moved to host memory in the forward (activation offload)
     fragmentation: int = 0  # what the CUDA caching allocator reserves beyond its most allocated (`allocator`);
     # not linear in depth (`Estimator.simulate` keeps the deeper simulation's)
+    kernels: int = 0  # not bytes: operations of the forward + backward that launch a kernel (views and bare
+    # allocations left out); linear in depth, the same at every micro-batch
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
@@ -73,9 +79,13 @@ class _Tracker(StorageCounter):
         self.rounding = rounding
         self.allocator = CachingAllocator()
         self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
-        self.at_grad = self.offloaded = 0
+        self.at_grad = self.offloaded = self.kernels = 0
         self.forward = 0
         self.backward = False  # set when the backward starts
+
+    def _before_op(self, func: Any) -> None:
+        if not func.is_view and func not in _NO_KERNEL:
+            self.kernels += 1
 
     def _grew(self, nbytes: int) -> None:
         if not self.backward:
@@ -188,7 +198,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                               tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
                               tracker.at_grad + batch_bytes, tracker.offloaded,
-                              replayed.peak_reserved - replayed.peak_allocated)
+                              replayed.peak_reserved - replayed.peak_allocated, tracker.kernels)
 
 
 def as_fake(fake: Any, batch: Any, device: str) -> Any:
@@ -274,16 +284,19 @@ def _fused_stand_in(model: nn.Module) -> str:
 def _offloading(tracker: _Tracker, enabled: bool) -> Any:
     """What `torch.autograd.graph.save_on_cpu` does to device memory: a tensor saved for backward leaves
     the device (its device storage is freed unless something else holds it) and comes back in backward
-    as a new device tensor. Its host copy is counted in `tracker.offloaded`, not on the device."""
+    as a new device tensor. Its host copy is counted in `tracker.offloaded`, not on the device, and each
+    way is one copy kernel (`save_on_cpu`: `packed.copy_(tensor)` out, `tensor.to(device)` back)."""
     if not enabled:
         return contextlib.nullcontext()
 
     def pack(tensor: torch.Tensor) -> tuple:
         tracker.offloaded += tensor.numel() * tensor.element_size()
+        tracker.kernels += 1
         return tensor.shape, tensor.dtype, tensor.device
 
     def unpack(saved: tuple) -> torch.Tensor:
         shape, dtype, device = saved
+        tracker.kernels += 1
         return torch.empty(shape, dtype=dtype, device=device)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -89,7 +89,7 @@ class StorageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:  # creates nothing; the autograd engine asks it of every tensor it sees
             return func(*args, **(kwargs or {}))
-        self._before_op()
+        self._before_op(func)
         out = func(*args, **(kwargs or {}))
         inputs = _input_storages(func, args, kwargs)
         for leaf in tree_flatten(out)[0]:
@@ -104,8 +104,8 @@ class StorageCounter(TorchDispatchMode):
         """Whether storages of `tensor`'s kind are counted (all, unless a subclass says otherwise)."""
         return True
 
-    def _before_op(self) -> None:
-        """Called before every operation."""
+    def _before_op(self, func: Any) -> None:
+        """Called before every operation (`func`, an aten `OpOverload`)."""
 
     def _count(self, storage: Any) -> None:
         key = id(storage)
@@ -184,7 +184,7 @@ class CpuBudget(_Deadline, StorageCounter):
     def _counts(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu"
 
-    def _before_op(self) -> None:
+    def _before_op(self, func: Any) -> None:
         self.check_deadline()
 
     def timing(self) -> contextlib.AbstractContextManager:

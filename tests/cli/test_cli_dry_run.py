@@ -31,7 +31,8 @@ def test_table_marks_the_chosen_candidate(config_json, capsys):
     assert dry_run("--model", str(config_json.parent), "--gpu", "rtx-4090", "--top", "0") == 0
     out = capsys.readouterr().out
     assert "is read as" not in out  # a card of one size
-    assert "★ bf16" in out and "Chosen:" in out and "peak/GPU" in out and "activations" in out
+    # a 2-layer model at 128 tokens is bound by kernel launches: fp32 launches no autocast casts
+    assert "★ fp32" in out and "Chosen:" in out and "peak/GPU" in out and "activations" in out
     assert "RAM" in out and "offload" in out  # offload rows show their host RAM (cells may wrap)
 
 

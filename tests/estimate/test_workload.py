@@ -5,12 +5,14 @@ Bounds are physics, computed here independently of the model: samples/s x FLOPs 
 """
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 
 from autofit.config import Config
-from autofit.estimate.dry_run import dry_run, step_seconds
+from autofit.estimate.dry_run import dry_run, engine_host_ops, host_seconds, optimizer_host_ops, step_seconds
+from autofit.estimate.facts import ModelFacts
 from autofit.estimate.estimator import meta_model, model_facts
 from autofit.estimate.gpus import get_gpu
 from autofit.estimate.workload import workload
@@ -101,3 +103,37 @@ def test_a_model_without_a_sequence_counts_how_often_a_sample_applies_its_weight
     work = workload(spec, spec.model.num_params, 1)
     assert work.positions == round(forward / (2 * spec.model.num_params)) > 1  # it was 1: one "position"
     assert f"applied {work.positions:,} times per sample" in work.how
+
+
+CLASSIFIER = f"{Path(__file__).resolve().parents[2] / 'examples' / 'classifier.py'}:make"
+
+
+def test_a_small_cnn_is_bound_by_the_host_issuing_its_ops():
+    report = dry_run(CLASSIFIER, gpu="t4", global_batch_size=256)
+    chosen = report.chosen
+    # ~10 k parameters: a step of some hundred ops the host issues at >= 5 us each (the low end of eager
+    # PyTorch's 5-25 us per op), not the 2.2 million samples/s its FLOPs alone would allow on a T4
+    assert chosen.estimate.kernels >= 50
+    assert chosen.samples_per_s < 256 / (chosen.estimate.kernels * 5e-6)
+    # an engine's per-parameter or per-unit host work counts too: none for one GPU and 10 k parameters
+    assert chosen.config.sharding == "none" and chosen.config.offload == "none"
+    recomputed = next(c for c in report.candidates if c.config == chosen.config.replace(checkpointing="full"))
+    assert recomputed.estimate.kernels > chosen.estimate.kernels  # the recomputed forward's kernels
+
+
+def test_the_host_floor_counts_engines_and_the_optimizer_step():
+    facts = ModelFacts(num_params=10_000, trainable_params=10_000, trainable_tensors=20, num_blocks=4)
+    base = Config(micro_batch_size=8)
+    assert engine_host_ops(base, facts) == 0
+    # ZeRO: a hook and a bucket copy per parameter tensor, and a copy to the host when offloaded
+    assert engine_host_ops(base.replace(sharding="zero2"), facts) == 2 * 20
+    assert engine_host_ops(base.replace(sharding="zero2", offload="cpu"), facts) == 3 * 20
+    # FSDP2 per unit (4 blocks and the root); resharding after forward gathers again in backward
+    grad_op, full = (engine_host_ops(base.replace(sharding=s), facts) for s in ("fsdp_grad_op", "fsdp_full"))
+    assert grad_op % 5 == 0 and full > grad_op
+    assert engine_host_ops(base.replace(sharding="fsdp_full", num_gpus=2), facts) > full  # the collectives
+    # one foreach step over every tensor, against a step per tensor inside backward
+    assert optimizer_host_ops(base.replace(optimizer_step="in_backward"), facts) > 4 * optimizer_host_ops(base, facts)
+    # accumulation issues every micro-step's kernels again; no simulated count, no floor
+    assert host_seconds(base.replace(grad_accum_steps=2), facts, 100) > 1.9 * host_seconds(base, facts, 100) - 1e-4
+    assert host_seconds(base, facts, 0) == 0.0
