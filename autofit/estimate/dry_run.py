@@ -279,8 +279,10 @@ class _Planner:
                                estimate.offloaded_activations, estimate.kernels)
         samples = config.global_batch_size / seconds
         head = _verdict(estimate, fits, self.spec.fit_limit)
-        return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}); {estimate.reason}",
-                         self.space.tier(config), seconds, samples)
+        host = host_seconds(config, self.estimator.facts, estimate.kernels)
+        bound = f"; bound by the host issuing {round(host / SECONDS_PER_KERNEL):,} ops a step" if host >= seconds else ""
+        return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound}); "
+                         f"{estimate.reason}", self.space.tier(config), seconds, samples)
 
 
 def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,

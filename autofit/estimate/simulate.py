@@ -84,7 +84,7 @@ class _Tracker(StorageCounter):
         self.backward = False  # set when the backward starts
 
     def _before_op(self, func: Any) -> None:
-        if not func.is_view and func not in _NO_KERNEL:
+        if not getattr(func, "is_view", False) and func not in _NO_KERNEL:
             self.kernels += 1
 
     def _grew(self, nbytes: int) -> None:

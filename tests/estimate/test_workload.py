@@ -115,6 +115,7 @@ def test_a_small_cnn_is_bound_by_the_host_issuing_its_ops():
     # PyTorch's 5-25 us per op), not the 2.2 million samples/s its FLOPs alone would allow on a T4
     assert chosen.estimate.kernels >= 50
     assert chosen.samples_per_s < 256 / (chosen.estimate.kernels * 5e-6)
+    assert "bound by the host issuing" in chosen.reason
     # an engine's per-parameter or per-unit host work counts too: none for one GPU and 10 k parameters
     assert chosen.config.sharding == "none" and chosen.config.offload == "none"
     recomputed = next(c for c in report.candidates if c.config == chosen.config.replace(checkpointing="full"))
