@@ -88,7 +88,8 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
                         "1 position per sample (no sequence axis in the batch; its FLOPs could not be counted)")
     # the count holds the attention's FLOPs too: no attention term on top
     return Workload((Stack("model", applied, num_params, layers, width=0),),
-                    f"each weight applied {applied:,} times per sample (FLOPs of one sample's forward counted)")
+                    f"each weight applied {'once' if applied == 1 else f'{applied:,} times'} per sample "
+                    "(FLOPs of one sample's forward counted)")
 
 
 def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
