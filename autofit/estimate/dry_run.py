@@ -1,5 +1,6 @@
 """Dry-run: plan for a GPU you do not have. Every candidate's peak per GPU is predicted (`autofit.estimate.estimator`),
-nothing is trained and nothing real is allocated, and the predicted cheapest candidate that fits is chosen.
+nothing is trained and nothing real is allocated, and among the candidates that fit the one `autofit tune`
+would keep on these predicted speeds is chosen (`_decided`: the tuner's margins).
 
     report = autofit.dry_run("llama-2-7b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8)
     report.chosen.config, report.chosen.peak_bytes, [c.fits for c in report.candidates]
@@ -44,6 +45,7 @@ from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantizatio
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
 from autofit.estimate.gpus import GpuProfile, get_gpu
 from autofit.estimate.workload import Workload, workload
+from autofit.search.confirm import DEFAULT_EXACT_MARGIN, change_order, margin_between
 from autofit.search.space import TIER_NAMES, Space, build_space
 from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
@@ -185,7 +187,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
-    chosen = fitting[0] if fitting else None
+    chosen = _decided(space, fitting) if fitting else None
     reason = _chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) if chosen else \
         _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
@@ -367,6 +369,24 @@ def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
             f"error bound (+{estimate.error_bound:.0%})")
 
 
+def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
+    """The choice among `fitting` (ordered by predicted speed, simulated fits first) by the tuner's rule
+    (`autofit.search.confirm.decide`) on predicted speeds: from the least change to the most, a candidate
+    that changes more replaces the choice only when predicted faster by the margin it must clear
+    (`DEFAULT_EXACT_MARGIN` for a numerics change, `NOISE_MARGIN` otherwise), so the dry-run names what
+    `autofit tune` would keep. Fits resting on a simulation are chosen before formula-only ones."""
+    basis = [c for c in fitting if c.estimate.simulated] or fitting
+    holder, *others = sorted(basis, key=lambda c: change_order(space, c.config))
+    for challenger in others:
+        if holder.step_seconds >= challenger.step_seconds * (1 + _margin(holder, challenger)[0]):
+            holder = challenger
+    return holder
+
+
+def _margin(safer: Candidate, riskier: Candidate) -> tuple[float, str]:
+    return margin_between((safer.tier, False), (riskier.tier, False), DEFAULT_EXACT_MARGIN)
+
+
 def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     others = len(fitting) - 1
     if not chosen.estimate.simulated:
@@ -374,6 +394,13 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
                 f"{chosen.config.describe()} is predicted to peak at {format_size(chosen.peak_bytes)}, up to "
                 f"{format_size(chosen.estimate.upper_bytes)} at the formula's error bound; run autofit tune "
                 "on the GPU to measure it")
+    fastest = fitting[0]
+    if fastest is not chosen:
+        margin, kind = _margin(chosen, fastest)
+        return (f"chosen of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
+                f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}; "
+                f"{fastest.config.describe()} is predicted {chosen.step_seconds / fastest.step_seconds - 1:.0%} "
+                f"faster, under the {margin:.0%} a change of {kind} must clear (as autofit tune decides)")
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
             f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
             + (f" ({others} other(s) fit, slower)" if others else ""))

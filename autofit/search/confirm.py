@@ -263,16 +263,20 @@ def _largest_of_level(group: Sequence[ProbeResult], result: ProbeResult) -> Prob
 def simplicity(space: "Space", result: ProbeResult) -> tuple:
     """Sort key from the least to the most change: exactness tier, allocator retries, the level's place
     in the space (fewer knobs changed first), the larger micro-batch (fewer accumulation passes)."""
+    return change_order(space, result.config, result.near_limit)
+
+
+def change_order(space: "Space", config: Config, near_limit: bool = False) -> tuple:
+    """`simplicity` of a configuration (a prediction has no allocator retries: `near_limit` False)."""
     order = {level: i for i, level in enumerate(space.levels())}
-    level = result.config.replace(micro_batch_size=1, grad_accum_steps=1)
-    return (*_risk(space, result), order.get(level, len(order)), -result.config.micro_batch_size)
+    return (space.tier(config), near_limit, order.get(_level(config), len(order)), -config.micro_batch_size)
 
 
 def _risk(space: "Space", result: ProbeResult) -> tuple[int, bool]:
     return space.tier(result.config), result.near_limit
 
 
-def _margin(safer: tuple[int, bool], riskier: tuple[int, bool], exact_margin: float) -> tuple[float, str]:
+def margin_between(safer: tuple[int, bool], riskier: tuple[int, bool], exact_margin: float) -> tuple[float, str]:
     """What a finalist of class `riskier` must clear against one of class `safer`, and why."""
     if riskier[0] > safer[0]:
         return exact_margin, "exactness"
@@ -333,7 +337,7 @@ def decide(pool: Sequence[Finalist], exact_margin: float) -> tuple[int, list[Com
     holder, comparisons = 0, []
     for index in range(1, len(pool)):
         challenger, current = pool[index], pool[holder]
-        margin, kind = _margin((current.tier, current.near_limit), (challenger.tier, challenger.near_limit),
+        margin, kind = margin_between((current.tier, current.near_limit), (challenger.tier, challenger.near_limit),
                                exact_margin)
         ratio = Ratio.of(challenger, current)
         won = ratio.median >= 1 + margin and ratio.wins >= CLEAR_SHARE

@@ -177,3 +177,26 @@ def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_
                        num_gpus=2, strategies=[MicroBatch(), Fsdp()], deferred_sync=True)
     assert not deferred.fits and "unsharded" not in deferred.reason  # the loop the user runs: over the limit
     assert deferred.candidates[0].estimate.breakdown.grads == 4 * params  # every gradient, unsharded
+
+
+def test_a_numerics_change_is_chosen_only_when_predicted_clearly_faster():
+    from autofit.estimate.dry_run import Candidate, _chosen_reason, _decided
+    from autofit.search.space import build_space
+    from autofit.strategies import default_strategies
+
+    gpu = get_gpu("a100-80gb")
+    spec, _ = _spec(tiny_llama(), None, gpu, 1, 8, 128, None, "adamw", None, 0.1, 64)
+    space = build_space(spec, default_strategies())
+    exact = next(level for level in space.levels() if space.tier(level) == 0)
+    numerics = next(level for level in space.levels() if space.tier(level) == 1)
+    estimate = Estimator(spec, target="cuda").predict(exact)
+
+    def candidate(config, seconds):
+        return Candidate(config, estimate, True, "", space.tier(config), seconds, 8 / seconds)
+
+    # the tuner's rule (autofit.search.confirm.decide) on predicted speeds: a 10% margin for numerics
+    near = [candidate(numerics, 0.95), candidate(exact, 1.0)]
+    assert _decided(space, near).config == exact
+    assert "is predicted 5% faster, under the 10% a change of exactness must clear" in _chosen_reason(near[1], near)
+    clear = [candidate(numerics, 0.85), candidate(exact, 1.0)]
+    assert _decided(space, clear).config == numerics
