@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autofit.config import Config  # noqa: E402
+from autofit.config import Config, Engine  # noqa: E402
 from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import Lora  # noqa: E402
@@ -178,10 +178,13 @@ def setup(row: dict) -> tuple:
     if code in ("litgpt", "litgpt_qlora"):
         # LoRA lives in litgpt's model (bf16 adapters, only they trainable): no Lora strategy. QLoRA: the
         # estimator quantizes the frozen linear layers under litgpt's own adapters (`own_adapters`).
-        spec = make_spec(functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora),
-                         Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
+        # its multi-GPU rows ran FSDP1, whose root unit is simulated as it trains (`fsdp1_flat_root`)
+        config = _config(row, 0)
+        factory = functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora,
+                                    fsdp1=litgpt_fsdp1(row, config))
+        spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
                          loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
-        return spec, _config(row, 0), []
+        return spec, config, []
     # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
     in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
     loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(
@@ -193,6 +196,12 @@ def setup(row: dict) -> tuple:
     strategies = [Lora(target_modules=targets(row, class_name), dropout=lora.get("dropout") or 0.0)] \
         if lora and not in_model else []
     return spec, _config(row, lora["rank"] if lora and not in_model else 0), strategies
+
+
+def litgpt_fsdp1(row: dict, config: Config) -> bool:
+    """Whether `row` ran litgpt on several GPUs: Lightning's FSDPStrategy, FSDP1 wrapping each Block, whose
+    root unit `measured_code.fsdp1_flat_root` simulates as it trains."""
+    return model_code(row) in ("litgpt", "litgpt_qlora") and config.engine is Engine.FSDP
 
 
 def _config(row: dict, lora_rank: int) -> Config:
@@ -246,7 +255,8 @@ def run_row(row: dict, extrapolate_batch: bool = False) -> dict:
             "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
             + ("; NF4 without double quantization" if bnb and row["id"].startswith(measured_code.PLAIN_NF4) else "")
             + ("; re-entrant checkpointing" if reentrant else "")
-            + ("; gradients reduced on the last micro-batch" if deferred else ""),
+            + ("; gradients reduced on the last micro-batch" if deferred else "")
+            + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else ""),
             "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],
             "predicted_bytes": int(value), "compared": basis, "error": round(error, 4)}
 

@@ -2,7 +2,8 @@
 of three micro-batches, gradients reduced on every micro-batch and deferred to the last one (FSDP1's
 `no_sync()`, FSDP2's `set_requires_gradient_sync(False)`). autofit plans FSDP2; the calibration's FSDP1
 rows (litgpt's Gemma-2B full fine-tune) are predicted with FSDP2's model, and this measures how far apart
-the two engines are for a model whose root unit (embedding and head, untied) outweighs its blocks.
+the two engines are for a model whose root unit (embedding and head, untied) outweighs its blocks, and
+what the estimator predicts for both (`predicted_peaks`: FSDP1's root unit simulated as it trains).
 
     python bench/calibration/fsdp1_vs_fsdp2.py     # writes results/fsdp1-vs-fsdp2-cpu.json
 
@@ -54,6 +55,28 @@ def wrapped(engine: str):
     for layer in model.model.layers:
         fully_shard(layer)
     return fully_shard(model)
+
+
+def predicted_peaks() -> dict[str, int]:
+    """The estimator's rank peaks (target cpu) for the same model and loop, gradients reduced every
+    micro-batch: the model as FSDP2 trains it, and with FSDP1's root unit simulated as it trains
+    (`measured_code.fsdp1_flat_root`: its weights views of one flat parameter)."""
+    import torch
+
+    from autofit.config import Config
+    from autofit.estimate.estimator import Estimator
+    from autofit.spec.train import make_spec
+    from bench.calibration.measured_code import fsdp1_flat_root
+
+    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    config = Config(precision="fp32", sharding="fsdp_full", num_gpus=2, micro_batch_size=1,
+                    grad_accum_steps=MICRO_BATCHES)
+    peaks = {}
+    for engine, factory in (("fsdp2", make_model), ("fsdp1", lambda: fsdp1_flat_root(make_model(), "model.layers"))):
+        spec = make_spec(factory, lambda n: {"input_ids": ids.repeat(n, 1), "labels": ids.repeat(n, 1)},
+                         device="cpu", memory_budget="1TiB")
+        peaks[f"{engine}, every micro-batch"] = Estimator(spec, target="cpu").predict(config).peak_bytes
+    return peaks
 
 
 def reduce_context(model, engine: str, reduce: bool):
@@ -110,6 +133,9 @@ def main() -> None:
     for mode in ("every micro-batch", "deferred"):
         extra = peaks[f"fsdp1, {mode}"] - peaks[f"fsdp2, {mode}"]
         print(f"FSDP1 - FSDP2, {mode}: {extra / 2**20:.2f} MiB = {extra / root:.0%} of the root unit's fp32 weights")
+    predicted = predicted_peaks()
+    gap = predicted["fsdp1, every micro-batch"] - predicted["fsdp2, every micro-batch"]
+    print(f"predicted FSDP1 - FSDP2, every micro-batch: {gap / 2**20:.2f} MiB")
     import torch
 
     RESULT.parent.mkdir(exist_ok=True)
@@ -119,7 +145,8 @@ def main() -> None:
         "load_at_start": load, "torch": torch.__version__,
         "model": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "tied": False, "fp32_weight_bytes": total,
                   "root_unit_fp32_bytes": root},
-        "tokens": TOKENS, "micro_batches": MICRO_BATCHES, "peaks": peaks}, indent=1) + "\n")
+        "tokens": TOKENS, "micro_batches": MICRO_BATCHES, "peaks": peaks,
+        "predicted (estimator, target cpu)": predicted}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -111,13 +111,43 @@ class LitgptStep(nn.Module):
         return self.gpt(input_ids)
 
 
-def build_litgpt(name: str, seq_len: int, lora: dict | None) -> nn.Module:
+def fsdp1_flat_root(model: nn.Module, blocks: str) -> nn.Module:
+    """`model` with FSDP1's root unit as it trains: every parameter outside the wrapped blocks (the
+    modules under `blocks`) lives in one flat parameter (torch/distributed/fsdp/_flat_param.py
+    `FlatParamHandle`), and before each forward the modules get views of it made by one `torch.split`
+    (`_get_unflat_views_unaligned`, `_use_unsharded_views`). Autograd then holds each view's gradient
+    until the last one arrives (the embedding's, at the end of backward) and concatenates them into the
+    flat gradient: the measured excess of FSDP1 over FSDP2 (results/fsdp1-vs-fsdp2-cpu.json), simulated as
+    the mechanism it is. Sharding itself is the estimator's (its FSDP formulas); this is the root's
+    backward alone."""
+    root = [(name, p) for name, p in model.named_parameters() if not name.startswith(blocks + ".")]
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for _, p in root]), requires_grad=root[0][1].requires_grad)
+    views = []
+    for name, p in root:
+        path, _, attr = name.rpartition(".")
+        del model.get_submodule(path)._parameters[attr]
+        views.append((path, attr, tuple(p.shape)))
+    model.register_parameter("fsdp1_flat_root", flat)
+    model.fsdp1_views = views  # read by the hook from the module it runs on, so a deep copy keeps working
+    model.register_forward_pre_hook(_use_unsharded_views)
+    _use_unsharded_views(model, ())  # the attributes exist between forwards too, as FSDP1 keeps them
+    return model
+
+
+def _use_unsharded_views(model: nn.Module, args: Any) -> None:
+    sizes = [int(torch.Size(shape).numel()) for _, _, shape in model.fsdp1_views]
+    for (path, attr, shape), view in zip(model.fsdp1_views, torch.split(model.fsdp1_flat_root, sizes)):
+        setattr(model.get_submodule(path), attr, view.view(shape))
+
+
+def build_litgpt(name: str, seq_len: int, lora: dict | None, fsdp1: bool = False) -> nn.Module:
     """litgpt's model `name` (a litgpt config name or a hub name) as the script builds it: LoRA on the
     row's targets with its rank, alpha and dropout and only LoRA trainable (`mark_only_lora_as_trainable`),
     every weight in bf16 (`--precision bf16-true`), `max_seq_length` set to the longest sample (fit()).
     QLoRA rows quantize the frozen linear layers under it, as Lightning's `BitsandbytesPrecision` replaces
     every `nn.Linear` (the head's too; autofit's NF4 simulation does the same where a model names no
-    output head: litgpt's GPT has no `get_output_embeddings`)."""
+    output head: litgpt's GPT has no `get_output_embeddings`). `fsdp1`: the root unit as FSDP1 trains it
+    (`fsdp1_flat_root`)."""
     import litgpt.lora as litgpt_lora
     import litgpt.model as litgpt_model
 
@@ -131,7 +161,9 @@ def build_litgpt(name: str, seq_len: int, lora: dict | None) -> nn.Module:
     else:
         gpt = litgpt_model.GPT(litgpt_model.Config.from_name(name))
     gpt.max_seq_length = seq_len
-    return LitgptStep(gpt.to(torch.bfloat16), LM_HEAD_CHUNK if lora else 0)
+    step = LitgptStep(gpt.to(torch.bfloat16), LM_HEAD_CHUNK if lora else 0)
+    # litgpt's multi-GPU runs are Lightning's FSDPStrategy, FSDP1 wrapping each Block (finetune/full.py)
+    return fsdp1_flat_root(step, "gpt.transformer.h") if fsdp1 else step
 
 
 def litgpt_lora_loss(logits: list, batch: tuple) -> torch.Tensor:
