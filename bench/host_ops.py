@@ -137,7 +137,8 @@ def main() -> None:
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     result = {
-        "what": "host seconds per op of an eager training step (tiny CNN, CPU) and FSDP2's ops per unit",
+        "what": "host seconds per op of an eager training step (tiny CNN, CPU), FSDP2's ops per unit and the "
+                "optimizers' ops per step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": load,
         "torch": torch.__version__, "step": seconds_per_op(), "fsdp2": fsdp_ops_per_unit(),
