@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from autofit.config import Optimizer  # noqa: E402
 from autofit.estimate.dry_run import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
-from autofit.estimate.simulate import _NO_KERNEL  # noqa: E402
+from autofit.estimate.simulate import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -57,7 +57,7 @@ class OpCount(TorchDispatchMode):
         self.tensors_only = tensors_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func not in _NO_KERNEL and func is not torch.ops.prim.device.default:
+        if launches_kernel(func):
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             self.kernels += not self.tensors_only or any(t.dim() > 0 for t in tensors)
         return func(*args, **(kwargs or {}))

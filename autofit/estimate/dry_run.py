@@ -66,7 +66,7 @@ FSDP_OPS_PER_UNIT = {Sharding.FSDP_FULL: 26, Sharding.FSDP_GRAD_OP: 22}
 # Ops of one optimizer step on the weights' device as CUDA's default runs it (foreach): (fixed, per
 # trainable tensor, a one-tensor step), counted on the CPU with foreach=True (bench/host_ops.py, torch
 # 2.13). bitsandbytes' 8-bit step loops over the parameters in Python: one fused update and a
-# `torch.cuda.synchronize()` each (bitsandbytes/optim/optimizer.py `Optimizer8bit.step`).
+# `torch.cuda.synchronize()` each (bitsandbytes/optim/optimizer.py `Optimizer8bit.step`, @ 51294d90).
 OPTIMIZER_OPS = {Optimizer.ADAMW: (8, 0, 8), Optimizer.USER: (8, 0, 8), Optimizer.ADAFACTOR: (23, 4, 20),
                  Optimizer.ADAMW8BIT: (0, 2, 2), Optimizer.PAGED_ADAMW8BIT: (0, 2, 2)}
 

@@ -28,6 +28,11 @@ _NO_KERNEL = frozenset({aten.empty.memory_format, aten.empty_strided.default, at
                         aten.new_empty_strided.default, aten.lift_fresh.default})
 
 
+def launches_kernel(func: Any) -> bool:
+    """Whether the op `func` launches a kernel on a GPU: not a view, not a bare allocation."""
+    return not getattr(func, "is_view", False) and func not in _NO_KERNEL and func is not torch.ops.prim.device.default
+
+
 # -- activations ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ActivationPeak:
@@ -84,8 +89,7 @@ class _Tracker(StorageCounter):
         self.backward = False  # set when the backward starts
 
     def _before_op(self, func: Any) -> None:
-        if not getattr(func, "is_view", False) and func not in _NO_KERNEL:
-            self.kernels += 1
+        self.kernels += launches_kernel(func)
 
     def _grew(self, nbytes: int) -> None:
         if not self.backward:

@@ -121,7 +121,10 @@ def fsdp1_flat_root(model: nn.Module, blocks: str) -> nn.Module:
     the mechanism it is. Sharding itself is the estimator's (its FSDP formulas); this is the root's
     backward alone."""
     root = [(name, p) for name, p in model.named_parameters() if not name.startswith(blocks + ".")]
-    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for _, p in root]), requires_grad=root[0][1].requires_grad)
+    trains = {p.requires_grad for _, p in root}
+    if len(trains) != 1:  # one flat parameter trains or not as a whole
+        raise ValueError(f"the root unit outside {blocks!r} mixes frozen and trainable parameters")
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for _, p in root]), requires_grad=trains.pop())
     views = []
     for name, p in root:
         path, _, attr = name.rpartition(".")
