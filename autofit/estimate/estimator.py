@@ -62,6 +62,7 @@ FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the
 SPREAD_AFTER_S = 0.5  # a first simulation this slow makes sharing the rest with worker processes pay
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
+NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,7 @@ def model_states(facts: ModelFacts, config: Config) -> States:
     - LoRA: base weights frozen (as stored, or NF4/int8 when quantized); only the adapters train.
     """
     if config.adapters:
-        return _sharded(_adapter_states(facts, config), config)
+        return _sharded(_adapter_states(facts, config), config, quantization_constants(facts, config))
     if config.engine is Engine.FSDP:
         return _fsdp_states(facts, config)
     n = max(config.num_gpus, 1)
@@ -192,16 +193,17 @@ def _fsdp_states(facts: ModelFacts, config: Config) -> States:
     return states
 
 
-def _sharded(states: States, config: Config) -> States:
+def _sharded(states: States, config: Config, resident: int = 0) -> States:
     """Adapter states under a sharding engine: FSDP2 shards all three (or keeps them on the host with CPU
-    offload); ZeRO by its stage. `states` are one rank's unsharded states."""
+    offload); ZeRO by its stage. `states` are one rank's unsharded states, of whose weights `resident`
+    bytes are no parameter's data and stay whole on every device (`quantization_constants`)."""
     n = max(config.num_gpus, 1)
     fsdp = config.engine is Engine.FSDP
     if fsdp and config.offload is Offload.CPU:  # CPUOffloadPolicy: every state on the host
-        return States(0, 0, 0, states.params + states.grads + states.optimizer)
+        return States(resident, 0, 0, states.params - resident + states.grads + states.optimizer)
     if n == 1 or config.sharding.stage == 0:
         return states
-    return States(states.params // (n if fsdp or config.shards_parameters else 1),
+    return States((states.params - resident) // (n if fsdp or config.shards_parameters else 1) + resident,
                   states.grads // (n if fsdp or config.shards_gradients else 1),
                   states.optimizer // n, states.cpu)
 
@@ -241,6 +243,17 @@ def _adapter_states(facts: ModelFacts, config: Config) -> States:
         base_bytes = wb * base
     return States(int(base_bytes + size * adapters), int(size * adapters),
                   int(optimizer_bytes(facts, config.optimizer, adapters, size)))
+
+
+def quantization_constants(facts: ModelFacts, config: Config) -> int:
+    """Bytes of NF4's quantization constants (the absmax of every 64 weights, double-quantized or not):
+    bitsandbytes keeps them in each layer's `quant_state`, beside the parameter whose data holds the packed
+    4-bit weights, so a sharding engine that flattens parameters neither shards nor offloads them; every
+    rank keeps them all on its GPU (bitsandbytes/nn/modules.py `fix_4bit_weight_quant_state_from_module`:
+    "the quant state got lost when the parameter got converted. This happens for example for fsdp")."""
+    if config.quantization is not Quantization.NF4:
+        return 0
+    return int((nf4_bytes() - NF4_PACKED_BYTES) * facts.linear_params)
 
 
 # -- simulations kept for the process --------------------------------------------------------------------
@@ -574,18 +587,25 @@ class Estimator:
         stored) before its forward and backward. The root (embeddings, final norm, head) stays gathered
         across the step; full_shard (`reshard_after_forward=True`) holds two blocks (the current one and the
         prefetched next), shard_grad_op keeps every block gathered from its forward to its backward.
-        Each block's unsharded gradient (policy dtype) and its fp32 copy for the reduce-scatter are
-        staged one block at a time (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), for the
-        weights that train only: a frozen weight (LoRA's base, built into the model or not) has none."""
+        A quantized block gathers its linear layers packed (their constants stay whole on every rank:
+        `quantization_constants`), the rest of the block and the root as stored; autofit's LoRA adapters
+        are gathered with their block. Each block's unsharded gradient (policy dtype) and its fp32 copy for
+        the reduce-scatter are staged one block at a time (torch/distributed/fsdp/_fully_shard/
+        _fsdp_param_group.py), for the weights that train only: a frozen weight (LoRA's base, built into
+        the model or not) has none."""
         facts = self.facts
         size = 2 if config.half_precision else facts.weight_bytes
-        if config.quantization is not Quantization.NONE:  # a quantized base gathers its packed weights
-            whole = dataclasses.replace(config, num_gpus=1, sharding=Sharding.NONE, offload=Offload.NONE)
-            size = model_states(facts, whole).params / max(facts.num_params, 1)
         root = facts.num_params - facts.num_blocks * facts.block_params
-        blocks = 2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks
+        blocks = min(2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks, facts.num_blocks)
+        block = size * facts.block_params
+        packed = {Quantization.NF4: NF4_PACKED_BYTES, Quantization.INT8: INT8_BYTES}.get(config.quantization)
+        if packed is not None and facts.num_blocks:  # a quantized block gathers its linear layers packed
+            block -= (size - packed) * facts.linear_params / facts.num_blocks
+        if config.adapters and not own_adapters(facts, config) and facts.num_blocks:  # autofit's, in the blocks
+            adapters, adapter_size = adapter_weights(facts, config)
+            block += (2 if config.half_precision else adapter_size) * adapters / facts.num_blocks
         staged = 0 if config.adapters else facts.block_trainable_params * (size + (4 if size < 4 else 0))
-        return int(size * (root + min(blocks, facts.num_blocks) * facts.block_params) + staged)
+        return int(size * root + blocks * block + staged)
 
     def _step_in_backward(self, config: Config) -> int:
         """Temporaries of one parameter's optimizer step inside backward, for the largest parameter: torch's

@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
-from autofit.estimate.estimator import Estimator, ModelFacts, model_states, predictor_for
+from autofit.estimate.estimator import (Estimator, ModelFacts, model_states, nf4_bytes, predictor_for,
+                                        quantization_constants)
 from autofit.spec.train import make_spec
 from autofit.strategies import Lora
 
@@ -74,6 +75,25 @@ def test_fsdp2_cpu_offload_keeps_only_gathered_weights_on_the_gpu(estimator):
     parts = estimate.breakdown
     assert parts.params == parts.grads == 0 and parts.gathered > 0
     assert estimate.cpu_bytes == 4 * facts.num_params + 4 * facts.trainable_params + 8 * facts.trainable_params
+
+
+def test_nf4_under_fsdp_shards_the_packed_weights_not_their_constants(estimator):
+    """bitsandbytes keeps NF4's absmax in each layer's `quant_state`, not in the parameter FSDP flattens:
+    every rank keeps all of them, CPU offload or not. A block is gathered with its linear layers packed
+    (4 bits) and its adapters; the root (embeddings, head: never quantized) as stored."""
+    facts = estimator.facts
+    constants = quantization_constants(facts, Config(quantization="nf4", lora=16))
+    assert constants == int((nf4_bytes() - 0.5) * facts.linear_params) > 0
+    whole = model_states(facts, Config(precision="bf16", quantization="nf4", lora=16)).params
+    qlora = dict(precision="bf16", quantization="nf4", lora=16, sharding="fsdp_full", num_gpus=N)
+    sharded = estimator.predict(Config(**qlora)).breakdown
+    offloaded = estimator.predict(Config(**qlora, offload="cpu")).breakdown
+    assert sharded.params == (whole - constants) // N + constants
+    assert offloaded.params == constants and offloaded.grads == offloaded.optimizer == 0
+    root = facts.num_params - facts.num_blocks * facts.block_params
+    linear, adapters = facts.linear_params / facts.num_blocks, 16 * facts.lora_params_per_rank / facts.num_blocks
+    block = 2 * facts.block_params - (2 - 0.5) * linear + 2 * adapters  # bf16 policy: 16-bit gathers
+    assert sharded.gathered == offloaded.gathered == int(2 * root + 2 * block)
 
 
 def test_zero3_gathered_working_set_is_apart_from_the_model_states(estimator):
