@@ -749,10 +749,10 @@ def _state_notes(config: Config, states: States) -> list[str]:
 # over-prediction is 0.9%): bench/results/estimate-cpu-2026-11-22.json.
 # CUDA: against 40 published GPU training peaks (bench/calibration/results/calibration.json, like compared
 # with like: allocated vs reserved, each simulated with the code its source ran), the worst
-# over-prediction is +4.6%; against 32 peaks measured on an H100 and predicted without CUDA, as a dry-run
+# over-prediction is +4.96%; against 32 peaks measured on an H100 and predicted without CUDA, as a dry-run
 # predicts (bench/results/estimate-replay-estimate-cuda-2026-11-22-2026-11-22.json), +3.1%. So a
 # candidate predicted more than 5% over the limit is skipped. The estimator still under-predicts some
-# published runs (median |error| 3.9%, down to -32%: FSDP1 and QLoRA) and the H100's by up to -9.0%
+# published runs (median |error| 3.7%, down to -21%: FSDP1 and QLoRA) and the H100's by up to -9.0%
 # (allocator segments across steps, bench/allocator_steps.py): an under-prediction never prunes, it
 # makes a probe that runs out of memory, which the tuner records and steps back from.
 PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}
