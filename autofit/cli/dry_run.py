@@ -26,7 +26,8 @@ from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
 PARTS = ("params", "grads", "optimizer", "gathered", "activations", "overhead")
-WIDE = 150  # columns from which each row carries every part and its reason (below: a compact table)
+WIDE = 150  # columns from which each row carries every part of its peak (below: a compact table)
+REASONS = 200  # columns from which each row carries its reason too (narrower, it would fold to a word a line)
 DEFAULT_WIDTH = 80  # piped output without COLUMNS, as a terminal's default
 
 
@@ -49,16 +50,17 @@ def make_console(as_json: bool, width: int) -> Console:
 
 
 def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
-    """One row per candidate, chosen starred. From `WIDE` columns: knobs, the predicted peak split into
-    parts, fit, speed, host RAM and reason; narrower: knobs, peak, fit, speed (and host RAM where a row
-    offloads), numbers never split; the chosen row's parts follow in `breakdown_table`."""
+    """One row per candidate, chosen starred and first. From `WIDE` columns: knobs, the predicted peak split
+    into parts, fit, speed, host RAM, and from `REASONS` each row's reason; narrower: knobs, peak, fit,
+    speed (and host RAM where a row offloads), numbers never split; the chosen row's parts follow in
+    `breakdown_table`."""
     shown = shown_rows(report, top)
     title = (f"{report.model} on {report.num_gpus} x {report.gpu.name} ({format_size(report.gpu.memory_bytes)}, "
              f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates")
-    wide = width >= WIDE
+    wide, reasons = width >= WIDE, width >= REASONS
     host = any(c.estimate.cpu_bytes for c in shown)
     columns = ["#", "configuration", *(PARTS if wide else ()), "peak/GPU", "fits", "samples/s",
-               *(("host RAM",) if wide or host else ()), *(("reason",) if wide else ())]
+               *(("host RAM",) if wide or host else ()), *(("reason",) if reasons else ())]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for name in columns:
         text = name in ("configuration", "reason")
@@ -71,7 +73,7 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
                  fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
         if wide or host:
             cells.append(format_size(candidate.estimate.cpu_bytes) if candidate.estimate.cpu_bytes else "-")
-        if wide:
+        if reasons:
             cells.append(short_reason(candidate.reason, candidate.estimate.method))
         table.add_row(*cells, style="bold" if candidate is report.chosen else None)
     return table
@@ -106,8 +108,9 @@ def breakdown_table(candidate: Candidate) -> Table:
 
 
 def short_reason(reason: str, method: str) -> str:
-    """The reason without the activation method (the same for most rows; printed once under the table)."""
-    return "; ".join(part for part in reason.split("; ") if part != method)
+    """The reason without the activation method (the same for most rows; printed once under the table),
+    which may hold "; " itself."""
+    return "; ".join(part for part in reason.replace(method, "").split("; ") if part.strip())
 
 
 def method_note(report: DryRunReport) -> str:

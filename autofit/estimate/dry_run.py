@@ -190,8 +190,10 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     chosen = _decided(space, fitting) if fitting else None
     reason = _chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) if chosen else \
         _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
+    first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
-                        tuple(fitting + rest), chosen, reason, time.perf_counter() - started)
+                        tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
+                        time.perf_counter() - started)
 
 
 def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> list["Strategy"]:
@@ -387,6 +389,10 @@ def _margin(safer: Candidate, riskier: Candidate) -> tuple[float, str]:
     return margin_between((safer.tier, False), (riskier.tier, False), DEFAULT_EXACT_MARGIN)
 
 
+_MARGIN_WORDS = {"exactness": "a numerics change must clear", "near-limit": "a fit nearer the limit must clear",
+                 "noise": "any other change must clear"}
+
+
 def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     others = len(fitting) - 1
     if not chosen.estimate.simulated:
@@ -397,10 +403,10 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     fastest = fitting[0]
     if fastest is not chosen:
         margin, kind = _margin(chosen, fastest)
-        return (f"chosen of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
-                f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}; "
-                f"{fastest.config.describe()} is predicted {chosen.step_seconds / fastest.step_seconds - 1:.0%} "
-                f"faster, under the {margin:.0%} a change of {kind} must clear (as autofit tune decides)")
+        return (f"{chosen.config.describe()}, ~{chosen.samples_per_s:,.1f} samples/s, peak "
+                f"{format_size(chosen.peak_bytes)}, of {len(fitting)} fitting candidate(s): "
+                f"{fastest.config.describe()} is predicted {chosen.step_seconds / fastest.step_seconds - 1:.1%} "
+                f"faster, under the {margin:.0%} margin {_MARGIN_WORDS[kind]}, as autofit tune decides")
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
             f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
             + (f" ({others} other(s) fit, slower)" if others else ""))

@@ -119,11 +119,20 @@ def test_narrow_terminal_and_pipes_fit_columns_with_whole_numbers(config_json, c
     assert len(out.splitlines()) < 120
 
 
-def test_wide_terminal_shows_every_part_per_row(config_json, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
+@pytest.mark.parametrize("columns", ["150", "200"])
+def test_wide_terminal_shows_every_part_per_row(config_json, capsys, monkeypatch, columns):
+    """Every part of each row's peak from 150 columns; each row's reason from 200, where it has room (at
+    150 it would fold to a word a line), without the activation method printed once below."""
+    monkeypatch.setenv("COLUMNS", columns)
     assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--top", "3") == 0
-    header = next(line for line in capsys.readouterr().out.splitlines() if "configuration" in line)
-    assert all(name in header for name in ("params", "grads", "optimizer", "activations", "overhead", "reason"))
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "configuration" in line)
+    assert all(name in header for name in ("params", "grads", "optimizer", "activations", "overhead"))
+    assert ("reason" in header) == (columns == "200")
+    assert max(len(line.rstrip()) for line in lines) <= int(columns)
+    table = lines[:next(i for i, line in enumerate(lines) if line.startswith("Chosen"))]
+    assert not any("simulated under fake tensors" in line for line in table)
+    assert len(table) < 3 * 8  # three rows of a few lines each
 
 
 def test_the_simulation_prints_no_transformers_warnings(config_json):

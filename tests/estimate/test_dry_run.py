@@ -56,10 +56,10 @@ def test_70b_preset_plans_with_nothing_allocated():
     assert fsdp and all(c.estimate.breakdown.gathered > 0 for c in fsdp)  # FSDP2 is modelled, not deferred
 
 
-def test_chosen_is_the_fastest_fit_and_candidates_are_ordered(report):
+def test_chosen_heads_the_fits_and_candidates_are_ordered(report):
     fitting = [c for c in report.candidates if c.fits]
-    assert report.chosen is fitting[0]
-    assert [c.step_seconds for c in fitting] == sorted(c.step_seconds for c in fitting)
+    assert report.chosen is fitting[0]  # the table's first row, whatever --top shows
+    assert [c.step_seconds for c in fitting[1:]] == sorted(c.step_seconds for c in fitting[1:])
     rest = [c.peak_bytes for c in report.candidates if not c.fits]
     assert rest == sorted(rest)
     assert report.candidates[:len(fitting)] == tuple(fitting)
@@ -197,6 +197,6 @@ def test_a_numerics_change_is_chosen_only_when_predicted_clearly_faster():
     # the tuner's rule (autofit.search.confirm.decide) on predicted speeds: a 10% margin for numerics
     near = [candidate(numerics, 0.95), candidate(exact, 1.0)]
     assert _decided(space, near).config == exact
-    assert "is predicted 5% faster, under the 10% a change of exactness must clear" in _chosen_reason(near[1], near)
+    assert "is predicted 5.3% faster, under the 10% margin a numerics change must clear" in _chosen_reason(near[1], near)
     clear = [candidate(numerics, 0.85), candidate(exact, 1.0)]
     assert _decided(space, clear).config == numerics
