@@ -59,7 +59,9 @@ MIB = 1024**2
 CUDA_CONTEXT_BYTES = 800 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the step is not simulated
-SPREAD_AFTER_S = 0.5  # a first simulation this slow makes sharing the rest with worker processes pay
+# Simulations expected to take this long (the first one's time x their count) pay for worker processes,
+# each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
+SPREAD_AFTER_S = 15.0
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
 NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
@@ -383,8 +385,8 @@ class Estimator:
     def prefetch(self, configs: Iterable[Config]) -> None:
         """Simulate now what predicting `configs` will need, shared with worker processes when the
         simulations are slow and CPUs are spare (`autofit.estimate.workers`): the first one runs here and
-        is timed; if it took `SPREAD_AFTER_S` or more, the rest are shared out. The predictions are the
-        same either way."""
+        is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
+        predictions are the same either way."""
         todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
         todo = [job for key, job in todo.items() if key not in self._cache]
         if not todo:
@@ -394,7 +396,7 @@ class Estimator:
         started = time.perf_counter()
         self._at_batch(*todo[0])
         rest = todo[1:]
-        if len(rest) < 2 or time.perf_counter() - started < SPREAD_AFTER_S:
+        if len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S:
             return  # cheap: the rest are simulated when predicted
         helpers = min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
         if helpers < 1:

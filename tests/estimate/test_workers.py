@@ -96,3 +96,18 @@ def test_cheap_simulations_are_neither_spread_nor_wait_for_a_cpu_sample(monkeypa
     monkeypatch.setattr(workers, "start", lambda *a: pytest.fail("workers were started for cheap simulations"))
     fresh_estimator(monkeypatch).prefetch(CONFIGS)
     assert len(simulations) == 1  # the first, timed; the rest wait until they are predicted
+
+
+@pytest.mark.parametrize("threshold, spread", [(5.0, True), (5.5, False)])
+def test_quick_simulations_are_spread_when_together_they_are_slow(monkeypatch, simulations, threshold, spread):
+    """The first simulation is timed (1 s on this fake clock, each one quick); the other five would take
+    5 s at that pace: shared out from a `SPREAD_AFTER_S` of 5 s, not from 5.5 s."""
+    import types
+
+    ticks = iter([0.0])
+    monkeypatch.setattr(estimator_module, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks, 1.0)))
+    monkeypatch.setattr(estimator_module, "SPREAD_AFTER_S", threshold)
+    started = []
+    monkeypatch.setattr(workers, "start", lambda *args: started.append(args) or None)  # none starts
+    fresh_estimator(monkeypatch).prefetch(CONFIGS)
+    assert bool(started) == spread
