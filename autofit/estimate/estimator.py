@@ -71,7 +71,7 @@ NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant
 class Breakdown:
     """Bytes per device, by what holds them."""
 
-    params: int  # the partitioned (or whole) weights: with grads and optimizer, the ZeRO paper's model states
+    params: int  # the partitioned (or whole) weights and the buffers: with grads and optimizer, the model states
     grads: int
     optimizer: int  # states and the optimizer step's temporaries
     activations: int
@@ -140,6 +140,22 @@ def optimizer_bytes(facts: ModelFacts, optimizer: Optimizer, trainable: int, sta
 
 
 def model_states(facts: ModelFacts, config: Config) -> States:
+    """Parameters (with the model's buffers, `buffers_on_device`), gradients and optimizer states per
+    device for `config` (`_states`)."""
+    states = _states(facts, config)
+    return dataclasses.replace(states, params=states.params + buffers_on_device(facts, config))
+
+
+def buffers_on_device(facts: ModelFacts, config: Config) -> int:
+    """Bytes of the model's buffers on each device: every rank holds them all (DDP broadcasts them, FSDP
+    and ZeRO-3 shard parameters only, offload moves states only); floating ones in 16 bits where the model
+    itself is cast (pure bf16, DeepSpeed's fp16/bf16 engine: `module.half()` / `module.bfloat16()`)."""
+    if config.pure_bf16 or (config.half_precision and config.zero_stage > 0):
+        return facts.half_buffer_bytes
+    return facts.buffer_bytes
+
+
+def _states(facts: ModelFacts, config: Config) -> States:
     """Parameters, gradients and optimizer states per device for `config` (ZeRO paper accounting).
 
     - torch (one GPU, DDP): the weights as the model stores them (fp32 under autocast: 4 bytes; a bf16
@@ -674,12 +690,13 @@ def _simulation_key(config: Config, mb: int) -> tuple:
 
 def _implementation_key(config: Config) -> tuple:
     """What a simulation depends on besides the config, in the libraries' behaviour it simulates: whether
-    bitsandbytes keeps each NF4 layer's input, whether checkpointing re-enters (both set by the calibration
-    to simulate runs of older releases and other modes)."""
+    bitsandbytes keeps each NF4 layer's input and which dtype it dequantizes to, whether checkpointing
+    re-enters (all set by the calibration to simulate runs of older releases and other modes)."""
     from autofit.strategies import checkpointing
     from autofit.strategies.quantization import SimulatedLinear4bit
 
-    nf4 = config.quantization is Quantization.NF4 and SimulatedLinear4bit.keeps_input
+    nf4 = config.quantization is Quantization.NF4 and (SimulatedLinear4bit.keeps_input,
+                                                        SimulatedLinear4bit.quantized_from)
     return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT
 
 
@@ -754,7 +771,7 @@ def _state_notes(config: Config, states: States) -> list[str]:
 # over-prediction is +4.96%; against 32 peaks measured on an H100 and predicted without CUDA, as a dry-run
 # predicts (bench/results/estimate-replay-estimate-cuda-2026-11-22-2026-11-22.json), +3.1%. So a
 # candidate predicted more than 5% over the limit is skipped. The estimator still under-predicts some
-# published runs (median |error| 3.7%, down to -21%: FSDP1 and QLoRA) and the H100's by up to -9.0%
+# published runs (median |error| 3.6%, down to -21%: FSDP1 and QLoRA) and the H100's by up to -9.0%
 # (allocator segments across steps, bench/allocator_steps.py): an under-prediction never prunes, it
 # makes a probe that runs out of memory, which the tuner records and steps back from.
 PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}

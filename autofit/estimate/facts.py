@@ -34,6 +34,8 @@ class ModelFacts:
     trainable_bytes: float = 4.0  # bytes per trainable weight as the model stores them
     trainable_tensors: int = 0  # trainable parameter tensors (an engine's per-parameter hooks run for each)
     adapted_layers: int = 0  # linear layers LoRA adapts (two adapter tensors each)
+    buffer_bytes: int = 0  # the model's buffers as stored (normalization statistics, RoPE tables, masks)
+    half_buffer_bytes: int = 0  # the same with its floating-point buffers cast to 16 bits
 
     def tensors_trained(self, adapters: bool) -> int:
         """Parameter tensors that train: the model's trainable ones, or two per adapted layer with LoRA."""
@@ -68,7 +70,9 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0,
         tied_params=_largest_tied(model),
         trainable_bytes=_bytes_each([p for p in params if p.requires_grad]),
-        trainable_tensors=sum(1 for p in params if p.requires_grad), adapted_layers=len(adapted))
+        trainable_tensors=sum(1 for p in params if p.requires_grad), adapted_layers=len(adapted),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        half_buffer_bytes=sum(b.numel() * (2 if b.is_floating_point() else b.element_size()) for b in model.buffers()))
 
 
 def _bytes_each(params: list) -> float:

@@ -232,9 +232,17 @@ class SimulatedLinear4bit(nn.Module):
     attribute that activation checkpointing cannot drop) though a frozen weight needs no input; 0.43.2
     stopped (bitsandbytes-foundation/bitsandbytes#1270, "delete useless buffered activation"; its changelog:
     10.1 GB per sequence of 1,024 tokens on a 70B model). autofit requires 0.43.2 or later, so False; the
-    calibration sets it for runs measured with older releases."""
+    calibration sets it for runs measured with older releases.
+
+    `quantized_from`: the dtype each weight was quantized from, which `dequantize_4bit` returns
+    (`QuantState.dtype`, bitsandbytes/functional.py) before `MatMul4Bit` casts it to the compute dtype: two
+    copies at once where they differ (an fp32 model's layer dequantizes to fp32, then to bf16). None: the
+    weight's own dtype, as 0.43.0 and later quantize it (`Params4bit._quantize`: `self.data.contiguous()
+    .to(device)`) and as autofit's `_quantized` hands it over. Earlier releases quantized from fp16
+    (`Params4bit.cuda`: `self.data.contiguous().half()`); the calibration sets that for runs measured so."""
 
     keeps_input = False
+    quantized_from: torch.dtype | None = None
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -248,7 +256,8 @@ class SimulatedLinear4bit(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return _MatMul4bit.apply(x.to(self.compute_dtype), self.weight, bias, type(self).keeps_input).to(dtype)
+        stored = type(self).quantized_from or self.weight.dtype
+        return _MatMul4bit.apply(x.to(self.compute_dtype), self.weight, stored, bias, type(self).keeps_input).to(dtype)
 
 
 class _MatMul4bit(torch.autograd.Function):
@@ -256,16 +265,16 @@ class _MatMul4bit(torch.autograd.Function):
     where `keeps_input` (releases before 0.43.2)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, stored: torch.dtype, bias: torch.Tensor | None,
                 keeps_input: bool) -> torch.Tensor:
-        ctx.weight = weight
+        ctx.weight, ctx.stored = weight, stored
         ctx.kept = x if keeps_input and ctx.needs_input_grad[0] else None
-        return F.linear(x, _dequantized(weight, x.dtype), bias)
+        return F.linear(x, _dequantized(weight, stored, x.dtype), bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad_x = grad @ _dequantized(ctx.weight, grad.dtype) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
+        grad_x = grad @ _dequantized(ctx.weight, ctx.stored, grad.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
 
 
 class _Kept(torch.autograd.Function):
@@ -282,6 +291,7 @@ class _Kept(torch.autograd.Function):
         return grad
 
 
-def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A new tensor of the weight's shape in `dtype`: what `dequantize_4bit(...).to(dtype)` allocates."""
-    return torch.empty(weight.shape, dtype=dtype, device=weight.device)
+def _dequantized(weight: torch.Tensor, stored: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """What `dequantize_4bit(B, quant_state).to(dtype)` allocates: the weight in the dtype it was quantized
+    from (`stored`), then, where `dtype` differs, a copy in `dtype` made while the first is alive."""
+    return torch.empty(weight.shape, dtype=stored, device=weight.device).to(dtype)

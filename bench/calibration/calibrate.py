@@ -83,7 +83,7 @@ MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA
               "litgpt_qlora": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss; NF4 under its "
                               "adapters on every linear layer, the head too)",
               "fsdp_qlora": "transformers classes with 4.38's fp32 logits and loss; LoRA rows: PEFT 0.10's bf16 adapters",
-              "torchtune": "transformers classes with fp32 logits, torchtune's loss and bf16 adapters",
+              "torchtune": "transformers classes with fp32 logits, torchtune's loss, bf16 adapters and per-layer RoPE caches",
               "transformers": "transformers classes of the architecture (today's code), autofit's LoRA formulas"}
 NOT_EXPRESSIBLE = {  # row id prefix -> what the estimator lacks (beside the table's own `expressible: false`)
     "torchtitan-": "op-level selective activation checkpointing in torchtitan's 'op' mode, which recomputes every "
@@ -113,17 +113,21 @@ def expressible(row: dict) -> str | None:
 
 
 def build(class_name: str, fields: dict, upcast_logits: bool = False, lora: dict | None = None,
-          lora_targets: tuple = ()) -> torch.nn.Module:
+          lora_targets: tuple = (), torchtune: bool = False) -> torch.nn.Module:
     """The causal LM of `class_name`'s config, weights in bf16 (every row stores them so); its logits
-    upcast to fp32 in the forward where the source's code did (`measured_code.upcast_logits`), and with
-    `lora`, bf16 LoRA adapters on `lora_targets` (`measured_code.bf16_adapters`)."""
+    upcast to fp32 in the forward where the source's code did (`measured_code.upcast_logits`), with
+    `lora`, bf16 LoRA adapters on `lora_targets` (`measured_code.bf16_adapters`), and for `torchtune`
+    its RoPE cache in every layer (`measured_code.torchtune_rope_caches`)."""
     import transformers
 
     config = getattr(transformers, class_name)(**fields)
     cls = measured_code.upcast_logits(class_name) if upcast_logits else \
         getattr(transformers, class_name.replace("Config", "ForCausalLM"))
     model = cls(config).to(torch.bfloat16)
-    return measured_code.bf16_adapters(model, lora, list(lora_targets)) if lora else model
+    model = measured_code.bf16_adapters(model, lora, list(lora_targets)) if lora else model
+    if torchtune:  # after any cast: the caches stay fp32
+        model = measured_code.torchtune_rope_caches(model, config.hidden_size // config.num_attention_heads)
+    return model
 
 
 def bf16_cross_entropy(output, batch):
@@ -190,7 +194,8 @@ def setup(row: dict) -> tuple:
     loss = {"torchtune": measured_code.torchtune_loss, "fsdp_qlora": None}.get(
         code, bf16_cross_entropy if row["id"].startswith(BF16_LOSS) else None)
     factory = functools.partial(build, class_name, fields, upcast_logits=code in ("fsdp_qlora", "torchtune"),
-                                lora=in_model, lora_targets=tuple(targets(row, class_name)) if in_model else ())
+                                lora=in_model, lora_targets=tuple(targets(row, class_name)) if in_model else (),
+                                torchtune=code == "torchtune")
     spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], loss is not None), device="cpu",
                      memory_budget="1TiB", loss_fn=loss)
     strategies = [Lora(target_modules=targets(row, class_name), dropout=lora.get("dropout") or 0.0)] \
@@ -231,8 +236,11 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
     estimate = estimator.predict(config)
     terms = dict(estimate.terms)
     metric = row["metric"]
-    if "after model init" in row["value_as_published"]:
-        return estimate.breakdown.params, "model states after init (weights + adapters)"
+    if "after model init" in row["value_as_published"]:  # torchtune's, the peak while its builder ran
+        m = row["model"]
+        template = measured_code.torchtune_template_bytes(estimator.facts.block_params, m["hidden"] // m["heads"])
+        return estimate.breakdown.params + template, "model states after init (weights, adapters, RoPE caches) " \
+            "+ the template layer torchtune's builder deep-copies"
     if metric == "allocated":
         return estimate.peak_bytes - CUDA_CONTEXT_BYTES - terms.get("fragmentation", 0), "peak - context - fragmentation"
     if metric == "reserved":

@@ -12,6 +12,7 @@ litgpt rows fall back to the transformers classes of their architecture and thei
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -62,10 +63,20 @@ def bitsandbytes_of(row_id: str) -> str | None:
 
 def bitsandbytes_release(version: str | None) -> Any:
     """Simulate NF4 layers as bitsandbytes `version` ran them: releases before 0.43.2 kept every
-    layer's input for backward (`SimulatedLinear4bit.keeps_input`). A context manager."""
+    layer's input for backward (`SimulatedLinear4bit.keeps_input`), releases before 0.43.0 quantized every
+    weight from fp16 (`SimulatedLinear4bit.quantized_from`; so does Lightning's `_Linear4bit._quantize_weight`,
+    lightning/fabric/plugins/precision/bitsandbytes.py: `weight.contiguous().to(device="cuda",
+    dtype=torch.half)`, whatever the model's dtype). A context manager."""
+    from packaging.version import Version
+
     from autofit.strategies.quantization import SimulatedLinear4bit, keeps_inputs
 
-    return mock.patch.object(SimulatedLinear4bit, "keeps_input", version is not None and keeps_inputs(version))
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(SimulatedLinear4bit, "keeps_input",
+                                          version is not None and keeps_inputs(version)))
+    if version is not None and Version(version) < Version("0.43.0"):
+        stack.enter_context(mock.patch.object(SimulatedLinear4bit, "quantized_from", torch.float16))
+    return stack
 
 
 # Rows quantized without double quantization: litgpt's `--quantize bnb.nf4` is Lightning's `_NF4Linear`,
@@ -220,6 +231,37 @@ def torchtune_loss(output: Any, batch: tuple) -> torch.Tensor:
     on the fp32 logits its decoder returned (`upcast_logits`)."""
     logits = output.logits[..., :-1, :].contiguous().transpose(1, 2)
     return nn.functional.cross_entropy(logits, batch[1][..., 1:].contiguous())
+
+
+# -- torchtune's model: a RoPE cache per layer, a template layer at build time ----------------------------
+TORCHTUNE_MAX_SEQ_LEN = 4096  # llama2_7b's `max_seq_len` (torchtune/models/llama2/_model_builders.py)
+
+
+def rope_cache_bytes(head_dim: int, max_seq_len: int = TORCHTUNE_MAX_SEQ_LEN) -> int:
+    """Bytes of one torchtune `RotaryPositionalEmbeddings` (torchtune/modules/position_embeddings.py):
+    `theta` (head_dim / 2 fp32, `.float()`) and `cache` ([max_seq_len, head_dim / 2, 2] fp32, cos and sin),
+    both buffers."""
+    return 4 * (head_dim // 2) * (1 + 2 * max_seq_len)
+
+
+def torchtune_rope_caches(model: nn.Module, head_dim: int) -> nn.Module:
+    """`model` (a transformers causal LM) with a torchtune RoPE cache as a buffer of each decoder layer:
+    torchtune's builder gives the template layer's attention one `RotaryPositionalEmbeddings` and
+    `TransformerDecoder` deep-copies that layer `num_layers` times (torchtune/modules/transformer.py
+    `_get_clones`), so every layer holds its own cache. transformers computes cos / sin per forward."""
+    for layer in model.get_decoder().layers:
+        device = next(layer.parameters()).device
+        layer.register_buffer("torchtune_rope", torch.empty(rope_cache_bytes(head_dim) // 4, device=device),
+                              persistent=False)
+    return model
+
+
+def torchtune_template_bytes(block_params: int, head_dim: int) -> int:
+    """What torchtune's builder holds at its peak beside the model it returns: the template layer (bf16
+    weights and adapters, its RoPE cache) that `TransformerDecoder` deep-copies `num_layers` times
+    (`_get_clones`), freed when the builder returns. Its "peak memory allocation" after model init
+    includes it."""
+    return 2 * block_params + rope_cache_bytes(head_dim)
 
 
 # -- LoRA adapters in the base's dtype: PEFT <= 0.10, torchtune ------------------------------------------

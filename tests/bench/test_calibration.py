@@ -123,6 +123,21 @@ def test_quantized_rows_are_simulated_with_the_bitsandbytes_release_their_source
         with measured_code.bitsandbytes_release("0.43.2"):
             assert not SimulatedLinear4bit.keeps_input
     assert not SimulatedLinear4bit.keeps_input  # autofit's own default, restored
+    with measured_code.bitsandbytes_release("0.42.0"):  # Params4bit.cuda quantized from fp16
+        assert SimulatedLinear4bit.quantized_from is torch.float16
+    with measured_code.bitsandbytes_release("0.43.0"):  # 0.43's _quantize keeps the weight's dtype
+        assert SimulatedLinear4bit.quantized_from is None
+
+
+def test_torchtunes_model_holds_a_rope_cache_per_layer_and_its_init_peak_the_template_layer():
+    row = ROWS["torchtune-tut-llama2-7b-lora-qv-r8-init"]
+    spec, _, _ = calibrate.setup(row)
+    model = meta_model(spec.model_factory)
+    caches = [b for name, b in model.named_buffers() if name.endswith("torchtune_rope")]
+    assert len(caches) == row["model"]["layers"]
+    assert {b.numel() * b.element_size() for b in caches} == {measured_code.rope_cache_bytes(128)}
+    assert measured_code.rope_cache_bytes(128) == 4 * 64 * (1 + 2 * 4096)  # theta + [4096, 64, 2] cos / sin
+    _reproduced(row["id"])  # the model states, its caches among them, and the template layer
 
 
 def test_fsdp1s_root_unit_is_one_flat_parameter_whose_views_the_modules_use():

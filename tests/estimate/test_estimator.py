@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from autofit.config import Config
 from autofit.estimate.estimator import (CUDA_CONTEXT_BYTES, Estimator, ModelFacts, NF4_BYTES, model_states,
                               predict_peak)
+from autofit.estimate.facts import model_facts
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies, quantization
@@ -60,6 +61,30 @@ def test_qlora_base_weights_and_adapter_states():
     with mock.patch.object(quantization, "DOUBLE_QUANT", False):  # an fp32 absmax per 64 weights instead
         plain = model_states(facts, Config(precision="bf16", quantization="nf4", lora=16))
     assert plain.params - states.params == pytest.approx(9e8 * (4 / 64 - (NF4_BYTES - 0.5)), abs=1)
+
+
+class _WithTable(torch.nn.Module):
+    """A layer beside a precomputed fp32 table of 1M elements and an int64 index (buffers, not parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 64)
+        self.register_buffer("table", torch.zeros(1_000_000))
+        self.register_buffer("index", torch.zeros(1000, dtype=torch.long), persistent=False)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("config, table_bytes", [
+    (Config(), 4), (Config(precision="bf16", sharding="fsdp_full", num_gpus=4), 4),  # FSDP shards parameters only
+    (Config(precision="bf16", sharding="zero3", num_gpus=4, offload="cpu"), 2),  # DeepSpeed casts the module
+    (Config(precision="pure_bf16"), 2)])
+def test_every_device_holds_the_models_buffers(config, table_bytes):
+    with_table = model_facts(_WithTable())
+    without = dataclasses.replace(with_table, buffer_bytes=0, half_buffer_bytes=0)
+    extra = model_states(with_table, config).params - model_states(without, config).params
+    assert extra == 1_000_000 * table_bytes + 1000 * 8
 
 
 def test_offload_moves_states_to_host():
@@ -182,4 +207,5 @@ def test_a_quantized_base_under_the_models_own_adapters():
     assert "the model's own adapters trained beside its quantized base" in estimate.reason
     frozen = sum(model.get_submodule(name).weight.numel() for name in layers if ".layers." in name)
     base = sum(p.numel() for p in model.parameters()) - trainable
-    assert estimate.breakdown.params == int(quantization.nf4_bytes() * frozen + 4 * (base - frozen) + 4 * trainable)
+    buffers = sum(b.nbytes for b in model.buffers())
+    assert estimate.breakdown.params == int(quantization.nf4_bytes() * frozen + 4 * (base - frozen) + 4 * trainable) + buffers

@@ -27,12 +27,14 @@ def _batch(n: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _activations(quantization: str, checkpointing_mode: str, keeps_input: bool = False, reentrant: bool = False) -> int:
+def _activations(quantization: str, checkpointing_mode: str, keeps_input: bool = False, reentrant: bool = False,
+                 quantized_from: torch.dtype | None = None) -> int:
     spec = make_spec(_llama, _batch, device="cpu", memory_budget="1TiB")
     estimator = Estimator(spec, target="cuda", strategies=[Lora(target_modules=["q_proj", "v_proj"])])
     config = Config(precision="fp32", attention="sdpa", micro_batch_size=1, lora=8, quantization=quantization,
                     checkpointing=checkpointing_mode)
     with mock.patch.object(SimulatedLinear4bit, "keeps_input", keeps_input), \
+            mock.patch.object(SimulatedLinear4bit, "quantized_from", quantized_from), \
             mock.patch.object(checkpointing, "REENTRANT", reentrant):
         return estimator.activations(config)[0].largest
 
@@ -58,3 +60,11 @@ def test_today_a_quantized_layer_adds_only_its_dequantized_weight(mode):
     largest_weight = D * I * 2  # bf16, gate/up/down
     assert 0 <= extra <= 2 * largest_weight  # one dequantized weight (and its gradient's matmul) at a time
     assert _activations("nf4", mode, keeps_input=True) - _activations("nf4", mode) > 2 * largest_weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_weight_quantized_from_another_dtype_dequantizes_to_it_then_to_bf16(dtype):
+    # dequantize_4bit returns the dtype quantized from (an fp32 model's own; fp16 before bitsandbytes 0.43),
+    # then MatMul4Bit casts it to bf16: both copies at once
+    extra = _activations("nf4", "none", quantized_from=dtype) - _activations("nf4", "none")
+    assert 0 < extra <= D * I * dtype.itemsize

@@ -37,7 +37,7 @@ def test_fsdp2_shards_every_state_and_reports_gathered_blocks_apart(estimator):
     full = estimator.predict(Config(precision="bf16", attention="sdpa", sharding="fsdp_full", num_gpus=N))
     grad_op = estimator.predict(Config(precision="bf16", attention="sdpa", sharding="fsdp_grad_op", num_gpus=N))
     ddp = estimator.predict(base)
-    assert full.breakdown.params == 4 * facts.num_params // N  # fp32 shards
+    assert full.breakdown.params == 4 * facts.num_params // N + facts.buffer_bytes  # fp32 shards, whole buffers
     assert full.breakdown.grads == 4 * facts.trainable_params // N
     root = facts.num_params - facts.num_blocks * facts.block_params
     staged = facts.block_params * (2 + 4)  # one block's bf16 gradient and its fp32 copy for the reduce-scatter
@@ -73,7 +73,7 @@ def test_fsdp2_cpu_offload_keeps_only_gathered_weights_on_the_gpu(estimator):
     facts = estimator.facts
     estimate = estimator.predict(Config(precision="bf16", sharding="fsdp_full", offload="cpu", num_gpus=N))
     parts = estimate.breakdown
-    assert parts.params == parts.grads == 0 and parts.gathered > 0
+    assert parts.params == facts.buffer_bytes and parts.grads == 0 and parts.gathered > 0
     assert estimate.cpu_bytes == 4 * facts.num_params + 4 * facts.trainable_params + 8 * facts.trainable_params
 
 
@@ -88,8 +88,9 @@ def test_nf4_under_fsdp_shards_the_packed_weights_not_their_constants(estimator)
     qlora = dict(precision="bf16", quantization="nf4", lora=16, sharding="fsdp_full", num_gpus=N)
     sharded = estimator.predict(Config(**qlora)).breakdown
     offloaded = estimator.predict(Config(**qlora, offload="cpu")).breakdown
-    assert sharded.params == (whole - constants) // N + constants
-    assert offloaded.params == constants and offloaded.grads == offloaded.optimizer == 0
+    whole -= facts.buffer_bytes  # the buffers stay whole on every rank too
+    assert sharded.params == (whole - constants) // N + constants + facts.buffer_bytes
+    assert offloaded.params == constants + facts.buffer_bytes and offloaded.grads == offloaded.optimizer == 0
     root = facts.num_params - facts.num_blocks * facts.block_params
     linear, adapters = facts.linear_params / facts.num_blocks, 16 * facts.lora_params_per_rank / facts.num_blocks
     block = 2 * facts.block_params - (2 - 0.5) * linear + 2 * adapters  # bf16 policy: 16-bit gathers
@@ -139,7 +140,7 @@ def test_a_bf16_model_keeps_two_bytes_per_weight_gradient_and_moment():
     assert fp32.facts.weight_bytes == 4 and bf16.facts.weight_bytes == 2
     p = bf16.facts.num_params
     states = model_states(bf16.facts, Config(precision="bf16"))
-    assert (states.params, states.grads, states.optimizer) == (2 * p, 2 * p, 4 * p)
+    assert (states.params, states.grads, states.optimizer) == (2 * p + bf16.facts.buffer_bytes, 2 * p, 4 * p)
     assert bf16._optimizer_temporaries(Config(precision="bf16")) == 2 * p
     assert bf16.predict(Config(precision="bf16")).peak_bytes < fp32.predict(Config(precision="bf16")).peak_bytes
 
