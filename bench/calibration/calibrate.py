@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.config import Config, Engine  # noqa: E402
-from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator  # noqa: E402
+from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator, model_states  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import Lora  # noqa: E402
 from bench.calibration import measured_code  # noqa: E402
@@ -233,14 +233,14 @@ def targets(row: dict, class_name: str) -> list[str]:
 
 def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str]:
     """The prediction comparable with the row's metric, and what was subtracted."""
-    estimate = estimator.predict(config)
-    terms = dict(estimate.terms)
-    metric = row["metric"]
     if "after model init" in row["value_as_published"]:  # torchtune's, the peak while its builder ran
         m = row["model"]
         template = measured_code.torchtune_template_bytes(estimator.facts.block_params, m["hidden"] // m["heads"])
-        return estimate.breakdown.params + template, "model states after init (weights, adapters, RoPE caches) " \
-            "+ the template layer torchtune's builder deep-copies"
+        return model_states(estimator.facts, config).params + template, "model states after init (weights, " \
+            "adapters, RoPE caches) + the template layer torchtune's builder deep-copies"
+    estimate = estimator.predict(config)
+    terms = dict(estimate.terms)
+    metric = row["metric"]
     if metric == "allocated":
         return estimate.peak_bytes - CUDA_CONTEXT_BYTES - terms.get("fragmentation", 0), "peak - context - fragmentation"
     if metric == "reserved":
