@@ -72,7 +72,8 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         trainable_bytes=_bytes_each([p for p in params if p.requires_grad]),
         trainable_tensors=sum(1 for p in params if p.requires_grad), adapted_layers=len(adapted),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        half_buffer_bytes=sum(b.numel() * (2 if b.is_floating_point() else b.element_size()) for b in model.buffers()))
+        half_buffer_bytes=sum(b.numel() * (2 if b.is_floating_point() else b.element_size())
+                              for b in model.buffers()))
 
 
 def _bytes_each(params: list) -> float:

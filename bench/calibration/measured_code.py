@@ -251,8 +251,8 @@ def torchtune_rope_caches(model: nn.Module, head_dim: int) -> nn.Module:
     `_get_clones`), so every layer holds its own cache. transformers computes cos / sin per forward."""
     for layer in model.get_decoder().layers:
         device = next(layer.parameters()).device
-        layer.register_buffer("torchtune_rope", torch.empty(rope_cache_bytes(head_dim) // 4, device=device),
-                              persistent=False)
+        cache = torch.empty(rope_cache_bytes(head_dim) // 4, dtype=torch.float32, device=device)
+        layer.register_buffer("torchtune_rope", cache, persistent=False)
     return model
 
 
