@@ -216,18 +216,26 @@ def _no_sequence(seq_len: int | None, name: str, takes: str) -> None:
                          "(--seq-len) out, or pass a batch of the size you train on.")
 
 
+DEFAULT_IMAGE_SIZE = 224  # what the image processors of convolutional models without one resize to (ResNet, RegNet)
+
+
 def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     """Image models: pixel values at the config's size, and a class label per image, or per pixel for
-    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width)."""
+    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width). A convolutional
+    model whose config names no size (ResNet, RegNet take any) gets `DEFAULT_IMAGE_SIZE`, and its
+    description says so."""
     channels = getattr(config, "num_channels", 3)
-    image_size = config.image_size
+    image_size = getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
     side = image_size if isinstance(image_size, int) else image_size[0]
     labels = _classes(config)
     pixels = Field("pixel_values", (channels, side, side))
+    size = "" if getattr(config, "image_size", None) else \
+        f" ({side}x{side}, the usual size: the config names none; pass a batch of your images' size)"
     if name.endswith("ForSemanticSegmentation"):
         return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
-            f"pixel_values {channels}x{side}x{side} and a label per pixel ({labels} classes)"
-    return SyntheticBatches((pixels, Field("labels", (), labels))), f"pixel_values {channels}x{side}x{side} and labels"
+            f"pixel_values {channels}x{side}x{side} and a label per pixel ({labels} classes){size}"
+    return SyntheticBatches((pixels, Field("labels", (), labels))), \
+        f"pixel_values {channels}x{side}x{side} and labels{size}"
 
 
 AUDIO_RATE = 16_000  # samples per second: what every waveform model in transformers was trained on

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DistilBertConfig, MixtralConfig, SegformerConfig,
-                          T5Config, ViTConfig, Wav2Vec2Config, WhisperConfig)
+from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DistilBertConfig, MixtralConfig, ResNetConfig,
+                          SegformerConfig, T5Config, ViTConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
 from autofit.estimate.dry_run import dry_run
@@ -51,11 +51,15 @@ ARCHITECTURES = {
     "convnext": (ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10, image_size=32,
                                 architectures=["ConvNextForImageClassification"]),
                  {"pixel_values": (3, 32, 32), "labels": ()}),
+    # ResNet takes any size and its config names none: the usual 224 x 224, said so (`test_an_image_size_...`)
+    "resnet": (ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], num_labels=10,
+                            architectures=["ResNetForImageClassification"]),
+               {"pixel_values": (3, 224, 224), "labels": ()}),
     "distilbert-qa": (DistilBertConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
                                        architectures=["DistilBertForQuestionAnswering"]),
                       {"input_ids": (32,), "start_positions": (), "end_positions": ()}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None}  # audio samples; images: none
+SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None, "resnet": None}  # audio samples; images: none
 
 
 @pytest.fixture(autouse=True)
@@ -98,6 +102,15 @@ def check_simulated(tmp_path, name):
     batch = spec.batch_factory(2)
     shapes = {key: tuple(value.shape[1:]) for key, value in batch.items() if isinstance(value, torch.Tensor)}
     assert shapes == ARCHITECTURES[name][1]
+
+
+def test_an_image_size_the_config_does_not_name_is_the_usual_one_and_said_so():
+    from autofit.spec.batch import synthesize_batch
+
+    _, described = synthesize_batch(ARCHITECTURES["resnet"][0], None)
+    assert "3x224x224" in described and "the config names none" in described
+    _, described = synthesize_batch(ARCHITECTURES["vit"][0], None)
+    assert "3x32x32" in described and "names none" not in described
 
 
 def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, capsys):
