@@ -225,12 +225,12 @@ def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     model whose config names no size (ResNet, RegNet take any) gets `DEFAULT_IMAGE_SIZE`, and its
     description says so."""
     channels = getattr(config, "num_channels", 3)
-    image_size = getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
+    named = getattr(config, "image_size", None)
+    image_size = named or DEFAULT_IMAGE_SIZE
     side = image_size if isinstance(image_size, int) else image_size[0]
     labels = _classes(config)
     pixels = Field("pixel_values", (channels, side, side))
-    size = "" if getattr(config, "image_size", None) else \
-        f" ({side}x{side}, the usual size: the config names none; pass a batch of your images' size)"
+    size = "" if named else f" ({side}x{side}, the usual size: the config names none; pass a batch of your images' size)"
     if name.endswith("ForSemanticSegmentation"):
         return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
             f"pixel_values {channels}x{side}x{side} and a label per pixel ({labels} classes){size}"
