@@ -118,6 +118,7 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) 
     forward of the second micro-batch of step 2, rank 0 in the backward of the second micro-batch of
     step 5 (after some gradients went in); after `steps` steps rank 0 raises a non-OOM error."""
     import datetime
+    import gc
     import traceback
 
     import torch.distributed as dist
@@ -157,6 +158,12 @@ def ddp_worker(rank: int, world: int, init_file: str, out_dir: str, steps: int) 
         except Exception as exc:  # noqa: BLE001 - recorded for the test to inspect
             record["error"] = (type(exc).__name__, str(exc), traceback.format_exc())
     torch.save(record, f"{out_dir}/rank{rank}.pt")
+    # DDP's reducer holds the process group: left to interpreter shutdown, gloo's worker threads are
+    # torn down while Python finalizes and the rank can abort (SIGABRT, "terminate called without an
+    # active exception"; pytorch/pytorch#179291). Drop it, then leave together.
+    del guard, model, optimizer, budget
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
