@@ -44,7 +44,11 @@ def test_the_same_gradients_with_the_forward_under_save_on_cpu():
         torch.manual_seed(1)
         model(**batch).loss.backward()
         grads.append([p.grad for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # The same math up to reduction order: a tensor comes back from the host as a contiguous copy, and a
+    # matmul over it may sum in another order (bit for bit with 2 threads here, ~1e-6 of the largest
+    # gradient apart with 1). A dropped or doubled term would be of the gradient's own size.
+    for plain, offloaded in zip(*grads):
+        assert (plain - offloaded).abs().max() <= 1e-5 * plain.abs().max()
 
 
 def test_paired_with_none_or_full_checkpointing():
