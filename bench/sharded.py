@@ -34,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # `python bench/sharded.py` from anywhere imports bench and autofit
 
 import autofit  # noqa: E402
-from autofit.estimate.estimator import Estimator, tolerance_for  # noqa: E402
+from autofit.estimate.estimator import Estimator  # noqa: E402
+from autofit.estimate.tolerance import tolerance_for  # noqa: E402
 from autofit.probe.outcome import ProbeStatus  # noqa: E402
 from autofit.spec.batch import TokenBatches  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402

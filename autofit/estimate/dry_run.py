@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
 from autofit.estimate.gpus import GpuProfile, get_gpu
+from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import Workload, workload
 from autofit.search.confirm import DEFAULT_EXACT_MARGIN, change_order, margin_between
 from autofit.search.space import TIER_NAMES, Space, build_space
@@ -418,7 +419,7 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
     config = chosen.config
     if not config.needs_sync_each_micro_batch or estimator.deferred_sync:
         return ""
-    more = estimator.unsharded_grads(config) - chosen.estimate.breakdown.grads
+    more = unsharded_grads(estimator.facts, config) - chosen.estimate.breakdown.grads
     return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
             f"(sync_each_batch); a loop that waits for the last one (accelerate's accumulate(), the Trainer's "
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")

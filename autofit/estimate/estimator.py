@@ -5,12 +5,8 @@
          + activations                         (the real forward + backward under fake tensors, tracked)
          + overhead                            (CUDA context, allocator rounding and fragmentation, buckets)
 
-Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3): with mixed precision
-under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of fp32 master weights and
-Adam moments per parameter, each partitioned over N GPUs by its stage. Without ZeRO, autofit trains
-with autocast: the weights as the model stores them (fp32: 4 bytes; a bf16 model: 2), gradients and the
-optimizer's states in the same dtype; DDP's gradients are bucket views, live for the whole step. FSDP2
-shards all three over N and gathers blocks in the mixed-precision policy's dtype.
+Model states come from formulas (`autofit.estimate.states`: the ZeRO paper's accounting); DDP's gradients
+are bucket views, live for the whole step.
 
 Activations are measured, not guessed (`autofit.estimate.simulate`): the model is built on the meta device,
 materialised as fake tensors (shapes, no data), and one forward + backward runs under a dispatch mode
@@ -22,11 +18,7 @@ in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linear
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import hashlib
-import json
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -34,15 +26,19 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from autofit.config import Checkpointing, Config, Engine, Offload, Optimizer, Quantization, Sharding
+from autofit.config import Checkpointing, Config, Engine, Quantization, Sharding
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, model_facts  # noqa: F401 (re-exported)
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate import cuda_attention
+from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.simulate import is_adapted, within_block
-from autofit.strategies.quantization import NF4_BYTES, nf4_bytes  # noqa: F401 (NF4_BYTES re-exported)
+from autofit.estimate.simulations import workload_key
+from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
+                                     state_notes, step_in_backward, unsharded_grads)
+from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -63,8 +59,6 @@ FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the
 # each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
 SPREAD_AFTER_S = 15.0
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
-INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
-NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,225 +107,6 @@ class Estimate:
         return {"peak_bytes": self.peak_bytes, "cpu_bytes": self.cpu_bytes, "reason": self.reason,
                 "breakdown": self.breakdown.to_dict(), "overhead_terms": dict(self.terms),
                 "activations": "simulated" if self.simulated else "formula", "error_bound": self.error_bound}
-
-
-# -- model states --------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class States:
-    """Model-state bytes per device, and on the host (all ranks) when offloaded."""
-
-    params: int
-    grads: int
-    optimizer: int
-    cpu: int = 0
-
-
-def optimizer_bytes(facts: ModelFacts, optimizer: Optimizer, trainable: int, state_bytes: float = 4.0) -> float:
-    """Optimizer-state bytes for `trainable` parameters (no master weights): AdamW two moments of
-    `state_bytes` each (torch keeps them in the weights' dtype: 8 per fp32 parameter), 8-bit AdamW 2
-    (+ an fp32 absmax per 2048-element block per state), Adafactor its factored moments; a user's own
-    optimizer is counted as AdamW (a fallback: its states are unknown)."""
-    if optimizer.eight_bit:
-        return trainable * (2 + 2 * 4 / 2048)
-    if optimizer is Optimizer.ADAFACTOR:
-        share = trainable / facts.trainable_params if facts.trainable_params else 1.0
-        return state_bytes * facts.factored_params * share
-    return 2 * state_bytes * trainable
-
-
-def model_states(facts: ModelFacts, config: Config) -> States:
-    """Parameters (with the model's buffers, `buffers_on_device`), gradients and optimizer states per
-    device for `config` (`_states`)."""
-    states = _states(facts, config)
-    return dataclasses.replace(states, params=states.params + buffers_on_device(facts, config))
-
-
-def buffers_on_device(facts: ModelFacts, config: Config) -> int:
-    """Bytes of the model's buffers on each device: every rank holds them all (DDP broadcasts them, FSDP
-    and ZeRO-3 shard parameters only, offload moves states only); floating ones in 16 bits where the model
-    itself is cast (pure bf16, DeepSpeed's fp16/bf16 engine: `module.half()` / `module.bfloat16()`)."""
-    if config.pure_bf16 or (config.half_precision and config.zero_stage > 0):
-        return facts.half_buffer_bytes
-    return facts.buffer_bytes
-
-
-def _states(facts: ModelFacts, config: Config) -> States:
-    """Parameters, gradients and optimizer states per device for `config` (ZeRO paper accounting).
-
-    - torch (one GPU, DDP): the weights as the model stores them (fp32 under autocast: 4 bytes; a bf16
-      model 2), gradients and states in the same dtype; nothing is partitioned.
-    - ZeRO 1/2/3 with fp16/bf16: 2 bytes of half weights and grads; fp32 master weights + states (K)
-      partitioned over N by stage 1, grads too by stage 2, weights too by stage 3.
-    - FSDP2: the weights, gradients and states of the torch case, all sharded over N (`_fsdp_states`).
-    - offload "cpu"/"nvme": master weights and optimizer states leave the GPU (stage 3: weights too).
-    - LoRA: base weights frozen (as stored, or NF4/int8 when quantized); only the adapters train.
-    """
-    if config.adapters:
-        return _sharded(_adapter_states(facts, config), config, quantization_constants(facts, config))
-    if config.engine is Engine.FSDP:
-        return _fsdp_states(facts, config)
-    n = max(config.num_gpus, 1)
-    wb = facts.weight_bytes
-    trainable = facts.trainable_params
-    frozen = facts.num_params - trainable
-    if config.pure_bf16:
-        return _pure_bf16_states(facts, config)
-    if config.zero_stage == 0:
-        return States(int(wb * facts.num_params), int(wb * trainable),
-                      int(optimizer_bytes(facts, config.optimizer, trainable, wb)))
-    half = 2 if config.half_precision else 4
-    master = 4 * trainable  # fp32 copies the optimizer updates: a clone even in fp32 (stage_1_and_2.py l.570)
-    k_bytes = master + optimizer_bytes(facts, config.optimizer, trainable)
-    params = half * trainable / (n if config.zero_stage >= 3 else 1) + wb * frozen
-    grads = half * trainable / (n if config.zero_stage >= 2 else 1)
-    optimizer = k_bytes / n
-    if not config.offloads:
-        return States(int(params), int(grads), int(optimizer))
-    # Host RAM over all N ranks: each rank's K-byte partition plus its fp32 gradient partition for CPU Adam.
-    to_host = config.offload is Offload.CPU
-    cpu = k_bytes + 4 * trainable if to_host else 0
-    if config.zero_stage >= 3:
-        cpu += half * trainable if to_host else 0
-        params = wb * frozen
-    return States(int(params), int(grads), 0, int(cpu))
-
-
-def _fsdp_states(facts: ModelFacts, config: Config) -> States:
-    """FSDP2 (`fully_shard` on each block and the root) keeps each parameter as a 1/N shard in its own
-    dtype, its gradient shard in the same dtype (the reduce-scatter output) and the optimizer's states on
-    the shards: everything over N, at every sharding mode (the modes differ in what is gathered, see
-    `Estimator._gathered`). `CPUOffloadPolicy` keeps all three in host memory. Pure bf16 casts the
-    weights to bf16 before they are sharded."""
-    n = max(config.num_gpus, 1)
-    wb, trainable = 2.0 if config.pure_bf16 else facts.weight_bytes, facts.trainable_params
-    states = States(int(wb * facts.num_params / n), int(wb * trainable / n),
-                    int(optimizer_bytes(facts, config.optimizer, trainable, wb) / n))
-    if config.offload is Offload.CPU:
-        return States(0, 0, 0, n * (states.params + states.grads + states.optimizer))
-    return states
-
-
-def _sharded(states: States, config: Config, resident: int = 0) -> States:
-    """Adapter states under a sharding engine: FSDP2 shards all three (or keeps them on the host with CPU
-    offload); ZeRO by its stage. `states` are one rank's unsharded states, of whose weights `resident`
-    bytes are no parameter's data and stay whole on every device (`quantization_constants`)."""
-    n = max(config.num_gpus, 1)
-    fsdp = config.engine is Engine.FSDP
-    if fsdp and config.offload is Offload.CPU:  # CPUOffloadPolicy: every state on the host
-        return States(resident, 0, 0, states.params - resident + states.grads + states.optimizer)
-    if n == 1 or config.sharding.stage == 0:
-        return states
-    return States((states.params - resident) // (n if fsdp or config.shards_parameters else 1) + resident,
-                  states.grads // (n if fsdp or config.shards_gradients else 1),
-                  states.optimizer // n, states.cpu)
-
-
-def _pure_bf16_states(facts: ModelFacts, config: Config) -> States:
-    """Pure bf16 (torch engine): 2-byte weights and gradients; AdamW moments and Adafactor's factored
-    moments follow the parameter dtype (half of `optimizer_bytes`), 8-bit states are 8-bit anyway."""
-    trainable = facts.trainable_params
-    return States(2 * facts.num_params, 2 * trainable, int(optimizer_bytes(facts, config.optimizer, trainable, 2)))
-
-
-def own_adapters(facts: ModelFacts, config: Config) -> bool:
-    """Whether `config` quantizes the base of a model that brings its own adapters: no LoRA rank, and the
-    model trains only part of itself (the estimator's case; the planner does not offer it)."""
-    return config.quantization is not Quantization.NONE and not config.lora and facts.trains_part
-
-
-def adapter_weights(facts: ModelFacts, config: Config) -> tuple[int, float]:
-    """(elements, bytes each) of the weights that train beside a frozen base: autofit's LoRA adapters, fp32
-    (peft upcasts adapters of a 16-bit base: `autocast_adapter_dtype=True`), r=16 where quantization names
-    no rank (QLoRA's usual); or the model's own adapters as it stores them (`own_adapters`)."""
-    if own_adapters(facts, config):
-        return facts.trainable_params, facts.trainable_bytes
-    return (config.lora or 16) * facts.lora_params_per_rank, 4.0
-
-
-def _adapter_states(facts: ModelFacts, config: Config) -> States:
-    """LoRA: the frozen base as stored (or NF4/int8 where quantized), the adapters (`adapter_weights`)
-    with gradients and states in their dtype."""
-    adapters, size = adapter_weights(facts, config)
-    base, wb = facts.num_params - (adapters if own_adapters(facts, config) else 0), facts.weight_bytes
-    if config.quantization is Quantization.NF4:
-        base_bytes = nf4_bytes() * facts.linear_params + wb * (base - facts.linear_params)
-    elif config.quantization is Quantization.INT8:
-        base_bytes = INT8_BYTES * facts.linear_params + 4 * facts.linear_rows + wb * (base - facts.linear_params)
-    else:
-        base_bytes = wb * base
-    return States(int(base_bytes + size * adapters), int(size * adapters),
-                  int(optimizer_bytes(facts, config.optimizer, adapters, size)))
-
-
-def quantization_constants(facts: ModelFacts, config: Config) -> int:
-    """Bytes of NF4's quantization constants (the absmax of every 64 weights, double-quantized or not):
-    bitsandbytes keeps them in each layer's `quant_state`, beside the parameter whose data holds the packed
-    4-bit weights, so a sharding engine that flattens parameters neither shards nor offloads them; every
-    rank keeps them all on its GPU (bitsandbytes/nn/modules.py `fix_4bit_weight_quant_state_from_module`:
-    "the quant state got lost when the parameter got converted. This happens for example for fsdp")."""
-    if config.quantization is not Quantization.NF4:
-        return 0
-    return int((nf4_bytes() - NF4_PACKED_BYTES) * facts.linear_params)
-
-
-# -- simulations kept for the process --------------------------------------------------------------------
-class _Simulations:
-    """Simulated steps kept for the life of the process, least recently used dropped past `size`: a second
-    dry-run or tune of the same model and batch (another GPU, budget or rank count, in a notebook or a
-    script planning several) simulates nothing again. Keyed by `workload_key` and the simulation key."""
-
-    def __init__(self, size: int = 20_000):
-        self.size = size
-        self.kept: collections.OrderedDict[tuple, tuple[ActivationPeak | None, str]] = collections.OrderedDict()
-
-    def get(self, key: tuple) -> tuple[ActivationPeak | None, str] | None:
-        found = self.kept.get(key)
-        if found is not None:
-            self.kept.move_to_end(key)
-        return found
-
-    def put(self, key: tuple, value: tuple[ActivationPeak | None, str]) -> None:
-        self.kept[key] = value
-        self.kept.move_to_end(key)
-        while len(self.kept) > self.size:
-            self.kept.popitem(last=False)
-
-
-_SIMULATIONS = _Simulations()
-
-
-def workload_key(meta: nn.Module, spec: "TrainSpec", sim_device: str, adapted: frozenset[str],
-                 adapter_dropout: float = 0.0) -> str:
-    """What a simulated step depends on besides its config: the model (class, modules and their shapes,
-    a Hugging Face config in full), the batch's structure, shapes and dtypes, the loss function's code,
-    the simulating device, the layers LoRA adapts and whether its adapters drop out their inputs."""
-    hf = getattr(meta, "config", None)
-    described = {k: v for k, v in hf.to_dict().items() if k != "_name_or_path"} if hasattr(hf, "to_dict") else {}
-    parts = [type(meta).__module__, type(meta).__qualname__, repr(meta), json.dumps(described, sort_keys=True, default=str),
-             _structure(spec.batch_factory(1)), _code(spec.loss_fn), sim_device, sorted(adapted), adapter_dropout > 0]
-    return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
-
-
-def _structure(value: Any) -> str:
-    """Shapes and dtypes of every tensor in a batch, keys and nesting kept; other leaves by type."""
-    if isinstance(value, torch.Tensor):
-        return f"T{tuple(value.shape)}{value.dtype}"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_structure(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__name__}[" + ",".join(_structure(v) for v in value) + "]"
-    return type(value).__qualname__
-
-
-def _code(fn: Any) -> str:
-    """A loss function by its code (a partial by its function and arguments); None is the default loss."""
-    if fn is None:
-        return "default"
-    if isinstance(fn, functools.partial):
-        return f"partial({_code(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
-    code = getattr(fn, "__code__", None)
-    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-    return name + (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() if code else repr(fn))
 
 
 # -- the estimator ---------------------------------------------------------------------------------------
@@ -437,7 +212,7 @@ class Estimator:
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache:
-            self._keep(config, mb, _SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
+            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
         return self._cache[key]
 
     def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:
@@ -445,7 +220,7 @@ class Estimator:
         key = self._key(config, mb)
         if key in self._cache:
             return
-        _SIMULATIONS.put((self._workload, key), found)
+        simulations.SIMULATIONS.put((self._workload, key), found)
         peak, how = found
         if peak is None:
             self._failed.add(key)
@@ -508,12 +283,12 @@ class Estimator:
         notes = [how]
         act = self._adjusted(act, config, notes)
         gathered = self._gathered(config, notes)
-        temp = self._optimizer_temporaries(config)
+        temp = optimizer_temporaries(self.facts, config, self.target)
         # DeepSpeed's buffers, ZeRO-3's gathered weights and a tied weight's gradient, by phase (engines.py)
         engine = engine_memory(self.facts, config, deepspeed_elements(config, self.buffers))
         held = self._held_grads(config, states, notes)
         if config.steps_in_backward:  # each parameter steps in its gradient's hook, inside backward
-            states, held, temp = dataclasses.replace(states, grads=0), 0, self._step_in_backward(config)
+            states, held, temp = dataclasses.replace(states, grads=0), 0, step_in_backward(self.facts, config, self.target)
             notes.append("optimizer step in backward: one parameter's gradient and step live at a time")
             transient = max(act.largest, act.at_grad + temp)
         elif config.grad_accum_steps > 1 or _ddp(config) or engine.grads_held:
@@ -532,7 +307,7 @@ class Estimator:
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
-        notes += _state_notes(config, states)
+        notes += state_notes(config, states)
         if config.offloads_activations:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
@@ -541,28 +316,13 @@ class Estimator:
                         method=notes[0], simulated=simulated, error_bound=round(bound, 4),
                         offloaded_activations=act.offloaded, kernels=act.kernels)
 
-    def unsharded_grads(self, config: Config) -> int:
-        """Bytes of the whole model's gradients as FSDP holds them when the reduce waits for the last
-        micro-batch: unsharded, in the reduce dtype (FSDP2's `set_requires_gradient_sync(False)`:
-        `FSDPParam.to_accumulated_grad_if_needed` upcasts to it, torch/distributed/fsdp/_fully_shard/
-        _fsdp_param.py; FSDP1's `no_sync` keeps the flat parameter's unsharded gradient,
-        fully_sharded_data_parallel.py): fp32 under autofit's bf16/fp16 policy (`reduce_dtype=torch.float32`)
-        and for adapters, else the weights' dtype (bf16 under pure bf16)."""
-        facts = self.facts
-        if config.adapters:
-            adapters, size = adapter_weights(facts, config)
-            return int((4 if config.half_precision else size) * adapters)
-        if config.pure_bf16:
-            return 2 * facts.trainable_params
-        return int((4 if config.half_precision else facts.weight_bytes) * facts.trainable_params)
-
     def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
         """Gradient bytes live through a backward after the first micro-batch: `unsharded_grads` under FSDP
         with `deferred_sync` (every micro-batch but the last skips the reduce-scatter), else those of
         `states`."""
         if not (self.deferred_sync and config.needs_sync_each_micro_batch):
             return states.grads
-        held = self.unsharded_grads(config)
+        held = unsharded_grads(self.facts, config)
         notes.append(f"gradient reduction deferred to the last micro-batch: {_size(held)} of unsharded "
                      "gradients held")
         return held
@@ -593,59 +353,8 @@ class Estimator:
         `stage3_max_live_parameters`, in 16 bits. FSDP2: `_fsdp_gathered`."""
         if config.engine is Engine.FSDP:
             notes.append("FSDP2 gathered weights by formula")
-            return self._fsdp_gathered(config)
+            return fsdp_gathered(self.facts, config)
         return 0  # ZeRO-3's gathered weights are live in the backward only: `engines.zero3_gathered`
-
-    def _fsdp_gathered(self, config: Config) -> int:
-        """FSDP2 all-gathers a block's weights in the policy's dtype (16 bits under bf16/fp16, else as
-        stored) before its forward and backward. The root (embeddings, final norm, head) stays gathered
-        across the step; full_shard (`reshard_after_forward=True`) holds two blocks (the current one and the
-        prefetched next), shard_grad_op keeps every block gathered from its forward to its backward.
-        A quantized block gathers its linear layers packed (their constants stay whole on every rank:
-        `quantization_constants`), the rest of the block and the root as stored; autofit's LoRA adapters
-        are gathered with their block. Each block's unsharded gradient (policy dtype) and its fp32 copy for
-        the reduce-scatter are staged one block at a time (torch/distributed/fsdp/_fully_shard/
-        _fsdp_param_group.py), for the weights that train only: a frozen weight (LoRA's base, built into
-        the model or not) has none."""
-        facts = self.facts
-        size = 2 if config.half_precision else facts.weight_bytes
-        root = facts.num_params - facts.num_blocks * facts.block_params
-        blocks = min(2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks, facts.num_blocks)
-        block = size * facts.block_params
-        packed = {Quantization.NF4: NF4_PACKED_BYTES, Quantization.INT8: INT8_BYTES}.get(config.quantization)
-        if packed is not None and facts.num_blocks:  # a quantized block gathers its linear layers packed
-            block -= (size - packed) * facts.linear_params / facts.num_blocks
-        if config.adapters and not own_adapters(facts, config) and facts.num_blocks:  # autofit's, in the blocks
-            adapters, adapter_size = adapter_weights(facts, config)
-            block += (2 if config.half_precision else adapter_size) * adapters / facts.num_blocks
-        staged = 0 if config.adapters else facts.block_trainable_params * (size + (4 if size < 4 else 0))
-        return int(size * root + blocks * block + staged)
-
-    def _step_in_backward(self, config: Config) -> int:
-        """Temporaries of one parameter's optimizer step inside backward, for the largest parameter: torch's
-        foreach path (CUDA) one tensor of its size, the single-tensor path (CPU) two."""
-        element = 2 if config.pure_bf16 else 4
-        return (1 if self.target == "cuda" else 2) * element * self.facts.largest_param
-
-    def _optimizer_temporaries(self, config: Config) -> int:
-        """Bytes the optimizer step allocates beyond its states. torch's foreach AdamW/Adafactor (the CUDA
-        default; also DeepSpeed's torch_adam over its fp32 partition) builds one list the size of the
-        trainable weights it updates, in their dtype (`exp_avg_sq_sqrt = torch._foreach_sqrt(...)` in
-        torch/optim/adam.py `_multi_tensor_adam`); under FSDP2 those are the 1/N shards. The single-tensor
-        path (CPU) makes two temporaries of the largest tensor; bitsandbytes and DeepSpeed's CPU Adam
-        (offload) update in place."""
-        if config.optimizer.eight_bit or config.zero_stage or \
-                (config.engine is Engine.FSDP and config.offload is Offload.CPU):
-            return 0  # ZeRO: DeepSpeed is configured with torch's fused AdamW (or its CPU Adam with offload)
-        if config.adapters:
-            trainable, size = adapter_weights(self.facts, config)
-        else:
-            trainable, size = self.facts.trainable_params, 4.0 if config.zero_stage else self.facts.weight_bytes
-            size = 2.0 if config.pure_bf16 else size  # the temporaries take the parameters' dtype
-        if self.target != "cuda":
-            return int(2 * size * min(self.facts.largest_param, trainable))
-        shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
-        return int(size * trainable / shards)
 
     def _overhead(self, config: Config, act: ActivationPeak, temp: int) -> list[tuple[str, int]]:
         """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only). Fragmentation:
@@ -760,52 +469,6 @@ def _size(nbytes: int) -> str:
     from autofit.units import format_size
 
     return format_size(nbytes)
-
-
-def _state_notes(config: Config, states: States) -> list[str]:
-    from autofit.units import format_size
-
-    notes = []
-    if config.optimizer is not Optimizer.ADAMW:
-        notes.append(f"{config.optimizer.value} states by formula")
-    if config.zero_stage:
-        notes.append(f"ZeRO-{config.zero_stage} states by formula")
-    if config.offloads:
-        notes.append(f"offload to {config.offload.value}: {format_size(states.cpu)} of host RAM")
-    return notes
-
-
-# Relative error allowed to a predicted peak before it prunes a candidate: the estimator's measured
-# worst over-prediction (a prune is wrong only when the true peak is lower than predicted).
-# CPU: worst error against the CPU budget's measured peak 4.1% over 24 points (under-predicted; the worst
-# over-prediction is 0.9%): bench/results/estimate-cpu-2026-11-22.json.
-# CUDA: against 40 published GPU training peaks (bench/calibration/results/calibration.json, like compared
-# with like: allocated vs reserved, each simulated with the code its source ran), the worst
-# over-prediction is +4.96%; against 32 peaks measured on an H100 and predicted without CUDA, as a dry-run
-# predicts (bench/results/estimate-replay-estimate-cuda-2026-11-22-2026-11-22.json), +3.1%. So a
-# candidate predicted more than 5% over the limit is skipped. The estimator still under-predicts some
-# published runs (median |error| 3.6%, down to -21%: FSDP1 and QLoRA) and the H100's by up to -9.0%
-# (allocator segments across steps, bench/allocator_steps.py): an under-prediction never prunes, it
-# makes a probe that runs out of memory, which the tuner records and steps back from.
-PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}
-
-# The activation formula's worst under-prediction of the simulated activations (simulated / formula),
-# over preset models x sequence lengths x checkpointing: bench/calibration/formula_bound.py, results in
-# bench/calibration/results/formula-bound.json. A peak resting on the formula is reported with this bound.
-FORMULA_UNDER_PREDICTION = 4.1
-
-
-# Several ranks with an engine (ZeRO, FSDP2) on CPU ranks: measured against probes on 2 and 4 CPU ranks of
-# three models (issue 12's note, docs/heavy-rungs.md, bench/results/sharded-cpu-*.json); see ENGINE_TOLERANCE.
-ENGINE_TOLERANCE = {"cpu": 0.10, "cuda": 0.25}
-
-
-def tolerance_for(device: torch.device, config: Config | None = None) -> float:
-    """The estimator's measured relative error on `device`'s kind (see PREDICTION_TOLERANCE), for
-    `config` when given: configs with a sharding engine have their own (ENGINE_TOLERANCE)."""
-    if config is not None and config.engine is not Engine.TORCH:
-        return ENGINE_TOLERANCE.get(device.type, 0.25)
-    return PREDICTION_TOLERANCE.get(device.type, 0.25)
 
 
 def predictor_for(spec: "TrainSpec", strategies: Sequence["Strategy"] = ()) -> Callable[[Config], int | None]:

@@ -112,7 +112,7 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     checkpointed blocks keep their 16-bit input (2*s*b*h) and one block is recomputed at a time. Beside
     the blocks: the output logits (16-bit, their fp32 upcast and its gradient: 10 bytes per logit) and,
     under autocast of fp32 weights, the 16-bit copy of every block weight autocast keeps (2 bytes each).
-    fp32 compute doubles the activation bytes. Its measured bound is `autofit.estimate.estimator.FORMULA_UNDER_PREDICTION`."""
+    fp32 compute doubles the activation bytes. Its measured bound is `autofit.estimate.tolerance.FORMULA_UNDER_PREDICTION`."""
     hidden = config_int(hf, "hidden_size", "hidden_sizes")
     heads = config_int(hf, "num_attention_heads", default=1)
     s, b, blocks = _formula_tokens(hf, tokens), mb, max(facts.num_blocks, 1)

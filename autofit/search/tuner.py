@@ -6,7 +6,8 @@ import functools
 from typing import Any, Sequence
 
 from autofit.config import Config
-from autofit.estimate.estimator import predictor_for, tolerance_for
+from autofit.estimate.estimator import predictor_for
+from autofit.estimate.tolerance import tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.errors import UsageError
 from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed

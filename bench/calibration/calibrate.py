@@ -33,7 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.config import Config, Engine  # noqa: E402
-from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator, model_states  # noqa: E402
+from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator  # noqa: E402
+from autofit.estimate.states import model_states  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import Lora  # noqa: E402
 from bench.calibration import measured_code  # noqa: E402
@@ -155,7 +156,7 @@ class Batches:
 def model_code(row: dict) -> str:
     """Whose code the row's step is simulated with (measured_code.py):
     - "litgpt": litgpt's own model, LoRA and loss (when installed); "litgpt_qlora" the same with NF4 base
-      weights under litgpt's adapters (`autofit.estimate.estimator.own_adapters`);
+      weights under litgpt's adapters (`autofit.estimate.states.own_adapters`);
     - "fsdp_qlora": transformers 4.38's forward and loss, and for LoRA rows PEFT 0.10's bf16 adapters
       (its QLoRA rows keep autofit's NF4 formulas, which count today's fp32 adapters);
     - "torchtune": fp32 logits and torchtune's loss, bf16 adapters;

@@ -5,7 +5,7 @@
 For preset models x sequence lengths x precision x checkpointing, the activations of one micro-batch are
 simulated under fake tensors (`Estimator.activations`) and computed by `formula_activations`; the ratio
 simulated / formula is recorded. Its largest value is `FORMULA_UNDER_PREDICTION` in
-autofit/estimate/estimator.py: a peak that rests on the formula is reported with that bound. Nothing is
+autofit/estimate/tolerance.py: a peak that rests on the formula is reported with that bound. Nothing is
 allocated and no GPU is needed (CPU kernels stand in for CUDA, as in every dry-run here).
 """
 

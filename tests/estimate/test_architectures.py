@@ -122,7 +122,9 @@ def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, cap
         raise NotImplementedError("aten::made_up has no fake kernel")
 
     monkeypatch.setattr(estimator, "simulate_step", no_fake_kernel)
-    monkeypatch.setattr(estimator, "_SIMULATIONS", estimator._Simulations())  # none of the real ones kept
+    from autofit.estimate import simulations
+
+    monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())  # none of the real ones kept
     path = _config_file(tmp_path, "bert-token-classifier")
     report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090", strategies=[Precision(), MicroBatch()])
     assert report.fits and report.formula_only

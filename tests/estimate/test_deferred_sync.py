@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from autofit.config import Config
-from autofit.estimate.estimator import Estimator, tolerance_for
+from autofit.estimate.estimator import Estimator
+from autofit.estimate.tolerance import tolerance_for
 from autofit.spec.train import make_spec
 
 # (precision, weights' dtype): no policy on bf16 weights (held in bf16), the bf16 policy on bf16 weights

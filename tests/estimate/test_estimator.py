@@ -8,8 +8,9 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
-from autofit.estimate.estimator import (CUDA_CONTEXT_BYTES, Estimator, ModelFacts, NF4_BYTES, model_states,
-                              predict_peak)
+from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator, ModelFacts, predict_peak
+from autofit.estimate.states import model_states
+from autofit.strategies.quantization import NF4_BYTES
 from autofit.estimate.facts import model_facts
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
@@ -165,10 +166,11 @@ def test_a_second_estimator_of_the_same_workload_simulates_nothing_again(monkeyp
     """Simulations are kept for the process (a notebook planning one model for several GPUs); another
     batch shape or model simulates anew."""
     import autofit.estimate.estimator as estimator_module
+    from autofit.estimate import simulations
 
     runs = []
     real = estimator_module.simulate_step
-    monkeypatch.setattr(estimator_module, "_SIMULATIONS", estimator_module._Simulations())
+    monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())
     monkeypatch.setattr(estimator_module, "simulate_step", lambda *a, **k: runs.append(1) or real(*a, **k))
     config = Config(precision="bf16", attention="sdpa", checkpointing="full", micro_batch_size=2)
 

@@ -7,12 +7,18 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
-from autofit.estimate.estimator import (Estimator, ModelFacts, model_states, nf4_bytes, predictor_for,
-                                        quantization_constants)
+from autofit.estimate.estimator import Estimator, ModelFacts, predictor_for
+from autofit.estimate.states import model_states, optimizer_temporaries, quantization_constants
+from autofit.strategies.quantization import nf4_bytes
 from autofit.spec.train import make_spec
 from autofit.strategies import Lora
 
 N = 4
+
+
+def temporaries(estimator, config):
+    """The optimizer step's temporaries (bytes) as `estimator` predicts them for `config`."""
+    return optimizer_temporaries(estimator.facts, config, estimator.target)
 
 
 @pytest.fixture(autouse=True)
@@ -120,16 +126,16 @@ def test_ddp_gradients_are_bucket_views_live_for_the_whole_step(estimator):
     grads = ddp.breakdown.grads
     assert ddp.peak_bytes - single.peak_bytes <= grads
     act = ddp.breakdown.activations
-    assert ddp.peak_bytes >= ddp.breakdown.params + ddp.breakdown.optimizer - estimator._optimizer_temporaries(
-        Config(precision="bf16", num_gpus=N)) + grads + act
+    temp = temporaries(estimator, Config(precision="bf16", num_gpus=N))
+    assert ddp.peak_bytes >= ddp.breakdown.params + ddp.breakdown.optimizer - temp + grads + act
 
 
 def test_foreach_adamw_temporaries_follow_the_updated_weights(estimator):
     facts = estimator.facts
-    assert estimator._optimizer_temporaries(Config()) == 4 * facts.trainable_params  # one fp32 list
-    assert estimator._optimizer_temporaries(Config(sharding="fsdp_full", num_gpus=N)) == 4 * facts.trainable_params // N
-    assert estimator._optimizer_temporaries(Config(optimizer="adamw8bit")) == 0  # bitsandbytes: in place
-    assert estimator._optimizer_temporaries(Config(lora=8)) == 4 * 8 * facts.lora_params_per_rank
+    assert temporaries(estimator, Config()) == 4 * facts.trainable_params  # one fp32 list
+    assert temporaries(estimator, Config(sharding="fsdp_full", num_gpus=N)) == 4 * facts.trainable_params // N
+    assert temporaries(estimator, Config(optimizer="adamw8bit")) == 0  # bitsandbytes: in place
+    assert temporaries(estimator, Config(lora=8)) == 4 * 8 * facts.lora_params_per_rank
 
 
 def test_a_bf16_model_keeps_two_bytes_per_weight_gradient_and_moment():
@@ -141,7 +147,7 @@ def test_a_bf16_model_keeps_two_bytes_per_weight_gradient_and_moment():
     p = bf16.facts.num_params
     states = model_states(bf16.facts, Config(precision="bf16"))
     assert (states.params, states.grads, states.optimizer) == (2 * p + bf16.facts.buffer_bytes, 2 * p, 4 * p)
-    assert bf16._optimizer_temporaries(Config(precision="bf16")) == 2 * p
+    assert temporaries(bf16, Config(precision="bf16")) == 2 * p
     assert bf16.predict(Config(precision="bf16")).peak_bytes < fp32.predict(Config(precision="bf16")).peak_bytes
 
 

@@ -8,6 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 import autofit.estimate.estimator as estimator_module
+from autofit.estimate import simulations as kept_simulations
 from autofit.config import Config
 from autofit.estimate import workers
 from autofit.estimate.estimator import Estimator
@@ -41,7 +42,7 @@ def simulations(monkeypatch):
 
 
 def fresh_estimator(monkeypatch, model=llama_factory) -> Estimator:
-    monkeypatch.setattr(estimator_module, "_SIMULATIONS", estimator_module._Simulations())
+    monkeypatch.setattr(kept_simulations, "SIMULATIONS", kept_simulations.Simulations())
     spec = make_spec(model, None, seq_len=64, global_batch_size=4, device="cpu", memory_budget="4GiB")
     return Estimator(spec, target="cuda", extrapolate_batch=True)
 

@@ -16,7 +16,8 @@ import torch
 
 import autofit
 from autofit.config import Config, Engine
-from autofit.estimate.estimator import Estimator, tolerance_for
+from autofit.estimate.estimator import Estimator
+from autofit.estimate.tolerance import tolerance_for
 from autofit.probe.outcome import ProbeStatus, Source
 from autofit.spec.batch import TokenBatches
 from autofit.spec.train import make_spec

@@ -7,7 +7,8 @@ import torch
 
 import autofit
 from autofit.config import Config
-from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.estimator import Estimator
+from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.estimate.gpus import get_gpu
 from autofit.probe.run import run_probe
 from autofit.search.rules import violation

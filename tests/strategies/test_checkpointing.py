@@ -4,7 +4,8 @@ from models import make_gpt2, make_mlp, mlp_loss
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.estimator import Estimator
+from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
 from autofit.probe.step import build_run

@@ -7,7 +7,8 @@ from forcing import budget_between, peak, tune
 from models import make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
-from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.estimator import Estimator
+from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
 from autofit.strategies import ChunkedLoss, MicroBatch, default_strategies

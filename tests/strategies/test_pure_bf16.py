@@ -5,7 +5,8 @@ from forcing import budget_between, peak, tune
 from models import WideBlocks, thin_batch
 
 from autofit.config import Config
-from autofit.estimate.estimator import PREDICTION_TOLERANCE, Estimator
+from autofit.estimate.estimator import Estimator
+from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.estimate.gpus import get_gpu
 from autofit.probe.run import run_probe
 from autofit.probe.step import build_run

@@ -1,0 +1,262 @@
+"""Estimate, model states: the bytes of parameters, gradients and optimizer states per device for a
+configuration, and the other terms that follow from the model's facts alone (FSDP2's gathered weights,
+gradients held unsharded, the optimizer step's temporaries), all by formula, without a simulation.
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3): with mixed precision
+under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of fp32 master weights and
+Adam moments per parameter, each partitioned over N GPUs by its stage. Without ZeRO, autofit trains
+with autocast: the weights as the model stores them (fp32: 4 bytes; a bf16 model: 2), gradients and the
+optimizer's states in the same dtype. FSDP2 shards all three over N and gathers blocks in the
+mixed-precision policy's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sharding
+from autofit.estimate.facts import ModelFacts
+from autofit.strategies.quantization import nf4_bytes
+
+INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
+NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class States:
+    """Model-state bytes per device, and on the host (all ranks) when offloaded."""
+
+    params: int
+    grads: int
+    optimizer: int
+    cpu: int = 0
+
+
+def optimizer_bytes(facts: ModelFacts, optimizer: Optimizer, trainable: int, state_bytes: float = 4.0) -> float:
+    """Optimizer-state bytes for `trainable` parameters (no master weights): AdamW two moments of
+    `state_bytes` each (torch keeps them in the weights' dtype: 8 per fp32 parameter), 8-bit AdamW 2
+    (+ an fp32 absmax per 2048-element block per state), Adafactor its factored moments; a user's own
+    optimizer is counted as AdamW (a fallback: its states are unknown)."""
+    if optimizer.eight_bit:
+        return trainable * (2 + 2 * 4 / 2048)
+    if optimizer is Optimizer.ADAFACTOR:
+        share = trainable / facts.trainable_params if facts.trainable_params else 1.0
+        return state_bytes * facts.factored_params * share
+    return 2 * state_bytes * trainable
+
+
+def model_states(facts: ModelFacts, config: Config) -> States:
+    """Parameters (with the model's buffers, `buffers_on_device`), gradients and optimizer states per
+    device for `config` (`_states`)."""
+    states = _states(facts, config)
+    return dataclasses.replace(states, params=states.params + buffers_on_device(facts, config))
+
+
+def buffers_on_device(facts: ModelFacts, config: Config) -> int:
+    """Bytes of the model's buffers on each device: every rank holds them all (DDP broadcasts them, FSDP
+    and ZeRO-3 shard parameters only, offload moves states only); floating ones in 16 bits where the model
+    itself is cast (pure bf16, DeepSpeed's fp16/bf16 engine: `module.half()` / `module.bfloat16()`)."""
+    if config.pure_bf16 or (config.half_precision and config.zero_stage > 0):
+        return facts.half_buffer_bytes
+    return facts.buffer_bytes
+
+
+def _states(facts: ModelFacts, config: Config) -> States:
+    """Parameters, gradients and optimizer states per device for `config` (ZeRO paper accounting).
+
+    - torch (one GPU, DDP): the weights as the model stores them (fp32 under autocast: 4 bytes; a bf16
+      model 2), gradients and states in the same dtype; nothing is partitioned.
+    - ZeRO 1/2/3 with fp16/bf16: 2 bytes of half weights and grads; fp32 master weights + states (K)
+      partitioned over N by stage 1, grads too by stage 2, weights too by stage 3.
+    - FSDP2: the weights, gradients and states of the torch case, all sharded over N (`_fsdp_states`).
+    - offload "cpu"/"nvme": master weights and optimizer states leave the GPU (stage 3: weights too).
+    - LoRA: base weights frozen (as stored, or NF4/int8 when quantized); only the adapters train.
+    """
+    if config.adapters:
+        return _sharded(_adapter_states(facts, config), config, quantization_constants(facts, config))
+    if config.engine is Engine.FSDP:
+        return _fsdp_states(facts, config)
+    n = max(config.num_gpus, 1)
+    wb = facts.weight_bytes
+    trainable = facts.trainable_params
+    frozen = facts.num_params - trainable
+    if config.pure_bf16:
+        return _pure_bf16_states(facts, config)
+    if config.zero_stage == 0:
+        return States(int(wb * facts.num_params), int(wb * trainable),
+                      int(optimizer_bytes(facts, config.optimizer, trainable, wb)))
+    half = 2 if config.half_precision else 4
+    master = 4 * trainable  # fp32 copies the optimizer updates: a clone even in fp32 (stage_1_and_2.py l.570)
+    k_bytes = master + optimizer_bytes(facts, config.optimizer, trainable)
+    params = half * trainable / (n if config.zero_stage >= 3 else 1) + wb * frozen
+    grads = half * trainable / (n if config.zero_stage >= 2 else 1)
+    optimizer = k_bytes / n
+    if not config.offloads:
+        return States(int(params), int(grads), int(optimizer))
+    # Host RAM over all N ranks: each rank's K-byte partition plus its fp32 gradient partition for CPU Adam.
+    to_host = config.offload is Offload.CPU
+    cpu = k_bytes + 4 * trainable if to_host else 0
+    if config.zero_stage >= 3:
+        cpu += half * trainable if to_host else 0
+        params = wb * frozen
+    return States(int(params), int(grads), 0, int(cpu))
+
+
+def _fsdp_states(facts: ModelFacts, config: Config) -> States:
+    """FSDP2 (`fully_shard` on each block and the root) keeps each parameter as a 1/N shard in its own
+    dtype, its gradient shard in the same dtype (the reduce-scatter output) and the optimizer's states on
+    the shards: everything over N, at every sharding mode (the modes differ in what is gathered, see
+    `Estimator._gathered`). `CPUOffloadPolicy` keeps all three in host memory. Pure bf16 casts the
+    weights to bf16 before they are sharded."""
+    n = max(config.num_gpus, 1)
+    wb, trainable = 2.0 if config.pure_bf16 else facts.weight_bytes, facts.trainable_params
+    states = States(int(wb * facts.num_params / n), int(wb * trainable / n),
+                    int(optimizer_bytes(facts, config.optimizer, trainable, wb) / n))
+    if config.offload is Offload.CPU:
+        return States(0, 0, 0, n * (states.params + states.grads + states.optimizer))
+    return states
+
+
+def _sharded(states: States, config: Config, resident: int = 0) -> States:
+    """Adapter states under a sharding engine: FSDP2 shards all three (or keeps them on the host with CPU
+    offload); ZeRO by its stage. `states` are one rank's unsharded states, of whose weights `resident`
+    bytes are no parameter's data and stay whole on every device (`quantization_constants`)."""
+    n = max(config.num_gpus, 1)
+    fsdp = config.engine is Engine.FSDP
+    if fsdp and config.offload is Offload.CPU:  # CPUOffloadPolicy: every state on the host
+        return States(resident, 0, 0, states.params - resident + states.grads + states.optimizer)
+    if n == 1 or config.sharding.stage == 0:
+        return states
+    return States((states.params - resident) // (n if fsdp or config.shards_parameters else 1) + resident,
+                  states.grads // (n if fsdp or config.shards_gradients else 1),
+                  states.optimizer // n, states.cpu)
+
+
+def _pure_bf16_states(facts: ModelFacts, config: Config) -> States:
+    """Pure bf16 (torch engine): 2-byte weights and gradients; AdamW moments and Adafactor's factored
+    moments follow the parameter dtype (half of `optimizer_bytes`), 8-bit states are 8-bit anyway."""
+    trainable = facts.trainable_params
+    return States(2 * facts.num_params, 2 * trainable, int(optimizer_bytes(facts, config.optimizer, trainable, 2)))
+
+
+def own_adapters(facts: ModelFacts, config: Config) -> bool:
+    """Whether `config` quantizes the base of a model that brings its own adapters: no LoRA rank, and the
+    model trains only part of itself (the estimator's case; the planner does not offer it)."""
+    return config.quantization is not Quantization.NONE and not config.lora and facts.trains_part
+
+
+def adapter_weights(facts: ModelFacts, config: Config) -> tuple[int, float]:
+    """(elements, bytes each) of the weights that train beside a frozen base: autofit's LoRA adapters, fp32
+    (peft upcasts adapters of a 16-bit base: `autocast_adapter_dtype=True`), r=16 where quantization names
+    no rank (QLoRA's usual); or the model's own adapters as it stores them (`own_adapters`)."""
+    if own_adapters(facts, config):
+        return facts.trainable_params, facts.trainable_bytes
+    return (config.lora or 16) * facts.lora_params_per_rank, 4.0
+
+
+def _adapter_states(facts: ModelFacts, config: Config) -> States:
+    """LoRA: the frozen base as stored (or NF4/int8 where quantized), the adapters (`adapter_weights`)
+    with gradients and states in their dtype."""
+    adapters, size = adapter_weights(facts, config)
+    base, wb = facts.num_params - (adapters if own_adapters(facts, config) else 0), facts.weight_bytes
+    if config.quantization is Quantization.NF4:
+        base_bytes = nf4_bytes() * facts.linear_params + wb * (base - facts.linear_params)
+    elif config.quantization is Quantization.INT8:
+        base_bytes = INT8_BYTES * facts.linear_params + 4 * facts.linear_rows + wb * (base - facts.linear_params)
+    else:
+        base_bytes = wb * base
+    return States(int(base_bytes + size * adapters), int(size * adapters),
+                  int(optimizer_bytes(facts, config.optimizer, adapters, size)))
+
+
+def quantization_constants(facts: ModelFacts, config: Config) -> int:
+    """Bytes of NF4's quantization constants (the absmax of every 64 weights, double-quantized or not):
+    bitsandbytes keeps them in each layer's `quant_state`, beside the parameter whose data holds the packed
+    4-bit weights, so a sharding engine that flattens parameters neither shards nor offloads them; every
+    rank keeps them all on its GPU (bitsandbytes/nn/modules.py `fix_4bit_weight_quant_state_from_module`:
+    "the quant state got lost when the parameter got converted. This happens for example for fsdp")."""
+    if config.quantization is not Quantization.NF4:
+        return 0
+    return int((nf4_bytes() - NF4_PACKED_BYTES) * facts.linear_params)
+
+
+def unsharded_grads(facts: ModelFacts, config: Config) -> int:
+    """Bytes of the whole model's gradients as FSDP holds them when the reduce waits for the last
+    micro-batch: unsharded, in the reduce dtype (FSDP2's `set_requires_gradient_sync(False)`:
+    `FSDPParam.to_accumulated_grad_if_needed` upcasts to it, torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py; FSDP1's `no_sync` keeps the flat parameter's unsharded gradient,
+    fully_sharded_data_parallel.py): fp32 under autofit's bf16/fp16 policy (`reduce_dtype=torch.float32`)
+    and for adapters, else the weights' dtype (bf16 under pure bf16)."""
+    if config.adapters:
+        adapters, size = adapter_weights(facts, config)
+        return int((4 if config.half_precision else size) * adapters)
+    if config.pure_bf16:
+        return 2 * facts.trainable_params
+    return int((4 if config.half_precision else facts.weight_bytes) * facts.trainable_params)
+
+
+def fsdp_gathered(facts: ModelFacts, config: Config) -> int:
+    """FSDP2 all-gathers a block's weights in the policy's dtype (16 bits under bf16/fp16, else as
+    stored) before its forward and backward. The root (embeddings, final norm, head) stays gathered
+    across the step; full_shard (`reshard_after_forward=True`) holds two blocks (the current one and the
+    prefetched next), shard_grad_op keeps every block gathered from its forward to its backward.
+    A quantized block gathers its linear layers packed (their constants stay whole on every rank:
+    `quantization_constants`), the rest of the block and the root as stored; autofit's LoRA adapters
+    are gathered with their block. Each block's unsharded gradient (policy dtype) and its fp32 copy for
+    the reduce-scatter are staged one block at a time (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py), for the weights that train only: a frozen weight (LoRA's base, built into
+    the model or not) has none."""
+    size = 2 if config.half_precision else facts.weight_bytes
+    root = facts.num_params - facts.num_blocks * facts.block_params
+    blocks = min(2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks, facts.num_blocks)
+    block = size * facts.block_params
+    packed = {Quantization.NF4: NF4_PACKED_BYTES, Quantization.INT8: INT8_BYTES}.get(config.quantization)
+    if packed is not None and facts.num_blocks:  # a quantized block gathers its linear layers packed
+        block -= (size - packed) * facts.linear_params / facts.num_blocks
+    if config.adapters and not own_adapters(facts, config) and facts.num_blocks:  # autofit's, in the blocks
+        adapters, adapter_size = adapter_weights(facts, config)
+        block += (2 if config.half_precision else adapter_size) * adapters / facts.num_blocks
+    staged = 0 if config.adapters else facts.block_trainable_params * (size + (4 if size < 4 else 0))
+    return int(size * root + blocks * block + staged)
+
+
+def step_in_backward(facts: ModelFacts, config: Config, target: str) -> int:
+    """Temporaries of one parameter's optimizer step inside backward, for the largest parameter: torch's
+    foreach path (CUDA) one tensor of its size, the single-tensor path (CPU) two."""
+    element = 2 if config.pure_bf16 else 4
+    return (1 if target == "cuda" else 2) * element * facts.largest_param
+
+
+def optimizer_temporaries(facts: ModelFacts, config: Config, target: str) -> int:
+    """Bytes the optimizer step allocates beyond its states. torch's foreach AdamW/Adafactor (the CUDA
+    default; also DeepSpeed's torch_adam over its fp32 partition) builds one list the size of the
+    trainable weights it updates, in their dtype (`exp_avg_sq_sqrt = torch._foreach_sqrt(...)` in
+    torch/optim/adam.py `_multi_tensor_adam`); under FSDP2 those are the 1/N shards. The single-tensor
+    path (CPU) makes two temporaries of the largest tensor; bitsandbytes and DeepSpeed's CPU Adam
+    (offload) update in place."""
+    if config.optimizer.eight_bit or config.zero_stage or \
+            (config.engine is Engine.FSDP and config.offload is Offload.CPU):
+        return 0  # ZeRO: DeepSpeed is configured with torch's fused AdamW (or its CPU Adam with offload)
+    if config.adapters:
+        trainable, size = adapter_weights(facts, config)
+    else:
+        trainable, size = facts.trainable_params, 4.0 if config.zero_stage else facts.weight_bytes
+        size = 2.0 if config.pure_bf16 else size  # the temporaries take the parameters' dtype
+    if target != "cuda":
+        return int(2 * size * min(facts.largest_param, trainable))
+    shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
+    return int(size * trainable / shards)
+
+
+def state_notes(config: Config, states: States) -> list[str]:
+    """Phrases for an estimate's reason: which model states rest on formulas, and the host RAM offload needs."""
+    from autofit.units import format_size
+
+    notes = []
+    if config.optimizer is not Optimizer.ADAMW:
+        notes.append(f"{config.optimizer.value} states by formula")
+    if config.zero_stage:
+        notes.append(f"ZeRO-{config.zero_stage} states by formula")
+    if config.offloads:
+        notes.append(f"offload to {config.offload.value}: {format_size(states.cpu)} of host RAM")
+    return notes
