@@ -101,6 +101,8 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     from autofit.export.deepspeed import buffers_for, deepspeed_config
 
     config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()))
+    if run.spec.device.type == "cpu":
+        _gloo_collectives(deepspeed)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     if run.config.shards_parameters:
         partition(run.model, config)
@@ -120,6 +122,16 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
         cast_inputs(engine, dtype)
     run.model, run.optimizer = engine, optimizer
     return DeepSpeedEngine(engine, run)
+
+
+def _gloo_collectives(deepspeed: Any) -> None:
+    """CPU ranks keep gloo's collectives. DeepSpeed's comm backend otherwise compiles its shared-memory
+    all-reduce kernel (C++ and OpenMP, deepspeed/comm/torch.py `build_shm_op`) the first time it starts on
+    a machine: 38 s of g++ on 2 idle cores here, an error where no compiler is installed. The kernel only
+    speeds up CPU collectives, and CPU ranks are where probes measure memory, not speed."""
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def partition(model: Any, config: dict[str, Any]) -> None:
