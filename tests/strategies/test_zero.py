@@ -59,7 +59,7 @@ def test_outside_launched_ranks_it_refuses():
     assert not dist.is_initialized()
 
 
-# slow: on a fresh machine DeepSpeed compiles its CPU ops (fused Adam, shared-memory comm) on first use,
+# slow: on a fresh machine DeepSpeed compiles its CPU ops (fused Adam) on first use,
 # about 4 minutes; run with `python -m pytest -m slow tests/strategies/test_zero.py`.
 @needs_deepspeed
 @pytest.mark.slow
