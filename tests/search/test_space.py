@@ -4,7 +4,7 @@ exclusion recorded once with its reason and never probed."""
 import itertools
 
 import pytest
-from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
+from models import make_mlp, make_mlp_batch, mlp_loss
 
 import autofit
 from autofit.config import Config
@@ -17,6 +17,15 @@ from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
 
 
+def two_block_gpt2():
+    """make_gpt2 with two blocks: the levels do not depend on depth, and a dry-run of a model this shallow
+    simulates each step once instead of at two depths (the dry-run test took 70 s with four blocks)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))
+
+
 def level_of(config):
     return config.replace(micro_batch_size=1, grad_accum_steps=1)
 
@@ -24,13 +33,13 @@ def level_of(config):
 @pytest.fixture(scope="module")
 def gpu_space():
     target = Target.from_profile(get_gpu("a100-80gb"), 2)
-    spec = make_spec(make_gpt2, global_batch_size=4, device="cpu", memory_budget=target.memory_bytes,
+    spec = make_spec(two_block_gpt2, global_batch_size=4, device="cpu", memory_budget=target.memory_bytes,
                      num_gpus=2, seq_len=16, allow={"lora"}, target=target)
     return build_space(spec, default_strategies())
 
 
 def test_the_dry_run_plans_the_levels_the_tuner_walks(gpu_space):
-    report = autofit.dry_run(make_gpt2, seq_len=16, global_batch_size=4, gpu="a100-80gb", num_gpus=2,
+    report = autofit.dry_run(two_block_gpt2, seq_len=16, global_batch_size=4, gpu="a100-80gb", num_gpus=2,
                              allow={"lora"})
     assert {level_of(c.config) for c in report.candidates} == {level_of(c) for c in gpu_space.levels()}
 
