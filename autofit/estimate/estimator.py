@@ -227,16 +227,17 @@ class Estimator:
             peak = self._formula(config, mb)
         self._cache[key] = (peak, how)
 
-    def simulate(self, config: Config, mb: int) -> tuple[ActivationPeak | None, str]:
+    def simulate(self, config: Config, mb: int, full_depth: bool = False) -> tuple[ActivationPeak | None, str]:
         """One simulated forward + backward of `config` at micro-batch `mb` (extrapolated in depth for deep
-        models) and how it was obtained; (None, why) when it cannot be simulated."""
+        models, unless `full_depth`: every block simulated, slower) and how it was obtained; (None, why)
+        when it cannot be simulated."""
         where = "CUDA" if self.sim_device == "cuda" else \
             (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)})"
              if self.target == "cuda" else "CPU")
         k = config.checkpoint_every
         depths = tuple(k * d for d in SIM_DEPTHS)
         try:
-            if not self._depth_key or self.facts.num_blocks <= depths[-1]:
+            if full_depth or not self._depth_key or self.facts.num_blocks <= depths[-1]:
                 depths = (None,)
             peaks = [self._run(config, mb, depth) for depth in depths]
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
