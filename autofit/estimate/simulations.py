@@ -1,7 +1,5 @@
-"""Estimate: simulated steps kept for the life of the process, so that a second dry-run or tune of the
-same model and batch (another GPU, budget or rank count, in a notebook or a script planning several)
-simulates nothing again. Keyed by `workload_key` (what a step depends on beside its config) and the
-estimator's simulation key."""
+"""Estimate: simulated steps kept for the life of the process (`SIMULATIONS`), keyed by `workload_key`,
+what a simulated step depends on beside its configuration."""
 
 from __future__ import annotations
 

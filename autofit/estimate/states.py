@@ -17,6 +17,7 @@ import dataclasses
 from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sharding
 from autofit.estimate.facts import ModelFacts
 from autofit.strategies.quantization import nf4_bytes
+from autofit.units import format_size
 
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
 NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
@@ -250,8 +251,6 @@ def optimizer_temporaries(facts: ModelFacts, config: Config, target: str) -> int
 
 def state_notes(config: Config, states: States) -> list[str]:
     """Phrases for an estimate's reason: which model states rest on formulas, and the host RAM offload needs."""
-    from autofit.units import format_size
-
     notes = []
     if config.optimizer is not Optimizer.ADAMW:
         notes.append(f"{config.optimizer.value} states by formula")

@@ -170,14 +170,21 @@ def model_code(row: dict) -> str:
     return "transformers"
 
 
-def setup(row: dict) -> tuple:
-    """(spec, Config, strategies) expressing `row`, with the code `model_code(row)` names."""
+def architecture(row: dict) -> tuple[str, dict]:
+    """The transformers config class name of `row`'s model and its fields, from the published dimensions."""
     m = row["model"]
     class_name, extra = ARCH[m["hf_id"]]
     fields = {"hidden_size": m["hidden"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
               "intermediate_size": m["intermediate"], "vocab_size": m["vocab"], **extra}
     if class_name != "GPTNeoXConfig" and class_name != "PhiConfig":
         fields["num_key_value_heads"] = m["kv_heads"]
+    return class_name, fields
+
+
+def setup(row: dict) -> tuple:
+    """(spec, Config, strategies) expressing `row`, with the code `model_code(row)` names."""
+    m = row["model"]
+    class_name, fields = architecture(row)
     lora = row["lora"] if isinstance(row["lora"], dict) else None
     code = model_code(row)
     if code in ("litgpt", "litgpt_qlora"):

@@ -171,27 +171,29 @@ def fsdp_qlora_units(row: dict) -> list[Unit]:
     from autofit.spec.model_info import find_blocks
     from bench.calibration import calibrate, measured_code
 
-    m = row["model"]
-    class_name, extra = calibrate.ARCH[m["hf_id"]]
-    fields = {"hidden_size": m["hidden"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
-              "num_key_value_heads": m["kv_heads"], "intermediate_size": m["intermediate"],
-              "vocab_size": m["vocab"], **extra}
+    class_name, fields = calibrate.architecture(row)
     with torch.device("meta"):
         model = calibrate.build(class_name, fields)
         model = measured_code.bf16_adapters(model, row["lora"], calibrate.targets(row, class_name))
     _, blocks = find_blocks(model)
-    block = type(blocks[0])
     quantized = set()
     if row["quantization"] != "none":
         quantized = {f"{name}.weight" for name, module in model.named_modules()
                      if isinstance(module, nn.Linear) and "lora_" not in name and not name.endswith("lm_head")}
 
+    return units(model, fsdp_qlora_policy(type(blocks[0])),
+                 lambda name, t: t.numel() // 2 if name in quantized else t.nbytes)
+
+
+def fsdp_qlora_policy(block: type) -> Callable[[nn.Module], bool]:
+    """fsdp_qlora's auto-wrap policy for LoRA (train.py `get_wrapping_policy`): a leaf module with a
+    trainable weight (each LoRA adapter), or a decoder layer (`block`)."""
     def is_unit(module: nn.Module) -> bool:
         weight = getattr(module, "weight", None)
         leaf = not list(module.children()) and weight is not None and weight.requires_grad
         return leaf or isinstance(module, block)
 
-    return units(model, is_unit, lambda name, t: t.numel() // 2 if name in quantized else t.nbytes)
+    return is_unit
 
 
 def step_events(row: dict) -> tuple[list[tuple[str, int, int]], int, int, float]:

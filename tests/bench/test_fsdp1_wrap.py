@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from bench.calibration.fsdp1_wrap import units, wrap_events
+from bench.calibration.fsdp1_wrap import fsdp_qlora_policy, units, wrap_events
 
 SMALL_BUCKET = 40_000  # bytes: a decoder layer's 82 KB of tensors goes out in several buckets, two in flight
 
@@ -27,11 +27,9 @@ def tiny_lora_llama(meta: bool):
 
 
 def is_unit(module) -> bool:
-    """fsdp_qlora's policy (train.py `get_wrapping_policy`): a leaf with a trainable weight, or a decoder layer."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    leaf = not list(module.children()) and getattr(module, "weight", None) is not None and module.weight.requires_grad
-    return leaf or isinstance(module, LlamaDecoderLayer)
+    return fsdp_qlora_policy(LlamaDecoderLayer)(module)
 
 
 class Recorder:
