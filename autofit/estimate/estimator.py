@@ -122,11 +122,15 @@ class Estimator:
     (accelerate's `accumulate()` and the Trainer without `sync_each_batch`, Lightning's
     `no_backward_sync`, FSDP1's `no_sync`). Under FSDP that keeps every gradient unsharded between
     micro-batches (`_held_grads`). False: autofit's loop and its exports, which reduce every micro-batch.
+
+    `full_depth`: simulate every block of a deep model instead of two and extrapolating (slower; for
+    measuring what the depth extrapolation misses, as `bench/calibration/calibrate.py --full-depth` does).
     """
 
     def __init__(self, spec: "TrainSpec", target: str | None = None, extrapolate_batch: bool = False,
-                 strategies: Sequence["Strategy"] = (), deferred_sync: bool = False):
+                 strategies: Sequence["Strategy"] = (), deferred_sync: bool = False, full_depth: bool = False):
         self.spec = spec
+        self.full_depth = full_depth
         self.deferred_sync = deferred_sync
         self.strategies = tuple(strategies)
         self.buffers = buffers_for(spec.summary())  # DeepSpeed's buffer sizes, as the probe and the export set them
@@ -149,8 +153,8 @@ class Estimator:
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
-        self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere),
-                                      self._adapted, self._adapter_dropout)
+        self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
+                                      + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
 
     # -- activations ---------------------------------------------------------------------------------
@@ -189,7 +193,7 @@ class Estimator:
         if helpers < 1:
             return  # no CPU to spare
         shares = [rest[i::helpers + 1] for i in range(helpers + 1)]
-        running = workers.start(self.spec, self.strategies, self.target, shares[1:])
+        running = workers.start(self.spec, self.strategies, self.target, shares[1:], self.full_depth)
         try:
             for config, mb in shares[0] if running else rest:
                 self._at_batch(config, mb)
@@ -212,7 +216,8 @@ class Estimator:
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache:
-            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
+            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key))
+                       or self.simulate(config, mb, self.full_depth))
         return self._cache[key]
 
     def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:

@@ -75,9 +75,11 @@ class Workers:
         self.folder.cleanup()
 
 
-def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shares: list[list[Job]]) -> Workers | None:
-    """Start one worker per share (each simulates its jobs for `spec` on `target`); None when the spec
-    cannot travel to another process (the caller then simulates everything itself)."""
+def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shares: list[list[Job]],
+          full_depth: bool = False) -> Workers | None:
+    """Start one worker per share (each simulates its jobs for `spec` on `target`, every block with
+    `full_depth`); None when the spec cannot travel to another process (the caller then simulates
+    everything itself)."""
     from autofit.errors import UsageError
     from autofit.probe.payload import payload
 
@@ -90,7 +92,8 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shar
     for index, share in enumerate(shares):
         job, result = Path(folder.name) / f"job-{index}.pkl", Path(folder.name) / f"result-{index}.json"
         job.write_bytes(pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data,
-                                      "target": target, "jobs": [(c.to_dict(), mb) for c, mb in share]}))
+                                      "target": target, "full_depth": full_depth,
+                                      "jobs": [(c.to_dict(), mb) for c, mb in share]}))
         workers.processes.append(subprocess.Popen(
             [sys.executable, "-m", "autofit.estimate.workers", str(job), str(result)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     estimator = Estimator(spec, target=job["target"], strategies=strategies)
     found = []
     for config, mb in job["jobs"]:
-        peak, how = estimator.simulate(Config.from_dict(config), mb)
+        peak, how = estimator.simulate(Config.from_dict(config), mb, job["full_depth"])
         found.append([dataclasses.asdict(peak) if peak is not None else None, how])
     Path(result_path).write_text(json.dumps(found))
     return 0

@@ -256,11 +256,11 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
     return estimate.peak_bytes, "peak"
 
 
-def run_row(row: dict, extrapolate_batch: bool = False) -> dict:
+def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False) -> dict:
     spec, config, strategies = setup(row)
     deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch  # where it matters
     estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred,
-                          extrapolate_batch=extrapolate_batch)
+                          extrapolate_batch=extrapolate_batch, full_depth=full_depth)
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
     with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant), \
@@ -290,6 +290,9 @@ def main() -> None:
     parser.add_argument("--extrapolate-batch", action="store_true",
                         help="predict as `autofit dry-run` does: micro-batches above 2 extrapolated from "
                              "simulations at 1 and 2 (default: each row's micro-batch simulated)")
+    parser.add_argument("--full-depth", action="store_true",
+                        help="simulate every block of each model instead of two, extrapolated (what the "
+                             "depth extrapolation misses; slower)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started, load = time.time(), os.getloadavg()[0]
@@ -301,7 +304,7 @@ def main() -> None:
             apart.append({"id": row["id"], "missing": why})
             continue
         try:
-            result = run_row(row, args.extrapolate_batch)
+            result = run_row(row, args.extrapolate_batch, args.full_depth)
         except Exception as exc:  # noqa: BLE001 - a row that cannot be predicted is reported, never dropped
             apart.append({"id": row["id"], "missing": f"prediction failed: {type(exc).__name__}: {exc}"[:300]})
             print(f"{row['id']:48} FAILED {type(exc).__name__}: {exc}"[:200], flush=True)
@@ -326,6 +329,9 @@ def main() -> None:
     if args.extrapolate_batch:
         what += ", micro-batches above 2 extrapolated from 1 and 2 as autofit dry-run does"
         out = RESULT.with_name("calibration-extrapolated-batch.json")
+    if args.full_depth:
+        what += ", every block simulated (no extrapolation in depth)"
+        out = out.with_name(out.stem + "-full-depth.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({
         "what": what, "date": datetime.date.today().isoformat(),

@@ -131,6 +131,8 @@ def test_depth_extrapolation_matches_full_simulation():
     assert "at 1 and 2 of 8 blocks" in how
     full, how = estimator.simulate(config, 2, full_depth=True)
     assert "extrapolated" not in how and abs(extrapolated.peak / full.peak - 1) < 0.01
+    every_block, how = Estimator(deep, full_depth=True).activations(config)  # kept apart from the extrapolated
+    assert every_block == full and "extrapolated" not in how
 
 
 def test_cuda_target_adds_documented_overhead(spec):
