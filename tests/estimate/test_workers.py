@@ -37,26 +37,28 @@ def simulations(monkeypatch):
     monkeypatch.setattr(workers, "spare_cpus", lambda: 2)  # the caller and 2 workers share 5 of the 6
     here = []
     real = Estimator.simulate
-    monkeypatch.setattr(Estimator, "simulate", lambda self, config, mb: here.append(mb) or real(self, config, mb))
+    monkeypatch.setattr(Estimator, "simulate",
+                        lambda self, config, mb, *rest: here.append(mb) or real(self, config, mb, *rest))
     return here
 
 
-def fresh_estimator(monkeypatch, model=llama_factory) -> Estimator:
+def fresh_estimator(monkeypatch, model=llama_factory, full_depth=False) -> Estimator:
     monkeypatch.setattr(kept_simulations, "SIMULATIONS", kept_simulations.Simulations())
     spec = make_spec(model, None, seq_len=64, global_batch_size=4, device="cpu", memory_budget="4GiB")
-    return Estimator(spec, target="cuda", extrapolate_batch=True)
+    return Estimator(spec, target="cuda", extrapolate_batch=True, full_depth=full_depth)
 
 
-def expected(monkeypatch) -> list:
-    alone = fresh_estimator(monkeypatch)
+def expected(monkeypatch, full_depth=False) -> list:
+    alone = fresh_estimator(monkeypatch, full_depth=full_depth)
     return [alone.predict(c) for c in CONFIGS]
 
 
-def test_workers_predict_what_the_caller_alone_predicts(monkeypatch, simulations):
-    want = expected(monkeypatch)
+@pytest.mark.parametrize("full_depth", [False, True])  # the workers simulate every block too
+def test_workers_predict_what_the_caller_alone_predicts(monkeypatch, simulations, full_depth):
+    want = expected(monkeypatch, full_depth)
     keys = len(simulations)  # 3 simulation keys x micro-batches 1 and 2
     simulations.clear()
-    shared = fresh_estimator(monkeypatch)
+    shared = fresh_estimator(monkeypatch, full_depth=full_depth)
     shared.prefetch(CONFIGS)
     assert 0 < len(simulations) < keys  # the caller ran its share; the workers delivered the rest
     assert [shared.predict(c) for c in CONFIGS] == want
