@@ -128,10 +128,11 @@ def _gloo_collectives(deepspeed: Any) -> None:
     """CPU ranks keep gloo's collectives. DeepSpeed's comm backend otherwise compiles its shared-memory
     all-reduce kernel (C++ and OpenMP, deepspeed/comm/torch.py `build_shm_op`) the first time it starts on
     a machine: 38 s of g++ on 2 idle cores here, an error where no compiler is installed. The kernel only
-    speeds up CPU collectives, and CPU ranks are where probes measure memory, not speed."""
-    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    speeds up CPU collectives, and CPU ranks are where probes measure memory, not speed. A release
+    without the compatibility table has nothing to mark."""
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if compatible is not None:
+        compatible["deepspeed_shm_comm"] = False  # ShareMemCommBuilder.NAME (deepspeed/ops/op_builder/cpu/comm.py)
 
 
 def partition(model: Any, config: dict[str, Any]) -> None:
