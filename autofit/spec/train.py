@@ -221,7 +221,9 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
     if batch is None:
         if not info.is_hf:
             raise UsageError(f"No batch given and {info.name} is not a Hugging Face model, so none can be "
-                             "synthesized; pass a sample batch or a make_batch(batch_size) factory.")
+                             "synthesized; pass a sample batch or a make_batch(batch_size) factory (from the "
+                             "command line, a --model FILE.py:factory returning (model, make_batch) or "
+                             "(model, make_batch, loss_fn)).")
         return batches.synthesize_batch(info.hf_config, seq_len, info.name)
     if callable(batch) and not isinstance(batch, torch.Tensor):
         return batch, "from make_batch(batch_size)"

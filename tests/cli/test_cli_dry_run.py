@@ -6,11 +6,13 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from autofit.cli.main import main, sizes_joined
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512}
 
@@ -67,6 +69,8 @@ def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     # "unexpected extra argument (GiB)"
     (["--model", "gpt2", "--gpu-memory", "24", "GiB", "--seq-len", "4096"], "exceeds the model's maximum"),
     (["--model", "gpt2", "--gpu-memory=24", "gb", "--seq-len", "4096"], "exceeds the model's maximum"),
+    # a factory of the model alone: no batch can be synthesized for a plain module; the fix is the factory's
+    (["--model", f"{EXAMPLES}/classifier.py:make_model", "--gpu", "t4"], "returning (model, make_batch)"),
 ])
 def test_bad_usage_exits_2(args, message, capsys):
     assert main(["dry-run", "--global-batch-size", "8", *args]) == 2
