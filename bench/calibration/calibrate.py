@@ -17,6 +17,7 @@ Rows it cannot express are listed apart with what is missing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -256,21 +257,35 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
     return estimate.peak_bytes, "peak"
 
 
+def libraries_as_measured(row: dict) -> contextlib.ExitStack:
+    """The libraries' behaviour `row`'s source ran, simulated: its bitsandbytes release, re-entrant
+    checkpointing where it used it, NF4 double quantization or not. A context manager."""
+    bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
+    stack = contextlib.ExitStack()
+    stack.enter_context(measured_code.bitsandbytes_release(bnb))
+    stack.enter_context(measured_code.reentrant_checkpointing(reentrant(row)))
+    stack.enter_context(measured_code.nf4_double_quant(row["id"]))
+    return stack
+
+
+def reentrant(row: dict) -> bool:
+    """Whether `row`'s source checkpointed with re-entrant autograd (fsdp_qlora's template command)."""
+    return "--reentrant_checkpointing True" in row["activation_checkpointing"]
+
+
 def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False) -> dict:
     spec, config, strategies = setup(row)
     deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch  # where it matters
     estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred,
                           extrapolate_batch=extrapolate_batch, full_depth=full_depth)
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
-    reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
-    with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant), \
-            measured_code.nf4_double_quant(row["id"]):
+    with libraries_as_measured(row):
         value, basis = predicted(row, estimator, config)
     error = value / row["value_bytes"] - 1
     return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
             "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
             + ("; NF4 without double quantization" if bnb and row["id"].startswith(measured_code.PLAIN_NF4) else "")
-            + ("; re-entrant checkpointing" if reentrant else "")
+            + ("; re-entrant checkpointing" if reentrant(row) else "")
             + ("; gradients reduced on the last micro-batch" if deferred else "")
             + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else ""),
             "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],

@@ -21,7 +21,7 @@ torch/distributed/fsdp/_init_utils.py `_init_param_handle_from_module`:
 - shards it (`FlatParamHandle.shard`: this rank's chunk cloned, the unsharded storage resized to 0;
   NO_SHARD keeps it whole; CPU offload moves the shard to the host) and drops the moved parameters.
 `wrap_events` writes that sequence; `tests/bench/test_fsdp1_wrap.py` checks it against the storages real
-FSDP1 makes on a CPU rank over gloo. The step is then the estimator's simulated forward + backward at the
+FSDP1 makes on the CPU as rank 1 of 2 (torch's fake process group). The step is then the estimator's simulated forward + backward at the
 model's full depth, recorded allocation by allocation (`bench.allocator_steps.Recording`) and replayed
 `STEPS` times from that cache; a row's prediction swaps the estimator's fragmentation term for what this
 replay reserves beyond what it allocates. Not part of the calibration's headline: see README.md.
@@ -205,14 +205,11 @@ def step_events(row: dict) -> tuple[list[tuple[str, int, int]], int, int, float]
     from autofit.estimate.estimator import Estimator
     from autofit.estimate.states import quantization_constants
     from bench.allocator_steps import Recording
-    from bench.calibration import calibrate, measured_code
+    from bench.calibration import calibrate
 
     spec, config, strategies = calibrate.setup(row)
     estimator = Estimator(spec, target="cuda", strategies=strategies)
-    bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
-    reentrant = "--reentrant_checkpointing True" in row["activation_checkpointing"]
-    with measured_code.bitsandbytes_release(bnb), measured_code.reentrant_checkpointing(reentrant), \
-            measured_code.nf4_double_quant(row["id"]):
+    with calibrate.libraries_as_measured(row):
         value, _ = calibrate.predicted(row, estimator, config)
         fragmentation = dict(estimator.predict(config).terms).get("fragmentation", 0)
         Recording.events = []
