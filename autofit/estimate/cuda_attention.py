@@ -18,6 +18,12 @@ The rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `can_use_flash_
   heads were added to it by pytorch/pytorch#191085 (July 2026); which release carries it is not checked
   here, so grouped heads outside flash are simulated on the math backend: on a torch that has it, that
   over-counts (a margin), where the opposite would promise fits that run out of memory.
+- dropout: both fused kernels take it (no `check_for_dropout` among their constraints) and keep no mask,
+  only the random generator's seed and offset, from which backward draws it again; the CPU's fused
+  kernel refuses it (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp `use_flash_attention_cpp`:
+  `check_for_dropout`) and runs the math backend, [batch, heads, seq, seq] scores and noise per layer,
+  so a fused call is simulated without its dropout. The math backend's own dropout (`at::dropout` inside
+  it) keeps its noise in the scores' dtype here where CUDA keeps a bool mask: over-counted, a margin.
 cuDNN attention, preferred on some Hopper and Blackwell stacks, keeps what flash keeps. Rules that need
 the exact architecture (flash refuses head sizes over 192 in training on sm86/89) are not applied.
 """
@@ -72,7 +78,9 @@ def as_on_cuda(ampere: bool | None, half: torch.dtype) -> Iterator[None]:
         autocast = torch.is_autocast_enabled(device) and query.dtype == torch.float32
         dtype = torch.float32 if query.dtype == torch.float32 and not autocast else half
         if backend(dtype, query, key, value, attn_mask, enable_gqa, ampere) != "math":
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            # CUDA's fused kernels keep no dropout mask (they draw it again in backward from a kept seed);
+            # the CPU's fused kernel refuses dropout and would run the math backend: run it without
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
         if autocast:  # what autocast does to the inputs of scaled_dot_product_attention
             cast = torch.get_autocast_dtype(device)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Loss, Precision, Quantization
-from autofit.estimate import cuda_attention
+from autofit.estimate import cuda_attention, cuda_dropout
 from autofit.estimate.allocator import CachingAllocator
 from autofit.probe.memory import StorageCounter
 
@@ -136,8 +136,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     copy of each input and its mask, as peft's `lora_dropout` keeps for its adapter. NF4 base weights: the
     other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
     `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
-    attention keeps what CUDA's kernel would (`autofit.estimate.cuda_attention`); None: the kernels are
-    the target's own."""
+    attention and dropout keep what CUDA's kernels would (`autofit.estimate.cuda_attention`,
+    `autofit.estimate.cuda_dropout`); None: the kernels are the target's own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model, quiet_transformers
@@ -185,7 +185,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
-            with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half):
+            with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half), \
+                    cuda_dropout.as_on_cuda(cuda_ampere is not None):
                 fake_batch = as_fake(fake, batch, device)
                 with tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \
@@ -316,9 +317,10 @@ def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
 
 def _drop_adapter_inputs(model: nn.Module, adapted: frozenset[str], p: float) -> None:
     """Run each adapted layer on a dropped-out copy of its input: what peft's adapter keeps for backward
-    (`lora_A(lora_dropout(x))`: the copy and its mask), while the frozen base layer keeps nothing of x."""
+    (`lora_A(lora_dropout(x))`: the copy and its mask), while the frozen base layer keeps nothing of x.
+    `nn.functional.dropout`, as peft's `nn.Dropout` calls it (CUDA's kernel where one is simulated)."""
     for module in _adapted_layers(model, adapted):
-        module.register_forward_pre_hook(lambda _module, args: (torch.native_dropout(args[0], p, True)[0], *args[1:]))
+        module.register_forward_pre_hook(lambda _module, args: (nn.functional.dropout(args[0], p, True), *args[1:]))
 
 
 def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:
