@@ -109,8 +109,14 @@ LM_HEAD_CHUNK = 128  # litgpt/finetune/lora.py: `logits = model(input_ids, lm_he
 
 
 class LitgptStep(nn.Module):
-    """litgpt's GPT called as its fine-tuning script calls it: finetune/lora.py chunks the lm head
-    (`lm_head_chunk_size=128`, a list of logit chunks), finetune/full.py does not."""
+    """litgpt's GPT called as its fine-tuning script calls it, through Lightning Fabric: finetune/lora.py
+    chunks the lm head (`lm_head_chunk_size=128`, a list of logit chunks), finetune/full.py does not; and
+    Fabric's module wrapper hands back every floating output converted to the default dtype, fp32
+    (lightning/fabric/wrappers.py `_FabricModule.forward`: `precision.convert_output(output)`; each
+    precision plugin's `convert_output`, bf16-true's `HalfPrecision`, `FSDPPrecision` and
+    `BitsandbytesPrecision` alike, `apply_to_collection(..., dst_type=torch.get_default_dtype())`, in
+    Lightning 2.1 of the resource tables as in 2.6). So the script's `logits` are fp32 copies of the bf16
+    logits, and the loss's log-softmax runs in fp32."""
 
     def __init__(self, gpt: nn.Module, lm_head_chunk_size: int):
         super().__init__()
@@ -118,8 +124,15 @@ class LitgptStep(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> Any:
         if self.lm_head_chunk_size:
-            return self.gpt(input_ids, lm_head_chunk_size=self.lm_head_chunk_size)
-        return self.gpt(input_ids)
+            logits = self.gpt(input_ids, lm_head_chunk_size=self.lm_head_chunk_size)
+            return [_fabric_output(chunk) for chunk in logits]
+        return _fabric_output(self.gpt(input_ids))
+
+
+def _fabric_output(tensor: torch.Tensor) -> torch.Tensor:
+    """What Fabric's `convert_output` makes of a model output (lightning/fabric/plugins/precision/utils.py
+    `_convert_fp_tensor`): a floating tensor in the default dtype."""
+    return tensor.to(torch.get_default_dtype()) if torch.is_floating_point(tensor) else tensor
 
 
 def fsdp1_flat_root(model: nn.Module, blocks: str) -> nn.Module:
