@@ -163,3 +163,15 @@ def test_fsdp1s_flat_root_reproduces_its_measured_excess_over_fsdp2():
     gap = predicted["fsdp1, every micro-batch"] - predicted["fsdp2, every micro-batch"]
     # two CPU ranks, the same loop: FSDP1 peaked 6.51 MiB above FSDP2 (83% of the root unit's weights)
     assert gap == pytest.approx(measured["fsdp1, every micro-batch"] - measured["fsdp2, every micro-batch"], rel=0.1)
+
+
+def test_litgpts_step_hands_back_fp32_logits_as_lightning_fabric_does():
+    class Chunked(torch.nn.Module):  # litgpt's GPT: bf16 logits, a list of chunks when asked
+        def forward(self, ids, lm_head_chunk_size=0):
+            logits = torch.nn.functional.one_hot(ids, 8).to(torch.bfloat16).requires_grad_()
+            return list(logits.split(lm_head_chunk_size, dim=1)) if lm_head_chunk_size else logits
+
+    ids = torch.randint(0, 8, (2, 5))
+    chunks = measured_code.LitgptStep(Chunked(), 2)(ids)
+    assert [c.dtype for c in chunks] == [torch.float32] * 3 and torch.equal(torch.cat(chunks, 1).argmax(-1), ids)
+    assert measured_code.LitgptStep(Chunked(), 0)(ids).dtype == torch.float32  # finetune/full.py: whole logits
