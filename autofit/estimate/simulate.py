@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Loss, Precision, Quantization
-from autofit.estimate import cuda_attention, cuda_dropout
+from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout
 from autofit.estimate.allocator import CachingAllocator
 from autofit.probe.memory import StorageCounter
 
@@ -136,8 +136,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     copy of each input and its mask, as peft's `lora_dropout` keeps for its adapter. NF4 base weights: the
     other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
     `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
-    attention and dropout keep what CUDA's kernels would (`autofit.estimate.cuda_attention`,
-    `autofit.estimate.cuda_dropout`); None: the kernels are the target's own."""
+    attention, dropout and autocast keep what CUDA's would (`autofit.estimate.cuda_attention`,
+    `autofit.estimate.cuda_dropout`, `autofit.estimate.cuda_autocast`); None: the kernels are the target's own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model, quiet_transformers
@@ -185,8 +185,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
+            on_cuda = cuda_ampere is not None
             with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half), \
-                    cuda_dropout.as_on_cuda(cuda_ampere is not None):
+                    cuda_dropout.as_on_cuda(on_cuda), cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
                 fake_batch = as_fake(fake, batch, device)
                 with tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \
