@@ -44,6 +44,7 @@ FP32 = frozenset({
 # AT_FORALL_FP32_SET_OPT_DTYPE: dtype=float32 where the call names none and its input is 16-bit
 FP32_UNLESS_DTYPE = frozenset({"prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum"})
 OPERATORS = {"__pow__": "pow", "__rpow__": "pow"}  # `x ** 3`, `2 ** x`: pow.Tensor_Scalar, pow.Scalar
+_INHERITED = object()  # a name a namespace's own __dict__ lacks
 
 
 def _to_fp32(value: Any) -> Any:
@@ -114,17 +115,14 @@ def as_on_cuda(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    saved = [(space, name, space.__dict__.get(name, _ABSENT)) for space, name in _targets()]
-    for space, name, _ in saved:
-        setattr(space, name, _cast_as_cuda(name, getattr(space, name)))
+    saved = [(space, name, space.__dict__.get(name, _INHERITED)) for space, name in _targets()]
     try:
+        for space, name, _ in saved:
+            setattr(space, name, _cast_as_cuda(name, getattr(space, name)))
         yield
     finally:
         for space, name, original in saved:
-            if original is _ABSENT:
-                delattr(space, name)
-            else:
+            if original is not _INHERITED:
                 setattr(space, name, original)
-
-
-_ABSENT = object()
+            elif name in space.__dict__:  # a Tensor method of torch's C base class: the patch shadowed it
+                delattr(space, name)
