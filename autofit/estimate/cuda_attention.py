@@ -96,8 +96,10 @@ def as_on_cuda(ampere: bool | None, half: torch.dtype) -> Iterator[None]:
 
 
 def describe(ampere: bool | None) -> str:
-    """How attention was simulated, for an estimate's reason ("" where the kernels are the target's own)."""
+    """How attention, dropout and autocast were simulated, for an estimate's reason ("" where the kernels are
+    the target's own)."""
     if ampere is None:
         return ""
-    return f"; attention as CUDA runs it on {'an Ampere or later' if ampere else 'a pre-Ampere'} GPU"
+    gpu = "an Ampere or later" if ampere else "a pre-Ampere"
+    return f"; attention, dropout and autocast as CUDA runs them on {gpu} GPU"
 
