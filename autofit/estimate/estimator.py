@@ -168,6 +168,12 @@ class Estimator:
         return dataclasses.replace(line, fragmentation=_free_at_peak(one, two, line)), \
             f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
 
+    @property
+    def formula_bound(self) -> float:
+        """How far the activation formula may under-predict this target's simulation (simulated / formula;
+        the largest measured where the target's was not)."""
+        return FORMULA_UNDER_PREDICTION.get(self.target, max(FORMULA_UNDER_PREDICTION.values()))
+
     def simulated(self, config: Config) -> bool:
         """Whether `config`'s activations were simulated (False: by formula, the simulation failed)."""
         self.activations(config)
@@ -247,7 +253,7 @@ class Estimator:
             peaks = [self._run(config, mb, depth) for depth in depths]
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
-                          f"(up to {FORMULA_UNDER_PREDICTION:.1f}x under the simulation where both ran)")
+                          f"(up to {self.formula_bound:.1f}x under the simulation where both ran)")
         if len(peaks) == 1:
             return peaks[0], f"activations simulated under fake tensors on {where}"
         total = self.facts.num_blocks
@@ -317,7 +323,7 @@ class Estimator:
         if config.offloads_activations:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
-        bound = 0.0 if simulated else (FORMULA_UNDER_PREDICTION - 1) * breakdown.activations / max(peak, 1)
+        bound = 0.0 if simulated else (self.formula_bound - 1) * breakdown.activations / max(peak, 1)
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
                         method=notes[0], simulated=simulated, error_bound=round(bound, 4),
                         offloaded_activations=act.offloaded, kernels=act.kernels)

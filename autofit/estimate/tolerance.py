@@ -24,9 +24,11 @@ from autofit.config import Config, Engine
 PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}
 
 # The activation formula's worst under-prediction of the simulated activations (simulated / formula),
-# over preset models x sequence lengths x checkpointing: bench/calibration/formula_bound.py, results in
-# bench/calibration/results/formula-bound.json. A peak resting on the formula is reported with this bound.
-FORMULA_UNDER_PREDICTION = 2.6
+# over preset models x sequence lengths x checkpointing, per target: bench/calibration/formula_bound.py,
+# results in bench/calibration/results/formula-bound.json (2026-11-26: CPU x4.05, CUDA x2.52, both T5-small
+# at 512 tokens; the CPU keeps dropout noise in the activations' dtype, CUDA a one-byte mask). A peak
+# resting on the formula is reported with this bound.
+FORMULA_UNDER_PREDICTION = {"cpu": 4.1, "cuda": 2.6}
 
 
 # Several ranks with an engine (ZeRO, FSDP2) on CPU ranks: measured against probes on 2 and 4 CPU ranks of

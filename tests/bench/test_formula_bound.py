@@ -1,0 +1,36 @@
+"""The activation formula's error bound (autofit/estimate/tolerance.py) is the committed measurement's
+(bench/calibration/formula_bound.py), per target, and a formula-based estimate carries its target's."""
+
+import json
+
+from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
+from bench.calibration import formula_bound
+
+
+def test_each_targets_bound_covers_its_measured_worst_and_no_more_than_rounding():
+    summaries = json.loads(formula_bound.RESULT.read_text())["summary"]
+    assert set(summaries) == set(formula_bound.TARGETS) == set(FORMULA_UNDER_PREDICTION)
+    for target, numbers in summaries.items():
+        assert numbers["worst_under"] <= FORMULA_UNDER_PREDICTION[target] < numbers["worst_under"] + 0.1
+
+
+def test_a_formula_based_estimate_carries_its_targets_bound(monkeypatch):
+    import torch
+    from torch import nn
+
+    from autofit.config import Config
+    from autofit.estimate import estimator as estimator_module
+    from autofit.estimate.estimator import Estimator
+    from autofit.spec.train import make_spec
+
+    def failing(*_args, **_kwargs):
+        raise RuntimeError("no fake kernel")
+
+    monkeypatch.setattr(estimator_module, "simulate_step", failing)
+    spec = make_spec(lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)),
+                     lambda n: torch.zeros(n, 64), device="cpu", memory_budget="1TiB",
+                     loss_fn=lambda output, _batch: output.sum())
+    for target in ("cpu", "cuda"):
+        estimate = Estimator(spec, target=target).predict(Config(micro_batch_size=2))
+        assert not estimate.simulated
+        assert f"up to {FORMULA_UNDER_PREDICTION[target]:.1f}x under" in estimate.reason
