@@ -51,8 +51,9 @@ def _to_fp32(value: Any) -> Any:
     return value.float() if isinstance(value, torch.Tensor) and value.dtype in HALF else value
 
 
-def _half_input(args: tuple) -> bool:
-    first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
+def _half_input(args: tuple, kwargs: dict) -> bool:
+    """Whether the call's first tensor (autocast's `firstarg_is_eligible`), given by position or name, is 16-bit."""
+    first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
     return first is not None and first.dtype in HALF
 
 
@@ -67,7 +68,10 @@ def _cross_entropy(args: tuple, kwargs: dict) -> Any:
     """`F.cross_entropy` of 16-bit logits and class indices as CUDA's autocast runs it: log_softmax in the
     logits' dtype, then `nll_loss`, which autocast casts to fp32 (here the CPU's autocast, which lists
     `nll_loss` too). Anything else (probabilities as targets, label smoothing): None, run as given."""
-    bound = _CROSS_ENTROPY.bind(*args, **kwargs)
+    try:
+        bound = _CROSS_ENTROPY.bind(*args, **kwargs)
+    except TypeError:  # a call this signature does not take: cross_entropy itself says what is wrong
+        return None
     bound.apply_defaults()
     p = bound.arguments
     logits, target = p["input"], p["target"]
@@ -89,7 +93,7 @@ def _cast_as_cuda(name: str, original: Any) -> Any:
         if torch.is_autocast_enabled("cpu"):
             if policy in FP32:
                 args, kwargs = tree_map(_to_fp32, (args, kwargs))
-            elif policy in FP32_UNLESS_DTYPE and _half_input(args) and not _names_a_dtype(args, kwargs):
+            elif policy in FP32_UNLESS_DTYPE and _half_input(args, kwargs) and not _names_a_dtype(args, kwargs):
                 kwargs = {**kwargs, "dtype": torch.float32}
             elif policy == "cross_entropy":
                 loss = _cross_entropy(args, kwargs)
