@@ -2,7 +2,7 @@
 
     python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
     python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
-    python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama at 1,024 tokens
+    python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama and GPT-2 small at 1,024 tokens
     python bench/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
         # no probe: predict here (CPU kernels standing in for CUDA, as a dry-run does) the peaks a GPU
         # run measured, beside what that run's own estimator said
@@ -87,7 +87,9 @@ def models(large: bool = False) -> dict[str, tuple]:
         return tiny
     llama_1b = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
-    return {**tiny, "llama-1.1b": (llama_1b, None, 1024)}
+    # GPT-2 small as transformers builds it: dropout 0.1 everywhere and gelu_new, what CUDA's dropout mask
+    # and autocast's fp32 ops change (autofit/estimate/cuda_dropout.py, cuda_autocast.py) at full size
+    return {**tiny, "llama-1.1b": (llama_1b, None, 1024), "gpt2-124m": (GPT2Config(), None, 1024)}
 
 
 def configs(hf: bool) -> list[Config]:
@@ -149,7 +151,8 @@ def replay(recorded: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--large", action="store_true", help="add a 1.1B Llama at 1,024 tokens (a GPU's worth)")
+    parser.add_argument("--large", action="store_true", help="add a 1.1B Llama and GPT-2 small at 1,024 tokens "
+                        "(a GPU's worth)")
     parser.add_argument("--against", type=Path, help="a recorded GPU run's results: predict its rows here, no probe")
     args = parser.parse_args()
     torch.set_num_threads(1)
