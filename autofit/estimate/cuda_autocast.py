@@ -90,7 +90,7 @@ def _cast_as_cuda(name: str, original: Any) -> Any:
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_autocast_enabled("cpu"):
+        if torch.is_autocast_enabled("cpu") and kwargs.get("out") is None:  # autocast leaves `out=` calls alone
             if policy in FP32:
                 args, kwargs = tree_map(_to_fp32, (args, kwargs))
             elif policy in FP32_UNLESS_DTYPE and _half_input(args, kwargs) and not _names_a_dtype(args, kwargs):
