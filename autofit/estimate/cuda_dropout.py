@@ -4,8 +4,8 @@ What a training-mode `F.dropout` keeps for backward depends on the device. On CU
 takes the fused kernel (aten/src/ATen/native/Dropout.cpp, `is_fused_kernel_acceptable`: CUDA tensors,
 0 < p < 1), `native_dropout`, whose mask is a bool tensor, one byte per element
 (aten/src/ATen/native/cuda/Dropout.cu, `native_dropout_cuda` -> `dropout_cuda<bool>`). On the CPU the
-composite `_dropout` draws its noise in the input's dtype and keeps it: four bytes per element in fp32,
-two in bf16 (and the CPU's `native_dropout` returns its mask in the input's dtype too). A CPU simulation
+composite `_dropout` (`is_fused_kernel_acceptable` is false for CPU tensors) draws its noise in the
+input's dtype and keeps it: four bytes per element in fp32, two in bf16. A CPU simulation
 of a CUDA step therefore counts 1 to 3 bytes too many per element of every dropout, which for a
 BERT- or GPT-2-style model (dropout after attention, after each projection, on the embeddings) is
 gigabytes at realistic batches. In-place dropout (`inplace=True`) keeps its noise in the input's dtype

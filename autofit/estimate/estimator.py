@@ -222,8 +222,7 @@ class Estimator:
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache:
-            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key))
-                       or self.simulate(config, mb, self.full_depth))
+            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
         return self._cache[key]
 
     def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:
@@ -238,10 +237,12 @@ class Estimator:
             peak = self._formula(config, mb)
         self._cache[key] = (peak, how)
 
-    def simulate(self, config: Config, mb: int, full_depth: bool = False) -> tuple[ActivationPeak | None, str]:
+    def simulate(self, config: Config, mb: int,
+                 full_depth: bool | None = None) -> tuple[ActivationPeak | None, str]:
         """One simulated forward + backward of `config` at micro-batch `mb` (extrapolated in depth for deep
-        models, unless `full_depth`: every block simulated, slower) and how it was obtained; (None, why)
-        when it cannot be simulated."""
+        models, unless `full_depth`, the estimator's own by default: every block simulated, slower) and how
+        it was obtained; (None, why) when it cannot be simulated."""
+        full_depth = self.full_depth if full_depth is None else full_depth
         where = "CUDA" if self.sim_device == "cuda" else \
             (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)})"
              if self.target == "cuda" else "CPU")

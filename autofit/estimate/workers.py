@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # fake tensors compute nothing; the caller's other workers share the CPUs
     spec, strategies = pickle.loads(job["payload"])
-    estimator = Estimator(spec, target=job["target"], strategies=strategies)
+    estimator = Estimator(spec, target=job["target"], strategies=strategies, full_depth=job["full_depth"])
     found = []
     for config, mb in job["jobs"]:
-        peak, how = estimator.simulate(Config.from_dict(config), mb, job["full_depth"])
+        peak, how = estimator.simulate(Config.from_dict(config), mb)
         found.append([dataclasses.asdict(peak) if peak is not None else None, how])
     Path(result_path).write_text(json.dumps(found))
     return 0
