@@ -81,6 +81,14 @@ BF16_LOSS = ("litgpt-",)
 # which Lightning's FSDPStrategy turns into FSDP1's `no_sync()` (lightning/fabric/strategies/fsdp.py
 # `_FSDPBackwardSyncControl`): every gradient stays unsharded until the last micro-batch.
 DEFERRED_SYNC = ("litgpt-",)
+# Loops that hold the previous iteration's logits, and through them its autograd graph, while the next
+# forward runs: litgpt's fit() (`measured_code._previous_step`). Its config-hub runs draw shuffled batches,
+# each padded to its longest sample up to the row's cap, so two batches at the cap in a row can occur: they
+# are predicted so, the conservative reading (each result's `error_without_previous_step` is the other
+# bound, a previous batch too short to matter). The resource tables' runs are left out: lit-gpt took the
+# longest sample first and random ones after (the rows' notes: "iteration 0 forces the longest sample"), so
+# their previous batch is never as long as the one that peaks.
+PREVIOUS_STEP = ("litgpt-hub-",)
 MODEL_CODE = {"litgpt": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss)",
               "litgpt_qlora": f"litgpt {measured_code.LITGPT_VERSION} (its model, LoRA and loss; NF4 under its "
                               "adapters on every linear layer, the head too)",
@@ -182,8 +190,9 @@ def architecture(row: dict) -> tuple[str, dict]:
     return class_name, fields
 
 
-def setup(row: dict) -> tuple:
-    """(spec, Config, strategies) expressing `row`, with the code `model_code(row)` names."""
+def setup(row: dict, previous_step: bool = False) -> tuple:
+    """(spec, Config, strategies) expressing `row`, with the code `model_code(row)` names; `previous_step`:
+    litgpt's model holds its previous iteration through the forward (`PREVIOUS_STEP`)."""
     m = row["model"]
     class_name, fields = architecture(row)
     lora = row["lora"] if isinstance(row["lora"], dict) else None
@@ -194,7 +203,7 @@ def setup(row: dict) -> tuple:
         # its multi-GPU rows ran FSDP1, whose root unit is simulated as it trains (`fsdp1_flat_root`)
         config = _config(row, 0)
         factory = functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora,
-                                    fsdp1=litgpt_fsdp1(row, config))
+                                    fsdp1=litgpt_fsdp1(row, config), previous_step=previous_step)
         spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
                          loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
         return spec, config, []
@@ -273,23 +282,42 @@ def reentrant(row: dict) -> bool:
     return "--reentrant_checkpointing True" in row["activation_checkpointing"]
 
 
-def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False) -> dict:
-    spec, config, strategies = setup(row)
+def holds_previous_step(row: dict) -> bool:
+    """Whether `row`'s loop is predicted holding its previous iteration through the next forward."""
+    return row["id"].startswith(PREVIOUS_STEP) and model_code(row) in ("litgpt", "litgpt_qlora")
+
+
+def prediction(row: dict, extrapolate_batch: bool = False, full_depth: bool = False,
+               previous_step: bool = False) -> tuple:
+    """(predicted bytes, what was subtracted, Config, strategies) for `row`."""
+    spec, config, strategies = setup(row, previous_step)
     deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch  # where it matters
     estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred,
                           extrapolate_batch=extrapolate_batch, full_depth=full_depth)
-    bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     with libraries_as_measured(row):
         value, basis = predicted(row, estimator, config)
-    error = value / row["value_bytes"] - 1
-    return {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
-            "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
-            + ("; NF4 without double quantization" if bnb and row["id"].startswith(measured_code.PLAIN_NF4) else "")
-            + ("; re-entrant checkpointing" if reentrant(row) else "")
-            + ("; gradients reduced on the last micro-batch" if deferred else "")
-            + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else ""),
-            "lora_targets": strategies[0].target_modules if strategies else None, "measured_bytes": row["value_bytes"],
-            "predicted_bytes": int(value), "compared": basis, "error": round(error, 4)}
+    return value, basis, config, strategies
+
+
+def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False) -> dict:
+    previous = holds_previous_step(row)
+    value, basis, config, strategies = prediction(row, extrapolate_batch, full_depth, previous)
+    deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch
+    bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
+    result = {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
+              "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
+              + ("; NF4 without double quantization" if bnb and row["id"].startswith(measured_code.PLAIN_NF4) else "")
+              + ("; re-entrant checkpointing" if reentrant(row) else "")
+              + ("; gradients reduced on the last micro-batch" if deferred else "")
+              + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else "")
+              + ("; the previous iteration held through the forward" if previous else ""),
+              "lora_targets": strategies[0].target_modules if strategies else None,
+              "measured_bytes": row["value_bytes"], "predicted_bytes": int(value), "compared": basis,
+              "error": round(value / row["value_bytes"] - 1, 4)}
+    if previous:
+        without = prediction(row, extrapolate_batch, full_depth)[0]
+        result["error_without_previous_step"] = round(without / row["value_bytes"] - 1, 4)
+    return result
 
 
 def summary(rows: list[dict]) -> dict:
@@ -327,7 +355,8 @@ def main() -> None:
         done.append(result)
         print(f"{result['id']:48} {result['quality']:8} {result['metric']:9} measured "
               f"{row['value_bytes'] / 2**30:7.2f} GiB predicted {result['predicted_bytes'] / 2**30:7.2f} GiB "
-              f"{result['error']:+7.1%}", flush=True)
+              f"{result['error']:+7.1%}" + (f" ({result['error_without_previous_step']:+.1%} without the previous step)"
+                                            if "error_without_previous_step" in result else ""), flush=True)
     headline = [r for r in done if r["quality"] != "suspect"]
     report = {"headline (good + caveat rows)": summary(headline), "good rows": summary([r for r in done if r["quality"] == "good"]),
               "suspect rows (figure inconsistent with its own setup)": summary([r for r in done if r["quality"] == "suspect"])}

@@ -118,15 +118,53 @@ class LitgptStep(nn.Module):
     Lightning 2.1 of the resource tables as in 2.6). So the script's `logits` are fp32 copies of the bf16
     logits, and the loss's log-softmax runs in fp32."""
 
-    def __init__(self, gpt: nn.Module, lm_head_chunk_size: int):
+    def __init__(self, gpt: nn.Module, lm_head_chunk_size: int, previous_step: bool = False):
         super().__init__()
-        self.gpt, self.lm_head_chunk_size = gpt, lm_head_chunk_size
+        self.gpt, self.lm_head_chunk_size, self.previous_step = gpt, lm_head_chunk_size, previous_step
+
+    def extra_repr(self) -> str:  # in the repr, so the estimator's cache of simulations tells them apart
+        return f"lm_head_chunk_size={self.lm_head_chunk_size}, previous_step={self.previous_step}"
 
     def forward(self, input_ids: torch.Tensor) -> Any:
-        if self.lm_head_chunk_size:
-            logits = self.gpt(input_ids, lm_head_chunk_size=self.lm_head_chunk_size)
-            return [_fabric_output(chunk) for chunk in logits]
-        return _fabric_output(self.gpt(input_ids))
+        with _previous_step(self, input_ids) if self.previous_step else contextlib.nullcontext():
+            if self.lm_head_chunk_size:
+                logits = self.gpt(input_ids, lm_head_chunk_size=self.lm_head_chunk_size)
+                return [_fabric_output(chunk) for chunk in logits]
+            return _fabric_output(self.gpt(input_ids))
+
+
+@contextlib.contextmanager
+def _previous_step(step: LitgptStep, input_ids: torch.Tensor) -> Any:
+    """What litgpt's loop still holds of the previous iteration while the model runs the next one, at the
+    same shapes (the previous batch as long as this one). Its `fit()` (finetune/lora.py and full.py of
+    0.4.0) binds `logits = model(...)` each iteration, so the previous iteration's fp32 logits stay alive
+    until the next call returns, and with them its autograd graph. The graph's saved tensors were freed by
+    its backward, but not what a custom Function keeps as a plain attribute: bitsandbytes' `MatMul4Bit`
+    before 0.43.2 keeps its input (`ctx.tensors = (A, B)`, bitsandbytes/autograd/_functions.py), so each
+    quantized layer's input of the previous step is alive too (`SimulatedLinear4bit.keeps_input`). Held
+    here as allocations of their sizes, made as the next forward reaches each layer (their sum is the same
+    by its end, where the forward peaks) and freed when the model returns."""
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    batch, tokens = input_ids.shape
+    held = [torch.empty(batch, tokens, step.gpt.config.padded_vocab_size, dtype=torch.get_default_dtype(),
+                        device=input_ids.device)]
+    kept: set[int] = set()
+
+    def hold_input(_layer: nn.Module, args: tuple) -> None:
+        storage = args[0].untyped_storage()
+        if args[0].requires_grad and id(storage) not in kept:  # as `MatMul4Bit` keeps it: under a grad only
+            kept.add(id(storage))
+            held.append(torch.empty(storage.nbytes(), dtype=torch.uint8, device=input_ids.device))
+
+    hooks = [layer.register_forward_pre_hook(hold_input) for layer in step.modules()
+             if isinstance(layer, SimulatedLinear4bit) and SimulatedLinear4bit.keeps_input]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        held.clear()
 
 
 def _fabric_output(tensor: torch.Tensor) -> torch.Tensor:
@@ -167,14 +205,16 @@ def _use_unsharded_views(model: nn.Module, args: Any) -> None:
         setattr(model.get_submodule(path), attr, view.view(shape))
 
 
-def build_litgpt(name: str, seq_len: int, lora: dict | None, fsdp1: bool = False) -> nn.Module:
+def build_litgpt(name: str, seq_len: int, lora: dict | None, fsdp1: bool = False,
+                 previous_step: bool = False) -> nn.Module:
     """litgpt's model `name` (a litgpt config name or a hub name) as the script builds it: LoRA on the
     row's targets with its rank, alpha and dropout and only LoRA trainable (`mark_only_lora_as_trainable`),
     every weight in bf16 (`--precision bf16-true`), `max_seq_length` set to the longest sample (fit()).
     QLoRA rows quantize the frozen linear layers under it, as Lightning's `BitsandbytesPrecision` replaces
     every `nn.Linear` (the head's too; autofit's NF4 simulation does the same where a model names no
     output head: litgpt's GPT has no `get_output_embeddings`). `fsdp1`: the root unit as FSDP1 trains it
-    (`fsdp1_flat_root`)."""
+    (`fsdp1_flat_root`). `previous_step`: the previous iteration's logits and kept inputs held through the
+    forward, as litgpt's loop holds them (`_previous_step`)."""
     import litgpt.lora as litgpt_lora
     import litgpt.model as litgpt_model
 
@@ -188,7 +228,7 @@ def build_litgpt(name: str, seq_len: int, lora: dict | None, fsdp1: bool = False
     else:
         gpt = litgpt_model.GPT(litgpt_model.Config.from_name(name))
     gpt.max_seq_length = seq_len
-    step = LitgptStep(gpt.to(torch.bfloat16), LM_HEAD_CHUNK if lora else 0)
+    step = LitgptStep(gpt.to(torch.bfloat16), LM_HEAD_CHUNK if lora else 0, previous_step)
     # litgpt's multi-GPU runs are Lightning's FSDPStrategy, FSDP1 wrapping each Block (finetune/full.py)
     return fsdp1_flat_root(step, "gpt.transformer.h") if fsdp1 else step
 

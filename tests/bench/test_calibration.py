@@ -175,3 +175,36 @@ def test_litgpts_step_hands_back_fp32_logits_as_lightning_fabric_does():
     chunks = measured_code.LitgptStep(Chunked(), 2)(ids)
     assert [c.dtype for c in chunks] == [torch.float32] * 3 and torch.equal(torch.cat(chunks, 1).argmax(-1), ids)
     assert measured_code.LitgptStep(Chunked(), 0)(ids).dtype == torch.float32  # finetune/full.py: whole logits
+
+
+def test_litgpts_step_holds_the_previous_iterations_logits_and_kept_inputs_through_the_forward(monkeypatch):
+    from types import SimpleNamespace
+
+    from autofit.probe.memory import StorageCounter
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    monkeypatch.setattr(SimulatedLinear4bit, "keeps_input", True)  # bitsandbytes before 0.43.2
+
+    class Gpt(torch.nn.Module):  # litgpt's GPT in miniature: NF4 layers, two of them sharing their input
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(padded_vocab_size=16)
+            self.wte, self.adapter = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)  # the adapter trains
+            self.up, self.gate, self.head = (SimulatedLinear4bit(torch.nn.Linear(8, n)) for n in (8, 8, 16))
+
+        def forward(self, ids, lm_head_chunk_size=0):
+            x = self.adapter(self.wte(ids))
+            return self.head(self.up(x) * self.gate(x))
+
+    gpt, ids, live = Gpt().to(torch.bfloat16), torch.randint(0, 16, (2, 5)), []
+    gpt.register_forward_hook(lambda *_: live.append(counter.current))
+    for previous in (False, True):
+        with StorageCounter() as counter:
+            logits = measured_code.LitgptStep(gpt, 0, previous_step=previous)(ids)
+            live.append(counter.current)
+        del logits
+    (model_returns, step_returns), (model_returns_held, step_returns_held) = live[:2], live[2:]
+    # the previous fp32 logits, the input up and gate share (once) and the head's input, all bf16 [2, 5, 8]
+    assert model_returns_held - model_returns == 2 * 5 * 16 * 4 + 2 * (2 * 5 * 8 * 2)
+    assert step_returns_held == step_returns  # all freed when the model returns
+    assert "previous_step=True" in repr(measured_code.LitgptStep(gpt, 0, previous_step=True))  # cached apart
