@@ -282,6 +282,11 @@ def reentrant(row: dict) -> bool:
     return "--reentrant_checkpointing True" in row["activation_checkpointing"]
 
 
+def defers_sync(row: dict, config: Config) -> bool:
+    """Whether `row`'s loop reduces gradients on the last micro-batch only, where that matters."""
+    return row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch
+
+
 def holds_previous_step(row: dict) -> bool:
     """Whether `row`'s loop is predicted holding its previous iteration through the next forward."""
     return row["id"].startswith(PREVIOUS_STEP) and model_code(row) in ("litgpt", "litgpt_qlora")
@@ -291,8 +296,7 @@ def prediction(row: dict, extrapolate_batch: bool = False, full_depth: bool = Fa
                previous_step: bool = False) -> tuple:
     """(predicted bytes, what was subtracted, Config, strategies) for `row`."""
     spec, config, strategies = setup(row, previous_step)
-    deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch  # where it matters
-    estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=deferred,
+    estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=defers_sync(row, config),
                           extrapolate_batch=extrapolate_batch, full_depth=full_depth)
     with libraries_as_measured(row):
         value, basis = predicted(row, estimator, config)
@@ -302,13 +306,12 @@ def prediction(row: dict, extrapolate_batch: bool = False, full_depth: bool = Fa
 def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False) -> dict:
     previous = holds_previous_step(row)
     value, basis, config, strategies = prediction(row, extrapolate_batch, full_depth, previous)
-    deferred = row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     result = {"id": row["id"], "quality": row["quality"], "metric": row["metric"], "config": config.describe(),
               "model_code": MODEL_CODE[model_code(row)] + (f"; bitsandbytes {bnb}" if bnb else "")
               + ("; NF4 without double quantization" if bnb and row["id"].startswith(measured_code.PLAIN_NF4) else "")
               + ("; re-entrant checkpointing" if reentrant(row) else "")
-              + ("; gradients reduced on the last micro-batch" if deferred else "")
+              + ("; gradients reduced on the last micro-batch" if defers_sync(row, config) else "")
               + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else "")
               + ("; the previous iteration held through the forward" if previous else ""),
               "lora_targets": strategies[0].target_modules if strategies else None,

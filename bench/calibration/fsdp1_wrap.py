@@ -197,14 +197,11 @@ def fsdp_qlora_policy(block: type) -> Callable[[nn.Module], bool]:
 
 
 def step_events(row: dict) -> tuple[list[tuple[str, int, int]], int, int, float]:
-    """The row's simulated step at full depth, allocation by allocation; the calibration's prediction
-    (bytes, comparable with the row's metric), the estimator's fragmentation term in it, and the NF4
-    constants the GPU held since loading (bytes)."""
-    from autofit.estimate import simulate
-    from autofit.estimate.allocator import CachingAllocator as Plain
+    """The row's simulated step at full depth, allocation by allocation (`recorded_step`); the
+    calibration's prediction (bytes, comparable with the row's metric), the estimator's fragmentation term
+    in it, and the NF4 constants the GPU held since loading (bytes)."""
     from autofit.estimate.estimator import Estimator
     from autofit.estimate.states import quantization_constants
-    from bench.allocator_steps import Recording
     from bench.calibration import calibrate
 
     spec, config, strategies = calibrate.setup(row)
@@ -212,13 +209,27 @@ def step_events(row: dict) -> tuple[list[tuple[str, int, int]], int, int, float]
     with calibrate.libraries_as_measured(row):
         value, _ = calibrate.predicted(row, estimator, config)
         fragmentation = dict(estimator.predict(config).terms).get("fragmentation", 0)
+    return recorded_step(row), value, fragmentation, quantization_constants(estimator.facts, config)
+
+
+def recorded_step(row: dict) -> list[tuple[str, int, int]]:
+    """The allocation events of the row's step simulated at full depth."""
+    from autofit.estimate import simulate
+    from autofit.estimate.allocator import CachingAllocator as Plain
+    from autofit.estimate.estimator import Estimator
+    from bench.allocator_steps import Recording
+    from bench.calibration import calibrate
+
+    spec, config, strategies = calibrate.setup(row)
+    estimator = Estimator(spec, target="cuda", strategies=strategies)
+    with calibrate.libraries_as_measured(row):
         Recording.events = []
         simulate.CachingAllocator = Recording
         try:
             estimator.simulate(config, config.micro_batch_size, full_depth=True)
         finally:
             simulate.CachingAllocator = Plain
-    return Recording.events, value, fragmentation, quantization_constants(estimator.facts, config)
+    return Recording.events
 
 
 def predict(row: dict) -> dict:
