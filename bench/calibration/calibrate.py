@@ -287,6 +287,22 @@ def defers_sync(row: dict, config: Config) -> bool:
     return row["id"].startswith(DEFERRED_SYNC) and config.needs_sync_each_micro_batch
 
 
+def write_experiment(path: Path, doc: str, started: float, load: float, **fields) -> None:
+    """An experiment's result file: what it is (its docstring's first line), when, where, then `fields`."""
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({
+        "what": doc.splitlines()[0], "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": load,
+        "torch": torch.__version__, "seconds": round(time.time() - started), **fields}, indent=1) + "\n")
+    print(f"-> {path}")
+
+
+def expressible_rows(prefix: str, metric: str) -> list[dict]:
+    """The rows the estimator expresses whose id starts with `prefix`, measured as `metric`."""
+    return [r for r in json.loads(ROWS.read_text())
+            if r["id"].startswith(prefix) and r["metric"] == metric and not expressible(r)]
+
+
 def holds_previous_step(row: dict) -> bool:
     """Whether `row`'s loop is predicted holding its previous iteration through the next forward."""
     return row["id"].startswith(PREVIOUS_STEP) and model_code(row) in ("litgpt", "litgpt_qlora")

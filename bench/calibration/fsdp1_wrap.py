@@ -30,10 +30,7 @@ replay reserves beyond what it allocates. Not part of the calibration's headline
 from __future__ import annotations
 
 import collections
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -162,6 +159,11 @@ def replay(events: list[tuple[str, int, int]], allocator: CachingAllocator | Non
     return allocator
 
 
+def held_beyond(allocator: CachingAllocator) -> int:
+    """What `allocator` reserved at its peak beyond the most it allocated: the fragmentation term."""
+    return allocator.peak_reserved - allocator.peak_allocated
+
+
 # -- fsdp_qlora's reserved rows --------------------------------------------------------------------------
 def fsdp_qlora_units(row: dict) -> list[Unit]:
     """The row's model as fsdp_qlora wraps it: PEFT 0.10's bf16 adapters on the row's targets (for QLoRA
@@ -242,8 +244,8 @@ def predict(row: dict) -> dict:
     after_wrap = wrapped.reserved
     plain, seeded = replay(events, times=STEPS), replay(events, allocator=wrapped, times=STEPS)
     figures = {"calibration": value,
-               "full depth": value - fragmentation + plain.peak_reserved - plain.peak_allocated,
-               "full depth, from the wrapping's cache": value - fragmentation + seeded.peak_reserved - seeded.peak_allocated}
+               "full depth": value - fragmentation + held_beyond(plain),
+               "full depth, from the wrapping's cache": value - fragmentation + held_beyond(seeded)}
     return {"id": row["id"], "measured_bytes": row["value_bytes"],
             "reserved_after_wrap_bytes": after_wrap + constants,
             "free_after_wrap_bytes": after_wrap - wrapped.allocated,
@@ -256,8 +258,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     started, load = time.time(), os.getloadavg()[0]
-    table = [r for r in json.loads(calibrate.ROWS.read_text())
-             if r["id"].startswith("fsdpqlora-") and r["metric"] == "reserved" and not calibrate.expressible(r)]
+    table = calibrate.expressible_rows("fsdpqlora-", "reserved")
     results = []
     for row in table:
         result = predict(row)
@@ -270,14 +271,8 @@ def main() -> None:
     replayed = next(r["reserved_after_wrap_bytes"] for r in results if r["id"] == quoted_id)
     print(f"{quoted_id}: reserved after the wrapping {replayed / 2**30:.2f} GiB replayed, "
           f"{quoted / 2**30:.2f} GiB quoted by the source ({replayed / quoted - 1:+.1%})")
-    RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "what": __doc__.splitlines()[0], "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": load,
-        "torch": torch.__version__, "seconds": round(time.time() - started), "steps": STEPS,
-        "quoted_after_wrap": {"id": quoted_id, "quoted_bytes": int(quoted), "replayed_bytes": replayed},
-        "rows": results}, indent=1) + "\n")
-    print(f"-> {RESULT}")
+    calibrate.write_experiment(RESULT, __doc__, started, load, steps=STEPS, quoted_after_wrap={
+        "id": quoted_id, "quoted_bytes": int(quoted), "replayed_bytes": replayed}, rows=results)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,7 @@ the optimizer's states and the adapters' gradients between steps (bf16 LoRA: ten
 from __future__ import annotations
 
 import copy
-import datetime
-import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -33,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.estimate.allocator import CachingAllocator  # noqa: E402
-from bench.calibration.fsdp1_wrap import recorded_step, replay, step_events  # noqa: E402
+from bench.calibration.fsdp1_wrap import held_beyond, recorded_step, replay, step_events  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "length-history.json"
 LENGTHS = tuple(range(96, 512, 32))  # tokens of the shorter batches a history draws from
@@ -52,13 +49,13 @@ def predict(row: dict) -> dict:
     events, value, fragmentation, _ = step_events(row)
     recorded = {length: recorded_step({**copy.deepcopy(row), "seq_len": length})
                 for length in sorted({n for seed in SEEDS for n in history(seed)})}
-    alone = value - fragmentation + _held_beyond(replay(events))
+    alone = value - fragmentation + held_beyond(replay(events))
     after = {}
     for seed in SEEDS:
         allocator = CachingAllocator()
         for length in history(seed):
             replay(recorded[length], allocator=allocator)
-        after[seed] = value - fragmentation + _held_beyond(replay(events, allocator=allocator))
+        after[seed] = value - fragmentation + held_beyond(replay(events, allocator=allocator))
     errors = {seed: round(v / row["value_bytes"] - 1, 4) for seed, v in after.items()}
     return {"id": row["id"], "measured_bytes": row["value_bytes"], "calibration_bytes": int(value),
             "calibration_error": round(value / row["value_bytes"] - 1, 4),
@@ -68,9 +65,13 @@ def predict(row: dict) -> dict:
             "after_history_median_error": round(statistics.median(errors.values()), 4)}
 
 
-def _held_beyond(allocator: CachingAllocator) -> int:
-    """What `allocator` reserved at its peak beyond the most it allocated."""
-    return allocator.peak_reserved - allocator.peak_allocated
+def described(result: dict) -> str:
+    """One line of the experiment's output for a row's `result`."""
+    spread = result["after_history_error"].values()
+    return (f"{result['id']:40} measured {result['measured_bytes'] / 2**30:6.2f} GiB: calibration "
+            f"{result['calibration_error']:+.1%}, full depth alone {result['full_depth_alone_error']:+.1%}, "
+            f"after a history {min(spread):+.1%} .. {max(spread):+.1%} "
+            f"(median {result['after_history_median_error']:+.1%})")
 
 
 def main() -> None:
@@ -78,25 +79,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     started, load = time.time(), os.getloadavg()[0]
-    table = [r for r in json.loads(calibrate.ROWS.read_text())
-             if r["id"].startswith("torchtune-") and r["metric"] == "reserved" and not calibrate.expressible(r)]
     results = []
-    for row in table:
-        result = predict(row)
-        results.append(result)
-        spread = result["after_history_error"].values()
-        print(f"{row['id']:40} measured {row['value_bytes'] / 2**30:6.2f} GiB: calibration "
-              f"{result['calibration_error']:+.1%}, full depth alone {result['full_depth_alone_error']:+.1%}, "
-              f"after a history {min(spread):+.1%} .. {max(spread):+.1%} "
-              f"(median {result['after_history_median_error']:+.1%})", flush=True)
-    RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "what": __doc__.splitlines()[0], "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": load,
-        "torch": torch.__version__, "seconds": round(time.time() - started), "lengths": LENGTHS,
-        "history_steps": HISTORY, "histories": {str(seed): history(seed) for seed in SEEDS},
-        "rows": results}, indent=1) + "\n")
-    print(f"-> {RESULT}")
+    for row in calibrate.expressible_rows("torchtune-", "reserved"):
+        results.append(predict(row))
+        print(described(results[-1]), flush=True)
+    calibrate.write_experiment(RESULT, __doc__, started, load, lengths=LENGTHS, history_steps=HISTORY,
+                               histories={str(seed): history(seed) for seed in SEEDS}, rows=results)
 
 
 if __name__ == "__main__":
