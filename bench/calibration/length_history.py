@@ -7,7 +7,7 @@ torchtune's tutorial runs trained on Alpaca-cleaned, each batch padded to its lo
 tokens (the rows' notes), so every step allocated other sizes, and the reserved peak the recipe logs is
 that of the whole run: blocks cached by earlier, shorter steps are reused only where they are large
 enough, and the longest step takes new segments beside them. Here each row's step is simulated at full
-depth at several lengths, recorded allocation by allocation (`fsdp1_wrap.step_events`), and replayed
+depth at several lengths, recorded allocation by allocation (`fsdp1_wrap.recorded_step`), and replayed
 through one allocator: `HISTORY` steps at lengths drawn from `LENGTHS` (seeded), then the row's own. A
 row's prediction swaps the estimator's fragmentation term for what that replay reserves beyond what it
 allocates. The batches' real lengths and order are not published, so this shows how far a history can
@@ -17,7 +17,6 @@ the optimizer's states and the adapters' gradients between steps (bf16 LoRA: ten
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import statistics
@@ -47,7 +46,7 @@ def history(seed: int) -> list[int]:
 def predict(row: dict) -> dict:
     """`row` predicted as the calibration does, and with its step replayed after each seed's history."""
     events, value, fragmentation, _ = step_events(row)
-    recorded = {length: recorded_step({**copy.deepcopy(row), "seq_len": length})
+    recorded = {length: recorded_step({**row, "seq_len": length})
                 for length in sorted({n for seed in SEEDS for n in history(seed)})}
     alone = value - fragmentation + held_beyond(replay(events))
     after = {}
