@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from autofit.config import Checkpointing, Config, Engine, Offload
+from autofit.config import Checkpointing, Config, Engine
 
 if TYPE_CHECKING:
     from autofit.estimate.facts import ModelFacts

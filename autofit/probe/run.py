@@ -26,7 +26,6 @@ from autofit.spec.train import TrainSpec
 from autofit.units import format_size
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
     from autofit.strategies.base import Strategy
 
 

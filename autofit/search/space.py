@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.probe.outcome import ProbeResult, Skip, decided
-from autofit.search.rules import RULES, Rule, violation
+from autofit.search.rules import RULES, Rule
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:

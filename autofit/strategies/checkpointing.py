@@ -60,8 +60,8 @@ class Checkpointing(Strategy):
                             else f"{blocks} blocks are too few to checkpoint every {k}th",
                             available=blocks > k, also=(("checkpoint_every", k),)) for k in EVERY]
         return [Option(C.NONE, 0, "keep all activations"),
-                Option(C.OPS, 0, f"every block op by op: keep matmul and attention outputs, recompute the "
-                       f"pointwise ops" if blocks >= 2 else why_not, available=blocks >= 2),
+                Option(C.OPS, 0, "every block op by op: keep matmul and attention outputs, recompute the "
+                       "pointwise ops" if blocks >= 2 else why_not, available=blocks >= 2),
                 *selective,
                 Option(C.FULL, 0, f"recompute all {blocks} blocks" if blocks >= 2 else why_not,
                        available=blocks >= 2)]

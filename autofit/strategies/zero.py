@@ -147,7 +147,6 @@ def partition(model: Any, config: dict[str, Any]) -> None:
     training script builds its model inside `zero.Init`.
     """
     import deepspeed
-    import torch
 
     dtype = _half_dtype(config)
     if dtype is not None:

@@ -99,7 +99,7 @@ def test_the_exported_script_trains_with_autofit_prepare(tmp_path, plan_for, ran
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in lines] == ["step 1", "step 2", "step 3"]  # rank 0 prints
-    assert f"ckpt=full, mb=2x2, opt=adafactor" in lines[0]
+    assert "ckpt=full, mb=2x2, opt=adafactor" in lines[0]
     bare = subprocess.run(["bash", str(script), str(tmp_path / "launch" / "train_with_prepare.py")], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert bare.returncode != 0 and "pass --model and --dataset" in bare.stderr

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from cuda_double import GiB, FakeCuda, FakeGpu
+from cuda_double import FakeCuda, FakeGpu
 
 from autofit import Config, ProbeStatus
 from autofit.errors import UsageError

@@ -8,7 +8,7 @@ import pytest
 from models import make_mlp, make_mlp_batch, mlp_loss
 
 import autofit
-from autofit.config import Config, Optimizer, Precision
+from autofit.config import Config, Optimizer
 from autofit.plan import make_plan
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Source, decided, Skip
 from autofit.search import confirm
