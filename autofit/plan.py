@@ -232,7 +232,7 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
     if best is not None:
         throughput = confirmation.winner.median if confirmation is not None else best.samples_per_s
         tokens = best.tokens_per_s * throughput / best.samples_per_s if best.tokens_per_s else None
-        settings = {s.field: s.settings(best.config) for s in space.strategies}
+        settings = {s.field: s.settings(best.config, space.spec) for s in space.strategies}
         return Plan(True, best.config, throughput, tokens, best.peak_bytes,
                     chosen_reason(best, results, confirmation, space), **common,
                     settings={field: value for field, value in settings.items() if value})

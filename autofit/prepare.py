@@ -35,6 +35,7 @@ from autofit.spec.target import Target
 from autofit.spec.train import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
 from autofit.strategies.base import Strategy, plugins
 from autofit.strategies.optimizer import BNB
+from autofit.strategies.optimizer import recorded as recorded_optimizer
 
 logger = logging.getLogger("autofit.prepare")
 
@@ -125,10 +126,11 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
         plan: an `autofit.Plan`, a path to a plan.json, or an `autofit.Config`.
         model: the model to train; changed in place where a knob allows (checkpointing, attention) and
             moved to the device; `prepared.model` is what to train (it may be a wrapper).
-        optimizer: None (the plan's optimizer with its default hyperparameters), an optimizer instance
+        optimizer: None (the optimizer the probes trained, with their hyperparameters: `plan.settings["optimizer"]`;
+            a plan tuned with your own optimizer instance rebuilds its class where it imports), an optimizer instance
             (kept when it is the plan's kind over exactly the trainable parameters; otherwise one of the
             plan's kind is built with its hyperparameters), or a factory `params -> optimizer`. A plan
-            tuned with your own optimizer needs it again here.
+            tuned with your own factory, or a class that does not import here, needs it again.
         loss_fn: `loss_fn(output, micro_batch) -> scalar` for `step`; default `output.loss` or a scalar output.
         device: where to train; default the plan's device kind (cuda:LOCAL_RANK under a launcher), else the CPU.
         strategies: the strategies the plan was tuned with, when not the defaults (plug-in techniques;
@@ -142,7 +144,7 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     where = _device(device, summary, config)
     if engine:
         _join_ranks(config, where)
-    given = _optimizer_spec(optimizer, config)
+    given = _optimizer_spec(optimizer, config, settings.get("optimizer", {}))
     spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
     run = TrainRun(spec=spec, config=config, model=model)
     model.train()
@@ -226,19 +228,26 @@ def _join_ranks(config: Config, device: torch.device) -> None:
                          f"launch it with --nproc_per_node {config.num_gpus}, or tune for this many ranks.")
 
 
-def _optimizer_spec(optimizer: Any, config: Config) -> OptimizerSpec:
-    """What the optimizer strategy builds from: the plan's kind, with the given optimizer's hyperparameters."""
-    if config.optimizer is O.USER:
-        if optimizer is None:
+def _optimizer_spec(optimizer: Any, config: Config, recorded: dict[str, Any]) -> OptimizerSpec:
+    """What the optimizer strategy builds from: the plan's kind, with the given optimizer's hyperparameters,
+    or, with none given, those the probes trained with (`plan.settings["optimizer"]`)."""
+    if optimizer is None:
+        spec = recorded_optimizer(config, recorded)
+        if spec is not None:
+            return spec
+        if config.optimizer is O.USER:
             raise UsageError("The plan was tuned with your own optimizer; pass it again: "
                              "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer).")
+        return OptimizerSpec(config.optimizer.value)
+    if config.optimizer is O.USER:
         return parse_optimizer(optimizer)
-    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer):
         return OptimizerSpec(config.optimizer.value)  # a factory is checked once it has built (see prepare)
     given, expected = parse_optimizer(optimizer), OPTIMIZER_CLASSES[config.optimizer]
     if _class_name(optimizer) not in (expected, "AdamW"):
+        kinds = "an AdamW" if expected == "AdamW" else f"an AdamW or a {expected}"
         raise UsageError(f"The plan's memory was measured with {expected} (optimizer={config.optimizer.value!r}), "
-                         f"but the optimizer given is {_class_name(optimizer)}; pass an AdamW or a {expected} (its "
+                         f"but the optimizer given is {_class_name(optimizer)}; pass {kinds} (its "
                          "hyperparameters are kept), or tune again with this optimizer.")
     if _class_name(optimizer) != expected:
         logger.warning("autofit.prepare: the plan chose %s; a %s is built over the model with your AdamW's lr and "

@@ -133,3 +133,32 @@ def test_bad_inputs_name_the_fix(tmp_path):
         autofit.prepare(tmp_path / "missing.json", make_mlp())
     with pytest.raises(UsageError, match="takes a Plan"):
         autofit.prepare({"precision": "bf16"}, make_mlp())
+
+
+def test_the_probes_hyperparameters_are_recorded_and_reused_without_an_optimizer(tmp_path):
+    model = make_mlp()
+    mine = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.8, 0.95), weight_decay=0.1)
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=mine, allow=0)
+    assert plan.settings["optimizer"] == {"class": "torch.optim.AdamW",
+                                          "kwargs": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-8,
+                                                     "weight_decay": 0.1}}
+    prepared = autofit.prepare(plan.save(tmp_path / "plan.json"), make_mlp(), loss_fn=mlp_loss)
+    used = prepared.optimizer.param_groups[0]  # an AdamW, or one per parameter stepped in backward
+    assert (used["lr"], tuple(used["betas"]), used["weight_decay"]) == (3e-4, (0.8, 0.95), 0.1)
+
+
+def test_a_plan_tuned_with_your_own_optimizer_instance_rebuilds_its_class(tmp_path):
+    model = make_mlp()
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert plan.settings["optimizer"]["class"] == "torch.optim.sgd.SGD"
+    prepared = autofit.prepare(plan.save(tmp_path / "plan.json"), make_mlp(), loss_fn=mlp_loss)
+    assert isinstance(prepared.optimizer, torch.optim.SGD)
+    assert (prepared.optimizer.defaults["lr"], prepared.optimizer.defaults["momentum"]) == (0.1, 0.9)
+
+
+def test_adam_by_name_is_adamw_without_weight_decay():
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer="adam", allow=0)
+    assert plan.settings["optimizer"]["kwargs"]["weight_decay"] == 0.0

@@ -19,6 +19,7 @@ from autofit.config import Config, Engine, Optimizer, Precision
 from autofit.errors import UsageError
 from autofit.export.measured import measured, require_fit, set_nested, with_plugin_keys
 from autofit.export.model_setup import setup_lines
+from autofit.strategies.optimizer import DEFAULTS
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -109,7 +110,7 @@ PRECISION = {
 }
 
 # The optimizers DeepSpeed builds itself from its config (with ZeRO-Offload it swaps in its CPU Adam), with
-# the hyperparameters the probe used (torch's defaults). A type DeepSpeed does not know by name is looked
+# the hyperparameters the probe used (`hyperparameters`: the user's, else torch's defaults). A type DeepSpeed does not know by name is looked
 # up in torch.optim (deepspeed/runtime/engine.py, _configure_basic_optimizer: `getattr(torch.optim,
 # self.optimizer_name())`), which is how Adafactor is named. bitsandbytes' 8-bit optimizers have no name
 # there: the `deepspeed` format refuses them (see `applies`); a user's own optimizer is passed to
@@ -118,9 +119,8 @@ DEEPSPEED_OPTIMIZERS = {
     # torch_adam: torch's AdamW, not DeepSpeed's FusedAdam, which is compiled with nvcc on first use
     # (deepspeed/runtime/engine.py, get_optimizer_configuration: `torch_adam` is read before the offload
     # check, so it is only set without offload, where DeepSpeed's CPU Adam steps on the host).
-    Optimizer.ADAMW.value: {"type": "AdamW",
-                            "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
-    Optimizer.ADAFACTOR.value: {"type": "Adafactor", "params": {"lr": 1e-2}},  # torch.optim.Adafactor
+    Optimizer.ADAMW.value: "AdamW",
+    Optimizer.ADAFACTOR.value: "Adafactor",  # torch.optim.Adafactor
 }
 
 # offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
@@ -130,7 +130,8 @@ DEFAULT_GRADIENT_CLIPPING = 1.0  # clip the global gradient norm at 1.0: common 
 
 
 def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: Buffers | None = None,
-                     gradient_clipping: float = DEFAULT_GRADIENT_CLIPPING) -> dict[str, Any]:
+                     gradient_clipping: float = DEFAULT_GRADIENT_CLIPPING,
+                     hyperparameters: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict for `config` (what `deepspeed.initialize(config=...)` takes).
 
     Args:
@@ -138,6 +139,7 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: B
         nvme_path: folder for NVMe offload; required when `config.offload == "nvme"`.
         buffers: bucket sizes for the model and budget; None leaves DeepSpeed's defaults.
         gradient_clipping: max global gradient norm (0 disables clipping).
+        hyperparameters: the optimizer's (lr, betas, eps, weight_decay); None: the optimizer's defaults.
     """
     flat: dict[str, Any] = {
         "micro_batch_size": config.micro_batch_size,
@@ -152,9 +154,10 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: B
     for name, value in flat.items():
         set_nested(out, KEYS[name], value)
     out.update(PRECISION[config.precision])
-    optimizer = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
-    if optimizer is not None:
-        out["optimizer"] = json.loads(json.dumps(optimizer))  # a copy: callers may edit theirs
+    name = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
+    if name is not None:
+        params = {**DEFAULTS[config.optimizer], **(hyperparameters or {})}
+        out["optimizer"] = {"type": name, "params": json.loads(json.dumps(params))}  # a copy: callers may edit theirs
         if config.optimizer is Optimizer.ADAMW and not config.offloads:
             # torch's fused AdamW: one kernel over the flat fp32 partition, no temporaries (the
             # single-tensor path makes two of the partition's size, the foreach path one); the
@@ -210,7 +213,8 @@ def file_config(plan: "Plan") -> dict[str, Any]:
     """The dict written to deepspeed.json: `deepspeed_config` of the plan plus the "autofit" record."""
     require_fit(plan)
     nvme_path = plan.spec.get("nvme_path")
-    config = deepspeed_config(plan.config, nvme_path=nvme_path, buffers=buffers_for(plan.spec))
+    config = deepspeed_config(plan.config, nvme_path=nvme_path, buffers=buffers_for(plan.spec),
+                              hyperparameters=plan.settings.get("optimizer", {}).get("kwargs"))
     document = with_plugin_keys(config, plan.config, "deepspeed")
     setup = setup_lines(plan.config)
     return {**document, "autofit": {**measured(plan), **({"apply_in_script": setup} if setup else {})}}

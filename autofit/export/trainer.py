@@ -64,6 +64,7 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
     }
     if config.optimizer in OPTIM:
         kwargs["optim"] = OPTIM[config.optimizer]
+        kwargs.update(_hyperparameters(plan.settings.get("optimizer", {}).get("kwargs", {})))
     if config.zero_stage:
         kwargs["deepspeed"] = deepspeed_path or DEEPSPEED_FILENAME
     if config.engine is Engine.FSDP:
@@ -74,6 +75,21 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
     if config.needs_sync_each_micro_batch:  # as measured; the Trainer defers the reduce-scatter otherwise
         kwargs["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
     return with_plugin_keys(kwargs, config, "trainer")
+
+
+# optimizer hyperparameter -> TrainingArguments field(s). The Trainer's own defaults differ from torch's
+# (learning_rate 5e-5, weight_decay 0), so the probe's are written out.
+HYPERPARAMETERS = {"lr": ("learning_rate",), "weight_decay": ("weight_decay",), "eps": ("adam_epsilon",),
+                   "betas": ("adam_beta1", "adam_beta2")}
+
+
+def _hyperparameters(recorded: dict[str, Any]) -> dict[str, Any]:
+    """TrainingArguments' fields for the hyperparameters the probe's optimizer was built with."""
+    out: dict[str, Any] = {}
+    for key, value in recorded.items():
+        fields = HYPERPARAMETERS.get(key, ())
+        out.update(zip(fields, value if len(fields) > 1 else [value]))
+    return out
 
 
 def model_setup(plan: "Plan") -> list[str]:
@@ -92,8 +108,17 @@ def model_setup(plan: "Plan") -> list[str]:
         lines += ["from peft import LoraConfig, get_peft_model",
                   f"model = get_peft_model(model, LoraConfig({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}))"]
     if config.optimizer not in OPTIM:
-        lines.append("# Your own optimizer was probed: pass Trainer(..., optimizers=(optimizer, None)).")
+        lines.append(f"# Your own optimizer was probed{_user_optimizer(plan)}: pass Trainer(..., "
+                     "optimizers=(optimizer, None)).")
     return lines
+
+
+def _user_optimizer(plan: "Plan") -> str:
+    recorded = plan.settings.get("optimizer")
+    if not recorded:
+        return ""
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in recorded["kwargs"].items() if v not in (None, False))
+    return f" ({recorded['class']}({kwargs}))"
 
 
 def script(plan: "Plan") -> str:

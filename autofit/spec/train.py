@@ -37,6 +37,7 @@ class OptimizerSpec:
     name: str  # "adamw", "adafactor", ... or "user" for a given instance/factory
     kwargs: dict = dataclasses.field(default_factory=dict)  # hyperparameters (lr, betas, weight_decay)
     factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None  # a user's own
+    cls: type | None = None  # the class of a user's own optimizer given as an instance (None: a factory)
     explore: bool = True  # Adam-type optimizers may become 8-bit / paged / Adafactor (tier 1)
 
 
@@ -277,14 +278,16 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
         if name not in known | ADAM_NAMES:
             raise UsageError(f"optimizer={optimizer!r} is not known; use one of {sorted(known)}, "
                              "an optimizer instance, or a factory params -> optimizer.")
-        return OptimizerSpec("adamw" if name in ADAM_NAMES else name, explore=name in ADAM_NAMES)
+        # Adam is AdamW without weight decay (the decay is the only difference between the two updates)
+        kwargs = {"weight_decay": 0.0} if name == "adam" else {}
+        return OptimizerSpec("adamw" if name in ADAM_NAMES else name, kwargs, explore=name in ADAM_NAMES)
     if isinstance(optimizer, torch.optim.Optimizer):
         kwargs = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
         if type(optimizer) is torch.optim.AdamW:
             keep = {"lr", "betas", "eps", "weight_decay"}
             return OptimizerSpec("adamw", {k: v for k, v in kwargs.items() if k in keep}, explore=True)
         cls = type(optimizer)
-        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), explore=False)
+        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False)
     if callable(optimizer):
         return OptimizerSpec("user", factory=optimizer, explore=False)
     raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")

@@ -93,9 +93,9 @@ class Strategy(abc.ABC):
         (those cover autofit's own knobs); a plug-in technique says here what it does to memory."""
         return parts
 
-    def settings(self, config: Config) -> dict[str, Any]:
+    def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
         """What reproducing `config`'s value of this knob takes beyond the value itself (LoRA's target
-        modules, scaling and dropout), recorded in the plan (`Plan.settings`) for the exports and
+        modules, scaling and dropout; the optimizer's class and hyperparameters), recorded in the plan (`Plan.settings`) for the exports and
         `autofit.prepare`; nothing by default. JSON values only."""
         return {}
 

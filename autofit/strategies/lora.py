@@ -68,7 +68,7 @@ class Lora(Strategy):
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.lora == b.lora or (a.lora > 0 and (b.lora == 0 or a.lora <= b.lora))
 
-    def settings(self, config: Config) -> dict[str, Any]:
+    def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
         """The adapters the probe trained beside the rank: target modules as given (None: every linear
         layer but the output head), alpha, dropout."""
         if not config.lora:

@@ -7,6 +7,8 @@ Costs numerics (tier 1). bitsandbytes is an optional extra (`autofit[bnb]`) and 
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,25 +54,90 @@ class OptimizerStates(Strategy):
         """Paged optimizers allocate unified memory outside the allocator: probe them in a child process."""
         return Placement.CHILD if config.optimizer is O.PAGED_ADAMW8BIT else Placement.IN_PROCESS
 
+    def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
+        """The optimizer the probe built: its class (a user's own where it was given as an instance) and the
+        hyperparameters it was built with, defaults filled in; nothing for a user's factory (it is opaque)."""
+        chosen = spec.optimizer
+        if config.optimizer is O.USER and chosen.cls is None:
+            return {}
+        cls = CLASSES.get(config.optimizer) or f"{chosen.cls.__module__}.{chosen.cls.__qualname__}"
+        return {"class": cls, "kwargs": hyperparameters(config.optimizer, chosen)}
+
     def apply(self, run: "TrainRun") -> None:
         run.optimizer_factory = make_factory(run.config.optimizer, run.spec.optimizer)
 
 
 def make_factory(name: O, chosen: "OptimizerSpec") -> Any:
     """params -> optimizer for the optimizer `name`, with the user's hyperparameters where they apply."""
-    kwargs = dict(chosen.kwargs)
     if name is O.USER:
         return chosen.factory
-    if name is O.ADAMW:
-        return lambda params: torch.optim.AdamW(params, **kwargs)
+    kwargs = _kwargs_for(name, chosen)
+    cls = torch.optim.AdamW if name is O.ADAMW else torch.optim.Adafactor if name is O.ADAFACTOR else None
+    if cls is None and name in BNB:
+        cls = getattr(_import_bnb().optim, BNB[name])
+    if cls is None:
+        raise ValueError(f"unknown optimizer {name!r}")
+    return lambda params: cls(params, **kwargs)
+
+
+def _kwargs_for(name: O, chosen: "OptimizerSpec") -> dict[str, Any]:
+    """The user's hyperparameters that optimizer `name` takes: all of an AdamW's for the Adam types, lr and
+    weight decay for Adafactor (its update has no betas)."""
     if name is O.ADAFACTOR:
-        keep = {k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")}
-        return lambda params: torch.optim.Adafactor(params, **keep)
-    if name in BNB:
-        bnb = _import_bnb()
-        cls = getattr(bnb.optim, BNB[name])
-        return lambda params: cls(params, **kwargs)
-    raise ValueError(f"unknown optimizer {name!r}")
+        return {k: v for k, v in chosen.kwargs.items() if k in ("lr", "weight_decay")}
+    return dict(chosen.kwargs)
+
+
+# What each optimizer is built with when the user gives no hyperparameter: torch.optim.AdamW's defaults,
+# which bitsandbytes' AdamW8bit and PagedAdamW8bit share (bitsandbytes/optim/adamw.py: lr 1e-3, betas
+# (0.9, 0.999), eps 1e-8, weight_decay 1e-2), and torch.optim.Adafactor's (lr 1e-2, weight_decay 0).
+DEFAULTS = {O.ADAMW: {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2},
+            O.ADAFACTOR: {"lr": 1e-2, "weight_decay": 0.0}}
+CLASSES = {O.ADAMW: "torch.optim.AdamW", O.ADAFACTOR: "torch.optim.Adafactor",
+           **{name: f"bitsandbytes.optim.{cls}" for name, cls in BNB.items()}}
+
+
+def hyperparameters(name: O, chosen: "OptimizerSpec") -> dict[str, Any]:
+    """The hyperparameters optimizer `name` is built with (`make_factory`), its defaults filled in, as JSON
+    values: what the exports write (DeepSpeed's optimizer params, the Trainer's learning_rate and betas)."""
+    defaults = DEFAULTS[O.ADAFACTOR if name is O.ADAFACTOR else O.ADAMW] if name is not O.USER else {}
+    return _json_values({**defaults, **_kwargs_for(name, chosen)})
+
+
+def recorded(config: Config, settings: dict[str, Any]) -> "OptimizerSpec | None":
+    """The optimizer a plan's probes trained with, from what `OptimizerStates.settings` recorded (`Plan.settings`):
+    the plan's kind with its hyperparameters, or the user's own class (torch.optim's, or another importable one)
+    rebuilt with its hyperparameters. None where nothing was recorded or the class cannot be imported here."""
+    from autofit.spec.train import OptimizerSpec
+
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.get("kwargs", {}).items()}
+    if config.optimizer is not O.USER:
+        return OptimizerSpec(config.optimizer.value, kwargs, explore=False)
+    cls = _import_class(settings.get("class"))
+    if cls is None:
+        return None
+    return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False)
+
+
+def _import_class(path: str | None) -> type | None:
+    module, _, name = (path or "").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+
+def _json_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries JSON can hold (tuples as lists); a tensor learning rate becomes its float."""
+    out = {}
+    for key, value in kwargs.items():
+        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        value = list(value) if isinstance(value, tuple) else value
+        items = value if isinstance(value, list) else [value]
+        if all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
+            out[key] = value
+    return out
 
 
 def _available(name: O, spec) -> tuple[bool, str]:

@@ -66,6 +66,11 @@ class InBackward:
         return [group for optimizer in self.optimizers for group in optimizer.param_groups]
 
     @property
+    def defaults(self) -> dict[str, Any]:
+        """The hyperparameters every per-parameter optimizer was built with."""
+        return self.optimizers[0].defaults if self.optimizers else {}
+
+    @property
     def state(self) -> dict[Any, Any]:
         """The states of all per-parameter optimizers, by parameter."""
         return {p: s for o in self.optimizers for p, s in o.state.items()}

@@ -99,8 +99,10 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     import deepspeed
 
     from autofit.export.deepspeed import buffers_for, deepspeed_config
+    from autofit.strategies.optimizer import hyperparameters
 
-    config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()))
+    config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()),
+                              hyperparameters=hyperparameters(run.config.optimizer, run.spec.optimizer))
     if run.spec.device.type == "cpu":
         _gloo_collectives(deepspeed)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group

@@ -50,9 +50,21 @@ def test_measurement_rides_along(tmp_path, plan_for):
     assert record["device"] == "cpu" and record["autofit_version"] == "0.1.0" and record["date"]
 
 
+def test_the_probes_hyperparameters_are_the_files(tmp_path, plan_for):
+    import dataclasses
+
+    recorded = {"class": "torch.optim.AdamW", "kwargs": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-8,
+                                                          "weight_decay": 0.1}}
+    plan = dataclasses.replace(plan_for(Config(micro_batch_size=2, sharding="zero2")),
+                               settings={"optimizer": recorded})
+    (path,) = export(plan, "deepspeed", tmp_path)
+    params = parse(json.loads(path.read_text())).optimizer_params
+    assert {k: params[k] for k in recorded["kwargs"]} == recorded["kwargs"]
+
+
 def test_adafactor_is_named_and_8bit_is_left_to_the_script():
     data = deepspeed_config(Config(micro_batch_size=2, sharding="zero2", optimizer="adafactor"))
-    assert data["optimizer"] == {"type": "Adafactor", "params": {"lr": 1e-2}}
+    assert data["optimizer"] == {"type": "Adafactor", "params": {"lr": 1e-2, "weight_decay": 0.0}}
     assert data["zero_allow_untested_optimizer"] is True
     parsed = parse(data)
     assert parsed.optimizer_name == "Adafactor" and hasattr(torch.optim, parsed.optimizer_name)  # DeepSpeed's lookup

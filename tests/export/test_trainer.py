@@ -148,3 +148,27 @@ def test_lora_is_exported_as_the_probes_trained_it(plan_for):
     assert "LoraConfig(r=8, lora_alpha=4, lora_dropout=0.05, target_modules=['c_attn'])" in "\n".join(model_setup(plan))
     older = plan_for(Config(lora=8))  # a plan saved before settings were recorded: autofit's defaults
     assert "LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules='all-linear')" in "\n".join(model_setup(older))
+
+
+def test_the_probes_hyperparameters_become_training_arguments(plan_for):
+    import dataclasses
+
+    from autofit.export.trainer import training_arguments
+
+    recorded = {"class": "torch.optim.AdamW", "kwargs": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-8,
+                                                          "weight_decay": 0.1}}
+    plan = dataclasses.replace(plan_for(Config()), settings={"optimizer": recorded})
+    kwargs = training_arguments(plan)
+    assert {k: kwargs[k] for k in ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")} == \
+        {"learning_rate": 3e-4, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-8, "weight_decay": 0.1}
+    TrainingArguments(**kwargs)  # transformers takes them
+
+
+def test_your_own_optimizer_is_named_with_its_hyperparameters(plan_for):
+    import dataclasses
+
+    from autofit.export.trainer import model_setup
+
+    recorded = {"class": "torch.optim.sgd.SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "foreach": None}}
+    plan = dataclasses.replace(plan_for(Config(optimizer="user")), settings={"optimizer": recorded})
+    assert "(torch.optim.sgd.SGD(lr=0.1, momentum=0.9))" in "\n".join(model_setup(plan))
