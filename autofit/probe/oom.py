@@ -93,6 +93,30 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return f"{type(exc).__name__}: {message}"[:limit]
 
 
+def raised_at(exc: BaseException) -> str:
+    """Where `exc` was raised in code that is neither torch's, autofit's nor Python's own (the user's model or
+    loss, or a library such as transformers), as " (at file:line in function)"; "" when there is no such frame."""
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    import autofit
+
+    paths = sysconfig.get_paths()
+    libraries = (paths["purelib"], paths["platlib"])
+    ours = tuple(str(Path(m.__file__).parent) for m in (torch, autofit))
+
+    def foreign(name: str) -> bool:
+        python_own = name.startswith(paths["stdlib"]) and not name.startswith(libraries)
+        return not (python_own or name.startswith(ours))
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if foreign(f.filename)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+
+
 def release_memory() -> None:
     """Return freed memory: collect reference cycles (tracebacks hold frames), free this thread's cuBLAS
     workspaces (allocated through the caching allocator, aten/src/ATen/cuda/CublasHandlePool.cpp

@@ -18,7 +18,7 @@ import torch
 from autofit.config import Config
 from autofit.errors import CudaContextBroken, UsageError
 from autofit.probe.memory import Budget, DeadlinePassed, budget_for
-from autofit.probe.oom import classify_oom, first_line, release_memory, sticky_error
+from autofit.probe.oom import classify_oom, first_line, raised_at, release_memory, sticky_error
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import TrainRun, build_run
 from autofit.spec.batch import to_device
@@ -63,7 +63,8 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         _stop_if_broken(exc, config)
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
-        result = ProbeResult(config, status, first_line(exc), budget.peak or None, oom_kind=kind,
+        where = raised_at(exc) if kind is None else ""
+        result = ProbeResult(config, status, first_line(exc) + where, budget.peak or None, oom_kind=kind,
                              phase=getattr(exc, "autofit_phase", None))
     else:
         result = _measured(spec, config, budget.peak, timed)

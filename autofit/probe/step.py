@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
-from autofit.spec.batch import call_model, leading_dim
+from autofit.spec.batch import call_model, checked_loss, leading_dim
 from autofit.config import Config
 from autofit.spec.train import TrainSpec
 
@@ -81,7 +81,7 @@ class TrainRun:
         self.phase = "forward"
         with self.autocast():
             output = call_model(self.model, micro_batch)
-            loss = self.spec.loss_fn(output, micro_batch)
+            loss = checked_loss(self.spec.loss_fn(output, micro_batch))
         scaled = loss * weight
         self.phase = "backward"
         if self.engine is not None:

@@ -21,7 +21,9 @@ The walk, and its stop rule:
    fit, and a config predicted over the fit limit by more than the estimator's measured error is not
    probed: it is recorded as skipped with its prediction, and bounds the bisection like an OOM.
 6. An error or a too-slow probe ends its level. The walk stops after `max_probes` probes; levels not
-   visited are recorded as skipped with that reason.
+   visited are recorded as skipped with that reason. When the first probes fail with one and the same
+   error on two levels, before anything fitted or ran out of memory, the fault is the user's model, batch
+   or loss, not a knob: the walk stops with a `UsageError` quoting it.
 Among the fits, the plan takes the highest measured throughput.
 """
 
@@ -35,12 +37,13 @@ from typing import Callable, Protocol, TextIO
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.plan import choose
-from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, decided
+from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source, decided
 from autofit.search.space import Space
 from autofit.search.trials import TrialStore
 from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40
+USER_ERROR_PROBES = 2  # the first probes failing alike on this many levels: the user's code is at fault
 WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
 # The knobs that change only activation memory: an OOM where no activation was live bounds every value of them.
 ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "checkpoint_every", "attention")
@@ -248,10 +251,33 @@ class Search:
         self.probes_run += 1
         self.store.record(result)
         self._add(result)
+        self._stop_on_user_error()
+
+    def _stop_on_user_error(self) -> None:
+        """Raise a `UsageError` once the first probes all failed with one and the same error on different
+        levels before anything fitted or ran out of memory: no knob is the cause, the model, the batch or
+        loss_fn is, and every other level would fail the same way."""
+        probed = [r for r in self.results if r.source is Source.PROBED]
+        if len(probed) < USER_ERROR_PROBES or any(r.status is not ProbeStatus.ERROR for r in probed):
+            return
+        if len({_failure(r.reason) for r in probed}) == 1 and len({r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in probed}) > 1:
+            first = probed[0]
+            raise UsageError(f"Every configuration probed ({', '.join(r.config.describe() for r in probed)}) failed "
+                             f"the same way in the {first.phase or 'step'}, so the cause is the model, the batch or "
+                             f"loss_fn, not a memory knob: {first.reason}. Fix it and run again (one step of your "
+                             "own loop shows the whole traceback).")
 
     def _add(self, result: ProbeResult) -> None:
         self.results.append(result)
         self.progress.finished(result)
+
+
+def _failure(reason: str) -> str:
+    """What identifies an error across configurations: its type and where it was raised when the probe could
+    tell (`autofit.probe.oom.raised_at`: a shape in the message changes with the micro-batch), else its text."""
+    kind, _, rest = reason.partition(":")
+    site = rest.rpartition(" (at ")[2]
+    return f"{kind} at {site}" if " (at " in rest else reason
 
 
 _IMPLIES = {Verdict.FIT: ProbeStatus.FIT, Verdict.SLOW: ProbeStatus.PRUNED}

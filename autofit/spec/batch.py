@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -100,6 +101,48 @@ def call_model(model: torch.nn.Module, batch: Batch) -> Any:
     return model(batch)
 
 
+def check_call(model: torch.nn.Module, batch: Batch, loss_fn: Any) -> None:
+    """`UsageError` when `model.forward` cannot take `batch` as `call_model` passes it, or `loss_fn` cannot
+    take (output, batch): found by binding the signatures, before any probe runs."""
+    if loss_fn is not None and not _binds(loss_fn, (None, None), {}):
+        raise UsageError(f"loss_fn{_signature(loss_fn)} must take two arguments, (output, batch), and return the "
+                         "scalar loss tensor, e.g. loss_fn=lambda output, batch: F.cross_entropy(output, batch[1]).")
+    if model._forward_pre_hooks:  # a hook may rewrite the arguments
+        return
+    name = f"{type(model).__name__}.forward{_signature(model.forward)}"
+    if isinstance(batch, dict):
+        if not _binds(model.forward, (), batch):
+            raise UsageError(f"{name} cannot take the batch's keys {sorted(batch)} as keyword arguments (a dict "
+                             "batch is passed as model(**batch)): name the keys after forward's parameters, or give "
+                             "a tuple (inputs, targets, ...): the model gets inputs and loss_fn the whole batch.")
+    elif isinstance(batch, (tuple, list)):
+        if not _binds(model.forward, (batch[0],), {}):
+            raise UsageError(f"{name} cannot take a tuple batch's first element alone (a tuple (inputs, targets, "
+                             "...) is passed as model(inputs), the rest reaches loss_fn): give a dict batch to pass "
+                             "several arguments by name, as model(**batch).")
+    elif not _binds(model.forward, (batch,), {}):
+        raise UsageError(f"{name} cannot take the batch as its one argument (a tensor batch is passed as "
+                         "model(batch)): give a dict batch to pass arguments by name, as model(**batch).")
+
+
+def _binds(function: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether `function(*args, **kwargs)` matches its signature (True when it has none to read)."""
+    try:
+        inspect.signature(function).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin)
+        return True
+    return True
+
+
+def _signature(function: Any) -> str:
+    try:
+        return str(inspect.signature(function))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 def default_loss(output: Any, batch: Batch) -> torch.Tensor:
     """`output.loss` (Hugging Face), `output["loss"]`, or `output` itself when it is a scalar tensor."""
     loss = getattr(output, "loss", None)
@@ -114,6 +157,23 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
             "make forward return the loss, or pass loss_fn=lambda output, batch: ... to autofit (autofit tune: "
             "--loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn))."
         )
+    return loss
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    """`loss` when it is what backward needs (a one-element tensor that depends on trainable parameters),
+    else the `UsageError` naming what `loss_fn` returned and the fix."""
+    if not isinstance(loss, torch.Tensor):
+        value = f" ({loss!r})" if isinstance(loss, (int, float)) else ""
+        raise UsageError(f"loss_fn returned a {type(loss).__name__}{value}, not a tensor: return the loss tensor "
+                         "itself (without .item() or float()), e.g. loss_fn=lambda output, batch: "
+                         "F.cross_entropy(output, batch[1]).")
+    if loss.numel() != 1:
+        raise UsageError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar: reduce it, e.g. "
+                         "with .mean() (or reduction='mean' in the loss).")
+    if not loss.requires_grad:
+        raise UsageError("The loss does not depend on any trainable parameter (it was detached, computed under "
+                         "torch.no_grad(), or every parameter is frozen): return the loss autograd can backward through.")
     return loss
 
 

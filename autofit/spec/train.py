@@ -140,8 +140,11 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         resident_bytes=resident, **memory_report(resolved),
         nvme_path=_checked_nvme_path(nvme_path),
     )
-    if meta_model is not None and loss_fn is None:
-        _check_loss_on_meta(meta_model, sample)
+    called = model if isinstance(model, nn.Module) else meta_model
+    if called is not None:
+        batches.check_call(called, sample, loss_fn)
+    if meta_model is not None:
+        _check_loss_on_meta(meta_model, sample, spec.loss_fn)
     return spec
 
 
@@ -317,11 +320,15 @@ def _check_fraction(name: str, value: float) -> None:
         raise UsageError(f"{name} must be a fraction in [0, 1), but got {value!r}.")
 
 
-def _check_loss_on_meta(meta_model: nn.Module, sample: Any) -> None:
-    """Raise the loss error now, before any probe, when a meta forward shows the model returns no loss."""
+def _check_loss_on_meta(meta_model: nn.Module, sample: Any, loss_fn: LossFn) -> None:
+    """Raise the loss error now, before any probe, when a meta forward shows the model and loss_fn give no
+    scalar loss to backward through."""
+    on_meta = batches.to_device(sample, torch.device("meta"))
     try:
         with batches.quiet_transformers():
-            output = batches.call_model(meta_model, batches.to_device(sample, torch.device("meta")))
-    except Exception:  # some ops have no meta kernel: the first probe will tell instead
+            loss = loss_fn(batches.call_model(meta_model, on_meta), on_meta)
+    except UsageError:
+        raise
+    except Exception:  # some ops have no meta kernel, or the loss reads a value: the first probe will tell
         return
-    batches.default_loss(output, sample)
+    batches.checked_loss(loss)

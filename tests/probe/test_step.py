@@ -25,3 +25,16 @@ def test_accumulated_gradient_is_the_mean_over_the_whole_step():
     for split in ([4, 4], [2, 2, 2, 2], [3, 5], [1] * 8):
         for a, b in zip(whole, grads_after_step(split)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_that_is_a_number_stops_the_search_with_the_fix():
+    import pytest
+
+    from autofit import UsageError
+    from autofit.probe.run import run_probe
+
+    # A given module is not run on the meta device before the search: the step itself checks the loss.
+    spec = make_spec(make_mlp(), make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=lambda output, batch: mlp_loss(output, batch).item())
+    with pytest.raises(UsageError, match=r"loss_fn returned a float \(\d.*without \.item\(\)"):
+        run_probe(spec, Config(micro_batch_size=8), default_strategies())

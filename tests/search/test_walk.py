@@ -70,3 +70,22 @@ def test_fixed_cost_is_read_from_the_phase():
     assert oom.fixed_cost and ProbeResult.from_dict(oom.to_dict()).fixed_cost
     assert not ProbeResult(config, ProbeStatus.OOM, "x", oom_kind="cpu-budget", phase="backward").fixed_cost
     assert not ProbeResult(config, ProbeStatus.OOM, "x", oom_kind="margin").fixed_cost
+
+
+def test_one_error_on_two_levels_before_any_fit_is_the_users_code():
+    from autofit.errors import UsageError
+
+    def prober(config):  # the micro-batch shows in the message; the site where it was raised does not change
+        return ProbeResult(config, ProbeStatus.ERROR, f"RuntimeError: shapes ({config.micro_batch_size}x3) "
+                           "mismatch (at model.py:12 in forward)", phase="forward")
+    with pytest.raises(UsageError, match=r"failed the same way in the forward.*model\.py:12"):
+        _walk(prober)
+
+
+def test_errors_that_differ_by_level_are_results():
+    def prober(config):
+        if config.sharding is Sharding.NONE:
+            return ProbeResult(config, ProbeStatus.ERROR, f"RuntimeError: {config.describe()} broke", phase="build")
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
+    results, _ = _walk(prober)
+    assert any(r.status is ProbeStatus.ERROR for r in results)

@@ -87,3 +87,45 @@ def test_optimizer():
     assert kept.name == "user" and not kept.explore and kept.kwargs["lr"] == 0.1
     with pytest.raises(UsageError, match="'lion'"):
         parse_optimizer("lion")
+
+
+class TwoArguments(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x, labels):
+        return torch.nn.functional.cross_entropy(self.linear(x), labels)
+
+
+class OneDict(TwoArguments):
+    def forward(self, batch):
+        return self.linear(batch["x"]).sum()
+
+
+def pairs(n):
+    return torch.randn(n, 8), torch.randint(0, 4, (n,))
+
+
+def named(n):
+    x, labels = pairs(n)
+    return {"x": x, "labels": labels}
+
+
+@pytest.mark.parametrize("model", [TwoArguments, TwoArguments()], ids=["factory", "module"])
+def test_a_batch_the_forward_cannot_take_is_refused_before_any_probe(model):
+    with pytest.raises(UsageError, match=r"TwoArguments.forward\(x, labels\) cannot take a tuple batch's first"):
+        spec(model=model, batch=pairs, loss_fn=None)
+    assert spec(model=model, batch=named, loss_fn=None)  # by name it can
+    with pytest.raises(UsageError, match=r"OneDict.forward\(batch\) cannot take the batch's keys \['labels', 'x'\]"):
+        spec(model=OneDict, batch=named, loss_fn=None)
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda output: output.sum(), r"loss_fn\(output\) must take two arguments"),
+    (lambda output, batch: output.sum(1), r"shape \(2, 10\), not a scalar"),
+    (lambda output, batch: output.sum().detach(), "does not depend on any trainable parameter"),
+])
+def test_a_loss_fn_that_gives_no_loss_to_backward_is_refused(loss_fn, message):
+    with pytest.raises(UsageError, match=message):
+        spec(loss_fn=loss_fn)
