@@ -33,7 +33,9 @@ class Plan:
 
     fits: bool  # a configuration fits within the budget and its safety margin
     config: Config | None  # the chosen configuration (None when nothing fits)
-    throughput: float | None  # measured samples/s of the chosen configuration
+    # measured samples/s of the chosen configuration; None when nothing fits, or for a configuration the OOM
+    # guard wrote back (`figures` says so)
+    throughput: float | None
     tokens_per_second: float | None  # measured tokens/s, where the batch has a sequence axis
     peak_memory: int | None  # measured peak bytes of the chosen configuration on the device
     reason: str  # why this configuration was chosen, or why nothing fits and what to allow next
@@ -110,9 +112,15 @@ class Plan:
         """A few lines for people: the choice, its figures and the reason."""
         if not self.fits:
             return f"Nothing fits. {self.reason}"
+        return f"{self.config.describe()}: {self.figures()}\n{self.reason}"
+
+    def figures(self) -> str:
+        """The chosen configuration's measured throughput and peak, or why it has none (the OOM guard
+        changed the configuration in a run and wrote it back: no probe measured it)."""
+        if self.throughput is None:
+            return "not measured (the OOM guard changed the configuration in a run; tune again to measure it)"
         tokens = f", {self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second else ""
-        return (f"{self.config.describe()}: {self.throughput:,.2f} samples/s{tokens}, "
-                f"peak {format_size(self.peak_memory)}\n{self.reason}")
+        return f"{self.throughput:,.2f} samples/s{tokens}, peak {format_size(self.peak_memory)}"
 
 
 def choose(results: Sequence[ProbeResult], confirmation: Confirmation | None = None) -> ProbeResult | None:

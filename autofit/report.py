@@ -197,10 +197,8 @@ def _meta(plan: "Plan", budget: int) -> str:
 def _verdict(plan: "Plan") -> str:
     if not plan.fits:
         return f'<div class="verdict"><b>Nothing fits.</b><br>{html.escape(plan.reason)}</div>'
-    tokens = f", {plan.tokens_per_second:,.0f} tokens/s" if plan.tokens_per_second else ""
     return (f'<div class="verdict"><b>★ {html.escape(plan.config.describe())}</b>: '
-            f"{plan.throughput:,.2f} samples/s{tokens}, peak {format_size(plan.peak_memory)}"
-            f"<br>{html.escape(plan.reason)}</div>")
+            f"{html.escape(plan.figures())}<br>{html.escape(plan.reason)}</div>")
 
 
 def _table(plan: "Plan") -> str:

@@ -131,6 +131,8 @@ def test_bad_inputs_name_the_fix(tmp_path):
         autofit.prepare(Config(num_gpus=4, micro_batch_size=2), make_mlp())
     with pytest.raises(UsageError, match="Cannot read a plan"):
         autofit.prepare(tmp_path / "missing.json", make_mlp())
+    with pytest.raises(UsageError, match="attn_implementation='sdpa'.*BlockMLP is not a Hugging Face model"):
+        autofit.prepare(Config(attention="sdpa"), make_mlp())
     with pytest.raises(UsageError, match="takes a Plan"):
         autofit.prepare({"precision": "bf16"}, make_mlp())
 

@@ -64,12 +64,12 @@ def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
 def comment_lines(plan: "Plan", prefix: str = "# ") -> list[str]:
     """The measurement as comment lines for formats that have comments (YAML, shell, Python)."""
     info = measured(plan)
-    tokens = f", {info['throughput_tokens_per_s']:,.0f} tokens/s" if info["throughput_tokens_per_s"] else ""
+    measurement = f"Measured on {info['device']}: {plan.figures()} of a {info['memory_budget']} budget." \
+        if plan.throughput is not None else f"Configuration {plan.figures()}."
     lines = [
         f"Written by autofit {info['autofit_version']} on {info['date']} for {info['model']}.",
         f"Configuration: {info['configuration']} (global batch {info['global_batch_size']}).",
-        f"Measured on {info['device']}: {info['throughput_samples_per_s']:,.2f} samples/s{tokens}, "
-        f"peak {info['peak_memory']} of a {info['memory_budget']} budget.",
+        measurement,
         f"Why: {info['reason']}",
     ]
     return [prefix + " ".join(line.split()) for line in lines]  # one physical line each, whatever the reason holds

@@ -100,9 +100,11 @@ class OomGuard:
         for batch in loader:
             report = guard.step(batch)      # forward/backward/optimizer step; report.loss
 
-    `plan=` (a plan.json) starts from a tuned plan: its precision, attention and checkpointing are applied
-    to `model` with the strategies' own code, its optimizer, adapters and engine are checked against what
-    the guard is given (a mismatch is a `UsageError` naming the fix), and each change is written back to it.
+    `plan=` (a plan.json, or a `Plan`) starts from a tuned plan: its precision, attention and checkpointing
+    are applied to `model` with the strategies' own code, its optimizer, adapters and engine are checked
+    against what the guard is given (a mismatch is a `UsageError` naming the fix), and each change is
+    written back to the file (without figures: no probe measured it). `micro_batch_size` beside a plan
+    starts from that size, keeping the plan's samples per step.
     `running_precision` is for integrations whose framework runs the forward (checked, not applied).
     `micro_batch_size=None` runs each batch whole until an OOM (`config.micro_batch_size` reads 0 until
     the first step sets it). `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
@@ -112,15 +114,14 @@ class OomGuard:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  micro_batch_size: int | None = None, loss_fn: LossFn | None = None,
-                 plan: str | Path | None = None, grow_back_after: int | None = None,
+                 plan: str | Path | Plan | None = None, grow_back_after: int | None = None,
                  eval_micro_batch_size: int | None = None, autocast_dtype: torch.dtype | None = None,
                  scaler: Any = None, escalate: bool = True, process_group: Any = None,
                  running_precision: Any = None):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
-        self.plan_path = Path(plan) if plan is not None else None
-        self._plan = Plan.load(self.plan_path) if self.plan_path is not None else None
+        self.plan_path, self._plan = _plan_of(plan)
         self.config = _initial_config(self._plan, micro_batch_size)
         self.grow_back_after = _positive("grow_back_after", grow_back_after)
         self.eval_micro_batch_size = _positive("eval_micro_batch_size", eval_micro_batch_size)
@@ -311,8 +312,17 @@ class OomGuard:
         self.recoveries.append(Recovery(self.steps, action, old, new, reason, peak))
         logger.warning("autofit OOM guard: %s", reason)
         if self.plan_path is not None and self.sync.rank == 0:
-            plan = dataclasses.replace(self._plan, config=new, reason=f"OOM guard, {reason}. Tuned: {self._plan.reason}")
-            plan.save(self.plan_path)
+            self._written(new, reason).save(self.plan_path)
+
+    def _written(self, new: Config, reason: str) -> Plan:
+        """The plan written back for `new`: the tuned one when the guard grew back to it; otherwise `new`
+        without figures (the tuned ones were measured for the tuned configuration: they stay in the reason)."""
+        tuned = self._plan
+        if new == tuned.config:
+            return tuned
+        return dataclasses.replace(tuned, config=new, throughput=None, tokens_per_second=None, peak_memory=None,
+                                   reason=f"OOM guard, {reason}. Tuned: {tuned.config.describe()} at "
+                                          f"{tuned.figures()}: {tuned.reason}")
 
     def _device(self) -> torch.device:
         return next((p.device for p in self.model.parameters()), torch.device("cpu"))
@@ -367,6 +377,16 @@ class OomGuard:
                            "-> %d, training unchanged (%s)", size, detail, self.eval_micro_batch_size,
                            self.config.describe() if self.config is not None else "whole batches")
         return parts
+
+
+def _plan_of(plan: Any) -> tuple[Path | None, Plan | None]:
+    """(where to write changes back, the plan) from a plan.json path (written back) or a `Plan` (not written)."""
+    if plan is None or isinstance(plan, Plan):
+        return None, plan
+    if isinstance(plan, (str, Path)):
+        return Path(plan), Plan.load(Path(plan))
+    raise UsageError(f"plan= takes a path to a plan.json or an autofit.Plan, but got {type(plan).__name__}; "
+                     "save the plan (plan.save('plan.json')) and pass its path, so the guard writes its changes back.")
 
 
 def _initial_config(plan: Plan | None, micro_batch_size: int | None) -> Config | None:

@@ -11,6 +11,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import Attention as A
+from autofit.errors import UsageError
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class Attention(Strategy):
     def apply(self, run: "TrainRun") -> None:
         value = run.config.attention
         if value is not A.DEFAULT:
+            if not hasattr(run.model, "set_attn_implementation"):
+                raise UsageError(f"The plan runs attn_implementation={value.value!r}, a Hugging Face model's switch, "
+                                 f"but {type(run.model).__name__} is not a Hugging Face model: apply the plan to the "
+                                 "model it was tuned for, or tune this one.")
             own_config(run.model)
             run.model.set_attn_implementation(value.value)
 

@@ -178,7 +178,10 @@ def test_recovery_is_logged_and_written_to_the_plan(tmp_path, caplog):
         guard.step(make_batch(0, TOTAL, LONG))
     saved = Plan.load(path)
     assert (saved.config.micro_batch_size, saved.config.grad_accum_steps) == (4, 4)
-    assert saved.reason.startswith("OOM guard, step 0") and saved.reason.endswith("Tuned: tuned")
+    assert saved.reason.startswith("OOM guard, step 0") and saved.reason.endswith(
+        "Tuned: fp32, mb=8x2, opt=adamw at 1.00 samples/s, peak 1 B: tuned")
+    assert saved.throughput is None and saved.peak_memory is None  # measured for mb=8x2, not for mb=4x4
+    assert "not measured (the OOM guard changed" in saved.summary()
     assert "step 0: out of memory in the" in caplog.text and "mb=8x2" in caplog.text
     assert "mb=4x4" in caplog.text and "peak" in caplog.text
 

@@ -78,3 +78,13 @@ def test_with_a_plan_the_guard_still_recovers_by_checkpointing(tmp_path):
         guard.step(batch)
     assert [r.new.checkpointing for r in guard.recoveries] == ["full"]
     assert Plan.load(path).config.checkpointing == "full"  # the plan follows what the model now runs
+
+
+def test_a_plan_object_is_taken_and_anything_else_named():
+    plan = Plan(fits=True, config=Config(micro_batch_size=4, grad_accum_steps=2), throughput=1.0,
+                tokens_per_second=None, peak_memory=1, reason="tuned", probes=(), spec={})
+    model, optimizer = fresh()
+    guard = OomGuard(model, optimizer, plan=plan, loss_fn=loss_fn)
+    assert guard.config == plan.config and guard.plan_path is None  # nothing to write back to
+    with pytest.raises(UsageError, match="plan= takes a path to a plan.json or an autofit.Plan, but got Config"):
+        OomGuard(model, optimizer, plan=Config(), loss_fn=loss_fn)
