@@ -21,7 +21,7 @@ from autofit.probe.memory import Budget, DeadlinePassed, budget_for
 from autofit.probe.oom import classify_oom, first_line, raised_at, release_memory, sticky_error
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import TrainRun, build_run
-from autofit.spec.batch import to_device
+from autofit.spec.batch import made, to_device
 from autofit.spec.train import TrainSpec
 from autofit.units import format_size
 
@@ -146,7 +146,7 @@ def fresh_run(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"])
     """A fresh run of `config` and its micro-batches at the worst-case shape (the same one every micro-step,
     the loader's worst case)."""
     run = build_run(spec, config, strategies)
-    micro_batch = to_device(spec.batch_factory(config.micro_batch_size), spec.device)
+    micro_batch = to_device(made(spec.batch_factory, config.micro_batch_size), spec.device)
     return run, [micro_batch] * config.grad_accum_steps
 
 

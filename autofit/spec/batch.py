@@ -21,6 +21,17 @@ Batch = Any
 BatchFactory = Callable[[int], Batch]
 
 
+def made(batch_factory: BatchFactory, num_samples: int) -> Batch:
+    """`batch_factory(num_samples)`, checked to hold exactly that many samples (a factory that returns a
+    fixed size would have every micro-batch measured at that size)."""
+    batch = batch_factory(num_samples)
+    rows = leading_dim(batch)
+    if rows != num_samples:
+        raise UsageError(f"make_batch({num_samples}) returned a batch of {rows} samples; it must return exactly the "
+                         "number of samples asked for (each micro-batch size is measured on the batch it makes).")
+    return batch
+
+
 def leading_dim(batch: Batch) -> int:
     """Number of samples in `batch`; all tensors must agree on their first axis."""
     leaves = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
@@ -52,7 +63,9 @@ def take_rows(batch: Batch, start: int, count: int) -> Batch:
 
 def factory_from_sample(sample: Batch) -> BatchFactory:
     """A `make_batch(n)` that returns `n` rows of `sample`, cycling through them."""
-    leading_dim(sample)  # validate now, not inside the first probe
+    if leading_dim(sample) == 0:  # validate now, not inside the first probe
+        raise UsageError("The sample batch holds 0 samples, so there is nothing to train on; give a batch with at "
+                         "least one sample (ideally at the largest shape the job will see).")
     return functools.partial(take_rows, sample, 0)
 
 

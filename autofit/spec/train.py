@@ -235,12 +235,9 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
 
 
 def _checked_sample(batch_factory: Callable[[int], Any]) -> Any:
-    sample = batch_factory(2)
-    rows = batches.leading_dim(sample)
-    if rows != 2:
-        raise UsageError(f"make_batch(2) returned a batch of {rows} samples; it must return exactly the "
-                         "number of samples asked for.")
-    return sample
+    """A sample of two, after checking the factory makes the number of samples asked for at another size too."""
+    batches.made(batch_factory, 3)
+    return batches.made(batch_factory, 2)
 
 
 def _budget(memory_budget: int | str | None, device: torch.device) -> tuple[int, str]:

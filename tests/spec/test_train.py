@@ -35,9 +35,26 @@ def test_sample_batch_that_cannot_be_sliced():
         spec(batch=(torch.zeros(4, 3), torch.zeros(5)))
 
 
+def test_sample_batch_without_samples():
+    with pytest.raises(UsageError, match="holds 0 samples"):
+        spec(batch=(torch.zeros(0, 32), torch.zeros(0)))
+
+
 def test_batch_factory_that_ignores_its_argument():
-    with pytest.raises(UsageError, match=r"make_batch\(2\) returned a batch of 8"):
+    with pytest.raises(UsageError, match=r"make_batch\(3\) returned a batch of 8"):
         spec(batch=lambda n: make_mlp_batch(8))
+    with pytest.raises(UsageError, match=r"make_batch\(3\) returned a batch of 2"):  # right at 2 only
+        spec(batch=lambda n: make_mlp_batch(2))
+
+
+def test_a_batch_factory_that_caps_its_size_stops_the_probe_that_asks_for_more():
+    from autofit.config import Config
+    from autofit.probe.run import run_probe
+    from autofit.strategies import default_strategies
+
+    capped = spec(batch=lambda n: make_mlp_batch(min(n, 4)))  # a dataset of 4 samples
+    with pytest.raises(UsageError, match=r"make_batch\(8\) returned a batch of 4 samples"):
+        run_probe(capped, Config(micro_batch_size=8), default_strategies())
 
 
 def test_model_without_loss_and_no_loss_fn():
