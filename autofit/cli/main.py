@@ -1,11 +1,13 @@
 """Entry point of the `autofit` console script.
 
 Exit codes (DESIGN.md): 0 a configuration fits, 3 nothing fits, 2 bad usage, 1 any other error. With
-`--json`, stdout carries exactly one JSON document; logs go to stderr.
+`--json`, stdout carries exactly one JSON document (on an error, `{"error": ..., "exit_code": ...}`);
+logs go to stderr.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -25,19 +27,22 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code."""
+    args = sizes_joined(sys.argv[1:] if argv is None else argv)
+    error = None
     try:
-        code = cli.main(args=sizes_joined(sys.argv[1:] if argv is None else argv), standalone_mode=False)
+        code = cli.main(args=args, standalone_mode=False)
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except (click.UsageError, UsageError) as exc:
-        click.echo(f"error: {exc.format_message() if isinstance(exc, click.UsageError) else exc}", err=True)
-        code = EXIT_USAGE
+        error, code = exc.format_message() if isinstance(exc, click.UsageError) else str(exc), EXIT_USAGE
     except click.Abort:
-        click.echo("aborted", err=True)
-        code = EXIT_ERROR
+        error, code = "aborted", EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - the last line of defence: say what broke, exit 1
-        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
-        code = EXIT_ERROR
+        error, code = f"{type(exc).__name__}: {exc}", EXIT_ERROR
+    if error is not None:
+        click.echo(f"error: {error}" if error != "aborted" else error, err=True)
+        if "--json" in args:  # stdout still carries its one JSON document
+            click.echo(json.dumps({"error": error, "exit_code": code}, indent=2))
     code = EXIT_FITS if code is None else int(code)
     if argv is None:
         sys.exit(code)

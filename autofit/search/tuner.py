@@ -81,6 +81,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         back, see `autofit.search.confirm`).
     """
     margin = confirmation.check_margin(exact_margin)
+    if isinstance(max_probes, bool) or not isinstance(max_probes, int) or max_probes < 1:
+        raise UsageError(f"max_probes must be an integer >= 1 (probes the search may run), but got {max_probes!r}.")
     listener = make_progress(progress)
     chosen = engine_strategies(strategies, engine, nvme_path)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,

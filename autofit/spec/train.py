@@ -120,6 +120,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     # A given module is inspected as it is; a factory is built on the meta device (no memory used).
     meta_model = None if isinstance(model, nn.Module) else build_on_meta(model_factory)
     info = inspect_model(model if isinstance(model, nn.Module) else meta_model or model_factory())
+    if seq_len is not None:
+        _check_positive("seq_len", seq_len)
     batch_factory, description = _batch_factory(batch, info, seq_len)
     sample = _checked_sample(batch_factory)
     budget, budget_reason = _budget(memory_budget, resolved)

@@ -51,6 +51,16 @@ def test_json_is_one_document_with_every_candidate(config_json, capsys):
         c["config"]["sharding"] for c in data["candidates"]}
 
 
+@pytest.mark.parametrize("args, message", [(("--seq-len", "0"), "seq_len must be an integer >= 1, but got 0"),
+                                           (("--top", "-1"), "'--top': -1 is not in the range x>=0")])
+def test_bad_values_exit_2_and_json_still_gets_its_document(config_json, capsys, args, message):
+    assert main(["dry-run", "--model", str(config_json), *args, "--json"]) == 2
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)
+    assert set(document) == {"error", "exit_code"} and document["exit_code"] == 2
+    assert message in document["error"] and message in captured.err
+
+
 def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--gpu-memory", "8MiB", "--json") == 3
     captured = capsys.readouterr()
