@@ -56,7 +56,8 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
     `breakdown_table`."""
     shown = shown_rows(report, top)
     title = (f"{report.model} on {report.num_gpus} x {report.gpu.name} ({format_size(report.gpu.memory_bytes)}, "
-             f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates")
+             f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates"
+             + (f"; per sample: {report.batch}" if report.batch else ""))
     wide, reasons = width >= WIDE, width >= REASONS
     host = any(c.estimate.cpu_bytes for c in shown)
     columns = ["#", "configuration", *(PARTS if wide else ()), "peak/GPU", "fits", "samples/s",

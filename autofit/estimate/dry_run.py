@@ -113,6 +113,7 @@ class DryRunReport:
     chosen: Candidate | None
     reason: str
     seconds: float  # wall time the planning took
+    batch: str = ""  # the batch each candidate was predicted for (a synthesized one's shape: its length)
 
     @property
     def fits(self) -> bool:
@@ -131,7 +132,7 @@ class DryRunReport:
         chosen = self.candidates.index(self.chosen) if self.chosen is not None else None
         return {"model": self.model, "gpu": self.gpu.name, "gpu_memory": self.gpu.memory_bytes,
                 "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
-                "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
+                "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
                 "verdict_basis": "formula" if self.formula_only else "simulation",
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
@@ -194,7 +195,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, spec.batch_description)
 
 
 def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> list["Strategy"]:

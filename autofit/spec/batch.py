@@ -197,7 +197,8 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     config's `architectures` otherwise): speech encoder-decoders (Whisper) get log-mel `input_features`
     of the encoder's full window and decoder `labels` of `seq_len` tokens; waveform models (wav2vec2)
     `seq_len` audio samples and CTC transcripts or clip labels (`_audio`); image-text models (CLIP,
-    SigLIP) token ids, pixel values and `return_loss`; image models pixel values and a label per image or
+    SigLIP) token ids, pixel values and `return_loss`; image-to-text encoder-decoders (VisionEncoderDecoder:
+    TrOCR, Donut, captioners) pixel values and decoder labels of `seq_len` tokens; image models pixel values and a label per image or
     per pixel (`_image`; a `seq_len` is refused there); token classifiers a label per token; sequence
     classifiers a label per sample; question answering an answer span; text encoder-decoders (T5, BART)
     and language models token ids and labels of `seq_len` tokens (default: the model's maximum positions
@@ -211,6 +212,8 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
         return _audio(config, seq_len, name)
     if "pixel_values" in params and "input_ids" in params:
         return _image_text(config, seq_len)
+    if "pixel_values" in params and "decoder_input_ids" in params:
+        return _image_to_text(config, seq_len)
     image_size = getattr(config, "image_size", None)
     if "pixel_values" in params or (image_size is not None and not hasattr(config, "vocab_size")):
         _no_sequence(seq_len, name or type(config).__name__, "images of the config's image_size")
@@ -292,23 +295,40 @@ def _no_sequence(seq_len: int | None, name: str, takes: str) -> None:
 DEFAULT_IMAGE_SIZE = 224  # what the image processors of convolutional models without one resize to (ResNet, RegNet)
 
 
+def _image_to_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
+    """Image-to-text encoder-decoders (VisionEncoderDecoder): pixel values at the encoder's image size and
+    decoder inputs and labels of `seq_len` tokens (default: the decoder's maximum positions, at most 2048).
+    The decoder inputs are given, so no decoder_start_token_id is needed."""
+    pixels, size = _pixels(config.encoder)
+    length, vocab = _length(config.decoder, seq_len), config.decoder.vocab_size
+    text = (Field("decoder_input_ids", (length,), vocab), Field("labels", (length,), vocab))
+    return SyntheticBatches((pixels, *text)), f"pixel_values {_shape(pixels)} and decoder labels of {length} tokens{size}"
+
+
 def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     """Image models: pixel values at the config's size, and a class label per image, or per pixel for
-    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width). A convolutional
-    model whose config names no size (ResNet, RegNet take any) gets `DEFAULT_IMAGE_SIZE`, and its
-    description says so."""
+    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width)."""
+    pixels, size = _pixels(config)
+    labels, side = _classes(config), pixels.shape[-1]
+    if name.endswith("ForSemanticSegmentation"):
+        return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
+            f"pixel_values {_shape(pixels)} and a label per pixel ({labels} classes){size}"
+    return SyntheticBatches((pixels, Field("labels", (), labels))), f"pixel_values {_shape(pixels)} and labels{size}"
+
+
+def _pixels(config: Any) -> tuple[Field, str]:
+    """Pixel values at a vision config's size, and a note when it names none: a convolutional model
+    (ResNet, RegNet take any size) gets `DEFAULT_IMAGE_SIZE`, and its description says so."""
     channels = getattr(config, "num_channels", 3)
     named = getattr(config, "image_size", None)
     image_size = named or DEFAULT_IMAGE_SIZE
     side = image_size if isinstance(image_size, int) else image_size[0]
-    labels = _classes(config)
-    pixels = Field("pixel_values", (channels, side, side))
     size = "" if named else f" ({side}x{side}, the usual size: the config names none; pass a batch of your images' size)"
-    if name.endswith("ForSemanticSegmentation"):
-        return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
-            f"pixel_values {channels}x{side}x{side} and a label per pixel ({labels} classes){size}"
-    return SyntheticBatches((pixels, Field("labels", (), labels))), \
-        f"pixel_values {channels}x{side}x{side} and labels{size}"
+    return Field("pixel_values", (channels, side, side)), size
+
+
+def _shape(field: Field) -> str:
+    return "x".join(map(str, field.shape))
 
 
 AUDIO_RATE = 16_000  # samples per second: what every waveform model in transformers was trained on

@@ -73,22 +73,29 @@ def _unknown_message(name: str) -> str:
             "or FILE.py:factory.")
 
 
+# The Auto classes tried, in order, for a config that names no architecture: the first whose mapping knows
+# the config's type builds it (the bare AutoModel last: it trains nothing without a head).
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq",
+                "AutoModelForImageTextToText", "AutoModelForImageClassification", "AutoModel")
+
+
 def model_class(config: Any) -> Any:
-    """The transformers class a config's `architectures[0]` names, else the first Auto class whose
-    mapping knows the config's type: causal LM, sequence-to-sequence LM, image classification, then the
-    bare model."""
+    """The transformers class a config's `architectures[0]` names, else the first of `AUTO_CLASSES` whose
+    mapping knows the config's type; a `UsageError` when none does."""
     import transformers
 
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    autos = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification", "AutoModel")
-    for auto in autos:
-        cls = getattr(transformers, auto)
-        if type(config) in cls._model_mapping:
+    for auto in AUTO_CLASSES:
+        cls = getattr(transformers, auto, None)  # names differ between transformers versions
+        if cls is not None and type(config) in cls._model_mapping:
             return cls
-    return transformers.AutoModelForCausalLM  # its error names the config class it cannot build
+    model_type = getattr(config, "model_type", "?")
+    raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
+                     f"(model_type {model_type!r}) alone; add \"architectures\": [\"ClassName\"] to its config.json, "
+                     "naming the transformers class you train, or pass FILE.py:factory.")
 
 
 def build_model(config: Any) -> Any:

@@ -5,8 +5,9 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DistilBertConfig, MixtralConfig, ResNetConfig,
-                          SegformerConfig, T5Config, ViTConfig, Wav2Vec2Config, WhisperConfig)
+from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DistilBertConfig, GPT2Config, MixtralConfig,
+                          ResNetConfig, SegformerConfig, T5Config, ViTConfig, VisionEncoderDecoderConfig, Wav2Vec2Config,
+                          WhisperConfig)
 
 from autofit.cli.main import main
 from autofit.estimate.dry_run import dry_run
@@ -58,6 +59,13 @@ ARCHITECTURES = {
     "distilbert-qa": (DistilBertConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
                                        architectures=["DistilBertForQuestionAnswering"]),
                       {"input_ids": (32,), "start_positions": (), "end_positions": ()}),
+    # an image captioner / OCR model: ViT encoder, GPT-2 decoder (config.json without "architectures" too:
+    # `test_an_image_to_text_model_needs_no_architectures`)
+    "vision-encoder-decoder": (VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+        ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+                  patch_size=8),
+        GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64), architectures=[
+            "VisionEncoderDecoderModel"]), {"pixel_values": (3, 32, 32), "decoder_input_ids": (32,), "labels": (32,)}),
 }
 SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None, "resnet": None}  # audio samples; images: none
 
@@ -102,6 +110,23 @@ def check_simulated(tmp_path, name):
     batch = spec.batch_factory(2)
     shapes = {key: tuple(value.shape[1:]) for key, value in batch.items() if isinstance(value, torch.Tensor)}
     assert shapes == ARCHITECTURES[name][1]
+
+
+def test_an_image_to_text_model_needs_no_architectures(tmp_path):
+    path = _config_file(tmp_path, "vision-encoder-decoder")
+    data = json.loads(path.read_text())
+    del data["architectures"]
+    path.write_text(json.dumps(data))
+    report = dry_run(str(path), seq_len=16, global_batch_size=4, gpu="rtx-4090", strategies=[MicroBatch()])
+    assert report.fits and not report.formula_only
+    assert report.batch == "pixel_values 3x32x32 and decoder labels of 16 tokens"
+
+
+def test_a_config_no_auto_class_builds_names_the_fix(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "depth_anything"}))  # a depth estimator: no Auto class builds it
+    assert main(["dry-run", "--model", str(path), "--global-batch-size", "4"]) == 2
+    assert 'No transformers Auto class builds a model to train from a DepthAnythingConfig' in capsys.readouterr().err
 
 
 def test_an_image_size_the_config_does_not_name_is_the_usual_one_and_said_so():
