@@ -180,13 +180,18 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
 
     width = render_width()
     console = make_console(as_json, width)
-    report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
-                     gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow), optimizer=optimizer,
-                     lora_targets=_targets(lora_targets), deferred_sync=deferred_sync)
+    # a terminal sees that work is going on (a recurrent model's step simulates token by token: minutes)
+    with console.status(f"Simulating training steps of {model_arg} (nothing is trained)..."):
+        report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
+                         gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow),
+                         optimizer=optimizer, lora_targets=_targets(lora_targets), deferred_sync=deferred_sync)
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:
         console.print(f"--gpu {gpu} is read as {report.gpu.name}; for another size pass "
                       + " or ".join(f"--gpu {name}" for name in others), style="dim")
+    if gpu_memory is not None and click.get_current_context().get_parameter_source("gpu").name == "DEFAULT":
+        console.print(f"--gpu-memory {gpu_memory} without --gpu: speeds are the {report.gpu.name} profile's; pass "
+                      "--gpu for your card's (autofit gpus lists them).", style="dim")
     render(report, console, top, width)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

@@ -160,3 +160,8 @@ def test_the_simulation_prints_no_transformers_warnings(config_json):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "use_cache" not in done.stderr and "[transformers]" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_memory_size_without_a_card_says_whose_speeds_are_used(config_json, capsys):
+    assert dry_run("--model", str(config_json), "--gpu-memory", "20GiB", "--top", "1") == 0
+    assert "--gpu-memory 20GiB without --gpu: speeds are the h100-80gb profile's" in capsys.readouterr().out
