@@ -24,7 +24,8 @@ FORMATS = {"accelerate": accelerate, "deepspeed": deepspeed, "trainer": trainer,
 
 
 def export(plan: "Plan", fmt: str, out_dir: str | Path) -> list[Path]:
-    """Write the launcher files of format `fmt` for `plan` into `out_dir` (created); returns their paths."""
+    """Write the launcher files of format `fmt` (any case) for `plan` into `out_dir` (created); returns their paths."""
+    fmt = fmt.lower() if isinstance(fmt, str) else fmt
     if fmt not in FORMATS:
         raise UsageError(f"format {fmt!r} is not known; use one of {sorted(FORMATS)}.")
     require_fit(plan)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import torch
 
 from autofit.config import Config
 from autofit.estimate.estimator import predictor_for
@@ -25,6 +27,18 @@ from autofit.strategies.sharding import ShardingEngine
 LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
 
 
+def _keeps_rng(function: Callable[..., Plan]) -> Callable[..., Plan]:
+    """`function` run with torch's random state saved and restored (the CPU's and every CUDA device's): the
+    probes draw weights, batches and dropout masks, and the caller's next draw must not depend on them."""
+    @functools.wraps(function)
+    def kept(*args: Any, **kwargs: Any) -> Plan:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return function(*args, **kwargs)
+    return kept
+
+
+@_keeps_rng
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
             memory_budget: int | str | None = None, num_gpus: int = 1, allow: Any = None,
             optimizer: Any = "adamw", loss_fn: LossFn | None = None, seq_len: int | None = None,
@@ -153,6 +167,10 @@ def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_p
         raise UsageError("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
                          "or use engine='fsdp' (torch's own FSDP2).")
     chosen = list(strategies) if strategies is not None else default_strategies(engine)
+    wrong = [s for s in chosen if not isinstance(s, Strategy)]
+    if wrong:
+        raise UsageError(f"strategies takes Strategy instances (e.g. [autofit.strategies.Precision(), "
+                         f"autofit.strategies.MicroBatch()]), but got {wrong[0]!r}; leave it out to search every rung.")
     chosen = [s for s in chosen if not isinstance(s, ShardingEngine) or engine in ("auto", s.engine.value)]
     if nvme_path is not None:
         chosen = [Offload(nvme_path) if isinstance(s, Offload) else s for s in chosen]

@@ -158,9 +158,24 @@ def _model_factory(model: Any) -> Callable[[], nn.Module]:
     if _is_hf_config(model):
         return functools.partial(_model_from_config, model)
     if callable(model):
+        _check_no_arguments(model)
         return functools.partial(_called_factory, model)
     raise UsageError(f"model must be an nn.Module, a zero-argument factory returning one, or a Hugging Face "
                      f"config, but got {type(model).__name__}.")
+
+
+def _check_no_arguments(factory: Callable[..., Any]) -> None:
+    """`UsageError` when the model factory (a class, a function) cannot be called with no arguments."""
+    import inspect
+
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:
+        name = getattr(factory, "__name__", type(factory).__name__)
+        raise UsageError(f"model={name} is called with no arguments to build each probe's model, but {exc}; pass "
+                         f"a built model, or a zero-argument factory such as lambda: {name}(...).") from None
+    except ValueError:  # no signature to read (a builtin): the first build tells
+        pass
 
 
 def _called_factory(factory: Callable[[], Any]) -> nn.Module:

@@ -107,6 +107,7 @@ def test_plan_that_does_not_fit_refuses(tmp_path, plan_for):
 def test_unknown_format(tmp_path, plan_for):
     with pytest.raises(UsageError, match="format 'slurm' is not known"):
         plan_for().export("slurm", tmp_path)
+    assert [p.name for p in plan_for().export("DeepSpeed", tmp_path)] == ["deepspeed.json"]  # typed in any case
 
 
 def test_fsdp_plan_is_not_a_deepspeed_plan(tmp_path, plan_for):

@@ -7,7 +7,7 @@ import torch
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 import autofit
-from autofit import Config, ProbeStatus
+from autofit import Config, ProbeStatus, UsageError
 from autofit.config import Checkpointing
 from autofit.probe.outcome import Skip, Source
 from autofit.probe.run import run_probe
@@ -173,3 +173,27 @@ def test_progress_true_prints_each_probe_as_it_starts_and_lands(capsys):
 def test_progress_that_is_no_listener_is_a_usage_error(progress):
     with pytest.raises(autofit.UsageError, match=r"progress=.*pass True"):
         autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, loss_fn=mlp_loss, progress=progress, **FAST)
+
+
+def test_the_callers_random_state_is_left_as_it_was():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                    loss_fn=mlp_loss, allow=0, max_probes=2)
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_what_is_not_a_strategy_or_a_factory_is_named():
+    with pytest.raises(UsageError, match="strategies takes Strategy instances.*got 'precision'"):
+        autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss,
+                        strategies=["precision"])
+
+    class NeedsWidth(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+
+    with pytest.raises(UsageError, match=r"model=NeedsWidth is called with no arguments.*lambda: NeedsWidth\(\.\.\.\)"):
+        autofit.autofit(NeedsWidth, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
+    with pytest.raises(UsageError, match="max_probes must be an integer >= 1"):
+        autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss, max_probes=0)
