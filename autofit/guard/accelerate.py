@@ -48,6 +48,11 @@ class AccelerateGuard:
         """The guard's current configuration (micro-batch per split, accumulation over the window)."""
         return self.guard.config
 
+    @property
+    def recoveries(self) -> list:
+        """Every step-down and grow-back so far (`autofit.guard.Recovery`), as `OomGuard.recoveries`."""
+        return self.guard.recoveries
+
     def backward(self, batch: Any) -> torch.Tensor:
         """Forward and backward of this loader batch, split on OOM; returns its mean loss (detached)."""
         self.last_report = self.guard.accumulate(batch, self._backward)

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.spec.batch import call_model, default_loss, leading_dim
-from autofit.config import Checkpointing, Config
+from autofit.config import Checkpointing, Config, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
@@ -122,7 +122,8 @@ class OomGuard:
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
         self.plan_path, self._plan = _plan_of(plan)
-        self.config = _initial_config(self._plan, micro_batch_size)
+        self._optimizer_kind = _kind(optimizer)  # how logs and recoveries name it
+        self.config = _initial_config(self._plan, micro_batch_size, self._optimizer_kind)
         self.grow_back_after = _positive("grow_back_after", grow_back_after)
         self.eval_micro_batch_size = _positive("eval_micro_batch_size", eval_micro_batch_size)
         if self._plan is not None:  # the model runs the plan's knobs, or the guard refuses to start
@@ -163,7 +164,7 @@ class OomGuard:
         first_recovery = len(self.recoveries)
         self._maybe_grow_back()
         if self.config is None:  # no size given: the whole batch at once
-            self.config = Config(micro_batch_size=total)
+            self.config = Config(micro_batch_size=total, optimizer=self._optimizer_kind)
             self._tried.append(self.config.describe())
         done, losses, sizes, holds = 0, [], [], []
         while True:
@@ -389,18 +390,26 @@ def _plan_of(plan: Any) -> tuple[Path | None, Plan | None]:
                      "save the plan (plan.save('plan.json')) and pass its path, so the guard writes its changes back.")
 
 
-def _initial_config(plan: Plan | None, micro_batch_size: int | None) -> Config | None:
+def _initial_config(plan: Plan | None, micro_batch_size: int | None, optimizer: Optimizer) -> Config | None:
     """The configuration to start from; None (no plan, no size): the whole batch, sized at the first step."""
     if plan is not None and plan.config is None:
         raise UsageError("The plan given to the OOM guard has no configuration (nothing fitted when it was "
                          "tuned); tune again with a larger budget or pass micro_batch_size= instead.")
     size = _positive("micro_batch_size", micro_batch_size)
     if plan is None:
-        return Config(micro_batch_size=size) if size is not None else None
+        return Config(micro_batch_size=size, optimizer=optimizer) if size is not None else None
     if size is None:
         return plan.config
     per_rank = plan.config.micro_batch_size * plan.config.grad_accum_steps  # the samples per step it was tuned for
     return plan.config.replace(micro_batch_size=size, grad_accum_steps=max(1, math.ceil(per_rank / size)))
+
+
+def _kind(optimizer: Any) -> Optimizer:
+    """The optimizer knob naming `optimizer`'s class (a class autofit does not search is the user's own)."""
+    from autofit.prepare import OPTIMIZER_CLASSES
+
+    name = type(optimizer).__name__
+    return next((kind for kind, cls in OPTIMIZER_CLASSES.items() if cls == name), Optimizer.USER)
 
 
 def _positive(name: str, value: int | None) -> int | None:

@@ -215,7 +215,7 @@ def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
             record["sizes"].append(guard.last_report.micro_batches)
-    record["recoveries"] = [r.reason for r in guard.guard.recoveries]
+    record["recoveries"] = [r.reason for r in guard.recoveries]
     record["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(record, f"{out_dir}/accelerate{rank}.pt")
     accelerator.end_training()
