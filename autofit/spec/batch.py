@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,7 @@ BatchFactory = Callable[[int], Batch]
 def made(batch_factory: BatchFactory, num_samples: int) -> Batch:
     """`batch_factory(num_samples)`, checked to hold exactly that many samples (a factory that returns a
     fixed size would have every micro-batch measured at that size)."""
-    batch = batch_factory(num_samples)
+    batch = plain(batch_factory(num_samples))
     rows = leading_dim(batch)
     if rows != num_samples:
         raise UsageError(f"make_batch({num_samples}) returned a batch of {rows} samples; it must return exactly the "
@@ -34,7 +35,7 @@ def made(batch_factory: BatchFactory, num_samples: int) -> Batch:
 
 def leading_dim(batch: Batch) -> int:
     """Number of samples in `batch`; all tensors must agree on their first axis."""
-    leaves = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
+    leaves = [leaf for leaf in tree_flatten(plain(batch))[0] if isinstance(leaf, torch.Tensor)]
     if not leaves:
         raise UsageError(f"The batch holds no tensors (got {type(batch).__name__}); pass a tensor, "
                          "a tuple of tensors or a dict of tensors.")
@@ -58,7 +59,7 @@ def take_rows(batch: Batch, start: int, count: int) -> Batch:
             return leaf
         return leaf.index_select(0, index.to(leaf.device))
 
-    return tree_map(take, batch)
+    return tree_map(take, plain(batch))
 
 
 def factory_from_sample(sample: Batch) -> BatchFactory:
@@ -71,7 +72,13 @@ def factory_from_sample(sample: Batch) -> BatchFactory:
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """`batch` with every tensor on `device`."""
-    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, plain(batch))
+
+
+def plain(batch: Batch) -> Batch:
+    """`batch` as a dict when it is another kind of mapping (a tokenizer's `BatchEncoding`, a `UserDict`),
+    which torch's pytree would take as one opaque leaf; anything else as it is."""
+    return dict(batch) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
 
 
 def tokens_per_sample(batch: Batch) -> int | None:
@@ -107,7 +114,7 @@ def call_model(model: torch.nn.Module, batch: Batch) -> Any:
 
     A tuple is read as (inputs, targets, ...): the targets reach the loss through `loss_fn(output, batch)`.
     """
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(batch[0])

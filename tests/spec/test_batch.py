@@ -40,3 +40,18 @@ def test_default_loss_explains_what_to_do():
         default_loss(torch.zeros(2, 3), None)
     assert default_loss(torch.tensor(2.0), None).item() == 2.0
     assert default_loss({"loss": torch.tensor(1.0)}, None).item() == 1.0
+
+
+def test_a_tokenizers_batch_encoding_is_a_dict_batch():
+    from transformers import BatchEncoding
+
+    from autofit.guard.parts import slice_rows
+    from autofit.spec.batch import call_model, factory_from_sample, leading_dim, to_device
+
+    ids = torch.arange(12).reshape(4, 3)
+    encoded = BatchEncoding({"input_ids": ids, "labels": ids})
+    assert leading_dim(encoded) == 4
+    assert torch.equal(factory_from_sample(encoded)(2)["input_ids"], ids[:2])
+    assert torch.equal(slice_rows(encoded, 1, 2)["labels"], ids[1:3])
+    assert isinstance(to_device(encoded, torch.device("cpu")), dict)
+    assert call_model(lambda input_ids, labels: input_ids.sum() + labels.sum(), encoded) == 2 * ids.sum()
