@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autofit.spec.batch import leading_dim, plain
+from autofit.spec.batch import leading_dim, map_fields, plain
 
 
 def slice_rows(batch: Any, start: int, count: int) -> Any:
@@ -23,7 +23,10 @@ def slice_rows(batch: Any, start: int, count: int) -> Any:
         return type(batch)(x.narrow(0, start, count) for x in batch)
     if type(batch) is dict and all(isinstance(x, torch.Tensor) for x in batch.values()):
         return {key: x.narrow(0, start, count) for key, x in batch.items()}
-    return tree_map(lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, plain(batch))
+    batch = plain(batch)
+    return map_fields(batch, leading_dim(batch), lambda part: tree_map(
+        lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, part),
+        lambda values: values[start:start + count])
 
 
 def rows(batch: Any) -> int:

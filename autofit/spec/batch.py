@@ -59,7 +59,22 @@ def take_rows(batch: Batch, start: int, count: int) -> Batch:
             return leaf
         return leaf.index_select(0, index.to(leaf.device))
 
-    return tree_map(take, plain(batch))
+    rows = index.tolist()
+    return map_fields(plain(batch), size, lambda part: tree_map(take, part), lambda values: [values[i] for i in rows])
+
+
+def map_fields(batch: Batch, size: int, tensors: Callable[[Any], Any], per_sample: Callable[[Any], Any]) -> Batch:
+    """`batch` with `tensors` applied to its tensor parts and, in a dict batch, `per_sample` to each field that
+    holds one plain value per sample (a list or tuple of `size` strings or numbers, such as raw texts), so
+    slicing keeps them beside their samples."""
+    if not isinstance(batch, dict):
+        return tensors(batch)
+    return {key: per_sample(value) if _per_sample(value, size) else tensors(value) for key, value in batch.items()}
+
+
+def _per_sample(value: Any, size: int) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == size and size > 0 and \
+        all(isinstance(v, (str, bytes, int, float, bool)) or v is None for v in value)
 
 
 def factory_from_sample(sample: Batch) -> BatchFactory:

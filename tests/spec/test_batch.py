@@ -55,3 +55,12 @@ def test_a_tokenizers_batch_encoding_is_a_dict_batch():
     assert torch.equal(slice_rows(encoded, 1, 2)["labels"], ids[1:3])
     assert isinstance(to_device(encoded, torch.device("cpu")), dict)
     assert call_model(lambda input_ids, labels: input_ids.sum() + labels.sum(), encoded) == 2 * ids.sum()
+
+
+def test_a_field_with_a_value_per_sample_is_sliced_with_its_samples():
+    from autofit.guard.parts import slice_rows
+
+    batch = {"input_ids": torch.arange(8).reshape(4, 2), "texts": ["a", "b", "c", "d"], "task": "qa"}
+    assert take_rows(batch, 1, 2)["texts"] == ["b", "c"] and take_rows(batch, 3, 2)["texts"] == ["d", "a"]
+    assert slice_rows(batch, 2, 2)["texts"] == ["c", "d"]
+    assert slice_rows(batch, 2, 2)["task"] == "qa"  # one value for the whole batch is kept whole
