@@ -75,17 +75,24 @@ class _Silent:
 
 class PrintedProgress:
     """`progress=True`: a line on stderr as each probe starts (the candidate and why) and one as it lands
-    (its status, peak and speed, and the reason), for a script or a notebook cell."""
+    (its status, peak and speed, and the reason), for a script or a notebook cell. Once the probe budget is
+    spent, one line says so for every level left (`plan.probes` lists them)."""
 
     def __init__(self, stream: TextIO | None = None):
         self.stream = stream
         self.count = 0
+        self.budget_said = False
 
     def starting(self, config: Config, why: str) -> None:
         self.count += 1
         self._print(f"autofit probe {self.count}: {config.describe()} ({why})")
 
     def finished(self, result: ProbeResult) -> None:
+        if result.skip is Skip.BUDGET:
+            if not self.budget_said:
+                self._print(f"  {result.reason}: the levels left are skipped (plan.probes lists them)")
+            self.budget_said = True
+            return
         peak = f", peak {format_size(result.peak_bytes)}" if result.peak_bytes else ""
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         self._print(f"  {result.status.value} {result.config.describe()}{peak}{speed} - {result.reason}")
