@@ -110,9 +110,9 @@ PRECISION = {
 }
 
 # The optimizers DeepSpeed builds itself from its config (with ZeRO-Offload it swaps in its CPU Adam), with
-# the hyperparameters the probe used (`hyperparameters`: the user's, else torch's defaults). A type DeepSpeed does not know by name is looked
-# up in torch.optim (deepspeed/runtime/engine.py, _configure_basic_optimizer: `getattr(torch.optim,
-# self.optimizer_name())`), which is how Adafactor is named. bitsandbytes' 8-bit optimizers have no name
+# the hyperparameters the probe used (`hyperparameters`: the user's, else torch's defaults). A type
+# DeepSpeed does not know by name is looked up in torch.optim (deepspeed/runtime/engine.py,
+# _configure_basic_optimizer: `getattr(torch.optim, self.optimizer_name())`), which is how Adafactor is named. bitsandbytes' 8-bit optimizers have no name
 # there: the `deepspeed` format refuses them (see `applies`); a user's own optimizer is passed to
 # deepspeed.initialize(optimizer=...) by the script.
 DEEPSPEED_OPTIMIZERS = {

@@ -267,7 +267,8 @@ class Search:
         probed = [r for r in self.results if r.source is Source.PROBED]
         if len(probed) < USER_ERROR_PROBES or any(r.status is not ProbeStatus.ERROR for r in probed):
             return
-        if len({_failure(r.reason) for r in probed}) == 1 and len({r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in probed}) > 1:
+        levels = {r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in probed}
+        if len({_failure(r.reason) for r in probed}) == 1 and len(levels) > 1:
             first = probed[0]
             raise UsageError(f"Every configuration probed ({', '.join(r.config.describe() for r in probed)}) failed "
                              f"the same way in the {first.phase or 'step'}, so the cause is the model, the batch or "

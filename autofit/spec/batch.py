@@ -268,8 +268,6 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
 
 def forward_parameters(model_class: str | None) -> frozenset[str]:
     """Names of the arguments of transformers class `model_class`'s forward (empty when unknown)."""
-    import inspect
-
     import transformers
 
     cls = getattr(transformers, model_class, None) if model_class else None

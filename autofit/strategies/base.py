@@ -95,8 +95,9 @@ class Strategy(abc.ABC):
 
     def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
         """What reproducing `config`'s value of this knob takes beyond the value itself (LoRA's target
-        modules, scaling and dropout; the optimizer's class and hyperparameters), recorded in the plan (`Plan.settings`) for the exports and
-        `autofit.prepare`; nothing by default. JSON values only."""
+        modules, scaling and dropout; the optimizer's class and hyperparameters, read from `spec`), recorded
+        in the plan (`Plan.settings`) for the exports and `autofit.prepare`; nothing by default. JSON values
+        only."""
         return {}
 
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from autofit.spec.train import OptimizerSpec
 
 BNB = {O.ADAMW8BIT: "AdamW8bit", O.PAGED_ADAMW8BIT: "PagedAdamW8bit"}
+TORCH_CLASSES = {O.ADAMW: torch.optim.AdamW, O.ADAFACTOR: torch.optim.Adafactor}
 
 
 class OptimizerStates(Strategy):
@@ -72,11 +73,7 @@ def make_factory(name: O, chosen: "OptimizerSpec") -> Any:
     if name is O.USER:
         return chosen.factory
     kwargs = _kwargs_for(name, chosen)
-    cls = torch.optim.AdamW if name is O.ADAMW else torch.optim.Adafactor if name is O.ADAFACTOR else None
-    if cls is None and name in BNB:
-        cls = getattr(_import_bnb().optim, BNB[name])
-    if cls is None:
-        raise ValueError(f"unknown optimizer {name!r}")
+    cls = getattr(_import_bnb().optim, BNB[name]) if name in BNB else TORCH_CLASSES[name]
     return lambda params: cls(params, **kwargs)
 
 
@@ -93,7 +90,7 @@ def _kwargs_for(name: O, chosen: "OptimizerSpec") -> dict[str, Any]:
 # (0.9, 0.999), eps 1e-8, weight_decay 1e-2), and torch.optim.Adafactor's (lr 1e-2, weight_decay 0).
 DEFAULTS = {O.ADAMW: {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2},
             O.ADAFACTOR: {"lr": 1e-2, "weight_decay": 0.0}}
-CLASSES = {O.ADAMW: "torch.optim.AdamW", O.ADAFACTOR: "torch.optim.Adafactor",
+CLASSES = {**{name: f"torch.optim.{cls.__name__}" for name, cls in TORCH_CLASSES.items()},
            **{name: f"bitsandbytes.optim.{cls}" for name, cls in BNB.items()}}
 
 
