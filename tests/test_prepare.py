@@ -164,3 +164,23 @@ def test_adam_by_name_is_adamw_without_weight_decay():
     plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
                            loss_fn=mlp_loss, optimizer="adam", allow=0)
     assert plan.settings["optimizer"]["kwargs"]["weight_decay"] == 0.0
+
+
+def test_hyperparameters_are_read_from_the_groups_as_they_are_now():
+    model = make_mlp()
+    edited = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.2)
+    for group in edited.param_groups:  # a scheduler or an edit after construction
+        group["lr"], group["weight_decay"] = 3e-5, 0.0
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=edited, allow=0, max_probes=2)
+    assert plan.settings["optimizer"]["kwargs"]["lr"] == 3e-5 and plan.settings["optimizer"]["kwargs"]["weight_decay"] == 0
+
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    grouped = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}])
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=grouped, allow=0, max_probes=2)
+    recorded = plan.settings["optimizer"]
+    assert recorded["kwargs"]["weight_decay"] == 0.1 and recorded["differ_by_group"] == ["weight_decay"]  # the largest
+    with pytest.raises(UsageError, match="parameter groups differ in weight_decay.*pass your optimizer"):
+        autofit.prepare(plan, make_mlp(), loss_fn=mlp_loss)

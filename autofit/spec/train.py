@@ -38,6 +38,7 @@ class OptimizerSpec:
     kwargs: dict = dataclasses.field(default_factory=dict)  # hyperparameters (lr, betas, weight_decay)
     factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None  # a user's own
     cls: type | None = None  # the class of a user's own optimizer given as an instance (None: a factory)
+    grouped: tuple[str, ...] = ()  # hyperparameters whose values differ between the instance's parameter groups
     explore: bool = True  # Adam-type optimizers may become 8-bit / paged / Adafactor (tier 1)
 
 
@@ -299,15 +300,33 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
         kwargs = {"weight_decay": 0.0} if name == "adam" else {}
         return OptimizerSpec("adamw" if name in ADAM_NAMES else name, kwargs, explore=name in ADAM_NAMES)
     if isinstance(optimizer, torch.optim.Optimizer):
-        kwargs = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+        kwargs, grouped = _hyperparameters(optimizer)
         if type(optimizer) is torch.optim.AdamW:
             keep = {"lr", "betas", "eps", "weight_decay"}
-            return OptimizerSpec("adamw", {k: v for k, v in kwargs.items() if k in keep}, explore=True)
+            return OptimizerSpec("adamw", {k: v for k, v in kwargs.items() if k in keep}, explore=True,
+                                 grouped=tuple(k for k in grouped if k in keep))
         cls = type(optimizer)
-        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False)
+        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False,
+                             grouped=grouped)
     if callable(optimizer):
         return OptimizerSpec("user", factory=optimizer, explore=False)
     raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The optimizer's hyperparameters as its parameter groups hold them now (a scheduler or an edit changes
+    them after construction): a value every group shares, else the largest group's; and the names whose
+    values differ between groups (a decay / no-decay split), which one set of keyword arguments cannot say."""
+    groups = optimizer.param_groups
+    largest = max(groups, key=lambda group: sum(p.numel() for p in group["params"]))
+    kwargs = {key: _scalar(largest.get(key, default)) for key, default in optimizer.defaults.items()}
+    kwargs = {key: value for key, value in kwargs.items() if not isinstance(value, torch.Tensor)}
+    grouped = tuple(key for key in kwargs if len({repr(_scalar(group.get(key))) for group in groups}) > 1)
+    return kwargs, grouped
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def _checked_nvme_path(path: Any) -> str | None:

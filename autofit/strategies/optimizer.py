@@ -15,7 +15,7 @@ import torch
 
 from autofit.config import Config
 from autofit.config import Optimizer as O
-from autofit.errors import MissingExtraError
+from autofit.errors import MissingExtraError, UsageError
 from autofit.strategies.base import Option, Placement, Strategy
 from autofit.units import format_size
 
@@ -56,13 +56,16 @@ class OptimizerStates(Strategy):
         return Placement.CHILD if config.optimizer is O.PAGED_ADAMW8BIT else Placement.IN_PROCESS
 
     def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
-        """The optimizer the probe built: its class (a user's own where it was given as an instance) and the
-        hyperparameters it was built with, defaults filled in; nothing for a user's factory (it is opaque)."""
+        """The optimizer the probe built: its class (a user's own where it was given as an instance), the
+        hyperparameters it was built with, defaults filled in (an instance's as its groups hold them, the
+        largest group's where they differ), and which differ between the instance's groups; nothing for a
+        user's factory (it is opaque)."""
         chosen = spec.optimizer
         if config.optimizer is O.USER and chosen.cls is None:
             return {}
         cls = CLASSES.get(config.optimizer) or f"{chosen.cls.__module__}.{chosen.cls.__qualname__}"
-        return {"class": cls, "kwargs": hyperparameters(config.optimizer, chosen)}
+        grouped = {"differ_by_group": list(chosen.grouped)} if chosen.grouped else {}
+        return {"class": cls, "kwargs": hyperparameters(config.optimizer, chosen), **grouped}
 
     def apply(self, run: "TrainRun") -> None:
         run.optimizer_factory = make_factory(run.config.optimizer, run.spec.optimizer)
@@ -104,10 +107,15 @@ def hyperparameters(name: O, chosen: "OptimizerSpec") -> dict[str, Any]:
 def recorded(config: Config, settings: dict[str, Any]) -> "OptimizerSpec | None":
     """The optimizer a plan's probes trained with, from what `OptimizerStates.settings` recorded (`Plan.settings`):
     the plan's kind with its hyperparameters, or the user's own class (torch.optim's, or another importable one)
-    rebuilt with its hyperparameters. None where nothing was recorded or the class cannot be imported here."""
+    rebuilt with its hyperparameters. None where nothing was recorded or the class cannot be imported here; a
+    `UsageError` where the groups of the optimizer it was tuned with differed (only that optimizer says how)."""
     from autofit.spec.train import OptimizerSpec
 
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.get("kwargs", {}).items()}
+    if settings.get("differ_by_group"):
+        raise UsageError(f"The plan was tuned with an optimizer whose parameter groups differ in "
+                         f"{', '.join(settings['differ_by_group'])}, which one set of hyperparameters cannot rebuild; "
+                         "pass your optimizer (or a factory params -> optimizer) again: prepare(plan, model, optimizer).")
     if config.optimizer is not O.USER:
         return OptimizerSpec(config.optimizer.value, kwargs, explore=False)
     cls = _import_class(settings.get("class"))
