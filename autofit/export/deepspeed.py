@@ -19,7 +19,7 @@ from autofit.config import Config, Engine, Optimizer, Precision
 from autofit.errors import UsageError
 from autofit.export.measured import measured, require_fit, set_nested, with_plugin_keys
 from autofit.export.model_setup import setup_lines
-from autofit.strategies.optimizer import DEFAULTS
+from autofit.strategies.optimizer import DEFAULTS, torch_name
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -123,6 +123,10 @@ DEEPSPEED_OPTIMIZERS = {
     Optimizer.ADAFACTOR.value: "Adafactor",  # torch.optim.Adafactor
 }
 
+# torch optimizers a plan tuned with your own may name: DeepSpeed looks a type it does not know up in
+# torch.optim (see above); Adagrad is left out, as DeepSpeed reads "adagrad" as its own CPU Adagrad.
+TORCH_BY_NAME = ("SGD", "RMSprop")
+
 # offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
 OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "nvme"}
 
@@ -213,8 +217,11 @@ def file_config(plan: "Plan") -> dict[str, Any]:
     """The dict written to deepspeed.json: `deepspeed_config` of the plan plus the "autofit" record."""
     require_fit(plan)
     nvme_path = plan.spec.get("nvme_path")
+    recorded = plan.settings.get("optimizer", {})
     config = deepspeed_config(plan.config, nvme_path=nvme_path, buffers=buffers_for(plan.spec),
-                              hyperparameters=plan.settings.get("optimizer", {}).get("kwargs"))
+                              hyperparameters=recorded.get("kwargs"))
+    if torch_name(recorded) in TORCH_BY_NAME:  # your own torch optimizer, which DeepSpeed builds by name
+        config["optimizer"] = {"type": torch_name(recorded), "params": dict(recorded["kwargs"])}
     document = with_plugin_keys(config, plan.config, "deepspeed")
     setup = setup_lines(plan.config)
     return {**document, "autofit": {**measured(plan), **({"apply_in_script": setup} if setup else {})}}

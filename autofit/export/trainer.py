@@ -20,6 +20,7 @@ from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 from autofit.export.model_setup import setup_lines
 from autofit.strategies.lora import Lora
+from autofit.strategies.optimizer import torch_name
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -36,11 +37,24 @@ OPTIM = {
 }
 
 
+# torch optimizers TrainingArguments names (transformers/trainer_optimizer.py: `optim` builds the class with
+# `learning_rate`, the groups' `weight_decay`, and these from `optim_args`, "key=value,...").
+TORCH_OPTIM = {"SGD": ("sgd", ("momentum", "dampening", "nesterov")), "Adagrad": ("adagrad", ("lr_decay", "eps")),
+               "RMSprop": ("rmsprop", ("momentum", "alpha", "eps", "centered"))}
+
+
 def applies(plan: "Plan") -> str | None:
-    """Why the Trainer cannot run `plan` (the optimizer step in backward), or None."""
+    """Why the Trainer cannot run `plan` (the optimizer step in backward, or your own optimizer of a class
+    TrainingArguments cannot name), or None."""
     if plan.config.steps_in_backward:
         return ("the Trainer steps the optimizer after backward and clips the global gradient norm "
                 "(max_grad_norm); the step in backward needs neither: export torchrun and step in your loop")
+    recorded = plan.settings.get("optimizer", {})
+    if plan.config.optimizer is Optimizer.USER and torch_name(recorded) not in TORCH_OPTIM:
+        own = recorded.get("class", "a factory")
+        return (f"the plan was tuned with your own optimizer ({own}), which TrainingArguments.optim cannot name "
+                f"(it names {', '.join(TORCH_OPTIM)} and the Adam types): export torchrun (autofit.prepare builds it), "
+                "or pass Trainer(optimizers=(optimizer, None)) yourself")
     return None
 
 
@@ -62,9 +76,12 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
         "use_cpu": str(plan.spec.get("device", "")).startswith("cpu"),
         "report_to": "none",
     }
+    recorded = plan.settings.get("optimizer", {})
     if config.optimizer in OPTIM:
         kwargs["optim"] = OPTIM[config.optimizer]
-        kwargs.update(_hyperparameters(plan.settings.get("optimizer", {}).get("kwargs", {})))
+        kwargs.update(_hyperparameters(recorded.get("kwargs", {})))
+    elif torch_name(recorded) in TORCH_OPTIM:  # your own torch optimizer, by name
+        kwargs.update(_torch_optim(torch_name(recorded), recorded["kwargs"]))
     if config.zero_stage:
         kwargs["deepspeed"] = deepspeed_path or DEEPSPEED_FILENAME
     if config.engine is Engine.FSDP:
@@ -92,6 +109,14 @@ def _hyperparameters(recorded: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _torch_optim(name: str, recorded: dict[str, Any]) -> dict[str, Any]:
+    """TrainingArguments' fields for your own torch optimizer `name` with its recorded hyperparameters."""
+    optim, extra = TORCH_OPTIM[name]
+    args = ",".join(f"{key}={recorded[key]}" for key in extra if recorded.get(key) is not None)
+    return {"optim": optim, "learning_rate": recorded["lr"], "weight_decay": recorded.get("weight_decay", 0.0),
+            **({"optim_args": args} if args else {})}
+
+
 def model_setup(plan: "Plan") -> list[str]:
     """Python lines applied to `model` before the Trainer is built, for knobs TrainingArguments lacks."""
     config = plan.config
@@ -107,18 +132,7 @@ def model_setup(plan: "Plan") -> list[str]:
         kwargs = Lora.from_settings(config.lora, plan.settings.get("lora", {})).peft_kwargs(config.lora)
         lines += ["from peft import LoraConfig, get_peft_model",
                   f"model = get_peft_model(model, LoraConfig({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}))"]
-    if config.optimizer not in OPTIM:
-        lines.append(f"# Your own optimizer was probed{_user_optimizer(plan)}: pass Trainer(..., "
-                     "optimizers=(optimizer, None)).")
     return lines
-
-
-def _user_optimizer(plan: "Plan") -> str:
-    recorded = plan.settings.get("optimizer")
-    if not recorded:
-        return ""
-    kwargs = ", ".join(f"{k}={v!r}" for k, v in recorded["kwargs"].items() if v not in (None, False))
-    return f" ({recorded['class']}({kwargs}))"
 
 
 def script(plan: "Plan") -> str:

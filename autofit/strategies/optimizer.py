@@ -124,6 +124,13 @@ def recorded(config: Config, settings: dict[str, Any]) -> "OptimizerSpec | None"
     return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False)
 
 
+def torch_name(settings: dict[str, Any]) -> str | None:
+    """The `torch.optim` name of the class `OptimizerStates.settings` recorded ("SGD" for torch.optim.sgd.SGD),
+    for launchers that build torch's optimizers by name; None for another class or nothing recorded."""
+    cls = _import_class(settings.get("class"))
+    return cls.__name__ if cls is not None and getattr(torch.optim, cls.__name__, None) is cls else None
+
+
 def _import_class(path: str | None) -> type | None:
     module, _, name = (path or "").rpartition(".")
     try:

@@ -62,6 +62,18 @@ def test_the_probes_hyperparameters_are_the_files(tmp_path, plan_for):
     assert {k: params[k] for k in recorded["kwargs"]} == recorded["kwargs"]
 
 
+def test_your_own_torch_sgd_is_named_for_deepspeed(tmp_path, plan_for):
+    import dataclasses
+
+    recorded = {"class": "torch.optim.sgd.SGD", "kwargs": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}}
+    plan = dataclasses.replace(plan_for(Config(micro_batch_size=2, sharding="zero2", optimizer="user")),
+                               settings={"optimizer": recorded})
+    (path,) = export(plan, "deepspeed", tmp_path)
+    parsed = parse(json.loads(path.read_text()))
+    assert parsed.optimizer_name == "SGD" and hasattr(torch.optim, parsed.optimizer_name)  # DeepSpeed's lookup
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), **parsed.optimizer_params)
+
+
 def test_adafactor_is_named_and_8bit_is_left_to_the_script():
     data = deepspeed_config(Config(micro_batch_size=2, sharding="zero2", optimizer="adafactor"))
     assert data["optimizer"] == {"type": "Adafactor", "params": {"lr": 1e-2, "weight_decay": 0.0}}

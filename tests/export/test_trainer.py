@@ -164,11 +164,20 @@ def test_the_probes_hyperparameters_become_training_arguments(plan_for):
     TrainingArguments(**kwargs)  # transformers takes them
 
 
-def test_your_own_optimizer_is_named_with_its_hyperparameters(plan_for):
+def test_your_own_torch_optimizer_is_named_and_another_refused(tmp_path, plan_for):
     import dataclasses
 
-    from autofit.export.trainer import model_setup
+    from autofit.export import applicable
+    from autofit.export.trainer import training_arguments
 
-    recorded = {"class": "torch.optim.sgd.SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "foreach": None}}
+    recorded = {"class": "torch.optim.sgd.SGD", "kwargs": {"lr": 0.05, "momentum": 0.9, "nesterov": True,
+                                                            "weight_decay": 1e-4, "foreach": None}}
     plan = dataclasses.replace(plan_for(Config(optimizer="user")), settings={"optimizer": recorded})
-    assert "(torch.optim.sgd.SGD(lr=0.1, momentum=0.9))" in "\n".join(model_setup(plan))
+    kwargs = training_arguments(plan)
+    assert {k: kwargs[k] for k in ("optim", "learning_rate", "weight_decay", "optim_args")} == \
+        {"optim": "sgd", "learning_rate": 0.05, "weight_decay": 1e-4, "optim_args": "momentum=0.9,nesterov=True"}
+    TrainingArguments(**kwargs)
+    mine = dataclasses.replace(plan, settings={"optimizer": {"class": "__main__.Lion", "kwargs": {"lr": 1e-4}}})
+    assert "trainer" not in applicable(mine)
+    with pytest.raises(UsageError, match=r"your own optimizer \(__main__.Lion\).*export torchrun"):
+        mine.export("trainer", tmp_path)
