@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import sys
 from typing import Callable, Protocol, TextIO
 
@@ -270,7 +271,7 @@ class Search:
         levels = {r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in probed}
         if len({_failure(r.reason) for r in probed}) == 1 and len(levels) > 1:
             first = probed[0]
-            raise UsageError(f"Every configuration probed ({', '.join(r.config.describe() for r in probed)}) failed "
+            raise UsageError(f"Every configuration probed ({'; '.join(r.config.describe() for r in probed)}) failed "
                              f"the same way in the {first.phase or 'step'}, so the cause is the model, the batch or "
                              f"loss_fn, not a memory knob: {first.reason}. Fix it and run again (one step of your "
                              "own loop shows the whole traceback).")
@@ -280,12 +281,17 @@ class Search:
         self.progress.finished(result)
 
 
+# What a knob changes in an error's text without changing the error: sizes (the micro-batch) and dtypes
+# (precision: "Long and Float" at fp32 is "Long and BFloat16" under bf16 autocast).
+_VARIES_BY_KNOB = re.compile(r"\d+|\b(?:B?Float\d*|Half|Double|bfloat16|float\d*|half)\b")
+
+
 def _failure(reason: str) -> str:
     """What identifies an error across configurations: its type and where it was raised when the probe could
-    tell (`autofit.probe.oom.raised_at`: a shape in the message changes with the micro-batch), else its text."""
+    tell (`autofit.probe.oom.raised_at`), else its text with sizes and dtypes blanked."""
     kind, _, rest = reason.partition(":")
     site = rest.rpartition(" (at ")[2]
-    return f"{kind} at {site}" if " (at " in rest else reason
+    return f"{kind} at {site}" if " (at " in rest else _VARIES_BY_KNOB.sub("#", reason)
 
 
 _IMPLIES = {Verdict.FIT: ProbeStatus.FIT, Verdict.SLOW: ProbeStatus.PRUNED}

@@ -9,7 +9,7 @@ from autofit.search.space import build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import Search
 from autofit.spec.train import make_spec
-from autofit.strategies import Checkpointing, DataParallel, MicroBatch, Zero
+from autofit.strategies import Checkpointing, DataParallel, MicroBatch, Precision, Zero
 from autofit.strategies.zero import installed_version
 from models import LinearBlocks
 
@@ -80,6 +80,19 @@ def test_one_error_on_two_levels_before_any_fit_is_the_users_code():
                            "mismatch (at model.py:12 in forward)", phase="forward")
     with pytest.raises(UsageError, match=r"failed the same way in the forward.*model\.py:12"):
         _walk(prober)
+
+
+def test_an_error_whose_dtype_follows_the_precision_is_still_one_error():
+    from autofit.errors import UsageError
+
+    def prober(config):
+        dtype = "BFloat16" if config.precision.value == "bf16" else "Float"
+        return ProbeResult(config, ProbeStatus.ERROR, f"RuntimeError: mat1 and mat2 must have the same dtype, but got "
+                           f"Long and {dtype}", phase="forward")
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), Precision()])
+    with pytest.raises(UsageError, match="same dtype, but got Long and Float"):
+        Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
 
 
 def test_errors_that_differ_by_level_are_results():
