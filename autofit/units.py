@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import re
 
 from autofit.errors import UsageError
@@ -25,8 +27,9 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, bool):
         raise UsageError(f"{what} must be a size in bytes or a string like '20GiB', but got {value!r}.")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise UsageError(f"{what} must be positive, but got {value!r}; pass bytes or e.g. '20GiB'.")
+        if not math.isfinite(value) or value <= 0:
+            raise UsageError(f"{what} must be a positive, finite number of bytes, but got {value!r}; pass bytes or "
+                             "e.g. '20GiB'.")
         return int(value)
     if isinstance(value, str):
         match = _SIZE.match(value)

@@ -11,7 +11,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["twenty", "20 parsecs", "", "-3GiB", 0, -5, True, None, "1.2.3GB"])
+@pytest.mark.parametrize("bad", ["twenty", "20 parsecs", "", "-3GiB", 0, -5, True, None, "1.2.3GB", float("nan"), float("inf")])
 def test_parse_size_rejects_with_the_value(bad):
     with pytest.raises(UsageError) as info:
         parse_size(bad)

@@ -29,8 +29,17 @@ def made(batch_factory: BatchFactory, num_samples: int) -> Batch:
     rows = leading_dim(batch)
     if rows != num_samples:
         raise UsageError(f"make_batch({num_samples}) returned a batch of {rows} samples; it must return exactly the "
-                         "number of samples asked for (each micro-batch size is measured on the batch it makes).")
+                         "number it is asked for (autofit asks for 2 and 3 up front, then for each micro-batch "
+                         "size it measures).")
     return batch
+
+
+def check_factory(make_batch: BatchFactory) -> None:
+    """`UsageError` when `make_batch` cannot be called with the number of samples alone."""
+    if not _binds(make_batch, (1,), {}):
+        raise UsageError(f"make_batch{_signature(make_batch)} must take the number of samples to make, as "
+                         "make_batch(num_samples) -> batch (e.g. lambda n: torch.randn(n, 32)); or pass one sample "
+                         "batch instead of a factory.")
 
 
 def leading_dim(batch: Batch) -> int:

@@ -248,6 +248,7 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
                              "(model, make_batch, loss_fn)).")
         return batches.synthesize_batch(info.hf_config, seq_len, info.name)
     if callable(batch) and not isinstance(batch, torch.Tensor):
+        batches.check_factory(batch)
         return batch, "from make_batch(batch_size)"
     return batches.factory_from_sample(batch), f"sample batch of {batches.leading_dim(batch)} rows, cycled"
 

@@ -35,6 +35,11 @@ def test_sample_batch_that_cannot_be_sliced():
         spec(batch=(torch.zeros(4, 3), torch.zeros(5)))
 
 
+def test_a_batch_factory_that_takes_no_size():
+    with pytest.raises(UsageError, match=r"make_batch\(\) must take the number of samples"):
+        spec(batch=lambda: make_mlp_batch(8))
+
+
 def test_sample_batch_without_samples():
     with pytest.raises(UsageError, match="holds 0 samples"):
         spec(batch=(torch.zeros(0, 32), torch.zeros(0)))
