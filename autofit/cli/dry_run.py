@@ -16,6 +16,7 @@ import json
 import click
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autofit.cli.tune import env_columns, parse_allow_option
@@ -75,7 +76,7 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
         if wide or host:
             cells.append(format_size(candidate.estimate.cpu_bytes) if candidate.estimate.cpu_bytes else "-")
         if reasons:
-            cells.append(short_reason(candidate.reason, candidate.estimate.method))
+            cells.append(escape(short_reason(candidate.reason, candidate.estimate.method)))
         table.add_row(*cells, style="bold" if candidate is report.chosen else None)
     return table
 
@@ -139,12 +140,12 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     if any(not c.estimate.simulated for c in shown_rows(report, top)):
         console.print("[dim]~ marks a verdict resting on the activation formula (that step could not be simulated).[/]")
     if report.fits and report.formula_only:
-        console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {report.reason}")
+        console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {escape(report.reason)}")
     elif report.fits:
-        console.print(f"[bold green]Chosen:[/] {report.reason}")
+        console.print(f"[bold green]Chosen:[/] {escape(report.reason)}")
     else:
-        console.print(f"[bold red]Nothing fits.[/] {report.reason}")
-    console.print(f"[dim]Predicted in {report.seconds:.1f} s ({method_note(report)}); nothing was trained: "
+        console.print(f"[bold red]Nothing fits.[/] {escape(report.reason)}")
+    console.print(f"[dim]Predicted in {report.seconds:.1f} s ({escape(method_note(report))}); nothing was trained: "
                   "autofit tune measures.[/]")
 
 

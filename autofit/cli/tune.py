@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autofit.config import Config
@@ -68,7 +69,7 @@ class RichProgress:
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
         self.console.print(f"  [{COLORS[status_of(result)]}]{label(result)}[/] {result.config.describe()}:{peak} "
-                           f"[dim]- {result.reason}[/]", highlight=False)
+                           f"[dim]- {escape(result.reason)}[/]", highlight=False)
 
     def _log(self, record: dict[str, Any]) -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -199,7 +200,7 @@ def probe_table(plan: "Plan", width: int = NARROW) -> Table:
         table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),
                       f"[{COLORS[status_of(probe)]}]{label(probe)}[/]", format_size(probe.peak_bytes),
                       f"{probe.samples_per_s:,.2f}" if probe.samples_per_s else "-",
-                      *([probe.reason] if reasons else []), style="bold" if chosen else None)
+                      *([escape(probe.reason)] if reasons else []), style="bold" if chosen else None)
     return table
 
 
@@ -268,9 +269,9 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
         paths = write_run(plan, out_dir)
         console.print(probe_table(plan, console.width))
         if plan.fits:
-            console.print(f"[bold green]Chosen:[/] {plan.summary()}")
+            console.print(f"[bold green]Chosen:[/] {escape(plan.summary())}")
         else:
-            console.print(f"[bold red]Nothing fits.[/] {plan.reason}")
+            console.print(f"[bold red]Nothing fits.[/] {escape(plan.reason)}")
         console.print(f"Run directory {out_dir}: {PLAN}, {TRIALS}, {PROBES_LOG}, {REPORT}"
                       + (f", launchers in {LAUNCHERS}/" if plan.fits else ""))
         if as_json:

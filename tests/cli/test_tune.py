@@ -237,3 +237,17 @@ def _wait_for(condition, timeout=240.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
+
+
+def test_square_brackets_in_a_reason_reach_the_terminal(capsys):
+    from rich.console import Console
+
+    from autofit.cli.tune import probe_table
+    from autofit import Config, Plan
+    from autofit.probe.outcome import Skip, decided
+
+    excluded = decided(Config(optimizer="adamw8bit"), Skip.EXCLUDED,
+                       "bitsandbytes is not installed: pip install 'autofit[bnb]'")
+    plan = Plan(False, None, None, None, None, "nothing", (excluded,), {})
+    Console(width=200).print(probe_table(plan, 200))
+    assert "pip install 'autofit[bnb]'" in capsys.readouterr().out
