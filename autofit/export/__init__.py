@@ -33,6 +33,8 @@ def export(plan: "Plan", fmt: str, out_dir: str | Path) -> list[Path]:
     if why_not:
         raise UsageError(f"Cannot export {fmt!r}: {why_not}.")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"The export folder {str(out)!r} is a file; give a folder (created when missing).")
     out.mkdir(parents=True, exist_ok=True)
     return FORMATS[fmt].export(plan, out)
 

@@ -122,15 +122,21 @@ def quiet_transformers() -> Any:
     """transformers' warnings held back while autofit runs a model to look at it (a meta forward, a
     simulated step): what it warns of there (`use_cache` under the checkpointing a simulation switched
     on, the loss it picks for a head) concerns autofit's look, not the plan; a dry-run printed them
-    above its table. Probes and the user's own training keep them."""
+    above its table. torch's fake tensors log a traceback for each op that fails under them (a batch the model
+    cannot take): the look's own error says it once. Probes and the user's own training keep them."""
+    import logging as std_logging
+
     from transformers.utils import logging
 
-    level = logging.get_verbosity()
+    level, fake = logging.get_verbosity(), std_logging.getLogger("torch._subclasses.fake_tensor")
+    fake_level = fake.level
     logging.set_verbosity_error()
+    fake.setLevel(std_logging.CRITICAL)
     try:
         yield
     finally:
         logging.set_verbosity(level)
+        fake.setLevel(fake_level)
 
 
 def call_model(model: torch.nn.Module, batch: Batch) -> Any:

@@ -120,6 +120,8 @@ def test_unknown_format(tmp_path, plan_for):
     with pytest.raises(UsageError, match="format 'slurm' is not known"):
         plan_for().export("slurm", tmp_path)
     assert [p.name for p in plan_for().export("DeepSpeed", tmp_path)] == ["deepspeed.json"]  # typed in any case
+    with pytest.raises(UsageError, match="deepspeed.json' is a file; give a folder"):
+        plan_for().export("deepspeed", tmp_path / "deepspeed.json")
 
 
 def test_fsdp_plan_is_not_a_deepspeed_plan(tmp_path, plan_for):
