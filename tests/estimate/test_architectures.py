@@ -129,6 +129,14 @@ def test_a_config_no_auto_class_builds_names_the_fix(tmp_path, capsys):
     assert 'No transformers Auto class builds a model to train from a DepthAnythingConfig' in capsys.readouterr().err
 
 
+def test_a_config_transformers_cannot_build_names_the_field(tmp_path, capsys):
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, pad_token_id=500, architectures=["BertForMaskedLM"])
+    config.to_json_file(tmp_path / "config.json")
+    assert main(["dry-run", "--model", str(tmp_path / "config.json"), "--global-batch-size", "4"]) == 2
+    assert "transformers cannot build BertForMaskedLM" in capsys.readouterr().err
+
+
 def test_an_image_size_the_config_does_not_name_is_the_usual_one_and_said_so():
     from autofit.spec.batch import synthesize_batch
 
