@@ -6,7 +6,7 @@ import json
 
 import click
 
-from autofit.export import FORMATS, export
+from autofit.export import FORMATS, export, trainer
 from autofit.plan import Plan
 
 
@@ -17,7 +17,12 @@ from autofit.plan import Plan
 @click.option("--json", "as_json", is_flag=True, help="Print the written paths as one JSON document.")
 def export_command(plan_path: str, fmt: str, out: str, as_json: bool) -> int:
     """Write the launcher files for a saved plan (a plan that does not fit is refused, exit 2)."""
-    paths = export(Plan.load(plan_path), fmt, out)
+    plan = Plan.load(plan_path)
+    paths = export(plan, fmt, out)
+    beyond = trainer.beyond_arguments(plan) if fmt.lower() == "trainer" else []
+    if beyond:
+        click.echo(f"note: trainer_args.json alone trains without {', '.join(beyond)}; "
+                   "train_with_trainer.py applies them to the model, as probed.", err=True)
     if as_json:
         click.echo(json.dumps({"format": fmt, "files": [str(p) for p in paths]}))
     else:

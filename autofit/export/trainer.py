@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autofit.config import Checkpointing, Engine, Offload, Optimizer, Precision, Quantization
+from autofit.config import Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Quantization
 from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
@@ -135,6 +135,19 @@ def model_setup(plan: "Plan") -> list[str]:
     return lines
 
 
+def beyond_arguments(plan: "Plan") -> list[str]:
+    """The plan's knobs `trainer_args.json` cannot say, which train_with_trainer.py applies to the model (the
+    JSON alone trains without them, at a micro-batch measured with them)."""
+    config = plan.config
+    knobs = {"pure bf16 weights": config.pure_bf16, f"attn_implementation={config.attention.value}":
+             config.attention is not Attention.DEFAULT, f"checkpointing={config.checkpointing.value}":
+             config.checkpointing in (Checkpointing.EVERY_K, Checkpointing.OPS), "the chunked loss":
+             config.loss is Loss.CHUNKED, "activation offloading": config.offloads_activations,
+             f"LoRA rank {config.lora}": bool(config.lora), f"{config.quantization.value} base weights":
+             config.quantization is not Quantization.NONE}
+    return [name for name, applies in knobs.items() if applies]
+
+
 def script(plan: "Plan") -> str:
     """train_with_trainer.py: `train(model, dataset, **overrides)`, and a command line that calls it."""
     setup = "\n".join(model_setup(plan)) or "# Nothing to change on the model for this plan."
@@ -149,6 +162,7 @@ MODEL is what `autofit tune --model` took; the dataset's samples are dicts the m
 `train(model, dataset, num_train_epochs=3)` (keyword overrides win).
 """
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from transformers import Trainer, TrainingArguments
@@ -156,6 +170,11 @@ from transformers import Trainer, TrainingArguments
 
 def train(model, train_dataset, **overrides):
     """Train `model` on `train_dataset` with the exported arguments (`overrides` win, e.g. max_steps)."""
+    sample = train_dataset[0]
+    if not isinstance(sample, Mapping):  # the Trainer's collator and model(**batch) take dict samples
+        raise SystemExit(f"The Trainer trains on dict samples (model(**batch), the model returning its loss); "
+                         f"this dataset's are {{type(sample).__name__}}. Train with launch/train_with_prepare.py "
+                         "(autofit export --format torchrun), which takes tuples and your loss_fn.")
     kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())
     args = TrainingArguments(**{{**kwargs, **overrides}})
 {_indent(setup)}

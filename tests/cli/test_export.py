@@ -70,3 +70,19 @@ def test_bad_usage(tmp_path, capsys, plan_path, args, message):
     args = [str(plan_path) if a == "PLAN" else str(tmp_path / a) if a in ("missing.json", "x") else a for a in args]
     assert main(["export", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_trainer_export_says_what_its_json_alone_leaves_out(tmp_path, capsys, plan_path):
+    import dataclasses
+
+    from autofit import Plan
+
+    plan = Plan.load(plan_path)
+    assert main(["export", str(plan_path), "--format", "trainer", "--out", str(tmp_path / "plain")]) == 0
+    assert "note:" not in capsys.readouterr().err  # fp32, no model-side knob: the JSON is the plan
+    pure = dataclasses.replace(plan, config=plan.config.replace(precision="pure_bf16", checkpointing="every_k",
+                                                                 checkpoint_every=2))
+    path = pure.save(tmp_path / "pure.json")
+    assert main(["export", str(path), "--format", "trainer", "--out", str(tmp_path / "pure")]) == 0
+    assert ("trainer_args.json alone trains without pure bf16 weights, checkpointing=every_k"
+            in capsys.readouterr().err)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,6 +137,11 @@ def test_run_as_a_script_it_trains_or_says_what_to_pass(tmp_path, plan_for):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'train_loss'" in done.stdout + done.stderr or "train_runtime" in done.stdout + done.stderr
     assert (tmp_path / "trainer_output").is_dir()
+    examples = Path(__file__).resolve().parents[2] / "examples" / "classifier.py"  # tuple samples, a loss_fn
+    tuples = subprocess.run([sys.executable, str(script_path), "--model", f"{examples}:make", "--dataset",
+                             f"{examples}:make_dataset", "--max-steps", "2"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=300)
+    assert tuples.returncode == 1 and "dict samples" in tuples.stderr and "train_with_prepare.py" in tuples.stderr
 
 
 def test_lora_is_exported_as_the_probes_trained_it(plan_for):
