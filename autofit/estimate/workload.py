@@ -119,17 +119,29 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
 
 
 def _encoder_decoder(spec: "TrainSpec", hf: Any, sample: Any, num_params: int) -> Workload:
-    source = _frames(hf, sample) or spec.tokens_per_sample or _sequence(sample, "input_ids") or 1
+    """Two stacks: the encoder over the source (speech frames, image patches of a composite image-to-text
+    model's encoder config, or tokens) and the decoder over the target tokens, attending to the source."""
+    enc_hf, dec_hf = _parts(hf)
+    frames, patches = _frames(hf, sample), None if enc_hf is hf else _patches(enc_hf)
+    source = frames or patches or _sequence(sample, "input_ids") or spec.tokens_per_sample or 1
     target = _sequence(sample, "labels") or _sequence(sample, "decoder_input_ids") or \
-        config_int(hf, "max_target_positions", default=source)
+        config_int(dec_hf, "max_target_positions", default=source)
     encoder = _encoder_params(spec)
-    width = _width(hf)
-    enc_layers = config_int(hf, "encoder_layers", "num_layers", "num_hidden_layers", default=1)
-    dec_layers = config_int(hf, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers", default=1)
-    what = "frames" if _frames(hf, sample) else "tokens"
-    return Workload((Stack("encoder", source, encoder, enc_layers, width),
-                     Stack("decoder", target, num_params - encoder, dec_layers, width, attends_to=source)),
+    enc_layers = config_int(enc_hf, "encoder_layers", "num_layers", "num_hidden_layers", default=1)
+    dec_layers = config_int(dec_hf, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers",
+                            "n_layer", default=1)
+    what = "frames" if frames else "patches" if patches else "tokens"
+    return Workload((Stack("encoder", source, encoder, enc_layers, _width(enc_hf)),
+                     Stack("decoder", target, num_params - encoder, dec_layers, _width(dec_hf), attends_to=source)),
                     f"{source} source {what} through the encoder and {target} target tokens through the decoder")
+
+
+def _parts(hf: Any) -> tuple[Any, Any]:
+    """(encoder config, decoder config): a composite model's own (VisionEncoderDecoder, EncoderDecoder), else
+    the one config twice."""
+    encoder, decoder = getattr(hf, "encoder", None), getattr(hf, "decoder", None)
+    composite = all(hasattr(part, "to_dict") for part in (encoder, decoder))
+    return (encoder, decoder) if composite else (hf, hf)
 
 
 def _encoder_params(spec: "TrainSpec") -> int:

@@ -72,6 +72,20 @@ def test_t5_counts_source_and_target_tokens():
     assert predicted(spec, Config(precision="bf16", micro_batch_size=32)) < 165e12 / flops
 
 
+def test_an_image_to_text_model_counts_its_encoders_patches():
+    from transformers import GPT2Config, ViTConfig, VisionEncoderDecoderConfig
+
+    vit = ViTConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, image_size=64,
+                    patch_size=16)
+    gpt2 = GPT2Config(vocab_size=512, n_embd=96, n_layer=2, n_head=4, n_positions=64)
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(vit, gpt2, architectures=["VisionEncoderDecoderModel"])
+    spec = make_spec(functools.partial(build_model, config), seq_len=32, global_batch_size=8, device="cpu",
+                     memory_budget="1GiB")
+    encoder, decoder = workload(spec, spec.model.num_params, 2).stacks
+    assert (encoder.positions, decoder.positions, decoder.attends_to) == (17, 32, 17)  # (64 / 16)^2 patches + [CLS]
+    assert (encoder.layers, decoder.layers, encoder.width, decoder.width) == (3, 2, 64, 96)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_no_prediction_exceeds_the_peak(precision):
     spec = make_spec(get_preset("vit-base"), global_batch_size=4096, device="cpu", memory_budget="80GiB")
