@@ -58,15 +58,16 @@ def label(probe: ProbeResult) -> str:
 def breakdown(config: "Config", num_params: int, peak: int) -> tuple[float, ...]:
     """Bytes of (weights, gradients, optimizer states, the rest of `peak`) for `config`.
 
-    Model states are the usual per-parameter counts (fp32 weights and gradients, 8 bytes of AdamW state,
-    sharded by ZeRO over the ranks, gone from the device when offloaded); LoRA trains ~no full gradients
-    or optimizer states. The rest is what the probe measured beyond them: activations and workspace.
+    Model states are the usual per-parameter counts (fp32 weights and gradients, 8 bytes of AdamW state;
+    pure bf16 halves all three), sharded by ZeRO over the ranks, gone from the device when offloaded; LoRA
+    trains ~no full gradients or optimizer states. The rest is what the probe measured beyond them:
+    activations and workspace.
     """
-    ranks = max(config.num_gpus, 1)
-    weights = num_params * WEIGHT_BYTES.get(config.quantization, 4) / (ranks if config.zero_stage >= 3 else 1)
+    ranks, half = max(config.num_gpus, 1), 0.5 if config.pure_bf16 else 1.0
+    weights = num_params * WEIGHT_BYTES.get(config.quantization, 4 * half) / (ranks if config.zero_stage >= 3 else 1)
     trained = 0 if config.lora else num_params
-    grads = trained * 4 / (ranks if config.zero_stage >= 2 else 1)
-    states = trained * OPTIMIZER_BYTES.get(config.optimizer, 8) / (ranks if config.zero_stage >= 1 else 1)
+    grads = trained * 4 * half / (ranks if config.zero_stage >= 2 else 1)
+    states = trained * OPTIMIZER_BYTES.get(config.optimizer, 8) * half / (ranks if config.zero_stage >= 1 else 1)
     if config.offloads:
         states = 0.0
         weights = 0.0 if config.zero_stage >= 3 else weights

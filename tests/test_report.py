@@ -63,6 +63,7 @@ def test_rows_cover_every_measured_probe_and_add_up(plan):
 def test_breakdown_model_states():
     n = 1000
     assert breakdown(Config(), n, 20 * n)[:3] == (4 * n, 4 * n, 8 * n)  # fp32 weights, grads, AdamW states
+    assert breakdown(Config(precision="pure_bf16"), n, 20 * n)[:3] == (2 * n, 2 * n, 4 * n)  # all in bf16
     zero3 = breakdown(Config(sharding="zero3", num_gpus=4), n, 20 * n)
     assert zero3[:3] == (n, n, 2 * n)  # sharded over 4 ranks
     assert breakdown(Config(sharding="zero2", offload="cpu"), n, 10 * n)[2] == 0  # states left the device
