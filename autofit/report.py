@@ -28,7 +28,7 @@ COLORS = {"fit": "#2e7d32", "oom": "#c62828", "error": "#757575", "too slow": "#
 PARTS = ("weights", "gradients", "optimizer states", "activations & rest")
 PART_COLORS = ("#1565c0", "#42a5f5", "#90caf9", "#ffb74d")
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "paged_adamw8bit": 2, "adafactor": 0}  # per trained parameter
-WEIGHT_BYTES = {"none": 4, "int8": 1, "nf4": 0.5}  # per parameter on the device
+WEIGHT_BYTES = {"int8": 1, "nf4": 0.5}  # per parameter on the device, for quantized base weights
 
 
 @dataclasses.dataclass(frozen=True)
