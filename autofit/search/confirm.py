@@ -50,6 +50,10 @@ DEFAULT_EXACT_MARGIN = 0.10  # a numerics change must be this much faster than a
 NEAR_LIMIT_MARGIN = 0.10  # a fit whose allocator retried must be this much faster than one that did not
 NOISE_MARGIN = 0.03  # any other change must be this much faster than a simpler finalist
 CLEAR_SHARE = 0.7  # ... and faster in at least this share of the rounds
+# A lone finalist whose timed steps disagreed by more than this (slowest - fastest over the median) is
+# re-measured too: a probe that ran while the machine was busy (or before the process warmed up) would
+# otherwise leave its slowest figures in the plan and the exports.
+UNSTEADY_SPREAD = 0.30
 
 Measure = Callable[[Sequence[Config], int], "dict[Config, tuple[float, ...] | str]"]
 Probe = Callable[[Config, str], ProbeResult]
@@ -290,13 +294,14 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
             exact_margin: float, method: str, window: Window = PROBE_WINDOW) -> Confirmation | None:
     """Re-measure the finalists (`window`: see `finalists`) with `measure(configs, rounds)` (samples/s per
     round, or why it failed) and decide. None when nothing fits. A lone finalist measured in this session
-    needs no rounds."""
+    needs no rounds, unless its timed steps disagreed by more than `UNSTEADY_SPREAD`."""
     picked = finalists(space, results, window)
     if not picked:
         return None
     stored = any(r.source is Source.STORED for r in picked)
+    unsteady = any((r.step_spread or 0.0) > UNSTEADY_SPREAD for r in picked)
     measured: dict[Config, tuple[float, ...] | str] = {}
-    if measure is not None and (len(picked) > 1 or stored):
+    if measure is not None and (len(picked) > 1 or stored or unsteady):
         measured = measure([r.config for r in picked], rounds)
     else:
         method = "none"

@@ -137,6 +137,15 @@ def test_a_lone_stored_finalist_is_re_measured_and_a_lone_probed_one_is_not(spac
     assert len(measure.asked) == 1 and fresh.method == "none" and fresh.winner.median == 100
 
 
+def test_a_lone_finalist_whose_steps_disagreed_is_re_measured(space):
+    import dataclasses
+
+    measure = GivenRounds({EXACT: [900] * 3})
+    unsteady = dataclasses.replace(fit(EXACT, 20), step_spread=0.83)  # timed while the machine was busy
+    confirmation = run_confirm(space, [unsteady], measure, 3, 0.1, "live runs")
+    assert measure.asked == [[EXACT]] and confirmation.winner.median == 900
+
+
 def test_a_finalist_that_fails_when_re_measured_is_dropped_with_why(space):
     measure = GivenRounds({EXACT: "oom when re-measured: CUDA out of memory", ADAFACTOR: [100] * 3})
     confirmation = run_confirm(space, [fit(EXACT, 100), fit(ADAFACTOR, 101)], measure, 3, 0.1, "probes")
