@@ -191,7 +191,7 @@ def probe_table(plan: "Plan", width: int = NARROW) -> Table:
     reasons = width >= NARROW
     table = Table(title="Every probe", show_lines=False, title_justify="left",
                   caption=None if reasons else "reasons: report.html, probes.jsonl (or a wider COLUMNS)")
-    for name, justify, wrap in (("#", "right", False), ("configuration", "left", True), ("status", "left", False),
+    for name, justify, wrap in (("#", "right", False), ("configuration", "left", True), ("status", "left", True),
                                 ("peak", "right", False), ("samples/s", "right", False), ("reason", "left", True)):
         if name != "reason" or reasons:
             table.add_column(name, justify=justify, overflow="fold", no_wrap=not wrap)

@@ -251,3 +251,17 @@ def test_square_brackets_in_a_reason_reach_the_terminal(capsys):
     plan = Plan(False, None, None, None, None, "nothing", (excluded,), {})
     Console(width=200).print(probe_table(plan, 200))
     assert "pip install 'autofit[bnb]'" in capsys.readouterr().out
+
+
+def test_at_60_columns_the_statuses_wrap_before_the_configurations_split(capsys):
+    from rich.console import Console
+
+    from autofit.cli.tune import probe_table
+    from autofit import Config, Plan
+    from autofit.probe.outcome import Skip, decided
+
+    skipped = decided(Config(micro_batch_size=32, optimizer="adafactor"), Skip.PREDICTED, "predicted over")
+    Console(width=60).print(probe_table(Plan(False, None, None, None, None, "nothing", (skipped,), {}), 60))
+    table = capsys.readouterr().out
+    assert "opt=adafactor" in table and "mb=32x1" in table and "(predicted)" in table
+    assert max(len(line.rstrip()) for line in table.splitlines()) <= 60
