@@ -56,8 +56,8 @@ class Checkpointing(Strategy):
     def options(self, spec: "TrainSpec") -> list[Option]:
         blocks = spec.model.num_blocks
         why_not = f"{spec.model.name} has no repeated blocks (nn.ModuleList / nn.Sequential) to checkpoint"
-        selective = [Option(C.EVERY_K, 0, f"recompute every {k}th of {blocks} blocks" if blocks > k
-                            else f"{blocks} blocks are too few to checkpoint every {k}th",
+        selective = [Option(C.EVERY_K, 0, f"recompute every {_ordinal(k)} of {blocks} blocks" if blocks > k
+                            else f"{blocks} blocks are too few to checkpoint every {_ordinal(k)}",
                             available=blocks > k, also=(("checkpoint_every", k),)) for k in EVERY]
         return [Option(C.NONE, 0, "keep all activations"),
                 Option(C.OPS, 0, "every block op by op: keep matmul and attention outputs, recompute the "
@@ -121,3 +121,9 @@ def _checkpointed(forward: Any, options: dict[str, Any]) -> Any:
         return torch.utils.checkpoint.checkpoint(forward, *args, **options, **kwargs)
 
     return run
+
+
+def _ordinal(k: int) -> str:
+    """2 -> "2nd", 4 -> "4th" (the every-k options' wording)."""
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
