@@ -154,7 +154,7 @@ def _probed_reason(best: ProbeResult, fits: Sequence[ProbeResult], candidates: i
         return f"the only configuration of {candidates} candidates that fits ({best.reason})"
     runner = others[0]
     return (f"highest measured throughput of {len(others) + 1} fitting configurations: {best.samples_per_s:,.2f} "
-            f"samples/s, {best.samples_per_s / runner.samples_per_s:.2f}x the runner-up ({runner.config.describe()}); "
+            f"samples/s, {best.samples_per_s / runner.samples_per_s:.2f}x as fast as the runner-up ({runner.config.describe()}); "
             f"{best.reason}")
 
 
@@ -168,7 +168,7 @@ def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
     rounds = len(winner.rounds)
     how = f"{rounds} interleaved rounds ({confirmation.method})" if rounds else "as probed"
     return (f"chosen of {len(confirmation.finalists)} finalists ({where}) re-measured back to back, {how}: "
-            f"{winner.median:,.2f} samples/s, {ratio.median:.2f}x the runner-up ({runner.config.describe()}; "
+            f"{winner.median:,.2f} samples/s, {ratio.median:.2f}x as fast as the runner-up ({runner.config.describe()}; "
             f"per-round ratio {ratio.low:.2f}-{ratio.high:.2f})")
 
 
@@ -188,12 +188,12 @@ def _comparison_words(comparison: Comparison, confirmation: Confirmation) -> str
     challenger = confirmation.finalists[comparison.challenger]
     holder = confirmation.finalists[comparison.holder]
     ratio = comparison.ratio
-    figures = f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f}, faster in {ratio.wins:.0%} of rounds)"
+    figures = (f"{ratio.median:.2f}x as fast as {holder.config.describe()} ({ratio.low:.2f}-{ratio.high:.2f}, "
+               f"faster in {ratio.wins:.0%} of rounds)")
     margin = f"the {comparison.margin:.0%} margin {_MARGIN_WORDS[comparison.kind]}"
     if comparison.won:
-        return f"{challenger.config.describe()} is {figures} {holder.config.describe()}, above {margin}"
-    return (f"{challenger.config.describe()} was {figures} {holder.config.describe()}, within {margin}: "
-            f"{holder.config.describe()} is kept")
+        return f"{challenger.config.describe()} is {figures}, above {margin}"
+    return f"{challenger.config.describe()} was {figures}, within {margin}: {holder.config.describe()} is kept"
 
 
 def _exactness_words(space: "Space", confirmation: Confirmation, fits: Sequence[ProbeResult]) -> str:
