@@ -154,8 +154,8 @@ def _probed_reason(best: ProbeResult, fits: Sequence[ProbeResult], candidates: i
         return f"the only configuration of {candidates} candidates that fits ({best.reason})"
     runner = others[0]
     return (f"highest measured throughput of {len(others) + 1} fitting configurations: {best.samples_per_s:,.2f} "
-            f"samples/s, {best.samples_per_s / runner.samples_per_s:.2f}x as fast as the runner-up ({runner.config.describe()}); "
-            f"{best.reason}")
+            f"samples/s, {best.samples_per_s / runner.samples_per_s:.2f}x as fast as the runner-up "
+            f"({runner.config.describe()}); {best.reason}")
 
 
 def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
@@ -168,8 +168,8 @@ def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
     rounds = len(winner.rounds)
     how = f"{rounds} interleaved rounds ({confirmation.method})" if rounds else "as probed"
     return (f"chosen of {len(confirmation.finalists)} finalists ({where}) re-measured back to back, {how}: "
-            f"{winner.median:,.2f} samples/s, {ratio.median:.2f}x as fast as the runner-up ({runner.config.describe()}; "
-            f"per-round ratio {ratio.low:.2f}-{ratio.high:.2f})")
+            f"{winner.median:,.2f} samples/s, {ratio.median:.2f}x as fast as the runner-up "
+            f"({runner.config.describe()}; per-round ratio {ratio.low:.2f}-{ratio.high:.2f})")
 
 
 def _worth_saying(comparison: Comparison, confirmation: Confirmation) -> bool:

@@ -171,7 +171,8 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
               help="Your loop reduces gradients on an optimizer step's last micro-batch only (accelerate's "
                    "accumulate(), the Trainer without sync_each_batch): FSDP2 with accumulation holds every "
                    "gradient unsharded. Default: reduced after every micro-batch, as autofit's exports run.")
-@click.option("--top", type=click.IntRange(min=0), default=20, show_default=True, help="Rows shown in the table (0: all).")
+@click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
                     gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,

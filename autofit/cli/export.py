@@ -12,7 +12,8 @@ from autofit.plan import Plan
 
 @click.command("export")
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
-@click.option("--format", "fmt", required=True, type=click.Choice(sorted(FORMATS), case_sensitive=False), help="Launcher to write for.")
+@click.option("--format", "fmt", required=True, type=click.Choice(sorted(FORMATS), case_sensitive=False),
+              help="Launcher to write for (any case).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the files.")
 @click.option("--json", "as_json", is_flag=True, help="Print the written paths as one JSON document.")
 def export_command(plan_path: str, fmt: str, out: str, as_json: bool) -> int:
