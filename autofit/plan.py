@@ -98,7 +98,8 @@ class Plan:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"Cannot read a plan from {str(path)!r}: {exc}. Pass a plan.json written by "
+            why = f"it has no {exc} field" if isinstance(exc, KeyError) else str(exc)
+            raise UsageError(f"Cannot read a plan from {str(path)!r}: {why}. Pass a plan.json written by "
                              "autofit (plan.save or autofit tune).") from exc
 
     def export(self, fmt: str, out_dir: str | Path) -> list[Path]:

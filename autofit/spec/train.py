@@ -295,8 +295,9 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
         name = optimizer.lower()
         known = {o.value for o in Optimizer} - {"user"}
         if name not in known | ADAM_NAMES:
-            raise UsageError(f"optimizer={optimizer!r} is not known; use one of {sorted(known)}, "
-                             "an optimizer instance, or a factory params -> optimizer.")
+            raise UsageError(f"optimizer={optimizer!r} is not known; use one of {sorted(known | ADAM_NAMES)}, "
+                             "an optimizer instance (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), or a "
+                             "factory params -> optimizer.")
         # Adam is AdamW without weight decay (the decay is the only difference between the two updates)
         kwargs = {"weight_decay": 0.0} if name == "adam" else {}
         return OptimizerSpec("adamw" if name in ADAM_NAMES else name, kwargs, explore=name in ADAM_NAMES)
