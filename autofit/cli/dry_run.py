@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autofit.cli.tune import env_columns, parse_allow_option
+from autofit.cli.tune import as_options, env_columns, parse_allow_option
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.estimate.gpus import other_sizes
@@ -144,7 +144,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     elif report.fits:
         console.print(f"[bold green]Chosen:[/] {escape(report.reason)}")
     else:
-        console.print(f"[bold red]Nothing fits.[/] {escape(report.reason)}")
+        console.print(f"[bold red]Nothing fits.[/] {escape(as_options(report.reason))}")
     console.print(f"[dim]Predicted in {report.seconds:.1f} s ({escape(method_note(report))}); nothing was trained: "
                   "autofit tune measures.[/]")
 

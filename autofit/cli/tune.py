@@ -77,6 +77,11 @@ class RichProgress:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
 
 
+def as_options(text: str) -> str:
+    """A library message in the command line's words: `allow={'numerics'}` is `--allow numerics` there."""
+    return re.sub(r"allow=\{'(\w+)'\}", r"--allow \1", text)
+
+
 def env_columns() -> int | None:
     """`COLUMNS` when set to a positive number (piped output honours it too), else None."""
     value = os.environ.get("COLUMNS", "")
@@ -271,7 +276,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
         if plan.fits:
             console.print(f"[bold green]Chosen:[/] {escape(plan.summary())}")
         else:
-            console.print(f"[bold red]Nothing fits.[/] {escape(plan.reason)}")
+            console.print(f"[bold red]Nothing fits.[/] {escape(as_options(plan.reason))}")
         console.print(f"Run directory {out_dir}: {PLAN}, {TRIALS}, {PROBES_LOG}, {REPORT}"
                       + (f", launchers in {LAUNCHERS}/" if plan.fits else ""))
         if as_json:

@@ -66,8 +66,17 @@ def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["chosen"] is None and "the smallest needs" in data["reason"]
-    assert "Allow allow={'lora'}" in data["reason"] or "to go further" in data["reason"]
+    assert "exceeds the limit: use a GPU with more memory" in data["reason"]  # 8 MiB: the CUDA context alone
     assert "Nothing fits." in captured.err
+
+
+def test_what_to_allow_is_said_in_the_command_lines_words():
+    from autofit.cli.tune import as_options
+    from autofit.search.space import TIER_NAMES
+
+    assert as_options(f"Pass {TIER_NAMES[1]} to go further") == \
+        "Pass --allow numerics (mixed precision, 8-bit optimizers) to go further"
+    assert as_options(TIER_NAMES[2]).startswith("--allow lora")
 
 
 @pytest.mark.parametrize("args, message", [
