@@ -23,6 +23,7 @@ class ModelInfo:
     blocks: str | None = None  # dotted path of the repeated blocks (checkpointing unit), "" for the model itself
     num_blocks: int = 0
     hidden_size: int = 0  # the model's width: the Hugging Face config's, else the widest matrix's smaller side
+    has_attention: bool = True  # a module named *Attention* (transformers' convention); False: Mamba, RWKV, CNNs
 
     @property
     def is_hf(self) -> bool:
@@ -63,8 +64,9 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     path, blocks = find_blocks(model)
     attention = tuple(name for name, flag in (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"))
                       if hf is not None and getattr(hf, flag, False))
+    attends = any("Attention" in type(module).__name__ for module in model.modules())
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
-                     attention, path, len(blocks), hidden_size(model, hf_config))
+                     attention, path, len(blocks), hidden_size(model, hf_config), attends)
 
 
 def partly_trainable(model: nn.Module) -> bool:

@@ -28,6 +28,8 @@ class Attention(Strategy):
     def options(self, spec: "TrainSpec") -> list[Option]:
         if not spec.model.is_hf:
             return [Option(A.DEFAULT, 0, f"{spec.model.name} is not a Hugging Face model: its own attention is kept")]
+        if not spec.model.has_attention:
+            return [Option(A.DEFAULT, 0, f"{spec.model.name} has no attention layers to switch")]
         sdpa = "sdpa" in spec.model.attention
         flash_ok, flash_why = _flash_available(spec)
         return [

@@ -24,6 +24,16 @@ def test_plain_model_keeps_its_attention():
     assert option.value == "default" and "not a Hugging Face model" in option.reason
 
 
+def test_a_model_without_attention_layers_has_nothing_to_switch():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4)
+    spec = make_spec(lambda: MambaForCausalLM(config), global_batch_size=2, device="cpu", memory_budget="1GiB",
+                     seq_len=8)
+    [option] = Attention().options(spec)
+    assert option.value == "default" and "has no attention layers" in option.reason
+
+
 def test_switching_leaves_a_shared_config_alone():
     from transformers import GPT2Config, GPT2LMHeadModel
 
