@@ -441,6 +441,7 @@ def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate], bey
     overhead = smallest.estimate.breakdown.overhead if smallest is not None else 0
     if overhead >= spec.fit_limit:  # the CUDA context and workspaces: no sharding or smaller model helps
         return (f"{head}. Its overhead alone ({format_size(overhead)}: "
-                f"{', '.join(term for term, _ in smallest.estimate.terms)}) exceeds the limit: use a GPU with more memory.")
+                f"{', '.join(term for term, _ in smallest.estimate.terms)}) exceeds the limit: use a GPU with "
+                "more memory.")
     more = "more GPUs (--num-gpus) with ZeRO-3, " if spec.num_gpus < 8 else ""
     return f"{head}. Use {more}a larger GPU, a shorter sequence or a smaller model to go further."

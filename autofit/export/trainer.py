@@ -53,8 +53,8 @@ def applies(plan: "Plan") -> str | None:
     if plan.config.optimizer is Optimizer.USER and torch_name(recorded) not in TORCH_OPTIM:
         own = recorded.get("class", "a factory")
         return (f"the plan was tuned with your own optimizer ({own}), which TrainingArguments.optim cannot name "
-                f"(it names {', '.join(TORCH_OPTIM)} and the Adam types): export torchrun (autofit.prepare builds it), "
-                "or pass Trainer(optimizers=(optimizer, None)) yourself")
+                f"(it names {', '.join(TORCH_OPTIM)} and the Adam types): export torchrun (autofit.prepare builds "
+                "it), or pass Trainer(optimizers=(optimizer, None)) yourself")
     return None
 
 
@@ -139,12 +139,16 @@ def beyond_arguments(plan: "Plan") -> list[str]:
     """The plan's knobs `trainer_args.json` cannot say, which train_with_trainer.py applies to the model (the
     JSON alone trains without them, at a micro-batch measured with them)."""
     config = plan.config
-    knobs = {"pure bf16 weights": config.pure_bf16, f"attn_implementation={config.attention.value}":
-             config.attention is not Attention.DEFAULT, f"checkpointing={config.checkpointing.value}":
-             config.checkpointing in (Checkpointing.EVERY_K, Checkpointing.OPS), "the chunked loss":
-             config.loss is Loss.CHUNKED, "activation offloading": config.offloads_activations,
-             f"LoRA rank {config.lora}": bool(config.lora), f"{config.quantization.value} base weights":
-             config.quantization is not Quantization.NONE}
+    knobs = {
+        "pure bf16 weights": config.pure_bf16,
+        f"attn_implementation={config.attention.value}": config.attention is not Attention.DEFAULT,
+        f"checkpointing={config.checkpointing.value}": config.checkpointing in (Checkpointing.EVERY_K,
+                                                                                Checkpointing.OPS),
+        "the chunked loss": config.loss is Loss.CHUNKED,
+        "activation offloading": config.offloads_activations,
+        f"LoRA rank {config.lora}": bool(config.lora),
+        f"{config.quantization.value} base weights": config.quantization is not Quantization.NONE,
+    }
     return [name for name, applies in knobs.items() if applies]
 
 

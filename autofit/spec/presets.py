@@ -110,6 +110,6 @@ def build_model(config: Any) -> Any:
     try:
         return build(config, dtype=torch.float32)
     except (AssertionError, ValueError, TypeError, KeyError, IndexError) as exc:  # the config's fields disagree
-        raise UsageError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this {type(config).__name__}: "
-                         f"{type(exc).__name__}: {exc}. Check the config's fields (e.g. pad_token_id below "
-                         "vocab_size).") from exc
+        raise UsageError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this "
+                         f"{type(config).__name__}: {type(exc).__name__}: {exc}. Check the config's fields (e.g. "
+                         "pad_token_id below vocab_size).") from exc
