@@ -201,7 +201,8 @@ def default_loss(output: Any, batch: Batch) -> torch.Tensor:
     if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
         loss = output
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        shape = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else \
+            f"a {type(output).__name__}"
         raise UsageError(
             f"The model returned {shape}, which has no scalar loss. Pass labels in the batch (Hugging Face), "
             "make forward return the loss, or pass loss_fn=lambda output, batch: ... to autofit (autofit tune: "
