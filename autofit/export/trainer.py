@@ -37,6 +37,19 @@ OPTIM = {
 }
 
 
+def _checkpointing_name() -> str:
+    """TrainingArguments' name for activation checkpointing: `activation_checkpointing` from transformers 5.2x
+    (`gradient_checkpointing` is its deprecated alias there, warned of), `gradient_checkpointing` before."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+CHECKPOINTING = _checkpointing_name()
+
 # torch optimizers TrainingArguments names (transformers/trainer_optimizer.py: `optim` builds the class with
 # `learning_rate`, the groups' `weight_decay`, and these from `optim_args`, "key=value,...").
 TORCH_OPTIM = {"SGD": ("sgd", ("momentum", "dampening", "nesterov")), "Adagrad": ("adagrad", ("lr_decay", "eps")),
@@ -70,8 +83,8 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
         "bf16": config.precision == Precision.BF16.value,
         "fp16": config.precision == Precision.FP16.value,
         # Trainer checkpoints all blocks or none; every k-th block is switched on in the script instead.
-        "gradient_checkpointing": config.checkpointing is Checkpointing.FULL,
-        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        CHECKPOINTING: config.checkpointing is Checkpointing.FULL,
+        f"{CHECKPOINTING}_kwargs": {"use_reentrant": False},
         "max_grad_norm": DEFAULT_GRADIENT_CLIPPING,
         "use_cpu": str(plan.spec.get("device", "")).startswith("cpu"),
         "report_to": "none",
