@@ -47,9 +47,6 @@ def _checkpointing_name() -> str:
     names = {field.name for field in dataclasses.fields(TrainingArguments)}
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
-
-CHECKPOINTING = _checkpointing_name()
-
 # torch optimizers TrainingArguments names (transformers/trainer_optimizer.py: `optim` builds the class with
 # `learning_rate`, the groups' `weight_decay`, and these from `optim_args`, "key=value,...").
 TORCH_OPTIM = {"SGD": ("sgd", ("momentum", "dampening", "nesterov")), "Adagrad": ("adagrad", ("lr_decay", "eps")),
@@ -75,7 +72,7 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
     """`TrainingArguments` kwargs reproducing `plan` (per device batch, accumulation, precision,
     checkpointing, optimizer, DeepSpeed config path)."""
     require_fit(plan)
-    config = plan.config
+    config, checkpointing = plan.config, _checkpointing_name()
     kwargs: dict[str, Any] = {
         "output_dir": "trainer_output",
         "per_device_train_batch_size": config.micro_batch_size,
@@ -83,8 +80,8 @@ def training_arguments(plan: "Plan", deepspeed_path: str | None = None) -> dict[
         "bf16": config.precision == Precision.BF16.value,
         "fp16": config.precision == Precision.FP16.value,
         # Trainer checkpoints all blocks or none; every k-th block is switched on in the script instead.
-        CHECKPOINTING: config.checkpointing is Checkpointing.FULL,
-        f"{CHECKPOINTING}_kwargs": {"use_reentrant": False},
+        checkpointing: config.checkpointing is Checkpointing.FULL,
+        f"{checkpointing}_kwargs": {"use_reentrant": False},
         "max_grad_norm": DEFAULT_GRADIENT_CLIPPING,
         "use_cpu": str(plan.spec.get("device", "")).startswith("cpu"),
         "report_to": "none",

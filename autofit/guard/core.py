@@ -33,6 +33,7 @@ from autofit.spec.batch import call_model, default_loss, leading_dim
 from autofit.config import Checkpointing, Config, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
+from autofit.prepare import OPTIMIZER_CLASSES
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
 from autofit.guard.sync import Round, sync_for, unwrap
 from autofit.probe.oom import classify_oom, first_line, release_memory
@@ -406,8 +407,6 @@ def _initial_config(plan: Plan | None, micro_batch_size: int | None, optimizer: 
 
 def _kind(optimizer: Any) -> Optimizer:
     """The optimizer knob naming `optimizer`'s class (a class autofit does not search is the user's own)."""
-    from autofit.prepare import OPTIMIZER_CLASSES
-
     name = type(optimizer).__name__
     return next((kind for kind, cls in OPTIMIZER_CLASSES.items() if cls == name), Optimizer.USER)
 

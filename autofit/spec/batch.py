@@ -36,8 +36,8 @@ def made(batch_factory: BatchFactory, num_samples: int) -> Batch:
 
 def check_factory(make_batch: BatchFactory) -> None:
     """`UsageError` when `make_batch` cannot be called with the number of samples alone."""
-    if not _binds(make_batch, (1,), {}):
-        raise UsageError(f"make_batch{_signature(make_batch)} must take the number of samples to make, as "
+    if not binds(make_batch, (1,), {}):
+        raise UsageError(f"make_batch{signature_text(make_batch)} must take the number of samples to make, as "
                          "make_batch(num_samples) -> batch (e.g. lambda n: torch.randn(n, 32)); or pass one sample "
                          "batch instead of a factory.")
 
@@ -154,28 +154,28 @@ def call_model(model: torch.nn.Module, batch: Batch) -> Any:
 def check_call(model: torch.nn.Module, batch: Batch, loss_fn: Any) -> None:
     """`UsageError` when `model.forward` cannot take `batch` as `call_model` passes it, or `loss_fn` cannot
     take (output, batch): found by binding the signatures, before any probe runs."""
-    if loss_fn is not None and not _binds(loss_fn, (None, None), {}):
-        raise UsageError(f"loss_fn{_signature(loss_fn)} must take two arguments, (output, batch), and return the "
+    if loss_fn is not None and not binds(loss_fn, (None, None), {}):
+        raise UsageError(f"loss_fn{signature_text(loss_fn)} must take two arguments, (output, batch), and return the "
                          "scalar loss tensor, e.g. loss_fn=lambda output, batch: F.cross_entropy(output, batch[1]).")
     if model._forward_pre_hooks:  # a hook may rewrite the arguments
         return
-    name = f"{type(model).__name__}.forward{_signature(model.forward)}"
+    name = f"{type(model).__name__}.forward{signature_text(model.forward)}"
     if isinstance(batch, dict):
-        if not _binds(model.forward, (), batch):
+        if not binds(model.forward, (), batch):
             raise UsageError(f"{name} cannot take the batch's keys {sorted(batch)} as keyword arguments (a dict "
                              "batch is passed as model(**batch)): name the keys after forward's parameters, or give "
                              "a tuple (inputs, targets, ...): the model gets inputs and loss_fn the whole batch.")
     elif isinstance(batch, (tuple, list)):
-        if not _binds(model.forward, (batch[0],), {}):
+        if not binds(model.forward, (batch[0],), {}):
             raise UsageError(f"{name} cannot take a tuple batch's first element alone (a tuple (inputs, targets, "
                              "...) is passed as model(inputs), the rest reaches loss_fn): give a dict batch to pass "
                              "several arguments by name, as model(**batch).")
-    elif not _binds(model.forward, (batch,), {}):
+    elif not binds(model.forward, (batch,), {}):
         raise UsageError(f"{name} cannot take the batch as its one argument (a tensor batch is passed as "
                          "model(batch)): give a dict batch to pass arguments by name, as model(**batch).")
 
 
-def _binds(function: Any, args: tuple, kwargs: dict) -> bool:
+def binds(function: Any, args: tuple, kwargs: dict) -> bool:
     """Whether `function(*args, **kwargs)` matches its signature (True when it has none to read)."""
     try:
         inspect.signature(function).bind(*args, **kwargs)
@@ -186,7 +186,7 @@ def _binds(function: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def _signature(function: Any) -> str:
+def signature_text(function: Any) -> str:
     try:
         return str(inspect.signature(function))
     except (TypeError, ValueError):

@@ -167,16 +167,10 @@ def _model_factory(model: Any) -> Callable[[], nn.Module]:
 
 def _check_no_arguments(factory: Callable[..., Any]) -> None:
     """`UsageError` when the model factory (a class, a function) cannot be called with no arguments."""
-    import inspect
-
-    try:
-        inspect.signature(factory).bind()
-    except TypeError as exc:
+    if not batches.binds(factory, (), {}):
         name = getattr(factory, "__name__", type(factory).__name__)
-        raise UsageError(f"model={name} is called with no arguments to build each probe's model, but {exc}; pass "
-                         f"a built model, or a zero-argument factory such as lambda: {name}(...).") from None
-    except ValueError:  # no signature to read (a builtin): the first build tells
-        pass
+        raise UsageError(f"model={name}{batches.signature_text(factory)} is called with no arguments to build each "
+                         f"probe's model; pass a built model, or a zero-argument factory such as lambda: {name}(...).")
 
 
 def _called_factory(factory: Callable[[], Any]) -> nn.Module:

@@ -141,10 +141,9 @@ def _import_class(path: str | None) -> type | None:
 
 
 def _json_values(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The entries JSON can hold (tuples as lists); a tensor learning rate becomes its float."""
+    """The entries JSON can hold (tuples as lists; `parse_optimizer` already made a tensor learning rate a float)."""
     out = {}
     for key, value in kwargs.items():
-        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         value = list(value) if isinstance(value, tuple) else value
         items = value if isinstance(value, list) else [value]
         if all(v is None or isinstance(v, (bool, int, float, str)) for v in items):

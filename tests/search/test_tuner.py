@@ -195,7 +195,7 @@ def test_what_is_not_a_strategy_or_a_factory_is_named():
         def __init__(self, width):
             super().__init__()
 
-    with pytest.raises(UsageError, match=r"model=NeedsWidth is called with no arguments.*lambda: NeedsWidth\(\.\.\.\)"):
+    with pytest.raises(UsageError, match=r"model=NeedsWidth\(width\) is called with no arguments.*lambda: NeedsWidth\(\.\.\.\)"):
         autofit.autofit(NeedsWidth, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
     with pytest.raises(UsageError, match="max_probes must be an integer >= 1"):
         autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss, max_probes=0)
