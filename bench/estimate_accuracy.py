@@ -103,9 +103,23 @@ def configs(hf: bool) -> list[Config]:
     return grid
 
 
-def measure(device: str, large: bool = False) -> list[dict]:
+def measured_parts(device: str) -> dict[str, int]:
+    """The last probe's peak in its parts on CUDA: the caching allocator's most allocated and most reserved
+    bytes, and what this process holds beyond the allocator (context, workspaces), with how it was measured."""
+    if not device.startswith("cuda"):
+        return {}
+    from autofit.probe.memory import accounting, outside_allocator
+
+    where = torch.device(device)
+    return {"max_allocated": torch.cuda.max_memory_allocated(where), "max_reserved": torch.cuda.max_memory_reserved(where),
+            "outside_allocator": outside_allocator(where), "accounting": accounting(where)}
+
+
+def measure(device: str, large: bool = False, only: list[str] | None = None) -> list[dict]:
     rows = []
     for name, (model, batch, seq_len) in models(large).items():
+        if only and name not in only:
+            continue
         spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device=device,
                          memory_budget="16GiB" if device == "cpu" else None, warmup_steps=1, timed_steps=1)
         for config in configs(spec.model.is_hf):
@@ -120,7 +134,8 @@ def measure(device: str, large: bool = False) -> list[dict]:
             rows.append({"model": name, "config": config.to_dict(), "describe": config.describe(),
                          "predicted_bytes": predicted.peak_bytes, "measured_bytes": measured.peak_bytes,
                          "error": round(error, 5), "predict_seconds": round(predict_s, 3),
-                         "breakdown": predicted.breakdown.to_dict(), "reason": predicted.reason})
+                         "breakdown": predicted.breakdown.to_dict(), "overhead_terms": dict(predicted.terms),
+                         "measured_parts": measured_parts(device), "reason": predicted.reason})
             print(f"{name:13s} {config.describe():45s} predicted {predicted.peak_bytes / 2**20:9.2f} MiB "
                   f"measured {measured.peak_bytes / 2**20:9.2f} MiB  error {error:+.2%}", file=sys.stderr)
     return rows
@@ -153,13 +168,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--large", action="store_true", help="add a 1.1B Llama and GPT-2 small at 1,024 tokens "
                         "(a GPU's worth)")
+    parser.add_argument("--only", action="append", help="measure only this model (repeatable)")
     parser.add_argument("--against", type=Path, help="a recorded GPU run's results: predict its rows here, no probe")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     if args.against:
         return write_replay(args.against, started)
-    rows = measure(args.device, args.large)
+    rows = measure(args.device, args.large, args.only)
     errors = [abs(r["error"]) for r in rows]
     now = datetime.datetime.now(datetime.timezone.utc)
     device = torch.device(args.device)

@@ -58,6 +58,15 @@ def make_gpt2():
                                       bos_token_id=0, eos_token_id=0))
 
 
+def long_gpt2():
+    """A GPT-2 whose activations dominate at 4096 tokens over 8 blocks (the CUDA tests' tight budgets)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=1024, n_positions=4096,
+                                      bos_token_id=0, eos_token_id=0))
+
+
 class LinearBlocks(nn.Module):
     """`depth` blocks of Linear(width, width) + ReLU in an nn.ModuleList; forward(x) returns a scalar loss.
     Subclass it with a no-argument constructor where a factory must pickle into rank processes."""

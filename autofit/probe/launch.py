@@ -68,12 +68,30 @@ def check_ranks(device: torch.device, num_ranks: int) -> None:
 
 def probe_placed(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], placement: Placement,
                  timeout: float = DEFAULT_TIMEOUT, step_limit: float | None = None) -> ProbeResult:
-    """Probe `config` where `placement` says: in this process, a child, or launched ranks."""
+    """Probe `config` where `placement` says: in this process, a child, or launched ranks; in a child
+    instead of this process once an earlier probe here left memory allocated (`fresh_placement`)."""
+    placement = fresh_placement(spec, strategies, placement)
     if placement is Placement.IN_PROCESS:
         from autofit.probe.run import run_probe
 
         return run_probe(spec, config, strategies, step_limit)
     return launch(spec, config, strategies, placement, timeout, step_limit)
+
+
+def fresh_placement(spec: TrainSpec, strategies: Sequence["Strategy"], placement: Placement) -> Placement:
+    """`placement`, or CHILD for an in-process probe on a card where earlier probes in this process left
+    memory allocated (`autofit.probe.memory.memory_left_behind`): a fresh process measures what the user's
+    job will have. A spec that cannot be serialised stays here (its probes then start with less room)."""
+    from autofit.probe.memory import memory_left_behind
+    from autofit.probe.payload import check_serialisable
+
+    if placement is not Placement.IN_PROCESS or not memory_left_behind(spec.device):
+        return placement
+    try:
+        check_serialisable(spec, strategies)
+    except UsageError:
+        return placement
+    return Placement.CHILD
 
 
 def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], placement: Placement,

@@ -281,10 +281,25 @@ def note_baseline(device: torch.device, used: int) -> None:
     _BEFORE_CONTEXT.add(device.index or 0)
 
 
+_LEFT_BEHIND: dict[int, int] = {}  # device index -> bytes probes in this process left allocated there
+
+
+def note_left_behind(device: torch.device, left: int) -> None:
+    """Record `left` bytes a probe left allocated on `device` after releasing everything it held."""
+    _LEFT_BEHIND[device.index or 0] = memory_left_behind(device) + left
+
+
+def memory_left_behind(device: torch.device) -> int:
+    """Bytes earlier probes in this process left allocated on `device` (0: it measures as a fresh one)."""
+    return _LEFT_BEHIND.get(device.index or 0, 0) if device.type == "cuda" else 0
+
+
 def forget_baselines() -> None:
-    """Forget every baseline and look for NVML afresh (a test double swapping the runtime; a new process)."""
+    """Forget every baseline and what probes left behind, and look for NVML afresh (a test double swapping
+    the runtime; a new process)."""
     _BASELINES.clear()
     _BEFORE_CONTEXT.clear()
+    _LEFT_BEHIND.clear()
     nvml.forget()
 
 

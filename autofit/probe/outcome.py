@@ -70,6 +70,7 @@ class ProbeResult:
     step_spread: float | None = None  # (slowest - fastest) / median of the timed steps' seconds
     alloc_retries: int | None = None  # CUDA caching-allocator retries (cudaMalloc failed, cache flushed) while timed
     fragmentation: float | None = None  # CUDA: inactive split bytes / reserved bytes after the timed steps
+    left_behind: int | None = None  # CUDA: bytes still allocated in this process once the probe released all it held
 
     @property
     def near_limit(self) -> bool:

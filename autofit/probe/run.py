@@ -17,7 +17,7 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import CudaContextBroken, UsageError
-from autofit.probe.memory import Budget, DeadlinePassed, budget_for
+from autofit.probe.memory import Budget, DeadlinePassed, budget_for, note_left_behind
 from autofit.probe.oom import classify_oom, first_line, raised_at, release_memory, sticky_error
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import TrainRun, build_run
@@ -45,6 +45,7 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     done (setup included), it may take the steps it runs plus two more at that pace, and at least
     MIN_ALLOWANCE seconds (timing noise dominates shorter probes), then it is recorded as too slow.
     """
+    held = _allocated(spec.device)
     budget = budget_for(spec.device, spec.memory_budget, spec.resident_bytes)
     if step_limit is not None:
         allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
@@ -73,7 +74,36 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
         _stop_if_broken(exc, config)
         raise
-    return result
+    return _left_behind(result, spec.device, held)
+
+
+# -- memory a probe leaves behind ----------------------------------------------------------------------
+# An OOM in the backward on CUDA can leave the step's intermediate tensors allocated after every
+# reference is dropped and cycles are collected (pytorch/pytorch#82218, open; seen on an H100 with torch
+# 2.11, bench/results/gpu-tests-h100-2026-11-27.json: after one, every later in-process probe ran out
+# of memory in its forward at configurations that fit). Such a process no longer measures what a fresh
+# one would, so the probes after it run in child processes (`autofit.probe.launch.probe_placed`).
+LEFT_BEHIND_SLACK = 8 * 2**20  # below this, bookkeeping noise (a library's small global buffers)
+
+
+def _allocated(device: torch.device) -> int | None:
+    """Bytes the caching allocator has handed out on `device` (None off CUDA: the CPU budget counts only
+    what each probe makes)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _left_behind(result: ProbeResult, device: torch.device, held: int | None) -> ProbeResult:
+    """`result`, noting the bytes still allocated on `device` beyond `held` (before the probe) now that the
+    probe released its memory; such bytes are remembered for this process (`memory.note_left_behind`)."""
+    if held is None:
+        return result
+    left = torch.cuda.memory_allocated(device) - held
+    if left <= LEFT_BEHIND_SLACK:
+        return result
+    note_left_behind(device, left)
+    note = (f"; it left {format_size(left)} allocated in this process after releasing its memory (an OOM in the "
+            "backward does: pytorch/pytorch#82218), so later probes run in fresh child processes")
+    return dataclasses.replace(result, reason=result.reason + note, left_behind=left)
 
 
 def _stop_if_broken(exc: BaseException, config: Config) -> None:

@@ -10,6 +10,8 @@ reads the choice when it builds the engine; the DeepSpeed keys come from `autofi
 
 from __future__ import annotations
 
+import functools
+
 import os
 import tempfile
 from pathlib import Path
@@ -46,7 +48,7 @@ class Offload(Ladder):
         why_not = None if spec.target.cuda else \
             f"offload moves states from a GPU to the host; the target {spec.target.name} is already the host"
         folder = self.folder(spec)
-        nvme_not = why_not or _nvme_reason(folder)
+        nvme_not = why_not or _nvme_reason(folder, probed_here=_probed_here(spec))
         return [
             Option(O.NONE, 0, "model states stay on the device"),
             Option(O.CPU, 0, why_not or "optimizer states (ZeRO-3/FSDP2: parameters too) to host memory",
@@ -64,13 +66,33 @@ class Offload(Ladder):
             run.nvme_path = self.folder(run.spec)  # the engine strategy reads it when it builds the engine
 
 
-def _nvme_reason(nvme_path: str | None) -> str | None:
+def _probed_here(spec: "TrainSpec") -> bool:
+    """Whether `spec` probes on a card of this machine (not a dry-run's plan for another one)."""
+    device = getattr(spec, "device", None)
+    return device is not None and device.type == "cuda"
+
+
+def _nvme_reason(nvme_path: str | None, probed_here: bool) -> str | None:
     if nvme_path is None:
         return ("NVMe offload needs a folder on a fast local disk: autofit.autofit(nvme_path=...) or "
                 "autofit tune --nvme-path DIR")
     from autofit.strategies.zero import installed_version, version_problem
 
-    return version_problem(installed_version(), "NVMe offload")
+    return version_problem(installed_version(), "NVMe offload") or (aio_problem() if probed_here else None)
+
+
+@functools.cache
+def aio_problem() -> str | None:
+    """Why DeepSpeed's async I/O op, which reads and writes NVMe offload's files, cannot build on this
+    machine, or None. `AsyncIOBuilder.is_compatible` compiles a test against libaio
+    (deepspeed/ops/op_builder/async_io.py); without it every NVMe probe failed at the engine's build with
+    "Unable to JIT load the async_io op" (seen on an H100 machine without libaio-dev, 2026-11-27)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        return None
+    return ("NVMe offload needs DeepSpeed's async_io op, which cannot build here (libaio is missing): "
+            "apt install libaio-dev (or yum install libaio-devel), then check with ds_report")
 
 
 def check_nvme_path(path: str | os.PathLike) -> Path:

@@ -1,0 +1,108 @@
+"""The smallest CUDA budget each configuration trains under, against the dry-run's predicted peak.
+
+A probe without a budget reports the caching allocator's most *reserved* bytes: on a roomy card the
+allocator keeps every freed block cached, so that figure is above what the step needs. Under a budget
+(the per-process memory fraction) it frees its cache and retries before it raises out-of-memory, so a
+configuration fits budgets below its roomy peak. What a dry-run promises is a fit, so the figure it must
+not fall short of is this threshold: found here by bisection, each step one real probe under
+`memory_budget=L` in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD): in one process an
+OOM in the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
+
+    python bench/fit_threshold.py [--steps 5] [--only gpt2-124m]     # needs a GPU
+
+Writes bench/results/fit-threshold-cuda-<date>.json after every configuration (device, date and torch
+inside): roomy peak, its parts, the threshold interval, the prediction and both errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autofit.config import Config  # noqa: E402
+from autofit.estimate.estimator import predict_peak  # noqa: E402
+from autofit.probe.launch import probe_placed  # noqa: E402
+from autofit.probe.run import run_probe  # noqa: E402
+from autofit.spec.devices import describe  # noqa: E402
+from autofit.spec.train import make_spec  # noqa: E402
+from autofit.strategies import default_strategies  # noqa: E402
+from autofit.strategies.base import Placement  # noqa: E402
+from bench.estimate_accuracy import GLOBAL_BATCH, measured_parts, models  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 2**20
+# the estimate run's largest under-predictions of the roomy peak (results/estimate-cuda-2026-11-27.json)
+CASES = [("gpt2-124m", "bf16", "full", 4), ("gpt2-124m", "fp32", "full", 1), ("gpt2-124m", "bf16", "none", 4),
+         ("llama-1.1b", "fp32", "full", 4), ("llama-1.1b", "bf16", "none", 1)]
+
+
+def probe(model, batch, seq_len, config: Config, budget: int | None):
+    """The roomy probe (no budget) here, to read its allocator's parts; a budgeted one in a fresh child."""
+    spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cuda",
+                     memory_budget=budget, warmup_steps=1, timed_steps=1)
+    if budget is None:
+        return spec, run_probe(spec, config, default_strategies())
+    return spec, probe_placed(spec, config, default_strategies(), Placement.CHILD)
+
+
+def threshold(name: str, precision: str, checkpointing: str, micro: int, steps: int) -> dict:
+    model, batch, seq_len = models(large=True)[name]
+    config = Config(precision=precision, attention="sdpa", checkpointing=checkpointing, micro_batch_size=micro,
+                    grad_accum_steps=GLOBAL_BATCH // micro)
+    spec, roomy = probe(model, batch, seq_len, config, None)
+    parts = measured_parts("cuda")
+    predicted = predict_peak(spec, config)
+    low = parts["max_allocated"] + parts["outside_allocator"]  # below this nothing can fit
+    high = roomy.peak_bytes
+    tries = []
+    for _ in range(steps):
+        middle = (low + high) // 2
+        _, result = probe(model, batch, seq_len, config, middle)
+        tries.append({"budget": middle, "status": result.status.value, "peak": result.peak_bytes,
+                      "phase": result.phase, "oom_kind": result.oom_kind, "alloc_retries": result.alloc_retries})
+        print(f"  {name} {config.describe()} at {middle / MIB:8.0f} MiB: {result.status.value}", file=sys.stderr)
+        if result.fits:
+            high = middle
+        else:
+            low = middle
+    return {"model": name, "describe": config.describe(), "config": config.to_dict(),
+            "roomy_peak": roomy.peak_bytes, "roomy_parts": parts, "fits_at": high, "fails_at": low,
+            "predicted": predicted.peak_bytes, "overhead_terms": dict(predicted.terms),
+            "error_vs_roomy": round(predicted.peak_bytes / roomy.peak_bytes - 1, 5),
+            "error_vs_threshold": round(predicted.peak_bytes / high - 1, 5), "tries": tries}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="bisection steps per configuration")
+    parser.add_argument("--only", action="append", help="only this model (repeatable)")
+    args = parser.parse_args()
+    started, now = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
+    result = {"what": __doc__.splitlines()[0], "device": describe(torch.device("cuda")),
+              "date": now.isoformat(timespec="seconds"), "torch": torch.__version__,
+              "python": platform.python_version(), "rows": []}
+    path = RESULTS / f"fit-threshold-cuda-{now.date().isoformat()}.json"
+    for case in CASES:
+        if args.only and case[0] not in args.only:
+            continue
+        row = threshold(*case, args.steps)
+        result["rows"].append(row)
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{row['model']:11s} {row['describe']:42s} roomy {row['roomy_peak'] / MIB:7.0f} MiB, fits at "
+              f"{row['fits_at'] / MIB:7.0f} (fails at {row['fails_at'] / MIB:7.0f}), predicted "
+              f"{row['predicted'] / MIB:7.0f}: {row['error_vs_threshold']:+.1%} of the threshold, "
+              f"{row['error_vs_roomy']:+.1%} of the roomy peak", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
