@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
+from typing import Any, Iterator, Sequence
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -127,3 +129,74 @@ def _merged(block: _Block, neighbour: _Block) -> _Block:
     if second.next is not None:
         second.next.prev = first
     return first
+
+
+# -- a step's events, replayed alone or as training replays them ------------------------------------------
+# ("malloc", key, nbytes), ("free", key), and ("grad", key, nbytes, param): `param`'s gradient, the storage
+# `key` (or a new one, when no event made it), which training keeps until the optimizer step is done.
+Event = tuple
+HISTORY_STEPS = 3  # optimizer steps replayed: the reserved bytes stop growing by the third (H100, 2026-11-27)
+MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
+
+
+def replay(events: Sequence[Event]) -> CachingAllocator:
+    """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache)."""
+    allocator = CachingAllocator()
+    for event in events:
+        if event[0] == "malloc":
+            allocator.malloc(event[1], event[2])
+        elif event[0] == "free":
+            allocator.free(event[1])
+    return allocator
+
+
+def replay_training(events: Sequence[Event], resident: Sequence[int], states: Sequence[int],
+                    temporaries: Sequence[int], micro_steps: int, steps: int = HISTORY_STEPS) -> CachingAllocator:
+    """`steps` optimizer steps of `micro_steps` micro-steps each, replayed as a training process allocates
+    them: `resident` first (the weights and buffers, moved to the card one by one), then every micro-step's
+    `events` with each gradient kept (the first micro-step's; later ones add into it and are freed), the
+    optimizer's `states` made at its first step, its `temporaries` made and freed at every step, and the
+    gradients freed after it (`zero_grad`). On an H100 this history, not one step's activations, is what
+    sets the reserved bytes above the allocated ones: the weights and states take cached blocks the next
+    step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json)."""
+    allocator, fresh = CachingAllocator(), itertools.count()
+    for nbytes in resident:
+        allocator.malloc(("resident", next(fresh)), nbytes)
+    for step in range(steps):
+        grads: dict[Any, Any] = {}
+        for _ in range(min(micro_steps, MICRO_STEPS_REPLAYED)):
+            _micro_step(allocator, events, grads, fresh)
+        for nbytes in states if step == 0 else ():
+            allocator.malloc(("state", next(fresh)), nbytes)
+        made = [("temporary", next(fresh)) for _ in temporaries]
+        for key, nbytes in zip(made, temporaries):
+            allocator.malloc(key, nbytes)
+        for key in [*made, *grads.values()]:
+            allocator.free(key)
+    return allocator
+
+
+def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dict, fresh: Iterator[int]) -> None:
+    """One micro-step's events under fresh keys; gradients kept in `grads` (param -> key) past the step."""
+    keys: dict[Any, Any] = {}
+    kept = set(grads.values())
+    for event in events:
+        if event[0] == "malloc":
+            keys[event[1]] = key = ("event", next(fresh))
+            allocator.malloc(key, event[2])
+        elif event[0] == "free":
+            key = keys.pop(event[1], None)
+            if key is not None and key not in kept:
+                allocator.free(key)
+        else:  # a gradient: kept on the first micro-step, added into the kept one (and freed) after
+            _, storage, nbytes, param = event
+            key = keys.pop(storage, None)
+            if param in grads:
+                if key is not None:
+                    allocator.free(key)
+                continue
+            if key is None:
+                key = ("grad", next(fresh))
+                allocator.malloc(key, nbytes)
+            grads[param] = key
+            kept.add(key)

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autofit.config import Attention, Checkpointing, Config, Loss, Precision, Quantization
+from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout
-from autofit.estimate.allocator import CachingAllocator
+from autofit.estimate.allocator import CachingAllocator, Event, replay, replay_training
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -76,13 +76,13 @@ class ActivationPeak:
 class _Tracker(StorageCounter):
     """Counts the bytes of every live storage made by an op (`autofit.probe.memory.StorageCounter`), rounded as
     the target's allocator rounds; tracks the forward's peak and the backward's peaks apart; weight
-    gradients are counted apart (`take_grad`) and dropped at once. Every allocation and free is replayed
-    through the CUDA caching allocator (`autofit.estimate.allocator`) for the bytes it would reserve."""
+    gradients are counted apart (`take_grad`) and dropped at once. Every allocation, free and gradient is
+    recorded (`events`) for the CUDA caching allocator's replay (`autofit.estimate.allocator`)."""
 
     def __init__(self, rounding: int):
         super().__init__()
         self.rounding = rounding
-        self.allocator = CachingAllocator()
+        self.events: list[Event] = []
         self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
         self.at_grad = self.offloaded = self.kernels = 0
         self.forward = 0
@@ -107,15 +107,16 @@ class _Tracker(StorageCounter):
         after = self._live.get(key)
         if after is not None and after is not before and (before is None or before[1] != after[1]):
             if before is not None:
-                self.allocator.free(key)  # resized in place: the allocator frees and allocates
-            self.allocator.malloc(key, storage.nbytes())
+                self.events.append(("free", key))  # resized in place: the allocator frees and allocates
+            self.events.append(("malloc", key, storage.nbytes()))
 
     def _forget(self, key: int) -> None:
         super()._forget(key)
-        self.allocator.free(key)
+        self.events.append(("free", key))
 
     def take_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""
+        self.events.append(("grad", id(param.grad.untyped_storage()), param.grad.nbytes, id(param)))
         self.at_grad = max(self.at_grad, self.current)
         self.grads += param.numel() * param.element_size()
         param.grad = None
@@ -166,8 +167,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
         batch, loss_fn = _without_data_dependent_steps(model, batch, loss_fn)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake:
-            model.to_empty(device=device)
+        fake_empty(model, fake, device)
         model.train()
         if adapted is not None:
             _freeze_all_but(model, adapted)
@@ -200,11 +200,43 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         finally:
             for hook in hooks:
                 hook.remove()
-        replayed = tracker.allocator
+        replayed = _replayed(tracker.events, model, config)
         return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                               tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
                               tracker.at_grad + batch_bytes, tracker.offloaded,
                               replayed.peak_reserved - replayed.peak_allocated, tracker.kernels)
+
+
+def _replayed(events: list[Event], model: nn.Module, config: Config) -> CachingAllocator:
+    """The step's events through the caching allocator: as training replays them, weights, gradients and
+    AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on the card;
+    else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own alone."""
+    if config.optimizer is not Optimizer.ADAMW or config.engine is not Engine.TORCH or config.offloads \
+            or config.steps_in_backward:
+        return replay(events)
+    resident = [t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())]
+    trained = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
+    # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
+    return replay_training(events, resident, [n for n in trained for _ in range(2)], trained,
+                           config.grad_accum_steps)
+
+
+def fake_empty(model: nn.Module, fake: Any, device: str) -> nn.Module:
+    """`model` (on the meta device) made of fake tensors of `fake` on `device`, its tied weights still one
+    tensor: `Module.to_empty` makes a new tensor in every module, so a weight two modules share (GPT-2's
+    embedding and head) became two, each with a gradient and AdamW states of its own in the simulation."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    with fake:
+        model.to_empty(device=device)
+    for (first, name), *others in owners.values():
+        for module, other in others:
+            module._parameters[other] = first._parameters[name]
+    return model
 
 
 def as_fake(fake: Any, batch: Any, device: str) -> Any:

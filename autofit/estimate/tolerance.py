@@ -14,15 +14,15 @@ from autofit.config import Config, Engine
 # over-prediction is 0.9%): bench/results/estimate-cpu-2026-11-22.json.
 # CUDA: against 40 published GPU training peaks (bench/calibration/results/calibration.json, like compared
 # with like: allocated vs reserved, each simulated with the code its source ran), the worst
-# over-prediction of a run without a sharding engine is +1.3% (25 rows; with FSDP1's, +6.5%, which
-# ENGINE_TOLERANCE covers; litgpt's config-hub QLoRA rows, +1.5% .. +6.4%, are left out: each is the upper
-# bound of a batch order the source does not give, with old bitsandbytes' kept inputs); against 32 peaks
-# measured on an H100 and predicted without CUDA, as a dry-run predicts
-# (bench/results/estimate-replay-estimate-cuda-2026-11-22-2026-11-26.json), +3.1%. So a candidate
+# over-prediction of a run without a sharding engine is +1.3% (25 rows, litgpt's resource-table QLoRA row;
+# with FSDP1's, +6.5%, which ENGINE_TOLERANCE covers; litgpt's config-hub QLoRA rows, +1.5% .. +6.4%, are
+# left out: each is the upper bound of a batch order the source does not give, with old bitsandbytes' kept
+# inputs); against 40 peaks measured on an H100 (2026-11-27) and predicted without CUDA, as a dry-run
+# predicts (bench/results/estimate-replay-estimate-cuda-2026-11-27-2026-11-27.json), +3.1%. So a candidate
 # predicted more than 5% over the limit is skipped. The estimator still under-predicts some published runs
-# (median |error| 1.2%, down to -20%: reserved figures, FSDP1's the most) and the H100's by
-# up to -9.0% (allocator segments across steps, bench/allocator_steps.py): an under-prediction never
-# prunes, it makes a probe that runs out of memory, which the tuner records and steps back from.
+# (median |error| 1.2%, down to -20%: reserved figures, FSDP1's the most) and the H100's by up to -6.6%
+# (the allocator's reserve at full depth, replayed from two blocks): an under-prediction never prunes,
+# it makes a probe that runs out of memory, which the tuner records and steps back from.
 PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}
 
 # The activation formula's worst under-prediction of the simulated activations (simulated / formula),

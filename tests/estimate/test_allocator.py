@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate.allocator import CachingAllocator, round_size, segment_size
+from autofit.estimate.allocator import CachingAllocator, replay, replay_training, round_size, segment_size
 from autofit.estimate.estimator import Estimator
 from autofit.spec.train import make_spec
 
@@ -57,6 +57,33 @@ def test_a_large_block_is_not_split_for_a_remainder_of_1_mib_or_less():
     allocator.free("a")
     allocator.malloc("b", 19 * MIB + 512 * 1024)  # 0.5 MiB would remain: the whole block is used
     assert allocator.allocated == 20 * MIB
+
+
+# One step: 100 MiB of activations, then a 10 MiB gradient no event made (training keeps it), then the
+# activations freed.
+STEP = [("malloc", "act", 100 * MIB), ("grad", "g", 10 * MIB, "w"), ("free", "act")]
+
+
+def test_alone_a_step_reuses_its_own_cache():
+    alone = replay(STEP)
+    assert (alone.peak_allocated, alone.peak_reserved) == (100 * MIB, 100 * MIB)
+
+
+def test_in_training_the_states_take_the_activations_block_and_the_next_step_takes_a_new_segment():
+    # Seen on an H100 (bench/results/estimate-cuda-2026-11-27-parts.json): reserved above allocated by
+    # 142 MiB .. 2.5 GiB, where one step's activations alone left 31 .. 567 MiB.
+    trained = replay_training(STEP, resident=[10 * MIB], states=[10 * MIB, 10 * MIB], temporaries=[10 * MIB],
+                              micro_steps=1)
+    # step 1: weights 10, activations 100 (freed), gradient 10; AdamW's states and its temporary come from
+    # the freed 100 MiB block. Step 2's activations find 80 MiB free there: a second 100 MiB segment.
+    assert trained.peak_reserved == (10 + 100 + 10 + 100) * MIB
+    assert trained.peak_allocated == (10 + 20 + 100 + 10) * MIB
+
+
+def test_later_micro_steps_add_into_the_kept_gradient_and_free_their_own():
+    trained = replay_training(STEP, resident=[], states=[], temporaries=[], micro_steps=4)
+    assert trained.peak_allocated == (100 + 10) * MIB  # never two gradients of the same weight at once
+    assert trained.allocated == 0  # freed after the step (zero_grad)
 
 
 class Mlp(nn.Module):
@@ -118,3 +145,22 @@ def test_fragmentation_is_the_share_of_the_transients_it_was_at_1_and_2_never_be
     falling = {1: one, 2: dataclasses.replace(two, fragmentation=0)}
     estimator._at_batch = lambda config, mb: (falling[mb], "simulated")
     assert estimator.activations(Config(micro_batch_size=16))[0].fragmentation == one.fragmentation
+
+
+def test_the_simulated_model_keeps_tied_weights_one_tensor():
+    # Module.to_empty makes a new tensor in every module: GPT-2's embedding and head (one weight) became
+    # two, each with its own gradient and AdamW states in the replayed history.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autofit.estimate.simulate import fake_empty
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100))
+        plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plain[1].weight = plain[0].weight
+    for built in (model, plain):
+        before = sum(p.numel() for p in built.parameters())
+        fake_empty(built, FakeTensorMode(allow_non_fake_inputs=True), "cpu")
+        assert sum(p.numel() for p in built.parameters()) == before
+    assert model.lm_head.weight is model.transformer.wte.weight and plain[1].weight is plain[0].weight
