@@ -47,20 +47,9 @@ def full_depth_reserve(name: str, config: Config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     ids = torch.zeros(config.micro_batch_size, seq_len, dtype=torch.long)
-    kept = []
-    replayed = simulate._replayed
-
-    def keep(events, built, cfg):
-        kept.append(replayed(events, built, cfg))
-        return kept[-1]
-
-    simulate._replayed = keep
-    try:
-        simulate.simulate_step(model, {"input_ids": ids, "labels": ids}, lambda out, batch: out.loss, config,
-                               device="cpu", cuda_ampere=True)
-    finally:
-        simulate._replayed = replayed
-    return kept[-1].peak_reserved - kept[-1].peak_allocated
+    peak = simulate.simulate_step(model, {"input_ids": ids, "labels": ids}, lambda out, batch: out.loss, config,
+                                  device="cpu", cuda_ampere=True)
+    return peak.fragmentation
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -79,9 +79,10 @@ class _Tracker(StorageCounter):
     gradients are counted apart (`take_grad`) and dropped at once. Every allocation, free and gradient is
     recorded (`events`) for the CUDA caching allocator's replay (`autofit.estimate.allocator`)."""
 
-    def __init__(self, rounding: int):
+    def __init__(self, rounding: int, ties: dict[int, int]):
         super().__init__()
         self.rounding = rounding
+        self.ties = ties  # id(parameter) -> its weight (`fake_empty`): tied parameters are one weight
         self.events: list[Event] = []
         self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
         self.at_grad = self.offloaded = self.kernels = 0
@@ -116,7 +117,7 @@ class _Tracker(StorageCounter):
 
     def take_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""
-        self.events.append(("grad", id(param.grad.untyped_storage()), param.grad.nbytes, id(param)))
+        self.events.append(("grad", id(param.grad.untyped_storage()), param.grad.nbytes, self.ties[id(param)]))
         self.at_grad = max(self.at_grad, self.current)
         self.grads += param.numel() * param.element_size()
         param.grad = None
@@ -167,7 +168,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
         batch, loss_fn = _without_data_dependent_steps(model, batch, loss_fn)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        fake_empty(model, fake, device)
+        # one process without an engine holds a tied weight once; the engines' terms add its lingering
+        # gradient themselves (`engines._tied_grad`), measured against steps simulated untied
+        ties = fake_empty(model, fake, device, tie=config.engine is Engine.TORCH and config.num_gpus <= 1)
         model.train()
         if adapted is not None:
             _freeze_all_but(model, adapted)
@@ -179,7 +182,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             from autofit.strategies.chunked_loss import enable as chunk_loss
 
             chunk_loss(model)
-        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1)
+        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties)
         tracker.ignore([*model.parameters(), *model.buffers()])
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
@@ -200,32 +203,54 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         finally:
             for hook in hooks:
                 hook.remove()
-        replayed = _replayed(tracker.events, model, config)
+        for recorder in _RECORDERS:
+            recorder.append(list(tracker.events))
+        replayed = _replayed(tracker.events, model, config, ties)
         return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                               tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
                               tracker.at_grad + batch_bytes, tracker.offloaded,
                               replayed.peak_reserved - replayed.peak_allocated, tracker.kernels)
 
 
-def _replayed(events: list[Event], model: nn.Module, config: Config) -> CachingAllocator:
+_RECORDERS: list[list[list[Event]]] = []
+
+
+@contextlib.contextmanager
+def recorded_events() -> Iterator[list[list[Event]]]:
+    """Collect the allocation events of every step simulated inside, one list per simulation: for
+    experiments on the allocator model (bench/calibration/fsdp1_wrap.py, length_history.py)."""
+    found: list[list[Event]] = []
+    _RECORDERS.append(found)
+    try:
+        yield found
+    finally:
+        _RECORDERS.remove(found)
+
+
+def _replayed(events: list[Event], model: nn.Module, config: Config, ties: dict[int, int]) -> CachingAllocator:
     """The step's events through the caching allocator: as training replays them, weights, gradients and
     AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on the card;
     else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own alone."""
     if config.optimizer is not Optimizer.ADAMW or config.engine is not Engine.TORCH or config.offloads \
             or config.steps_in_backward:
         return replay(events)
-    resident = [t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())]
-    trained = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    weights = {ties[id(p)]: p for p in model.parameters()}  # a tied weight once, as the card holds it
+    resident = [t.untyped_storage().nbytes() for t in (*weights.values(), *model.buffers())]
+    trained = [p.numel() * p.element_size() for p in weights.values() if p.requires_grad]
     # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
     # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
     return replay_training(events, resident, [n for n in trained for _ in range(2)], trained,
                            config.grad_accum_steps)
 
 
-def fake_empty(model: nn.Module, fake: Any, device: str) -> nn.Module:
-    """`model` (on the meta device) made of fake tensors of `fake` on `device`, its tied weights still one
-    tensor: `Module.to_empty` makes a new tensor in every module, so a weight two modules share (GPT-2's
-    embedding and head) became two, each with a gradient and AdamW states of its own in the simulation."""
+def fake_empty(model: nn.Module, fake: Any, device: str, tie: bool = True) -> dict[int, int]:
+    """Make `model` (on the meta device) of fake tensors of `fake` on `device`; return which weight each
+    parameter is (id -> the id of the first parameter made for that weight). `Module.to_empty` makes a new
+    tensor in every module, so a weight two modules share (GPT-2's embedding and head) becomes two: with
+    `tie` they are made one again, as training holds them (one gradient, whose first part waits for the
+    second through the backward: on an H100, GPT-2 small's reserve with checkpointing came out right only
+    so); without, the step keeps them apart and the allocator's replay still counts one weight, gradient
+    and AdamW states."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -233,10 +258,15 @@ def fake_empty(model: nn.Module, fake: Any, device: str) -> nn.Module:
                 owners.setdefault(id(param), []).append((module, name))
     with fake:
         model.to_empty(device=device)
+    ties = {}
     for (first, name), *others in owners.values():
+        weight = first._parameters[name]
+        ties[id(weight)] = id(weight)
         for module, other in others:
-            module._parameters[other] = first._parameters[name]
-    return model
+            if tie:
+                module._parameters[other] = weight
+            ties[id(module._parameters[other])] = id(weight)
+    return ties
 
 
 def as_fake(fake: Any, batch: Any, device: str) -> Any:

@@ -101,7 +101,7 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from autofit.estimate.estimator import meta_model
-    from autofit.estimate.simulate import as_fake, fake_empty
+    from autofit.estimate.simulate import as_fake
     from autofit.spec.batch import call_model, quiet_transformers
 
     if num_params <= 0:
@@ -109,7 +109,7 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
     try:
         model = meta_model(spec.model_factory)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            fake_empty(model, fake, "cpu")
+            model.to_empty(device="cpu")
             batch = as_fake(fake, spec.batch_factory(1), "cpu")
             with FlopCounterMode(display=False) as counter, torch.no_grad(), quiet_transformers():
                 call_model(model, batch)

@@ -22,7 +22,7 @@ torch/distributed/fsdp/_init_utils.py `_init_param_handle_from_module`:
   NO_SHARD keeps it whole; CPU offload moves the shard to the host) and drops the moved parameters.
 `wrap_events` writes that sequence; `tests/bench/test_fsdp1_wrap.py` checks it against the storages real
 FSDP1 makes on the CPU as rank 1 of 2 (torch's fake process group). The step is then the estimator's simulated forward + backward at the
-model's full depth, recorded allocation by allocation (`bench.allocator_steps.Recording`) and replayed
+model's full depth, recorded allocation by allocation (`autofit.estimate.simulate.recorded_events`) and replayed
 `STEPS` times from that cache; a row's prediction swaps the estimator's fragmentation term for what this
 replay reserves beyond what it allocates. Not part of the calibration's headline: see README.md.
 """
@@ -215,23 +215,18 @@ def step_events(row: dict) -> tuple[list[tuple[str, int, int]], int, int, float]
 
 
 def recorded_step(row: dict) -> list[tuple[str, int, int]]:
-    """The allocation events of the row's step simulated at full depth."""
-    from autofit.estimate import simulate
-    from autofit.estimate.allocator import CachingAllocator as Plain
+    """The allocation events of the row's step simulated at full depth, as (kind, key, bytes): one step's
+    mallocs and frees, its gradients dropped as they come."""
     from autofit.estimate.estimator import Estimator
-    from bench.allocator_steps import Recording
+    from autofit.estimate.simulate import recorded_events
     from bench.calibration import calibrate
 
     spec, config, strategies = calibrate.setup(row)
     estimator = Estimator(spec, target="cuda", strategies=strategies)
-    with calibrate.libraries_as_measured(row):
-        Recording.events = []
-        simulate.CachingAllocator = Recording
-        try:
-            estimator.simulate(config, config.micro_batch_size, full_depth=True)
-        finally:
-            simulate.CachingAllocator = Plain
-    return Recording.events
+    with calibrate.libraries_as_measured(row), recorded_events() as steps:
+        estimator.simulate(config, config.micro_batch_size, full_depth=True)
+    return [(event[0], event[1], event[2] if event[0] == "malloc" else 0) for event in steps[-1]
+            if event[0] in ("malloc", "free")]
 
 
 def predict(row: dict) -> dict:

@@ -147,20 +147,27 @@ def test_fragmentation_is_the_share_of_the_transients_it_was_at_1_and_2_never_be
     assert estimator.activations(Config(micro_batch_size=16))[0].fragmentation == one.fragmentation
 
 
-def test_the_simulated_model_keeps_tied_weights_one_tensor():
+def test_a_tied_weight_is_one_weight_in_the_simulation_and_its_replay():
     # Module.to_empty makes a new tensor in every module: GPT-2's embedding and head (one weight) became
-    # two, each with its own gradient and AdamW states in the replayed history.
+    # two, each with its own gradient and AdamW states (GPT-2 small: 147 MiB each) in the replayed history.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from autofit.estimate.simulate import fake_empty
 
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100))
-        plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    plain[1].weight = plain[0].weight
-    for built in (model, plain):
-        before = sum(p.numel() for p in built.parameters())
-        fake_empty(built, FakeTensorMode(allow_non_fake_inputs=True), "cpu")
-        assert sum(p.numel() for p in built.parameters()) == before
-    assert model.lm_head.weight is model.transformer.wte.weight and plain[1].weight is plain[0].weight
+    def built():
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100))
+            plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        plain[1].weight = plain[0].weight
+        return model, plain
+
+    for tie in (True, False):  # apart: as the engines' terms expect, still one weight to the replay
+        model, plain = built()
+        weights = len(list(model.parameters()))
+        ties = fake_empty(model, FakeTensorMode(allow_non_fake_inputs=True), "cpu", tie=tie)
+        fake_empty(plain, FakeTensorMode(allow_non_fake_inputs=True), "cpu", tie=tie)
+        assert len(set(ties.values())) == weights
+        assert (model.lm_head.weight is model.transformer.wte.weight) is tie
+        assert ties[id(model.lm_head.weight)] == ties[id(model.transformer.wte.weight)]
+        assert (plain[1].weight is plain[0].weight) is tie
