@@ -135,7 +135,8 @@ def _merged(block: _Block, neighbour: _Block) -> _Block:
 # ("malloc", key, nbytes), ("free", key), and ("grad", key, nbytes, param): `param`'s gradient, the storage
 # `key` (or a new one, when no event made it), which training keeps until the optimizer step is done.
 Event = tuple
-HISTORY_STEPS = 3  # optimizer steps replayed: the reserved bytes stop growing by the third (H100, 2026-11-27)
+HISTORY_STEPS = 3  # optimizer steps replayed; the reserve stops growing after the second (GPT-2 small at full
+# depth: 2, 3, 5 and 8 steps replay the same reserve; one step alone, a seventh of it)
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
