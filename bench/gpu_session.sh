@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session in one command (each start of the machine costs minutes): the gpu-marked tests,
-# the estimator against the CUDA allocator's measured peaks, and the README's main job against the card,
-# side by side. Run from the project's root on the GPU machine, with .whl/ carried along
+# the estimator against the CUDA allocator's measured peaks, the README's main job against the card, and
+# the smallest budget GPT-2 small's worst configurations train under (bench/fit_threshold.py), side by side. Run from the project's root on the GPU machine, with .whl/ carried along
 # (../shared/gpu/make-wheels.sh cloudpickle nvidia-ml-py pytest-xdist execnet py-cpuinfo msgpack einops):
 #
 #     bash bench/gpu_session.sh [SECONDS]      # SECONDS: the wall-clock limit of each part (default 330)
@@ -30,6 +30,8 @@ export PATH=/tmp/bin:$PATH
   echo "exit $?" >> "$out/estimate.log"; cp bench/results/estimate-cuda-*.json "$out/" 2>/dev/null ) &
 ( timeout "$limit" python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
   echo "exit $?" >> "$out/quickstart.log" ) &
+( timeout "$limit" python3 bench/fit_threshold.py --only gpt2-124m > "$out/threshold.log" 2>&1
+  echo "exit $?" >> "$out/threshold.log"; cp bench/results/fit-threshold-cuda-*.json "$out/" 2>/dev/null ) &
 wait
 nvidia-smi --query-gpu=memory.used --format=csv >> "$out/machine.txt" 2>&1
 ls -la "$out"
