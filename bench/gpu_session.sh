@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent-GPU session in one command (each start of the machine costs minutes): the gpu-marked tests,
 # the estimator against the CUDA allocator's measured peaks, the README's main job against the card, and
-# the smallest budget GPT-2 small's worst configurations train under (bench/fit_threshold.py), side by side. Run from the project's root on the GPU machine, with .whl/ carried along
+# the smallest budget GPT-2 small's worst configurations train under (bench/fit_threshold.py), side by
+# side. Run from the project's root on the GPU machine, with .whl/ carried along
 # (../shared/gpu/make-wheels.sh cloudpickle nvidia-ml-py pytest-xdist execnet py-cpuinfo msgpack einops):
 #
 #     bash bench/gpu_session.sh [SECONDS]      # SECONDS: the wall-clock limit of each part (default 330)
