@@ -75,7 +75,7 @@ def test_on_a_gpu_the_tuner_chooses_it_and_the_estimator_predicts_it():
         result = run_probe(spec, config, default_strategies())
         assert result.fits, result.reason
         predicted = Estimator(spec).predict(config).peak_bytes
-        if config.checkpointing != "none":  # checked on an H100, 2026-11-27: within 3%
+        if config.checkpointing != "none":  # checked on an H100, 2026-11-27: within 5% (the test's old pair)
             assert abs(predicted / result.peak_bytes - 1) <= PREDICTION_TOLERANCE["cuda"], (config, predicted, result)
         peaks[config] = result.peak_bytes
     # Alone, offloading saves every block's activations (hundreds of MiB here); on top of full
