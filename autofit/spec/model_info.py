@@ -24,6 +24,7 @@ class ModelInfo:
     num_blocks: int = 0
     hidden_size: int = 0  # the model's width: the Hugging Face config's, else the widest matrix's smaller side
     has_attention: bool = True  # a module named *Attention* (transformers' convention); False: Mamba, RWKV, CNNs
+    weights_dtype: str = "float32"  # the floating dtype holding most parameters ("bfloat16": a model cast to bf16)
 
     @property
     def is_hf(self) -> bool:
@@ -55,10 +56,14 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     """Read `ModelInfo` from a built model (meta or real)."""
     digest = hashlib.sha256()
     total = trainable = 0
+    by_dtype: dict[torch.dtype, int] = {}
     for name, param in model.named_parameters():
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
+        if param.is_floating_point():
+            by_dtype[param.dtype] = by_dtype.get(param.dtype, 0) + param.numel()
+    weights = max(by_dtype, key=by_dtype.__getitem__, default=torch.float32)
     hf = hf_model(model)
     hf_config = hf.config if hf is not None else None
     path, blocks = find_blocks(model)
@@ -66,7 +71,8 @@ def inspect_model(model: nn.Module) -> ModelInfo:
                       if hf is not None and getattr(hf, flag, False))
     attends = any("Attention" in type(module).__name__ for module in model.modules())
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
-                     attention, path, len(blocks), hidden_size(model, hf_config), attends)
+                     attention, path, len(blocks), hidden_size(model, hf_config), attends,
+                     str(weights).removeprefix("torch."))
 
 
 def partly_trainable(model: nn.Module) -> bool:

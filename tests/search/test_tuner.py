@@ -199,3 +199,22 @@ def test_what_is_not_a_strategy_or_a_factory_is_named():
         autofit.autofit(NeedsWidth, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
     with pytest.raises(UsageError, match="max_probes must be an integer >= 1"):
         autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss, max_probes=0)
+
+
+def test_a_model_in_bf16_is_trained_as_given_and_the_plan_says_what_fp32_means():
+    # Tried as a new user: a model cast to bf16 came back "fp32, mb=16x1" with nothing said; the probes
+    # train the model as given (no autocast at fp32), so its step ran in bf16.
+    model = make_mlp().to(torch.bfloat16)
+
+    def make_batch(n):
+        x, y = make_mlp_batch(n)
+        return x.to(torch.bfloat16), y
+
+    plan = autofit.autofit(model, make_batch, global_batch_size=8, loss_fn=lambda out, b: mlp_loss(out.float(), b),
+                           device="cpu", memory_budget="64MiB", allow=0, max_probes=2)
+    assert plan.fits and plan.config.precision == "fp32"
+    assert "weights are bfloat16: fp32 here means no autocast" in plan.reason
+    assert next(model.parameters()).dtype is torch.bfloat16  # the user's model as it was
+    fp32 = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, loss_fn=mlp_loss, device="cpu",
+                           memory_budget="64MiB", allow=0, max_probes=2)
+    assert "weights are" not in fp32.reason
