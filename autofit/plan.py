@@ -16,14 +16,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from autofit.config import Config, Optimizer, Precision
+from autofit.config import Config, Optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.search.confirm import Comparison, Confirmation, Finalist, Ratio
 from autofit.units import format_size
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
-    from autofit.spec.train import TrainSpec
 
 FORMAT_VERSION = 1
 
@@ -244,20 +243,10 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
         tokens = best.tokens_per_s * throughput / best.samples_per_s if best.tokens_per_s else None
         settings = {s.field: s.settings(best.config, space.spec) for s in space.strategies}
         return Plan(True, best.config, throughput, tokens, best.peak_bytes,
-                    _with_weights_note(chosen_reason(best, results, confirmation, space), space.spec, best.config),
-                    **common,
+                    space.spec.model.noting_weights(chosen_reason(best, results, confirmation, space),
+                                                    best.config.precision), **common,
                     settings={field: value for field, value in settings.items() if value})
     return Plan(False, None, None, None, None, nothing_fits_reason(space, results, predict), **common)
-
-
-def _with_weights_note(reason: str, spec: "TrainSpec", config: Config) -> str:
-    """`reason`, saying what fp32 means for a model whose weights are 16-bit already: no autocast, the step
-    in the weights' own dtype (the probes train the model as given)."""
-    dtype = spec.model.weights_dtype
-    if config.precision is not Precision.FP32 or dtype in ("float32", "float64"):
-        return reason
-    return (f"{reason.rstrip('.')}. The model's weights are {dtype}: fp32 here means no autocast, so the step "
-            f"ran in {dtype}, as the model was given (model.float() first for fp32 weights).")
 
 
 def nothing_fits_reason(space: "Space", results: Sequence[ProbeResult],

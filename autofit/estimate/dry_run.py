@@ -190,7 +190,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = _decided(space, fitting) if fitting else None
-    reason = _chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) if chosen else \
+    reason = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator),
+                                       chosen.config.precision) if chosen else \
         _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,

@@ -9,6 +9,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from autofit.config import Precision
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
@@ -36,6 +38,15 @@ class ModelInfo:
         """Whether the model trains only part of its parameters: its own adapters (a peft model), or
         weights its author froze. What it trains is then the author's choice, which LoRA would change."""
         return 0 < self.trainable_params < self.num_params
+
+    def noting_weights(self, reason: str, precision: Precision) -> str:
+        """`reason`, saying what fp32 (`precision`) means for a model whose weights are 16-bit already: no
+        autocast, the step in the weights' own dtype (probes train the model as given)."""
+        if precision is not Precision.FP32 or self.weights_dtype in ("float32", "float64"):
+            return reason
+        return (f"{reason.rstrip('.')}. The model's weights are {self.weights_dtype}: fp32 here means no "
+                f"autocast, so the step runs in {self.weights_dtype}, as the model was given (model.float() "
+                "first for fp32 weights).")
 
     def trained(self) -> str:
         """What the model trains, e.g. "294,912 of 1,060,992 parameters"."""

@@ -200,3 +200,14 @@ def test_a_numerics_change_is_chosen_only_when_predicted_clearly_faster():
     assert "is predicted 5.3% faster, under the 10% margin a numerics change must clear" in _chosen_reason(near[1], near)
     clear = [candidate(numerics, 0.85), candidate(exact, 1.0)]
     assert _decided(space, clear).config == numerics
+
+
+def test_a_model_in_bf16_planned_at_fp32_is_said_to_run_in_bf16():
+    def model():
+        layers = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        return layers.to(torch.bfloat16)
+
+    report = dry_run(model, lambda n: torch.randn(n, 256, dtype=torch.bfloat16), gpu="rtx-4090", global_batch_size=8,
+                     allow=0, loss_fn=lambda out, batch: out.float().sum())
+    assert report.chosen.config.precision == "fp32"
+    assert "weights are bfloat16: fp32 here means no autocast" in report.reason
