@@ -103,7 +103,7 @@ def _left_behind(result: ProbeResult, device: torch.device, held: int | None) ->
         return result
     note_left_behind(device, left)
     note = (f"; it left {format_size(left)} allocated in this process after releasing its memory (an OOM in the "
-            "backward does: pytorch/pytorch#82218), so later probes run in fresh child processes")
+            "backward can: pytorch/pytorch#82218), so later probes run in fresh child processes")
     return dataclasses.replace(result, reason=result.reason + note, left_behind=left)
 
 
