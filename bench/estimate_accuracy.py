@@ -10,7 +10,7 @@
 Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
 x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
 point is one real probe (`autofit.probe.run.run_probe`: warm-up and timed optimizer steps under the budget)
-and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json
+and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json (`cpu`, `cuda-h100-80gb-hbm3`)
 with the device and date inside, and prints the median and worst absolute error.
 """
 
@@ -36,6 +36,7 @@ from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
+from bench.report import results_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GLOBAL_BATCH = 4
@@ -183,8 +184,7 @@ def main() -> None:
               "torch": torch.__version__, "python": platform.python_version(), "points": len(rows),
               "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
               "seconds": round(time.perf_counter() - started, 1), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"estimate-{device.type}-{now.date().isoformat()}.json"
+    path = results_path("estimate", device)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{len(rows)} points on {result['device']}: median |error| {result['median_abs_error']:.2%}, "
           f"worst {result['worst_abs_error']:.2%} -> {path}")

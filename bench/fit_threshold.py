@@ -5,12 +5,13 @@ allocator keeps every freed block cached, so that figure is above what the step 
 (the per-process memory fraction) it frees its cache and retries before it raises out-of-memory, so a
 configuration fits budgets below its roomy peak. What a dry-run promises is a fit, so the figure it must
 not fall short of is this threshold: found here by bisection, each step one real probe under
-`memory_budget=L` in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD): in one process an
-OOM in the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
+`memory_budget=L` with no safety margin (only a real out-of-memory fails it; the tuner's 10% margin is its
+own rule) in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD): in one process an OOM in
+the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
 
     python bench/fit_threshold.py [--steps 5] [--only gpt2-124m]     # needs a GPU
 
-Writes bench/results/fit-threshold-cuda-<date>.json after every configuration (device, date and torch
+Writes bench/results/fit-threshold-cuda-<card>-<date>.json after every configuration (device, date and torch
 inside): roomy peak, its parts, the threshold interval, the prediction and both errors.
 """
 
@@ -37,8 +38,8 @@ from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from autofit.strategies.base import Placement  # noqa: E402
 from bench.estimate_accuracy import GLOBAL_BATCH, measured_parts, models  # noqa: E402
+from bench.report import results_path  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
 # the estimate run's largest under-predictions of the roomy peak (results/estimate-cuda-2026-11-27.json)
 CASES = [("gpt2-124m", "bf16", "full", 4), ("gpt2-124m", "fp32", "full", 1), ("gpt2-124m", "bf16", "none", 4),
@@ -48,7 +49,7 @@ CASES = [("gpt2-124m", "bf16", "full", 4), ("gpt2-124m", "fp32", "full", 1), ("g
 def probe(model, batch, seq_len, config: Config, budget: int | None):
     """The roomy probe (no budget) here, to read its allocator's parts; a budgeted one in a fresh child."""
     spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cuda",
-                     memory_budget=budget, warmup_steps=1, timed_steps=1)
+                     memory_budget=budget, safety_margin=0.0, warmup_steps=1, timed_steps=1)
     if budget is None:
         return spec, run_probe(spec, config, default_strategies())
     return spec, probe_placed(spec, config, default_strategies(), Placement.CHILD)
@@ -90,7 +91,7 @@ def main() -> None:
     result = {"what": __doc__.splitlines()[0], "device": describe(torch.device("cuda")),
               "date": now.isoformat(timespec="seconds"), "torch": torch.__version__,
               "python": platform.python_version(), "rows": []}
-    path = RESULTS / f"fit-threshold-cuda-{now.date().isoformat()}.json"
+    path = results_path("fit-threshold", "cuda")
     for case in CASES:
         if args.only and case[0] not in args.only:
             continue

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# One lent-GPU session in one command (each start of the machine costs minutes): the gpu-marked tests,
-# the estimator against the CUDA allocator's measured peaks, the README's main job against the card, and
-# the smallest budget GPT-2 small's worst configurations train under (bench/fit_threshold.py), side by
-# side. Run from the project's root on the GPU machine, with .whl/ carried along
+# One lent-GPU session in one command (each start of the machine costs minutes), side by side: the
+# gpu-marked tests, the estimator against the CUDA allocator's measured peaks, the README's main job
+# against the card, the smallest budget GPT-2 small's worst configurations train under
+# (bench/fit_threshold.py) and what each in-process probe leaves on the card for the next
+# (bench/probe_residue.py). Run from the project's root on the GPU machine, with .whl/ carried along
 # (../shared/gpu/make-wheels.sh cloudpickle nvidia-ml-py pytest-xdist execnet py-cpuinfo msgpack einops):
 #
-#     bash bench/gpu_session.sh [SECONDS]      # SECONDS: the wall-clock limit of each part (default 330)
+#     bash bench/gpu_session.sh [SECONDS [PART...]]   # SECONDS: each part's wall-clock limit (default 330)
 #
-# Everything lands in $OUT (or /tmp/gpu-session): logs, the pytest junit file, the estimate results.
+# PART: gpu-tests, estimate, quickstart, threshold, residue (default: all of them, at once).
+#
+# Everything lands in $OUT (or /tmp/gpu-session): logs, the pytest junit file, the results files written.
 set -u
 out=${OUT:-/tmp/gpu-session}
 limit=${1:-330}
+shift $(( $# > 0 ? 1 : 0 ))
+only="$*"  # the parts to run (gpu-tests estimate quickstart threshold residue); none named: all
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -24,15 +29,18 @@ export PATH=/tmp/bin:$PATH
   torch.version.cuda, transformers.__version__, torch.cuda.get_device_name(0))'; git log -1 --oneline; } \
   > "$out/machine.txt" 2>&1
 
-( timeout "$limit" python3 -m pytest -o addopts='' -m gpu -q -n 3 --dist loadfile -rA --durations=15 \
-    -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests > "$out/gpu-tests.log" 2>&1
-  echo "exit $?" >> "$out/gpu-tests.log" ) &
-( timeout "$limit" python3 bench/estimate_accuracy.py --device cuda --large > "$out/estimate.log" 2>&1
-  echo "exit $?" >> "$out/estimate.log"; cp bench/results/estimate-cuda-*.json "$out/" 2>/dev/null ) &
-( timeout "$limit" python3 examples/quickstart.py > "$out/quickstart.log" 2>&1
-  echo "exit $?" >> "$out/quickstart.log" ) &
-( timeout "$limit" python3 bench/fit_threshold.py --only gpt2-124m > "$out/threshold.log" 2>&1
-  echo "exit $?" >> "$out/threshold.log"; cp bench/results/fit-threshold-cuda-*.json "$out/" 2>/dev/null ) &
+part() {  # part NAME COMMAND...: one part in the background, its log and exit status in $out/NAME.log
+  local name=$1; shift
+  [ -z "$only" ] || [[ " $only " == *" $name "* ]] || return 0
+  ( timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "exit $?" >> "$out/$name.log" ) &
+}
+part gpu-tests python3 -m pytest -o addopts='' -m gpu -q -n 3 --dist loadfile -rA --durations=15 \
+  -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests
+part estimate python3 bench/estimate_accuracy.py --device cuda --large
+part quickstart python3 examples/quickstart.py
+part threshold python3 bench/fit_threshold.py --only gpt2-124m --steps 5
+part residue python3 bench/probe_residue.py
 wait
+find bench/results -newer "$out/machine.txt" -name '*.json' -exec cp {} "$out/" \;
 nvidia-smi --query-gpu=memory.used --format=csv >> "$out/machine.txt" 2>&1
 ls -la "$out"

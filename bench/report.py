@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import re
 import statistics
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from autofit.units import format_size
 
@@ -151,3 +155,14 @@ def update_readme(path: Path, doc: dict[str, Any], source: Any = "") -> None:
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
     path.write_text(text)
+
+
+def results_path(kind: str, device: Any) -> Path:
+    """bench/results/<kind>-<device>-<date>.json, the device as `cpu` or `cuda-<card>` (`cuda-h200`), so that
+    runs of one day on two cards keep both files."""
+    name = "cpu"
+    if torch.device(device).type == "cuda":
+        card = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+        name = "cuda-" + re.sub(r"[^a-z0-9]+", "-", card).strip("-")
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return Path(__file__).resolve().parent / "results" / f"{kind}-{name}-{day}.json"
