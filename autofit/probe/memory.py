@@ -49,6 +49,9 @@ class _Deadline:
         """Context for a probe's timed steps, once warm-up steps have reached the steady-state peak."""
         return contextlib.nullcontext()
 
+    def after_step(self) -> None:
+        """Called after each training step of a probe (the CUDA budget re-reads its context here)."""
+
 
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of every live tensor storage that operations create while it is active.
@@ -230,6 +233,8 @@ class CudaBudget(_Deadline):
         self.resident = resident
         self.peak = 0
         self._previous_fraction: float | None = None
+        self._allowed = 0  # the allocator's share in force (bytes)
+        self._floor = 0  # the allocated peak before the share last came down with the peak reset (bytes)
 
     def outside_allocator(self) -> int:
         """Bytes this process holds on the card beyond its allocator's reservation (context, workspaces)."""
@@ -240,17 +245,41 @@ class CudaBudget(_Deadline):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         if self.limit is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            allowed = max(self.limit - self.outside_allocator() + self.resident, 0)
             self._previous_fraction = _fraction(self.device)
-            torch.cuda.set_per_process_memory_fraction(min(allowed / total, 1.0), self.device)
+            self._share(self._allowed_now())
         return self
+
+    def after_step(self) -> None:
+        """Bring the allocator's share down to what the limit leaves now, where this process holds more
+        outside the allocator than on entry. A fresh process's CUDA context grows through its first steps
+        (cuBLAS handles, kernels loaded at first use: 130-250 MiB on an H200, 2026-11-27), so the share set
+        on entry let allocator and context together pass the limit, and the probe failed where a card of
+        that size would have made the allocator free its cache and retry. Where the allocator reserved more
+        than the new share, its cache is emptied and its peak counts again from here, the allocated peak
+        so far kept as a floor."""
+        allowed = self._allowed_now()
+        if self.limit is None or allowed >= self._allowed:
+            return
+        self._share(allowed)
+        if torch.cuda.max_memory_reserved(self.device) > allowed:
+            self._floor = max(self._floor, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _allowed_now(self) -> int:
+        """The allocator's bytes under the limit: what this process holds outside the allocator is not theirs."""
+        return max(self.limit - self.outside_allocator() + self.resident, 0) if self.limit is not None else 0
+
+    def _share(self, allowed: int) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(allowed / total, 1.0), self.device)
+        self._allowed = allowed
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_reserved(self.device) + self.outside_allocator() - self.resident
-            self.peak = max(peak, 0)
+            allocator = max(torch.cuda.max_memory_reserved(self.device), self._floor)
+            self.peak = max(allocator + self.outside_allocator() - self.resident, 0)
         finally:
             if self._previous_fraction is not None:
                 torch.cuda.set_per_process_memory_fraction(self._previous_fraction, self.device)

@@ -144,7 +144,9 @@ def _steps(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
 
 
 def _clocked(budget: Budget) -> None:
-    """After a step: the deadline's clock runs from the first step (setup excluded); stop if it passed."""
+    """After a step: the budget re-reads the process (`after_step`); the deadline's clock runs from the
+    first step (setup excluded); stop if it passed."""
+    budget.after_step()
     budget.start_clock()
     budget.check_deadline()
 

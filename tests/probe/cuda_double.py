@@ -93,7 +93,7 @@ class FakeCuda:
     """The double: a context manager that patches `torch.cuda` and installs a fake `pynvml`.
 
     Scripted state (read and written by tests): `reserved[i]`, `max_reserved[i]`, `allocated[i]`,
-    `outside[i]` (this process's memory outside the allocator, context excluded), `fraction[i]`,
+    `max_allocated[i]`, `outside[i]` (this process's memory outside the allocator, context excluded), `fraction[i]`,
     `current`, `nvml_sees_pid` (False: a container whose PIDs NVML does not translate), `nvml`
     (False: nvidia-ml-py not installed), `context_made` (whether this process has a context).
     `calls` records (name, *args). `fail(name, exc, sticky=False)` makes the next call (every call,
@@ -104,6 +104,7 @@ class FakeCuda:
         self.gpus = gpus or [FakeGpu()]
         n = len(self.gpus)
         self.reserved, self.max_reserved, self.allocated, self.outside = [0] * n, [0] * n, [0] * n, [0] * n
+        self.max_allocated = [0] * n
         self.fraction = [1.0] * n
         self.current = 0
         self.nvml, self.nvml_sees_pid = nvml, nvml_sees_pid
@@ -192,6 +193,7 @@ class FakeCuda:
         def reset_peak(device=None):
             self._call("reset_peak_memory_stats", self._index(device))
             self.max_reserved[self._index(device)] = self.reserved[self._index(device)]
+            self.max_allocated[self._index(device)] = self.allocated[self._index(device)]
 
         return {
             "is_available": lambda: True,
@@ -207,6 +209,8 @@ class FakeCuda:
             "max_memory_reserved": recorded("max_memory_reserved",
                                             lambda i: max(self.max_reserved[i], self.reserved[i])),
             "memory_allocated": recorded("memory_allocated", lambda i: self.allocated[i]),
+            "max_memory_allocated": recorded("max_memory_allocated",
+                                             lambda i: max(self.max_allocated[i], self.allocated[i])),
             "memory_stats": recorded("memory_stats", lambda i: {"reserved_bytes.all.current": self.reserved[i],
                                                                 "allocated_bytes.all.current": self.allocated[i]}),
             "set_per_process_memory_fraction": set_fraction,

@@ -79,6 +79,39 @@ def test_peak_is_the_allocator_peak_plus_this_process_outside_it():
         assert budget.peak == 8 * GiB + GiB // 2
 
 
+def test_a_context_grown_in_the_first_step_brings_the_share_down_and_the_peak_counts_again():
+    # Seen on an H200 (bench/results/fit-threshold-cuda-h200-2026-11-27.json): in fresh child processes the
+    # context grew during the first step, the share set on entry stayed, and allocator + context passed
+    # every budget below the roomy peak: 6,276 MiB measured under budgets of 6,147 to 6,243 MiB.
+    with FakeCuda([FakeGpu(total=80 * GiB, context=GiB // 2)]) as cuda:
+        with CudaBudget(10 * GiB, CUDA0) as budget:
+            assert budget._allowed == 9.5 * GiB
+            cuda.allocated[0], cuda.max_allocated[0], cuda.max_reserved[0] = 5 * GiB, 8 * GiB, 9.4 * GiB
+            cuda.outside[0] = GiB // 4  # cuBLAS handles, kernels loaded at first use
+            before = len(cuda.calls)
+            budget.after_step()
+            assert _fraction_set(cuda)[-1] == ("set_per_process_memory_fraction", round(9.25 / 80, 6), 0)
+            names = [c[0] for c in cuda.calls[before:]]
+            assert names[-2:] == ["empty_cache", "reset_peak_memory_stats"]
+            cuda.max_reserved[0] = 7 * GiB  # the steady steps under the new share
+            budget.after_step()  # nothing grew: nothing changes
+            assert len(_fraction_set(cuda)) == 2
+        # the steady steps' reservation is under the allocated peak before the reset: that is the floor
+        assert budget.peak == 8 * GiB + GiB // 2 + GiB // 4
+
+
+def test_a_grown_context_that_leaves_the_reservation_under_the_share_keeps_the_peak():
+    with FakeCuda([FakeGpu(total=80 * GiB, context=GiB // 2)]) as cuda:
+        with CudaBudget(10 * GiB, CUDA0) as budget:
+            cuda.max_reserved[0] = 6 * GiB
+            cuda.outside[0] = GiB // 4
+            before = len(cuda.calls)
+            budget.after_step()
+            assert cuda.fraction[0] == 9.25 * GiB / (80 * GiB)
+            assert not {"empty_cache", "reset_peak_memory_stats"} & {c[0] for c in cuda.calls[before:]}
+        assert budget.peak == 6 * GiB + GiB // 2 + GiB // 4
+
+
 def test_release_memory_clears_the_cublas_workspaces_too():
     # Defect 8: cuBLAS workspaces come from the caching allocator (CublasHandlePool.cpp getNewWorkspace)
     # and stay allocated until cleared, so memory never returned to its baseline after a probe.

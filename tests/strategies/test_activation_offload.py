@@ -10,12 +10,13 @@ from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.estimate.gpus import get_gpu
-from autofit.probe.run import run_probe
+from autofit.probe.launch import probe_placed
 from autofit.search.rules import violation
 from autofit.spec.target import Target
 from autofit.spec.train import make_spec
 from autofit.strategies import ActivationOffload, Attention, Checkpointing, MicroBatch, default_strategies
 from autofit.strategies.activation_offload import enable
+from autofit.strategies.base import Placement
 from models import long_gpt2
 
 
@@ -67,16 +68,19 @@ def test_the_planner_chooses_it_where_only_it_fits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_tuner_chooses_it_and_the_estimator_predicts_it():
+    # Each probe in a fresh process (CHILD): the peaks are a new process's, whatever tests ran in this
+    # worker before (one that ran out of memory in the backward may have left tensors allocated). Measured
+    # on an H200, 2026-11-27, one fresh process (bench/results/probe-residue-cuda-h200-2026-11-27.json):
+    # 2,010 / 1,194 / 1,178 / 1,146 MiB, predicted 2,011 / 1,184 / 1,226 / 1,188.
     spec = make_spec(long_gpt2, global_batch_size=1, device="cuda", seq_len=4096, warmup_steps=1, timed_steps=1)
     peaks = {}
     for config in (Config(attention="sdpa"), Config(attention="sdpa", activation_offload="cpu"),
                    Config(attention="sdpa", checkpointing="full"),
                    Config(attention="sdpa", checkpointing="full", activation_offload="cpu")):
-        result = run_probe(spec, config, default_strategies())
+        result = probe_placed(spec, config, default_strategies(), Placement.CHILD)
         assert result.fits, result.reason
         predicted = Estimator(spec).predict(config).peak_bytes
-        if config.checkpointing != "none":  # checked on an H100, 2026-11-27: within 5% (the test's old pair)
-            assert abs(predicted / result.peak_bytes - 1) <= PREDICTION_TOLERANCE["cuda"], (config, predicted, result)
+        assert abs(predicted / result.peak_bytes - 1) <= PREDICTION_TOLERANCE["cuda"], (config, predicted, result)
         peaks[config] = result.peak_bytes
     # Alone, offloading saves every block's activations (hundreds of MiB here); on top of full
     # checkpointing only the block inputs (8 x 4 MiB), too close to the CUDA context's own variation to
