@@ -80,7 +80,7 @@ def test_peak_is_the_allocator_peak_plus_this_process_outside_it():
 
 
 def test_a_context_grown_in_the_first_step_brings_the_share_down_and_the_peak_counts_again():
-    # Seen on an H200 (bench/results/fit-threshold-cuda-h200-2026-11-27.json): in fresh child processes the
+    # Seen on an H200 (bench/results/fit-threshold-cuda-h200-2026-11-27-share-on-entry.json): in fresh child processes the
     # context grew during the first step, the share set on entry stayed, and allocator + context passed
     # every budget below the roomy peak: 6,276 MiB measured under budgets of 6,147 to 6,243 MiB.
     with FakeCuda([FakeGpu(total=80 * GiB, context=GiB // 2)]) as cuda:
