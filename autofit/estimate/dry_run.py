@@ -308,15 +308,16 @@ def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: Mode
         tokens = spec.tokens_per_sample or 1
         flops += config.micro_batch_size * 2 * getattr(hf, "vocab_size", 0) * getattr(hf, "hidden_size", 0) * tokens
     positions = config.micro_batch_size * work.positions
-    peak = gpu.tflops("bf16" if config.pure_bf16 else config.precision) * 1e12
+    compute = spec.model.computes_in(config.precision)  # a model given in bf16 computes in bf16 at "fp32"
+    peak = gpu.tflops(compute) * 1e12
     rate = peak * MFU * positions / (positions + HALF_SATURATION_TOKENS)
     slowdown = {Quantization.NF4: NF4_SLOWDOWN, Quantization.INT8: INT8_SLOWDOWN}.get(config.quantization, 1.0)
     pcie_copies = 2 * offloaded_activations / (gpu.pcie_gbps * 1e9)  # out and back
     micro = max(flops / rate * slowdown, flops / peak) + pcie_copies
     n, link, pcie = config.num_gpus, gpu.interconnect_gbps * 1e9, gpu.pcie_gbps * 1e9
     trained = (config.lora or 16) * facts.lora_params_per_rank if adapters else facts.trainable_params
-    half = 2 if config.half_precision else 4
-    grad_bytes = (half if config.zero_stage or config.pure_bf16 else 4) * trained
+    half = 4 if compute == "fp32" else 2
+    grad_bytes = (half if config.zero_stage or config.pure_bf16 or spec.model.half_weights else 4) * trained
     comm = 2 * (n - 1) / n * grad_bytes / link if n > 1 else 0.0
     if config.shards_parameters:  # parameters all-gathered in forward and backward, every micro-step
         micro += 2 * (n - 1) / max(n, 1) * half * facts.num_params / link

@@ -39,10 +39,24 @@ class ModelInfo:
         weights its author froze. What it trains is then the author's choice, which LoRA would change."""
         return 0 < self.trainable_params < self.num_params
 
+    @property
+    def half_weights(self) -> bool:
+        """Whether the model was given in a 16-bit dtype (bf16 or fp16 weights)."""
+        return self.weights_dtype in ("bfloat16", "float16")
+
+    def computes_in(self, precision: Precision) -> str:
+        """The dtype a step at `precision` computes in ("fp32", "bf16", "fp16"): fp32 means no autocast, so
+        a model given in bf16 or fp16 computes in its own dtype."""
+        if precision is Precision.PURE_BF16:
+            return "bf16"
+        if precision is Precision.FP32 and self.half_weights:
+            return "bf16" if self.weights_dtype == "bfloat16" else "fp16"
+        return precision.value
+
     def noting_weights(self, reason: str, precision: Precision) -> str:
         """`reason`, saying what fp32 (`precision`) means for a model whose weights are 16-bit already: no
         autocast, the step in the weights' own dtype (probes train the model as given)."""
-        if precision is not Precision.FP32 or self.weights_dtype in ("float32", "float64"):
+        if precision is not Precision.FP32 or not self.half_weights:
             return reason
         return (f"{reason.rstrip('.')}. The model's weights are {self.weights_dtype}: fp32 here means no "
                 f"autocast, so the step runs in {self.weights_dtype}, as the model was given (model.float() "

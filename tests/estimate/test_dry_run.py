@@ -13,8 +13,8 @@ from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTE
 from autofit.estimate.gpus import get_gpu
 from autofit.errors import UsageError
 from autofit.spec.train import DEFAULT_SAFETY_MARGIN
-from autofit.strategies import (ActivationOffload, Attention, ChunkedLoss, OptimizerInBackward, PureBf16,
-                                default_strategies)
+from autofit.strategies import (ActivationOffload, Attention, ChunkedLoss, MicroBatch, OptimizerInBackward, Precision,
+                                PureBf16, default_strategies)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -211,3 +211,21 @@ def test_a_model_in_bf16_planned_at_fp32_is_said_to_run_in_bf16():
                      allow=0, loss_fn=lambda out, batch: out.float().sum())
     assert report.chosen.config.precision == "fp32"
     assert "weights are bfloat16: fp32 here means no autocast" in report.reason
+
+
+def test_a_model_in_bf16_at_fp32_is_predicted_at_bf16_speed():
+    # The step computes in bf16 (no autocast on bf16 weights): the speed model had used the card's fp32
+    # rate for it, predicting it ~8x slower than the same step planned as pure bf16.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def model(dtype):
+        return lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=1024, n_head=8, vocab_size=512)).to(dtype)
+
+    def speeds(dtype):  # wide enough for the compute, not the host's kernel launches, to set the pace
+        report = dry_run(model(dtype), gpu="a100-80gb", seq_len=1024, global_batch_size=8, allow=1,
+                         strategies=[Precision(), PureBf16(), MicroBatch()])
+        return {(c.config.precision.value, c.config.micro_batch_size): c.samples_per_s for c in report.candidates}
+
+    given_bf16, given_fp32 = speeds(torch.bfloat16), speeds(torch.float32)
+    assert given_bf16[("fp32", 8)] == given_bf16[("pure_bf16", 8)]
+    assert given_fp32[("fp32", 8)] < given_fp32[("pure_bf16", 8)] / 4  # an fp32 model at fp32: the fp32 rate
