@@ -143,7 +143,12 @@ def _unreachable(repo_id: str, endpoint: str | None) -> str | None:
 
 
 def _architecture(config: Any) -> str:
-    return config.architectures[0] if getattr(config, "architectures", None) else config.model_type
+    """The transformers class the model is built as (`presets.model_class`), else the config's model type
+    (building it then says why none fits)."""
+    try:
+        return presets.model_class(config).__name__
+    except UsageError:
+        return config.model_type
 
 
 def load_config(path: Path, name: str | None = None) -> Any:

@@ -74,28 +74,45 @@ def _unknown_message(name: str) -> str:
 
 
 # The Auto classes tried, in order, for a config that names no architecture: the first whose mapping knows
-# the config's type builds it (the bare AutoModel last: it trains nothing without a head).
+# the config's type builds it (the bare AutoModel last: it trains nothing without a head). An encoder-decoder
+# config tries the encoder-decoder classes first (Whisper's and BART's are in the causal-LM mapping too, as
+# their decoders alone), an encoder's the masked LM its pretraining trains (BERT's causal head needs
+# is_decoder=True; DistilBERT has none).
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq",
-                "AutoModelForImageTextToText", "AutoModelForImageClassification", "AutoModel")
+                "AutoModelForImageTextToText", "AutoModelForImageClassification", "AutoModelForMaskedLM",
+                "AutoModel")
+ENCODER_DECODER_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
 
 
 def model_class(config: Any) -> Any:
-    """The transformers class a config's `architectures[0]` names, else the first of `AUTO_CLASSES` whose
-    mapping knows the config's type; a `UsageError` when none does."""
+    """The transformers class a config's `architectures[0]` names, else the first of `auto_classes(config)`
+    whose mapping knows the config's type; a `UsageError` when none does."""
     import transformers
 
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    for auto in AUTO_CLASSES:
+    for auto in auto_classes(config):
         cls = getattr(transformers, auto, None)  # names differ between transformers versions
         if cls is not None and type(config) in cls._model_mapping:
-            return cls
+            return cls._model_mapping[type(config)]  # the class it builds (BertForMaskedLM), named in reports
     model_type = getattr(config, "model_type", "?")
     raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
                      f"(model_type {model_type!r}) alone; add \"architectures\": [\"ClassName\"] to its config.json, "
                      "naming the transformers class you train, or pass FILE.py:factory.")
+
+
+def auto_classes(config: Any) -> tuple[str, ...]:
+    """`AUTO_CLASSES` in the order tried for `config`: encoder-decoder classes first for an encoder-decoder,
+    the masked LM before the causal LM for a config that is not a decoder."""
+    if getattr(config, "is_encoder_decoder", False):
+        first: tuple[str, ...] = ENCODER_DECODER_CLASSES
+    elif not getattr(config, "is_decoder", False):
+        first = ("AutoModelForMaskedLM",)
+    else:
+        first = ()
+    return first + tuple(auto for auto in AUTO_CLASSES if auto not in first)
 
 
 def build_model(config: Any) -> Any:

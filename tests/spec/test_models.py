@@ -25,6 +25,34 @@ def test_preset_builds_its_architecture():
     assert sum(p.numel() for p in model.parameters()) > 100e6  # gpt2 small: 124M
 
 
+@pytest.mark.parametrize("config, built, batch", [
+    ("BertConfig", "BertForMaskedLM", "input_ids and labels of 16 tokens"),  # was BertLMHeadModel (a decoder)
+    ("DistilBertConfig", "DistilBertForMaskedLM", "input_ids and labels of 16 tokens"),  # was the bare model
+    ("BartConfig", "BartForConditionalGeneration", "input_ids and decoder labels of 16 tokens each"),
+    ("WhisperConfig", "WhisperForConditionalGeneration", "input_features 80x3000 and decoder labels of 16 tokens"),
+    ("GPT2Config", "GPT2LMHeadModel", "input_ids and labels of 16 tokens"),
+])
+def test_a_config_naming_no_architecture_builds_what_its_kind_trains(tmp_path, config, built, batch):
+    # Before, the causal-LM mapping came first for every config: Whisper and BART trained their decoders
+    # alone on token ids, BERT a causal head that warns without is_decoder=True.
+    import transformers
+
+    small = dict(max_position_embeddings=64, num_hidden_layers=1, hidden_size=32,
+                 num_attention_heads=2, intermediate_size=64, n_layers=1, dim=32, n_heads=2, hidden_dim=64,
+                 encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                 bos_token_id=0, eos_token_id=0, decoder_start_token_id=0, **TINY)
+    data = getattr(transformers, config)(**small).to_dict()
+    data.pop("architectures", None)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    factory, _, description = resolve_model(str(tmp_path / "config.json"))
+    assert description.startswith(f"{built} from ")
+    with torch.device("meta"):
+        assert type(factory()).__name__ == built
+    spec = make_spec(factory, global_batch_size=2, seq_len=16, device="cpu", memory_budget="1GiB")
+    assert spec.batch_description == batch
+
+
 def test_unknown_preset_lists_close_names():
     with pytest.raises(UsageError, match="gpt2"):
         resolve_model("gtp2")
