@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import json
 from importlib import resources
 from typing import Any
@@ -77,10 +78,12 @@ def _unknown_message(name: str) -> str:
 # the config's type builds it (the bare AutoModel last: it trains nothing without a head). An encoder-decoder
 # config tries the encoder-decoder classes first (Whisper's and BART's are in the causal-LM mapping too, as
 # their decoders alone), an encoder's the masked LM its pretraining trains (BERT's causal head needs
-# is_decoder=True; DistilBERT has none).
+# is_decoder=True; DistilBERT has none), and an image-text model whose base class computes its contrastive
+# loss (CLIP, SigLIP: `return_loss`) that class, not its vision tower's classifier. Waveform encoders
+# (wav2vec2, HuBERT) fine-tune with CTC.
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq",
                 "AutoModelForImageTextToText", "AutoModelForImageClassification", "AutoModelForMaskedLM",
-                "AutoModel")
+                "AutoModelForCTC", "AutoModel")
 ENCODER_DECODER_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
 
 
@@ -104,15 +107,26 @@ def model_class(config: Any) -> Any:
 
 
 def auto_classes(config: Any) -> tuple[str, ...]:
-    """`AUTO_CLASSES` in the order tried for `config`: encoder-decoder classes first for an encoder-decoder,
-    the masked LM before the causal LM for a config that is not a decoder."""
-    if getattr(config, "is_encoder_decoder", False):
-        first: tuple[str, ...] = ENCODER_DECODER_CLASSES
+    """`AUTO_CLASSES` in the order tried for `config`: the base class first where it computes its own
+    contrastive loss, encoder-decoder classes first for an encoder-decoder, the masked LM before the causal
+    LM for a config that is not a decoder."""
+    if _trains_whole(config):
+        first: tuple[str, ...] = ("AutoModel",)
+    elif getattr(config, "is_encoder_decoder", False):
+        first = ENCODER_DECODER_CLASSES
     elif not getattr(config, "is_decoder", False):
         first = ("AutoModelForMaskedLM",)
     else:
         first = ()
     return first + tuple(auto for auto in AUTO_CLASSES if auto not in first)
+
+
+def _trains_whole(config: Any) -> bool:
+    """Whether transformers' base class for `config` takes `return_loss` (CLIP, SigLIP: the contrastive loss)."""
+    import transformers
+
+    base = transformers.AutoModel._model_mapping.get(type(config), None)
+    return base is not None and "return_loss" in inspect.signature(base.forward).parameters
 
 
 def build_model(config: Any) -> Any:
