@@ -39,6 +39,7 @@ from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
 from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
+from autofit.spec.batch import TokenBatches
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -59,6 +60,10 @@ FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the
 # each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
 SPREAD_AFTER_S = 15.0
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
+# Token lengths simulated for a token model without attention layers (Mamba, RWKV), extrapolated linearly
+# to the batch's length: nothing there grows faster than the length, and the sequential scan a CPU runs
+# costs a simulated kernel per token (a one-block Mamba at 2,048 tokens took 443 s to plan, 51 s so).
+SIM_LENGTHS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +245,34 @@ class Estimator:
     def simulate(self, config: Config, mb: int,
                  full_depth: bool | None = None) -> tuple[ActivationPeak | None, str]:
         """One simulated forward + backward of `config` at micro-batch `mb` (extrapolated in depth for deep
-        models, unless `full_depth`, the estimator's own by default: every block simulated, slower) and how
-        it was obtained; (None, why) when it cannot be simulated."""
+        models, unless `full_depth`, the estimator's own by default: every block simulated, slower; and in
+        length for token models without attention, `SIM_LENGTHS`) and how it was obtained; (None, why)
+        when it cannot be simulated."""
+        batches = self.spec.batch_factory
+        if not self._in_length():
+            return self._simulate(config, mb, full_depth, batches)
+        (short, how), (long, _) = [self._simulate(config, mb, full_depth, dataclasses.replace(batches, seq_len=n))
+                                   for n in SIM_LENGTHS]
+        if short is None or long is None:
+            return short or long, how
+        # The cache's free bytes at the peak do not follow the length: simulated whole, a two-block Mamba's
+        # were 5.6, 10.4, 21.8, 16.3 MiB at 128, 256, 512, 1,024 tokens (full checkpointing: 9.0, 17.2, 13.5,
+        # 18.0); the larger of the two short ones stands, a few MiB under at worst, where a line or the
+        # share of the transients (`_free_at_peak`) read 2.5-4x over.
+        line = short.extrapolate(long, batches.seq_len, *SIM_LENGTHS)
+        return (dataclasses.replace(line, fragmentation=max(short.fragmentation, long.fragmentation)),
+                f"{how}, at {SIM_LENGTHS[0]} and {SIM_LENGTHS[1]} tokens extrapolated to {batches.seq_len} "
+                "(no attention layers: linear in the length)")
+
+    def _in_length(self) -> bool:
+        """Whether this spec's steps are simulated short and extrapolated in length (`SIM_LENGTHS`): token
+        batches autofit synthesized, longer than those, for a model without attention layers."""
+        batches = self.spec.batch_factory
+        return not self.spec.model.has_attention and isinstance(batches, TokenBatches) \
+            and batches.seq_len > SIM_LENGTHS[-1]
+
+    def _simulate(self, config: Config, mb: int, full_depth: bool | None,
+                  batches: Callable[[int], Any]) -> tuple[ActivationPeak | None, str]:
         full_depth = self.full_depth if full_depth is None else full_depth
         where = "CUDA" if self.sim_device == "cuda" else \
             (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)})"
@@ -251,7 +282,7 @@ class Estimator:
         try:
             if full_depth or not self._depth_key or self.facts.num_blocks <= depths[-1]:
                 depths = (None,)
-            peaks = [self._run(config, mb, depth) for depth in depths]
+            peaks = [self._run(config, mb, depth, batches) for depth in depths]
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
                           f"(up to {self.formula_bound:.1f}x under the simulation where both ran)")
@@ -265,12 +296,12 @@ class Estimator:
                 f"activations simulated under fake tensors on {where} at {depths[0]} and {depths[1]} "
                 f"of {total} blocks, extrapolated")
 
-    def _run(self, config: Config, mb: int, depth: int | None) -> ActivationPeak:
+    def _run(self, config: Config, mb: int, depth: int | None, batches: Callable[[int], Any]) -> ActivationPeak:
         if depth is None:
             model = meta_model(self.spec.model_factory)
         else:
             model = _rebuild(self._meta, self._depth_key, depth)
-        batch = self.spec.batch_factory(mb)
+        batch = batches(mb)
         return simulate_step(model, batch, self.spec.loss_fn, config, device=self.sim_device,
                              half_weights=_half_weights(config),
                              adapted=self._adapted if config.adapters and not own_adapters(self.facts, config) else None,
