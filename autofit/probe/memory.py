@@ -257,8 +257,10 @@ class CudaBudget(_Deadline):
         that size would have made the allocator free its cache and retry. Where the allocator reserved more
         than the new share, its cache is emptied and its peak counts again from here, the allocated peak
         so far kept as a floor."""
+        if self.limit is None:
+            return
         allowed = self._allowed_now()
-        if self.limit is None or allowed >= self._allowed:
+        if allowed >= self._allowed:
             return
         self._share(allowed)
         if torch.cuda.max_memory_reserved(self.device) > allowed:
@@ -267,10 +269,11 @@ class CudaBudget(_Deadline):
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _allowed_now(self) -> int:
-        """The allocator's bytes under the limit: what this process holds outside the allocator is not theirs."""
-        return max(self.limit - self.outside_allocator() + self.resident, 0) if self.limit is not None else 0
+        """The allocator's bytes under the limit (set): what this process holds outside it is not theirs."""
+        return max(self.limit - self.outside_allocator() + self.resident, 0)  # type: ignore[operator]
 
     def _share(self, allowed: int) -> None:
+        """Cap the allocator at `allowed` bytes (the per-process fraction of the card's memory)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(allowed / total, 1.0), self.device)
         self._allowed = allowed

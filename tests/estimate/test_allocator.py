@@ -121,7 +121,7 @@ def test_fragmentation_is_the_deeper_simulations_not_a_line_through_depths():
 
     estimator = Estimator(make_spec(llama, batch, device="cpu", memory_budget="1TiB"), target="cuda")
     config = Config(micro_batch_size=2)
-    deepest = estimator._run(config, 2, SIM_DEPTHS[-1])  # what the 8-block estimate is extrapolated from
+    deepest = estimator._run(config, 2, SIM_DEPTHS[-1], batch)  # what the 8-block estimate is extrapolated from
     assert estimator.activations(config)[0].fragmentation == deepest.fragmentation
 
 
