@@ -10,7 +10,8 @@
 #
 # PART: gpu-tests, estimate, quickstart, threshold, residue (default: all of them, at once).
 #
-# Everything lands in $OUT (or /tmp/gpu-session): logs, the pytest junit file, the results files written.
+# Everything lands in $OUT (or /tmp/gpu-session): the results files written, machine.txt, and logs.tar.gz
+# (each part's log and the pytest junit file).
 set -u
 out=${OUT:-/tmp/gpu-session}
 limit=${1:-330}
@@ -43,4 +44,6 @@ part residue python3 bench/probe_residue.py
 wait
 find bench/results -newer "$out/machine.txt" -name '*.json' -exec cp {} "$out/" \;
 nvidia-smi --query-gpu=memory.used --format=csv >> "$out/machine.txt" 2>&1
+# the device tool brings back a few files only (2026-11-27: 8 of 10 came back): the logs go as one archive
+( cd "$out" && shopt -s nullglob && logs=(*.log *.xml) && tar -czf logs.tar.gz "${logs[@]}" && rm -f "${logs[@]}" )
 ls -la "$out"
