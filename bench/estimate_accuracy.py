@@ -10,8 +10,9 @@
 Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
 x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
 point is one real probe (`autofit.probe.run.run_probe`: warm-up and timed optimizer steps under the budget)
-and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json (`cpu`, `cuda-h100-80gb-hbm3`)
-with the device and date inside, and prints the median and worst absolute error.
+and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json
+(the device as `cpu` or `cuda-h200`) with the device and date inside, and prints the median and worst
+absolute error.
 """
 
 from __future__ import annotations
