@@ -252,7 +252,7 @@ class CudaBudget(_Deadline):
     def after_step(self) -> None:
         """Bring the allocator's share down to what the limit leaves now, where this process holds more
         outside the allocator than on entry. A fresh process's CUDA context grows through its first steps
-        (cuBLAS handles, kernels loaded at first use: 130-250 MiB on an H200, 2026-11-27), so the share set
+        (cuBLAS handles, kernels loaded at first use: 130 MiB or more on an H200, 2026-11-27), so the share set
         on entry let allocator and context together pass the limit, and the probe failed where a card of
         that size would have made the allocator free its cache and retry. Where the allocator reserved more
         than the new share, its cache is emptied and its peak counts again from here, the allocated peak
