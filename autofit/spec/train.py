@@ -169,8 +169,11 @@ def _check_no_arguments(factory: Callable[..., Any]) -> None:
     """`UsageError` when the model factory (a class, a function) cannot be called with no arguments."""
     if not batches.binds(factory, (), {}):
         name = getattr(factory, "__name__", type(factory).__name__)
+        # a lambda taking inputs is most often a forward written out, not a factory: it has no name to repeat
+        example = "lambda: MyModel()" if name == "<lambda>" else f"lambda: {name}(...)"
         raise UsageError(f"model={name}{batches.signature_text(factory)} is called with no arguments to build each "
-                         f"probe's model; pass a built model, or a zero-argument factory such as lambda: {name}(...).")
+                         f"probe's model; pass a built model (the nn.Module, which autofit calls on the batch), or "
+                         f"a zero-argument factory such as {example}.")
 
 
 def _called_factory(factory: Callable[[], Any]) -> nn.Module:

@@ -197,6 +197,10 @@ def test_what_is_not_a_strategy_or_a_factory_is_named():
 
     with pytest.raises(UsageError, match=r"model=NeedsWidth\(width\) is called with no arguments.*lambda: NeedsWidth\(\.\.\.\)"):
         autofit.autofit(NeedsWidth, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
+    forward = torch.nn.Linear(16, 4)  # a forward written out as a lambda: it has no name to suggest calling
+    with pytest.raises(UsageError, match=r"model=<lambda>\(x\) is called with no arguments.*pass a built model "
+                                         r"\(the nn.Module, which autofit calls on the batch\).*lambda: MyModel\(\)"):
+        autofit.autofit(lambda x: forward(x).sum(), make_mlp_batch, device="cpu", memory_budget="1GiB")
     with pytest.raises(UsageError, match="max_probes must be an integer >= 1"):
         autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss, max_probes=0)
 
