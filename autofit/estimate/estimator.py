@@ -60,9 +60,13 @@ FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the
 # each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
 SPREAD_AFTER_S = 15.0
 SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
-# Token lengths simulated for a token model without attention layers (Mamba, RWKV), extrapolated linearly
-# to the batch's length: nothing there grows faster than the length, and the sequential scan a CPU runs
-# costs a simulated kernel per token (a one-block Mamba at 2,048 tokens took 443 s to plan, 51 s so).
+# Token lengths simulated for a token model without attention layers (Mamba), extrapolated linearly to the
+# batch's length: nothing there grows faster than the length, and the sequential scan a CPU runs costs a
+# simulated kernel per token (a one-block Mamba at 2,048 tokens took 443 s to plan, 51 s so). A model whose
+# config names a `chunk_size` scans in chunks, each sequence padded to a whole number of them (Mamba2:
+# transformers' modeling_mamba2.py `torch_forward`, `pad_size`): its lengths are two and three chunks (one
+# chunk takes another path: fewer kernels, off the line) and the batch's length is rounded up to a chunk
+# (at 64 and 128 tokens, both padded to 256, Mamba2 at 512 came out 42% under).
 SIM_LENGTHS = (64, 128)
 
 
@@ -249,27 +253,37 @@ class Estimator:
         length for token models without attention, `SIM_LENGTHS`) and how it was obtained; (None, why)
         when it cannot be simulated."""
         batches = self.spec.batch_factory
-        if not self._in_length():
+        lengths = self._lengths()
+        if lengths is None:
             return self._simulate(config, mb, full_depth, batches)
+        *simulated, target = lengths
         (short, how), (long, _) = [self._simulate(config, mb, full_depth, dataclasses.replace(batches, seq_len=n))
-                                   for n in SIM_LENGTHS]
+                                   for n in simulated]
         if short is None or long is None:
             return short or long, how
         # The cache's free bytes at the peak do not follow the length: simulated whole, a two-block Mamba's
         # were 5.6, 10.4, 21.8, 16.3 MiB at 128, 256, 512, 1,024 tokens (full checkpointing: 9.0, 17.2, 13.5,
         # 18.0); the larger of the two short ones stands, a few MiB under at worst, where a line or the
         # share of the transients (`_free_at_peak`) read 2.5-4x over.
-        line = short.extrapolate(long, batches.seq_len, *SIM_LENGTHS)
+        line = short.extrapolate(long, target, *simulated)
+        padded = f" (padded to {target})" if target != batches.seq_len else ""
         return (dataclasses.replace(line, fragmentation=max(short.fragmentation, long.fragmentation)),
-                f"{how}, at {SIM_LENGTHS[0]} and {SIM_LENGTHS[1]} tokens extrapolated to {batches.seq_len} "
+                f"{how}, at {simulated[0]} and {simulated[1]} tokens extrapolated to {batches.seq_len}{padded} "
                 "(no attention layers: linear in the length)")
 
-    def _in_length(self) -> bool:
-        """Whether this spec's steps are simulated short and extrapolated in length (`SIM_LENGTHS`): token
-        batches autofit synthesized, longer than those, for a model without attention layers."""
+    def _lengths(self) -> tuple[int, int, int] | None:
+        """(short, long, target) token lengths when this spec's steps are simulated short and extrapolated
+        in length (`SIM_LENGTHS`): token batches autofit synthesized, longer than those, for a model without
+        attention layers; else None."""
         batches = self.spec.batch_factory
-        return not self.spec.model.has_attention and isinstance(batches, TokenBatches) \
-            and batches.seq_len > SIM_LENGTHS[-1]
+        if self.spec.model.has_attention or not isinstance(batches, TokenBatches):
+            return None
+        chunk = getattr(self.spec.model.hf_config, "chunk_size", None)
+        if isinstance(chunk, int) and chunk > 0:
+            short, long, target = 2 * chunk, 3 * chunk, -(-batches.seq_len // chunk) * chunk
+        else:
+            (short, long), target = SIM_LENGTHS, batches.seq_len
+        return (short, long, target) if target > long else None
 
     def _simulate(self, config: Config, mb: int, full_depth: bool | None,
                   batches: Callable[[int], Any]) -> tuple[ActivationPeak | None, str]:
