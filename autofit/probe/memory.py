@@ -251,10 +251,13 @@ class CudaBudget(_Deadline):
 
     def after_step(self) -> None:
         """Bring the allocator's share down to what the limit leaves now, where this process holds more
-        outside the allocator than on entry. A fresh process's CUDA context grows through its first steps
-        (cuBLAS handles, kernels loaded at first use: 130 MiB or more on an H200, 2026-11-27), so the share set
-        on entry let allocator and context together pass the limit, and the probe failed where a card of
-        that size would have made the allocator free its cache and retry. Where the allocator reserved more
+        outside the allocator than on entry. A fresh process's CUDA context grows through its first steps:
+        cuBLAS makes its handle at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp), and CUDA loads
+        each kernel's module at its first launch (lazy loading, CUDA's default from 12.2; CUDA C++
+        Programming Guide, "Lazy Loading"). On an H200 (2026-11-27) by 130 MiB or more, inferred from
+        bench/results/fit-threshold-cuda-h200-2026-11-27-share-on-entry.json: the share set on entry let
+        allocator and context together pass the limit, and the probe failed where a card of that size
+        would have made the allocator free its cache and retry. Where the allocator reserved more
         than the new share, its cache is emptied and its peak counts again from here, the allocated peak
         so far kept as a floor."""
         if self.limit is None:

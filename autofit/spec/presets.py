@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import json
 from importlib import resources
 from typing import Any
@@ -125,8 +124,10 @@ def _trains_whole(config: Any) -> bool:
     """Whether transformers' base class for `config` takes `return_loss` (CLIP, SigLIP: the contrastive loss)."""
     import transformers
 
+    from autofit.spec.batch import forward_parameters
+
     base = transformers.AutoModel._model_mapping.get(type(config), None)
-    return base is not None and "return_loss" in inspect.signature(base.forward).parameters
+    return base is not None and "return_loss" in forward_parameters(base.__name__)
 
 
 def build_model(config: Any) -> Any:

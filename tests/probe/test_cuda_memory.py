@@ -85,7 +85,7 @@ def test_a_context_grown_in_the_first_step_brings_the_share_down_and_the_peak_co
     # every budget below the roomy peak: 6,276 MiB measured under budgets of 6,147 to 6,243 MiB.
     with FakeCuda([FakeGpu(total=80 * GiB, context=GiB // 2)]) as cuda:
         with CudaBudget(10 * GiB, CUDA0) as budget:
-            assert budget._allowed == 9.5 * GiB
+            assert _fraction_set(cuda)[-1] == ("set_per_process_memory_fraction", round(9.5 / 80, 6), 0)
             cuda.allocated[0], cuda.max_allocated[0], cuda.max_reserved[0] = 5 * GiB, 8 * GiB, 9.4 * GiB
             cuda.outside[0] = GiB // 4  # cuBLAS handles, kernels loaded at first use
             before = len(cuda.calls)
