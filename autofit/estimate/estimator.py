@@ -296,30 +296,35 @@ class Estimator:
         try:
             if full_depth or not self._depth_key or self.facts.num_blocks <= depths[-1]:
                 depths = (None,)
-            peaks = [self._run(config, mb, depth, batches) for depth in depths]
+            peaks = [self._run(config, mb, depth, batches, deep=depth == depths[-1]) for depth in depths]
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
                           f"(up to {self.formula_bound:.1f}x under the simulation where both ran)")
         if len(peaks) == 1:
             return peaks[0], f"activations simulated under fake tensors on {where}"
         total = self.facts.num_blocks
-        # What the allocator's cache holds free at the peak is one block's transients and the loss's
-        # reused or not, not a sum over blocks: the deeper simulation's, not a line through both.
+        # What the allocator's cache holds free at the peak is not linear in depth: the deeper simulation's
+        # replayed as at the whole depth (`autofit.estimate.deepen`), or as simulated where it cannot be.
         deep = dataclasses.replace(peaks[0].extrapolate(peaks[1], total, *depths), fragmentation=peaks[1].fragmentation)
         return (deep,
                 f"activations simulated under fake tensors on {where} at {depths[0]} and {depths[1]} "
                 f"of {total} blocks, extrapolated")
 
-    def _run(self, config: Config, mb: int, depth: int | None, batches: Callable[[int], Any]) -> ActivationPeak:
+    def _run(self, config: Config, mb: int, depth: int | None, batches: Callable[[int], Any],
+             deep: bool = False) -> ActivationPeak:
+        """One simulation at `depth` blocks (None: the model's own); `deep`: two units of `depth` / 2 blocks,
+        the allocator replayed as at the whole depth where the units divide it."""
         if depth is None:
             model = meta_model(self.spec.model_factory)
         else:
             model = _rebuild(self._meta, self._depth_key, depth)
-        batch = batches(mb)
-        return simulate_step(model, batch, self.spec.loss_fn, config, device=self.sim_device,
+        unit, total = (depth or 0) // 2, self.facts.num_blocks
+        replay_depth = (unit, total // unit) if deep and unit and total % unit == 0 else None
+        return simulate_step(model, batches(mb), self.spec.loss_fn, config, device=self.sim_device,
                              half_weights=_half_weights(config),
                              adapted=self._adapted if config.adapters and not own_adapters(self.facts, config) else None,
-                             adapter_dropout=self._adapter_dropout, cuda_ampere=self.cuda_ampere)
+                             adapter_dropout=self._adapter_dropout, cuda_ampere=self.cuda_ampere,
+                             replay_depth=replay_depth)
 
     def _formula(self, config: Config, mb: int) -> ActivationPeak:
         """The fallback when the step cannot be simulated: `formula_activations` (its error bound is

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
-from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout
+from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen
 from autofit.estimate.allocator import CachingAllocator, Event, replay, replay_training
 from autofit.probe.memory import StorageCounter
 
@@ -126,7 +126,8 @@ class _Tracker(StorageCounter):
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
                   device: str, half_weights: bool = False, adapted: frozenset[str] | None = None,
-                  adapter_dropout: float = 0.0, cuda_ampere: bool | None = None) -> ActivationPeak:
+                  adapter_dropout: float = 0.0, cuda_ampere: bool | None = None,
+                  replay_depth: tuple[int, int] | None = None) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
     tensors on `device` ("cpu" or "cuda") with `config`'s precision, attention and checkpointing, and
     return its `ActivationPeak`. Nothing real is allocated.
@@ -139,7 +140,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
     `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
     attention, dropout and autocast keep what CUDA's would (`autofit.estimate.cuda_attention`,
-    `autofit.estimate.cuda_dropout`, `autofit.estimate.cuda_autocast`); None: the kernels are the target's own."""
+    `autofit.estimate.cuda_dropout`, `autofit.estimate.cuda_autocast`); None: the kernels are the target's own.
+    `replay_depth` = (unit, units): `model` holds two units of `unit` blocks and the caching allocator is
+    replayed as at `units` of them (`autofit.estimate.deepen`; as simulated where the units differ)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model, quiet_transformers
@@ -185,6 +188,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties)
         tracker.ignore([*model.parameters(), *model.buffers()])
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
+        deep = _Deep(model, *replay_depth, tracker) if replay_depth else None
+        hooks += deep.handles if deep else []
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
@@ -205,7 +210,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                 hook.remove()
         for recorder in _RECORDERS:
             recorder.append(list(tracker.events))
-        replayed = _replayed(tracker.events, model, config, ties)
+        replayed = _replayed(tracker.events, model, config, ties, deep)
         return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                               tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
                               tracker.at_grad + batch_bytes, tracker.offloaded,
@@ -227,16 +232,48 @@ def recorded_events() -> Iterator[list[list[Event]]]:
         _RECORDERS.remove(found)
 
 
-def _replayed(events: list[Event], model: nn.Module, config: Config, ties: dict[int, int]) -> CachingAllocator:
+class _Deep:
+    """A two-unit simulation's marks (`autofit.estimate.deepen.watch`) and what it takes to replay it at
+    `units` units: the events deepened, the weights of the second unit repeated."""
+
+    def __init__(self, model: nn.Module, unit: int, units: int, tracker: _Tracker):
+        from autofit.spec.model_info import find_blocks
+
+        self.units = units
+        blocks = find_blocks(model)[1]
+        self.repeated = {id(p) for block in blocks[unit:2 * unit] for p in (*block.parameters(), *block.buffers())}
+        self.marks, self.handles = deepen.watch(blocks, unit, tracker.events, lambda: tracker.backward) \
+            if len(blocks) == 2 * unit else (deepen.Marks(), [])
+
+    def events(self, events: list[Event]) -> list[Event] | None:
+        """`events` deepened, or None where the units differ."""
+        return deepen.deepen(events, self.marks, self.units)
+
+    def tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` in order, the second unit's repeated as each further unit holds its own."""
+        at = next((i for i, t in enumerate(tensors) if id(t) in self.repeated), len(tensors))
+        unit = [t for t in tensors[at:] if id(t) in self.repeated]
+        return [*tensors[:at], *unit * (self.units - 1), *(t for t in tensors[at:] if id(t) not in self.repeated)]
+
+
+def _replayed(events: list[Event], model: nn.Module, config: Config, ties: dict[int, int],
+              deep: _Deep | None = None) -> CachingAllocator:
     """The step's events through the caching allocator: as training replays them, weights, gradients and
     AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on the card;
-    else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own alone."""
+    else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own alone.
+    With `deep`, as at its depth, where its units allow."""
+    deepened = deep.events(events) if deep else None
+    if deepened is not None:
+        events = deepened
     if config.optimizer is not Optimizer.ADAMW or config.engine is not Engine.TORCH or config.offloads \
             or config.steps_in_backward:
         return replay(events)
-    weights = {ties[id(p)]: p for p in model.parameters()}  # a tied weight once, as the card holds it
-    resident = [t.untyped_storage().nbytes() for t in (*weights.values(), *model.buffers())]
-    trained = [p.numel() * p.element_size() for p in weights.values() if p.requires_grad]
+    weights = list({ties[id(p)]: p for p in model.parameters()}.values())  # a tied weight once, as the card holds it
+    buffers = list(model.buffers())
+    if deepened is not None:
+        weights, buffers = deep.tensors(weights), deep.tensors(buffers)
+    resident = [t.untyped_storage().nbytes() for t in (*weights, *buffers)]
+    trained = [p.numel() * p.element_size() for p in weights if p.requires_grad]
     # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
     # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
     return replay_training(events, resident, [n for n in trained for _ in range(2)], trained,

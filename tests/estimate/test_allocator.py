@@ -105,26 +105,6 @@ def test_the_cuda_estimate_counts_the_replayed_fragmentation():
     assert replayed >= 0
 
 
-def test_fragmentation_is_the_deeper_simulations_not_a_line_through_depths():
-    import transformers
-
-    from autofit.estimate.estimator import SIM_DEPTHS
-
-    def llama():
-        config = transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=8,
-                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=4096)
-        return transformers.LlamaForCausalLM(config)
-
-    def batch(n):
-        ids = torch.randint(0, 4096, (n, 256), generator=torch.Generator().manual_seed(0))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-    estimator = Estimator(make_spec(llama, batch, device="cpu", memory_budget="1TiB"), target="cuda")
-    config = Config(micro_batch_size=2)
-    deepest = estimator._run(config, 2, SIM_DEPTHS[-1], batch)  # what the 8-block estimate is extrapolated from
-    assert estimator.activations(config)[0].fragmentation == deepest.fragmentation
-
-
 def test_fragmentation_is_the_share_of_the_transients_it_was_at_1_and_2_never_below_either():
     # Small and uneven at micro-batches 1 and 2, the allocator's free blocks misread on a line through them
     # by gigabytes far out (ResNet-50 at 256: 0.02 GiB read, 1.37 simulated); their share of the
