@@ -143,9 +143,10 @@ def measure(device: str, large: bool = False, only: list[str] | None = None) -> 
     return rows
 
 
-def replay(recorded: dict) -> list[dict]:
+def replay(recorded: dict, extrapolate_batch: bool = False) -> list[dict]:
     """The rows of a recorded GPU run (`measure` on CUDA) predicted again here, without probing, for a CUDA
-    target: on a machine without CUDA the dry-run's case, CPU kernels standing in."""
+    target: on a machine without CUDA the dry-run's case, CPU kernels standing in; with
+    `extrapolate_batch`, micro-batches above 2 read on the line through 1 and 2, as the dry-run reads them."""
     estimators: dict[str, Estimator] = {}
     rows = []
     for row in recorded["rows"]:
@@ -153,7 +154,7 @@ def replay(recorded: dict) -> list[dict]:
             model, batch, seq_len = models(large=True)[row["model"]]
             spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cpu",
                              memory_budget="1TiB")
-            estimators[row["model"]] = Estimator(spec, target="cuda")
+            estimators[row["model"]] = Estimator(spec, target="cuda", extrapolate_batch=extrapolate_batch)
         estimate = estimators[row["model"]].predict(Config.from_dict(row["config"]))
         error = estimate.peak_bytes / row["measured_bytes"] - 1
         rows.append({"model": row["model"], "describe": row["describe"], "measured_bytes": row["measured_bytes"],
@@ -172,11 +173,13 @@ def main() -> None:
                         "(a GPU's worth)")
     parser.add_argument("--only", action="append", help="measure only this model (repeatable)")
     parser.add_argument("--against", type=Path, help="a recorded GPU run's results: predict its rows here, no probe")
+    parser.add_argument("--extrapolate-batch", action="store_true",
+                        help="with --against: micro-batches above 2 extrapolated from 1 and 2, as the dry-run does")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     if args.against:
-        return write_replay(args.against, started)
+        return write_replay(args.against, started, args.extrapolate_batch)
     rows = measure(args.device, args.large, args.only)
     errors = [abs(r["error"]) for r in rows]
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -191,19 +194,21 @@ def main() -> None:
           f"worst {result['worst_abs_error']:.2%} -> {path}")
 
 
-def write_replay(path: Path, started: float) -> None:
+def write_replay(path: Path, started: float, extrapolate_batch: bool = False) -> None:
     recorded = json.loads(path.read_text())
-    rows = replay(recorded)
+    rows = replay(recorded, extrapolate_batch)
     errors = [r["error"] for r in rows]
     now = datetime.datetime.now(datetime.timezone.utc)
-    result = {"what": "peaks measured on a GPU, predicted on this machine without probing (a dry-run's estimate)",
+    result = {"what": "peaks measured on a GPU, predicted on this machine without probing (a dry-run's estimate"
+                      + (", micro-batches above 2 extrapolated from 1 and 2)" if extrapolate_batch else ")"),
               "measured": {"file": path.name, "device": recorded["device"], "torch": recorded["torch"],
                            "date": recorded["date"]},
               "machine": f"{platform.machine()}, {describe(torch.device('cpu'))}", "torch": torch.__version__,
               "cuda_here": torch.cuda.is_available(), "date": now.isoformat(timespec="seconds"),
               "median_abs_error": statistics.median(abs(e) for e in errors), "worst_abs_error": max(map(abs, errors)),
               "largest_under": min(min(errors), 0.0), "seconds": round(time.perf_counter() - started, 1), "rows": rows}
-    out = RESULTS / f"estimate-replay-{path.stem}-{now.date().isoformat()}.json"
+    how = "-extrapolated" if extrapolate_batch else ""
+    out = RESULTS / f"estimate-replay{how}-{path.stem}-{now.date().isoformat()}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{len(rows)} measured peaks predicted here: median |error| {result['median_abs_error']:.2%}, worst "
           f"{result['worst_abs_error']:.2%}, largest under-prediction {result['largest_under']:.2%} -> {out}")

@@ -10,6 +10,13 @@ own rule) in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD):
 the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
 
     python bench/fit_threshold.py [--steps 5] [--only gpt2-124m]     # needs a GPU
+    python bench/fit_threshold.py --against bench/results/fit-threshold-cuda-h200-2026-11-27.json  # no GPU
+
+The estimator predicts both figures: the roomy peak (`Estimate.peak_bytes`) and what a fit needs
+(`Estimate.need_bytes`: the caching allocator replayed under a shrinking limit, its cache released at the
+limit, `autofit.estimate.simulate.least_reserve`). `--against` predicts a recorded run's rows on this
+machine (CPU kernels standing in for CUDA) and says where each prediction falls against the measured
+interval; it writes bench/results/fit-threshold-replay-<recorded>-<date>.json.
 
 Writes bench/results/fit-threshold-cuda-<card>-<date>.json after every configuration (device, date and torch
 inside): roomy peak, its parts, the threshold interval, the prediction and both errors.
@@ -30,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.config import Config  # noqa: E402
-from autofit.estimate.estimator import predict_peak  # noqa: E402
+from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.launch import probe_placed  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
 from autofit.spec.devices import describe  # noqa: E402
@@ -77,7 +84,8 @@ def threshold(name: str, precision: str, checkpointing: str, micro: int, steps: 
             low = middle
     return {"model": name, "describe": config.describe(), "config": config.to_dict(),
             "roomy_peak": roomy.peak_bytes, "roomy_parts": parts, "fits_at": high, "fails_at": low,
-            "predicted": predicted.peak_bytes, "overhead_terms": dict(predicted.terms),
+            "predicted": predicted.peak_bytes, "predicted_need": predicted.need_bytes,
+            "overhead_terms": dict(predicted.terms),
             "error_vs_roomy": round(predicted.peak_bytes / roomy.peak_bytes - 1, 5),
             "error_vs_threshold": round(predicted.peak_bytes / high - 1, 5), "tries": tries}
 
@@ -86,7 +94,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per configuration")
     parser.add_argument("--only", action="append", help="only this model (repeatable)")
+    parser.add_argument("--against", type=Path, help="a recorded GPU run: predict its rows here, no probe")
     args = parser.parse_args()
+    if args.against:
+        return replay(args.against)
     started, now = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
     result = {"what": __doc__.splitlines()[0], "device": describe(torch.device("cuda")),
               "date": now.isoformat(timespec="seconds"), "torch": torch.__version__,
@@ -103,6 +114,36 @@ def main() -> None:
               f"{row['fits_at'] / MIB:7.0f} (fails at {row['fails_at'] / MIB:7.0f}), predicted "
               f"{row['predicted'] / MIB:7.0f}: {row['error_vs_threshold']:+.1%} of the threshold, "
               f"{row['error_vs_roomy']:+.1%} of the roomy peak", file=sys.stderr)
+
+
+def replay(path: Path) -> None:
+    """Predict a recorded run's configurations here, without a GPU: the roomy peak against the measured one,
+    what a fit needs against the measured interval (fails at, fits at]."""
+    recorded, started = json.loads(path.read_text()), time.perf_counter()
+    rows = []
+    for row in recorded["rows"]:
+        model, batch, seq_len = models(large=True)[row["model"]]
+        spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cpu",
+                         memory_budget="1TiB")
+        predicted = Estimator(spec, target="cuda").predict(Config.from_dict(row["config"]))
+        need, fails, fits = predicted.need_bytes, row["fails_at"], row["fits_at"]
+        where = "within" if fails < need <= fits else ("under" if need <= fails else "over")
+        rows.append({"model": row["model"], "describe": row["describe"], "roomy_peak": row["roomy_peak"],
+                     "fails_at": fails, "fits_at": fits, "predicted": predicted.peak_bytes,
+                     "predicted_need": need, "need_vs_interval": where,
+                     "error_vs_roomy": round(predicted.peak_bytes / row["roomy_peak"] - 1, 5),
+                     "need_vs_threshold": round(need / fits - 1, 5)})
+        print(f"{row['model']:11s} {row['describe']:42s} fails at {fails / MIB:6.0f}, fits at {fits / MIB:6.0f} MiB: "
+              f"needs {need / MIB:6.0f} predicted ({where}); roomy {row['roomy_peak'] / MIB:6.0f}, predicted "
+              f"{predicted.peak_bytes / MIB:6.0f}", file=sys.stderr)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = path.with_name(f"fit-threshold-replay-{path.stem.removeprefix('fit-threshold-')}-{now.date().isoformat()}.json")
+    out.write_text(json.dumps({"what": "a recorded bisection's configurations predicted here, no GPU",
+                               "measured": {"file": path.name, "device": recorded["device"], "date": recorded["date"]},
+                               "machine": f"{platform.machine()}, {describe(torch.device('cpu'))}",
+                               "torch": torch.__version__, "date": now.isoformat(timespec="seconds"),
+                               "seconds": round(time.perf_counter() - started, 1), "rows": rows}, indent=2) + "\n")
+    print(f"-> {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

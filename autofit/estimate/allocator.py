@@ -20,10 +20,11 @@ in its default configuration (no `max_split_size_mb`, no expandable segments, on
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 import itertools
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -58,13 +59,22 @@ class _Block:
 
 
 class CachingAllocator:
-    """Replays `malloc(key, nbytes)` / `free(key)` and keeps the allocated and reserved bytes and their peaks."""
+    """Replays `malloc(key, nbytes)` / `free(key)` and keeps the allocated and reserved bytes and their peaks.
 
-    def __init__(self) -> None:
+    `capacity`: the most bytes `cudaMalloc` can give (the card less what the process holds outside the
+    allocator). A new segment that would pass it first releases every cached block that is a whole
+    segment and retries, as `release_cached_blocks` does before the allocator gives up (its first
+    fallback, `release_available_cached_blocks`, does nothing without `max_split_size_mb`); if it still
+    passes, the replay has run out of memory (`out_of_memory`): it raises `OutOfMemory` where `stop`,
+    else goes on as if it had not."""
+
+    def __init__(self, capacity: int | None = None, stop: bool = False) -> None:
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # pool -> sorted (size, address)
         self._at: dict[int, _Block] = {}  # address -> free block
         self._used: dict[int, _Block] = {}  # key -> allocated block
         self._segments = 0
+        self.capacity, self.stop = capacity, stop
+        self.out_of_memory = False
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def malloc(self, key: int, nbytes: int) -> None:
@@ -106,10 +116,21 @@ class CachingAllocator:
 
     def _segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_size(size)
+        if self.capacity is not None and self.reserved + nbytes > self.capacity:
+            self._release_cached()
+            self.out_of_memory |= self.reserved + nbytes > self.capacity
+            if self.out_of_memory and self.stop:
+                raise OutOfMemory
         self._segments += 1
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return _Block(self._segments * _SEGMENT_SPACING, nbytes, small)
+
+    def _release_cached(self) -> None:
+        """Give back every cached block that is a whole segment (`release_cached_blocks`)."""
+        for block in [b for b in self._at.values() if b.prev is None and b.next is None]:
+            self._uncache(block)
+            self.reserved -= block.size
 
     def _cache(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.size, block.address))
@@ -119,6 +140,10 @@ class CachingAllocator:
         pool = self._free[block.small]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
         del self._at[block.address]
+
+
+class OutOfMemory(Exception):
+    """A replay under a capacity ran out of memory (`CachingAllocator(stop=True)`)."""
 
 
 def _merged(block: _Block, neighbour: _Block) -> _Block:
@@ -140,9 +165,9 @@ HISTORY_STEPS = 3  # optimizer steps replayed; the reserve stops growing after t
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
-def replay(events: Sequence[Event]) -> CachingAllocator:
+def replay(events: Sequence[Event], capacity: int | None = None, stop: bool = False) -> CachingAllocator:
     """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache)."""
-    allocator = CachingAllocator()
+    allocator = CachingAllocator(capacity, stop)
     for event in events:
         if event[0] == "malloc":
             allocator.malloc(event[1], event[2])
@@ -152,7 +177,8 @@ def replay(events: Sequence[Event]) -> CachingAllocator:
 
 
 def replay_training(events: Sequence[Event], resident: Sequence[int], states: Sequence[int],
-                    temporaries: Sequence[int], micro_steps: int, steps: int = HISTORY_STEPS) -> CachingAllocator:
+                    temporaries: Sequence[int], micro_steps: int, steps: int = HISTORY_STEPS,
+                    capacity: int | None = None, stop: bool = False) -> CachingAllocator:
     """`steps` optimizer steps of `micro_steps` micro-steps each, replayed as a training process allocates
     them: `resident` first (the weights and buffers, moved to the card one by one), then every micro-step's
     `events` with each gradient kept (the first micro-step's; later ones add into it and are freed), the
@@ -160,7 +186,7 @@ def replay_training(events: Sequence[Event], resident: Sequence[int], states: Se
     gradients freed after it (`zero_grad`). On an H100 this history, not one step's activations, is what
     sets the reserved bytes above the allocated ones: the weights and states take cached blocks the next
     step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json)."""
-    allocator, fresh = CachingAllocator(), itertools.count()
+    allocator, fresh = CachingAllocator(capacity, stop), itertools.count()
     for nbytes in resident:
         allocator.malloc(("resident", next(fresh)), nbytes)
     for step in range(steps):
@@ -201,3 +227,98 @@ def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dic
                 allocator.malloc(key, nbytes)
             grads[param] = key
             kept.add(key)
+
+
+_OPS = ("malloc", "free", "grad")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Replay:
+    """A simulated step's events, kept compact, with what training holds beside them: replayed at any
+    capacity (`run`) and read at another micro-batch (`scaled`). Each allocation is named by the order it
+    was made in (storage ids are reused), each gradient's parameter by the order it first appears."""
+
+    ops: bytes  # an index into _OPS per event
+    keys: array.array  # the allocation each event names (-1: a gradient no event made)
+    sizes: array.array  # bytes (a malloc's, a gradient's), 0 for a free
+    params: array.array  # a gradient's parameter, -1 elsewhere
+    training: tuple | None = None  # (resident, states, temporaries, micro_steps): `replay_training`; None: `replay`
+
+    @classmethod
+    def of(cls, events: Sequence[Event], training: tuple | None = None) -> "Replay":
+        live: dict[Any, int] = {}
+        params: dict[Any, int] = {}
+        ops, keys, sizes, owners = bytearray(), array.array("q"), array.array("q"), array.array("q")
+        made = itertools.count()
+        for event in events:
+            if event[0] == "malloc":
+                live[event[1]] = key = next(made)
+            else:
+                key = (live.pop if event[0] == "free" else live.get)(event[1], -1)
+                if event[0] == "free" and key < 0:
+                    continue  # a storage made before the step
+            ops.append(_OPS.index(event[0]))
+            keys.append(key)
+            sizes.append(event[2] if event[0] != "free" else 0)
+            owners.append(params.setdefault(event[3], len(params)) if event[0] == "grad" else -1)
+        return cls(bytes(ops), keys, sizes, owners, training)
+
+    def events(self) -> list[Event]:
+        """The events, as `replay` and `replay_training` read them."""
+        made: list[Event] = []
+        for op, key, size, param in zip(self.ops, self.keys, self.sizes, self.params):
+            made.append(("malloc", key, size) if op == 0 else ("free", key) if op == 1 else
+                        ("grad", ("grad", param) if key < 0 else key, size, param))
+        return made
+
+    def with_micro_steps(self, micro_steps: int) -> "Replay | None":
+        """This step replayed with `micro_steps` micro-steps per optimizer step, where that changes what is
+        replayed (training; `MICRO_STEPS_REPLAYED` at most); else None."""
+        if self.training is None:
+            return None
+        *held, replayed = self.training
+        steps = min(micro_steps, MICRO_STEPS_REPLAYED)
+        return None if min(replayed, MICRO_STEPS_REPLAYED) == steps else \
+            dataclasses.replace(self, training=(*held, steps))
+
+    def run(self, capacity: int | None = None) -> CachingAllocator:
+        """The step replayed through an allocator of `capacity` bytes (None: unlimited)."""
+        return self.runner()(capacity)
+
+    def fits(self, capacity: int) -> bool:
+        """Whether the step replays within `capacity` bytes, its cache released as needed (stops at the
+        first failure)."""
+        return self.runner()(capacity, stop=True) is not None
+
+    def runner(self) -> Callable[..., CachingAllocator | None]:
+        """`run` and `fits` for many capacities, the events built once: (capacity, stop=False) -> the
+        allocator replayed, None where `stop` and it ran out of memory."""
+        events = self.events()
+
+        def run(capacity: int | None, stop: bool = False) -> CachingAllocator | None:
+            try:
+                if self.training is None:
+                    return replay(events, capacity, stop)
+                resident, states, temporaries, micro_steps = self.training
+                return replay_training(events, resident, states, temporaries, micro_steps, capacity=capacity,
+                                       stop=stop)
+            except OutOfMemory:
+                return None
+        return run
+
+    def scaled(self, other: "Replay", at: float, here: float, there: float) -> "Replay | None":
+        """The step at micro-batch `at` from this one (at `here`) and `other` (at `there`, the template): its
+        events, each size on the line through the two where the events align (the same kinds of event from
+        the start and from the end: the loss decomposes a little differently at micro-batch 1), between
+        them scaled with the batch; never below zero. None where the two hold different weights or steps."""
+        if self.training != other.training:
+            return None
+        sizes = array.array("q", (round(size * at / there) for size in other.sizes))
+        mine, theirs = len(self.ops), len(other.ops)
+        start = next((i for i in range(min(mine, theirs)) if self.ops[i] != other.ops[i]), min(mine, theirs))
+        end = next((i for i in range(min(mine, theirs) - start) if self.ops[mine - 1 - i] != other.ops[theirs - 1 - i]),
+                   min(mine, theirs) - start)
+        pairs = [*zip(range(start), range(start)), *zip(range(mine - end, mine), range(theirs - end, theirs))]
+        for a, b in pairs:
+            sizes[b] = max(0, round(self.sizes[a] + (other.sizes[b] - self.sizes[a]) * (at - here) / (there - here)))
+        return dataclasses.replace(other, sizes=sizes)

@@ -83,15 +83,17 @@ class Candidate:
     tier: int  # exactness tier (0 same math, 1 numerics, 2 trains adapters)
     step_seconds: float  # predicted seconds per optimizer step
     samples_per_s: float  # predicted global samples per second
+    limit: int = 0  # the bytes per GPU it was planned under (0: none)
 
     @property
     def peak_bytes(self) -> int:
-        """Predicted peak per GPU (bytes)."""
-        return self.estimate.peak_bytes
+        """Predicted peak per GPU (bytes) under the limit (`Estimate.peak_under`)."""
+        return self.estimate.peak_under(self.limit) if self.limit else self.estimate.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: config, peak_bytes, fits, reason, breakdown (bytes), cpu_bytes, speed."""
-        return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes, "fits": self.fits,
+        return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes,
+                "need_bytes": self.estimate.need_bytes, "fits": self.fits,
                 "reason": self.reason, "breakdown": self.estimate.breakdown.to_dict(),
                 "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
                 "activations": "simulated" if self.estimate.simulated else "formula",
@@ -289,7 +291,7 @@ class _Planner:
         host = host_seconds(config, self.estimator.facts, estimate.kernels)
         bound = f"; bound by the host issuing {round(host / SECONDS_PER_KERNEL):,} ops a step" if host >= seconds else ""
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound}); "
-                         f"{estimate.reason}", self.space.tier(config), seconds, samples)
+                         f"{estimate.reason}", self.space.tier(config), seconds, samples, self.spec.fit_limit)
 
 
 def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,
@@ -365,10 +367,14 @@ def engine_host_ops(config: Config, facts: ModelFacts) -> int:
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
-    """"fits: 12 GiB of 20 GiB (60%)", "over by ...", and for a formula's peak its bound."""
-    peak = estimate.peak_bytes
+    """"fits: 12 GiB of 20 GiB (60%)", "over by ...", and for a formula's peak its bound; where it fits
+    only with the allocator's cache released at the limit, what a roomy card would reserve."""
+    peak, need = estimate.peak_under(limit), estimate.need_bytes
     head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
-        f"over by {format_size(max(estimate.upper_bytes, peak) - limit)}: needs {format_size(peak)} of {format_size(limit)}"
+        f"over by {format_size(estimate.upper_bytes - limit)}: needs {format_size(need)} of {format_size(limit)}"
+    if fits and peak < estimate.peak_bytes:
+        head += (f", the caching allocator releasing its cache to stay under (it needs {format_size(need)}; "
+                 f"a roomy card would reserve up to {format_size(estimate.peak_bytes)})")
     if estimate.simulated:
         return head
     return (f"{head}, by formula only (not simulated): up to {format_size(estimate.upper_bytes)} at its "
@@ -432,9 +438,9 @@ def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate], bey
     """"No candidate fits ...; the smallest needs ... Allow ... / use more GPUs to go further." """
     head = (f"No candidate fits {format_size(spec.fit_limit)} per GPU ({gpu.name}, {format_size(gpu.memory_bytes)} "
             f"less the {spec.safety_margin:.0%} margin)")
-    smallest = min(rest, key=lambda c: c.peak_bytes) if rest else None
+    smallest = min(rest, key=lambda c: c.estimate.need_bytes) if rest else None
     if smallest is not None:
-        head += f"; the smallest needs {format_size(smallest.peak_bytes)} ({smallest.config.describe()})"
+        head += f"; the smallest needs {format_size(smallest.estimate.need_bytes)} ({smallest.config.describe()})"
     opened = sorted((c for c in beyond if c.fits), key=lambda c: (c.tier, c.peak_bytes))
     if opened:
         best = opened[0]

@@ -33,7 +33,7 @@ from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate import cuda_attention
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
-from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
+from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, reserve, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.simulate import is_adapted, within_block
 from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
@@ -103,17 +103,31 @@ class Estimate:
     method: str = ""  # how the activations were obtained (one phrase, the first part of `reason`)
     simulated: bool = True  # False: the step could not be simulated and activations come from a formula
     error_bound: float = 0.0  # relative error the peak may carry upwards: the formula's measured bound (0 when simulated)
+    offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
+    kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
+    # CUDA: bytes of the peak that the caching allocator holds in cached segments on a roomy card and
+    # releases under a tighter limit before it would fail (`simulate.least_reserve`)
+    release_slack: int = 0
+
+    @property
+    def need_bytes(self) -> int:
+        """The fewest bytes the step trains in (the peak less `release_slack`): what a fit needs."""
+        return self.peak_bytes - self.release_slack
 
     @property
     def upper_bytes(self) -> int:
-        """The peak at its error bound (bytes): what a verdict resting on a formula must fit."""
-        return int(self.peak_bytes * (1 + self.error_bound))
-    offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
-    kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
+        """What it needs at its error bound (bytes): what a verdict, one resting on a formula too, must fit."""
+        return int(self.need_bytes * (1 + self.error_bound))
+
+    def peak_under(self, limit: int) -> int:
+        """The peak under `limit`: a roomy card's, or the limit where the allocator fills it and then
+        releases its cache to fit (`need_bytes` within it)."""
+        return min(self.peak_bytes, max(self.need_bytes, limit))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return {"peak_bytes": self.peak_bytes, "cpu_bytes": self.cpu_bytes, "reason": self.reason,
+        return {"peak_bytes": self.peak_bytes, "need_bytes": self.need_bytes, "cpu_bytes": self.cpu_bytes,
+                "reason": self.reason,
                 "breakdown": self.breakdown.to_dict(), "overhead_terms": dict(self.terms),
                 "activations": "simulated" if self.simulated else "formula", "error_bound": self.error_bound}
 
@@ -162,6 +176,8 @@ class Estimator:
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
+        self._lines: dict[tuple, tuple[ActivationPeak, str]] = {}  # extrapolated micro-batches (`_extrapolated`)
+        self._reserves: dict[tuple, ActivationPeak] = {}  # a simulation replayed for another accumulation
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
@@ -172,10 +188,19 @@ class Estimator:
         mb = config.micro_batch_size
         if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)
+        key = (self._key(config, 1), mb)
+        if key not in self._lines:
+            self._lines[key] = self._extrapolated(config, mb)
+        return self._lines[key]
+
+    def _extrapolated(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
+        """The activations at micro-batch `mb` read on the line through 1 and 2, the allocator replayed there."""
         (one, how), (two, _) = self._at_batch(config, 1), self._at_batch(config, 2)
-        line = one.extrapolate(two, mb, 1, 2)
-        return dataclasses.replace(line, fragmentation=_free_at_peak(one, two, line)), \
-            f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
+        line = one.replayed_at(two, mb, 1, 2)  # the allocator replayed from events read on the line
+        if line.replay is None:  # the two steps differ beyond their sizes
+            line = dataclasses.replace(line, fragmentation=_free_at_peak(one, two, line, "fragmentation"),
+                                       least_fragmentation=_free_at_peak(one, two, line, "least_fragmentation"))
+        return line, f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
 
     @property
     def formula_bound(self) -> float:
@@ -232,7 +257,15 @@ class Estimator:
         key = self._key(config, mb)
         if key not in self._cache:
             self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
-        return self._cache[key]
+        peak, how = self._cache[key]
+        steps = peak.replay.with_micro_steps(config.grad_accum_steps) if peak.replay else None
+        if steps is None:
+            return peak, how
+        # one simulation serves every accumulation; the allocator's history is replayed for each
+        held = (key, steps.training[-1])
+        if held not in self._reserves:
+            self._reserves[held] = dataclasses.replace(peak, **reserve(steps))
+        return self._reserves[held], how
 
     def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:
         """Keep a simulation's result (for the process too); a failed one's activations come by formula."""
@@ -267,7 +300,8 @@ class Estimator:
         # share of the transients (`_free_at_peak`) read 2.5-4x over.
         line = short.extrapolate(long, target, *simulated)
         padded = f" (padded to {target})" if target != batches.seq_len else ""
-        return (dataclasses.replace(line, fragmentation=max(short.fragmentation, long.fragmentation)),
+        return (dataclasses.replace(line, fragmentation=max(short.fragmentation, long.fragmentation),
+                                    least_fragmentation=max(short.least_fragmentation, long.least_fragmentation)),
                 f"{how}, at {simulated[0]} and {simulated[1]} tokens extrapolated to {batches.seq_len}{padded} "
                 "(no attention layers: linear in the length)")
 
@@ -305,7 +339,7 @@ class Estimator:
         total = self.facts.num_blocks
         # What the allocator's cache holds free at the peak is not linear in depth: the deeper simulation's
         # replayed as at the whole depth (`autofit.estimate.deepen`), or as simulated where it cannot be.
-        deep = dataclasses.replace(peaks[0].extrapolate(peaks[1], total, *depths), fragmentation=peaks[1].fragmentation)
+        deep = peaks[0].extrapolate(peaks[1], total, *depths).reserve_of(peaks[1])
         return (deep,
                 f"activations simulated under fake tensors on {where} at {depths[0]} and {depths[1]} "
                 f"of {total} blocks, extrapolated")
@@ -375,9 +409,10 @@ class Estimator:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
         bound = 0.0 if simulated else (self.formula_bound - 1) * breakdown.activations / max(peak, 1)
+        slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
                         method=notes[0], simulated=simulated, error_bound=round(bound, 4),
-                        offloaded_activations=act.offloaded, kernels=act.kernels)
+                        offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
 
     def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
         """Gradient bytes live through a backward after the first micro-batch: `unsharded_grads` under FSDP
@@ -445,7 +480,7 @@ def _parts(states: States, temp: int, activations: int, overhead: int, gathered:
     return dataclasses.replace(parts, activations=activations + max(0, peak - parts.total))
 
 
-def _free_at_peak(one: ActivationPeak, two: ActivationPeak, line: ActivationPeak) -> int:
+def _free_at_peak(one: ActivationPeak, two: ActivationPeak, line: ActivationPeak, field: str) -> int:
     """What the allocator's cache holds free at the peak of a micro-batch extrapolated from 1 and 2
     (`line`): the smaller share of the transients it was at 1 and 2, of the line's transients, never below
     either simulated value. Small and uneven at 1 and 2, a line through those values is wrong by gigabytes
@@ -456,10 +491,11 @@ def _free_at_peak(one: ActivationPeak, two: ActivationPeak, line: ActivationPeak
     200 / 805, 293 / 1,537, 5,506 / 23,486 at 32 (line 3,083, share about 4,480); fsdp_qlora's Llama-2-7B
     QLoRA at 2,048 tokens, 2.06 GiB free at 6 and 3.43 at 10 (line 2.35 and 3.95, share 2.11 and 3.51).
     Where they fall from 1 to 2 and rise again (a Whisper-small step: 213, 45, 91, 217 MiB at 1, 2, 4, 8),
-    the larger simulated value stands."""
-    shares = [peak.fragmentation / peak.largest for peak in (one, two) if peak.largest]
+    the larger simulated value stands. `field`: "fragmentation" (a roomy card's) or "least_fragmentation"."""
+    at_one, at_two = getattr(one, field), getattr(two, field)
+    shares = [free / peak.largest for free, peak in ((at_one, one), (at_two, two)) if peak.largest]
     share = min(shares) if shares else 0.0
-    return max(int(share * line.largest), one.fragmentation, two.fragmentation)
+    return max(int(share * line.largest), at_one, at_two)
 
 
 def _simulation_key(config: Config, mb: int) -> tuple:
@@ -545,7 +581,7 @@ def predictor_for(spec: "TrainSpec", strategies: Sequence["Strategy"] = ()) -> C
             if not estimator:
                 estimator.append(Estimator(spec, strategies=strategies))
             estimate = estimator[0].predict(config)
-            return estimate.peak_bytes if estimate.simulated else None
+            return estimate.need_bytes if estimate.simulated else None
         except Exception:  # noqa: BLE001 - a prediction only saves probes; without one, probe
             return None
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen
-from autofit.estimate.allocator import CachingAllocator, Event, replay, replay_training
+from autofit.estimate.allocator import ROUND_LARGE, CachingAllocator, Event, Replay
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -47,9 +47,12 @@ class ActivationPeak:
     at_grad: int = 0  # most bytes live when a weight gradient is complete, that gradient included (its hook)
     offloaded: int = 0  # bytes of saved tensors moved to host memory in the forward (activation offload)
     fragmentation: int = 0  # what the CUDA caching allocator reserves beyond its most allocated (`allocator`);
-    # not linear in depth (`Estimator.simulate` keeps the deeper simulation's)
+    # not linear in depth (replayed at the whole depth: `autofit.estimate.deepen`)
+    least_fragmentation: int = 0  # the least of it the step runs in where the allocator must release its
+    # cache to stay under a limit (`least_reserve`): what a fit needs, where `fragmentation` is what a roomy card shows
     kernels: int = 0  # not bytes: operations of the forward + backward that launch a kernel (views and bare
     # allocations left out); linear in depth, the same at every micro-batch
+    replay: Replay | None = dataclasses.field(default=None, compare=False, repr=False)  # the events replayed
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
@@ -63,7 +66,19 @@ class ActivationPeak:
         def line(a: int, b: int) -> int:
             return max(0, round(a + (b - a) * (at - here) / (there - here)))
         return ActivationPeak(*(line(getattr(self, f.name), getattr(other, f.name))
-                                for f in dataclasses.fields(self)))
+                                for f in dataclasses.fields(self) if f.name != "replay"))
+
+    def replayed_at(self, other: "ActivationPeak", at: float, here: float, there: float) -> "ActivationPeak":
+        """`extrapolate`, with the allocator's reserve replayed from the events read on the same line
+        (`Replay.scaled`): where both were simulated alike; else the line alone, its reserve for the caller."""
+        line = self.extrapolate(other, at, here, there)
+        scaled = self.replay.scaled(other.replay, at, here, there) if self.replay and other.replay else None
+        return line if scaled is None else dataclasses.replace(line, **reserve(scaled))
+
+    def reserve_of(self, other: "ActivationPeak") -> "ActivationPeak":
+        """This peak with `other`'s reserve beyond the allocated bytes (`fragmentation`, `least_fragmentation`)."""
+        return dataclasses.replace(self, fragmentation=other.fragmentation,
+                                   least_fragmentation=other.least_fragmentation, replay=other.replay)
 
     def with_grads(self, grads: int) -> int:
         """Most transient bytes live in a backward whose weight gradients total `grads` bytes when kept:
@@ -210,11 +225,10 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                 hook.remove()
         for recorder in _RECORDERS:
             recorder.append(list(tracker.events))
-        replayed = _replayed(tracker.events, model, config, ties, deep)
         return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
                               tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
-                              tracker.at_grad + batch_bytes, tracker.offloaded,
-                              replayed.peak_reserved - replayed.peak_allocated, tracker.kernels)
+                              tracker.at_grad + batch_bytes, tracker.offloaded, kernels=tracker.kernels,
+                              **reserve(_replaying(tracker.events, model, config, ties, deep)))
 
 
 _RECORDERS: list[list[list[Event]]] = []
@@ -256,18 +270,50 @@ class _Deep:
         return [*tensors[:at], *unit * (self.units - 1), *(t for t in tensors[at:] if id(t) not in self.repeated)]
 
 
-def _replayed(events: list[Event], model: nn.Module, config: Config, ties: dict[int, int],
-              deep: _Deep | None = None) -> CachingAllocator:
-    """The step's events through the caching allocator: as training replays them, weights, gradients and
-    AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on the card;
-    else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own alone.
-    With `deep`, as at its depth, where its units allow."""
+def reserve(replay: Replay) -> dict[str, Any]:
+    """`ActivationPeak`'s reserve fields from `replay`: beyond its allocated peak, what a roomy card
+    reserves (`fragmentation`) and the least it runs in (`least_fragmentation`: `least_reserve`)."""
+    run = replay.runner()
+    roomy = run(None)
+    return {"fragmentation": roomy.peak_reserved - roomy.peak_allocated,
+            "least_fragmentation": least_reserve(run, roomy) - roomy.peak_allocated, "replay": replay}
+
+
+def least_reserve(run: Callable[..., CachingAllocator | None], roomy: CachingAllocator) -> int:
+    """The fewest bytes the caching allocator's segments may total for a replay to run without running out
+    of memory (`run`: `Replay.runner`): found by bisection between the allocated and the reserved peak of
+    its `roomy` run (no capacity), to `LEAST_RESERVE_PRECISION` of the reserve. Under a limit below its
+    roomy reserve the allocator releases its cached segments and retries (`CachingAllocator`): on an H200
+    (bench/results/fit-threshold-cuda-h200-2026-11-27.json), GPT-2 small's full-checkpointing step in
+    fp32 at micro-batch 1 trained with its segments capped between 3,125 and 3,188 MiB (the process's
+    budget less the 760 MiB outside the allocator), under the 3,314 it reserved on the roomy card; this
+    replay, 3,093 (3,260 roomy); in bf16 at micro-batch 4 between 5,389 and 5,518, the replay 5,451."""
+    low, high = roomy.peak_allocated, roomy.peak_reserved
+    step = max(ROUND_LARGE, int(LEAST_RESERVE_PRECISION * high))
+    if high - low <= step or run(high - step, stop=True) is None:
+        return high  # most steps need about what they reserve: one replay says so
+    high -= step
+    while high - low > step:
+        middle = (low + high) // 2
+        low, high = (low, middle) if run(middle, stop=True) is not None else (middle, high)
+    return high
+
+
+LEAST_RESERVE_PRECISION = 0.005  # of the reserve: 5 MiB of 1 GiB, 40 MiB of 8 GiB (a replay: 10-300 ms)
+
+
+def _replaying(events: list[Event], model: nn.Module, config: Config, ties: dict[int, int],
+               deep: _Deep | None = None) -> Replay:
+    """The step's events to replay through the caching allocator: as training replays them, weights,
+    gradients and AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on
+    the card; else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own
+    alone. With `deep`, as at its depth, where its units allow."""
     deepened = deep.events(events) if deep else None
     if deepened is not None:
         events = deepened
     if config.optimizer is not Optimizer.ADAMW or config.engine is not Engine.TORCH or config.offloads \
             or config.steps_in_backward:
-        return replay(events)
+        return Replay.of(events)
     weights = list({ties[id(p)]: p for p in model.parameters()}.values())  # a tied weight once, as the card holds it
     buffers = list(model.buffers())
     if deepened is not None:
@@ -276,8 +322,8 @@ def _replayed(events: list[Event], model: nn.Module, config: Config, ties: dict[
     trained = [p.numel() * p.element_size() for p in weights if p.requires_grad]
     # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
     # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
-    return replay_training(events, resident, [n for n in trained for _ in range(2)], trained,
-                           config.grad_accum_steps)
+    states = [n for n in trained for _ in range(2)]
+    return Replay.of(events, (resident, states, trained, config.grad_accum_steps))
 
 
 def fake_empty(model: nn.Module, fake: Any, device: str, tie: bool = True) -> dict[int, int]:

@@ -5,7 +5,7 @@ process (the GIL), so they are shared between the caller and a worker process pe
 Each worker is `python -m autofit.estimate.workers JOB RESULT`, an autofit entry point (nothing of the
 user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input
 work); the spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`).
-A worker builds its own `Estimator` and writes what each of its simulations found, as JSON. Whatever a
+A worker builds its own `Estimator` and writes what each of its simulations found, pickled. Whatever a
 worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so spreading
 changes how long a dry-run takes, never what it predicts.
 """
@@ -13,14 +13,13 @@ changes how long a dry-run takes, never what it predicts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from autofit.config import Config
 from autofit.estimate.simulate import ActivationPeak
@@ -61,7 +60,7 @@ class Workers:
         try:
             for share, process, path in zip(self.shares, self.processes, self.results):
                 if _finished(process) and path.exists():
-                    found += zip(share, [_found(item) for item in json.loads(path.read_text())])
+                    found += zip(share, pickle.loads(path.read_bytes()))
         finally:
             self.close()
         return found
@@ -90,7 +89,7 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shar
     folder = tempfile.TemporaryDirectory(prefix="autofit-sim-")
     workers = Workers(shares, [], [], folder)
     for index, share in enumerate(shares):
-        job, result = Path(folder.name) / f"job-{index}.pkl", Path(folder.name) / f"result-{index}.json"
+        job, result = Path(folder.name) / f"job-{index}.pkl", Path(folder.name) / f"result-{index}.pkl"
         job.write_bytes(pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data,
                                       "target": target, "full_depth": full_depth,
                                       "jobs": [(c.to_dict(), mb) for c, mb in share]}))
@@ -108,13 +107,9 @@ def _finished(process: subprocess.Popen) -> bool:
         return False
 
 
-def _found(item: list[Any]) -> Found:
-    fields, how = item
-    return (ActivationPeak(**fields) if fields is not None else None), how
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Simulate the jobs in `argv[0]` and write what each found to `argv[1]` (JSON); exit 0 when written."""
+    """Simulate the jobs in `argv[0]` and write what each found to `argv[1]` (pickled: each peak keeps its
+    replay's events, `ActivationPeak.replay`); exit 0 when written."""
     job_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
     job = pickle.loads(Path(job_path).read_bytes())
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
@@ -125,11 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # fake tensors compute nothing; the caller's other workers share the CPUs
     spec, strategies = pickle.loads(job["payload"])
     estimator = Estimator(spec, target=job["target"], strategies=strategies, full_depth=job["full_depth"])
-    found = []
-    for config, mb in job["jobs"]:
-        peak, how = estimator.simulate(Config.from_dict(config), mb)
-        found.append([dataclasses.asdict(peak) if peak is not None else None, how])
-    Path(result_path).write_text(json.dumps(found))
+    found = [estimator.simulate(Config.from_dict(config), mb) for config, mb in job["jobs"]]
+    Path(result_path).write_bytes(pickle.dumps(found))
     return 0
 
 

@@ -261,9 +261,26 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
     metric = row["metric"]
     if metric == "allocated":
         return estimate.peak_bytes - CUDA_CONTEXT_BYTES - terms.get("fragmentation", 0), "peak - context - fragmentation"
+    card = card_bytes(row)
+    if metric == "reserved" and card:  # the allocator releases its cache before it passes the card
+        return estimate.peak_under(card) - CUDA_CONTEXT_BYTES, "peak under the card's memory - context"
     if metric == "reserved":
         return estimate.peak_bytes - CUDA_CONTEXT_BYTES, "peak - context"
     return estimate.peak_bytes, "peak"
+
+
+# The cards rows name, as autofit's GPU profiles: a reserved figure cannot pass the card's memory, where the
+# caching allocator gives back its cached segments and retries (`autofit.estimate.allocator.CachingAllocator`)
+CARDS = {"RTX 3090 24GB": "rtx-3090", "NVIDIA L40S (48 GB)": "l40s", "A10G (24 GB)": "a10g",
+         "A100-SXM4-40GB": "a100-40gb"}
+
+
+def card_bytes(row: dict) -> int | None:
+    """The memory of the card `row` was measured on, where the source names it; else None."""
+    from autofit.estimate.gpus import get_gpu
+
+    name = next((profile for prefix, profile in CARDS.items() if row["gpu"].startswith(prefix)), None)
+    return get_gpu(name).memory_bytes if name else None
 
 
 def libraries_as_measured(row: dict) -> contextlib.ExitStack:

@@ -230,8 +230,10 @@ def test_a_model_without_attention_is_simulated_short_and_extrapolated_in_length
         peak, how = estimator.simulate(trained, 1)
         whole, _ = estimator._simulate(trained, 1, None, spec.batch_factory)
         assert "at 64 and 128 tokens extrapolated to 192 (no attention layers" in how
-        assert dataclasses.replace(peak, fragmentation=0) == dataclasses.replace(whole, fragmentation=0)
+        assert dataclasses.replace(peak, fragmentation=0, least_fragmentation=0) == \
+            dataclasses.replace(whole, fragmentation=0, least_fragmentation=0)
         assert 0.5 * whole.fragmentation <= peak.fragmentation <= 2 * whole.fragmentation
+        assert 0.5 * whole.least_fragmentation <= peak.least_fragmentation <= 2 * whole.least_fragmentation
 
 
 @pytest.mark.parametrize("seq_len", [1024, 900])
