@@ -229,6 +229,23 @@ def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dic
             kept.add(key)
 
 
+def allocations(events: Sequence[Event]) -> Iterator[tuple[int, Event]]:
+    """A step's events, each storage named by the allocation it belongs to, numbered in the order they
+    were made (storage ids are reused once freed): (index in `events`, event). A free of a storage made
+    before the step is left out; a gradient no event made names None."""
+    live: dict[Any, int] = {}
+    made = itertools.count()
+    for index, event in enumerate(events):
+        if event[0] == "malloc":
+            live[event[1]] = key = next(made)
+            yield index, ("malloc", key, event[2])
+        elif event[0] == "free":
+            if event[1] in live:
+                yield index, ("free", live.pop(event[1]))
+        else:  # kept by training (`_micro_step`), or freed by the next event
+            yield index, ("grad", live.get(event[1]), *event[2:])
+
+
 _OPS = ("malloc", "free", "grad")
 
 
@@ -246,19 +263,11 @@ class Replay:
 
     @classmethod
     def of(cls, events: Sequence[Event], training: tuple | None = None) -> "Replay":
-        live: dict[Any, int] = {}
         params: dict[Any, int] = {}
         ops, keys, sizes, owners = bytearray(), array.array("q"), array.array("q"), array.array("q")
-        made = itertools.count()
-        for event in events:
-            if event[0] == "malloc":
-                live[event[1]] = key = next(made)
-            else:
-                key = (live.pop if event[0] == "free" else live.get)(event[1], -1)
-                if event[0] == "free" and key < 0:
-                    continue  # a storage made before the step
+        for _, event in allocations(events):
             ops.append(_OPS.index(event[0]))
-            keys.append(key)
+            keys.append(-1 if event[1] is None else event[1])
             sizes.append(event[2] if event[0] != "free" else 0)
             owners.append(params.setdefault(event[3], len(params)) if event[0] == "grad" else -1)
         return cls(bytes(ops), keys, sizes, owners, training)
@@ -285,14 +294,9 @@ class Replay:
         """The step replayed through an allocator of `capacity` bytes (None: unlimited)."""
         return self.runner()(capacity)
 
-    def fits(self, capacity: int) -> bool:
-        """Whether the step replays within `capacity` bytes, its cache released as needed (stops at the
-        first failure)."""
-        return self.runner()(capacity, stop=True) is not None
-
     def runner(self) -> Callable[..., CachingAllocator | None]:
-        """`run` and `fits` for many capacities, the events built once: (capacity, stop=False) -> the
-        allocator replayed, None where `stop` and it ran out of memory."""
+        """`run` for many capacities, the events built once: (capacity, stop=False) -> the allocator
+        replayed, None where `stop` and it ran out of memory."""
         events = self.events()
 
         def run(capacity: int | None, stop: bool = False) -> CachingAllocator | None:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from autofit.estimate.allocator import Event
+from autofit.estimate.allocator import Event, allocations
 
 # The segments of a two-unit step, in order: before the units (embeddings), the first unit's forward, the
 # second's, between (the head, the loss and its backward), the second unit's backward, then the rest.
@@ -96,26 +96,19 @@ def deepen(events: Sequence[Event], marks: Marks, units: int) -> list[Event] | N
 
 
 class _Instances:
-    """A step's events with each allocation named by the index of its malloc (ids of storages are reused),
-    the segment of each event and of each allocation, and the correspondences `deepened` needs."""
+    """A step's events with each allocation named (`allocator.allocations`), the segment of each event and
+    of each allocation, and the correspondences `deepened` needs."""
 
     def __init__(self, events: Sequence[Event], bounds: list[int]):
-        live: dict[Any, int] = {}
-        self.events: list[tuple[int, Event]] = []  # (segment, event with allocation indices)
+        self.events: list[tuple[int, Event]] = []  # (segment, event with allocations named: `allocations`)
         self.origin: dict[int, int] = {}  # allocation -> segment of its malloc
         segment = 0
-        for index, event in enumerate(events):
+        for index, event in allocations(events):
             while segment + 1 < len(bounds) and index >= bounds[segment + 1]:
                 segment += 1
             if event[0] == "malloc":
-                live[event[1]] = index
-                self.origin[index] = segment
-                self.events.append((segment, ("malloc", index, event[2])))
-            elif event[0] == "free":
-                if event[1] in live:
-                    self.events.append((segment, ("free", live.pop(event[1]))))
-            else:  # a gradient: its storage kept by training (`allocator._micro_step`), or freed next
-                self.events.append((segment, ("grad", live.get(event[1]), *event[2:])))
+                self.origin[event[1]] = segment
+            self.events.append((segment, event))
         self.segments = [[e for s, e in self.events if s == segment] for segment in range(len(bounds))]
         self.mallocs = [[e[1] for e in events if e[0] == "malloc"] for events in self.segments]
         # the second unit's allocation at each of the first unit's forward allocations' places

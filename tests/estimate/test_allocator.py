@@ -202,8 +202,9 @@ def test_the_least_reserve_is_where_the_replay_stops_running_out_of_memory():
     roomy = step.run()
     least = least_reserve(step.runner(), roomy)
     assert roomy.peak_allocated < least < roomy.peak_reserved  # step 2's activations take the freed block
-    assert step.fits(least) and not step.run(least).out_of_memory
-    assert not step.fits(least - 2 * MIB - 1) and step.run(least - 2 * MIB - 1).out_of_memory
+    run = step.runner()
+    assert run(least, stop=True) is not None and not step.run(least).out_of_memory
+    assert run(least - 2 * MIB - 1, stop=True) is None and step.run(least - 2 * MIB - 1).out_of_memory
 
 
 def test_a_replay_read_at_another_micro_batch_scales_each_size_on_the_line():

@@ -11,6 +11,7 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.estimate import deepen, simulate
+from autofit.estimate.allocator import allocations
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.facts import rebuild
 from autofit.spec.train import make_spec
@@ -28,16 +29,8 @@ def llama(layers):
 
 
 def structure(events):
-    """(op, allocation, bytes) with each allocation numbered as made: storage ids are reused, keys renamed."""
-    live, out, made = {}, [], itertools.count()
-    for event in events:
-        if event[0] == "malloc":
-            live[event[1]] = next(made)
-            out.append(("malloc", live[event[1]], event[2]))
-        elif event[0] == "free" and event[1] in live:
-            out.append(("free", live.pop(event[1])))
-        elif event[0] == "grad":
-            out.append(("grad", live.get(event[1]), event[2]))
+    """(op, allocation, bytes) with each allocation named as made (`allocations`: storage ids are reused)."""
+    out = [event[:3] for _, event in allocations(events)]
     # frees in a row leave the same cache in any order (some come in the order of a dict of storages)
     runs = itertools.groupby(out, key=lambda event: event[0] == "free")
     return [event for freeing, run in runs for event in (sorted(run) if freeing else run)]
