@@ -32,7 +32,7 @@ from autofit.config import Config  # noqa: E402
 from autofit.estimate import simulate  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
-from bench.estimate_accuracy import GLOBAL_BATCH, models  # noqa: E402
+from bench.estimate_accuracy import GLOBAL_BATCH, model_named  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED = RESULTS / "estimate-cuda-2026-11-27-parts.json"
@@ -43,7 +43,7 @@ def full_depth_reserve(name: str, config: Config) -> int:
     """Reserved minus allocated bytes of three training steps replayed at `name`'s full depth."""
     from transformers import AutoModelForCausalLM
 
-    model_config, _, seq_len = models(large=True)[name]
+    model_config, _, seq_len = model_named(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     ids = torch.zeros(config.micro_batch_size, seq_len, dtype=torch.long)
@@ -59,7 +59,7 @@ def main() -> None:
     for row in json.loads(MEASURED.read_text())["rows"]:
         name, config = row["model"], Config.from_dict(row["config"])
         if name not in estimators:
-            model, batch, seq_len = models(large=True)[name]
+            model, batch, seq_len = model_named(name)
             spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cpu",
                              memory_budget="1TiB")
             estimators[name] = Estimator(spec, target="cuda")

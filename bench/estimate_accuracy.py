@@ -3,6 +3,7 @@
     python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
     python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
     python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama and GPT-2 small at 1,024 tokens
+    python bench/estimate_accuracy.py --device cuda --held-out   # only models no calibration used
     python bench/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
         # no probe: predict here (CPU kernels standing in for CUDA, as a dry-run does) the peaks a GPU
         # run measured, beside what that run's own estimator said
@@ -73,12 +74,15 @@ def mlp_batch(n: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, 64, 128, generator=gen), "y": torch.randint(0, 10, (n,), generator=gen)}
 
 
-def models(large: bool = False) -> dict[str, tuple]:
+def models(large: bool = False, held_out: bool = False) -> dict[str, tuple]:
     """name -> (model, batch, seq_len): tiny models, each simulated in full (no depth extrapolation), and
     with `large` a TinyLlama-sized one (1.1B: 22 layers, hidden 2048, GQA 4 heads of 32), whose depth is
-    extrapolated as the dry-run does."""
+    extrapolated as the dry-run does. `held_out`: only the models no calibration of the estimator has used
+    (`held_out_models`)."""
     from transformers import GPT2Config, LlamaConfig
 
+    if held_out:
+        return held_out_models()
     llama = LlamaConfig(vocab_size=2000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                         num_attention_heads=4, max_position_embeddings=1024)
     gpt2 = GPT2Config(vocab_size=2000, n_embd=128, n_layer=4, n_head=4, n_positions=1024, eos_token_id=0,
@@ -92,6 +96,25 @@ def models(large: bool = False) -> dict[str, tuple]:
     # GPT-2 small as transformers builds it: dropout 0.1 everywhere and gelu_new, what CUDA's dropout mask
     # and autocast's fp32 ops change (autofit/estimate/cuda_dropout.py, cuda_autocast.py) at full size
     return {**tiny, "llama-1.1b": (llama_1b, None, 1024), "gpt2-124m": (GPT2Config(), None, 1024)}
+
+
+def held_out_models() -> dict[str, tuple]:
+    """Models kept out of the estimator's calibration, their peaks measured after the estimator was fixed
+    (commit in the results file): GPT-2 medium (24 layers, hidden 1,024) and a Qwen2-0.5B-sized decoder
+    (24 layers, hidden 896, GQA 14 heads on 2, a 151,936-token vocabulary, tied embeddings, biased q/k/v),
+    both at 1,024 tokens."""
+    from transformers import GPT2Config, Qwen2Config
+
+    qwen2 = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                        max_position_embeddings=1024)
+    return {"gpt2-355m": (GPT2Config(n_embd=1024, n_layer=24, n_head=16), None, 1024),
+            "qwen2-0.5b": (qwen2, None, 1024)}
+
+
+def model_named(name: str) -> tuple:
+    """(model, batch, seq_len) of any model this bench knows, for replaying a recorded row."""
+    return {**models(large=True), **held_out_models()}[name]
 
 
 def configs(hf: bool) -> list[Config]:
@@ -117,9 +140,9 @@ def measured_parts(device: str) -> dict[str, int]:
             "outside_allocator": outside_allocator(where), "accounting": accounting(where)}
 
 
-def measure(device: str, large: bool = False, only: list[str] | None = None) -> list[dict]:
+def measure(device: str, large: bool = False, only: list[str] | None = None, held_out: bool = False) -> list[dict]:
     rows = []
-    for name, (model, batch, seq_len) in models(large).items():
+    for name, (model, batch, seq_len) in models(large, held_out).items():
         if only and name not in only:
             continue
         spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device=device,
@@ -151,7 +174,7 @@ def replay(recorded: dict, extrapolate_batch: bool = False) -> list[dict]:
     rows = []
     for row in recorded["rows"]:
         if row["model"] not in estimators:
-            model, batch, seq_len = models(large=True)[row["model"]]
+            model, batch, seq_len = model_named(row["model"])
             spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cpu",
                              memory_budget="1TiB")
             estimators[row["model"]] = Estimator(spec, target="cuda", extrapolate_batch=extrapolate_batch)
@@ -171,6 +194,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--large", action="store_true", help="add a 1.1B Llama and GPT-2 small at 1,024 tokens "
                         "(a GPU's worth)")
+    parser.add_argument("--held-out", action="store_true", help="only the models no calibration used (GPT-2 "
+                        "medium, a Qwen2-0.5B-sized decoder): results-file name estimate-held-out-...")
     parser.add_argument("--only", action="append", help="measure only this model (repeatable)")
     parser.add_argument("--against", type=Path, help="a recorded GPU run's results: predict its rows here, no probe")
     parser.add_argument("--extrapolate-batch", action="store_true",
@@ -180,7 +205,7 @@ def main() -> None:
     started = time.perf_counter()
     if args.against:
         return write_replay(args.against, started, args.extrapolate_batch)
-    rows = measure(args.device, args.large, args.only)
+    rows = measure(args.device, args.large, args.only, args.held_out)
     errors = [abs(r["error"]) for r in rows]
     now = datetime.datetime.now(datetime.timezone.utc)
     device = torch.device(args.device)
@@ -188,7 +213,7 @@ def main() -> None:
               "torch": torch.__version__, "python": platform.python_version(), "points": len(rows),
               "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
               "seconds": round(time.perf_counter() - started, 1), "rows": rows}
-    path = results_path("estimate", device)
+    path = results_path("estimate-held-out" if args.held_out else "estimate", device)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{len(rows)} points on {result['device']}: median |error| {result['median_abs_error']:.2%}, "
           f"worst {result['worst_abs_error']:.2%} -> {path}")

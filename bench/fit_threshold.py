@@ -9,7 +9,7 @@ not fall short of is this threshold: found here by bisection, each step one real
 own rule) in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD): in one process an OOM in
 the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
 
-    python bench/fit_threshold.py [--steps 5] [--only gpt2-124m]     # needs a GPU
+    python bench/fit_threshold.py [--steps 5] [--only gpt2-124m] [--held-out]    # needs a GPU
     python bench/fit_threshold.py --against bench/results/fit-threshold-cuda-h200-2026-11-27.json  # no GPU
 
 The estimator predicts both figures: the roomy peak (`Estimate.peak_bytes`) and what a fit needs
@@ -44,13 +44,16 @@ from autofit.spec.devices import describe  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from autofit.strategies.base import Placement  # noqa: E402
-from bench.estimate_accuracy import GLOBAL_BATCH, measured_parts, models  # noqa: E402
+from bench.estimate_accuracy import GLOBAL_BATCH, measured_parts, model_named  # noqa: E402
 from bench.report import results_path  # noqa: E402
 
 MIB = 2**20
 # the estimate run's largest under-predictions of the roomy peak (results/estimate-cuda-2026-11-27.json)
 CASES = [("gpt2-124m", "bf16", "full", 4), ("gpt2-124m", "fp32", "full", 1), ("gpt2-124m", "bf16", "none", 4),
          ("llama-1.1b", "fp32", "full", 4), ("llama-1.1b", "bf16", "none", 1)]
+# models no calibration used (bench.estimate_accuracy.held_out_models), bisected with --held-out
+HELD_OUT_CASES = [("gpt2-355m", "fp32", "full", 1), ("gpt2-355m", "bf16", "none", 4),
+                  ("qwen2-0.5b", "bf16", "full", 4), ("qwen2-0.5b", "fp32", "none", 1)]
 
 
 def probe(model, batch, seq_len, config: Config, budget: int | None):
@@ -63,7 +66,7 @@ def probe(model, batch, seq_len, config: Config, budget: int | None):
 
 
 def threshold(name: str, precision: str, checkpointing: str, micro: int, steps: int) -> dict:
-    model, batch, seq_len = models(large=True)[name]
+    model, batch, seq_len = model_named(name)
     config = Config(precision=precision, attention="sdpa", checkpointing=checkpointing, micro_batch_size=micro,
                     grad_accum_steps=GLOBAL_BATCH // micro)
     spec, roomy = probe(model, batch, seq_len, config, None)
@@ -94,6 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per configuration")
     parser.add_argument("--only", action="append", help="only this model (repeatable)")
+    parser.add_argument("--held-out", action="store_true", help="the models no calibration used (HELD_OUT_CASES): "
+                        "results-file name fit-threshold-held-out-...")
     parser.add_argument("--against", type=Path, help="a recorded GPU run: predict its rows here, no probe")
     args = parser.parse_args()
     if args.against:
@@ -102,8 +107,8 @@ def main() -> None:
     result = {"what": __doc__.splitlines()[0], "device": describe(torch.device("cuda")),
               "date": now.isoformat(timespec="seconds"), "torch": torch.__version__,
               "python": platform.python_version(), "rows": []}
-    path = results_path("fit-threshold", "cuda")
-    for case in CASES:
+    path = results_path("fit-threshold-held-out" if args.held_out else "fit-threshold", "cuda")
+    for case in HELD_OUT_CASES if args.held_out else CASES:
         if args.only and case[0] not in args.only:
             continue
         row = threshold(*case, args.steps)
@@ -122,7 +127,7 @@ def replay(path: Path) -> None:
     recorded, started = json.loads(path.read_text()), time.perf_counter()
     rows = []
     for row in recorded["rows"]:
-        model, batch, seq_len = models(large=True)[row["model"]]
+        model, batch, seq_len = model_named(row["model"])
         spec = make_spec(model, batch, seq_len=seq_len, global_batch_size=GLOBAL_BATCH, device="cpu",
                          memory_budget="1TiB")
         predicted = Estimator(spec, target="cuda").predict(Config.from_dict(row["config"]))

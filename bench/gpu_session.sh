@@ -8,7 +8,9 @@
 #
 #     bash bench/gpu_session.sh [SECONDS [PART...]]   # SECONDS: each part's wall-clock limit (default 330)
 #
-# PART: gpu-tests, estimate, quickstart, threshold, residue (default: all of them, at once).
+# PART: gpu-tests, estimate, quickstart, threshold, residue, held-out, held-out-threshold (default: all of
+# them, at once; the held-out parts measure the models no calibration used, bench/estimate_accuracy.py's
+# held_out_models).
 #
 # Everything lands in $OUT (or /tmp/gpu-session): the results files written, machine.txt, and logs.tar.gz
 # (each part's log and the pytest junit file).
@@ -16,7 +18,7 @@ set -u
 out=${OUT:-/tmp/gpu-session}
 limit=${1:-330}
 shift $(( $# > 0 ? 1 : 0 ))
-only="$*"  # the parts to run (gpu-tests estimate quickstart threshold residue); none named: all
+only="$*"  # the parts to run (PART above); none named: all
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -41,6 +43,8 @@ part estimate python3 bench/estimate_accuracy.py --device cuda --large
 part quickstart python3 examples/quickstart.py
 part threshold python3 bench/fit_threshold.py --only gpt2-124m --steps 5
 part residue python3 bench/probe_residue.py
+part held-out python3 bench/estimate_accuracy.py --device cuda --held-out
+part held-out-threshold python3 bench/fit_threshold.py --held-out --steps 5
 wait
 find bench/results -newer "$out/machine.txt" -name '*.json' -exec cp {} "$out/" \;
 nvidia-smi --query-gpu=memory.used --format=csv >> "$out/machine.txt" 2>&1
