@@ -122,13 +122,21 @@ class _Tracker(StorageCounter):
         super()._count(storage)
         after = self._live.get(key)
         if after is not None and after is not before and (before is None or before[1] != after[1]):
-            if before is not None:
-                self.events.append(("free", key))  # resized in place: the allocator frees and allocates
-            self.events.append(("malloc", key, storage.nbytes()))
+            # resized in place: the allocator frees and allocates. A storage of no bytes has no block: the
+            # CUDA caching allocator hands out a null pointer for 0 bytes without allocating
+            # (c10/cuda/CUDACachingAllocator.cpp, `NativeCachingAllocator::allocate`: `if (size != 0)`);
+            # on CUDA such storages appear once, in the first checkpointed block only, and had made a deep
+            # model's two blocks look unlike (`autofit.estimate.deepen`)
+            if before is not None and before[1]:
+                self.events.append(("free", key))
+            if after[1]:
+                self.events.append(("malloc", key, storage.nbytes()))
 
     def _forget(self, key: int) -> None:
+        entry = self._live.get(key)
         super()._forget(key)
-        self.events.append(("free", key))
+        if entry is not None and entry[1]:
+            self.events.append(("free", key))
 
     def take_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""

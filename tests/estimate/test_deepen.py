@@ -118,3 +118,30 @@ def test_missing_marks_deepen_nothing():
     events = [("malloc", 1, 512), ("free", 1)]
     assert deepen.deepen(events, deepen.Marks(first=0, second=1), 4) is None
     assert deepen.deepen(events, deepen.Marks(0, 1, 1, 2, 2), 1) is None
+
+
+class OnceEmpty(nn.Module):
+    """Blocks the first of which makes a tensor of no bytes, once (on CUDA, a checkpointed model's first block
+    did so: an empty CUDA storage, which the caching allocator gives no block)."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(layers))
+        self.made = []
+
+    def forward(self, x):
+        for block in self.blocks:
+            if not self.made:
+                self.made.append(x.new_empty(0))
+            x = block(x)
+        return x
+
+
+def test_storages_of_no_bytes_are_no_allocations_and_leave_the_units_alike(deepened):
+    with torch.device("meta"):
+        model = OnceEmpty()
+    with simulate.recorded_events() as recorded:
+        simulate.simulate_step(model, torch.randn(8, 64), lambda out, batch: out.square().mean(), Config(),
+                               device="cpu", cuda_ampere=True, replay_depth=(1, 4))
+    assert all(event[2] for event in recorded[0] if event[0] == "malloc")
+    assert deepened[-1] is not None
