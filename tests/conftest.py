@@ -1,8 +1,16 @@
 import os
+import shutil
 import sys
+import tempfile
 
-import pytest
-import torch
+# Simulated steps are shared through a folder of this run's own (autofit/estimate/simulations.py), set
+# before autofit is imported: the xdist workers and the CLI processes tests start read one another's, and
+# nothing of an earlier run or another checkout is read
+_CACHE = None if "AUTOFIT_CACHE" in os.environ else tempfile.mkdtemp(prefix="autofit-test-cache-")
+os.environ.setdefault("AUTOFIT_CACHE", _CACHE or "")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py is importable as `models`
 torch.set_num_threads(1)  # tests share a small machine; timing is never asserted
@@ -19,3 +27,9 @@ def pytest_collection_modifyitems(items):
     """The README test first: its blocks run in page order on one worker (`--dist loadfile`) and take the
     longest, so starting it first keeps the other worker from waiting on it at the end."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/test_readme.py"))
+
+
+def pytest_unconfigure(config):
+    """The run's cache folder goes when the process that made it ends (the workers inherit it)."""
+    if _CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(_CACHE, ignore_errors=True)

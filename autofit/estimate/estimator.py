@@ -31,6 +31,7 @@ from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, model_facts  # noqa: F401 (re-exported)
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate import cuda_attention
+from autofit.estimate import simulate as simulate_module
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, reserve, simulate_step  # noqa: F401 (re-exported)
@@ -181,6 +182,7 @@ class Estimator:
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
+        self._shareable = simulations.shareable(self._meta, spec)
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -256,7 +258,8 @@ class Estimator:
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache:
-            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key)) or self.simulate(config, mb))
+            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key), self._shared())
+                       or self.simulate(config, mb))
         peak, how = self._cache[key]
         steps = peak.replay.with_micro_steps(config.grad_accum_steps) if peak.replay else None
         if steps is None:
@@ -267,12 +270,17 @@ class Estimator:
             self._reserves[held] = dataclasses.replace(peak, **reserve(steps))
         return self._reserves[held], how
 
+    def _shared(self) -> bool:
+        """Whether this model's steps go through the cache on disk (`simulations.shareable`); not while a
+        caller records the steps' events (`simulate.recorded_events`): a step read back records none."""
+        return self._shareable and not simulate_module.recording()
+
     def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:
         """Keep a simulation's result (for the process too); a failed one's activations come by formula."""
         key = self._key(config, mb)
         if key in self._cache:
             return
-        simulations.SIMULATIONS.put((self._workload, key), found)
+        simulations.SIMULATIONS.put((self._workload, key), found, self._shared())
         peak, how = found
         if peak is None:
             self._failed.add(key)

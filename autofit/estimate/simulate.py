@@ -242,6 +242,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
 _RECORDERS: list[list[list[Event]]] = []
 
 
+def recording() -> bool:
+    """Whether a caller is collecting the events of the steps simulated (`recorded_events`)."""
+    return bool(_RECORDERS)
+
+
 @contextlib.contextmanager
 def recorded_events() -> Iterator[list[list[Event]]]:
     """Collect the allocation events of every step simulated inside, one list per simulation: for

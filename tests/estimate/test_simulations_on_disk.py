@@ -1,0 +1,118 @@
+"""Simulated steps shared between processes through a folder (autofit/estimate/simulations.py): a library's
+model read back by the next process, never a step of other code, never a model of one's own class."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+import autofit.estimate.estimator as estimator_module
+from autofit.config import Config
+from autofit.estimate import simulate, simulations
+from autofit.estimate.estimator import Estimator
+from autofit.spec.train import make_spec
+
+CONFIG = Config(precision="bf16", attention="sdpa", checkpointing="full", micro_batch_size=2)
+
+
+def llama():
+    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, max_position_embeddings=256)
+
+
+class Mine(nn.Module):
+    """A model of one's own: its forward may change between two runs under the same name and shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.fixture
+def process(monkeypatch, tmp_path):
+    """A fresh process's cache over the folder `tmp_path / "cache"` (each call: the next process), and
+    the simulations it ran."""
+    runs = []
+    real = estimator_module.simulate_step
+    monkeypatch.setattr(estimator_module, "simulate_step", lambda *a, **k: runs.append(1) or real(*a, **k))
+
+    def start():
+        monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations(folder=tmp_path / "cache"))
+        runs.clear()
+        return runs
+    return start
+
+
+def predict(model, batch=None):
+    spec = make_spec(model, batch, seq_len=32, global_batch_size=2, device="cpu", memory_budget="4GiB",
+                     loss_fn=None if batch is None else (lambda out, _batch: out.square().mean()))
+    return Estimator(spec, target="cuda").predict(CONFIG)
+
+
+def test_the_next_process_reads_a_librarys_model_back_and_simulates_nothing(process, tmp_path):
+    runs = process()
+    first = predict(llama())
+    assert runs and list((tmp_path / "cache").glob("*.pkl"))
+    runs = process()
+    again = predict(llama())
+    assert not runs
+    assert again.peak_bytes == first.peak_bytes and again.need_bytes == first.need_bytes
+    assert again.reason == first.reason
+
+
+def test_other_code_reads_nothing_back(process, monkeypatch):
+    process()
+    predict(llama())
+    runs = process()
+    monkeypatch.setattr(simulations, "code_version", lambda: "another autofit, torch or transformers")
+    predict(llama())
+    assert runs
+
+
+def test_a_model_of_ones_own_is_kept_for_its_process_only(process, tmp_path):
+    runs = process()
+    predict(Mine, lambda n: torch.zeros(n, 32))
+    assert runs and not (tmp_path / "cache").exists()
+
+
+def test_a_broken_file_is_simulated_again(process, tmp_path):
+    process()
+    first = predict(llama())
+    for path in (tmp_path / "cache").glob("*.pkl"):
+        path.write_bytes(path.read_bytes()[:100])  # a writer killed halfway
+    runs = process()
+    assert predict(llama()).peak_bytes == first.peak_bytes and runs
+
+
+def test_recording_a_steps_events_simulates_it(process):
+    process()
+    predict(llama())
+    runs = process()
+    with simulate.recorded_events() as recorded:
+        predict(llama())
+    assert runs and recorded
+
+
+def test_the_folder_is_named_by_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOFIT_CACHE", str(tmp_path))
+    assert simulations.cache_folder() == tmp_path
+    for off in ("off", "0", "No"):
+        monkeypatch.setenv("AUTOFIT_CACHE", off)
+        assert simulations.cache_folder() is None
+    monkeypatch.delenv("AUTOFIT_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert simulations.cache_folder() == tmp_path / "autofit" / "simulations"
+
+
+def test_the_oldest_files_go_past_the_limit(tmp_path):
+    kept = simulations.Simulations(folder=tmp_path, files=3)
+    peak = simulate.ActivationPeak(1, 1, 0, 0, 1, 0)
+    for n in range(70):
+        kept.put(("workload", n), (peak, "simulated"), shared=True)
+    # pruned at the 1st and the 65th write to the newest 3, then 5 more written
+    assert len(list(tmp_path.glob("*.pkl"))) == 3 + 5
+    fresh = simulations.Simulations(folder=tmp_path)
+    assert fresh.get(("workload", 69), shared=True) is not None and fresh.get(("workload", 0), shared=True) is None
