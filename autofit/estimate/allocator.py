@@ -48,14 +48,15 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclasses.dataclass(eq=False)
 class _Block:
-    address: int
-    size: int
-    small: bool
-    free: bool = True
-    prev: "_Block | None" = None
-    next: "_Block | None" = None
+    """A block of a segment: free or allocated, between its neighbours in the segment (a plain class with
+    slots: replays make hundreds of thousands)."""
+
+    __slots__ = ("address", "size", "small", "free", "prev", "next")
+
+    def __init__(self, address: int, size: int, small: bool, prev: "_Block | None" = None,
+                 next: "_Block | None" = None) -> None:  # noqa: A002 - the segment's order, as the C++ names it
+        self.address, self.size, self.small, self.free, self.prev, self.next = address, size, small, True, prev, next
 
 
 class CachingAllocator:
@@ -77,23 +78,25 @@ class CachingAllocator:
         self.out_of_memory = False
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
-    def malloc(self, key: int, nbytes: int) -> None:
-        size = round_size(nbytes)
+    def malloc(self, key: Any, nbytes: int) -> None:
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK  # `round_size`
         small = size <= SMALL_SIZE
         block = self._cached(small, size) or self._segment(small, size)
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
+            after = block.next
+            rest = _Block(block.address + size, remaining, small, block, after)
+            if after is not None:
+                after.prev = rest
             block.next, block.size = rest, size
             self._cache(rest)
         block.free = False
         self._used[key] = block
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
 
-    def free(self, key: int) -> None:
+    def free(self, key: Any) -> None:
         block = self._used.pop(key, None)
         if block is None:
             return
@@ -110,9 +113,8 @@ class CachingAllocator:
         index = bisect.bisect_left(pool, (size, -1))
         if index == len(pool):
             return None
-        block = self._at[pool[index][1]]
-        self._uncache(block)
-        return block
+        address = pool.pop(index)[1]
+        return self._at.pop(address)
 
     def _segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_size(size)
@@ -188,14 +190,14 @@ def replay_training(events: Sequence[Event], resident: Sequence[int], states: Se
     step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json)."""
     allocator, fresh = CachingAllocator(capacity, stop), itertools.count()
     for nbytes in resident:
-        allocator.malloc(("resident", next(fresh)), nbytes)
+        allocator.malloc(next(fresh), nbytes)
     for step in range(steps):
         grads: dict[Any, Any] = {}
         for _ in range(min(micro_steps, MICRO_STEPS_REPLAYED)):
             _micro_step(allocator, events, grads, fresh)
         for nbytes in states if step == 0 else ():
-            allocator.malloc(("state", next(fresh)), nbytes)
-        made = [("temporary", next(fresh)) for _ in temporaries]
+            allocator.malloc(next(fresh), nbytes)
+        made = [next(fresh) for _ in temporaries]
         for key, nbytes in zip(made, temporaries):
             allocator.malloc(key, nbytes)
         for key in [*made, *grads.values()]:
@@ -204,12 +206,13 @@ def replay_training(events: Sequence[Event], resident: Sequence[int], states: Se
 
 
 def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dict, fresh: Iterator[int]) -> None:
-    """One micro-step's events under fresh keys; gradients kept in `grads` (param -> key) past the step."""
+    """One micro-step's events under fresh keys (numbers from `fresh`, as every allocation of the replay:
+    ints hash fastest); gradients kept in `grads` (param -> key) past the step."""
     keys: dict[Any, Any] = {}
     kept = set(grads.values())
     for event in events:
         if event[0] == "malloc":
-            keys[event[1]] = key = ("event", next(fresh))
+            keys[event[1]] = key = next(fresh)
             allocator.malloc(key, event[2])
         elif event[0] == "free":
             key = keys.pop(event[1], None)
@@ -223,7 +226,7 @@ def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dic
                     allocator.free(key)
                 continue
             if key is None:
-                key = ("grad", next(fresh))
+                key = next(fresh)
                 allocator.malloc(key, nbytes)
             grads[param] = key
             kept.add(key)
