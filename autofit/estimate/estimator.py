@@ -375,10 +375,12 @@ class Estimator:
         return ActivationPeak(total, total, 0, 0, total, 0)
 
     def states_floor(self, config: Config) -> int:
-        """Bytes per device that `config` holds whatever its activations: weights and optimizer states
-        (a lower bound of its peak, from formulas alone; no simulation)."""
+        """Bytes per device that `config` holds whatever its activations: weights and optimizer states, and
+        on CUDA the context and cuBLAS's workspace (a lower bound of its peak, from formulas alone; no
+        simulation: where it is over the limit, the dry-run simulates the smallest micro-batch only)."""
         states = model_states(self.facts, config)
-        return states.params + states.optimizer
+        fixed = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if self.target == "cuda" else 0
+        return states.params + states.optimizer + fixed
 
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
