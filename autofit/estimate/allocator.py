@@ -36,7 +36,7 @@ _SEGMENT_SPACING = 1 << 48  # addresses: segments apart, in the order they were 
 
 
 def round_size(nbytes: int) -> int:
-    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK
 
 
 def segment_size(size: int) -> int:
@@ -79,7 +79,7 @@ class CachingAllocator:
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def malloc(self, key: Any, nbytes: int) -> None:
-        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK  # `round_size`
+        size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._cached(small, size) or self._segment(small, size)
         remaining = block.size - size

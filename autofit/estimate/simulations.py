@@ -88,9 +88,11 @@ class Simulations:
         """Drop the oldest files past `files` (and temporaries a killed process left)."""
         assert self.folder is not None
         try:
-            found = sorted(self.folder.iterdir(), key=lambda f: f.stat().st_mtime)
-            for stale in [f for f in found if f.suffix == ".tmp"][:-8] + [f for f in found if f.suffix == ".pkl"][:-self.files]:
-                stale.unlink(missing_ok=True)
+            found = sorted(self.folder.iterdir(), key=lambda f: f.stat().st_mtime)  # oldest first
+            kept = [f for f in found if f.suffix == ".pkl"]
+            written = [f for f in found if f.suffix == ".tmp"]  # the newest may be other processes' writes
+            for stale in kept[:max(0, len(kept) - self.files)] + written[:max(0, len(written) - 8)]:
+                stale.unlink(missing_ok=True)  # only files of its own kinds: the folder may be shared
         except OSError:
             pass
 

@@ -116,3 +116,13 @@ def test_the_oldest_files_go_past_the_limit(tmp_path):
     assert len(list(tmp_path.glob("*.pkl"))) == 3 + 5
     fresh = simulations.Simulations(folder=tmp_path)
     assert fresh.get(("workload", 69), shared=True) is not None and fresh.get(("workload", 0), shared=True) is None
+
+
+def test_pruning_leaves_other_files_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    kept = simulations.Simulations(folder=tmp_path, files=1)
+    peak = simulate.ActivationPeak(1, 1, 0, 0, 1, 0)
+    for n in range(2):
+        kept.put(("workload", n), (peak, "simulated"), shared=True)
+    kept._prune()
+    assert (tmp_path / "notes.txt").read_text() == "mine" and len(list(tmp_path.glob("*.pkl"))) == 1
