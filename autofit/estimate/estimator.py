@@ -221,7 +221,7 @@ class Estimator:
         is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
         predictions are the same either way."""
         todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
-        todo = [job for key, job in todo.items() if key not in self._cache]
+        todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
         if not todo:
             return
         from autofit.estimate import workers  # here: `python -m autofit.estimate.workers` imports this module
@@ -257,9 +257,8 @@ class Estimator:
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
-        if key not in self._cache:
-            self._keep(config, mb, simulations.SIMULATIONS.get((self._workload, key), self._shared())
-                       or self.simulate(config, mb))
+        if key not in self._cache and not self._recalled(config, mb):
+            self._keep(config, mb, self.simulate(config, mb))
         peak, how = self._cache[key]
         steps = peak.replay.with_micro_steps(config.grad_accum_steps) if peak.replay else None
         if steps is None:
@@ -275,12 +274,21 @@ class Estimator:
         caller records the steps' events (`simulate.recorded_events`): a step read back records none."""
         return self._shareable and not simulate_module.recording()
 
-    def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str]) -> None:
-        """Keep a simulation's result (for the process too); a failed one's activations come by formula."""
+    def _recalled(self, config: Config, mb: int) -> bool:
+        """Whether this step was simulated before, in this process or (`_shared`) one before it: kept then."""
+        found = simulations.SIMULATIONS.get((self._workload, self._key(config, mb)), self._shared())
+        if found is not None:
+            self._keep(config, mb, found, simulated=False)
+        return found is not None
+
+    def _keep(self, config: Config, mb: int, found: tuple[ActivationPeak | None, str], simulated: bool = True) -> None:
+        """Keep a simulation's result (a new one for the process too, and where `_shared`, on disk); a failed
+        one's activations come by formula."""
         key = self._key(config, mb)
         if key in self._cache:
             return
-        simulations.SIMULATIONS.put((self._workload, key), found, self._shared())
+        if simulated:
+            simulations.SIMULATIONS.put((self._workload, key), found, self._shared())
         peak, how = found
         if peak is None:
             self._failed.add(key)

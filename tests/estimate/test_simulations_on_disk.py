@@ -56,9 +56,11 @@ def test_the_next_process_reads_a_librarys_model_back_and_simulates_nothing(proc
     runs = process()
     first = predict(llama())
     assert runs and list((tmp_path / "cache").glob("*.pkl"))
+    written = {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("*.pkl")}
     runs = process()
     again = predict(llama())
     assert not runs
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "cache").glob("*.pkl")} == written  # read, not rewritten
     assert again.peak_bytes == first.peak_bytes and again.need_bytes == first.need_bytes
     assert again.reason == first.reason
 
