@@ -1,13 +1,15 @@
 """A deep model's allocation events, synthesized from a simulation of two of its blocks.
 
-The estimator simulates a deep model at one and two blocks (or k and 2k under every-k checkpointing) and
-extrapolates each peak in depth; the peaks are linear in depth, but what the CUDA caching allocator
-reserves beyond them is not: on an H100, GPT-2 small's step with full checkpointing, replayed at 2, 8,
-10 and 12 blocks, reserved 638, 304, 1,009 and 882 MiB beyond its allocated bytes, 854 measured at 12
-(bench/results/allocator-steps-2026-11-27.json). So the allocator is replayed at the whole depth, with
-events the two-unit simulation already holds: marked where each unit's forward and backward begin and
-end (`watch`), the second unit's events are repeated once for every unit the model has beyond the
-first (`deepen`), and each repeat's allocations and frees are told apart by the unit they belong to.
+The estimator simulates a deep model at two blocks (two units of k under every-k checkpointing) and reads
+the step as at its whole depth from the events that simulation holds: marked where each unit's forward and
+backward begin and end (`watch`), the second unit's events are repeated once for every unit the model has
+beyond the first (`deepen`), and each repeat's allocations and frees are told apart by the unit they belong
+to. The peaks are read from those events (`autofit.estimate.simulate.curve`) and the CUDA caching allocator
+replays them: what it reserves beyond the allocated bytes is not linear in depth (on an H100, GPT-2 small's
+step with full checkpointing, replayed at 2, 8, 10 and 12 blocks, reserved 638, 304, 1,009 and 882 MiB
+beyond its allocated bytes, 854 measured at 12: bench/results/allocator-steps-2026-11-27.json), and nor is
+the backward's most of live and gradient bytes (a line through one and two blocks of a tiny Llama with full
+checkpointing read it 23% under a simulation of every block; the events repeated read it exactly).
 
 A free names the unit its allocation belongs to relatively: in the second unit's forward, "mine" or
 "the unit before mine" (its input, the first unit's output); after the last unit's forward, "the last
@@ -16,13 +18,14 @@ becomes, for a unit with another after it, the gradient that unit's backward sen
 unit's backward frees). A unit's events are taken as its own only where the two units allocated the
 same sizes in the same order (identical blocks, as `autofit.estimate.facts.depth_key` rebuilds them);
 anything else (Gemma's alternating layer kinds, a re-entrant checkpoint whose outputs hold no graph)
-returns None, and the caller replays the two units as simulated.
+returns None: the caller then simulates one unit too and extrapolates each peak on the line through the
+two, the allocator replayed at the two units as simulated.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +46,12 @@ class Marks:
     head: int | None = None  # the second unit's forward has returned
     back: int | None = None  # the gradient of the second unit's output has arrived: its backward begins
     rest: int | None = None  # the gradient of the first unit's output has arrived: the second's backward is done
+    counts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # mark -> the counters there
+
+    def unit_counts(self) -> tuple[int, ...]:
+        """What the counters (`watch`'s) grew by in the second unit's forward and backward: one unit's share."""
+        second, head, back, rest = (self.counts[name] for name in ("second", "head", "back", "rest"))
+        return tuple(h - s + r - b for s, h, b, r in zip(second, head, back, rest))
 
     def bounds(self) -> list[int] | None:
         """The segments' start indices, or None when a mark is missing or out of order."""
@@ -52,18 +61,23 @@ class Marks:
         return found  # type: ignore[return-value]
 
 
-def watch(blocks: Sequence[nn.Module], unit: int, events: list[Event],
-          in_backward: Callable[[], bool]) -> tuple[Marks, list[Any]]:
+def watch(blocks: Sequence[nn.Module], unit: int, events: list[Event], in_backward: Callable[[], bool],
+          counters: Callable[[], tuple[int, ...]] = tuple) -> tuple[Marks, list[Any]]:
     """Mark, as `events` grows, where the first two units of `unit` blocks each begin and end their
     forward (module hooks, the first forward only: a checkpoint's recomputation runs it again in backward)
-    and their backward (a hook on the gradient of each unit's output). Returns the marks and the hook
-    handles to remove."""
+    and their backward (a hook on the gradient of each unit's output), and what `counters` read at each
+    mark. Returns the marks and the hook handles to remove."""
     marks = Marks()
+
+    def set_mark(name: str) -> None:
+        if getattr(marks, name) is None:
+            setattr(marks, name, len(events))
+            marks.counts[name] = counters()
 
     def at(name: str) -> Callable[..., None]:
         def mark(*_: Any) -> None:
-            if not in_backward() and getattr(marks, name) is None:
-                setattr(marks, name, len(events))
+            if not in_backward():
+                set_mark(name)
         return mark
 
     def grad_of_output(name: str) -> Callable[..., None]:
@@ -72,7 +86,7 @@ def watch(blocks: Sequence[nn.Module], unit: int, events: list[Event],
                 return
             tensor = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(lambda _grad: setattr(marks, name, getattr(marks, name) or len(events)))
+                tensor.register_hook(lambda _grad: set_mark(name))
         return hook
 
     handles = [blocks[0].register_forward_pre_hook(at("first")),
@@ -83,16 +97,24 @@ def watch(blocks: Sequence[nn.Module], unit: int, events: list[Event],
     return marks, handles
 
 
-def deepen(events: Sequence[Event], marks: Marks, units: int) -> list[Event] | None:
+class Deepened(NamedTuple):
+    """A step's events as at the whole depth, and the index among them where its backward begins."""
+
+    events: list[Event]
+    backward: int
+
+
+def deepen(events: Sequence[Event], marks: Marks, units: int, backward: int | None = None) -> Deepened | None:
     """`events` of a two-unit step as the same step at `units` units would make them: the second unit's
     forward and backward repeated, each repeat's allocations its own (keys `(allocation, unit)`) and its
-    gradients those of its own parameters (`(param, unit)`). None where the step's structure does not
-    allow it (see the module's docstring)."""
+    gradients those of its own parameters (`(param, unit)`); with the index where the backward begins,
+    `backward` among `events` (None: it does not). None where the step's structure does not allow it (see
+    the module's docstring)."""
     bounds = marks.bounds()
     if bounds is None or units < 2:
         return None
     steps = _Instances(events, bounds)
-    return steps.deepened(units) if steps.consistent() else None
+    return steps.deepened(units, len(events) if backward is None else backward) if steps.consistent() else None
 
 
 class _Instances:
@@ -102,6 +124,8 @@ class _Instances:
     def __init__(self, events: Sequence[Event], bounds: list[int]):
         self.events: list[tuple[int, Event]] = []  # (segment, event with allocations named: `allocations`)
         self.origin: dict[int, int] = {}  # allocation -> segment of its malloc
+        # each segment's events, with their indices in `events`
+        self.segments: list[list[tuple[int, Event]]] = [[] for _ in bounds]
         segment = 0
         for index, event in allocations(events):
             while segment + 1 < len(bounds) and index >= bounds[segment + 1]:
@@ -109,8 +133,8 @@ class _Instances:
             if event[0] == "malloc":
                 self.origin[event[1]] = segment
             self.events.append((segment, event))
-        self.segments = [[e for s, e in self.events if s == segment] for segment in range(len(bounds))]
-        self.mallocs = [[e[1] for e in events if e[0] == "malloc"] for events in self.segments]
+            self.segments[segment].append((index, event))
+        self.mallocs = [[e[1] for _, e in events if e[0] == "malloc"] for events in self.segments]
         # the second unit's allocation at each of the first unit's forward allocations' places
         self.unit_twin = dict(zip(self.mallocs[FIRST], self.mallocs[SECOND]))
         # the head's allocations the second unit's backward takes (the gradient of its output), and the
@@ -131,15 +155,19 @@ class _Instances:
                 and len(self.incoming) == len(self.outgoing)
                 and [self.sizes[a] for a in self.incoming] == [self.sizes[a] for a in self.outgoing])
 
-    def deepened(self, units: int) -> list[Event]:
+    def deepened(self, units: int, backward: int) -> Deepened:
         last = units - 1
         out: list[Event] = []
+        begins = None  # where the backward begins: before the first event at or after `backward`
         for segment, repeats in ((BEFORE, [0]), (FIRST, [0]), (SECOND, range(1, units)), (HEAD, [last]),
                                  (BACK, range(last, 0, -1)), (REST, [0])):
             for unit in repeats:
                 place = _Place(segment, unit, units, final=unit == repeats[-1])
-                out.extend(made for event in self.segments[segment] for made in self._at(event, place))
-        return out
+                for index, event in self.segments[segment]:
+                    if begins is None and index >= backward:
+                        begins = len(out)
+                    out.extend(self._at(event, place))
+        return Deepened(out, len(out) if begins is None else begins)
 
     def _at(self, event: Event, place: "_Place") -> list[Event]:
         """`event` as the repeat at `place` makes it."""

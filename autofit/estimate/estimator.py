@@ -12,8 +12,10 @@ Activations are measured, not guessed (`autofit.estimate.simulate`): the model i
 materialised as fake tensors (shapes, no data), and one forward + backward runs under a dispatch mode
 that counts every storage alive, as `autofit.probe.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
 soon as they are made, so the curve is activations alone; the bytes of gradients made so far are
-recorded beside it. Deep Hugging Face models are simulated at 2 and 4 blocks and extrapolated linearly
-in depth (blocks are identical), and at micro-batch 1 and 2, extrapolated linearly in the micro-batch.
+recorded beside it. Deep Hugging Face models are simulated at two blocks (two units of k under every-k
+checkpointing) and read as at their whole depth, the second block's events repeated once for every further
+block (`autofit.estimate.deepen`; blocks unlike each other: simulated at one and two, extrapolated linearly
+in depth); micro-batches past 2 at 1 and 2, extrapolated linearly in the micro-batch (the dry-run's plan).
 """
 
 from __future__ import annotations
@@ -341,29 +343,29 @@ class Estimator:
         where = "CUDA" if self.sim_device == "cuda" else \
             (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)})"
              if self.target == "cuda" else "CPU")
-        k = config.checkpoint_every
-        depths = tuple(k * d for d in SIM_DEPTHS)
+        k, total = config.checkpoint_every, self.facts.num_blocks
+        shallow, deep = (k * d for d in SIM_DEPTHS)
         try:
-            if full_depth or not self._depth_key or self.facts.num_blocks <= depths[-1]:
-                depths = (None,)
-            peaks = [self._run(config, mb, depth, batches, deep=depth == depths[-1]) for depth in depths]
+            if full_depth or not self._depth_key or total <= deep:
+                return self._run(config, mb, None, batches), f"activations simulated under fake tensors on {where}"
+            two = self._run(config, mb, deep, batches, deep=True)
+            if two.whole_depth:
+                return two, (f"activations simulated under fake tensors on {where} at {deep} of {total} blocks, "
+                             "the second unit repeated to the whole depth")
+            one = self._run(config, mb, shallow, batches)
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
                           f"(up to {self.formula_bound:.1f}x under the simulation where both ran)")
-        if len(peaks) == 1:
-            return peaks[0], f"activations simulated under fake tensors on {where}"
-        total = self.facts.num_blocks
-        # What the allocator's cache holds free at the peak is not linear in depth: the deeper simulation's
-        # replayed as at the whole depth (`autofit.estimate.deepen`), or as simulated where it cannot be.
-        deep = peaks[0].extrapolate(peaks[1], total, *depths).reserve_of(peaks[1])
-        return (deep,
-                f"activations simulated under fake tensors on {where} at {depths[0]} and {depths[1]} "
+        # Blocks unlike each other (Gemma's alternating layer kinds), or units that do not divide the depth:
+        # each peak extrapolated in depth, the allocator's cache as the deeper simulation left it
+        return (one.extrapolate(two, total, shallow, deep).reserve_of(two),
+                f"activations simulated under fake tensors on {where} at {shallow} and {deep} "
                 f"of {total} blocks, extrapolated")
 
     def _run(self, config: Config, mb: int, depth: int | None, batches: Callable[[int], Any],
              deep: bool = False) -> ActivationPeak:
         """One simulation at `depth` blocks (None: the model's own); `deep`: two units of `depth` / 2 blocks,
-        the allocator replayed as at the whole depth where the units divide it."""
+        read as at the whole depth where the units divide it and are alike (`ActivationPeak.whole_depth`)."""
         if depth is None:
             model = meta_model(self.spec.model_factory)
         else:

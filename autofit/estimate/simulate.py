@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,8 @@ class ActivationPeak:
     kernels: int = 0  # not bytes: operations of the forward + backward that launch a kernel (views and bare
     # allocations left out); linear in depth, the same at every micro-batch
     replay: Replay | None = dataclasses.field(default=None, compare=False, repr=False)  # the events replayed
+    # the whole model's step read from a simulation of two of its units (`replay_depth`); not a peak
+    whole_depth: bool = dataclasses.field(default=False, compare=False)
 
     # Each field is a peak within one phase, so each is linear in depth and micro-batch where the
     # model's blocks are identical; their maximum is not, and is taken only after extrapolating.
@@ -65,8 +67,8 @@ class ActivationPeak:
         """The line through self (at `here`) and other (at `there`), read at `at`; never below zero."""
         def line(a: int, b: int) -> int:
             return max(0, round(a + (b - a) * (at - here) / (there - here)))
-        return ActivationPeak(*(line(getattr(self, f.name), getattr(other, f.name))
-                                for f in dataclasses.fields(self) if f.name != "replay"))
+        return ActivationPeak(**{f.name: line(getattr(self, f.name), getattr(other, f.name))
+                                 for f in dataclasses.fields(self) if f.name not in ("replay", "whole_depth")})
 
     def replayed_at(self, other: "ActivationPeak", at: float, here: float, there: float) -> "ActivationPeak":
         """`extrapolate`, with the allocator's reserve replayed from the events read on the same line
@@ -89,32 +91,33 @@ class ActivationPeak:
 
 
 class _Tracker(StorageCounter):
-    """Counts the bytes of every live storage made by an op (`autofit.probe.memory.StorageCounter`), rounded as
-    the target's allocator rounds; tracks the forward's peak and the backward's peaks apart; weight
-    gradients are counted apart (`take_grad`) and dropped at once. Every allocation, free and gradient is
-    recorded (`events`) for the CUDA caching allocator's replay (`autofit.estimate.allocator`)."""
+    """Records every storage made by an op (`autofit.probe.memory.StorageCounter`) as allocation events:
+    mallocs, frees and weight gradients (`take_grad`: recorded, then dropped at once), which the step's
+    peaks are read from (`curve`) and the CUDA caching allocator replays (`autofit.estimate.allocator`).
+    Counts the kernels launched and the bytes offloaded beside them."""
 
     def __init__(self, rounding: int, ties: dict[int, int]):
         super().__init__()
-        self.rounding = rounding
+        self.rounding = rounding  # as the allocator rounds: a storage resized within its block makes no events
         self.ties = ties  # id(parameter) -> its weight (`fake_empty`): tied parameters are one weight
         self.events: list[Event] = []
-        self.peak = self.grads = self.grads_at_peak = self.tail = self.joint = self.grads_at_joint = 0
-        self.at_grad = self.offloaded = self.kernels = 0
-        self.forward = 0
-        self.backward = False  # set when the backward starts
+        self.offloaded = self.kernels = 0
+        self.backward_at: int | None = None  # the index in `events` where the backward began
+
+    @property
+    def backward(self) -> bool:
+        """Whether the backward has begun."""
+        return self.backward_at is not None
+
+    def begin_backward(self) -> None:
+        self.backward_at = len(self.events)
+
+    def counts(self) -> tuple[int, int]:
+        """(kernels, offloaded bytes) so far: linear in depth, repeated with each unit (`_Deep`)."""
+        return self.kernels, self.offloaded
 
     def _before_op(self, func: Any) -> None:
         self.kernels += launches_kernel(func)
-
-    def _grew(self, nbytes: int) -> None:
-        if not self.backward:
-            self.forward = max(self.forward, self.current)
-            return
-        if self.current > self.peak:
-            self.peak, self.grads_at_peak = self.current, self.grads
-        if self.current + self.grads > self.joint:
-            self.joint, self.grads_at_joint = self.current + self.grads, self.grads
 
     def _count(self, storage: Any) -> None:
         key = id(storage)
@@ -139,12 +142,38 @@ class _Tracker(StorageCounter):
             self.events.append(("free", key))
 
     def take_grad(self, param: torch.Tensor) -> None:
-        """Post-accumulate hook: record the gradient's bytes and what is live with it, then drop it."""
+        """Post-accumulate hook: record the gradient, then drop it."""
         self.events.append(("grad", id(param.grad.untyped_storage()), param.grad.nbytes, self.ties[id(param)]))
-        self.at_grad = max(self.at_grad, self.current)
-        self.grads += param.numel() * param.element_size()
         param.grad = None
-        self.tail = self.current
+
+
+def curve(events: Sequence[Event], backward_at: int, rounding: int) -> dict[str, int]:
+    """`ActivationPeak`'s byte fields of a step, read from its events (each allocation rounded up to
+    `rounding`), the backward beginning at index `backward_at`: the most bytes live in the forward and in
+    the backward (gradients dropped as they come), the gradient bytes made by then, the most of live plus
+    gradient bytes, what is live when each gradient is complete (that gradient included) and after the
+    last one is dropped."""
+    live: dict[Any, int] = {}
+    current = grads = forward = peak = grads_at_peak = joint = grads_at_joint = at_grad = tail = 0
+    for index, event in enumerate(events):
+        if event[0] == "free":
+            current -= live.pop(event[1], 0)
+        elif event[0] == "grad":  # counted apart from now on: dropped
+            grads += event[2]
+            at_grad, tail = max(at_grad, current), current - live.get(event[1], 0)
+        else:
+            nbytes = -(-event[2] // rounding) * rounding
+            live[event[1]] = nbytes
+            current += nbytes
+            if index < backward_at:
+                forward = max(forward, current)
+                continue
+            if current > peak:
+                peak, grads_at_peak = current, grads
+            if current + grads > joint:
+                joint, grads_at_joint = current + grads, grads
+    return {"forward": forward, "peak": peak, "grads_at_peak": grads_at_peak, "tail": tail, "joint": joint,
+            "grads_at_joint": grads_at_joint, "at_grad": at_grad}
 
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
@@ -164,8 +193,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
     attention, dropout and autocast keep what CUDA's would (`autofit.estimate.cuda_attention`,
     `autofit.estimate.cuda_dropout`, `autofit.estimate.cuda_autocast`); None: the kernels are the target's own.
-    `replay_depth` = (unit, units): `model` holds two units of `unit` blocks and the caching allocator is
-    replayed as at `units` of them (`autofit.estimate.deepen`; as simulated where the units differ)."""
+    `replay_depth` = (unit, units): `model` holds two units of `unit` blocks, and the step is read as at
+    `units` of them (`autofit.estimate.deepen`: its peaks, kernels and the caching allocator's replay;
+    `whole_depth` says so) where the units are alike, else as simulated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model, quiet_transformers
@@ -225,7 +255,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                             _offloading(tracker, config.offloads_activations):
                         output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
                         loss = loss_fn(output, fake_batch)
-                    tracker.backward = True
+                    tracker.begin_backward()
                     loss.backward()
                     del output, loss
         finally:
@@ -233,10 +263,20 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                 hook.remove()
         for recorder in _RECORDERS:
             recorder.append(list(tracker.events))
-        return ActivationPeak(tracker.forward + batch_bytes, tracker.peak + batch_bytes, tracker.grads_at_peak,
-                              tracker.tail + batch_bytes, tracker.joint + batch_bytes, tracker.grads_at_joint,
-                              tracker.at_grad + batch_bytes, tracker.offloaded, kernels=tracker.kernels,
-                              **reserve(_replaying(tracker.events, model, config, ties, deep)))
+        return _peak(tracker, model, config, ties, deep, batch_bytes)
+
+
+def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, int], deep: "_Deep | None",
+          batch_bytes: int) -> ActivationPeak:
+    """The simulated step's `ActivationPeak`, the batch's bytes live throughout: at the whole depth where
+    `deep` and its units allow (`_Deep.whole`), else as simulated."""
+    whole = deep.whole(tracker) if deep else None
+    events, backward_at, (kernels, offloaded) = whole or (tracker.events, tracker.backward_at, tracker.counts())
+    fields = curve(events, len(events) if backward_at is None else backward_at, tracker.rounding)
+    for name in ("forward", "peak", "tail", "joint", "at_grad"):
+        fields[name] += batch_bytes
+    return ActivationPeak(**fields, offloaded=offloaded, kernels=kernels, whole_depth=whole is not None,
+                          **reserve(_replaying(events, model, config, ties, deep if whole else None)))
 
 
 _RECORDERS: list[list[list[Event]]] = []
@@ -260,8 +300,9 @@ def recorded_events() -> Iterator[list[list[Event]]]:
 
 
 class _Deep:
-    """A two-unit simulation's marks (`autofit.estimate.deepen.watch`) and what it takes to replay it at
-    `units` units: the events deepened, the weights of the second unit repeated."""
+    """A two-unit simulation's marks (`autofit.estimate.deepen.watch`) and what it takes to read it at
+    `units` units: the events deepened, the kernels and offloaded bytes of the second unit added once for
+    each further unit, the weights of the second unit repeated."""
 
     def __init__(self, model: nn.Module, unit: int, units: int, tracker: _Tracker):
         from autofit.spec.model_info import find_blocks
@@ -269,12 +310,17 @@ class _Deep:
         self.units = units
         blocks = find_blocks(model)[1]
         self.repeated = {id(p) for block in blocks[unit:2 * unit] for p in (*block.parameters(), *block.buffers())}
-        self.marks, self.handles = deepen.watch(blocks, unit, tracker.events, lambda: tracker.backward) \
-            if len(blocks) == 2 * unit else (deepen.Marks(), [])
+        self.marks, self.handles = deepen.watch(blocks, unit, tracker.events, lambda: tracker.backward,
+                                                tracker.counts) if len(blocks) == 2 * unit else (deepen.Marks(), [])
 
-    def events(self, events: list[Event]) -> list[Event] | None:
-        """`events` deepened, or None where the units differ."""
-        return deepen.deepen(events, self.marks, self.units)
+    def whole(self, tracker: _Tracker) -> tuple[list[Event], int | None, tuple[int, ...]] | None:
+        """The step at the whole depth: its events, the index where its backward begins, and its
+        (kernels, offloaded bytes) (`_Tracker.counts`); None where the units differ."""
+        deepened = deepen.deepen(tracker.events, self.marks, self.units, tracker.backward_at)
+        if deepened is None:
+            return None
+        counts = tuple(total + (self.units - 2) * unit for total, unit in zip(tracker.counts(), self.marks.unit_counts()))
+        return deepened.events, deepened.backward, counts
 
     def tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """`tensors` in order, the second unit's repeated as each further unit holds its own."""
@@ -320,16 +366,13 @@ def _replaying(events: list[Event], model: nn.Module, config: Config, ties: dict
     """The step's events to replay through the caching allocator: as training replays them, weights,
     gradients and AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on
     the card; else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own
-    alone. With `deep`, as at its depth, where its units allow."""
-    deepened = deep.events(events) if deep else None
-    if deepened is not None:
-        events = deepened
+    alone. `deep`: the events are its, at the whole depth, and so are the weights (`_Deep.tensors`)."""
     if config.optimizer is not Optimizer.ADAMW or config.engine is not Engine.TORCH or config.offloads \
             or config.steps_in_backward:
         return Replay.of(events)
     weights = list({ties[id(p)]: p for p in model.parameters()}.values())  # a tied weight once, as the card holds it
     buffers = list(model.buffers())
-    if deepened is not None:
+    if deep is not None:
         weights, buffers = deep.tensors(weights), deep.tensors(buffers)
     resident = [t.untyped_storage().nbytes() for t in (*weights, *buffers)]
     trained = [p.numel() * p.element_size() for p in weights if p.requires_grad]

@@ -1,6 +1,6 @@
 """A deep model's allocation events synthesized from a simulation of two of its blocks
 (autofit/estimate/deepen.py): the same events, in the same order, as a simulation of every block makes,
-and so the same reserve replayed through the caching allocator."""
+and so the same peaks, kernels and reserve replayed through the caching allocator."""
 
 import itertools
 
@@ -64,16 +64,25 @@ def deepened(monkeypatch):
                                     Config(checkpointing="every_k", checkpoint_every=2, micro_batch_size=2),
                                     Config(precision="bf16", checkpointing="ops", micro_batch_size=2),
                                     Config(optimizer="adamw8bit", micro_batch_size=2)])  # one step replayed
-def test_two_units_deepened_are_the_whole_depths_events_and_reserve(build, key, config, deepened):
+def test_two_units_deepened_are_the_whole_depths_events_peaks_and_reserve(build, key, config, deepened):
     with torch.device("meta"):
         whole = build(8)
     unit = config.checkpoint_every
     full_peak, full_events = step(whole, config)
     peak, _ = step(rebuild(whole, key, 2 * unit), config, replay_depth=(unit, 8 // unit))
-    assert deepened[-1] is not None
-    assert structure(deepened[-1]) == structure(full_events)
-    assert peak.fragmentation == full_peak.fragmentation
+    assert deepened[-1] is not None and peak.whole_depth and not full_peak.whole_depth
+    assert structure(deepened[-1].events) == structure(full_events)
+    # every field: the forward's and the backward's peaks, the gradients beside them, the kernels, the reserve
+    assert peak == full_peak
 
+
+def test_a_step_is_read_from_its_events():
+    # forward: 1 KiB then 2 KiB live; backward from index 3: a 4 KiB temporary, then a 1 KiB gradient dropped
+    events = [("malloc", "a", 1024), ("malloc", "b", 1024), ("free", "b"), ("malloc", "t", 4096),
+              ("free", "t"), ("malloc", "g", 1000), ("grad", "g", 1000, "w"), ("free", "g")]
+    assert simulate.curve(events, 3, 512) == {"forward": 2048, "peak": 5120, "grads_at_peak": 0, "tail": 1024,
+                                              "joint": 5120, "grads_at_joint": 0, "at_grad": 2048}
+    assert simulate.curve(events, len(events), 1)["forward"] == 5120  # no backward: all of it the forward
 
 def test_the_estimate_replays_the_allocator_at_the_whole_depth():
     # GPT-2 small with full checkpointing, replayed at 2, 8, 10 and 12 blocks, reserved 638, 304, 1,009 and
@@ -87,7 +96,7 @@ def test_the_estimate_replays_the_allocator_at_the_whole_depth():
     deep = Estimator(spec, target="cuda").activations(config)[0]
     whole = Estimator(spec, target="cuda", full_depth=True).activations(config)[0]
     assert deep.fragmentation == whole.fragmentation
-    assert "at 1 and 2 of 6 blocks" in Estimator(spec, target="cuda").activations(config)[1]
+    assert "at 2 of 6 blocks, the second unit repeated" in Estimator(spec, target="cuda").activations(config)[1]
 
 
 class Alternating(nn.Module):
@@ -108,7 +117,7 @@ def test_units_that_allocate_differently_are_replayed_as_simulated(deepened):
         model = Alternating(2)
     peak = simulate.simulate_step(model, torch.randn(8, 64), lambda out, batch: out.square().mean(), Config(),
                                   device="cpu", cuda_ampere=True, replay_depth=(1, 4))
-    assert deepened == [None]
+    assert deepened == [None] and not peak.whole_depth
     alone = simulate.simulate_step(Alternating(2).to("meta"), torch.randn(8, 64),
                                    lambda out, batch: out.square().mean(), Config(), device="cpu", cuda_ampere=True)
     assert peak.fragmentation == alone.fragmentation

@@ -19,7 +19,8 @@ from autofit.strategies import default_strategies
 
 def two_block_gpt2():
     """make_gpt2 with two blocks: the levels do not depend on depth, and a dry-run of a model this shallow
-    simulates each step once instead of at two depths (the dry-run test took 70 s with four blocks)."""
+    simulates each step as it is, its allocator replayed at two blocks (the dry-run test took 70 s with four
+    blocks while a deep model was simulated at one block and at two)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
