@@ -154,3 +154,17 @@ def test_storages_of_no_bytes_are_no_allocations_and_leave_the_units_alike(deepe
                                device="cpu", cuda_ampere=True, replay_depth=(1, 4))
     assert all(event[2] for event in recorded[0] if event[0] == "malloc")
     assert deepened[-1] is not None
+
+
+def test_activation_offload_is_read_on_the_line_through_one_and_two_blocks():
+    # an offloaded tensor's device storage is freed units later (a residual): two units cannot show which
+    def batch(n):
+        ids = torch.zeros(n, 64, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+    spec = make_spec(lambda: gpt2(8), batch, device="cpu", memory_budget="1TiB")
+    config = Config(activation_offload="cpu", micro_batch_size=2)
+    line, how = Estimator(spec, target="cuda").activations(config)
+    assert "at 1 and 2 of 8 blocks, extrapolated" in how and not line.whole_depth
+    whole, _ = Estimator(spec, target="cuda", full_depth=True).activations(config)
+    assert (line.forward, line.peak, line.offloaded) == (whole.forward, whole.peak, whole.offloaded)
