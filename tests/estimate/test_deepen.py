@@ -28,6 +28,11 @@ def llama(layers):
         num_key_value_heads=2, vocab_size=1000))
 
 
+def token_batch(n):
+    ids = torch.zeros(n, 64, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
 def structure(events):
     """(op, allocation, bytes) with each allocation named as made (`allocations`: storage ids are reused)."""
     out = [event[:3] for _, event in allocations(events)]
@@ -84,14 +89,11 @@ def test_a_step_is_read_from_its_events():
                                               "joint": 5120, "grads_at_joint": 0, "at_grad": 2048}
     assert simulate.curve(events, len(events), 1)["forward"] == 5120  # no backward: all of it the forward
 
+
 def test_the_estimate_replays_the_allocator_at_the_whole_depth():
     # GPT-2 small with full checkpointing, replayed at 2, 8, 10 and 12 blocks, reserved 638, 304, 1,009 and
     # 882 MiB above its allocated bytes (854 measured on an H100): the two simulated blocks' figure misled
-    def batch(n):
-        ids = torch.zeros(n, 64, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids}
-
-    spec = make_spec(lambda: gpt2(6), batch, device="cpu", memory_budget="1TiB")
+    spec = make_spec(lambda: gpt2(6), token_batch, device="cpu", memory_budget="1TiB")
     config = Config(checkpointing="full", micro_batch_size=2)
     deep = Estimator(spec, target="cuda").activations(config)[0]
     whole = Estimator(spec, target="cuda", full_depth=True).activations(config)[0]
@@ -158,11 +160,7 @@ def test_storages_of_no_bytes_are_no_allocations_and_leave_the_units_alike(deepe
 
 def test_activation_offload_is_read_on_the_line_through_one_and_two_blocks():
     # an offloaded tensor's device storage is freed units later (a residual): two units cannot show which
-    def batch(n):
-        ids = torch.zeros(n, 64, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids}
-
-    spec = make_spec(lambda: gpt2(8), batch, device="cpu", memory_budget="1TiB")
+    spec = make_spec(lambda: gpt2(8), token_batch, device="cpu", memory_budget="1TiB")
     config = Config(activation_offload="cpu", micro_batch_size=2)
     line, how = Estimator(spec, target="cuda").activations(config)
     assert "at 1 and 2 of 8 blocks, extrapolated" in how and not line.whole_depth
