@@ -356,8 +356,9 @@ class Estimator:
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
                           f"(up to {self.formula_bound:.1f}x under the simulation where both ran)")
-        # Blocks unlike each other (Gemma's alternating layer kinds), or units that do not divide the depth:
-        # each peak extrapolated in depth, the allocator's cache as the deeper simulation left it
+        # Blocks unlike each other (Gemma's alternating layer kinds), units that do not divide the depth, or
+        # activation offload (`_run`): each peak extrapolated in depth, the allocator's cache as the deeper
+        # simulation left it
         return (one.extrapolate(two, total, shallow, deep).reserve_of(two),
                 f"activations simulated under fake tensors on {where} at {shallow} and {deep} "
                 f"of {total} blocks, extrapolated")
