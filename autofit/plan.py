@@ -109,6 +109,15 @@ class Plan:
 
         return export(self, fmt, out_dir)
 
+    def __repr__(self) -> str:
+        """One line a notebook can show: the choice, its figures, the probes counted (the dataclass's
+        repr spelled out every probe, thousands of characters for a search). `to_dict` has everything."""
+        figures = (f"throughput={self.throughput!r}, tokens_per_second={self.tokens_per_second!r}, "
+                   f"peak_memory={self.peak_memory!r} ({format_size(self.peak_memory)})"
+                   if self.peak_memory is not None else f"throughput={self.throughput!r}")
+        probes = f"{len(self.probes)} ({self.probes_run} run, {self.probes_saved} saved by the estimator)"
+        return f"Plan(fits={self.fits!r}, config={self.config!r}, {figures}, reason={self.reason!r}, probes={probes})"
+
     def summary(self) -> str:
         """A few lines for people: the choice, its figures and the reason."""
         if not self.fits:

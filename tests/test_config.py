@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -100,3 +101,13 @@ def test_a_plan_saved_by_autofit_0_1_still_loads(tmp_path):
                         ("skipped", "implied", "decided"), ("skipped", "predicted", "decided"),
                         ("skipped", "budget", "decided"), ("error", None, "probed"), ("fit", None, "stored")]
     assert Plan.load(plan.save(tmp_path / "again.json")) == plan
+
+
+def test_a_plans_repr_is_one_line_with_its_probes_counted():
+    plan = Plan.load(FIXTURES / "plan-v0.1.json")
+    many = dataclasses.replace(plan, probes=plan.probes * 100)  # a search decides hundreds of candidates
+    shown = repr(many)
+    assert "\n" not in shown and len(shown) < 600
+    assert "probes=800 (400 run, 100 saved by the estimator)" in shown
+    assert "peak_memory=10485760 (10.00 MiB)" in shown and "sharding='zero2'" in shown
+    assert "probes=" in repr(dataclasses.replace(plan, fits=False, config=None, throughput=None, peak_memory=None))
