@@ -90,6 +90,13 @@ class Candidate:
         """Predicted peak per GPU (bytes) under the limit (`Estimate.peak_under`)."""
         return self.estimate.peak_under(self.limit) if self.limit else self.estimate.peak_bytes
 
+    def __repr__(self) -> str:
+        """One line: the knobs, the peak, the verdict and the speed (the dataclass's spelled out the whole
+        estimate; `reason` and `estimate` hold it)."""
+        verdict = "fits" if self.fits else "does not fit"
+        return (f"Candidate({self.config.describe()}: peak {format_size(self.peak_bytes)}/GPU, {verdict}, "
+                f"~{self.samples_per_s:,.1f} samples/s)")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON form: config, peak_bytes, fits, reason, breakdown (bytes), cpu_bytes, speed."""
         return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes,
@@ -128,6 +135,16 @@ class DryRunReport:
         chosen candidate's, or with nothing fitting, the closest one's."""
         row = self.chosen or (self.candidates[0] if self.candidates else None)
         return row is not None and not row.estimate.simulated
+
+    def __repr__(self) -> str:
+        """One line a notebook can show: the target, the choice and the candidates counted (the dataclass's
+        spelled out every candidate's estimate, megabytes for a large space). `autofit dry-run` renders
+        the table; `to_dict` has everything."""
+        chosen = repr(self.chosen) if self.chosen is not None else "None"
+        fitting = sum(c.fits for c in self.candidates)
+        return (f"DryRunReport({self.model} on {self.num_gpus} x {self.gpu.name}, fits={self.fits}, "
+                f"chosen={chosen}, candidates={len(self.candidates)} ({fitting} fit), "
+                f"reason={self.reason!r})")
 
     def to_dict(self) -> dict[str, Any]:
         """One JSON document: the candidates, the chosen one, and the target."""

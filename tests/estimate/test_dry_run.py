@@ -262,3 +262,11 @@ def test_a_fit_the_allocator_makes_by_releasing_its_cache_is_a_fit():
     assert estimate.peak_under(limit) == limit and estimate.peak_under(2 * limit) == estimate.peak_bytes
     assert "the caching allocator releasing its cache to stay under" in _verdict(estimate, True, limit)
     assert predictor_for(dataclasses.replace(spec, device=torch.device("cuda")))(config) == estimate.need_bytes
+
+
+def test_a_report_and_its_candidates_show_as_one_line_each(report):
+    shown = repr(report)  # what a notebook cell shows for `autofit.dry_run(...)`
+    assert "\n" not in shown and len(shown) < 1000
+    assert f"candidates={len(report.candidates)} (" in shown and "on 2 x a100-80gb" in shown
+    assert repr(report.chosen) in shown and report.chosen.config.describe() in repr(report.chosen)
+    assert all(len(repr(c)) < 300 for c in report.candidates)
