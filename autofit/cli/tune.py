@@ -183,6 +183,26 @@ def resume_command(out_dir: Path) -> str:
     return shlex.join(words + ["--resume"])
 
 
+class Length(click.ParamType):
+    """A sequence length as people type it: 4096, 4,096 or 4k (k = 1,024, as context lengths are named:
+    8k = 8,192, 128k = 131,072)."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().replace(",", "").replace("_", "")
+        scale = 1024 if text[-1:] in ("k", "K") else 1
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            return int(digits) * scale
+        self.fail(f"{value!r} is not a length: pass a whole number, e.g. 4096, or 4k (k = 1,024)", param, ctx)
+
+
+LENGTH = Length()
+
+
 def positive_option(context: click.Context, param: click.Parameter, value: int | None) -> int | None:
     """Click callback: an integer option that must be >= 1 when given."""
     if value is not None and value < 1:
@@ -224,9 +244,9 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
               help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face config.json or model folder, or FILE.py:factory.")
 @click.option("--loss-fn", "loss_fn_arg", default=None,
               help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model whose output has no .loss.")
-@click.option("--seq-len", type=int, default=None, callback=positive_option,
-              help="Tokens per sample of the synthesized batch; audio samples at 16 kHz for waveform models; "
-                   "none for image models.")
+@click.option("--seq-len", type=LENGTH, default=None, callback=positive_option,
+              help="Tokens per sample of the synthesized batch, e.g. 4096 or 4k; audio samples at 16 kHz for "
+                   "waveform models; none for image models.")
 @click.option("--global-batch-size", type=int, default=None, help="Samples per optimizer step, kept exactly.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from autofit.cli.main import main, sizes_joined
+from autofit.cli.tune import LENGTH
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
@@ -83,6 +84,8 @@ def test_what_to_allow_is_said_in_the_command_lines_words():
     (["--model", "llama2-7"], "did you mean llama-2-7b"),
     (["--model", "gpt2", "--gpu", "a100-90gb"], "Known GPUs: a100-40gb"),
     (["--model", "gpt2", "--seq-len", "4096"], "exceeds the model's maximum of 1024"),
+    (["--model", "gpt2", "--seq-len", "4k"], "seq_len 4096 exceeds the model's maximum of 1024"),  # k = 1,024
+    (["--model", "gpt2", "--seq-len", "2.5k"], "'2.5k' is not a length: pass a whole number, e.g. 4096, or 4k"),
     (["--model", "gpt2", "--gpu-memory", "lots"], "gpu_memory must be a size"),
     # a size typed with a space and no quotes is read whole: the next check speaks, not click's
     # "unexpected extra argument (GiB)"
@@ -94,6 +97,11 @@ def test_what_to_allow_is_said_in_the_command_lines_words():
 def test_bad_usage_exits_2(args, message, capsys):
     assert main(["dry-run", "--global-batch-size", "8", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_lengths_are_read_as_people_type_them():
+    assert [LENGTH.convert(v, None, None) for v in ("4096", "4,096", "4k", "8K", "128k", " 2k ", 512)] == \
+        [4096, 4096, 4096, 8192, 131072, 2048, 512]
 
 
 def test_a_unit_after_a_space_joins_only_a_size_option():
