@@ -283,16 +283,6 @@ class Replay:
                         ("grad", ("grad", param) if key < 0 else key, size, param))
         return made
 
-    def with_micro_steps(self, micro_steps: int) -> "Replay | None":
-        """This step replayed with `micro_steps` micro-steps per optimizer step, where that changes what is
-        replayed (training; `MICRO_STEPS_REPLAYED` at most); else None."""
-        if self.training is None:
-            return None
-        *held, replayed = self.training
-        steps = min(micro_steps, MICRO_STEPS_REPLAYED)
-        return None if min(replayed, MICRO_STEPS_REPLAYED) == steps else \
-            dataclasses.replace(self, training=(*held, steps))
-
     def run(self, capacity: int | None = None) -> CachingAllocator:
         """The step replayed through an allocator of `capacity` bytes (None: unlimited)."""
         return self.runner()(capacity)

@@ -37,7 +37,7 @@ from autofit.estimate import simulate as simulate_module
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, reserve, simulate_step  # noqa: F401 (re-exported)
-from autofit.estimate.simulate import is_adapted, within_block
+from autofit.estimate.simulate import is_adapted, replays_training, within_block
 from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
@@ -178,6 +178,7 @@ class Estimator:
         self._adapted_params = _weights_of(self._meta, self._adapted)
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
+        self._tied = len(list(self._meta.named_parameters(remove_duplicate=False))) > len(list(self._meta.parameters()))
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
         self._lines: dict[tuple, tuple[ActivationPeak, str]] = {}  # extrapolated micro-batches (`_extrapolated`)
         self._reserves: dict[tuple, ActivationPeak] = {}  # a simulation replayed for another accumulation
@@ -192,7 +193,7 @@ class Estimator:
         mb = config.micro_batch_size
         if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)
-        key = (self._key(config, 1), mb)
+        key = (self._key(config, 1), mb, replays_training(config))  # the allocator's events differ
         if key not in self._lines:
             self._lines[key] = self._extrapolated(config, mb)
         return self._lines[key]
@@ -254,21 +255,23 @@ class Estimator:
         return (mb,) if mb <= 2 or not self.extrapolate_batch else (1, 2)
 
     def _key(self, config: Config, mb: int) -> tuple:
+        # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)
+        tied = self._tied and config.engine is Engine.TORCH and config.num_gpus <= 1
         return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
-                _implementation_key(config))
+                _implementation_key(config), tied)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
         if key not in self._cache and not self._recalled(config, mb):
             self._keep(config, mb, self.simulate(config, mb))
         peak, how = self._cache[key]
-        steps = peak.replay.with_micro_steps(config.grad_accum_steps) if peak.replay else None
-        if steps is None:
+        replay = peak.replayed_for(config)
+        if replay is None:
             return peak, how
-        # one simulation serves every accumulation; the allocator's history is replayed for each
-        held = (key, steps.training[-1])
+        # one simulation serves every optimizer, engine and accumulation; the allocator replays each's events
+        held = (key, replay.training[-1] if replay.training else 0)
         if held not in self._reserves:
-            self._reserves[held] = dataclasses.replace(peak, **reserve(steps))
+            self._reserves[held] = dataclasses.replace(peak, **reserve(replay))
         return self._reserves[held], how
 
     def _shared(self) -> bool:

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen
-from autofit.estimate.allocator import ROUND_LARGE, CachingAllocator, Event, Replay
+from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Event, Replay
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -34,6 +34,9 @@ def launches_kernel(func: Any) -> bool:
 
 
 # -- activations ---------------------------------------------------------------------------------------
+_NOT_LINEAR = ("replay", "history", "whole_depth")  # ActivationPeak's fields that are not peaks read on a line
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationPeak:
     """Transient bytes of one forward + backward: activations, autocast weight copies, temporaries."""
@@ -53,6 +56,9 @@ class ActivationPeak:
     kernels: int = 0  # not bytes: operations of the forward + backward that launch a kernel (views and bare
     # allocations left out); linear in depth, the same at every micro-batch
     replay: Replay | None = dataclasses.field(default=None, compare=False, repr=False)  # the events replayed
+    # what training holds beside the step, for a configuration whose allocator replays it (`replays_training`),
+    # whichever configuration was simulated: `Replay.training`'s (resident, states, temporaries, micro-steps)
+    history: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
     # the whole model's step read from a simulation of two of its units (`replay_depth`); not a peak
     whole_depth: bool = dataclasses.field(default=False, compare=False)
 
@@ -68,7 +74,7 @@ class ActivationPeak:
         def line(a: int, b: int) -> int:
             return max(0, round(a + (b - a) * (at - here) / (there - here)))
         return ActivationPeak(**{f.name: line(getattr(self, f.name), getattr(other, f.name))
-                                 for f in dataclasses.fields(self) if f.name not in ("replay", "whole_depth")})
+                                 for f in dataclasses.fields(self) if f.name not in _NOT_LINEAR})
 
     def replayed_at(self, other: "ActivationPeak", at: float, here: float, there: float) -> "ActivationPeak":
         """`extrapolate`, with the allocator's reserve replayed from the events read on the same line
@@ -80,7 +86,22 @@ class ActivationPeak:
     def reserve_of(self, other: "ActivationPeak") -> "ActivationPeak":
         """This peak with `other`'s reserve beyond the allocated bytes (`fragmentation`, `least_fragmentation`)."""
         return dataclasses.replace(self, fragmentation=other.fragmentation,
-                                   least_fragmentation=other.least_fragmentation, replay=other.replay)
+                                   least_fragmentation=other.least_fragmentation, replay=other.replay,
+                                   history=other.history)
+
+    def replayed_for(self, config: Config) -> Replay | None:
+        """The events `config` replays through the caching allocator where they are not those this peak's
+        reserve was replayed from: with its training history and micro-steps where it replays one
+        (`replays_training`), else the step alone. None where they are the same (or nothing was replayed).
+        One simulation serves every optimizer, engine and accumulation of its key."""
+        if self.replay is None:
+            return None
+        history = self.history if replays_training(config) and self.history is not None else None
+        if history is not None:
+            history = (*history[:-1], min(config.grad_accum_steps, MICRO_STEPS_REPLAYED))
+        if _micro_steps(history) == _micro_steps(self.replay.training):
+            return None
+        return dataclasses.replace(self.replay, training=history)
 
     def with_grads(self, grads: int) -> int:
         """Most transient bytes live in a backward whose weight gradients total `grads` bytes when kept:
@@ -275,8 +296,10 @@ def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, i
     fields = curve(events, len(events) if backward_at is None else backward_at, tracker.rounding)
     for name in ("forward", "peak", "tail", "joint", "at_grad"):
         fields[name] += batch_bytes
+    history = _history(model, config, ties, deep if whole else None)
+    replay = Replay.of(events, history if replays_training(config) else None)
     return ActivationPeak(**fields, offloaded=offloaded, kernels=kernels, whole_depth=whole is not None,
-                          **reserve(_replaying(events, model, config, ties, deep if whole else None)))
+                          history=history, **reserve(replay))
 
 
 _RECORDERS: list[list[list[Event]]] = []
@@ -361,15 +384,24 @@ def least_reserve(run: Callable[..., CachingAllocator | None], roomy: CachingAll
 LEAST_RESERVE_PRECISION = 0.005  # of the reserve: 5 MiB of 1 GiB, 40 MiB of 8 GiB (a replay: 10-300 ms)
 
 
-def _replaying(events: list[Event], model: nn.Module, config: Config, ties: dict[int, int],
-               deep: _Deep | None = None) -> Replay:
-    """The step's events to replay through the caching allocator: as training replays them, weights,
-    gradients and AdamW's states included (`replay_training`), where torch's AdamW steps whole gradients on
-    the card; else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own
-    alone. `deep`: the events are its, at the whole depth, and so are the weights (`_Deep.tensors`)."""
-    if config.optimizer is not Optimizer.ADAMW or config.engine is not Engine.TORCH or config.offloads \
-            or config.steps_in_backward:
-        return Replay.of(events)
+def _micro_steps(history: tuple | None) -> int:
+    """The micro-steps a replay of `history` meets the step's events in (0: the step alone)."""
+    return min(history[-1], MICRO_STEPS_REPLAYED) if history is not None else 0
+
+
+def replays_training(config: Config) -> bool:
+    """Whether the caching allocator replays `config`'s step as training runs it, weights, gradients and
+    AdamW's states included (`allocator.replay_training`): where torch's AdamW steps whole gradients on the
+    card. Else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own events
+    are replayed alone."""
+    return (config.optimizer is Optimizer.ADAMW and config.engine is Engine.TORCH and not config.offloads
+            and not config.steps_in_backward)
+
+
+def _history(model: nn.Module, config: Config, ties: dict[int, int], deep: _Deep | None = None) -> tuple:
+    """What training holds beside the step, as `replay_training` takes it: the weights and buffers, AdamW's
+    states and its step's temporaries, and `config`'s micro-steps. `deep`: the events are its, at the
+    whole depth, and so are the weights (`_Deep.tensors`)."""
     weights = list({ties[id(p)]: p for p in model.parameters()}.values())  # a tied weight once, as the card holds it
     buffers = list(model.buffers())
     if deep is not None:
@@ -379,7 +411,7 @@ def _replaying(events: list[Event], model: nn.Module, config: Config, ties: dict
     # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
     # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
     states = [n for n in trained for _ in range(2)]
-    return Replay.of(events, (resident, states, trained, config.grad_accum_steps))
+    return resident, states, trained, config.grad_accum_steps
 
 
 def fake_empty(model: nn.Module, fake: Any, device: str, tie: bool = True) -> dict[int, int]:
