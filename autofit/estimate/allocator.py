@@ -162,8 +162,10 @@ def _merged(block: _Block, neighbour: _Block) -> _Block:
 # ("malloc", key, nbytes), ("free", key), and ("grad", key, nbytes, param): `param`'s gradient, the storage
 # `key` (or a new one, when no event made it), which training keeps until the optimizer step is done.
 Event = tuple
-HISTORY_STEPS = 3  # optimizer steps replayed; the reserve stops growing after the second (GPT-2 small at full
-# depth: 2, 3, 5 and 8 steps replay the same reserve; one step, 13% .. 42% of it)
+HISTORY_STEPS = 2  # optimizer steps replayed; the reserve stops growing after the second (GPT-2 small at full
+# depth: 2, 3, 5 and 8 steps replay the same reserve; one step, 13% .. 42% of it). Three until 2026-11-27: two
+# predict every measured H100/H200 peak, fit threshold and dry-run row of the README's GPT-2 the same, one
+# published row 0.1 point apart (fsdp_qlora's DDP LoRA), and a dry-run's AdamW rows take 20% less time
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
