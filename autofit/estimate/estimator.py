@@ -181,7 +181,7 @@ class Estimator:
         self._tied = len(list(self._meta.named_parameters(remove_duplicate=False))) > len(list(self._meta.parameters()))
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
         self._lines: dict[tuple, tuple[ActivationPeak, str]] = {}  # extrapolated micro-batches (`_extrapolated`)
-        self._reserves: dict[tuple, ActivationPeak] = {}  # a simulation replayed for another accumulation
+        self._reserves: dict[tuple, ActivationPeak] = {}  # a simulation replayed for another optimizer or accumulation
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)

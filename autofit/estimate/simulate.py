@@ -96,7 +96,7 @@ class ActivationPeak:
         One simulation serves every optimizer, engine and accumulation of its key."""
         if self.replay is None:
             return None
-        history = self.history if replays_training(config) and self.history is not None else None
+        history = self.history if replays_training(config) else None
         if history is not None:
             history = (*history[:-1], min(config.grad_accum_steps, MICRO_STEPS_REPLAYED))
         if _micro_steps(history) == _micro_steps(self.replay.training):
