@@ -23,8 +23,9 @@ from __future__ import annotations
 import array
 import bisect
 import dataclasses
+import hashlib
 import itertools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -67,14 +68,16 @@ class CachingAllocator:
     segment and retries, as `release_cached_blocks` does before the allocator gives up (its first
     fallback, `release_available_cached_blocks`, does nothing without `max_split_size_mb`); if it still
     passes, the replay has run out of memory (`out_of_memory`): it raises `OutOfMemory` where `stop`,
-    else goes on as if it had not."""
+    else goes on as if it had not. With `pause`, a segment past the capacity raises `Paused` before
+    anything is released: the allocator stands as every replay under a larger capacity stands there
+    (`Calls.until`)."""
 
-    def __init__(self, capacity: int | None = None, stop: bool = False) -> None:
+    def __init__(self, capacity: int | None = None, stop: bool = False, pause: bool = False) -> None:
         self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # pool -> sorted (size, address)
         self._at: dict[int, _Block] = {}  # address -> free block
         self._used: dict[int, _Block] = {}  # key -> allocated block
         self._segments = 0
-        self.capacity, self.stop = capacity, stop
+        self.capacity, self.stop, self.pause = capacity, stop, pause
         self.out_of_memory = False
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
@@ -119,6 +122,8 @@ class CachingAllocator:
     def _segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_size(size)
         if self.capacity is not None and self.reserved + nbytes > self.capacity:
+            if self.pause:
+                raise Paused
             self._release_cached()
             self.out_of_memory |= self.reserved + nbytes > self.capacity
             if self.out_of_memory and self.stop:
@@ -127,6 +132,24 @@ class CachingAllocator:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return _Block(self._segments * _SEGMENT_SPACING, nbytes, small)
+
+    def copy(self, capacity: int | None, stop: bool = False) -> "CachingAllocator":
+        """This allocator as it stands, apart (its blocks copied, each segment's order kept), to go on under
+        `capacity`."""
+        blocks = {id(b): _Block(b.address, b.size, b.small) for b in (*self._used.values(), *self._at.values())}
+        for block in (*self._used.values(), *self._at.values()):
+            copied = blocks[id(block)]
+            copied.free = block.free
+            copied.prev = None if block.prev is None else blocks[id(block.prev)]
+            copied.next = None if block.next is None else blocks[id(block.next)]
+        clone = CachingAllocator(capacity, stop)
+        clone._free = {pool: list(free) for pool, free in self._free.items()}
+        clone._at = {address: blocks[id(block)] for address, block in self._at.items()}
+        clone._used = {key: blocks[id(block)] for key, block in self._used.items()}
+        clone._segments, clone.out_of_memory = self._segments, self.out_of_memory
+        clone.allocated, clone.reserved = self.allocated, self.reserved
+        clone.peak_allocated, clone.peak_reserved = self.peak_allocated, self.peak_reserved
+        return clone
 
     def _release_cached(self) -> None:
         """Give back every cached block that is a whole segment (`release_cached_blocks`)."""
@@ -146,6 +169,10 @@ class CachingAllocator:
 
 class OutOfMemory(Exception):
     """A replay under a capacity ran out of memory (`CachingAllocator(stop=True)`)."""
+
+
+class Paused(Exception):
+    """A replay reached a segment past its capacity, and nothing was released (`CachingAllocator(pause=True)`)."""
 
 
 def _merged(block: _Block, neighbour: _Block) -> _Block:
@@ -169,9 +196,11 @@ HISTORY_STEPS = 2  # optimizer steps replayed; the reserve stops growing after t
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
-def replay(events: Sequence[Event], capacity: int | None = None, stop: bool = False) -> CachingAllocator:
-    """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache)."""
-    allocator = CachingAllocator(capacity, stop)
+def replay(events: Sequence[Event], capacity: int | None = None, stop: bool = False,
+           allocator: Any = None) -> Any:
+    """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache).
+    `allocator`: one to replay into (a `CachingAllocator`, or `Calls` to record the calls), else a new one."""
+    allocator = CachingAllocator(capacity, stop) if allocator is None else allocator
     for event in events:
         if event[0] == "malloc":
             allocator.malloc(event[1], event[2])
@@ -182,15 +211,16 @@ def replay(events: Sequence[Event], capacity: int | None = None, stop: bool = Fa
 
 def replay_training(events: Sequence[Event], resident: Sequence[int], states: Sequence[int],
                     temporaries: Sequence[int], micro_steps: int, steps: int = HISTORY_STEPS,
-                    capacity: int | None = None, stop: bool = False) -> CachingAllocator:
+                    capacity: int | None = None, stop: bool = False, allocator: Any = None) -> Any:
     """`steps` optimizer steps of `micro_steps` micro-steps each, replayed as a training process allocates
     them: `resident` first (the weights and buffers, moved to the card one by one), then every micro-step's
     `events` with each gradient kept (the first micro-step's; later ones add into it and are freed), the
     optimizer's `states` made at its first step, its `temporaries` made and freed at every step, and the
     gradients freed after it (`zero_grad`). On an H100 this history, not one step's activations, is what
     sets the reserved bytes above the allocated ones: the weights and states take cached blocks the next
-    step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json)."""
-    allocator, fresh = CachingAllocator(capacity, stop), itertools.count()
+    step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json). `allocator`: as `replay`'s."""
+    allocator = CachingAllocator(capacity, stop) if allocator is None else allocator
+    fresh = itertools.count()
     for nbytes in resident:
         allocator.malloc(next(fresh), nbytes)
     for step in range(steps):
@@ -207,7 +237,7 @@ def replay_training(events: Sequence[Event], resident: Sequence[int], states: Se
     return allocator
 
 
-def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dict, fresh: Iterator[int]) -> None:
+def _micro_step(allocator: Any, events: Sequence[Event], grads: dict, fresh: Iterator[int]) -> None:
     """One micro-step's events under fresh keys (numbers from `fresh`, as every allocation of the replay:
     ints hash fastest); gradients kept in `grads` (param -> key) past the step."""
     keys: dict[Any, Any] = {}
@@ -234,6 +264,58 @@ def _micro_step(allocator: CachingAllocator, events: Sequence[Event], grads: dic
             kept.add(key)
 
 
+class Calls:
+    """A replay's calls to the allocator in order, recorded once (`replay(..., allocator=Calls())`) and
+    replayed at any capacity: `key`, and the bytes of a malloc or -1 for a free."""
+
+    def __init__(self) -> None:
+        self.keys, self.sizes = array.array("q"), array.array("q")
+
+    def malloc(self, key: int, nbytes: int) -> None:
+        self.keys.append(key)
+        self.sizes.append(nbytes)
+
+    def free(self, key: int) -> None:
+        self.keys.append(key)
+        self.sizes.append(-1)
+
+    def replayed(self, capacity: int | None = None, stop: bool = False) -> CachingAllocator | None:
+        """The calls replayed through an allocator of `capacity` bytes; None where `stop` and it ran out."""
+        return self._fed(CachingAllocator(capacity, stop))
+
+    def until(self, capacity: int) -> tuple[CachingAllocator, int] | None:
+        """The replay paused at its first segment past `capacity` (`CachingAllocator(pause=True)`), and the
+        call it paused at: every replay under a capacity of at least `capacity` is the same up to there
+        (the roomy replay's reserve only grows, and none of them has released anything yet). None where it
+        never passes `capacity`."""
+        allocator = CachingAllocator(capacity, pause=True)
+        malloc, free = allocator.malloc, allocator.free
+        for index, (key, size) in enumerate(zip(self.keys, self.sizes)):
+            try:
+                free(key) if size < 0 else malloc(key, size)
+            except Paused:
+                return allocator, index
+        return None
+
+    def resumed(self, paused: tuple[CachingAllocator, int], capacity: int) -> CachingAllocator | None:
+        """The replay under `capacity` (at least the one `paused` was made under) from where it paused;
+        None where it runs out of memory."""
+        allocator, index = paused
+        return self._fed(allocator.copy(capacity, stop=True), index)
+
+    def _fed(self, allocator: CachingAllocator, start: int = 0) -> CachingAllocator | None:
+        malloc, free = allocator.malloc, allocator.free
+        try:
+            for key, size in zip(itertools.islice(self.keys, start, None), itertools.islice(self.sizes, start, None)):
+                if size < 0:
+                    free(key)
+                else:
+                    malloc(key, size)
+        except OutOfMemory:
+            return None
+        return allocator
+
+
 def allocations(events: Sequence[Event]) -> Iterator[tuple[int, Event]]:
     """A step's events, each storage named by the allocation it belongs to, numbered in the order they
     were made (storage ids are reused once freed): (index in `events`, event). A free of a storage made
@@ -252,6 +334,24 @@ def allocations(events: Sequence[Event]) -> Iterator[tuple[int, Event]]:
 
 
 _OPS = ("malloc", "free", "grad")
+_FREE = _OPS.index("free")
+
+
+def _order_frees(ops: bytearray, keys: array.array) -> None:
+    """Put each run of frees in a row in the order of their allocations. Frees in a row replay alike in any
+    order (a freed block merges with its free neighbours either way, and frees make no peak), but the order
+    tensors die in may differ between two simulations of one step (a model's own classes: two of its
+    storages freed together), which would replay, and be kept (`Replay.digest`), as two."""
+    start = 0
+    while start < len(ops):
+        if ops[start] != _FREE:
+            start += 1
+            continue
+        end = start
+        while end < len(ops) and ops[end] == _FREE:
+            end += 1
+        keys[start:end] = array.array("q", sorted(keys[start:end]))
+        start = end
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -275,7 +375,16 @@ class Replay:
             keys.append(-1 if event[1] is None else event[1])
             sizes.append(event[2] if event[0] != "free" else 0)
             owners.append(params.setdefault(event[3], len(params)) if event[0] == "grad" else -1)
+        _order_frees(ops, keys)
         return cls(bytes(ops), keys, sizes, owners, training)
+
+    def digest(self) -> str:
+        """The events and the history beside them, as one hash: two replays of the same digest replay alike."""
+        digest = hashlib.sha256(self.ops)
+        for values in (self.keys, self.sizes, self.params):
+            digest.update(values.tobytes())
+        digest.update(repr(self.training).encode())
+        return digest.hexdigest()
 
     def events(self) -> list[Event]:
         """The events, as `replay` and `replay_training` read them."""
@@ -287,23 +396,20 @@ class Replay:
 
     def run(self, capacity: int | None = None) -> CachingAllocator:
         """The step replayed through an allocator of `capacity` bytes (None: unlimited)."""
-        return self.runner()(capacity)
+        found = self.calls().replayed(capacity)
+        assert found is not None  # without `stop` a replay goes on
+        return found
 
-    def runner(self) -> Callable[..., CachingAllocator | None]:
-        """`run` for many capacities, the events built once: (capacity, stop=False) -> the allocator
-        replayed, None where `stop` and it ran out of memory."""
-        events = self.events()
-
-        def run(capacity: int | None, stop: bool = False) -> CachingAllocator | None:
-            try:
-                if self.training is None:
-                    return replay(events, capacity, stop)
-                resident, states, temporaries, micro_steps = self.training
-                return replay_training(events, resident, states, temporaries, micro_steps, capacity=capacity,
-                                       stop=stop)
-            except OutOfMemory:
-                return None
-        return run
+    def calls(self) -> Calls:
+        """The calls this replay makes of the allocator (`Calls`: replayed at many capacities, resumed
+        where they part), recorded once from the events."""
+        calls, events = Calls(), self.events()
+        if self.training is None:
+            replay(events, allocator=calls)
+        else:
+            resident, states, temporaries, micro_steps = self.training
+            replay_training(events, resident, states, temporaries, micro_steps, allocator=calls)
+        return calls
 
     def scaled(self, other: "Replay", at: float, here: float, there: float) -> "Replay | None":
         """The step at micro-batch `at` from this one (at `here`) and `other` (at `there`, the template): its

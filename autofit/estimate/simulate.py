@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
-from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen
-from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Event, Replay
+from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept
+from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -354,17 +354,26 @@ class _Deep:
 
 def reserve(replay: Replay) -> dict[str, Any]:
     """`ActivationPeak`'s reserve fields from `replay`: beyond its allocated peak, what a roomy card
-    reserves (`fragmentation`) and the least it runs in (`least_fragmentation`: `least_reserve`)."""
-    run = replay.runner()
-    roomy = run(None)
-    return {"fragmentation": roomy.peak_reserved - roomy.peak_allocated,
-            "least_fragmentation": least_reserve(run, roomy) - roomy.peak_allocated, "replay": replay}
+    reserves (`fragmentation`) and the least it runs in (`least_fragmentation`: `least_reserve`). Replayed
+    once for the same events (`kept.RESERVES`, in the process and the cache's folder): a dry-run's AdamW
+    rows replay two optimizer steps of training through a bisection, most of a second dry-run's time."""
+    digest = replay.digest()
+    found = kept.RESERVES.get(digest, shared=True)
+    if found is None:
+        calls = replay.calls()
+        roomy = calls.replayed()
+        found = {"fragmentation": roomy.peak_reserved - roomy.peak_allocated,
+                 "least_fragmentation": least_reserve(calls, roomy) - roomy.peak_allocated}
+        kept.RESERVES.put(digest, found, shared=True)
+    return {**found, "replay": replay}
 
 
-def least_reserve(run: Callable[..., CachingAllocator | None], roomy: CachingAllocator) -> int:
+def least_reserve(calls: Calls, roomy: CachingAllocator) -> int:
     """The fewest bytes the caching allocator's segments may total for a replay to run without running out
-    of memory (`run`: `Replay.runner`): found by bisection between the allocated and the reserved peak of
-    its `roomy` run (no capacity), to `LEAST_RESERVE_PRECISION` of the reserve. Under a limit below its
+    of memory (`calls`: `Replay.calls`): found by bisection between the allocated and the reserved peak of
+    its `roomy` run (no capacity), to `LEAST_RESERVE_PRECISION` of the reserve, each run resumed where the
+    roomy one first passes the allocated peak (`Calls.until`: all of them alike up to there, about half of
+    a training history's calls). Under a limit below its
     roomy reserve the allocator releases its cached segments and retries (`CachingAllocator`): on an H200
     (bench/results/fit-threshold-cuda-h200-2026-11-27.json), GPT-2 small's full-checkpointing step in
     fp32 at micro-batch 1 trained with its segments capped between 3,125 and 3,188 MiB (the process's
@@ -372,12 +381,13 @@ def least_reserve(run: Callable[..., CachingAllocator | None], roomy: CachingAll
     replay, 3,093 (3,260 roomy); in bf16 at micro-batch 4 between 5,389 and 5,518, the replay 5,451."""
     low, high = roomy.peak_allocated, roomy.peak_reserved
     step = max(ROUND_LARGE, int(LEAST_RESERVE_PRECISION * high))
-    if high - low <= step or run(high - step, stop=True) is None:
+    paused = calls.until(low) if high - low > step else None
+    if paused is None or calls.resumed(paused, high - step) is None:
         return high  # most steps need about what they reserve: one replay says so
     high -= step
     while high - low > step:
         middle = (low + high) // 2
-        low, high = (low, middle) if run(middle, stop=True) is not None else (middle, high)
+        low, high = (low, middle) if calls.resumed(paused, middle) is not None else (middle, high)
     return high
 
 

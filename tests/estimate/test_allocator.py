@@ -200,11 +200,28 @@ def test_the_least_reserve_is_where_the_replay_stops_running_out_of_memory():
 
     step = Replay.of(STEP, ([10 * MIB], [10 * MIB, 10 * MIB], [10 * MIB], 1))
     roomy = step.run()
-    least = least_reserve(step.runner(), roomy)
+    calls = step.calls()
+    least = least_reserve(calls, roomy)
     assert roomy.peak_allocated < least < roomy.peak_reserved  # step 2's activations take the freed block
-    run = step.runner()
-    assert run(least, stop=True) is not None and not step.run(least).out_of_memory
-    assert run(least - 2 * MIB - 1, stop=True) is None and step.run(least - 2 * MIB - 1).out_of_memory
+    assert calls.replayed(least, stop=True) is not None and not step.run(least).out_of_memory
+    assert calls.replayed(least - 2 * MIB - 1, stop=True) is None and step.run(least - 2 * MIB - 1).out_of_memory
+
+
+def test_a_replay_resumed_where_it_paused_is_the_replay_run_whole():
+    # every capacity above the allocated peak replays alike until the first segment past that peak: the
+    # bisection resumes from there (`Calls.until`) and finds what replays run whole find
+    step = Replay.of(STEP, ([10 * MIB], [10 * MIB, 10 * MIB], [10 * MIB], 2))
+    calls = step.calls()
+    roomy = calls.replayed()
+    paused = calls.until(roomy.peak_allocated)
+    assert paused is not None and 0 < paused[1] < len(calls.keys)
+    for capacity in range(roomy.peak_allocated, roomy.peak_reserved + 4 * MIB, MIB // 2):
+        whole, resumed = calls.replayed(capacity, stop=True), calls.resumed(paused, capacity)
+        assert (whole is None) == (resumed is None)
+        if whole is not None:
+            assert (whole.peak_reserved, whole.reserved, whole.allocated) == \
+                (resumed.peak_reserved, resumed.reserved, resumed.allocated)
+    assert calls.until(roomy.peak_reserved) is None  # never past its own reserve
 
 
 def test_a_replay_read_at_another_micro_batch_scales_each_size_on_the_line():

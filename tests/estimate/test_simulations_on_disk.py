@@ -1,5 +1,6 @@
 """Simulated steps shared between processes through a folder (autofit/estimate/simulations.py): a library's
-model read back by the next process, never a step of other code, never a model of one's own class."""
+model read back by the next process, never a step of other code, never a model of one's own class; the
+caching allocator's reserves (autofit/estimate/kept.py `RESERVES`) by their events, whatever the model."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from transformers import LlamaConfig
 
 import autofit.estimate.estimator as estimator_module
 from autofit.config import Config
-from autofit.estimate import simulate, simulations
+from autofit.estimate import allocator, kept, simulate, simulations
 from autofit.estimate.estimator import Estimator
 from autofit.spec.train import make_spec
 
@@ -41,9 +42,19 @@ def process(monkeypatch, tmp_path):
 
     def start():
         monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations(folder=tmp_path / "cache"))
+        monkeypatch.setattr(kept, "RESERVES", kept.Reserves(folder=tmp_path / "cache" / "reserves"))
         runs.clear()
         return runs
     return start
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """The caching allocator's replays run (`Replay.calls`)."""
+    runs = []
+    real = allocator.Replay.calls
+    monkeypatch.setattr(allocator.Replay, "calls", lambda self: runs.append(1) or real(self))
+    return runs
 
 
 def predict(model, batch=None):
@@ -69,7 +80,7 @@ def test_other_code_reads_nothing_back(process, monkeypatch):
     process()
     predict(llama())
     runs = process()
-    monkeypatch.setattr(simulations, "code_version", lambda: "another autofit, torch or transformers")
+    monkeypatch.setattr(kept, "code_version", lambda: "another autofit, torch or transformers")
     predict(llama())
     assert runs
 
@@ -77,7 +88,35 @@ def test_other_code_reads_nothing_back(process, monkeypatch):
 def test_a_model_of_ones_own_is_kept_for_its_process_only(process, tmp_path):
     runs = process()
     predict(Mine, lambda n: torch.zeros(n, 32))
-    assert runs and not (tmp_path / "cache").exists()
+    assert runs and not list((tmp_path / "cache").glob("*.pkl"))
+
+
+def test_the_allocators_reserves_are_replayed_once_whatever_the_model(process, replays, tmp_path):
+    # the events alone decide a replay: a model of one's own class is simulated again, not replayed again
+    for model, batch in ((llama(), None), (Mine, lambda n: torch.zeros(n, 32))):
+        process()
+        first = predict(model, batch)
+        assert replays and list((tmp_path / "cache" / "reserves").glob("*.pkl"))
+        replays.clear()
+        runs = process()
+        again = predict(model, batch)
+        assert not replays and (runs or model is not Mine)
+        assert again.need_bytes == first.need_bytes and again.peak_bytes == first.peak_bytes
+
+
+def test_a_reserve_of_other_code_or_broken_is_replayed_again(process, replays, monkeypatch, tmp_path):
+    process()
+    first = predict(Mine, lambda n: torch.zeros(n, 32))  # simulated again in every process
+    for path in (tmp_path / "cache" / "reserves").glob("*.pkl"):
+        path.write_bytes(path.read_bytes()[:10])  # a writer killed halfway
+    replays.clear()
+    process()
+    assert predict(Mine, lambda n: torch.zeros(n, 32)).need_bytes == first.need_bytes and replays
+    replays.clear()
+    process()
+    monkeypatch.setattr(kept, "code_version", lambda: "another autofit")
+    predict(Mine, lambda n: torch.zeros(n, 32))
+    assert replays
 
 
 def test_a_broken_file_is_simulated_again(process, tmp_path):
