@@ -436,7 +436,18 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
                 f"faster, under the {margin:.0%} margin {_MARGIN_WORDS[kind]}, as autofit tune decides")
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
             f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
-            + (f" ({others} other(s) fit, slower)" if others else ""))
+            + (f" ({_others(chosen, fitting)})" if others else ""))
+
+
+def _others(chosen: Candidate, fitting: list[Candidate]) -> str:
+    """The other fits beside the fastest chosen: those predicted as fast (a tie the fewest changes win,
+    `_decided`) and the slower ones."""
+    ties = sum(c is not chosen and c.step_seconds <= chosen.step_seconds for c in fitting)
+    slower = len(fitting) - 1 - ties
+    if not ties:
+        return f"{slower} other(s) fit, slower"
+    return (f"{len(fitting) - 1} other(s) fit: {ties} predicted as fast, with more changes"
+            + (f", {slower} slower" if slower else ""))
 
 
 def _sync_note(chosen: Candidate, estimator: Estimator) -> str:

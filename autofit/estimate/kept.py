@@ -132,11 +132,11 @@ def _canonical(value: Any) -> str:
     return repr(value)
 
 
-
 class Reserves(Kept):
-    """The caching allocator's reserves of a step's events (`simulate.reserve`: two replays' worth of
-    numbers, keyed by `allocator.Replay.digest`, the events themselves): the same events replay the same,
-    whichever model, configuration or process they came from, so every replay is kept in the folder."""
+    """The caching allocator's reserves of a step's events (`simulate.reserve`: a roomy replay's and a
+    bisection's two numbers, keyed by `allocator.Replay.digest`, the events themselves): the same events
+    replay the same, whichever model, configuration or process they came from, so every one is kept in the
+    folder."""
 
     def keeps(self, value: Any) -> bool:
         return isinstance(value, dict) and set(value) == {"fragmentation", "least_fragmentation"} \
@@ -148,4 +148,4 @@ def _reserves_folder() -> Path | None:
     return None if folder is None else folder / "reserves"
 
 
-RESERVES = Reserves(size=100_000, folder=_reserves_folder(), files=20_000)  # the README's GPT-2 dry-run: 664
+RESERVES = Reserves(size=100_000, folder=_reserves_folder(), files=20_000)  # the README's GPT-2 dry-run writes 664

@@ -201,6 +201,11 @@ def test_a_numerics_change_is_chosen_only_when_predicted_clearly_faster():
     assert "is predicted 5.3% faster, under the 10% margin a numerics change must clear" in _chosen_reason(near[1], near)
     clear = [candidate(numerics, 0.85), candidate(exact, 1.0)]
     assert _decided(space, clear).config == numerics
+    # a tie is not "slower": the fewest changes win it, and the reason says how many were as fast
+    tied = [candidate(exact, 1.0), candidate(numerics, 1.0), candidate(numerics, 1.2)]
+    assert _decided(space, tied).config == exact
+    assert _chosen_reason(tied[0], tied).endswith("(2 other(s) fit: 1 predicted as fast, with more changes, 1 slower)")
+    assert _chosen_reason(tied[0], [tied[0], tied[2]]).endswith("(1 other(s) fit, slower)")
 
 
 def test_a_model_in_bf16_planned_at_fp32_is_said_to_run_in_bf16():
