@@ -63,8 +63,8 @@ def main() -> None:
         times: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
         reports = {}
         for round_ in range(args.rounds):
-            for name, tree in trees.items():  # alternated, so that a change of load meets both
-                cache = work / f"cache-{round_}-{len(reports)}"
+            for index, (name, tree) in enumerate(trees.items()):  # alternated: a change of load meets both
+                cache = work / f"cache-{round_}-{index}"
                 for run in ("first", "second"):
                     wall, report = timed_run(tree, cache, work)
                     times[name].setdefault(f"{run} wall s", []).append(round(wall, 2))

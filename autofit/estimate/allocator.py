@@ -196,11 +196,10 @@ HISTORY_STEPS = 2  # optimizer steps replayed; the reserve stops growing after t
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
-def replay(events: Sequence[Event], capacity: int | None = None, stop: bool = False,
-           allocator: Any = None) -> Any:
+def replay(events: Sequence[Event], allocator: Any = None) -> Any:
     """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache).
-    `allocator`: one to replay into (a `CachingAllocator`, or `Calls` to record the calls), else a new one."""
-    allocator = CachingAllocator(capacity, stop) if allocator is None else allocator
+    `allocator`: one to replay into (a `CachingAllocator`, or `Calls` to record the calls), else a roomy one."""
+    allocator = CachingAllocator() if allocator is None else allocator
     for event in events:
         if event[0] == "malloc":
             allocator.malloc(event[1], event[2])
@@ -211,7 +210,7 @@ def replay(events: Sequence[Event], capacity: int | None = None, stop: bool = Fa
 
 def replay_training(events: Sequence[Event], resident: Sequence[int], states: Sequence[int],
                     temporaries: Sequence[int], micro_steps: int, steps: int = HISTORY_STEPS,
-                    capacity: int | None = None, stop: bool = False, allocator: Any = None) -> Any:
+                    allocator: Any = None) -> Any:
     """`steps` optimizer steps of `micro_steps` micro-steps each, replayed as a training process allocates
     them: `resident` first (the weights and buffers, moved to the card one by one), then every micro-step's
     `events` with each gradient kept (the first micro-step's; later ones add into it and are freed), the
@@ -219,7 +218,7 @@ def replay_training(events: Sequence[Event], resident: Sequence[int], states: Se
     gradients freed after it (`zero_grad`). On an H100 this history, not one step's activations, is what
     sets the reserved bytes above the allocated ones: the weights and states take cached blocks the next
     step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json). `allocator`: as `replay`'s."""
-    allocator = CachingAllocator(capacity, stop) if allocator is None else allocator
+    allocator = CachingAllocator() if allocator is None else allocator
     fresh = itertools.count()
     for nbytes in resident:
         allocator.malloc(next(fresh), nbytes)

@@ -57,10 +57,12 @@ def replays(monkeypatch):
     return runs
 
 
-def predict(model, batch=None):
-    spec = make_spec(model, batch, seq_len=32, global_batch_size=2, device="cpu", memory_budget="4GiB",
-                     loss_fn=None if batch is None else (lambda out, _batch: out.square().mean()))
-    return Estimator(spec, target="cuda").predict(CONFIG)
+def predict(model, batch=None, config=CONFIG):
+    spec = make_spec(model, batch, seq_len=32, global_batch_size=2 * config.grad_accum_steps, device="cpu",
+                     memory_budget="4GiB", loss_fn=None if batch is None else (lambda out, _batch: out.square().mean()))
+    estimator = Estimator(spec, target="cuda")
+    estimator.predict(CONFIG)  # simulated as CONFIG: `config` shares its simulation, replayed for its own
+    return estimator.predict(config)
 
 
 def test_the_next_process_reads_a_librarys_model_back_and_simulates_nothing(process, tmp_path):
@@ -92,14 +94,15 @@ def test_a_model_of_ones_own_is_kept_for_its_process_only(process, tmp_path):
 
 
 def test_the_allocators_reserves_are_replayed_once_whatever_the_model(process, replays, tmp_path):
-    # the events alone decide a replay: a model of one's own class is simulated again, not replayed again
+    # the events alone decide a replay: a model of one's own class is simulated again, not replayed again;
+    # a library's step read back is replayed for another accumulation than the one simulated
     for model, batch in ((llama(), None), (Mine, lambda n: torch.zeros(n, 32))):
         process()
-        first = predict(model, batch)
+        first = predict(model, batch, CONFIG.replace(grad_accum_steps=2))
         assert replays and list((tmp_path / "cache" / "reserves").glob("*.pkl"))
         replays.clear()
         runs = process()
-        again = predict(model, batch)
+        again = predict(model, batch, CONFIG.replace(grad_accum_steps=2))
         assert not replays and (runs or model is not Mine)
         assert again.need_bytes == first.need_bytes and again.peak_bytes == first.peak_bytes
 
