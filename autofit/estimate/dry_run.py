@@ -250,7 +250,8 @@ def _beyond(space: Space, estimator: Estimator, profile: GpuProfile,
             strategies: Sequence["Strategy"]) -> list[Candidate]:
     """The levels the next tiers would add (what an allow= would open), each at its smallest micro-batch:
     when nothing allowed fits, whether a level fits at all is the question (its smallest size answers
-    it, with the fewest simulations)."""
+    it, with the fewest simulations). A level whose model states alone are over the limit cannot open
+    anything: it is left out unsimulated (`_Planner.states_over`)."""
     tiers = sorted({e.tier for e in space.excluded if e.tier is not None})
     if not tiers:
         return []
@@ -258,6 +259,7 @@ def _beyond(space: Space, estimator: Estimator, profile: GpuProfile,
     planner = _Planner(wider, estimator, profile)
     known = set(space.levels())
     smallest = [wider.at(level, wider.sizes_at(level)[0]) for level in wider.levels() if level not in known]
+    smallest = [config for config in smallest if not planner.states_over(config)]
     estimator.prefetch(smallest)
     return [planner.candidate(config) for config in smallest]
 
@@ -273,17 +275,19 @@ class _Planner:
         """The configurations `best_at(level)` may predict: the smallest size alone when the model
         states alone are over the limit (no size fits), else every size."""
         sizes = self.space.sizes_at(level)
-        if self._states_over(level, sizes[0]):
+        if self.states_over(self.space.at(level, sizes[0])):
             sizes = sizes[:1]
         return [self.space.at(level, size) for size in sizes]
 
-    def _states_over(self, level: Config, size: int) -> bool:
-        return self.estimator.states_floor(self.space.at(level, size)) > self.spec.fit_limit
+    def states_over(self, config: Config) -> bool:
+        """Whether `config`'s model states alone (`Estimator.states_floor`, a lower bound of its peak) are
+        over the fit limit: then it fits at no size."""
+        return self.estimator.states_floor(config) > self.spec.fit_limit
 
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
         sizes = self.space.sizes_at(level)
-        if self._states_over(level, sizes[0]):
+        if self.states_over(self.space.at(level, sizes[0])):
             return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:

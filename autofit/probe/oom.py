@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Iterator
 
 import torch
 
@@ -115,6 +117,24 @@ def raised_at(exc: BaseException) -> str:
         return ""
     frame = frames[-1]
     return f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+
+
+@contextlib.contextmanager
+def collecting_new_objects() -> Iterator[None]:
+    """Within it, the garbage collector looks only at the objects made since it began: those alive before
+    (the libraries', a notebook's) are frozen (`gc.freeze`, undone on leaving), so the full collection
+    that returns a probe's memory (`release_memory`) costs what the probe made, not what the process
+    holds: 0.33 of 0.34 s per probe of a small MLP in a process that imported transformers, seconds in a
+    long-lived one. A cycle the probe made is new whatever it references, so it is collected as before.
+    Left as it is where the caller froze objects of its own (`gc.unfreeze` would thaw theirs too)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def release_memory() -> None:

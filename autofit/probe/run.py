@@ -18,7 +18,8 @@ import torch
 from autofit.config import Config
 from autofit.errors import CudaContextBroken, UsageError
 from autofit.probe.memory import Budget, DeadlinePassed, budget_for, note_left_behind
-from autofit.probe.oom import classify_oom, first_line, raised_at, release_memory, sticky_error
+from autofit.probe.oom import (classify_oom, collecting_new_objects, first_line, raised_at, release_memory,
+                               sticky_error)
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.probe.step import TrainRun, build_run
 from autofit.spec.batch import made, to_device
@@ -45,6 +46,12 @@ def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     done (setup included), it may take the steps it runs plus two more at that pace, and at least
     MIN_ALLOWANCE seconds (timing noise dominates shorter probes), then it is recorded as too slow.
     """
+    with collecting_new_objects():
+        return _probe(spec, config, strategies, step_limit)
+
+
+def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
+           step_limit: float | None) -> ProbeResult:
     held = _allocated(spec.device)
     budget = budget_for(spec.device, spec.memory_budget, spec.resident_bytes)
     if step_limit is not None:

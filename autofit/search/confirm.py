@@ -363,9 +363,10 @@ def live_measure(spec: Any, strategies: Sequence[Any]) -> Measure:
     and the median over the rounds shrugs off a slower first round), then each round takes one timed optimizer step of each, the order rotating. Outside the CPU
     budget (each already fits it; its bookkeeping is off during timed steps anyway), so all runs stay in
     host memory at once: the caller checks they fit there."""
-    from autofit.probe.oom import first_line, release_memory
+    from autofit.probe.oom import collecting_new_objects, first_line, release_memory
     from autofit.probe.run import fresh_run, timed_step
 
+    @collecting_new_objects()
     def measure(configs: Sequence[Config], rounds: int) -> dict[Config, tuple[float, ...] | str]:
         runs: dict[Config, Any] = {}
         failed: dict[Config, str] = {}

@@ -103,6 +103,16 @@ def test_nothing_fits_names_the_smallest_and_what_to_allow():
     assert any(c.config.lora for c in allowed.candidates)
 
 
+def test_the_states_floor_is_under_every_candidates_need(report):
+    # a level whose model states alone are over the limit is predicted at one size, and left out of what an
+    # allow= would open (`_Planner.states_over`): the floor must bound every prediction from below
+    spec, _ = _spec(tiny_llama(), None, get_gpu("a100-80gb").with_memory(GIB), 2, 16, 256, None, "adamw", None,
+                    0.1, 64)
+    estimator = Estimator(spec, target="cuda")
+    assert all(estimator.states_floor(c.config) <= c.estimate.need_bytes for c in report.candidates)
+    assert {c.config.offload for c in report.candidates} > {"none"}  # offloaded states too
+
+
 def test_gpu_without_bf16_plans_fp16():
     result = dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="v100-16gb")
     assert {c.config.precision for c in result.candidates} == {"fp32", "fp16"}

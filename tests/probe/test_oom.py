@@ -1,7 +1,10 @@
+import gc
+import weakref
+
 import torch
 
 from autofit.probe.memory import CpuBudget
-from autofit.probe.oom import classify_oom
+from autofit.probe.oom import classify_oom, collecting_new_objects, release_memory
 
 
 def test_cpu_budget_oom_is_classified():
@@ -37,3 +40,28 @@ def test_wrapped_oom_is_found_through_the_cause():
 def test_other_errors_are_not_oom():
     assert classify_oom(ValueError("shapes do not match")) is None
     assert classify_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
+class _Node:
+    pass
+
+
+def test_a_probes_cycles_are_collected_and_the_collector_is_left_as_it_was():
+    assert gc.get_freeze_count() == 0
+    with collecting_new_objects():
+        assert gc.get_freeze_count() > 0  # what lived before is not looked at again
+        node = _Node()
+        node.itself, node.tensor = node, torch.zeros(4)  # a cycle, as a traceback's frames make one
+        alive = weakref.ref(node)
+        del node
+        release_memory()
+        assert alive() is None
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with collecting_new_objects():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
