@@ -1,5 +1,3 @@
-import gc
-
 import pytest
 import torch
 from models import make_mlp, make_mlp_batch, mlp_loss
@@ -65,8 +63,7 @@ def test_twenty_oom_probes_leave_no_memory_behind():
     with CpuBudget(None) as outer:  # counts everything the probes allocate, from outside them
         for _ in range(20):
             assert run_probe(tight, FULL, STRATEGIES).status is ProbeStatus.OOM
-            gc.collect()
-            assert outer.current == 0
+            assert outer.current == 0  # the probe collected its own cycles: no collection here
     assert outer.peak > 0  # the probes did allocate
 
 
