@@ -67,6 +67,25 @@ def timed(spec, config, strategies, full: bool) -> float:
         probe_run.collecting_new_objects = kept
 
 
+def side_by_side(kind: str, budget: str, strategies: list, pairs: int) -> dict:
+    """`pairs` probes of the MLP under `budget` as autofit runs them and as many with a full collection,
+    taking turns; their medians and ratio."""
+    spec = make_spec(make_mlp, make_batch, global_batch_size=8, device="cpu", memory_budget=budget,
+                     loss_fn=loss_fn, warmup_steps=1, timed_steps=1)
+    config = Config(micro_batch_size=8)
+    timed(spec, config, strategies, full=False)  # warm: the first probe of a process settles
+    ours, full = [], []
+    for _ in range(pairs):
+        ours.append(timed(spec, config, strategies, full=False))
+        full.append(timed(spec, config, strategies, full=True))
+    ours_s, full_s = statistics.median(ours), statistics.median(full)
+    row = {"probe": kind, "budget": budget, "pairs": pairs, "autofit_s_median": ours_s,
+           "full_collection_s_median": full_s, "ratio": ours_s / full_s}
+    print(f"{kind:5s} autofit's {row['autofit_s_median']:.4f} s  full collection "
+          f"{row['full_collection_s_median']:.4f} s  ratio {row['ratio']:.3f}", file=sys.stderr)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=15, help="(autofit's, full collection) probe pairs per kind")
@@ -76,31 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()
     held = a_users_process()
     strategies = default_strategies()
-    kinds = {"fits": "1GiB", "oom": "256KiB"}
-    results = []
-    for kind, budget in kinds.items():
-        spec = make_spec(make_mlp, make_batch, global_batch_size=8, device="cpu", memory_budget=budget,
-                         loss_fn=loss_fn, warmup_steps=1, timed_steps=1)
-        config = Config(micro_batch_size=8)
-        timed(spec, config, strategies, full=False)  # warm: the first probe of a process settles
-        ours, full = [], []
-        for _ in range(args.pairs):
-            ours.append(timed(spec, config, strategies, full=False))
-            full.append(timed(spec, config, strategies, full=True))
-        row = {"probe": kind, "budget": budget, "pairs": args.pairs,
-               "autofit_s_median": statistics.median(ours), "full_collection_s_median": statistics.median(full),
-               "ratio": statistics.median(ours) / statistics.median(full)}
-        results.append(row)
-        print(f"{kind:5s} autofit's {row['autofit_s_median']:.4f} s  full collection "
-              f"{row['full_collection_s_median']:.4f} s  ratio {row['ratio']:.3f}", file=sys.stderr)
-    header = {"benchmark": "probe-release", "device": device_name(False), "date": started.date().isoformat(),
+    rows = [side_by_side(kind, budget, strategies, args.pairs)
+            for kind, budget in (("fits", "1GiB"), ("oom", "256KiB"))]
+    record = {"benchmark": "probe-release", "device": device_name(False), "date": started.date().isoformat(),
               "started": started.isoformat(timespec="seconds"), "load_before_after": [load_before, os.getloadavg()],
-              "objects_tracked": len(gc.get_objects()), "held_model_parameters": sum(p.numel() for p in held.parameters()),
-              "clock": "time.perf_counter (wall)", "versions": versions(), "rows": results}
+              "objects_tracked": len(gc.get_objects()),
+              "held_model_parameters": sum(p.numel() for p in held.parameters()),
+              "clock": "time.perf_counter (wall)", "versions": versions(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"probe-release-{header['date']}.json"
-    path.write_text(json.dumps(header, indent=2) + "\n")
-    print(path)
+    (args.out / f"probe-release-{record['date']}.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(args.out / f"probe-release-{record['date']}.json")
     return 0
 
 
