@@ -98,8 +98,11 @@ def test_nothing_fits_names_the_smallest_and_what_to_allow():
     result = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="rtx-4090", gpu_memory="8MiB")
     assert not result.fits and result.chosen is None
     assert "No candidate fits" in result.reason and "the smallest needs" in result.reason
+    from autofit.strategies.lora import Lora
+
+    # allow= opens LoRA's levels to the table (the rungs that make them, to keep it short)
     allowed = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="rtx-4090", gpu_memory="8MiB",
-                      allow={"lora"})
+                      allow={"lora"}, strategies=[s for s in default_strategies() if isinstance(s, (MicroBatch, Lora))])
     assert any(c.config.lora for c in allowed.candidates)
 
 
@@ -111,6 +114,22 @@ def test_the_states_floor_is_under_every_candidates_need(report):
     estimator = Estimator(spec, target="cuda")
     assert all(estimator.states_floor(c.config) <= c.estimate.need_bytes for c in report.candidates)
     assert {c.config.offload for c in report.candidates} > {"none"}  # offloaded states too
+
+
+def test_what_an_allow_would_open_is_named_and_a_level_over_the_limit_is_not_predicted(monkeypatch):
+    from autofit.strategies.lora import Lora
+
+    rungs = [s for s in default_strategies() if isinstance(s, (MicroBatch, Lora))]
+    plan = dict(seq_len=64, global_batch_size=2, gpu="rtx-4090", allow=0, strategies=rungs)
+    opened = dry_run(tiny_llama(), gpu_memory=above_overhead(8), **plan)
+    assert not opened.fits and "Pass allow={'lora'}" in opened.reason
+    assert "lora=r16 is predicted to fit" in opened.reason
+    predicted = []
+    real = Estimator.predict
+    monkeypatch.setattr(Estimator, "predict", lambda self, config: predicted.append(config) or real(self, config))
+    closed = dry_run(tiny_llama(), gpu_memory="8MiB", **plan)  # the CUDA context alone is over it
+    assert "use a GPU with more memory" in closed.reason
+    assert predicted and not any(config.lora for config in predicted)  # LoRA's states are over it too
 
 
 def test_gpu_without_bf16_plans_fp16():
