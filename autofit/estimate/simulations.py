@@ -26,7 +26,7 @@ class Simulations(Kept):
     another card or rank count, the CLI run again); a failed simulation is not written."""
 
     def keeps(self, value: Any) -> bool:
-        return isinstance(value, tuple) and isinstance(value[0], ActivationPeak)
+        return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], ActivationPeak)
 
 
 # modules whose code is fixed by a version in `code_version`: a model built only of their classes is shared
