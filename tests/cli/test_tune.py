@@ -211,7 +211,11 @@ def test_ctrl_c_records_what_finished_and_says_how_to_resume(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "autofit.cli.main", "tune", "--model", f"{tmp_path}/slow.py:make",
             "--global-batch-size", "4", "--out", str(out), "--device", "cpu", "--allow", "0", "--timed-steps", "100"]
-    job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As a terminal starts a foreground job: SIGINT at its default, which Python turns into KeyboardInterrupt. A
+    # suite started in the background (`nohup pytest &`, a CI runner's job) runs with SIGINT ignored, and a child
+    # inherits that, as a shell's background job keeps ignoring Ctrl-C.
+    job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = out / "probes.jsonl"
     try:  # the first probe runs out of memory (a recorded result), the second is slow: interrupt it
         _wait_for(lambda: log.exists() and log.read_text().count('"starting"') == 2)
