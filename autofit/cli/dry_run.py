@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autofit.cli.tune import LENGTH, as_options, env_columns, parse_allow_option
+from autofit.cli.tune import ALLOW_HELP, LENGTH, as_options, env_columns, parse_allow_option
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.estimate.gpus import other_sizes
@@ -162,7 +162,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--gpu", default="h100-80gb", show_default=True, help="GPU profile (autofit gpus lists them).")
 @click.option("--gpu-memory", default=None, help="Memory per GPU, e.g. 20GiB: overrides the profile's.")
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs.")
-@click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
+@click.option("--allow", multiple=True, help=ALLOW_HELP)
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
 @click.option("--lora-targets", default=None,
               help="Modules LoRA adapts, comma-separated (e.g. q_proj,v_proj); default: every linear layer "

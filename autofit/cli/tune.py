@@ -95,15 +95,20 @@ def make_console(as_json: bool) -> Console:
     return Console(stderr=as_json, highlight=False, width=env_columns() or (None if probe.is_terminal else 140))
 
 
+ALLOW_HELP = "Tier 0-2, or names: numerics, lora, quantization (repeatable or comma-separated)."
+
+
 def parse_allow_option(values: tuple[str, ...]) -> Any:
-    """--allow values: a tier 0-2, or names such as lora / numerics / quantization (repeatable)."""
-    if not values:
+    """--allow values: a tier 0-2, or names such as lora / numerics / quantization, each given on its own
+    (`--allow lora --allow numerics`) or comma-separated (`--allow lora,numerics`, as --lora-targets takes)."""
+    names = tuple(name.strip() for value in values for name in value.split(",") if name.strip())
+    if not names:
         return None
-    if len(values) == 1 and values[0].isdigit():
-        return int(values[0])
-    if any(v.isdigit() for v in values):
+    if len(names) == 1 and names[0].isdigit():
+        return int(names[0])
+    if any(v.isdigit() for v in names):
         raise UsageError(f"--allow {' '.join(values)}: give either one tier (0, 1, 2) or names, not both.")
-    return set(values)
+    return set(names)
 
 
 def run_dir(out: str | None, model: str, resume: bool) -> tuple[Path, "RunLock"]:
@@ -251,7 +256,7 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
-@click.option("--allow", multiple=True, help="Tier 0-2, or names: numerics, lora, quantization (repeatable).")
+@click.option("--allow", multiple=True, help=ALLOW_HELP)
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
 @click.option("--engine", type=click.Choice(["auto", "deepspeed", "fsdp"]), default="auto", show_default=True,
               help="Sharding engine over several ranks: auto searches ZeRO (DeepSpeed) and FSDP2; or pin one.")

@@ -15,6 +15,8 @@ import pytest
 
 from autofit import Plan
 from autofit.cli.main import main
+from autofit.cli.tune import parse_allow_option
+from autofit.errors import UsageError
 from autofit.units import format_size
 
 MODEL = textwrap.dedent("""
@@ -102,6 +104,22 @@ def test_nothing_fits_exits_3_without_launchers(tmp_path, model_arg, capsys):
 def test_bad_usage_exits_2(tmp_path, capsys, args, message):
     assert main(["tune", "--out", str(tmp_path / "run"), "--device", "cpu", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values,expected", [
+    (("lora", "numerics"), {"lora", "numerics"}),
+    (("lora,numerics",), {"lora", "numerics"}),  # as --lora-targets takes its modules
+    (("lora, quantization",), {"lora", "quantization"}),
+    (("1",), 1),
+    ((), None),
+])
+def test_allow_takes_names_repeated_or_comma_separated(values, expected):
+    assert parse_allow_option(values) == expected
+
+
+def test_allow_refuses_a_tier_mixed_with_names_however_given():
+    with pytest.raises(UsageError, match="either one tier"):
+        parse_allow_option(("1,lora",))
 
 
 def test_other_errors_exit_1(tmp_path, model_arg, capsys):
