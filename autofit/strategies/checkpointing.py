@@ -56,9 +56,9 @@ class Checkpointing(Strategy):
     def options(self, spec: "TrainSpec") -> list[Option]:
         blocks = spec.model.num_blocks
         why_not = f"{spec.model.name} has no repeated blocks (nn.ModuleList / nn.Sequential) to checkpoint"
+        too_few = lambda k: why_not if blocks < 2 else f"{blocks} blocks are too few to checkpoint every {_ordinal(k)}"  # noqa: E731
         selective = [Option(C.EVERY_K, 0, f"recompute every {_ordinal(k)} of {blocks} blocks" if blocks > k
-                            else f"{blocks} blocks are too few to checkpoint every {_ordinal(k)}",
-                            available=blocks > k, also=(("checkpoint_every", k),)) for k in EVERY]
+                            else too_few(k), available=blocks > k, also=(("checkpoint_every", k),)) for k in EVERY]
         return [Option(C.NONE, 0, "keep all activations"),
                 Option(C.OPS, 0, "every block op by op: keep matmul and attention outputs, recompute the "
                        "pointwise ops" if blocks >= 2 else why_not, available=blocks >= 2),
