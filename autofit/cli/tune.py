@@ -9,6 +9,7 @@ stdout. Exit codes: 0 fits, 3 nothing fits, 2 bad usage, 1 other errors.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import fcntl
 import json
@@ -28,7 +29,7 @@ from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
 from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
-from autofit.probe.outcome import ProbeResult
+from autofit.probe.outcome import ProbeResult, Skip
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES
 from autofit.units import format_size
@@ -42,8 +43,14 @@ LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second on
 NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
 
 
+# Skips the terminal counts instead of listing: decided by a measured result or by the rules, many per probe.
+# Each is logged to probes.jsonl and listed with its reason in report.html and plan.json.
+QUIET_SKIPS = {Skip.IMPLIED: "implied by a measured result", Skip.EXCLUDED: "excluded"}
+
+
 class RichProgress:
-    """Shows each probe as it starts (the candidate and why) and as it lands; logs both to probes.jsonl."""
+    """Shows each probe as it starts (the candidate and why) and as it lands, and counts the quiet skips
+    decided between probes (`QUIET_SKIPS`) in one line; logs every record to probes.jsonl."""
 
     def __init__(self, console: Console, log_path: Path):
         self.console = console
@@ -51,8 +58,10 @@ class RichProgress:
         self.count = 0
         self.finished_count = 0  # probes whose result is recorded (the trial store has them)
         self._status = None
+        self._quiet: collections.Counter[Skip] = collections.Counter()
 
     def starting(self, config: Config, why: str) -> None:
+        self.flush()
         self.count += 1
         self._log({"event": "starting", "config": config.to_dict(), "why": why})
         self.console.print(f"[bold]probe {self.count}[/] {config.describe()} [dim]({why})[/]")
@@ -66,15 +75,31 @@ class RichProgress:
             self._status = None
         self._log({"event": "finished", **result.to_dict()})
         self.finished_count += 1
+        if result.skip in QUIET_SKIPS:
+            self._quiet[result.skip] += 1
+            return
+        self.flush()
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
         self.console.print(f"  [{COLORS[status_of(result)]}]{label(result)}[/] {result.config.describe()}:{peak} "
                            f"[dim]- {escape(result.reason)}[/]", highlight=False)
 
+    def flush(self) -> None:
+        """Print the quiet skips counted since the last line, if any."""
+        if self._quiet:
+            self.console.print(f"  [{COLORS['skipped']}]skipped[/] [dim]{quiet_counts(self._quiet)} "
+                               f"(each with its reason in {PROBES_LOG})[/]", highlight=False)
+            self._quiet.clear()
+
     def _log(self, record: dict[str, Any]) -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with self.log_path.open("a") as log:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
+
+
+def quiet_counts(counts: "collections.Counter[Skip]") -> str:
+    """'32 implied by a measured result, 24 excluded'."""
+    return ", ".join(f"{counts[skip]} {words}" for skip, words in QUIET_SKIPS.items() if counts[skip])
 
 
 def as_options(text: str) -> str:
@@ -216,16 +241,22 @@ def positive_option(context: click.Context, param: click.Parameter, value: int |
 
 
 def probe_table(plan: "Plan", width: int = NARROW) -> Table:
-    """Every probe: knobs, status, peak, throughput, and from `NARROW` columns its reason (narrower, the
-    reasons stay in report.html and probes.jsonl); the chosen one starred; figures never split."""
+    """The probes and the predicted skips: knobs, status, peak, throughput, and from `NARROW` columns its
+    reason (narrower, the reasons stay in report.html and probes.jsonl); the chosen one starred; figures
+    never split. The quiet skips (`QUIET_SKIPS`) are counted in the caption; each row keeps its number in
+    `plan.probes` (report.html's order)."""
     reasons = width >= NARROW
-    table = Table(title="Every probe", show_lines=False, title_justify="left",
-                  caption=None if reasons else "reasons: report.html, probes.jsonl (or a wider COLUMNS)")
+    quiet = collections.Counter(p.skip for p in plan.probes if p.skip in QUIET_SKIPS)
+    notes = ([f"not shown: {quiet_counts(quiet)} (report.html, plan.json)"] if quiet else []) + \
+        ([] if reasons else ["reasons: report.html, probes.jsonl (or a wider COLUMNS)"])
+    table = Table(title="Probes", show_lines=False, title_justify="left", caption="\n".join(notes) or None)
     for name, justify, wrap in (("#", "right", False), ("configuration", "left", True), ("status", "left", True),
                                 ("peak", "right", False), ("samples/s", "right", False), ("reason", "left", True)):
         if name != "reason" or reasons:
             table.add_column(name, justify=justify, overflow="fold", no_wrap=not wrap)
     for index, probe in enumerate(plan.probes, 1):
+        if probe.skip in QUIET_SKIPS:
+            continue
         chosen = plan.fits and probe.fits and probe.config == plan.config
         table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),
                       f"[{COLORS[status_of(probe)]}]{label(probe)}[/]", format_size(probe.peak_bytes),
@@ -296,6 +327,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
                        f"{out_dir / TRIALS} (and {PROBES_LOG}); the one running was dropped. Resume, re-probing "
                        f"nothing already measured:\n  {resume_command(out_dir)}", err=True)
             return EXIT_INTERRUPTED
+        progress.flush()
         paths = write_run(plan, out_dir)
         console.print(probe_table(plan, console.width))
         if plan.fits:

@@ -55,7 +55,7 @@ def test_fitting_run_writes_everything_and_one_json_document(tmp_path, model_arg
     captured = capsys.readouterr()
     document = json.loads(captured.out)  # exactly one JSON document: this fails on anything else
     assert document["fits"] is True and document["config"]["micro_batch_size"] * document["config"]["grad_accum_steps"] == 4
-    assert "probe 1" in captured.err and "Every probe" in captured.err
+    assert "probe 1" in captured.err and "Probes" in captured.err
     paths = document["paths"]
     plan = Plan.load(paths["plan"])
     assert plan.fits and plan.peak_memory <= 8 * 2**20
@@ -80,7 +80,7 @@ def test_resume_reprobes_nothing(tmp_path, model_arg, capsys, monkeypatch):
     assert [p["source"] for p in again["probes"] if p["status"] != "skipped"] == \
         ["stored"] * sum(p["status"] != "skipped" for p in first["probes"])
     assert again["config"] == first["config"]
-    table = captured.err[captured.err.index("Every probe"):]
+    table = captured.err[captured.err.index("Probes"):]
     assert max(len(line.rstrip()) for line in table.splitlines()) <= 80 and "reasons: report.html" in table
     assert all(format_size(p["peak_bytes"]) in table for p in again["probes"] if p["peak_bytes"])  # whole figures
 
@@ -268,11 +268,11 @@ def test_square_brackets_in_a_reason_reach_the_terminal(capsys):
     from autofit import Config, Plan
     from autofit.probe.outcome import Skip, decided
 
-    excluded = decided(Config(optimizer="adamw8bit"), Skip.EXCLUDED,
-                       "bitsandbytes is not installed: pip install 'autofit[bnb]'")
-    plan = Plan(False, None, None, None, None, "nothing", (excluded,), {})
+    predicted = decided(Config(optimizer="adamw8bit"), Skip.PREDICTED,
+                        "predicted over [the limit]; pip install 'autofit[bnb]'")
+    plan = Plan(False, None, None, None, None, "nothing", (predicted,), {})
     Console(width=200).print(probe_table(plan, 200))
-    assert "pip install 'autofit[bnb]'" in capsys.readouterr().out
+    assert "predicted over [the limit]; pip install 'autofit[bnb]'" in capsys.readouterr().out
 
 
 def test_at_60_columns_the_statuses_wrap_before_the_configurations_split(capsys):
@@ -287,3 +287,32 @@ def test_at_60_columns_the_statuses_wrap_before_the_configurations_split(capsys)
     table = capsys.readouterr().out
     assert "opt=adafactor" in table and "mb=32x1" in table and "(predicted)" in table
     assert max(len(line.rstrip()) for line in table.splitlines()) <= 60
+
+
+def test_skips_decided_by_results_or_rules_are_counted_not_listed(tmp_path, capsys):
+    from rich.console import Console
+
+    from autofit.cli.tune import RichProgress, probe_table
+    from autofit import Config, Plan
+    from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, decided
+
+    fit = ProbeResult(Config(micro_batch_size=4), ProbeStatus.FIT, "fits", 2**20, 0.1, 40.0)
+    implied = [decided(Config(micro_batch_size=4, checkpointing=c), Skip.IMPLIED, "cannot be faster")
+               for c in ("ops", "full")]
+    excluded = decided(Config(micro_batch_size=4, optimizer="adamw8bit"), Skip.EXCLUDED, "not installed")
+    predicted = decided(Config(micro_batch_size=8), Skip.PREDICTED, "predicted over")
+    console = Console(width=120)
+    progress = RichProgress(console, tmp_path / "probes.jsonl")
+    progress.starting(fit.config, "largest")
+    for record in (fit, *implied, excluded, predicted):
+        progress.finished(record)
+    live = capsys.readouterr().out
+    assert "skipped 2 implied by a measured result, 1 excluded" in live and "cannot be faster" not in live
+    assert live.index("skipped 2 implied") < live.index("predicted over")  # in the order they were decided
+    assert len((tmp_path / "probes.jsonl").read_text().splitlines()) == 6  # every record is logged
+    plan = Plan(True, fit.config, 40.0, None, 2**20, "won", (fit, *implied, excluded, predicted), {})
+    console.print(probe_table(plan, 120))
+    table = capsys.readouterr().out
+    assert "ckpt=" not in table and "adamw8bit" not in table and "mb=8x1" in table
+    assert "not shown: 2 implied by a measured result, 1 excluded" in table
+    assert re.search(r"│ 5 │ fp32, mb=8x1", table)  # numbered as in plan.probes and report.html
