@@ -1,4 +1,4 @@
-"""`autofit export PLAN.json --format ... --out DIR` on a plan measured for real."""
+"""`autofit export PLAN.json|RUN_DIR --format ... --out DIR` on a plan measured for real."""
 
 from __future__ import annotations
 
@@ -62,12 +62,20 @@ def test_plan_that_does_not_fit_is_refused(tmp_path, capsys, plan_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_directory_exports_its_plan(tmp_path, capsys, plan_path):
+    assert main(["export", str(plan_path.parent), "--format", "deepspeed", "--out", str(tmp_path / "a")]) == 0
+    assert main(["export", str(plan_path), "--format", "deepspeed", "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "deepspeed.json").read_text() == (tmp_path / "b" / "deepspeed.json").read_text()
+
+
 @pytest.mark.parametrize("args,message", [
     (["missing.json", "--format", "deepspeed", "--out", "x"], "Cannot read a plan"),
     (["PLAN", "--format", "slurm", "--out", "x"], "Invalid value for '--format'"),
+    (["x", "--format", "deepspeed", "--out", "out"], "is a folder without a plan.json"),
 ])
 def test_bad_usage(tmp_path, capsys, plan_path, args, message):
-    args = [str(plan_path) if a == "PLAN" else str(tmp_path / a) if a in ("missing.json", "x") else a for a in args]
+    (tmp_path / "x").mkdir()  # a folder that is no tune run
+    args = [str(plan_path) if a == "PLAN" else str(tmp_path / a) if a in ("missing.json", "x", "out") else a for a in args]
     assert main(["export", *args]) == 2
     assert message in capsys.readouterr().err
 
