@@ -72,6 +72,8 @@ from autofit.cli.dry_run import dry_run_command  # noqa: E402
 cli.add_command(dry_run_command)
 from autofit.cli.gpus import gpus_command  # noqa: E402
 cli.add_command(gpus_command)
+from autofit.cli.models import models_command  # noqa: E402
+cli.add_command(models_command)
 
 if __name__ == "__main__":
     main()

@@ -110,7 +110,7 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     if unreachable:
         raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {unreachable}. Set HF_HUB_OFFLINE=1 "
                          f"to look in the cache alone, run `hf download {repo_id} config.json` where the network "
-                         "is reachable, or pass a local config.json or a preset (autofit presets lists them).")
+                         "is reachable, or pass a local config.json or a preset (`autofit models` lists them).")
     try:
         path = hf_hub_download(repo_id, "config.json", cache_dir=cache, endpoint=endpoint, etag_timeout=10)
     except GatedRepoError as exc:
@@ -122,7 +122,7 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     else:
         return load_config(Path(path), name=repo_id)
     raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {why}. Pass a local config.json or a "
-                     "preset (autofit presets lists them).")
+                     "preset (`autofit models` lists them).")
 
 
 def _unreachable(repo_id: str, endpoint: str | None) -> str | None:

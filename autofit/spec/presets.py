@@ -36,8 +36,13 @@ def _names() -> dict[str, str]:
 
 
 def list_presets() -> list[str]:
-    """The preset names, sorted."""
-    return sorted(_table())
+    """The preset names in models.json's order: by family, smallest first."""
+    return list(_table())
+
+
+def preset_aliases(name: str) -> list[str]:
+    """The other names preset `name` is accepted by (hub ids, older spellings)."""
+    return list(_table()[name].get("aliases", ()))
 
 
 def resolve_name(name: str) -> str | None:
@@ -70,7 +75,7 @@ def _unknown_message(name: str) -> str:
     hint = f"did you mean {', '.join(suggestions)}?" if suggestions else \
         f"known presets: {', '.join(list_presets())}."
     return (f"Unknown model preset {name!r}: {hint} Or pass a Hugging Face config.json, a model folder, "
-            "or FILE.py:factory.")
+            "or FILE.py:factory (`autofit models` lists the presets).")
 
 
 # The Auto classes tried, in order, for a config that names no architecture: the first whose mapping knows

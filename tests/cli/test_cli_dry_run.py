@@ -1,4 +1,4 @@
-"""`autofit dry-run` and `autofit gpus`: the table, --json, and the exit codes (0 / 3 / 2)."""
+"""`autofit dry-run`, `autofit gpus` and `autofit models`: the tables, --json, and the exit codes (0 / 3 / 2)."""
 
 from __future__ import annotations
 
@@ -182,3 +182,24 @@ def test_the_simulation_prints_no_transformers_warnings(config_json):
 def test_a_memory_size_without_a_card_says_whose_speeds_are_used(config_json, capsys):
     assert dry_run("--model", str(config_json), "--gpu-memory", "20GiB", "--top", "1") == 0
     assert "--gpu-memory 20GiB without --gpu: speeds are the h100-80gb profile's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns", ["200", "80", "60"])
+def test_models_lists_every_preset_by_the_names_model_takes(capsys, monkeypatch, columns):
+    from autofit.spec.presets import get_preset, list_presets
+
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in list_presets()) and "128,256" in out  # names and figures whole
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= int(columns)
+    assert ("meta-llama/Llama-2-7b-hf" in out) == (int(columns) >= 120)  # aliases where there is room
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["models"]
+    assert [r["name"] for r in rows] == list_presets()
+    for row in rows:  # each alias is taken by --model, and the shape is the preset's own
+        assert all(get_preset(alias).name_or_path == row["name"] for alias in row["aliases"])
+    llama = next(r for r in rows if r["name"] == "llama-3-8b")
+    assert (llama["layers"], llama["hidden"], llama["vocab"], llama["max len"]) == (32, 4096, 128256, 8192)
+    vit = next(r for r in rows if r["name"] == "vit-base")
+    assert vit["vocab"] is None and vit["architecture"] == "ViTForImageClassification"

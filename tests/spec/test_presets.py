@@ -46,5 +46,5 @@ def test_required_families_are_present():
 def test_unknown_preset_lists_close_names():
     with pytest.raises(UsageError, match=r"llama-2-7b"):
         get_preset("llama2-7")
-    with pytest.raises(UsageError, match="known presets: bert-base"):
+    with pytest.raises(UsageError, match="known presets: gpt2, gpt2-medium"):
         get_preset("zzzz")
