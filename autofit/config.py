@@ -16,7 +16,7 @@ import dataclasses
 import enum
 from typing import Any, ClassVar, Mapping
 
-from autofit.errors import UsageError
+from autofit.errors import UsageError, did_you_mean
 
 
 class Knob(str, enum.Enum):
@@ -37,7 +37,8 @@ class Knob(str, enum.Enum):
             return cls(value)
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in cls)
-            raise UsageError(f"{name}={value!r} is not known; use one of {allowed}.") from None
+            raise UsageError(f"{name}={value!r} is not known{did_you_mean(value, (m.value for m in cls))}; "
+                             f"use one of {allowed}.") from None
 
 
 class Precision(Knob):

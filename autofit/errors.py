@@ -1,5 +1,8 @@
 """Errors autofit raises at the user: each says the bad value and the fix."""
 
+import difflib
+from typing import Iterable
+
 
 class AutofitError(Exception):
     """Base class of every error autofit raises on purpose."""
@@ -36,3 +39,11 @@ class CudaContextBroken(AutofitError):
                 "Run with CUDA_LAUNCH_BLOCKING=1 to see the failing op.")
         super().__init__(f"The CUDA context broke while probing {candidate}: {cause}. Every later CUDA call in this "
                          f"process would fail the same way, so the search stops here. {hint}")
+
+
+def did_you_mean(value: object, names: Iterable[str]) -> str:
+    """" (did you mean 'adamw8bit'?)" for a value typed close to one of `names` (any case), else ""."""
+    names = list(names)
+    lowered = {name.lower(): name for name in names}
+    close = difflib.get_close_matches(str(value).strip().lower(), list(lowered), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(lowered[c]) for c in close)}?)" if close else ""

@@ -27,8 +27,15 @@ def test_values_become_their_knob_types():
 @pytest.mark.parametrize("field, value", [("precision", "bf61"), ("sharding", "zero7"), ("offload", "disk"),
                                           ("attention", "flash"), ("optimizer", "sgdd")])
 def test_a_bad_value_names_itself_and_the_allowed_ones(field, value):
-    with pytest.raises(UsageError, match=rf"{field}='{value}' is not known; use one of"):
+    with pytest.raises(UsageError, match=rf"{field}='{value}' is not known( \(did you mean '\w+'( or '\w+')?\?\))?; use one of"):
         Config(**{field: value})
+
+
+def test_a_value_typed_close_to_a_known_one_is_named():
+    with pytest.raises(UsageError, match=r"checkpointing='ful' is not known \(did you mean 'full'\?\)"):
+        Config(checkpointing="ful")
+    with pytest.raises(UsageError, match=r"precision='fp8' is not known; use one of"):  # nothing close: no guess
+        Config(precision="fp8")
 
 
 @pytest.mark.parametrize("field, value", [("micro_batch_size", 0), ("grad_accum_steps", -1), ("lora", -4),

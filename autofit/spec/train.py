@@ -16,7 +16,7 @@ from torch import nn
 
 from autofit.spec import batch as batches
 from autofit.spec.devices import device_memory, memory_report, resolve_device
-from autofit.errors import UsageError
+from autofit.errors import UsageError, did_you_mean
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
 from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
@@ -292,7 +292,8 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
         name = optimizer.lower()
         known = {o.value for o in Optimizer} - {"user"}
         if name not in known | ADAM_NAMES:
-            raise UsageError(f"optimizer={optimizer!r} is not known; use one of {sorted(known | ADAM_NAMES)}, "
+            raise UsageError(f"optimizer={optimizer!r} is not known{did_you_mean(name, known | ADAM_NAMES)}; "
+                             f"use one of {sorted(known | ADAM_NAMES)}, "
                              "an optimizer instance (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), or a "
                              "factory params -> optimizer.")
         # Adam is AdamW without weight decay (the decay is the only difference between the two updates)

@@ -107,8 +107,10 @@ def test_optimizer():
     assert parse_optimizer("AdamW").explore
     kept = parse_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     assert kept.name == "user" and not kept.explore and kept.kwargs["lr"] == 0.1
-    with pytest.raises(UsageError, match="'lion'"):
+    with pytest.raises(UsageError, match="'lion' is not known; use one of"):
         parse_optimizer("lion")
+    with pytest.raises(UsageError, match=r"'Adam8bit' is not known \(did you mean 'adamw8bit' or"):  # typed in a hurry
+        parse_optimizer("Adam8bit")
 
 
 class TwoArguments(torch.nn.Module):
