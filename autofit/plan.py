@@ -151,7 +151,7 @@ def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult], confirmatio
     if confirmation is None:
         return _probed_reason(best, fits, len(results))
     parts = [_confirmed_head(confirmation, len(fits))]
-    parts += [_comparison_words(c, confirmation) for c in confirmation.comparisons if _worth_saying(c, confirmation)]
+    parts += [_comparison_words(c, confirmation) for c in _worth_saying(confirmation)]
     if space is not None:
         parts.append(_exactness_words(space, confirmation, fits))
     parts.append(best.reason)
@@ -182,11 +182,21 @@ def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
             f"({runner.config.describe()}; per-round ratio {ratio.low:.2f}-{ratio.high:.2f})")
 
 
-def _worth_saying(comparison: Comparison, confirmation: Confirmation) -> bool:
-    """A comparison a reader needs: a change that won on its margin, or a faster one that did not clear it."""
-    if comparison.won:
-        return comparison.kind != "noise"
-    return comparison.ratio.median > 1 and comparison.challenger != confirmation.chosen
+def _worth_saying(confirmation: Confirmation) -> list[Comparison]:
+    """The comparisons a reader needs: a change that won on its exactness or near-limit margin, a faster one
+    that did not clear its margin, and a win on the noise margin over a finalist already said to be kept
+    (else the text would end on "X is kept" and choose another)."""
+    said, kept = [], set()
+    for comparison in confirmation.comparisons:
+        if comparison.won:
+            worth = comparison.kind != "noise" or comparison.holder in kept
+        else:
+            worth = comparison.ratio.median > 1 and comparison.challenger != confirmation.chosen
+            if worth:
+                kept.add(comparison.holder)
+        if worth:
+            said.append(comparison)
+    return said
 
 
 _MARGIN_WORDS = {"exactness": "a numerics change must clear (exact_margin)",

@@ -180,6 +180,27 @@ def test_the_reason_says_why_a_faster_numerics_change_was_not_taken(space):
     assert f"{ADAFACTOR.describe()} was 1.04x" in plan.reason and f"{EXACT.describe()} is kept" in plan.reason
 
 
+def test_a_finalist_said_to_be_kept_and_then_beaten_is_said_to_be_beaten(space):
+    # As the quickstart once read: bf16 cleared the exactness margin, a faster change did not clear noise's
+    # ("bf16 ... is kept"), and the one after it did, unsaid: the reason ended on a finalist it did not choose.
+    smaller = Config(micro_batch_size=4, grad_accum_steps=2, precision="bf16")
+    bf16_adafactor = Config(micro_batch_size=8, precision="bf16", optimizer="adafactor")
+    results = [fit(EXACT, 100), fit(BF16, 115), fit(smaller, 117), fit(bf16_adafactor, 122)]
+    measure = GivenRounds({EXACT: [100] * 7, BF16: [115] * 7, smaller: [117] * 7, bf16_adafactor: [122] * 7})
+    plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
+    assert plan.config == bf16_adafactor
+    kept = f"{smaller.describe()} was 1.02x as fast as {BF16.describe()}"
+    beaten = f"{bf16_adafactor.describe()} is 1.06x as fast as {BF16.describe()}"
+    assert kept in plan.reason and beaten in plan.reason and plan.reason.index(kept) < plan.reason.index(beaten)
+
+
+def test_a_plain_win_on_the_noise_margin_goes_unsaid(space):
+    results = [fit(BF16, 100), fit(Config(micro_batch_size=4, grad_accum_steps=2, precision="bf16"), 110)]
+    measure = GivenRounds({r.config: [r.samples_per_s] * 7 for r in results})
+    plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
+    assert "mb=4x2" in plan.config.describe() and "margin of noise" not in plan.reason
+
+
 def test_a_numerics_change_is_taken_when_nothing_exact_fits(space):
     results = [fit(ADAFACTOR, 100), ProbeResult(EXACT, ProbeStatus.OOM, "out of memory", oom_kind="cpu-budget")]
     plan = make_plan(space, results, None, run_confirm(space, results, GivenRounds({}), 7, 0.10, "live runs"))
