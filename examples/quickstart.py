@@ -9,6 +9,7 @@ memory budget (default 160MiB here, small enough that several rungs are needed).
 from __future__ import annotations
 
 import argparse
+import collections
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -47,9 +48,13 @@ def main() -> None:
     plan = autofit.autofit(make_model, make_batch, global_batch_size=args.global_batch_size,
                            device="cuda" if on_gpu else "cpu", memory_budget=budget)
     for probe in plan.probes:
-        peak = autofit.format_size(probe.peak_bytes)
-        speed = f"{probe.samples_per_s:8.2f} samples/s" if probe.samples_per_s else " " * 18
-        print(f"{probe.status.value:8} {peak:>11} {speed}  {probe.config.describe()}  -- {probe.reason}")
+        if probe.skip is None:  # run: fit, oom, error or stopped as too slow
+            peak = autofit.format_size(probe.peak_bytes)
+            speed = f"{probe.samples_per_s:8.2f} samples/s" if probe.samples_per_s else " " * 18
+            print(f"{probe.status.value:8} {peak:>11} {speed}  {probe.config.describe()}  -- {probe.reason}")
+    skips = collections.Counter(probe.skip.value for probe in plan.probes if probe.skip is not None)
+    print(f"and {sum(skips.values())} decided without running ({', '.join(f'{n} {why}' for why, n in skips.items())}; "
+          "plan.probes holds each with its reason)")
     print(f"\n{plan.probes_run} probes. Chosen: {plan.summary()}")
     print(f"plan written to {plan.save(f'{args.out}/plan.json')}")
 
