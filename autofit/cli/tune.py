@@ -80,8 +80,8 @@ class RichProgress:
             return
         self.flush()
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
-        peak = f" peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
-        self.console.print(f"  [{COLORS[status_of(result)]}]{label(result)}[/] {result.config.describe()}:{peak} "
+        peak = f": peak {format_size(result.peak_bytes)}{speed}" if result.peak_bytes else ""
+        self.console.print(f"  [{COLORS[status_of(result)]}]{label(result)}[/] {result.config.describe()}{peak} "
                            f"[dim]- {escape(result.reason)}[/]", highlight=False)
 
     def flush(self) -> None:
