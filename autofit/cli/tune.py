@@ -43,9 +43,13 @@ LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second on
 NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
 
 
-# Skips the terminal counts instead of listing: decided by a measured result or by the rules, many per probe.
-# Each is logged to probes.jsonl and listed with its reason in report.html and plan.json.
-QUIET_SKIPS = {Skip.IMPLIED: "implied by a measured result", Skip.EXCLUDED: "excluded"}
+# Why a candidate was not run, as the terminal counts them. Each skip is logged to probes.jsonl and listed with
+# its reason in report.html and plan.json; the final table lists what ran and counts these.
+SKIP_WORDS = {Skip.PREDICTED: "predicted not to fit", Skip.IMPLIED: "implied by a measured result",
+              Skip.EXCLUDED: "excluded", Skip.BUDGET: "past the probe budget"}
+# Skips the progress counts instead of listing: decided by a measured result or the rules, dozens per probe
+# (a predicted one is shown as it is decided, with the need it was predicted).
+QUIET_SKIPS = (Skip.IMPLIED, Skip.EXCLUDED)
 
 
 class RichProgress:
@@ -87,7 +91,7 @@ class RichProgress:
     def flush(self) -> None:
         """Print the quiet skips counted since the last line, if any."""
         if self._quiet:
-            self.console.print(f"  [{COLORS['skipped']}]skipped[/] [dim]{quiet_counts(self._quiet)} "
+            self.console.print(f"  [{COLORS['skipped']}]skipped[/] [dim]{skip_counts(self._quiet)} "
                                f"(each with its reason in {PROBES_LOG})[/]", highlight=False)
             self._quiet.clear()
 
@@ -97,9 +101,9 @@ class RichProgress:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
 
 
-def quiet_counts(counts: "collections.Counter[Skip]") -> str:
+def skip_counts(counts: "collections.Counter[Skip]") -> str:
     """'32 implied by a measured result, 24 excluded'."""
-    return ", ".join(f"{counts[skip]} {words}" for skip, words in QUIET_SKIPS.items() if counts[skip])
+    return ", ".join(f"{counts[skip]} {words}" for skip, words in SKIP_WORDS.items() if counts[skip])
 
 
 def as_options(text: str) -> str:
@@ -241,13 +245,12 @@ def positive_option(context: click.Context, param: click.Parameter, value: int |
 
 
 def probe_table(plan: "Plan", width: int = NARROW) -> Table:
-    """The probes and the predicted skips: knobs, status, peak, throughput, and from `NARROW` columns its
-    reason (narrower, the reasons stay in report.html and probes.jsonl); the chosen one starred; figures
-    never split. The quiet skips (`QUIET_SKIPS`) are counted in the caption; each row keeps its number in
-    `plan.probes` (report.html's order)."""
+    """What ran: knobs, status, peak, throughput, and from `NARROW` columns its reason (narrower, the reasons
+    stay in report.html and probes.jsonl); the chosen one starred; figures never split. The skips are counted
+    by why in the caption; each row keeps its number in `plan.probes` (report.html's order)."""
     reasons = width >= NARROW
-    quiet = collections.Counter(p.skip for p in plan.probes if p.skip in QUIET_SKIPS)
-    notes = ([f"not shown: {quiet_counts(quiet)} (report.html, plan.json)"] if quiet else []) + \
+    skips = collections.Counter(p.skip for p in plan.probes if p.skip is not None)
+    notes = ([f"not run: {skip_counts(skips)} (each in report.html, plan.json)"] if skips else []) + \
         ([] if reasons else ["reasons: report.html, probes.jsonl (or a wider COLUMNS)"])
     table = Table(title="Probes", show_lines=False, title_justify="left", caption="\n".join(notes) or None)
     for name, justify, wrap in (("#", "right", False), ("configuration", "left", True), ("status", "left", True),
@@ -255,7 +258,7 @@ def probe_table(plan: "Plan", width: int = NARROW) -> Table:
         if name != "reason" or reasons:
             table.add_column(name, justify=justify, overflow="fold", no_wrap=not wrap)
     for index, probe in enumerate(plan.probes, 1):
-        if probe.skip in QUIET_SKIPS:
+        if probe.skip is not None:
             continue
         chosen = plan.fits and probe.fits and probe.config == plan.config
         table.add_row(str(index), ("★ " if chosen else "") + probe.config.describe(),

@@ -266,13 +266,13 @@ def test_square_brackets_in_a_reason_reach_the_terminal(capsys):
 
     from autofit.cli.tune import probe_table
     from autofit import Config, Plan
-    from autofit.probe.outcome import Skip, decided
+    from autofit.probe.outcome import ProbeResult, ProbeStatus
 
-    predicted = decided(Config(optimizer="adamw8bit"), Skip.PREDICTED,
-                        "predicted over [the limit]; pip install 'autofit[bnb]'")
-    plan = Plan(False, None, None, None, None, "nothing", (predicted,), {})
+    failed = ProbeResult(Config(optimizer="adamw8bit"), ProbeStatus.ERROR,
+                         "ValueError: got [the limit]; pip install 'autofit[bnb]'")
+    plan = Plan(False, None, None, None, None, "nothing", (failed,), {})
     Console(width=200).print(probe_table(plan, 200))
-    assert "predicted over [the limit]; pip install 'autofit[bnb]'" in capsys.readouterr().out
+    assert "ValueError: got [the limit]; pip install 'autofit[bnb]'" in capsys.readouterr().out
 
 
 def test_at_60_columns_the_statuses_wrap_before_the_configurations_split(capsys):
@@ -280,16 +280,17 @@ def test_at_60_columns_the_statuses_wrap_before_the_configurations_split(capsys)
 
     from autofit.cli.tune import probe_table
     from autofit import Config, Plan
-    from autofit.probe.outcome import Skip, decided
+    from autofit.probe.outcome import ProbeResult, ProbeStatus
 
-    skipped = decided(Config(micro_batch_size=32, optimizer="adafactor"), Skip.PREDICTED, "predicted over")
-    Console(width=60).print(probe_table(Plan(False, None, None, None, None, "nothing", (skipped,), {}), 60))
+    oom = ProbeResult(Config(micro_batch_size=32, optimizer="adafactor"), ProbeStatus.OOM, "out of memory",
+                      oom_kind="cpu-budget")
+    Console(width=60).print(probe_table(Plan(False, None, None, None, None, "nothing", (oom,), {}), 60))
     table = capsys.readouterr().out
-    assert "opt=adafactor" in table and "mb=32x1" in table and "(predicted)" in table
+    assert "opt=adafactor" in table and "mb=32x1" in table and "oom" in table
     assert max(len(line.rstrip()) for line in table.splitlines()) <= 60
 
 
-def test_skips_decided_by_results_or_rules_are_counted_not_listed(tmp_path, capsys):
+def test_skips_are_counted_not_listed_and_the_table_lists_what_ran(tmp_path, capsys):
     from rich.console import Console
 
     from autofit.cli.tune import RichProgress, probe_table
@@ -301,18 +302,20 @@ def test_skips_decided_by_results_or_rules_are_counted_not_listed(tmp_path, caps
                for c in ("ops", "full")]
     excluded = decided(Config(micro_batch_size=4, optimizer="adamw8bit"), Skip.EXCLUDED, "not installed")
     predicted = decided(Config(micro_batch_size=8), Skip.PREDICTED, "predicted over")
+    oom = ProbeResult(Config(micro_batch_size=2, grad_accum_steps=2, checkpointing="full"), ProbeStatus.OOM,
+                      "out of memory", oom_kind="cpu-budget")
     console = Console(width=120)
     progress = RichProgress(console, tmp_path / "probes.jsonl")
     progress.starting(fit.config, "largest")
-    for record in (fit, *implied, excluded, predicted):
+    for record in (fit, *implied, excluded, predicted, oom):
         progress.finished(record)
     live = capsys.readouterr().out
     assert "skipped 2 implied by a measured result, 1 excluded" in live and "cannot be faster" not in live
     assert live.index("skipped 2 implied") < live.index("predicted over")  # in the order they were decided
-    assert len((tmp_path / "probes.jsonl").read_text().splitlines()) == 6  # every record is logged
-    plan = Plan(True, fit.config, 40.0, None, 2**20, "won", (fit, *implied, excluded, predicted), {})
+    assert len((tmp_path / "probes.jsonl").read_text().splitlines()) == 7  # every record is logged
+    plan = Plan(True, fit.config, 40.0, None, 2**20, "won", (fit, *implied, excluded, predicted, oom), {})
     console.print(probe_table(plan, 120))
     table = capsys.readouterr().out
-    assert "ckpt=" not in table and "adamw8bit" not in table and "mb=8x1" in table
-    assert "not shown: 2 implied by a measured result, 1 excluded" in table
-    assert re.search(r"│ 5 │ fp32, mb=8x1", table)  # numbered as in plan.probes and report.html
+    assert "adamw8bit" not in table and "mb=8x1" not in table and "mb=4x1" in table  # what ran, no skip
+    assert "not run: 1 predicted not to fit, 2 implied by a measured result, 1 excluded" in table
+    assert re.search(r"│ 6 │ fp32, ckpt=full, mb=2x2", table)  # numbered as in plan.probes and report.html
