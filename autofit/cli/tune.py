@@ -60,7 +60,7 @@ class RichProgress:
         self.console = console
         self.log_path = log_path
         self.count = 0
-        self.finished_count = 0  # probes whose result is recorded (the trial store has them)
+        self.finished_count = 0  # probes that ran and whose result is recorded (the trial store has them)
         self._status = None
         self._quiet: collections.Counter[Skip] = collections.Counter()
 
@@ -78,7 +78,8 @@ class RichProgress:
             self._status.stop()
             self._status = None
         self._log({"event": "finished", **result.to_dict()})
-        self.finished_count += 1
+        if result.skip is None:  # a skip is decided, not run, and the trial store keeps only what ran
+            self.finished_count += 1
         if result.skip in QUIET_SKIPS:
             self._quiet[result.skip] += 1
             return

@@ -313,6 +313,7 @@ def test_skips_are_counted_not_listed_and_the_table_lists_what_ran(tmp_path, cap
     assert "skipped 2 implied by a measured result, 1 excluded" in live and "cannot be faster" not in live
     assert live.index("skipped 2 implied") < live.index("predicted over")  # in the order they were decided
     assert len((tmp_path / "probes.jsonl").read_text().splitlines()) == 7  # every record is logged
+    assert progress.finished_count == 2  # what an interrupt says is in the trial store: what ran, no skip
     plan = Plan(True, fit.config, 40.0, None, 2**20, "won", (fit, *implied, excluded, predicted, oom), {})
     console.print(probe_table(plan, 120))
     table = capsys.readouterr().out
