@@ -29,9 +29,9 @@ from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
 from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
-from autofit.probe.outcome import ProbeResult, Skip
+from autofit.probe.outcome import ProbeResult
 from autofit.report import COLORS, label, status_of, write_report
-from autofit.search.walk import DEFAULT_MAX_PROBES
+from autofit.search.walk import DEFAULT_MAX_PROBES, SkipTally, skip_counts
 from autofit.units import format_size
 
 if TYPE_CHECKING:
@@ -43,18 +43,9 @@ LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second on
 NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
 
 
-# Why a candidate was not run, as the terminal counts them. Each skip is logged to probes.jsonl and listed with
-# its reason in report.html and plan.json; the final table lists what ran and counts these.
-SKIP_WORDS = {Skip.PREDICTED: "predicted not to fit", Skip.IMPLIED: "implied by a measured result",
-              Skip.EXCLUDED: "excluded", Skip.BUDGET: "past the probe budget"}
-# Skips the progress counts instead of listing: decided by a measured result or the rules, dozens per probe
-# (a predicted one is shown as it is decided, with the need it was predicted).
-QUIET_SKIPS = (Skip.IMPLIED, Skip.EXCLUDED)
-
-
 class RichProgress:
     """Shows each probe as it starts (the candidate and why) and as it lands, and counts the quiet skips
-    decided between probes (`QUIET_SKIPS`) in one line; logs every record to probes.jsonl."""
+    decided between probes (`SkipTally`) in one line; logs every record to probes.jsonl."""
 
     def __init__(self, console: Console, log_path: Path):
         self.console = console
@@ -62,7 +53,7 @@ class RichProgress:
         self.count = 0
         self.finished_count = 0  # probes that ran and whose result is recorded (the trial store has them)
         self._status = None
-        self._quiet: collections.Counter[Skip] = collections.Counter()
+        self.tally = SkipTally()
 
     def starting(self, config: Config, why: str) -> None:
         self.flush()
@@ -80,8 +71,7 @@ class RichProgress:
         self._log({"event": "finished", **result.to_dict()})
         if result.skip is None:  # a skip is decided, not run, and the trial store keeps only what ran
             self.finished_count += 1
-        if result.skip in QUIET_SKIPS:
-            self._quiet[result.skip] += 1
+        if self.tally.held(result):
             return
         self.flush()
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
@@ -91,20 +81,15 @@ class RichProgress:
 
     def flush(self) -> None:
         """Print the quiet skips counted since the last line, if any."""
-        if self._quiet:
-            self.console.print(f"  [{COLORS['skipped']}]skipped[/] [dim]{skip_counts(self._quiet)} "
-                               f"(each with its reason in {PROBES_LOG})[/]", highlight=False)
-            self._quiet.clear()
+        held = self.tally.take()
+        if held:
+            self.console.print(f"  [{COLORS['skipped']}]skipped[/] [dim]{held} (each with its reason in "
+                               f"{PROBES_LOG})[/]", highlight=False)
 
     def _log(self, record: dict[str, Any]) -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with self.log_path.open("a") as log:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
-
-
-def skip_counts(counts: "collections.Counter[Skip]") -> str:
-    """'32 implied by a measured result, 24 excluded'."""
-    return ", ".join(f"{counts[skip]} {words}" for skip, words in SKIP_WORDS.items() if counts[skip])
 
 
 def as_options(text: str) -> str:
@@ -331,7 +316,6 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
                        f"{out_dir / TRIALS} (and {PROBES_LOG}); the one running was dropped. Resume, re-probing "
                        f"nothing already measured:\n  {resume_command(out_dir)}", err=True)
             return EXIT_INTERRUPTED
-        progress.flush()
         paths = write_run(plan, out_dir)
         console.print(probe_table(plan, console.width))
         if plan.fits:

@@ -122,6 +122,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     results = confirmation.follow_numerics(space, results, probe)
     measure, rounds, method, window = _measurer(spec, space, results, prober)
     confirmed = confirmation.confirm(space, results, measure, rounds, margin, method, window)
+    if callable(getattr(listener, "flush", None)):
+        listener.flush()  # what it held back (the skips it counts), before the caller prints the plan
     return make_plan(space, results, predictor, confirmed)
 
 

@@ -29,6 +29,7 @@ Among the fits, the plan takes the highest measured throughput.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 import re
@@ -59,11 +60,45 @@ class Verdict(enum.Enum):
 
 
 class Progress(Protocol):
-    """Receives the search's events (the CLI shows them)."""
+    """Receives the search's events (the CLI shows them). A listener may also have `flush()`, called once
+    the search has decided everything (what it held back, it says then)."""
 
     def starting(self, config: Config, why: str) -> None: ...
 
     def finished(self, result: ProbeResult) -> None: ...
+
+
+# Why a candidate was not run, as progress counts them; each skip is in plan.probes with its reason.
+SKIP_WORDS = {Skip.PREDICTED: "predicted not to fit", Skip.IMPLIED: "implied by a measured result",
+              Skip.EXCLUDED: "excluded", Skip.BUDGET: "past the probe budget"}
+# Skips progress counts instead of listing: decided by a measured result or the rules, dozens per probe
+# (a predicted one is shown as it is decided, with the need it was predicted).
+QUIET_SKIPS = (Skip.IMPLIED, Skip.EXCLUDED)
+
+
+def skip_counts(counts: "collections.Counter[Skip]") -> str:
+    """'32 implied by a measured result, 24 excluded'."""
+    return ", ".join(f"{counts[skip]} {words}" for skip, words in SKIP_WORDS.items() if counts[skip])
+
+
+class SkipTally:
+    """The quiet skips (`QUIET_SKIPS`) decided since progress last printed a line."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[Skip] = collections.Counter()
+
+    def held(self, result: ProbeResult) -> bool:
+        """Count `result` when it is a quiet skip (and say so)."""
+        if result.skip in QUIET_SKIPS:
+            self.counts[result.skip] += 1
+            return True
+        return False
+
+    def take(self) -> str:
+        """The counts held ('' when none), emptied."""
+        text = skip_counts(self.counts)
+        self.counts.clear()
+        return text
 
 
 class _Silent:
@@ -76,19 +111,25 @@ class _Silent:
 
 class PrintedProgress:
     """`progress=True`: a line on stderr as each probe starts (the candidate and why) and one as it lands
-    (its status, peak and speed, and the reason), for a script or a notebook cell. Once the probe budget is
-    spent, one line says so for every level left (`plan.probes` lists them)."""
+    (its status, peak and speed, and the reason), for a script or a notebook cell. The skips a measured
+    result implies or the rules exclude are counted in one line (`SkipTally`); once the probe budget is
+    spent, one line says so for every level left (`plan.probes` lists them all)."""
 
     def __init__(self, stream: TextIO | None = None):
         self.stream = stream
         self.count = 0
         self.budget_said = False
+        self.tally = SkipTally()
 
     def starting(self, config: Config, why: str) -> None:
+        self.flush()
         self.count += 1
         self._print(f"autofit probe {self.count}: {config.describe()} ({why})")
 
     def finished(self, result: ProbeResult) -> None:
+        if self.tally.held(result):
+            return
+        self.flush()
         if result.skip is Skip.BUDGET:
             if not self.budget_said:
                 self._print(f"  {result.reason}: the levels left are skipped (plan.probes lists them)")
@@ -97,6 +138,12 @@ class PrintedProgress:
         peak = f", peak {format_size(result.peak_bytes)}" if result.peak_bytes else ""
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         self._print(f"  {result.status.value} {result.config.describe()}{peak}{speed} - {result.reason}")
+
+    def flush(self) -> None:
+        """Print the skips counted since the last line, if any."""
+        held = self.tally.take()
+        if held:
+            self._print(f"  skipped {held} (plan.probes has each with its reason)")
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream or sys.stderr, flush=True)

@@ -2,6 +2,8 @@
 
 import copy
 
+import re
+
 import pytest
 import torch
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
@@ -169,6 +171,16 @@ def test_progress_true_prints_each_probe_as_it_starts_and_lands(capsys):
     assert err[1].startswith(f"  {probed[0].status.value} {probed[0].config.describe()}, peak ")
     budget = [line for line in err if "probe budget of 1 probes spent" in line]
     assert len(budget) == 1 and sum(p.skip is Skip.BUDGET for p in plan.probes) > 1  # said once, recorded each
+
+
+def test_progress_counts_the_skips_a_measured_result_implies_in_one_line(capsys):
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, loss_fn=mlp_loss, memory_budget="64MiB",
+                           allow=0, max_probes=3, progress=True, **FAST)
+    err = capsys.readouterr().err.splitlines()
+    implied = [p for p in plan.probes if p.skip is Skip.IMPLIED]
+    assert implied and not any(p.reason in line for p in implied for line in err)  # none listed
+    counted = [int(m.group(1)) for m in map(re.compile(r"  skipped (\d+) implied by a measured result").match, err) if m]
+    assert sum(counted) == len(implied)  # each counted once, the last ones too (flushed when the search ends)
 
 
 @pytest.mark.parametrize("progress", ["yes", print])
