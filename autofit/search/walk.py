@@ -71,9 +71,9 @@ class Progress(Protocol):
 # Why a candidate was not run, as progress counts them; each skip is in plan.probes with its reason.
 SKIP_WORDS = {Skip.PREDICTED: "predicted not to fit", Skip.IMPLIED: "implied by a measured result",
               Skip.EXCLUDED: "excluded", Skip.BUDGET: "past the probe budget"}
-# Skips progress counts instead of listing: decided by a measured result or the rules, dozens per probe
-# (a predicted one is shown as it is decided, with the need it was predicted).
-QUIET_SKIPS = (Skip.IMPLIED, Skip.EXCLUDED)
+# Skips progress counts instead of listing: decided by a measured result, the rules or the spent probe
+# budget, dozens at a time (a predicted one is shown as it is decided, with the need it was predicted).
+QUIET_SKIPS = (Skip.IMPLIED, Skip.EXCLUDED, Skip.BUDGET)
 
 
 def skip_counts(counts: "collections.Counter[Skip]") -> str:
@@ -112,13 +112,12 @@ class _Silent:
 class PrintedProgress:
     """`progress=True`: a line on stderr as each probe starts (the candidate and why) and one as it lands
     (its status, peak and speed, and the reason), for a script or a notebook cell. The skips a measured
-    result implies or the rules exclude are counted in one line (`SkipTally`); once the probe budget is
-    spent, one line says so for every level left (`plan.probes` lists them all)."""
+    result implies, the rules exclude or the spent probe budget leaves are counted in one line (`SkipTally`;
+    `plan.probes` lists them all)."""
 
     def __init__(self, stream: TextIO | None = None):
         self.stream = stream
         self.count = 0
-        self.budget_said = False
         self.tally = SkipTally()
 
     def starting(self, config: Config, why: str) -> None:
@@ -130,11 +129,6 @@ class PrintedProgress:
         if self.tally.held(result):
             return
         self.flush()
-        if result.skip is Skip.BUDGET:
-            if not self.budget_said:
-                self._print(f"  {result.reason}: the levels left are skipped (plan.probes lists them)")
-            self.budget_said = True
-            return
         peak = f", peak {format_size(result.peak_bytes)}" if result.peak_bytes else ""
         speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
         self._print(f"  {result.status.value} {result.config.describe()}{peak}{speed} - {result.reason}")

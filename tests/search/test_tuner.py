@@ -169,8 +169,9 @@ def test_progress_true_prints_each_probe_as_it_starts_and_lands(capsys):
     probed = [p for p in plan.probes if p.source is Source.PROBED]
     assert len(probed) == 1 and err[0].startswith(f"autofit probe 1: {probed[0].config.describe()} (")
     assert err[1].startswith(f"  {probed[0].status.value} {probed[0].config.describe()}, peak ")
-    budget = [line for line in err if "probe budget of 1 probes spent" in line]
-    assert len(budget) == 1 and sum(p.skip is Skip.BUDGET for p in plan.probes) > 1  # said once, recorded each
+    budget = [line for line in err if "past the probe budget" in line]
+    assert len(budget) == 1 and sum(p.skip is Skip.BUDGET for p in plan.probes) > 1  # counted once, recorded each
+    assert f"{sum(p.skip is Skip.BUDGET for p in plan.probes)} past the probe budget" in budget[0]
 
 
 def test_progress_counts_the_skips_a_measured_result_implies_in_one_line(capsys):
