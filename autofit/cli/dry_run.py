@@ -22,7 +22,7 @@ from rich.table import Table
 from autofit.cli.tune import ALLOW_HELP, LENGTH, as_options, env_columns, parse_allow_option
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
-from autofit.estimate.gpus import other_sizes
+from autofit.estimate.gpus import other_sizes, split_count
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
@@ -159,9 +159,11 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--global-batch-size", type=int, default=None,
               help="Samples per optimizer step over all GPUs, kept exactly; default: micro-batches up to "
                    f"{DEFAULT_MAX_MICRO_BATCH} without accumulation.")
-@click.option("--gpu", default="h100-80gb", show_default=True, help="GPU profile (autofit gpus lists them).")
+@click.option("--gpu", default="h100-80gb", show_default=True,
+              help="GPU profile (autofit gpus lists them), with the count in front where you like: 8xa100-40gb.")
 @click.option("--gpu-memory", default=None, help="Memory per GPU, e.g. 20GiB: overrides the profile's.")
-@click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs.")
+@click.option("--num-gpus", type=click.IntRange(min=1), default=None,
+              help="Data-parallel GPUs  [default: the count in --gpu, else 1]")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
 @click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
 @click.option("--lora-targets", default=None,
@@ -175,7 +177,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
               help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
-                    gpu_memory: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
+                    gpu_memory: str | None, num_gpus: int | None, allow: tuple[str, ...], optimizer: str,
                     lora_targets: str | None, deferred_sync: bool, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.estimate.dry_run import dry_run
@@ -189,8 +191,9 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
                          optimizer=optimizer, lora_targets=_targets(lora_targets), deferred_sync=deferred_sync)
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:
+        count = split_count(gpu)[0]
         console.print(f"--gpu {gpu} is read as {report.gpu.name}; for another size pass "
-                      + " or ".join(f"--gpu {name}" for name in others), style="dim")
+                      + " or ".join(f"--gpu {f'{count}x' if count else ''}{name}" for name in others), style="dim")
     if gpu_memory is not None and click.get_current_context().get_parameter_source("gpu").name == "DEFAULT":
         console.print(f"--gpu-memory {gpu_memory} without --gpu: speeds are the {report.gpu.name} profile's; pass "
                       "--gpu for your card's (autofit gpus lists them).", style="dim")

@@ -42,8 +42,9 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
+from autofit.errors import UsageError
 from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
-from autofit.estimate.gpus import GpuProfile, get_gpu
+from autofit.estimate.gpus import GpuProfile, get_gpu, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import Workload, workload
 from autofit.search.confirm import DEFAULT_EXACT_MARGIN, change_order, margin_between
@@ -157,7 +158,7 @@ class DryRunReport:
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
 
-def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int = 1,
+def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int | None = None,
             global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
@@ -168,8 +169,10 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         model: a preset name ("llama-2-7b"), a config.json / model folder / "FILE.py:factory" string, a
             Hugging Face config, a zero-argument factory or an `nn.Module` (as `autofit.autofit` takes).
         batch: as `autofit.autofit`; None synthesizes token ids (or pixels) from a Hugging Face config.
-        gpu: a profile name from `autofit gpus` (or a `GpuProfile`).
-        num_gpus: data-parallel GPUs; ZeRO stages and FSDP2 are planned when more than one.
+        gpu: a profile name from `autofit gpus` (or a `GpuProfile`), with the count in front where you like:
+            "8xa100-40gb" is `gpu="a100-40gb", num_gpus=8`.
+        num_gpus: data-parallel GPUs (default: the count in `gpu`, else 1); ZeRO stages and FSDP2 are
+            planned when more than one.
         global_batch_size: samples per optimizer step over all GPUs, kept exactly (micro-batch x
             accumulation x GPUs). None plans micro-batches 1..`max_micro_batch` without accumulation.
         seq_len: sequence length of a synthesized batch (at most the model's maximum).
@@ -190,7 +193,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     from autofit.strategies import default_strategies
 
     started = time.perf_counter()
-    profile = gpu if isinstance(gpu, GpuProfile) else get_gpu(gpu)
+    profile, num_gpus = _gpus(gpu, num_gpus)
     if gpu_memory is not None:
         profile = profile.with_memory(parse_size(gpu_memory, "gpu_memory"))
     spec, description = _spec(model, batch, profile, num_gpus, global_batch_size, seq_len, allow, optimizer,
@@ -224,6 +227,17 @@ def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> 
 
     return [Lora(s.ranks, target_modules=targets, alpha=s.alpha, dropout=s.dropout) if isinstance(s, Lora) else s
             for s in strategies]
+
+
+def _gpus(gpu: str | GpuProfile, num_gpus: int | None) -> tuple[GpuProfile, int]:
+    """The profile and the GPU count that `gpu` ("a100-40gb", "8xa100-40gb") and `num_gpus` say together."""
+    if isinstance(gpu, GpuProfile):
+        return gpu, 1 if num_gpus is None else num_gpus
+    count, name = split_count(gpu)
+    if count is not None and num_gpus is not None and count != num_gpus:
+        raise UsageError(f"gpu={gpu!r} says {count} GPUs but num_gpus={num_gpus}: give the count once "
+                         f"(--gpu {name} --num-gpus N, or --gpu {count}x{name}).")
+    return get_gpu(name), next(n for n in (count, num_gpus, 1) if n is not None)
 
 
 def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,

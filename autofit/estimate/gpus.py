@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import re
 from importlib import resources
 
 from autofit.errors import UsageError
@@ -67,9 +68,20 @@ def _key(name: str) -> str:
     return str(name).strip().lower().replace("_", "-").replace(" ", "-")
 
 
+_COUNTED = re.compile(r"^\s*(\d+)\s*[x×*]\s*(\S.*)$", re.IGNORECASE)
+
+
+def split_count(name: str) -> tuple[int | None, str]:
+    """A GPU written with its count, as people write a machine ("8xa100-40gb", "8×A100-40GB", "2 x h100"):
+    (8, "a100-40gb"). A plain name: (None, name)."""
+    counted = _COUNTED.match(str(name))
+    return (int(counted.group(1)), counted.group(2)) if counted else (None, name)
+
+
 def other_sizes(name: str) -> list[str]:
     """The other profiles of the family an alias such as "a100" names (["a100-80gb"] when it reads as
     a100-40gb): empty for a profile's own name and for an alias of one card."""
+    name = split_count(name)[1]
     key, chosen = _key(name), get_gpu(name)
     if key == chosen.name:
         return []

@@ -39,10 +39,12 @@ def test_table_marks_the_chosen_candidate(config_json, capsys):
     assert "RAM" in out and "offload" in out  # offload rows show their host RAM (cells may wrap)
 
 
-def test_json_is_one_document_with_every_candidate(config_json, capsys):
-    assert dry_run("--model", str(config_json), "--gpu", "a100", "--num-gpus", "2", "--json") == 0
+@pytest.mark.parametrize("gpus, hint", [(("--gpu", "a100", "--num-gpus", "2"), "--gpu a100-80gb"),
+                                        (("--gpu", "2xa100"), "--gpu 2xa100-80gb")])  # as people write a machine
+def test_json_is_one_document_with_every_candidate(config_json, capsys, gpus, hint):
+    assert dry_run("--model", str(config_json), *gpus, "--json") == 0
     captured = capsys.readouterr()
-    assert "--gpu a100 is read as a100-40gb; for another size pass --gpu a100-80gb" in captured.err
+    assert f"--gpu {gpus[1]} is read as a100-40gb; for another size pass {hint}" in captured.err
     data = json.loads(captured.out)
     assert data["chosen"]["fits"] and data["gpu"] == "a100-40gb" and data["num_gpus"] == 2
     for candidate in data["candidates"]:
@@ -53,7 +55,9 @@ def test_json_is_one_document_with_every_candidate(config_json, capsys):
 
 
 @pytest.mark.parametrize("args, message", [(("--seq-len", "0"), "seq_len must be an integer >= 1, but got 0"),
-                                           (("--top", "-1"), "'--top': -1 is not in the range x>=0")])
+                                           (("--top", "-1"), "'--top': -1 is not in the range x>=0"),
+                                           (("--gpu", "8xh100", "--num-gpus", "4"),
+                                            "gpu='8xh100' says 8 GPUs but num_gpus=4: give the count once")])
 def test_bad_values_exit_2_and_json_still_gets_its_document(config_json, capsys, args, message):
     assert main(["dry-run", "--model", str(config_json), *args, "--json"]) == 2
     captured = capsys.readouterr()

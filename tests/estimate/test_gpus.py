@@ -3,7 +3,7 @@
 import pytest
 
 from autofit.errors import UsageError
-from autofit.estimate.gpus import get_gpu, list_gpus, other_sizes
+from autofit.estimate.gpus import get_gpu, list_gpus, other_sizes, split_count
 
 GIB = 1024**3
 
@@ -43,3 +43,11 @@ def test_unknown_gpu_lists_profiles():
                                           ("a100-80gb", []), ("4090", [])])
 def test_an_alias_of_several_sizes_names_the_others(name, others):
     assert other_sizes(name) == others
+
+
+@pytest.mark.parametrize("written, split", [("8xa100-40gb", (8, "a100-40gb")), ("8×A100-40GB", (8, "A100-40GB")),
+                                            ("2 x h100", (2, "h100")), ("4*l4", (4, "l4")), ("h100", (None, "h100")),
+                                            ("rtx-4090", (None, "rtx-4090")), ("4090", (None, "4090"))])
+def test_a_count_in_front_is_read_apart(written, split):
+    assert split_count(written) == split
+    assert other_sizes(written) == other_sizes(split[1])
