@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autofit.cli.tune import ALLOW_HELP, LENGTH, as_options, env_columns, parse_allow_option
+from autofit.cli.tune import ALLOW_HELP, LENGTH, MODEL_HELP, as_options, env_columns, parse_allow_option
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.estimate.gpus import other_sizes, split_count
@@ -150,9 +150,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 
 
 @click.command("dry-run")
-@click.option("--model", "model_arg", required=True,
-              help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face hub id (ORG/NAME: its config.json from "
-                   "the local cache, else downloaded alone), a config.json or model folder, or FILE.py:factory.")
+@click.option("--model", "model_arg", required=True, help=MODEL_HELP)
 @click.option("--seq-len", type=LENGTH, default=None,
               help="Tokens per sample, e.g. 4096 or 4k (at most the model's maximum); audio samples at 16 kHz for "
                    "waveform models (wav2vec2, HuBERT); none for image models.")

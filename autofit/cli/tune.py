@@ -111,6 +111,8 @@ def make_console(as_json: bool) -> Console:
 
 
 ALLOW_HELP = "Tier 0-2, or names: numerics, lora, quantization (repeatable or comma-separated)."
+MODEL_HELP = ("Preset name (gpt2, llama-2-7b, ...; autofit models lists them), a Hugging Face hub id (ORG/NAME: its "
+              "config.json from the local cache, else downloaded alone), a config.json or model folder, or FILE.py:factory.")
 
 
 def parse_allow_option(values: tuple[str, ...]) -> Any:
@@ -265,8 +267,7 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 
 
 @click.command("tune")
-@click.option("--model", "model_arg", required=True,
-              help="Preset name (gpt2, llama-2-7b, ...), a Hugging Face config.json or model folder, or FILE.py:factory.")
+@click.option("--model", "model_arg", required=True, help=MODEL_HELP)
 @click.option("--loss-fn", "loss_fn_arg", default=None,
               help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model whose output has no .loss.")
 @click.option("--seq-len", type=LENGTH, default=None, callback=positive_option,

@@ -40,8 +40,8 @@ def resolve_model(arg: str) -> tuple[Callable[[], nn.Module], Callable[[int], An
     """
     text = str(arg).strip()
     if not text:
-        raise UsageError("--model is empty; give a preset name (e.g. gpt2), a config.json, a model folder "
-                         "or FILE.py:factory.")
+        raise UsageError("--model is empty; give a preset name (e.g. gpt2), a hub id (ORG/NAME), a config.json, "
+                         "a model folder or FILE.py:factory.")
     if ".py:" in text or text.endswith(".py"):
         return _from_file(text)
     path = Path(text).expanduser()
