@@ -220,6 +220,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.spec.batch import call_model, quiet_transformers
+    from autofit.strategies.attention import implementations
     from autofit.strategies.checkpointing import enable
 
     # the model's config may be the caller's own object: it is set back
@@ -227,7 +228,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         precision, attention = config.precision, config.attention
         if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
             # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
-            model.set_attn_implementation(_fused_stand_in(model) if attention.fused else attention.value)
+            model.set_attn_implementation(implementations(model, _fused_stand_in(model) if attention.fused
+                                                          else attention.value))
         if config.pure_bf16:
             from autofit.strategies.pure_bf16 import enable as pure_bf16
 

@@ -48,17 +48,54 @@ class Attention(Strategy):
                                  f"but {type(run.model).__name__} is not a Hugging Face model: apply the plan to the "
                                  "model it was tuned for, or tune this one.")
             own_config(run.model)
-            run.model.set_attn_implementation(value.value)
+            run.model.set_attn_implementation(implementations(run.model, value.value))
+
+
+SUPPORT_FLAGS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2")}
+
+
+def implementations(model: Any, value: str) -> str | dict[str, Any]:
+    """What `set_attn_implementation` takes to run `value` wherever the model can: `value` itself, or, where
+    a sub-model cannot run it (DETR's ResNet backbone has no attention, so no SDPA: transformers raises for
+    it), a dict by sub-config (transformers' format) keeping such a sub-model's own implementation."""
+    kept = _kept(model, model.config, value)
+    return {"": value, **kept} if kept else value
+
+
+def _kept(model: Any, config: Any, value: str) -> dict[str, Any]:
+    """{sub-config key: its current implementation, or a nested dict} for the sub-models under `config`
+    that cannot run `value`."""
+    kept: dict[str, Any] = {}
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is None:
+            continue
+        owners = [m for m in model.modules() if getattr(m, "config", None) is sub and hasattr(m, "_supports_sdpa")]
+        if owners and not all(_supports(owner, value) for owner in owners):
+            kept[key] = sub._attn_implementation
+        elif nested := _kept(model, sub, value):
+            kept[key] = {"": value, **nested}
+    return kept
+
+
+def _supports(model: Any, value: str) -> bool:
+    """Whether `model` can run `value`: eager always, SDPA and flash-attention by the model's flags, an
+    implementation registered by name (the simulation's stand-in) as transformers checks it, not at all."""
+    if value not in SUPPORT_FLAGS:
+        return True
+    return any(getattr(model, flag, False) for flag in SUPPORT_FLAGS[value])
 
 
 def own_config(model: Any) -> None:
     """Give `model` a private copy of its config: a factory may build every model on one config object
-    (the user's), and switching attention writes to it."""
-    shared = model.config
-    private = copy.deepcopy(shared)
+    (the user's), and switching attention writes to it. A sub-model keeps the copy of its own sub-config
+    (transformers finds a sub-model's implementation by its config's identity)."""
+    copies: dict[int, Any] = {}  # deepcopy's memo: id(original) -> copy, the sub-configs (a backbone's) too
+    copy.deepcopy(model.config, copies)
     for module in model.modules():
-        if getattr(module, "config", None) is shared:
-            module.config = private
+        config = getattr(module, "config", None)
+        if config is not None and id(config) in copies:
+            module.config = copies[id(config)]
 
 
 def _flash_available(spec: "TrainSpec") -> tuple[bool, str]:
