@@ -1,5 +1,7 @@
 import dataclasses
 
+import torch
+
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
@@ -58,3 +60,26 @@ def test_flash_attention_is_not_offered_before_ampere():
         flash = next(o for o in Attention().options(on) if o.value == "flash_attention_2")
         assert flash.available is offered, flash.reason
         assert offered or "Ampere or later" in flash.reason
+
+
+def test_a_sub_model_without_the_implementation_keeps_its_own():
+    """DETR's ResNet backbone has no attention, so no SDPA: switching the model to SDPA raised
+    (transformers' `_sdpa_can_dispatch`) in every probe and simulation. It keeps its own, the rest run SDPA,
+    and the user's config (a backbone sub-config shared by each build) is left as it was."""
+    from transformers import DetrConfig, DetrModel, ResNetConfig
+
+    backbone = ResNetConfig(depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8, out_features=["stage2"])
+    shared = DetrConfig(use_timm_backbone=False, backbone_config=backbone, d_model=16, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, num_queries=4,
+                        encoder_ffn_dim=32, decoder_ffn_dim=32)
+    DetrModel(shared)  # transformers records its default implementations on the configs
+    before = (shared._attn_implementation, shared.backbone_config._attn_implementation)
+    spec = make_spec(lambda: DetrModel(shared), lambda n: {"pixel_values": torch.zeros(n, 3, 32, 32)},
+                     device="cpu", memory_budget="1GiB", loss_fn=lambda output, _batch: output.last_hidden_state.sum())
+    run = build_run(spec, Config(attention="sdpa", micro_batch_size=2), default_strategies())
+    sub_models = {type(m).__name__: m.config._attn_implementation for m in run.model.modules()
+                  if hasattr(m, "_supports_sdpa") and hasattr(m, "config")}
+    assert sub_models["DetrModel"] == "sdpa" and sub_models["ResNetBackbone"] == "eager"
+    backbone_model = next(m for m in run.model.modules() if type(m).__name__ == "ResNetBackbone")
+    assert backbone_model.config is run.model.config.backbone_config  # paired in the private copy too
+    assert (shared._attn_implementation, shared.backbone_config._attn_implementation) == before
