@@ -87,7 +87,10 @@ def shown_rows(report: DryRunReport, top: int) -> tuple[Candidate, ...]:
 
 
 def fit_cell(candidate: Candidate) -> str:
-    """"yes" / "no", with "~" where the verdict rests on the activation formula (not simulated)."""
+    """"yes" / "no", with "~" where the verdict rests on the activation formula (not simulated); "?" where
+    the formula has no bound for the model (no verdict)."""
+    if candidate.estimate.upper_bytes is None:
+        return "[yellow]?[/]"
     mark = "" if candidate.estimate.simulated else "~"
     return f"[green]yes{mark}[/]" if candidate.fits else f"[red]no{mark}[/]"
 
@@ -137,12 +140,18 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     row = report.chosen or (report.candidates[0] if report.candidates else None)
     if row is not None and width < WIDE:
         console.print(breakdown_table(row))
-    if any(not c.estimate.simulated for c in shown_rows(report, top)):
+    rows = shown_rows(report, top)
+    if any(not c.estimate.simulated and c.estimate.upper_bytes is not None for c in rows):
         console.print("[dim]~ marks a verdict resting on the activation formula (that step could not be simulated).[/]")
+    if any(c.estimate.upper_bytes is None for c in rows):
+        console.print("[dim]? marks a peak that cannot be predicted: the step could not be simulated, and the activation "
+                      "formula does not cover this model.[/]")
     if report.fits and report.formula_only:
         console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {escape(report.reason)}")
     elif report.fits:
         console.print(f"[bold green]Chosen:[/] {escape(report.reason)}")
+    elif report.unknown:
+        console.print(f"[bold yellow]No verdict.[/] {escape(report.reason)}")
     else:
         console.print(f"[bold red]Nothing fits.[/] {escape(as_options(report.reason))}")
     console.print(f"[dim]Predicted in {report.seconds:.1f} s ({escape(method_note(report))}); nothing was trained: "
@@ -199,5 +208,5 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     if not report.fits:
-        return EXIT_NOTHING_FITS
+        return EXIT_FORMULA_ONLY if report.unknown else EXIT_NOTHING_FITS
     return EXIT_FORMULA_ONLY if report.formula_only else EXIT_FITS

@@ -131,6 +131,12 @@ class DryRunReport:
         return self.chosen is not None
 
     @property
+    def unknown(self) -> bool:
+        """Whether no verdict could be reached: nothing is predicted to fit, and the closest candidate's peak
+        has no bound (its step could not be simulated, and the activation formula does not cover the model)."""
+        return self.chosen is None and bool(self.candidates) and self.candidates[0].estimate.upper_bytes is None
+
+    @property
     def formula_only(self) -> bool:
         """Whether the verdict rests on the activation formula (the step could not be simulated): the
         chosen candidate's, or with nothing fitting, the closest one's."""
@@ -153,7 +159,7 @@ class DryRunReport:
         return {"model": self.model, "gpu": self.gpu.name, "gpu_memory": self.gpu.memory_bytes,
                 "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
                 "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
-                "verdict_basis": "formula" if self.formula_only else "simulation",
+                "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
@@ -313,7 +319,8 @@ class _Planner:
         return self.candidate(self.space.at(level, sizes[low]))
 
     def _fits(self, estimate: Estimate) -> bool:
-        return estimate.upper_bytes <= self.spec.fit_limit  # a formula's peak must fit at its error bound
+        upper = estimate.upper_bytes  # a formula's peak must fit at its error bound, and have one
+        return upper is not None and upper <= self.spec.fit_limit
 
     def candidate(self, config: Config) -> Candidate:
         """`config` predicted: its estimate, fit, speed and reason."""
@@ -405,6 +412,9 @@ def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
     """"fits: 12 GiB of 20 GiB (60%)", "over by ...", and for a formula's peak its bound; where it fits
     only with the allocator's cache released at the limit, what a roomy card would reserve."""
     peak, need = estimate.peak_under(limit), estimate.need_bytes
+    if estimate.upper_bytes is None:
+        return (f"unknown: the step could not be simulated and the activation formula does not cover this model; "
+                f"{format_size(need - estimate.breakdown.activations)} without its activations")
     head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
         f"over by {format_size(estimate.upper_bytes - limit)}: needs {format_size(need)} of {format_size(limit)}"
     if fits and peak < estimate.peak_bytes:
@@ -484,6 +494,13 @@ def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate], bey
     """"No candidate fits ...; the smallest needs ... Allow ... / use more GPUs to go further." """
     head = (f"No candidate fits {format_size(spec.fit_limit)} per GPU ({gpu.name}, {format_size(gpu.memory_bytes)} "
             f"less the {spec.safety_margin:.0%} margin)")
+    unbounded = [c for c in rest if c.estimate.upper_bytes is None]
+    if unbounded:
+        floor = min(unbounded, key=lambda c: c.estimate.need_bytes - c.estimate.breakdown.activations)
+        return (f"Cannot predict whether {spec.model.name} fits: its training step could not be simulated "
+                f"({floor.estimate.method}). Without activations, the least any candidate holds is "
+                f"{format_size(floor.estimate.need_bytes - floor.estimate.breakdown.activations)} "
+                f"({floor.config.describe()}); run autofit tune on the GPU to measure it.")
     smallest = min(rest, key=lambda c: c.estimate.need_bytes) if rest else None
     if smallest is not None:
         head += f"; the smallest needs {format_size(smallest.estimate.need_bytes)} ({smallest.config.describe()})"

@@ -30,7 +30,7 @@ from torch import nn
 
 from autofit.config import Checkpointing, Config, Engine, Quantization, Sharding
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
-from autofit.estimate.facts import ModelFacts, formula_activations, meta_model, model_facts  # noqa: F401 (re-exported)
+from autofit.estimate.facts import ModelFacts, formula_activations, formula_covers, meta_model, model_facts  # noqa: F401 (re-exported)
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate import cuda_attention
 from autofit.estimate import simulate as simulate_module
@@ -105,7 +105,9 @@ class Estimate:
     terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
     method: str = ""  # how the activations were obtained (one phrase, the first part of `reason`)
     simulated: bool = True  # False: the step could not be simulated and activations come from a formula
-    error_bound: float = 0.0  # relative error the peak may carry upwards: the formula's measured bound (0 when simulated)
+    # relative error the peak may carry upwards: the formula's measured bound (0 when simulated); None where
+    # the formula does not cover the model (`formula_covers`): the peak has no bound
+    error_bound: float | None = 0.0
     offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
     kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
     # CUDA: bytes of the peak that the caching allocator holds in cached segments on a roomy card and
@@ -118,9 +120,10 @@ class Estimate:
         return self.peak_bytes - self.release_slack
 
     @property
-    def upper_bytes(self) -> int:
-        """What it needs at its error bound (bytes): what a verdict, one resting on a formula too, must fit."""
-        return int(self.need_bytes * (1 + self.error_bound))
+    def upper_bytes(self) -> int | None:
+        """What it needs at its error bound (bytes): what a verdict, one resting on a formula too, must fit;
+        None where the peak has no bound (no verdict can rest on it)."""
+        return None if self.error_bound is None else int(self.need_bytes * (1 + self.error_bound))
 
     def peak_under(self, limit: int) -> int:
         """The peak under `limit`: a roomy card's, or the limit where the allocator fills it and then
@@ -208,9 +211,12 @@ class Estimator:
         return line, f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
 
     @property
-    def formula_bound(self) -> float:
+    def formula_bound(self) -> float | None:
         """How far the activation formula may under-predict this target's simulation (simulated / formula;
-        the largest measured where the target's was not)."""
+        the largest measured where the target's was not); None where the formula does not cover the
+        model (`formula_covers`)."""
+        if not formula_covers(self.spec.model.hf_config, self.spec.tokens_per_sample):
+            return None
         return FORMULA_UNDER_PREDICTION.get(self.target, max(FORMULA_UNDER_PREDICTION.values()))
 
     def simulated(self, config: Config) -> bool:
@@ -357,8 +363,11 @@ class Estimator:
                              "the second unit repeated to the whole depth")
             one = self._run(config, mb, shallow, batches)
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
+            bound = self.formula_bound
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
-                          f"(up to {self.formula_bound:.1f}x under the simulation where both ran)")
+                          + (f"(up to {bound:.1f}x under the simulation where both ran)" if bound else
+                             f"({_size(self._formula(config, mb).largest)}, a formula for transformers with a "
+                             "sequence length or patches, not this model's step: no bound)"))
         # Blocks unlike each other (Gemma's alternating layer kinds), units that do not divide the depth, or
         # activation offload (`_run`): each peak extrapolated in depth, the allocator's cache as the deeper
         # simulation left it
@@ -436,11 +445,16 @@ class Estimator:
         if config.offloads_activations:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
-        bound = 0.0 if simulated else (self.formula_bound - 1) * breakdown.activations / max(peak, 1)
+        bound = 0.0 if simulated else self._peak_bound(breakdown.activations, peak)
         slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
-                        method=notes[0], simulated=simulated, error_bound=round(bound, 4),
+                        method=notes[0], simulated=simulated, error_bound=bound,
                         offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
+
+    def _peak_bound(self, activations: int, peak: int) -> float | None:
+        """The relative error a peak with `activations` by formula may carry upwards (None: no bound)."""
+        bound = self.formula_bound
+        return None if bound is None else round((bound - 1) * activations / max(peak, 1), 4)
 
     def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
         """Gradient bytes live through a backward after the first micro-batch: `unsharded_grads` under FSDP

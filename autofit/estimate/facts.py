@@ -115,7 +115,7 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     fp32 compute doubles the activation bytes. Its measured bound is `autofit.estimate.tolerance.FORMULA_UNDER_PREDICTION`."""
     hidden = config_int(hf, "hidden_size", "hidden_sizes")
     heads = config_int(hf, "num_attention_heads", default=1)
-    s, b, blocks = _formula_tokens(hf, tokens), mb, max(facts.num_blocks, 1)
+    s, b, blocks = formula_positions(hf, tokens) or 1, mb, max(facts.num_blocks, 1)
     inter = config_int(hf, "intermediate_size", "n_inner", "d_ff", default=4 * hidden)
     gated = getattr(hf, "hidden_act", "") in ("silu", "swiglu") or bool(getattr(hf, "is_gated_act", False))
     mlp = 2 * hidden + (6 if gated else 4) * inter + inter // 4  # input + intermediates (+ a dropout mask)
@@ -142,14 +142,22 @@ def config_int(hf: Any, *names: str, default: int = 0) -> int:
     return default
 
 
-def _formula_tokens(hf: Any, tokens: int | None) -> int:
-    """Positions per sample: the batch's sequence length, or a vision transformer's patches (+ class token)."""
+def formula_positions(hf: Any, tokens: int | None) -> int | None:
+    """Positions per sample: the batch's sequence length, or a vision transformer's patches (+ class
+    token); None when neither says (a CNN, a detector's feature maps)."""
     if tokens:
         return tokens
     image, patch = getattr(hf, "image_size", None), getattr(hf, "patch_size", None)
     if isinstance(image, int) and isinstance(patch, int) and patch > 0:
         return (image // patch) ** 2 + 1
-    return 1
+    return None
+
+
+def formula_covers(hf: Any, tokens: int | None) -> bool:
+    """Whether `formula_activations` counts this model's step: a transformer's config (its width) with its
+    positions per sample known. Its bound (`FORMULA_UNDER_PREDICTION`) was measured on such models only;
+    elsewhere (a model of your own, a CNN, DETR's backbone and feature maps) it has none."""
+    return config_int(hf, "hidden_size", "hidden_sizes") > 0 and formula_positions(hf, tokens) is not None
 
 
 def meta_model(factory: Callable[[], nn.Module]) -> nn.Module:

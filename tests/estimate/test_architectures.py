@@ -181,6 +181,30 @@ def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, cap
     assert predictor_for(spec)(Config()) is None
 
 
+def test_a_failed_simulation_the_formula_does_not_cover_gives_no_verdict(tmp_path, monkeypatch, capsys):
+    """The formula counts a transformer's positions per sample, and its bound was measured on such models:
+    for a CNN (no sequence, no patches) whose step cannot be simulated, no row fits or fails, the summary
+    says nothing could be predicted and what the states alone hold, and the exit code is 4, not 0 or 3."""
+    import autofit.estimate.estimator as estimator
+
+    def no_fake_kernel(*args, **kwargs):
+        raise NotImplementedError("aten::made_up has no fake kernel")
+
+    monkeypatch.setattr(estimator, "simulate_step", no_fake_kernel)
+    from autofit.estimate import simulations
+
+    monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())
+    path = _config_file(tmp_path, "resnet")
+    report = dry_run(str(path), global_batch_size=4, gpu="rtx-4090", strategies=[Precision(), MicroBatch()])
+    assert not report.fits and report.unknown and report.to_dict()["verdict_basis"] == "none"
+    assert all(c.estimate.upper_bytes is None and c.estimate.error_bound is None for c in report.candidates)
+    assert "no bound" in report.candidates[0].estimate.method
+    assert report.reason.startswith("Cannot predict whether ResNetForImageClassification fits")
+    assert main(["dry-run", "--model", str(path), "--global-batch-size", "4", "--gpu", "rtx-4090"]) == 4
+    out = capsys.readouterr().out
+    assert "No verdict." in out and "? marks" in out and "Nothing fits" not in out
+
+
 def test_a_sequence_length_for_an_image_model_is_refused(tmp_path):
     # typed in a hurry: --seq-len means nothing to a ViT, whose batch is its config's image size
     from autofit.errors import UsageError
