@@ -366,8 +366,8 @@ class Estimator:
             bound = self.formula_bound
             return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
                           + (f"(up to {bound:.1f}x under the simulation where both ran)" if bound else
-                             f"({_size(self._formula(config, mb).largest)}, a formula for transformers with a "
-                             "sequence length or patches, not this model's step: no bound)"))
+                             "(a formula for transformers with a sequence length or patches, not this model's "
+                             "step: no bound)"))
         # Blocks unlike each other (Gemma's alternating layer kinds), units that do not divide the depth, or
         # activation offload (`_run`): each peak extrapolated in depth, the allocator's cache as the deeper
         # simulation left it

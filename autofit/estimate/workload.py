@@ -18,6 +18,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from autofit.estimate.facts import config_int
 
 if TYPE_CHECKING:
@@ -192,8 +194,8 @@ def _spectrogram_patches(hf: Any) -> int | None:
 
 
 def _sequence(sample: Any, key: str) -> int | None:
-    value = sample.get(key) if isinstance(sample, dict) else None
-    return int(value.shape[1]) if value is not None and value.dim() >= 2 else None
+    value = sample.get(key) if isinstance(sample, dict) else None  # a detector's labels are dicts: no sequence
+    return int(value.shape[1]) if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
 
 
 def _width(hf: Any) -> int:

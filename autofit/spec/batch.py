@@ -43,8 +43,21 @@ def check_factory(make_batch: BatchFactory) -> None:
 
 
 def leading_dim(batch: Batch) -> int:
-    """Number of samples in `batch`; all tensors must agree on their first axis."""
-    leaves = [leaf for leaf in tree_flatten(plain(batch))[0] if isinstance(leaf, torch.Tensor)]
+    """Number of samples in `batch`; all tensors must agree on their first axis, but those of a dict
+    field holding one dict per sample (`_targets`: detection targets), which holds one per sample."""
+    batch = plain(batch)
+    batched = {k: v for k, v in batch.items() if not _targets(v)} if isinstance(batch, dict) else batch
+    size = _tensor_rows(batched, batch)
+    for key, value in (batch.items() if isinstance(batch, dict) else ()):
+        if _targets(value) and len(value) != size:
+            raise UsageError(f"batch[{key!r}] holds {len(value)} per-sample entries, but the batch's tensors hold "
+                             f"{size} samples; give one entry per sample.")
+    return size
+
+
+def _tensor_rows(batched: Batch, batch: Batch) -> int:
+    """The first axis every tensor of `batched` (the batch less its per-sample fields) agrees on."""
+    leaves = [leaf for leaf in tree_flatten(batched)[0] if isinstance(leaf, torch.Tensor)]
     if not leaves:
         raise UsageError(f"The batch holds no tensors (got {type(batch).__name__}); pass a tensor, "
                          "a tuple of tensors or a dict of tensors.")
@@ -82,8 +95,14 @@ def map_fields(batch: Batch, size: int, tensors: Callable[[Any], Any], per_sampl
 
 
 def _per_sample(value: Any, size: int) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) == size and size > 0 and \
-        all(isinstance(v, (str, bytes, int, float, bool)) or v is None for v in value)
+    return isinstance(value, (list, tuple)) and len(value) == size and size > 0 and (_targets(value) or all(
+        isinstance(v, (str, bytes, int, float, bool)) or v is None for v in value))
+
+
+def _targets(value: Any) -> bool:
+    """A list of one dict per sample, as object detectors take their targets (DETR, YOLOS, RT-DETR:
+    `labels=[{"class_labels": ..., "boxes": ...}, ...]`): its tensors' first axes count objects, not samples."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, Mapping) for v in value)
 
 
 def factory_from_sample(sample: Batch) -> BatchFactory:
@@ -343,9 +362,13 @@ def _image_to_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]
 
 def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     """Image models: pixel values at the config's size, and a class label per image, or per pixel for
-    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width)."""
+    semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width), or object
+    detection targets (`DetectionBatches`)."""
     pixels, size = _pixels(config)
     labels, side = _classes(config), pixels.shape[-1]
+    if name.endswith("ForObjectDetection"):
+        return DetectionBatches(pixels, labels), (f"pixel_values {_shape(pixels)} and {OBJECTS_PER_IMAGE} objects per "
+                                                  f"image (class and box, {labels} classes){size}")
     if name.endswith("ForSemanticSegmentation"):
         return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
             f"pixel_values {_shape(pixels)} and a label per pixel ({labels} classes){size}"
@@ -443,6 +466,27 @@ class SyntheticBatches:
                 torch.randn(shape, generator=gen)
         batch.update(self.extras)
         return batch
+
+
+OBJECTS_PER_IMAGE = 8  # COCO's images hold 7.3 annotated objects on average (its 2017 train split)
+
+
+@dataclasses.dataclass(frozen=True)
+class DetectionBatches:
+    """make_batch(n) for object detectors (DETR, YOLOS, RT-DETR, ...): pixel values and, per image,
+    `objects` targets as transformers' detection losses take them: `labels`, a list of one dict per
+    image of `class_labels` and `boxes` (centre x, centre y, width, height, relative to the image)."""
+
+    pixels: Field
+    classes: int
+    objects: int = OBJECTS_PER_IMAGE
+
+    def __call__(self, n: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        pixels = torch.randn((n, *self.pixels.shape), generator=gen)
+        labels = [{"class_labels": torch.randint(0, self.classes, (self.objects,), generator=gen),
+                   "boxes": 0.25 + 0.5 * torch.rand(self.objects, 4, generator=gen)} for _ in range(n)]
+        return {self.pixels.name: pixels, "labels": labels}
 
 
 @dataclasses.dataclass(frozen=True)

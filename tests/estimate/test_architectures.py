@@ -205,6 +205,27 @@ def test_a_failed_simulation_the_formula_does_not_cover_gives_no_verdict(tmp_pat
     assert "No verdict." in out and "? marks" in out and "Nothing fits" not in out
 
 
+def test_an_object_detector_tunes_on_synthesized_targets():
+    """DETR from its config: pixel values and one dict of classes and boxes per image, as transformers'
+    detection loss takes them; the probes train it (its ResNet backbone keeps eager attention under SDPA)."""
+    import autofit
+    from autofit.spec.batch import synthesize_batch
+    from transformers import DetrConfig, ResNetConfig
+
+    config = DetrConfig(use_timm_backbone=False, d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, num_queries=4, encoder_ffn_dim=32,
+                        decoder_ffn_dim=32, num_labels=5, architectures=["DetrForObjectDetection"],
+                        backbone_config=ResNetConfig(depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8,
+                                                     out_features=["stage2"]))
+    make_batch, described = synthesize_batch(config, None)
+    assert "8 objects per image (class and box, 5 classes)" in described
+    batch = make_batch(3)
+    assert batch["pixel_values"].shape == (3, 3, 224, 224) and len(batch["labels"]) == 3
+    assert batch["labels"][0]["boxes"].shape == (8, 4) and int(batch["labels"][0]["class_labels"].max()) < 5
+    plan = autofit.autofit(config, global_batch_size=2, device="cpu", memory_budget="1GiB", allow=0, max_probes=2)
+    assert plan.fits and plan.config.attention == "sdpa", plan.reason
+
+
 def test_a_sequence_length_for_an_image_model_is_refused(tmp_path):
     # typed in a hurry: --seq-len means nothing to a ViT, whose batch is its config's image size
     from autofit.errors import UsageError

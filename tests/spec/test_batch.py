@@ -64,3 +64,17 @@ def test_a_field_with_a_value_per_sample_is_sliced_with_its_samples():
     assert take_rows(batch, 1, 2)["texts"] == ["b", "c"] and take_rows(batch, 3, 2)["texts"] == ["d", "a"]
     assert slice_rows(batch, 2, 2)["texts"] == ["c", "d"]
     assert slice_rows(batch, 2, 2)["task"] == "qa"  # one value for the whole batch is kept whole
+
+
+def test_detection_targets_hold_one_dict_per_sample_and_go_with_their_samples():
+    """Object detectors take `labels` as one dict per image (DETR: class_labels and boxes), whose tensors
+    count objects, not samples: the batch's size is its tensors', and slicing keeps each image's targets."""
+    from autofit.guard.parts import slice_rows
+
+    targets = [{"class_labels": torch.full((k,), k), "boxes": torch.rand(k, 4)} for k in (1, 2, 3)]
+    batch = {"pixel_values": torch.zeros(3, 3, 8, 8), "labels": targets}
+    assert leading_dim(batch) == 3
+    assert [t["class_labels"][0].item() for t in take_rows(batch, 2, 2)["labels"]] == [3, 1]
+    assert slice_rows(batch, 1, 1)["labels"][0]["boxes"].shape == (2, 4)
+    with pytest.raises(UsageError, match=r"batch\['labels'\] holds 2 per-sample entries, but the batch's tensors hold 3"):
+        leading_dim({"pixel_values": torch.zeros(3, 3, 8, 8), "labels": targets[:2]})
