@@ -144,8 +144,8 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     if any(not c.estimate.simulated and c.estimate.upper_bytes is not None for c in rows):
         console.print("[dim]~ marks a verdict resting on the activation formula (that step could not be simulated).[/]")
     if any(c.estimate.upper_bytes is None for c in rows):
-        console.print("[dim]? marks a peak that cannot be predicted: the step could not be simulated, and the activation "
-                      "formula does not cover this model.[/]")
+        console.print("[dim]? marks a peak that cannot be predicted: the step could not be simulated, and the "
+                      "activation formula does not cover this model.[/]")
     if report.fits and report.formula_only:
         console.print(f"[bold yellow]Fits by formula only, not simulated:[/] {escape(report.reason)}")
     elif report.fits:

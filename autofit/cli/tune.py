@@ -112,7 +112,8 @@ def make_console(as_json: bool) -> Console:
 
 ALLOW_HELP = "Tier 0-2, or names: numerics, lora, quantization (repeatable or comma-separated)."
 MODEL_HELP = ("Preset name (gpt2, llama-2-7b, ...; autofit models lists them), a Hugging Face hub id (ORG/NAME: its "
-              "config.json from the local cache, else downloaded alone), a config.json or model folder, or FILE.py:factory.")
+              "config.json from the local cache, else downloaded alone), a config.json or model folder, or "
+              "FILE.py:factory.")
 
 
 def parse_allow_option(values: tuple[str, ...]) -> Any:

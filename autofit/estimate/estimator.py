@@ -30,7 +30,8 @@ from torch import nn
 
 from autofit.config import Checkpointing, Config, Engine, Quantization, Sharding
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
-from autofit.estimate.facts import ModelFacts, formula_activations, formula_covers, meta_model, model_facts  # noqa: F401 (re-exported)
+from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers, meta_model,  # noqa: F401
+                                    model_facts)  # ModelFacts and formula_activations are re-exported
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate import cuda_attention
 from autofit.estimate import simulate as simulate_module

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
+from autofit.estimate.healthy_checks import healthy_checks
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -270,7 +271,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             on_cuda = cuda_ampere is not None
-            with fake, _fake_friendly_kernels(), cuda_attention.as_on_cuda(cuda_ampere, half), \
+            with fake, _fake_friendly_kernels(), healthy_checks(), cuda_attention.as_on_cuda(cuda_ampere, half), \
                     cuda_dropout.as_on_cuda(on_cuda), cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
                 fake_batch = as_fake(fake, batch, device)
                 with tracker:
@@ -490,7 +491,8 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
     `labels.masked_select(...)` and tensor lengths (`ctc_loss`'s outputs are sized by them): the labels
     are dropped and the loss is the fp32 log-softmax of the logits, which is what `ctc_loss` keeps for
     backward and the size of the gradient it returns (its alpha table, batch x frames x (2 x characters
-    + 1) fp32, under 1 MB per sample for 10 s of audio, is left out)."""
+    + 1) fp32, under 1 MB per sample for 10 s of audio, is left out). Object detectors (DETR, YOLOS) match
+    predictions to targets with scipy on the host first: likewise (`_detection_memory`)."""
     from autofit.spec.batch import default_loss
 
     config = getattr(model, "config", None)
@@ -499,13 +501,28 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
             setattr(config, name, 0.0)
     if getattr(config, "apply_spec_augment", False):
         config.apply_spec_augment = False
-    if not type(model).__name__.endswith("ForCTC") or loss_fn is not default_loss or "labels" not in batch:
+    name = type(model).__name__
+    memory = next((loss for suffix, loss in DATA_DEPENDENT_LOSSES.items() if name.endswith(suffix)), None)
+    if memory is None or loss_fn is not default_loss or "labels" not in batch:
         return batch, loss_fn
-    return {k: v for k, v in batch.items() if k != "labels"}, _ctc_memory
+    return {k: v for k, v in batch.items() if k != "labels"}, memory
 
 
 def _ctc_memory(output: Any, batch: Any) -> torch.Tensor:
     return torch.log_softmax(output.logits, dim=-1, dtype=torch.float32).mean()
+
+
+def _detection_memory(output: Any, batch: Any) -> torch.Tensor:
+    """What a detection loss keeps beside the model's outputs: the classification loss's fp32 log-softmax
+    over every query's logits and a gradient for every predicted box. The matching it runs first (scipy's
+    Hungarian algorithm on the host, under no_grad) and the box losses over the matched pairs (a few
+    floats per object) are left out."""
+    return torch.log_softmax(output.logits, dim=-1, dtype=torch.float32).mean() + output.pred_boxes.float().mean()
+
+
+# Heads whose loss has shapes that depend on the data (`_without_data_dependent_steps`): simulated with the
+# labels dropped and the memory their loss keeps
+DATA_DEPENDENT_LOSSES = {"ForCTC": _ctc_memory, "ForObjectDetection": _detection_memory}
 
 
 FUSED_STAND_IN = "autofit_fused_memory"  # SDPA under a name of its own, soft-capping dropped: memory only

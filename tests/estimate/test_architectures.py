@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DistilBertConfig, GPT2Config, MixtralConfig,
-                          ResNetConfig, SegformerConfig, T5Config, ViTConfig, VisionEncoderDecoderConfig, Wav2Vec2Config,
-                          WhisperConfig)
+from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DetrConfig, DistilBertConfig, GPT2Config,
+                          MixtralConfig, ResNetConfig, SegformerConfig, T5Config, ViTConfig, VisionEncoderDecoderConfig,
+                          Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
 from autofit.estimate.dry_run import dry_run
@@ -66,8 +66,17 @@ ARCHITECTURES = {
                   patch_size=8),
         GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64), architectures=[
             "VisionEncoderDecoderModel"]), {"pixel_values": (3, 32, 32), "decoder_input_ids": (32,), "labels": (32,)}),
+    # an object detector: a frozen ResNet stem, an encoder whose layers check for overflow (`healthy_checks`),
+    # one dict of classes and boxes per image (224 x 224: its config names no size)
+    "detr": (DetrConfig(use_timm_backbone=False, d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, num_queries=4, encoder_ffn_dim=32,
+                        decoder_ffn_dim=32, num_labels=5, architectures=["DetrForObjectDetection"],
+                        backbone_config=ResNetConfig(depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8,
+                                                     out_features=["stage2"])),
+             {"pixel_values": (3, 224, 224)}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None, "resnet": None}  # audio samples; images: none
+SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None, "resnet": None,
+           "detr": None}  # audio samples; images: none
 
 
 @pytest.fixture(autouse=True)
@@ -210,13 +219,8 @@ def test_an_object_detector_tunes_on_synthesized_targets():
     detection loss takes them; the probes train it (its ResNet backbone keeps eager attention under SDPA)."""
     import autofit
     from autofit.spec.batch import synthesize_batch
-    from transformers import DetrConfig, ResNetConfig
 
-    config = DetrConfig(use_timm_backbone=False, d_model=16, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=2, decoder_attention_heads=2, num_queries=4, encoder_ffn_dim=32,
-                        decoder_ffn_dim=32, num_labels=5, architectures=["DetrForObjectDetection"],
-                        backbone_config=ResNetConfig(depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8,
-                                                     out_features=["stage2"]))
+    config = ARCHITECTURES["detr"][0]
     make_batch, described = synthesize_batch(config, None)
     assert "8 objects per image (class and box, 5 classes)" in described
     batch = make_batch(3)

@@ -76,5 +76,5 @@ def test_detection_targets_hold_one_dict_per_sample_and_go_with_their_samples():
     assert leading_dim(batch) == 3
     assert [t["class_labels"][0].item() for t in take_rows(batch, 2, 2)["labels"]] == [3, 1]
     assert slice_rows(batch, 1, 1)["labels"][0]["boxes"].shape == (2, 4)
-    with pytest.raises(UsageError, match=r"batch\['labels'\] holds 2 per-sample entries, but the batch's tensors hold 3"):
+    with pytest.raises(UsageError, match=r"batch\['labels'\] holds 2 per-sample entries, but the batch's tensors"):
         leading_dim({"pixel_values": torch.zeros(3, 3, 8, 8), "labels": targets[:2]})
