@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autofit.config import Config, Engine
+from autofit.spec.batch import image_sides
 
 
 # -- model facts ---------------------------------------------------------------------------------------
@@ -144,13 +145,15 @@ def config_int(hf: Any, *names: str, default: int = 0) -> int:
 
 def formula_positions(hf: Any, tokens: int | None) -> int | None:
     """Positions per sample: the batch's sequence length, or a vision transformer's patches (+ class
-    token); None when neither says (a CNN, a detector's feature maps)."""
+    token, + YOLOS' detection tokens); None when neither says (a CNN, a detector's feature maps)."""
     if tokens:
         return tokens
-    image, patch = getattr(hf, "image_size", None), getattr(hf, "patch_size", None)
-    if isinstance(image, int) and isinstance(patch, int) and patch > 0:
-        return (image // patch) ** 2 + 1
-    return None
+    sides, patch = image_sides(hf), getattr(hf, "patch_size", None)
+    patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
+    if sides is None or not isinstance(patch, int) or patch <= 0:
+        return None
+    detection = getattr(hf, "num_detection_tokens", 0)
+    return (sides[0] // patch) * (sides[1] // patch) + 1 + (detection if isinstance(detection, int) else 0)
 
 
 def formula_covers(hf: Any, tokens: int | None) -> bool:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autofit.estimate.facts import config_int
+from autofit.estimate.facts import config_int, formula_positions
+from autofit.spec.batch import image_sides
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -73,7 +74,8 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
     patches = _patches(hf) if hf is not None else None
     if patches is not None:
         return Workload((Stack("model", patches, num_params, layers, width),),
-                        f"{patches} patches per image ({_side(hf)} px in {hf.patch_size} px patches, a class token)")
+                        f"{patches} patches per image ({'x'.join(map(str, image_sides(hf)))} px in {hf.patch_size} px "
+                        "patches, a class token)")
     frames = _frames(hf, sample) if hf is not None else None
     if frames is not None:
         return Workload((Stack("model", frames, num_params, layers, width),), f"{frames} frames per sample")
@@ -159,16 +161,8 @@ def _encoder_params(spec: "TrainSpec") -> int:
 
 
 def _patches(hf: Any) -> int | None:
-    patch = getattr(hf, "patch_size", None)
-    if patch is None or getattr(hf, "image_size", None) is None:
-        return None
-    patch = patch if isinstance(patch, int) else patch[0]
-    return (_side(hf) // patch) ** 2 + 1
-
-
-def _side(hf: Any) -> int:
-    size = hf.image_size
-    return size if isinstance(size, int) else size[0]
+    """A vision transformer's positions: its image in patches, and a class token."""
+    return formula_positions(hf, None)
 
 
 def _frames(hf: Any, sample: Any) -> int | None:

@@ -365,12 +365,12 @@ def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width), or object
     detection targets (`DetectionBatches`)."""
     pixels, size = _pixels(config)
-    labels, side = _classes(config), pixels.shape[-1]
+    labels = _classes(config)
     if name.endswith("ForObjectDetection"):
         return DetectionBatches(pixels, labels), (f"pixel_values {_shape(pixels)} and {OBJECTS_PER_IMAGE} objects per "
                                                   f"image (class and box, {labels} classes){size}")
     if name.endswith("ForSemanticSegmentation"):
-        return SyntheticBatches((pixels, Field("labels", (side, side), labels))), \
+        return SyntheticBatches((pixels, Field("labels", pixels.shape[1:], labels))), \
             f"pixel_values {_shape(pixels)} and a label per pixel ({labels} classes){size}"
     return SyntheticBatches((pixels, Field("labels", (), labels))), f"pixel_values {_shape(pixels)} and labels{size}"
 
@@ -379,11 +379,21 @@ def _pixels(config: Any) -> tuple[Field, str]:
     """Pixel values at a vision config's size, and a note when it names none: a convolutional model
     (ResNet, RegNet take any size) gets `DEFAULT_IMAGE_SIZE`, and its description says so."""
     channels = getattr(config, "num_channels", 3)
-    named = getattr(config, "image_size", None)
-    image_size = named or DEFAULT_IMAGE_SIZE
-    side = image_size if isinstance(image_size, int) else image_size[0]
-    size = "" if named else f" ({side}x{side}, the usual size: the config names none; pass a batch of your images' size)"
-    return Field("pixel_values", (channels, side, side)), size
+    sides = image_sides(config)
+    height, width = sides or (DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
+    size = "" if sides else f" ({height}x{width}, the usual size: the config names none; pass a batch of your images' size)"
+    return Field("pixel_values", (channels, height, width)), size
+
+
+def image_sides(config: Any) -> tuple[int, int] | None:
+    """(height, width) of a vision config's `image_size`: one side for square images (ViT's 224), or
+    [height, width] (YOLOS' [512, 864]); None where it names none."""
+    size = getattr(config, "image_size", None)
+    if isinstance(size, int) and size > 0:
+        return size, size
+    if isinstance(size, (list, tuple)) and size and all(isinstance(side, int) for side in size):
+        return size[0], size[-1]
+    return None
 
 
 def _shape(field: Field) -> str:
@@ -431,11 +441,10 @@ def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
     text = getattr(config, "text_config", config)
     vision = getattr(config, "vision_config", config)
     length = _length(text, seq_len, cap=max_positions(text) or 77)
-    side = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
-    channels = getattr(vision, "num_channels", 3)
-    fields = (Field("input_ids", (length,), text.vocab_size), Field("pixel_values", (channels, side, side)))
+    pixels, _ = _pixels(vision)
+    fields = (Field("input_ids", (length,), text.vocab_size), pixels)
     return SyntheticBatches(fields, (("return_loss", True),)), \
-        f"input_ids of {length} tokens and pixel_values {channels}x{side}x{side} (contrastive loss)"
+        f"input_ids of {length} tokens and pixel_values {_shape(pixels)} (contrastive loss)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,3 +78,21 @@ def test_detection_targets_hold_one_dict_per_sample_and_go_with_their_samples():
     assert slice_rows(batch, 1, 1)["labels"][0]["boxes"].shape == (2, 4)
     with pytest.raises(UsageError, match=r"batch\['labels'\] holds 2 per-sample entries, but the batch's tensors"):
         leading_dim({"pixel_values": torch.zeros(3, 3, 8, 8), "labels": targets[:2]})
+
+
+def test_a_non_square_image_size_gives_images_of_that_height_and_width():
+    """YOLOS names [height, width] (512 x 864): its batch and its positions follow both sides, not the
+    first one squared."""
+    from transformers import YolosConfig, YolosForObjectDetection
+
+    from autofit.estimate.facts import formula_positions
+    from autofit.spec.batch import synthesize_batch
+
+    config = YolosConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         image_size=[64, 96], patch_size=16, num_detection_tokens=10, num_labels=5)
+    make_batch, how = synthesize_batch(config, None, "YolosForObjectDetection")
+    batch = make_batch(2)
+    assert batch["pixel_values"].shape == (2, 3, 64, 96) and "3x64x96" in how
+    assert formula_positions(config, None) == 4 * 6 + 1 + 10
+    torch.manual_seed(0)
+    assert YolosForObjectDetection(config)(**batch).loss.isfinite()
