@@ -144,16 +144,24 @@ def config_int(hf: Any, *names: str, default: int = 0) -> int:
 
 
 def formula_positions(hf: Any, tokens: int | None) -> int | None:
-    """Positions per sample: the batch's sequence length, or a vision transformer's patches (+ class
-    token, + YOLOS' detection tokens); None when neither says (a CNN, a detector's feature maps)."""
+    """Positions per sample: the batch's sequence length, or a plain vision transformer's patches (+ class
+    token, + YOLOS' detection tokens); None when neither says (a CNN, a detector's feature maps, a
+    model in stages)."""
     if tokens:
         return tokens
     sides, patch = image_sides(hf), getattr(hf, "patch_size", None)
     patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
-    if sides is None or not isinstance(patch, int) or patch <= 0:
+    if sides is None or not isinstance(patch, int) or patch <= 0 or in_stages(hf):
         return None
     detection = getattr(hf, "num_detection_tokens", 0)
     return (sides[0] // patch) * (sides[1] // patch) + 1 + (detection if isinstance(detection, int) else 0)
+
+
+def in_stages(hf: Any) -> bool:
+    """A hierarchical vision model (Swin, ConvNeXt, Hiera): stages of their own depth and width, merging
+    patches between them, so that no one count of positions runs through the model."""
+    return any(isinstance(getattr(hf, name, None), (list, tuple)) and len(getattr(hf, name)) > 1
+               for name in ("depths", "hidden_sizes", "embed_dims"))
 
 
 def formula_covers(hf: Any, tokens: int | None) -> bool:

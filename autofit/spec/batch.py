@@ -125,10 +125,12 @@ def plain(batch: Batch) -> Batch:
 
 
 def tokens_per_sample(batch: Batch) -> int | None:
-    """Length of the sequence axis where the batch has one (token ids), else None."""
+    """Length of the sequence axis where the batch has one (token ids), else None. Labels count as
+    tokens only as (samples, tokens): a segmentation's (samples, height, width) are pixels."""
     if isinstance(batch, dict):
         ids = next((batch[k] for k in ("input_ids", "labels") if isinstance(batch.get(k), torch.Tensor)
-                    and batch[k].dim() >= 2 and not batch[k].is_floating_point()), None)
+                    and (batch[k].dim() == 2 or k == "input_ids" and batch[k].dim() > 2)
+                    and not batch[k].is_floating_point()), None)
         return int(ids.shape[1]) if ids is not None else None
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():

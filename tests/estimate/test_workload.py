@@ -152,3 +152,44 @@ def test_the_host_floor_counts_engines_and_the_optimizer_step():
     # accumulation issues every micro-step's kernels again; no simulated count, no floor
     assert host_seconds(base.replace(grad_accum_steps=2), facts, 100) > 1.9 * host_seconds(base, facts, 100)
     assert host_seconds(base, facts, 0) == 0.0
+
+
+def _real_forward_flops(model, batch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(**batch)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["swin", "convnext"])
+def test_a_vision_model_in_stages_counts_its_forward_not_its_first_stage_patches(name):
+    """Swin and ConvNeXt name a 4 px patch_size, but merge patches stage by stage: their first stage's
+    3,137 positions through every weight counted Swin-T 34 times over (880 GFLOP a sample for ~26)."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification, SwinConfig, SwinForImageClassification
+
+    from autofit.estimate.facts import formula_positions
+
+    config, cls = {"swin": (SwinConfig(embed_dim=16, depths=[1, 1, 2, 1], num_heads=[1, 2, 4, 8]),
+                            SwinForImageClassification),
+                   "convnext": (ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1]),
+                                ConvNextForImageClassification)}[name]
+    spec = make_spec(functools.partial(cls, config), global_batch_size=8, device="cpu", memory_budget="1GiB")
+    work = workload(spec, spec.model.num_params, 5)
+    first_stage = (224 // 4) ** 2 + 1  # the configs' 224 px in 4 px patches
+    assert formula_positions(config, None) is None and "applied" in work.how
+    torch.manual_seed(0)
+    forward = _real_forward_flops(cls(config).eval(), spec.batch_factory(1))
+    assert work.positions == round(forward / (2 * spec.model.num_params)) < first_stage
+
+
+def test_segmentation_labels_are_pixels_not_tokens():
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], decoder_hidden_size=32,
+                             image_size=64, num_labels=4)
+    spec = make_spec(functools.partial(SegformerForSemanticSegmentation, config), global_batch_size=8,
+                     device="cpu", memory_budget="1GiB")
+    assert spec.batch_factory(2)["labels"].shape == (2, 64, 64)
+    assert spec.tokens_per_sample is None  # was 64: the labels' height read as a sequence
+    assert "tokens per sample" not in workload(spec, spec.model.num_params, 4).how
