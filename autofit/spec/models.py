@@ -143,12 +143,14 @@ def _unreachable(repo_id: str, endpoint: str | None) -> str | None:
 
 
 def _architecture(config: Any) -> str:
-    """The transformers class the model is built as (`presets.model_class`), else the config's model type
-    (building it then says why none fits)."""
+    """The transformers class the model is built as (`presets.model_class`), and the config's own where it
+    names another (an inference-only one); else the config's model type (building it then says why none fits)."""
     try:
-        return presets.model_class(config).__name__
+        built = presets.model_class(config).__name__
     except UsageError:
         return config.model_type
+    named = next(iter(getattr(config, "architectures", None) or ()), built)
+    return built if named == built else f"{built} (the config's {named} runs inference only)"
 
 
 def load_config(path: Path, name: str | None = None) -> Any:

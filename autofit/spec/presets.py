@@ -92,12 +92,12 @@ ENCODER_DECODER_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
 
 
 def model_class(config: Any) -> Any:
-    """The transformers class a config's `architectures[0]` names, else the first of `auto_classes(config)`
-    whose mapping knows the config's type; a `UsageError` when none does."""
+    """The transformers class a config's `architectures[0]` names (`trained_name`), else the first of
+    `auto_classes(config)` whose mapping knows the config's type; a `UsageError` when none does."""
     import transformers
 
     for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None)
+        cls = getattr(transformers, trained_name(name), None)
         if cls is not None:
             return cls
     for auto in auto_classes(config):
@@ -108,6 +108,13 @@ def model_class(config: Any) -> Any:
     raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
                      f"(model_type {model_type!r}) alone; add \"architectures\": [\"ClassName\"] to its config.json, "
                      "naming the transformers class you train, or pass FILE.py:factory.")
+
+
+def trained_name(architecture: str) -> str:
+    """The class that trains for a config's architecture: a distilled classifier `...WithTeacher` (DeiT's,
+    LeViT's) runs inference only in transformers (its forward takes no labels) and trains as the classifier
+    without the teacher's head (`DeiTForImageClassification`), as transformers' DeiT docs advise."""
+    return architecture.removesuffix("WithTeacher")
 
 
 def auto_classes(config: Any) -> tuple[str, ...]:

@@ -56,6 +56,22 @@ def test_a_config_naming_no_architecture_builds_what_its_kind_trains(tmp_path, c
         assert spec.batch_description == batch
 
 
+def test_a_distilled_classifier_for_inference_only_trains_as_its_classifier(tmp_path):
+    """facebook/deit-base-distilled-patch16-224 names DeiTForImageClassificationWithTeacher, whose forward
+    takes no labels (transformers runs it for inference only): it trains as DeiTForImageClassification, and
+    the description says so (it was 'no scalar loss' on every candidate)."""
+    from transformers import DeiTConfig
+
+    config = DeiTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        image_size=32, patch_size=16, architectures=["DeiTForImageClassificationWithTeacher"])
+    config.save_pretrained(tmp_path)
+    factory, _, description = resolve_model(str(tmp_path))
+    assert description.startswith("DeiTForImageClassification (the config's DeiTForImageClassificationWithTeacher "
+                                  "runs inference only) from ")
+    spec = make_spec(factory, global_batch_size=2, device="cpu", memory_budget="1GiB")
+    assert factory()(**spec.batch_factory(2)).loss.requires_grad
+
+
 def test_unknown_preset_lists_close_names():
     with pytest.raises(UsageError, match="gpt2"):
         resolve_model("gtp2")
