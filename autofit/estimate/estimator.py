@@ -203,13 +203,25 @@ class Estimator:
         return self._lines[key]
 
     def _extrapolated(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
-        """The activations at micro-batch `mb` read on the line through 1 and 2, the allocator replayed there."""
-        (one, how), (two, _) = self._at_batch(config, 1), self._at_batch(config, 2)
-        line = one.replayed_at(two, mb, 1, 2)  # the allocator replayed from events read on the line
+        """The activations at micro-batch `mb` read on the line through 1 and 2 (`_line_points`), the
+        allocator replayed there."""
+        self._at_batch(config, 1), self._at_batch(config, 2)
+        low, high = self._line_points(config)
+        (one, how), (two, _) = self._at_batch(config, low), self._at_batch(config, high)
+        line = one.replayed_at(two, mb, low, high)  # the allocator replayed from events read on the line
         if line.replay is None:  # the two steps differ beyond their sizes
             line = dataclasses.replace(line, fragmentation=_free_at_peak(one, two, line, "fragmentation"),
                                        least_fragmentation=_free_at_peak(one, two, line, "least_fragmentation"))
-        return line, f"{how}, micro-batch 1 and 2 extrapolated to {mb}"
+        return line, f"{how}, micro-batch {low} and {high} extrapolated to {mb}"
+
+    def _line_points(self, config: Config) -> tuple[int, int]:
+        """The micro-batches a larger one is extrapolated from: 1 and 2, or 2 and 4 where a step of one
+        sample failed and one of two did not (batch norm in training needs more than one value per channel:
+        LeViT's head; every micro-batch past 2 read the formula's activations, or none)."""
+        one, two = self._key(config, 1), self._key(config, 2)
+        if one in self._failed and two in self._cache and two not in self._failed:
+            return 2, 4
+        return 1, 2
 
     @property
     def formula_bound(self) -> float | None:
@@ -257,9 +269,9 @@ class Estimator:
             self._keep(config, mb, found)
 
     def _sizes(self, config: Config) -> tuple[int, ...]:
-        """The micro-batches simulated for `config`: its own, or 1 and 2 to extrapolate from."""
+        """The micro-batches simulated for `config`: its own, or those to extrapolate from (`_line_points`)."""
         mb = config.micro_batch_size
-        return (mb,) if mb <= 2 or not self.extrapolate_batch else (1, 2)
+        return (mb,) if mb <= 2 or not self.extrapolate_batch else self._line_points(config)
 
     def _key(self, config: Config, mb: int) -> tuple:
         # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)

@@ -99,7 +99,8 @@ def workload(spec: "TrainSpec", num_params: int, num_blocks: int) -> Workload:
 def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
     """How many times one sample applies the average weight (a convolution's at every pixel it slides
     over): the forward FLOPs of one sample, counted by `torch.utils.flop_counter` under fake tensors
-    (nothing allocated), over 2 FLOPs per weight. None when the forward cannot be counted."""
+    (nothing allocated) on two (batch norm in training takes more than one value per channel), over 2
+    FLOPs per weight. None when the forward cannot be counted."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -114,12 +115,12 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
         model = meta_model(spec.model_factory)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
-            batch = as_fake(fake, spec.batch_factory(1), "cpu")
+            batch = as_fake(fake, spec.batch_factory(2), "cpu")
             with FlopCounterMode(display=False) as counter, torch.no_grad(), quiet_transformers():
                 call_model(model, batch)
     except Exception:  # noqa: BLE001 - an op without a fake kernel: the plain count stands, and says so
         return None
-    return max(1, round(counter.get_total_flops() / (2 * num_params)))
+    return max(1, round(counter.get_total_flops() / 2 / (2 * num_params)))
 
 
 def _encoder_decoder(spec: "TrainSpec", hf: Any, sample: Any, num_params: int) -> Workload:

@@ -295,3 +295,26 @@ def test_a_prediction_does_not_depend_on_what_was_simulated_before(monkeypatch):
     for case in cases:
         alone.update(predicted([case]))
     assert predicted(cases) == predicted(cases[::-1]) == alone
+
+
+class _NormedHead(torch.nn.Module):
+    """A classifier whose head batch-normalises its features (LeViT's): a training step of one sample fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+        self.head = torch.nn.Sequential(torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_model_that_cannot_step_one_sample_is_extrapolated_from_two_and_four():
+    spec = make_spec(_NormedHead, lambda n: torch.randn(n, 64), device="cpu", memory_budget="1GiB",
+                     loss_fn=lambda output, batch: output.square().mean())
+    planned, direct = Estimator(spec, target="cuda", extrapolate_batch=True), Estimator(spec, target="cuda")
+    assert not planned.simulated(Config(micro_batch_size=1))  # "more than 1 value per channel"
+    eight = Config(micro_batch_size=8)
+    peak, how = planned.activations(eight)
+    assert planned.simulated(eight) and how.endswith("micro-batch 2 and 4 extrapolated to 8")  # was the formula's
+    assert peak.peak == direct.activations(eight)[0].peak  # linear layers: the line through 2 and 4 holds at 8

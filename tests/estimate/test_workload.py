@@ -193,3 +193,13 @@ def test_segmentation_labels_are_pixels_not_tokens():
     assert spec.batch_factory(2)["labels"].shape == (2, 64, 64)
     assert spec.tokens_per_sample is None  # was 64: the labels' height read as a sequence
     assert "tokens per sample" not in workload(spec, spec.model.num_params, 4).how
+
+
+def test_a_model_that_cannot_run_one_sample_in_training_still_counts_its_flops():
+    """Batch norm in training needs more than one value per channel (LeViT's head): the count runs on two."""
+    spec = make_spec(lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256),
+                                                 torch.nn.Linear(256, 10)),
+                     lambda n: torch.randn(n, 64), global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=lambda output, batch: output.square().mean())
+    work = workload(spec, spec.model.num_params, 1)
+    assert work.how.startswith("each weight applied once per sample")  # was "its FLOPs could not be counted"
