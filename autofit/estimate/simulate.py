@@ -479,12 +479,16 @@ def _configs_restored(model: nn.Module) -> Any:
             vars(config).update(saved)
 
 
+LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
 def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple:
     """The batch and loss a simulation runs for `model`: as given, but where the model's own training
     step has shapes that depend on the data, which fake tensors hold none of.
 
-    LayerDrop (wav2vec2's 0.1 by default) skips each layer at random (`torch.rand([]) < layerdrop`):
-    switched off, every layer runs, the most memory a step takes (a step that drops none). Waveform
+    LayerDrop (wav2vec2's and Parakeet's 0.1 by default) skips each layer at random (`torch.rand([]) <
+    layerdrop`): switched off in the config and in every module that keeps its own, every layer runs, the
+    most memory a step takes (a step that drops none). Waveform
     models (wav2vec2, HuBERT) mask random spans of their features in training (SpecAugment:
     `hidden_states[mask] = masked_spec_embed`, an in-place write through a boolean mask): switched off,
     which leaves out a boolean mask of batch x frames. Their CTC heads compute the loss over
@@ -496,9 +500,10 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
     from autofit.spec.batch import default_loss
 
     config = getattr(model, "config", None)
-    for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
-        if getattr(config, name, 0):
-            setattr(config, name, 0.0)
+    for holder in (config, *model.modules()):  # read from the config (wav2vec2) or kept by a module (Parakeet)
+        for name in LAYERDROPS:
+            if isinstance(getattr(holder, name, None), float) and getattr(holder, name) > 0:
+                setattr(holder, name, 0.0)
     if getattr(config, "apply_spec_augment", False):
         config.apply_spec_augment = False
     name = type(model).__name__

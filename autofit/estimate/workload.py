@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autofit.estimate.facts import config_int, formula_positions
-from autofit.spec.batch import image_sides
+from autofit.spec.batch import feature_layout, image_sides
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -168,9 +168,13 @@ def _patches(hf: Any) -> int | None:
 
 def _frames(hf: Any, sample: Any) -> int | None:
     """Encoder frames of a speech model: Whisper's fixed window (`max_source_positions`, 1,500 for 30 s),
-    or a waveform model's samples over its convolutions' total stride."""
+    log-mel rows over the frames per encoder position (`feature_layout`: Speech2Text's 4), or a waveform
+    model's samples over its convolutions' total stride."""
     if getattr(hf, "num_mel_bins", None) is not None and getattr(hf, "max_source_positions", None):
         return int(hf.max_source_positions)
+    features, layout = _sequence(sample, "input_features"), feature_layout(hf)
+    if features and layout:
+        return max(1, features // layout[2])
     stride = getattr(hf, "conv_stride", None)
     values = sample.get("input_values") if isinstance(sample, dict) else None
     if stride and values is not None:

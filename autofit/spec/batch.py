@@ -266,7 +266,7 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     name = model_class or next(iter(getattr(config, "architectures", None) or ()), None) or ""
     params = forward_parameters(name)
     if "input_features" in params:
-        return _speech(config, seq_len)
+        return _speech(config, seq_len, name)
     if "input_values" in params:
         return _audio(config, seq_len, name)
     if "pixel_values" in params and "input_ids" in params:
@@ -323,18 +323,72 @@ def _length(config: Any, seq_len: int | None, cap: int = 2048) -> int:
     return length
 
 
-def _speech(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
+def _speech(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, str]:
     """Whisper-style: the encoder reads its whole window of log-mel frames (2 per position after its
-    stride-2 convolution); the decoder is trained on `seq_len` label tokens."""
+    stride-2 convolution); the decoder is trained on `seq_len` label tokens. Other speech models read
+    frames as rows (`_feature_frames`)."""
     mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     vocab = getattr(config, "vocab_size", None)
-    if not (mels and positions and vocab) or getattr(config, "model_type", "") != "whisper":
-        raise UsageError(f"Cannot synthesize speech features for {type(config).__name__} (autofit knows "
-                         "Whisper's layout); pass a batch or a make_batch(batch_size) factory.")
+    if getattr(config, "model_type", "") != "whisper":
+        return _feature_frames(config, seq_len, name)
+    if not (mels and positions and vocab):
+        raise UsageError(f"Cannot synthesize speech features for {type(config).__name__}: its config names no "
+                         "num_mel_bins, max_source_positions or vocab_size; pass a batch or a make_batch(batch_size) "
+                         "factory.")
     length = _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
     frames = 2 * positions
     fields = (Field("input_features", (mels, frames)), Field("labels", (length,), vocab))
     return SyntheticBatches(fields), f"input_features {mels}x{frames} and decoder labels of {length} tokens"
+
+
+def feature_layout(config: Any) -> tuple[int, int, int] | None:
+    """(features per frame, frames per second, frames per encoder position) of a speech model reading
+    log-mel frames as rows of `input_features`: Speech2Text's 80 x channels at a 10 ms hop, subsampled by
+    its convolutions (2 each); Parakeet's 80 mel bins, by its `subsampling_factor`; Wav2Vec2-BERT's and
+    SeamlessM4T's 160 (two 80-bin frames stacked, 50 a second), one position each. None where the config
+    names none of these."""
+    per_channel = getattr(config, "input_feat_per_channel", None)
+    if isinstance(per_channel, int) and per_channel > 0:
+        return per_channel * getattr(config, "input_channels", 1), 100, 2 ** getattr(config, "num_conv_layers", 0)
+    stacked = getattr(config, "feature_projection_input_dim", None)
+    if isinstance(stacked, int) and stacked > 0:
+        return stacked, 50, 1
+    encoder = getattr(config, "encoder_config", None)
+    mels = getattr(encoder, "num_mel_bins", None)
+    if isinstance(mels, int) and mels > 0:
+        return mels, 100, getattr(encoder, "subsampling_factor", 1)
+    return None
+
+
+def _feature_frames(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, str]:
+    """Speech models reading (frames, features) log-mel input (`feature_layout`): `AUDIO_SECONDS` of frames
+    with decoder labels of `seq_len` tokens (an encoder-decoder: Speech2Text), or `seq_len` frames (default
+    `AUDIO_SECONDS`) with CTC transcripts of a token per 3 encoder positions (Parakeet, Wav2Vec2-BERT)."""
+    layout, vocab = feature_layout(config), getattr(config, "vocab_size", None)
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    if layout is None or not vocab or not (encoder_decoder or name.endswith("ForCTC")):
+        raise UsageError(f"Cannot synthesize speech features for {name or type(config).__name__} (autofit knows "
+                         "Whisper's layout, and frames as rows for Speech2Text, Parakeet and Wav2Vec2-BERT with a "
+                         "decoder or CTC); pass a batch or a make_batch(batch_size) factory.")
+    features, rate, per_position = layout
+    if encoder_decoder:
+        frames, length = rate * AUDIO_SECONDS, _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
+        return SyntheticBatches((Field("input_features", (frames, features)), Field("labels", (length,), vocab))), \
+            f"input_features {frames}x{features} ({AUDIO_SECONDS} s of frames) and decoder labels of {length} tokens"
+    frames = seq_len or rate * AUDIO_SECONDS
+    tokens = max(1, frames // per_position // 3)
+    low, high = ctc_ids(config)
+    mask = (Field("attention_mask", (frames,), 2, 1),)  # all ones: Parakeet's CTC loss reads its lengths there
+    return SyntheticBatches((Field("input_features", (frames, features)), Field("labels", (tokens,), high, low),
+                             *mask)), \
+        f"input_features {frames}x{features} ({frames / rate:.1f} s of frames) and CTC transcripts of {tokens} tokens"
+
+
+def ctc_ids(config: Any) -> tuple[int, int]:
+    """[low, high) of a CTC head's target ids: its vocabulary without the blank, the pad id (wav2vec2's 0,
+    Parakeet's last)."""
+    vocab, blank = int(config.vocab_size), getattr(config, "pad_token_id", 0)
+    return (0, vocab - 1) if blank == vocab - 1 else (1, vocab)
 
 
 def _classes(config: Any) -> int:
@@ -433,7 +487,8 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
     clip = f"input_values of {samples:,} samples ({samples / AUDIO_RATE:.1f} s at {AUDIO_RATE // 1000} kHz)"
     if name.endswith("ForCTC"):
         characters = max(1, frames // 3)
-        return SyntheticBatches((audio, Field("labels", (characters,), int(config.vocab_size), low=1))), \
+        low, high = ctc_ids(config)
+        return SyntheticBatches((audio, Field("labels", (characters,), high, low))), \
             f"{clip} and CTC transcripts of {characters} characters"
     return SyntheticBatches((audio, Field("labels", (), labels))), f"{clip} and a label per clip ({labels} classes)"
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DetrConfig, DistilBertConfig, GPT2Config,
-                          MixtralConfig, ResNetConfig, SegformerConfig, T5Config, ViTConfig, VisionEncoderDecoderConfig,
-                          Wav2Vec2Config, WhisperConfig)
+                          MixtralConfig, ParakeetCTCConfig, ResNetConfig, SegformerConfig, Speech2TextConfig, T5Config,
+                          ViTConfig, VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
 from autofit.estimate.dry_run import dry_run
@@ -45,6 +45,23 @@ ARCHITECTURES = {
                                     num_feat_extract_layers=2, num_conv_pos_embeddings=16,
                                     num_conv_pos_embedding_groups=4, architectures=["Wav2Vec2ForCTC"]),
                      {"input_values": (1600,), "labels": (53,)}),  # 1,600 samples: 159 frames, a character per 3
+    # log-mel frames as rows: an encoder-decoder (10 s of frames at 100 a second; 32 label tokens) and two
+    # CTC models (SEQ_LEN frames, a token per 3 encoder positions: Parakeet subsamples by 8)
+    "speech2text": (Speech2TextConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                      decoder_ffn_dim=128, conv_channels=32, input_feat_per_channel=16,
+                                      max_target_positions=64, architectures=["Speech2TextForConditionalGeneration"],
+                                      **TOKENS),
+                    {"input_features": (1000, 16), "labels": (32,)}),
+    "parakeet-ctc": (ParakeetCTCConfig(vocab_size=33, pad_token_id=32, architectures=["ParakeetForCTC"],
+                                       encoder_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                           intermediate_size=128, num_mel_bins=16,
+                                                           subsampling_conv_channels=16)),
+                     {"input_features": (240, 16), "labels": (10,), "attention_mask": (240,)}),
+    "w2v-bert-ctc": (Wav2Vec2BertConfig(vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, output_hidden_size=64, feature_projection_input_dim=32,
+                                        architectures=["Wav2Vec2BertForCTC"]),
+                     {"input_features": (240, 32), "labels": (80,), "attention_mask": (240,)}),
     "segformer": (SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
                                   num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5, image_size=32,
                                   architectures=["SegformerForSemanticSegmentation"]),
@@ -75,8 +92,8 @@ ARCHITECTURES = {
                                                      out_features=["stage2"])),
              {"pixel_values": (3, 224, 224)}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "vit": None, "convnext": None, "segformer": None, "resnet": None,
-           "detr": None}  # audio samples; images: none
+SEQ_LEN = {"wav2vec2-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "convnext": None, "segformer": None, "resnet": None,
+           "detr": None}  # audio samples, feature frames; images: none
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +108,7 @@ def _config_file(tmp_path, name):
     return path
 
 
-SPEECH = ("whisper", "wav2vec2-ctc")  # their cases run in test_speech_models.py (the files run in parallel)
+SPEECH = ("whisper", "wav2vec2-ctc", "speech2text", "parakeet-ctc", "w2v-bert-ctc")  # their cases run in test_speech_models.py (the files run in parallel)
 
 
 @pytest.mark.parametrize("name", sorted(set(ARCHITECTURES) - set(SPEECH)))
