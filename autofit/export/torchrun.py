@@ -111,6 +111,8 @@ if __name__ == "__main__":
     options = command_line(__doc__)
     train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, options.loss_fn),
           max_steps=options.max_steps)
+    if dist.is_initialized():  # before exit: a gloo group torn down at interpreter exit can abort a rank
+        dist.destroy_process_group()
 '''
 
 
