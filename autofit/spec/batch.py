@@ -125,13 +125,14 @@ def plain(batch: Batch) -> Batch:
 
 
 def tokens_per_sample(batch: Batch) -> int | None:
-    """Length of the sequence axis where the batch has one (token ids), else None. Labels count as
-    tokens only as (samples, tokens): a segmentation's (samples, height, width) are pixels."""
+    """Tokens per sample where the batch has a sequence axis (token ids), else None: a multiple-choice
+    sample's (choices, tokens) count all. Labels count as tokens only as (samples, tokens): a
+    segmentation's (samples, height, width) are pixels."""
     if isinstance(batch, dict):
         ids = next((batch[k] for k in ("input_ids", "labels") if isinstance(batch.get(k), torch.Tensor)
                     and (batch[k].dim() == 2 or k == "input_ids" and batch[k].dim() > 2)
                     and not batch[k].is_floating_point()), None)
-        return int(ids.shape[1]) if ids is not None else None
+        return int(ids[0].numel()) if ids is not None else None
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         return int(first.shape[1])
@@ -294,6 +295,15 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     if name.endswith("ForSequenceClassification"):
         return SyntheticBatches((ids, Field("labels", (), labels))), \
             f"input_ids of {length} tokens and a label per sample ({labels} classes)"
+    if name.endswith("ForNextSentencePrediction"):
+        return SyntheticBatches((ids, Field("labels", (), 2))), f"input_ids of {length} tokens and whether B follows A"
+    if name.endswith("ForMultipleChoice"):  # SWAG, RACE, ARC: 4 endings a question
+        choices = Field("input_ids", (MULTIPLE_CHOICES, length), vocab)
+        return SyntheticBatches((choices, Field("labels", (), MULTIPLE_CHOICES))), \
+            f"input_ids of {MULTIPLE_CHOICES} choices x {length} tokens and the right choice"
+    if "next_sentence_label" in params:  # BERT's pretraining: masked tokens and next sentence together
+        both = (Field("labels", (length,), vocab), Field("next_sentence_label", (), 2))
+        return SyntheticBatches((ids, *both)), f"input_ids and labels of {length} tokens and whether B follows A"
     if {"start_positions", "end_positions"} <= params:  # extractive question answering
         spans = (Field("start_positions", (), length), Field("end_positions", (), length))
         return SyntheticBatches((ids, *spans)), f"input_ids of {length} tokens and an answer span"
@@ -456,6 +466,7 @@ def _shape(field: Field) -> str:
     return "x".join(map(str, field.shape))
 
 
+MULTIPLE_CHOICES = 4  # a multiple-choice head's endings per question when synthesized (SWAG, RACE, ARC)
 AUDIO_RATE = 16_000  # samples per second: what every waveform model in transformers was trained on
 AUDIO_SECONDS = 10  # default clip when no --seq-len is given
 

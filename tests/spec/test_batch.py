@@ -96,3 +96,24 @@ def test_a_non_square_image_size_gives_images_of_that_height_and_width():
     assert formula_positions(config, None) == 4 * 6 + 1 + 10
     torch.manual_seed(0)
     assert YolosForObjectDetection(config)(**batch).loss.isfinite()
+
+
+@pytest.mark.parametrize("head, shapes", [
+    ("BertForMultipleChoice", {"input_ids": (4, 16), "labels": ()}),  # was input_ids and labels of 16 tokens
+    ("BertForNextSentencePrediction", {"input_ids": (16,), "labels": ()}),
+    ("BertForPreTraining", {"input_ids": (16,), "labels": (16,), "next_sentence_label": ()}),  # was no loss
+])
+def test_bert_heads_get_the_targets_their_loss_takes(head, shapes):
+    import transformers
+    from transformers import BertConfig
+
+    from autofit.spec.batch import synthesize_batch
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, architectures=[head])
+    make_batch, _ = synthesize_batch(config, 16, head)
+    batch = make_batch(2)
+    assert {key: tuple(value.shape[1:]) for key, value in batch.items()} == shapes
+    assert tokens_per_sample(batch) == (4 * 16 if head.endswith("MultipleChoice") else 16)  # every choice's tokens
+    torch.manual_seed(0)
+    assert getattr(transformers, head)(config)(**batch).loss.requires_grad
