@@ -7,11 +7,19 @@ torch.isfinite(hidden_states).all(): hidden_states = torch.clamp(...)`, transfor
 `DataDependentOutputException`. Under `healthy_checks()` it reads as a healthy step's, finite
 everywhere (`isfinite(x).all()` true, `isinf(x).any()` and `isnan(x).any()` false), so the clamp is
 skipped as in a step without overflow; the boolean tensors the check makes are still counted.
+
+transformers checks its inputs the same way (`torch_compilable_check`: a vision-language model's image
+placeholders against its image features, `n_image_tokens * width == features.numel()`, LLaVA's
+`get_placeholder_mask`); `transformers_checks_off()` switches those off while a step is simulated, by
+transformers' own switch (`TRANSFORMERS_DISABLE_TORCH_CHECK=1`). The synthesized batch is built to pass
+them, and a probe's real step runs them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import os
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,3 +42,20 @@ class healthy_checks(TorchFunctionMode):  # noqa: N801 - used as a context manag
         elif name in ("all", "any") and args and getattr(args[0], _CHECK, ("",))[0] == name:
             setattr(out, _HEALTHY, getattr(args[0], _CHECK)[1])
         return out
+
+
+TRANSFORMERS_CHECKS = "TRANSFORMERS_DISABLE_TORCH_CHECK"  # transformers/utils/import_utils.py torch_compilable_check
+
+
+@contextlib.contextmanager
+def transformers_checks_off() -> Iterator[None]:
+    """transformers' `torch_compilable_check`s skipped (its documented switch), the variable restored after."""
+    before = os.environ.get(TRANSFORMERS_CHECKS)
+    os.environ[TRANSFORMERS_CHECKS] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TRANSFORMERS_CHECKS, None)
+        else:
+            os.environ[TRANSFORMERS_CHECKS] = before

@@ -271,6 +271,8 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     if "input_values" in params:
         return _audio(config, seq_len, name)
     if "pixel_values" in params and "input_ids" in params:
+        if getattr(config, "image_token_id", None) is not None:
+            return _image_text_to_text(config, seq_len, name, params)
         return _image_text(config, seq_len)
     if "pixel_values" in params and "decoder_input_ids" in params:
         return _image_to_text(config, seq_len)
@@ -515,6 +517,39 @@ def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
         f"input_ids of {length} tokens and pixel_values {_shape(pixels)} (contrastive loss)"
 
 
+def image_tokens(config: Any) -> int | None:
+    """Placeholder tokens a vision-language model gives one image, where its config fixes them: LLaVA's
+    and InternVL's `image_seq_length`, Gemma 3's `mm_tokens_per_image`, PaliGemma's text config's
+    `num_image_tokens`; None where they follow the image's size (LLaVA-NeXT, Qwen2-VL, Idefics3)."""
+    for holder, name in ((config, "image_seq_length"), (config, "mm_tokens_per_image"),
+                         (getattr(config, "text_config", None), "num_image_tokens")):
+        count = getattr(holder, name, None)
+        if isinstance(count, int) and count > 0:
+            return count
+    return None
+
+
+def _image_text_to_text(config: Any, seq_len: int | None, name: str,
+                        params: frozenset[str]) -> tuple[BatchFactory, str]:
+    """Vision-language models trained as a language model over an image's tokens (LLaVA, PaliGemma,
+    Gemma 3, InternVL): `VisionLanguageBatches` of `seq_len` tokens (default the text model's maximum
+    positions, at most 2048), one image at the vision config's size."""
+    count, text = image_tokens(config), getattr(config, "text_config", config)
+    if count is None or getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT's tiles follow the image
+        raise UsageError(f"Cannot synthesize a batch for {name or type(config).__name__}: the tokens it gives an "
+                         "image follow the image's size and tiling; pass a batch (its processor's output for an image "
+                         "and a text) or a make_batch(batch_size) factory.")
+    length = _length(text, seq_len)
+    if length <= count:
+        raise UsageError(f"seq_len {length} leaves no text after the image's {count} tokens in {name}; give "
+                         f"--seq-len above {count}.")
+    pixels, _ = _pixels(config.vision_config)
+    batches = VisionLanguageBatches(pixels, int(config.image_token_id), count, length, int(text.vocab_size),
+                                    "token_type_ids" in params)
+    return batches, (f"input_ids of {length} tokens ({count} image tokens, {length - count} of text, labels on the "
+                     f"text) and pixel_values {_shape(pixels)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One tensor of a synthesized batch: its name, its shape per sample, and its values (`high` > 0:
@@ -542,6 +577,33 @@ class SyntheticBatches:
             batch[f.name] = torch.randint(f.low, f.high, shape, generator=gen) if f.high else \
                 torch.randn(shape, generator=gen)
         batch.update(self.extras)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLanguageBatches:
+    """make_batch(n) for a vision-language model: an image's `image_tokens` placeholders (`image_token`)
+    then random text ids (never the placeholder), labels on the text (-100 on the image: no loss there),
+    the image's pixel values, and `token_type_ids` where the model takes them (0 on the image, 1 on the
+    text: PaliGemma's and Gemma 3's training masks)."""
+
+    pixels: Field
+    image_token: int
+    image_tokens: int
+    length: int
+    vocab: int
+    token_types: bool = False
+
+    def __call__(self, n: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        text = torch.randint(0, self.vocab - 1, (n, self.length - self.image_tokens), generator=gen)
+        text += (text >= self.image_token).long()  # skip the placeholder's id
+        image = torch.full((n, self.image_tokens), self.image_token)
+        batch = {"input_ids": torch.cat([image, text], dim=1),
+                 "labels": torch.cat([torch.full_like(image, -100), text], dim=1),
+                 self.pixels.name: torch.randn((n, *self.pixels.shape), generator=gen)}
+        if self.token_types:
+            batch["token_type_ids"] = torch.cat([torch.zeros_like(image), torch.ones_like(text)], dim=1)
         return batch
 
 

@@ -5,15 +5,20 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DetrConfig, DistilBertConfig, GPT2Config,
-                          MixtralConfig, ParakeetCTCConfig, ResNetConfig, SegformerConfig, Speech2TextConfig, T5Config,
-                          ViTConfig, VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
+from transformers import (BertConfig, CLIPConfig, CLIPVisionConfig, ConvNextConfig, DetrConfig, DistilBertConfig,
+                          Gemma3Config, GPT2Config, LlamaConfig, LlavaConfig, MixtralConfig, ParakeetCTCConfig,
+                          ResNetConfig, SegformerConfig, Speech2TextConfig, T5Config, ViTConfig,
+                          VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
 from autofit.estimate.dry_run import dry_run
 from autofit.strategies import MicroBatch, Precision
 
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SMALL_LM = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+SMALL_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                 patch_size=14)
 ARCHITECTURES = {
     "whisper": (WhisperConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
@@ -62,6 +67,14 @@ ARCHITECTURES = {
                                         intermediate_size=128, output_hidden_size=64, feature_projection_input_dim=32,
                                         architectures=["Wav2Vec2BertForCTC"]),
                      {"input_features": (240, 32), "labels": (80,), "attention_mask": (240,)}),
+    # vision-language models: an image's placeholder tokens, then text with labels (-100 on the image)
+    "llava": (LlavaConfig(text_config=LlamaConfig(**SMALL_LM), image_token_id=299, image_seq_length=4,
+                          vision_config=CLIPVisionConfig(**SMALL_VIT, projection_dim=32),
+                          architectures=["LlavaForConditionalGeneration"]),
+              {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28)}),
+    "gemma3": (Gemma3Config(text_config=SMALL_LM, vision_config=SMALL_VIT, image_token_id=299, mm_tokens_per_image=4,
+                            boi_token_index=297, eoi_token_index=298, architectures=["Gemma3ForConditionalGeneration"]),
+               {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28), "token_type_ids": (32,)}),
     "segformer": (SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
                                   num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5, image_size=32,
                                   architectures=["SegformerForSemanticSegmentation"]),

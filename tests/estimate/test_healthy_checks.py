@@ -47,3 +47,18 @@ def test_a_model_that_checks_for_overflow_is_simulated():
     with FakeTensorMode(allow_non_fake_inputs=True), healthy_checks():
         with pytest.raises(DataDependentOutputException):
             bool((torch.randn(4) > 0).all())
+
+
+def test_transformers_checks_are_off_while_simulating_and_as_they_were_after(monkeypatch):
+    import os
+
+    from autofit.estimate.healthy_checks import TRANSFORMERS_CHECKS, transformers_checks_off
+
+    monkeypatch.delenv(TRANSFORMERS_CHECKS, raising=False)
+    with transformers_checks_off():
+        assert os.environ[TRANSFORMERS_CHECKS] == "1"
+    assert TRANSFORMERS_CHECKS not in os.environ
+    monkeypatch.setenv(TRANSFORMERS_CHECKS, "0")
+    with transformers_checks_off():
+        assert os.environ[TRANSFORMERS_CHECKS] == "1"
+    assert os.environ[TRANSFORMERS_CHECKS] == "0"

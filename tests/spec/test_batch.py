@@ -117,3 +117,24 @@ def test_bert_heads_get_the_targets_their_loss_takes(head, shapes):
     assert tokens_per_sample(batch) == (4 * 16 if head.endswith("MultipleChoice") else 16)  # every choice's tokens
     torch.manual_seed(0)
     assert getattr(transformers, head)(config)(**batch).loss.requires_grad
+
+
+def test_a_vision_language_batch_puts_the_images_tokens_first_and_trains_on_the_text():
+    from transformers import LlavaNextConfig, PaliGemmaConfig
+
+    from autofit.spec.batch import synthesize_batch
+
+    small = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = PaliGemmaConfig(text_config=dict(model_type="gemma", **small, num_image_tokens=4), image_token_id=7,
+                             vision_config=dict(model_type="siglip_vision_model", **small, image_size=28, patch_size=14))
+    make_batch, how = synthesize_batch(config, 32, "PaliGemmaForConditionalGeneration")
+    batch = make_batch(3)
+    image = batch["input_ids"][:, :4]
+    assert (image == 7).all() and not (batch["input_ids"][:, 4:] == 7).any()  # no placeholder in the text
+    assert (batch["labels"][:, :4] == -100).all() and (batch["labels"][:, 4:] == batch["input_ids"][:, 4:]).all()
+    assert (batch["token_type_ids"].sum(1) == 28).all() and batch["pixel_values"].shape == (3, 3, 28, 28)
+    assert "4 image tokens, 28 of text" in how
+    with pytest.raises(UsageError, match="no text after the image's 4 tokens"):
+        synthesize_batch(config, 4, "PaliGemmaForConditionalGeneration")
+    with pytest.raises(UsageError, match="follow the image's size and tiling; pass a batch"):  # LLaVA-NeXT's tiles
+        synthesize_batch(LlavaNextConfig(), 1024, "LlavaNextForConditionalGeneration")
