@@ -347,10 +347,20 @@ def _speech(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, 
         raise UsageError(f"Cannot synthesize speech features for {type(config).__name__}: its config names no "
                          "num_mel_bins, max_source_positions or vocab_size; pass a batch or a make_batch(batch_size) "
                          "factory.")
-    length = _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
     frames = 2 * positions
+    if _clip_classifier(name):  # WhisperForAudioClassification: its encoder and a label per clip
+        _no_sequence(seq_len, name, "the encoder's whole window of frames")
+        classes = _classes(config)
+        return SyntheticBatches((Field("input_features", (mels, frames)), Field("labels", (), classes))), \
+            f"input_features {mels}x{frames} and a label per clip ({classes} classes)"
+    length = _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
     fields = (Field("input_features", (mels, frames)), Field("labels", (length,), vocab))
     return SyntheticBatches(fields), f"input_features {mels}x{frames} and decoder labels of {length} tokens"
+
+
+def _clip_classifier(name: str) -> bool:
+    """Whether transformers class `name` classifies a whole clip (one label per sample)."""
+    return name.endswith(("ForAudioClassification", "ForSequenceClassification"))
 
 
 def feature_layout(config: Any) -> tuple[int, int, int] | None:
@@ -375,16 +385,23 @@ def feature_layout(config: Any) -> tuple[int, int, int] | None:
 def _feature_frames(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, str]:
     """Speech models reading (frames, features) log-mel input (`feature_layout`): `AUDIO_SECONDS` of frames
     with decoder labels of `seq_len` tokens (an encoder-decoder: Speech2Text), or `seq_len` frames (default
-    `AUDIO_SECONDS`) with CTC transcripts of a token per 3 encoder positions (Parakeet, Wav2Vec2-BERT)."""
+    `AUDIO_SECONDS`) with CTC transcripts of a token per 3 encoder positions (Parakeet, Wav2Vec2-BERT) or a
+    label per clip."""
     layout, vocab = feature_layout(config), getattr(config, "vocab_size", None)
     encoder_decoder = getattr(config, "is_encoder_decoder", False)
-    if layout is None or not vocab or not (encoder_decoder or name.endswith("ForCTC")):
+    if layout is None or not (_clip_classifier(name) or vocab and (encoder_decoder or name.endswith("ForCTC"))):
         raise UsageError(f"Cannot synthesize speech features for {name or type(config).__name__} (autofit knows "
                          "Whisper's layout, and frames as rows for Speech2Text, Parakeet and Wav2Vec2-BERT with a "
-                         "decoder or CTC); pass a batch or a make_batch(batch_size) factory.")
+                         "decoder, CTC or a clip classifier); pass a batch or a make_batch(batch_size) factory.")
     features, rate, per_position = layout
+    if _clip_classifier(name):
+        frames, classes = seq_len or rate * AUDIO_SECONDS, _classes(config)
+        return SyntheticBatches((Field("input_features", (frames, features)), Field("labels", (), classes))), \
+            f"input_features {frames}x{features} ({frames / rate:.1f} s of frames) and a label per clip " \
+            f"({classes} classes)"
     if encoder_decoder:
-        frames, length = rate * AUDIO_SECONDS, _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
+        frames = rate * AUDIO_SECONDS
+        length = _length(config, seq_len, cap=getattr(config, "max_target_positions", 448))
         return SyntheticBatches((Field("input_features", (frames, features)), Field("labels", (length,), vocab))), \
             f"input_features {frames}x{features} ({AUDIO_SECONDS} s of frames) and decoder labels of {length} tokens"
     frames = seq_len or rate * AUDIO_SECONDS
@@ -449,7 +466,8 @@ def _pixels(config: Any) -> tuple[Field, str]:
     channels = getattr(config, "num_channels", 3)
     sides = image_sides(config)
     height, width = sides or (DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
-    size = "" if sides else f" ({height}x{width}, the usual size: the config names none; pass a batch of your images' size)"
+    size = "" if sides else \
+        f" ({height}x{width}, the usual size: the config names none; pass a batch of your images' size)"
     return Field("pixel_values", (channels, height, width)), size
 
 
@@ -485,7 +503,7 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
         return SyntheticBatches((Field("input_values", shape), Field("labels", (), labels))), \
             f"input_values {shape[0]}x{shape[1]} (spectrogram frames x mel bins) and a label per clip"
     kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
-    if not (kernels and strides) or not name.endswith(("ForCTC", "ForSequenceClassification")):
+    if not (kernels and strides) or not (name.endswith("ForCTC") or _clip_classifier(name)):
         raise UsageError(f"Cannot synthesize audio for {name or type(config).__name__} (autofit knows "
                          "waveform CTC and clip classification heads, and the Audio Spectrogram Transformer); "
                          "pass a batch or a make_batch(batch_size) factory.")

@@ -90,3 +90,25 @@ def test_audio_batches_follow_each_audio_models_input():
         synthesize_batch(waveform, None, "Wav2Vec2ForPreTraining")
     spectrogram = ASTConfig(max_length=128, num_mel_bins=16, architectures=["ASTForAudioClassification"])
     assert synthesize_batch(spectrogram, None, "ASTForAudioClassification")[0](1)["input_values"].shape == (1, 128, 16)
+
+
+def test_speech_clip_classifiers_get_a_label_per_clip():
+    """Whisper's audio classifier (language ID) took decoder labels of 48 tokens; feature-frame models'
+    classifiers were refused."""
+    from transformers import Wav2Vec2BertConfig, Wav2Vec2BertForSequenceClassification, WhisperForAudioClassification
+
+    from autofit.errors import UsageError
+    from autofit.spec.batch import synthesize_batch
+
+    whisper = ARCHITECTURES["whisper"][0]
+    make_batch, description = synthesize_batch(whisper, None, "WhisperForAudioClassification")
+    batch = make_batch(2)
+    assert batch["labels"].shape == (2,) and description.endswith("a label per clip (2 classes)")
+    assert WhisperForAudioClassification(whisper)(**batch).loss.requires_grad
+    with pytest.raises(UsageError, match="takes the encoder's whole window of frames"):
+        synthesize_batch(whisper, 32, "WhisperForAudioClassification")
+    frames = Wav2Vec2BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                output_hidden_size=32, feature_projection_input_dim=32, num_labels=3)
+    batch = synthesize_batch(frames, 120, "Wav2Vec2BertForSequenceClassification")[0](2)
+    assert batch["input_features"].shape == (2, 120, 32) and batch["labels"].shape == (2,)
+    assert Wav2Vec2BertForSequenceClassification(frames)(**batch).loss.requires_grad
