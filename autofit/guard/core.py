@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from pathlib import Path
@@ -245,12 +246,12 @@ class OomGuard:
         """Free what the failed attempt held and step down one notch (the same on every rank)."""
         peak = peak_bytes(self._device())
         release_memory()
-        old = self.config
-        if min(old.micro_batch_size, agreed.smallest_failure) > 1:
+        old, floor = self.config, self._smallest_micro_batch
+        if min(old.micro_batch_size, agreed.smallest_failure) > floor:
             new_mb = old.micro_batch_size // 2
-            while new_mb >= agreed.smallest_failure and new_mb > 1:
+            while new_mb >= agreed.smallest_failure and new_mb > floor:
                 new_mb //= 2
-            new, action = old.replace(micro_batch_size=new_mb), "micro-batch"
+            new, action = old.replace(micro_batch_size=max(new_mb, floor)), "micro-batch"
         elif self.escalate and old.checkpointing is not Checkpointing.FULL:
             checkpointing.enable(unwrap(self.model), 1)
             new, action = old.replace(checkpointing=Checkpointing.FULL, checkpoint_every=1), "checkpointing"
@@ -266,9 +267,18 @@ class OomGuard:
         self._change(action, old, new, reason, peak)
         self._undo.append(old)
 
+    @functools.cached_property
+    def _smallest_micro_batch(self) -> int:
+        """The micro-batch the guard steps down to at most: 1, or 2 for a model that batch-normalises in
+        training (one sample's statistics: `BatchNorm1d` refuses them, "Expected more than 1 value per
+        channel when training", and others normalise a sample by itself)."""
+        return 2 if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unwrap(self.model).modules()) else 1
+
     def _gave_up_message(self, attempt: _Attempt, total: int, peak: int | None) -> str:
         what = attempt.oom or "an OOM on another rank"
-        return (f"Out of memory at step {self.steps} even with micro-batch 1 (of {total} samples per step): "
+        floor = self._smallest_micro_batch
+        smallest = "micro-batch 1" if floor == 1 else f"micro-batch {floor} (the least batch norm takes)"
+        return (f"Out of memory at step {self.steps} even with {smallest} (of {total} samples per step): "
                 f"{what}; peak {_size(peak)}. Tried, in order: {' -> '.join(self._tried)}. What remains needs a "
                 f"restart: run `autofit tune` with this budget and allow {RESTART_RUNGS}.")
 

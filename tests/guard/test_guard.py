@@ -112,6 +112,22 @@ def test_escalates_to_checkpointing_then_gives_up_naming_what_it_tried():
     assert guard.samples_seen == 4  # the failed step counted nothing
 
 
+def test_a_model_with_batch_norm_steps_down_to_two_samples_at_least():
+    """Batch norm in training takes its statistics over the micro-batch: one sample's fail (BatchNorm1d:
+    "Expected more than 1 value per channel") or normalise it by itself, so 2 is the guard's floor."""
+    batch = make_batch(0, 4, LONG)
+    with CpuBudget(None) as budget:
+        model, _ = fresh()
+        model.blocks[0].append(torch.nn.BatchNorm1d(LONG))  # over (samples, positions, width): a channel a position
+        guard = OomGuard(model, torch.optim.AdamW(model.parameters()), micro_batch_size=4, loss_fn=loss_fn)
+        guard.step(batch)
+        budget.limit = budget.current + 1000  # room for no activations at all
+        with pytest.raises(GuardGaveUp, match=r"even with micro-batch 2 \(the least batch norm takes\)") as info:
+            guard.step(batch)
+    assert [r.action for r in guard.recoveries] == ["micro-batch", "checkpointing"]
+    assert [r.new.micro_batch_size for r in guard.recoveries] == [2, 2] and "mb=1x4" not in str(info.value)
+
+
 def test_checkpointing_rescues_micro_batch_one():
     batch = make_batch(0, 2, 64)
     peaks = {}
