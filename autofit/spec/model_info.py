@@ -27,6 +27,13 @@ class ModelInfo:
     hidden_size: int = 0  # the model's width: the Hugging Face config's, else the widest matrix's smaller side
     has_attention: bool = True  # a module named *Attention* (transformers' convention); False: Mamba, RWKV, CNNs
     weights_dtype: str = "float32"  # the floating dtype holding most parameters ("bfloat16": a model cast to bf16)
+    batch_norm: bool = False  # a module normalises over the micro-batch in training (`batch_normalises`)
+
+    @property
+    def smallest_micro_batch(self) -> int:
+        """The least micro-batch a training step takes: 2 where batch norm needs the statistics of more than
+        one sample (`BatchNorm1d` refuses one: "Expected more than 1 value per channel when training")."""
+        return 2 if self.batch_norm else 1
 
     @property
     def is_hf(self) -> bool:
@@ -97,7 +104,13 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     attends = any("Attention" in type(module).__name__ for module in model.modules())
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
                      attention, path, len(blocks), hidden_size(model, hf_config), attends,
-                     str(weights).removeprefix("torch."))
+                     str(weights).removeprefix("torch."), batch_normalises(model))
+
+
+def batch_normalises(model: nn.Module) -> bool:
+    """Whether `model` holds batch norm (BatchNorm1d/2d/3d, SyncBatchNorm): in training it normalises over
+    the micro-batch, whose size then changes the numerics and must exceed one sample."""
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
 
 
 def partly_trainable(model: nn.Module) -> bool:

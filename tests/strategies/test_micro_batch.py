@@ -37,3 +37,22 @@ def test_forced_by_a_budget_the_full_micro_batch_misses():
         assert comparison.won and comparison.ratio.median >= 1.03 and comparison.ratio.wins >= 0.7
     else:
         assert plan.config.micro_batch_size == 4 and plan.config.grad_accum_steps == 2
+
+
+def _normed():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+
+
+def test_a_model_with_batch_norm_takes_two_samples_at_least_and_a_smaller_micro_batch_changes_its_numerics():
+    """One sample fails batch norm in training (the search stopped: 'every configuration failed the same
+    way'); fewer samples than the rank's change the statistics it normalises with, as a numerics change does."""
+    import torch
+
+    normed = make_spec(_normed, lambda n: torch.randn(n, 16), global_batch_size=8, device="cpu", memory_budget="1GiB",
+                       loss_fn=lambda output, batch: output.square().mean())
+    options = MicroBatch().options(normed)
+    assert [(o.value, o.tier) for o in options] == [(8, 0), (4, 1), (2, 1)]
+    assert "batch norm's statistics over 4 samples, not 8" in options[1].reason
+    assert [(o.value, o.tier) for o in MicroBatch().options(spec(4))] == [(4, 0), (2, 0), (1, 0)]  # no batch norm
