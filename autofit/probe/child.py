@@ -97,8 +97,13 @@ def _leave_with_parent(poll: float = 1.0) -> None:
 
 
 def _leave_group() -> None:
+    """Leave the process group while the interpreter lives, after freeing what the probe left in reference
+    cycles (left to interpreter exit, a gloo group can abort the process: train_with_prepare.py)."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 

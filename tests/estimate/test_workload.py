@@ -123,12 +123,12 @@ CLASSIFIER = f"{Path(__file__).resolve().parents[2] / 'examples' / 'classifier.p
 
 
 def test_a_small_cnn_is_bound_by_the_host_issuing_its_ops():
-    report = dry_run(CLASSIFIER, gpu="t4", global_batch_size=256)
+    report = dry_run(CLASSIFIER, gpu="t4", global_batch_size=128)
     chosen = report.chosen
-    # ~10 k parameters: a step of some hundred ops the host issues at >= 5 us each (the low end of eager
-    # PyTorch's 5-25 us per op), not the 2.2 million samples/s its FLOPs alone would allow on a T4
-    assert chosen.estimate.kernels >= 50
-    assert chosen.samples_per_s < 256 / (chosen.estimate.kernels * 5e-6)
+    # ~10 k parameters: a step of some tens of ops the host issues at >= 5 us each (the low end of eager
+    # PyTorch's 5-25 us per op), not the samples/s its FLOPs alone would allow on a T4
+    assert chosen.estimate.kernels >= 40
+    assert chosen.samples_per_s < 128 / (chosen.estimate.kernels * 5e-6)
     assert "bound by the host issuing" in chosen.reason
     # an engine's per-parameter or per-unit host work counts too: none for one GPU and 10 k parameters
     assert chosen.config.sharding == "none" and chosen.config.offload == "none"
