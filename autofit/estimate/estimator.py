@@ -205,7 +205,8 @@ class Estimator:
     def _extrapolated(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         """The activations at micro-batch `mb` read on the line through 1 and 2 (`_line_points`), the
         allocator replayed there."""
-        self._at_batch(config, 1), self._at_batch(config, 2)
+        for simulated in (1, 2):  # which line holds depends on how these went
+            self._at_batch(config, simulated)
         low, high = self._line_points(config)
         (one, how), (two, _) = self._at_batch(config, low), self._at_batch(config, high)
         line = one.replayed_at(two, mb, low, high)  # the allocator replayed from events read on the line

@@ -255,14 +255,17 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
 
     The batch follows what the model's `forward` takes (`model_class` names the transformers class; the
     config's `architectures` otherwise): speech encoder-decoders (Whisper) get log-mel `input_features`
-    of the encoder's full window and decoder `labels` of `seq_len` tokens; waveform models (wav2vec2)
+    of the encoder's full window and decoder `labels` of `seq_len` tokens, other log-mel models frames as
+    rows (`_feature_frames`: Speech2Text, Parakeet, Wav2Vec2-BERT); waveform models (wav2vec2)
     `seq_len` audio samples and CTC transcripts or clip labels (`_audio`); image-text models (CLIP,
-    SigLIP) token ids, pixel values and `return_loss`; image-to-text encoder-decoders (VisionEncoderDecoder:
-    TrOCR, Donut, captioners) pixel values and decoder labels of `seq_len` tokens; image models pixel values and a label per image or
-    per pixel (`_image`; a `seq_len` is refused there); token classifiers a label per token; sequence
-    classifiers a label per sample; question answering an answer span; text encoder-decoders (T5, BART)
-    and language models token ids and labels of `seq_len` tokens (default: the model's maximum positions
-    capped at 2048).
+    SigLIP) token ids, pixel values and `return_loss`; vision-language models an image's placeholder
+    tokens and text (`VisionLanguageBatches`); image-to-text encoder-decoders (VisionEncoderDecoder:
+    TrOCR, Donut, captioners) pixel values and decoder labels of `seq_len` tokens; image models pixel
+    values and a label per image or per pixel (`_image`; a `seq_len` is refused there); token classifiers
+    a label per token; sequence classifiers a label per sample; multiple choice `MULTIPLE_CHOICES`
+    sequences and the right one; BERT's next-sentence and pretraining heads their pair labels; question
+    answering an answer span; text encoder-decoders (T5, BART) and language models token ids and labels
+    of `seq_len` tokens (default: the model's maximum positions capped at 2048).
     """
     name = model_class or next(iter(getattr(config, "architectures", None) or ()), None) or ""
     params = forward_parameters(name)
