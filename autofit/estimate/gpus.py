@@ -89,11 +89,16 @@ def other_sizes(name: str) -> list[str]:
 
 
 def get_gpu(name: str) -> GpuProfile:
-    """The profile called `name` or one of its aliases (any case); `UsageError` listing the profiles otherwise."""
+    """The profile called `name` or one of its aliases (any case, hyphens optional: "h100sxm" reads as
+    h100-sxm where one profile answers to it); `UsageError` listing the profiles otherwise."""
     key = _key(name)
     for profile in _profiles().values():
         if key == profile.name or key in profile.aliases:
             return profile
+    bare = {profile.name: profile for profile in _profiles().values()
+            for spelling in (profile.name, *profile.aliases) if spelling.replace("-", "") == key.replace("-", "")}
+    if len(bare) == 1:
+        return next(iter(bare.values()))
     spellings = [n for p in _profiles().values() for n in (p.name, *p.aliases)]
     close = difflib.get_close_matches(key, spellings, n=3, cutoff=0.6)
     hint = f"Did you mean {', '.join(close)}? " if close else ""

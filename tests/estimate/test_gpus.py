@@ -51,3 +51,8 @@ def test_an_alias_of_several_sizes_names_the_others(name, others):
 def test_a_count_in_front_is_read_apart(written, split):
     assert split_count(written) == split
     assert other_sizes(written) == other_sizes(split[1])
+
+
+@pytest.mark.parametrize("typed, profile", [("h100sxm", "h100-80gb"), ("A10040GB", "a100-40gb"), ("rtx4090", "rtx-4090")])
+def test_a_name_typed_without_its_hyphens_is_the_profile_it_spells(typed, profile):
+    assert get_gpu(typed).name == profile
