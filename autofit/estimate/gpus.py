@@ -95,10 +95,10 @@ def get_gpu(name: str) -> GpuProfile:
     for profile in _profiles().values():
         if key == profile.name or key in profile.aliases:
             return profile
-    bare = {profile.name: profile for profile in _profiles().values()
-            for spelling in (profile.name, *profile.aliases) if spelling.replace("-", "") == key.replace("-", "")}
-    if len(bare) == 1:
-        return next(iter(bare.values()))
+    bare = key.replace("-", "")
+    spelled = [p for p in _profiles().values() if any(n.replace("-", "") == bare for n in (p.name, *p.aliases))]
+    if len(spelled) == 1:
+        return spelled[0]
     spellings = [n for p in _profiles().values() for n in (p.name, *p.aliases)]
     close = difflib.get_close_matches(key, spellings, n=3, cutoff=0.6)
     hint = f"Did you mean {', '.join(close)}? " if close else ""

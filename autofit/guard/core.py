@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.spec.batch import call_model, default_loss, leading_dim
-from autofit.spec.model_info import batch_normalises
+from autofit.spec.model_info import BATCH_NORM_MICRO_BATCH, batch_normalises
 from autofit.config import Checkpointing, Config, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
@@ -273,7 +273,7 @@ class OomGuard:
         """The micro-batch the guard steps down to at most: 1, or 2 for a model that batch-normalises in
         training (one sample's statistics: `BatchNorm1d` refuses them, "Expected more than 1 value per
         channel when training", and others normalise a sample by itself)."""
-        return 2 if batch_normalises(unwrap(self.model)) else 1
+        return BATCH_NORM_MICRO_BATCH if batch_normalises(unwrap(self.model)) else 1
 
     def _gave_up_message(self, attempt: _Attempt, total: int, peak: int | None) -> str:
         what = attempt.oom or "an OOM on another rank"

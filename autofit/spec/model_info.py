@@ -33,7 +33,7 @@ class ModelInfo:
     def smallest_micro_batch(self) -> int:
         """The least micro-batch a training step takes: 2 where batch norm needs the statistics of more than
         one sample (`BatchNorm1d` refuses one: "Expected more than 1 value per channel when training")."""
-        return 2 if self.batch_norm else 1
+        return BATCH_NORM_MICRO_BATCH if self.batch_norm else 1
 
     @property
     def is_hf(self) -> bool:
@@ -105,6 +105,9 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
                      attention, path, len(blocks), hidden_size(model, hf_config), attends,
                      str(weights).removeprefix("torch."), batch_normalises(model))
+
+
+BATCH_NORM_MICRO_BATCH = 2  # the least micro-batch batch norm trains on: one sample gives no statistics
 
 
 def batch_normalises(model: nn.Module) -> bool:

@@ -144,13 +144,17 @@ def _unreachable(repo_id: str, endpoint: str | None) -> str | None:
 
 def _architecture(config: Any) -> str:
     """The transformers class the model is built as (`presets.model_class`), and the config's own where it
-    names another (an inference-only one); else the config's model type (building it then says why none fits)."""
+    names another (an inference-only one, or none transformers has); else the config's model type
+    (building it then says why none fits)."""
     try:
         built = presets.model_class(config).__name__
     except UsageError:
         return config.model_type
     named = next(iter(getattr(config, "architectures", None) or ()), built)
-    return built if named == built else f"{built} (the config's {named} runs inference only)"
+    if named == built:
+        return built
+    why = "runs inference only" if presets.trained_name(named) == built else "is not a transformers class"
+    return f"{built} (the config's {named} {why})"
 
 
 def load_config(path: Path, name: str | None = None) -> Any:

@@ -2,8 +2,9 @@
 
 Buys activation memory in proportion to the micro-batch; costs GPU utilisation (tier 0: the gradient
 is the same mean over the same samples; tier 1 for a model with batch norm, whose statistics are then
-taken over fewer samples). A model with batch norm is offered 2 samples at least. With no global batch given, sizes are powers of two and the
-search looks for the fastest micro-batch at accumulation 1, as batch-size finders do.
+taken over fewer samples). A model with batch norm is offered 2 samples at least. With no global batch
+given, sizes are powers of two and the search looks for the fastest micro-batch at accumulation 1, as
+batch-size finders do.
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ class MicroBatch(Strategy):
             return [Option(m, 0, f"micro-batch {m}, accumulation 1") for m in reversed(sizes)
                     if m >= min(least, spec.max_micro_batch)]
         per_rank = spec.global_batch_size // spec.num_gpus
-        return [Option(m, self._tier(spec, m, per_rank), f"{m} x {per_rank // m} accumulation steps = {per_rank} per "
-                       f"rank{self._norm_note(spec, m, per_rank)}")
-                for m in range(per_rank, 0, -1) if per_rank % m == 0 and m >= min(least, per_rank)]
+        return [self._accumulated(spec, m, per_rank) for m in range(per_rank, 0, -1)
+                if per_rank % m == 0 and m >= min(least, per_rank)]
 
     @staticmethod
-    def _tier(spec: "TrainSpec", m: int, per_rank: int) -> int:
-        """0, or 1 (a numerics change) where batch norm takes its statistics over fewer samples than a rank's."""
-        return 1 if spec.model.batch_norm and m < per_rank else 0
-
-    def _norm_note(self, spec: "TrainSpec", m: int, per_rank: int) -> str:
-        return f" (batch norm's statistics over {m} samples, not {per_rank})" if self._tier(spec, m, per_rank) else ""
+    def _accumulated(spec: "TrainSpec", m: int, per_rank: int) -> Option:
+        """Micro-batch `m` accumulated to the rank's batch: a numerics change (tier 1) where batch norm then
+        takes its statistics over fewer samples than the rank's."""
+        reason = f"{m} x {per_rank // m} accumulation steps = {per_rank} per rank"
+        if spec.model.batch_norm and m < per_rank:
+            return Option(m, 1, f"{reason} (batch norm's statistics over {m} samples, not {per_rank})")
+        return Option(m, 0, reason)
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.micro_batch_size <= b.micro_batch_size

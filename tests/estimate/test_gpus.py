@@ -53,6 +53,6 @@ def test_a_count_in_front_is_read_apart(written, split):
     assert other_sizes(written) == other_sizes(split[1])
 
 
-@pytest.mark.parametrize("typed, profile", [("h100sxm", "h100-80gb"), ("A10040GB", "a100-40gb"), ("rtx4090", "rtx-4090")])
+@pytest.mark.parametrize("typed, profile", [("h100sxm", "h100-80gb"), ("A10040GB", "a100-40gb"), ("V10016GB", "v100-16gb")])
 def test_a_name_typed_without_its_hyphens_is_the_profile_it_spells(typed, profile):
     assert get_gpu(typed).name == profile

@@ -70,6 +70,9 @@ def test_a_distilled_classifier_for_inference_only_trains_as_its_classifier(tmp_
                                   "runs inference only) from ")
     spec = make_spec(factory, global_batch_size=2, device="cpu", memory_budget="1GiB")
     assert factory()(**spec.batch_factory(2)).loss.requires_grad
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["NoSuchForCausalLM"]).save_pretrained(tmp_path)
+    assert resolve_model(str(tmp_path))[2].startswith(  # a class transformers lacks is never called inference-only
+        "GPT2LMHeadModel (the config's NoSuchForCausalLM is not a transformers class) from ")
 
 
 def test_unknown_preset_lists_close_names():
