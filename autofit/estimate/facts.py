@@ -210,12 +210,25 @@ def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
     return key if len(shapes) == 1 else None
 
 
+def _keep_stages(data: dict, depth: int) -> None:
+    """A backbone config (DINOv2, BEiT: one stage per block) names the stages it outputs, which the shallow
+    copy's config checks against its own `stem, stage1 .. stage{depth}`: keep the ones it still has, or
+    its default (the last) where none is left."""
+    if not isinstance(data.get("stage_names"), list):
+        return
+    data["stage_names"] = ["stem", *(f"stage{i}" for i in range(1, depth + 1))]
+    kept = [name for name in data.get("out_features") or () if name in data["stage_names"]]
+    data["out_features"] = kept or None
+    data["out_indices"] = [data["stage_names"].index(name) for name in kept] or None
+
+
 def rebuild(model: nn.Module, key: str, depth: int) -> nn.Module:
     """`model`'s class built on the meta device from its config with `depth` blocks."""
     data = model.config.to_dict()
     data[key] = depth
     if isinstance(data.get("layer_types"), list):
         data["layer_types"] = data["layer_types"][:depth]
+    _keep_stages(data, depth)
     config = type(model.config).from_dict(data)
     config._attn_implementation = model.config._attn_implementation
     dtype = next(model.parameters()).dtype  # a bf16 model is rebuilt in bf16

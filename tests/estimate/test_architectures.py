@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, CLIPConfig, CLIPVisionConfig, ConvNextConfig, DetrConfig, DistilBertConfig,
+from transformers import (BertConfig, CLIPConfig, CLIPVisionConfig, ConvNextConfig, DetrConfig, Dinov2Config, DistilBertConfig,
                           Gemma3Config, GPT2Config, LlamaConfig, LlavaConfig, MixtralConfig, ParakeetCTCConfig,
                           ResNetConfig, SegformerConfig, Speech2TextConfig, T5Config, ViTConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
@@ -79,6 +79,12 @@ ARCHITECTURES = {
                                   num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5, image_size=32,
                                   architectures=["SegformerForSemanticSegmentation"]),
                   {"pixel_values": (3, 32, 32), "labels": (32, 32)}),
+    # a backbone config (one stage per block, the last one its output): its shallow copies keep stages
+    # they still have (was: every simulation failed "out_features must be a subset of stage_names")
+    "dinov2": (Dinov2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+                            image_size=28, patch_size=14, num_labels=3,
+                            architectures=["Dinov2ForImageClassification"]),
+               {"pixel_values": (3, 28, 28), "labels": ()}),
     "convnext": (ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10, image_size=32,
                                 architectures=["ConvNextForImageClassification"]),
                  {"pixel_values": (3, 32, 32), "labels": ()}),
@@ -105,7 +111,7 @@ ARCHITECTURES = {
                                                      out_features=["stage2"])),
              {"pixel_values": (3, 224, 224)}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "convnext": None, "segformer": None, "resnet": None,
+SEQ_LEN = {"wav2vec2-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
            "detr": None}  # audio samples, feature frames; images: none
 
 
