@@ -43,6 +43,7 @@ from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
 from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
+from autofit.errors import UsageError
 from autofit.spec.batch import TokenBatches
 
 if TYPE_CHECKING:
@@ -376,9 +377,11 @@ class Estimator:
                 return two, (f"activations simulated under fake tensors on {where} at {deep} of {total} blocks, "
                              "the second unit repeated to the whole depth")
             one = self._run(config, mb, shallow, batches)
+        except UsageError:  # the model and batch give no loss to train (a meta forward could not tell)
+            raise
         except Exception as exc:  # noqa: BLE001 - an op without a fake kernel: fall back to the formula
             bound = self.formula_bound
-            return None, (f"simulation failed ({type(exc).__name__}: {str(exc)[:80]}), activations by formula "
+            return None, (f"simulation failed ({type(exc).__name__}: {' '.join(str(exc).split())[:120]}), activations by formula "
                           + (f"(up to {bound:.1f}x under the simulation where both ran)" if bound else
                              "(a formula for transformers with a sequence length or patches, not this model's "
                              "step: no bound)"))

@@ -210,6 +210,15 @@ def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
     return key if len(shapes) == 1 else None
 
 
+def _keep_patterns(data: dict, depth: int) -> None:
+    """GPT-Neo spells its per-layer attention kinds as (pattern, repeats) pairs, `[[["global", "local"], 12]]`,
+    which its config expands to `attention_layers` and checks against the depth: the shallow copy's pairs
+    are its first `depth` layers', one layer each."""
+    layers = data.get("attention_layers")
+    if isinstance(data.get("attention_types"), list) and isinstance(layers, list) and len(layers) == depth:
+        data["attention_types"] = [[[kind], 1] for kind in layers]
+
+
 def _keep_stages(data: dict, depth: int) -> None:
     """A backbone config (DINOv2, BEiT: one stage per block) names the stages it outputs, which the shallow
     copy's config checks against its own `stem, stage1 .. stage{depth}`: keep the ones it still has, or
@@ -225,9 +234,12 @@ def _keep_stages(data: dict, depth: int) -> None:
 def rebuild(model: nn.Module, key: str, depth: int) -> nn.Module:
     """`model`'s class built on the meta device from its config with `depth` blocks."""
     data = model.config.to_dict()
+    total = data[key]
     data[key] = depth
-    if isinstance(data.get("layer_types"), list):
-        data["layer_types"] = data["layer_types"][:depth]
+    for name, value in data.items():  # one entry per layer: Gemma's layer_types, Longformer's attention_window
+        if isinstance(value, list) and len(value) == total:
+            data[name] = value[:depth]
+    _keep_patterns(data, depth)
     _keep_stages(data, depth)
     config = type(model.config).from_dict(data)
     config._attn_implementation = model.config._attn_implementation

@@ -276,13 +276,20 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     if "pixel_values" in params and "input_ids" in params:
         if getattr(config, "image_token_id", None) is not None:
             return _image_text_to_text(config, seq_len, name, params)
-        return _image_text(config, seq_len)
+        if "return_loss" in params:
+            return _image_text(config, seq_len)
+        return _document(config, seq_len, name, params)
     if "pixel_values" in params and "decoder_input_ids" in params:
         return _image_to_text(config, seq_len)
     image_size = getattr(config, "image_size", None)
     if "pixel_values" in params or (image_size is not None and not hasattr(config, "vocab_size")):
         _no_sequence(seq_len, name or type(config).__name__, "images of the config's image_size")
         return _image(config, name)
+    return _text(config, seq_len, name, params)
+
+
+def _text(config: Any, seq_len: int | None, name: str, params: frozenset[str]) -> tuple[BatchFactory, str]:
+    """Token models: ids and the labels the head takes (see `synthesize_batch`)."""
     if params and not params & {"input_ids"}:
         raise UsageError(f"Cannot synthesize a batch for {name or type(config).__name__}: its forward takes "
                          f"{sorted(params)[:6]}, none of which autofit synthesizes. Pass a batch or a "
@@ -460,6 +467,9 @@ def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     if name.endswith("ForSemanticSegmentation"):
         return SyntheticBatches((pixels, Field("labels", pixels.shape[1:], labels))), \
             f"pixel_values {_shape(pixels)} and a label per pixel ({labels} classes){size}"
+    params = forward_parameters(name)
+    if params and not any("label" in param for param in params):  # ViTMAE: masked patches, its own loss
+        return SyntheticBatches((pixels,)), f"pixel_values {_shape(pixels)} (no labels: the model's own loss){size}"
     return SyntheticBatches((pixels, Field("labels", (), labels))), f"pixel_values {_shape(pixels)} and labels{size}"
 
 
@@ -476,8 +486,9 @@ def _pixels(config: Any) -> tuple[Field, str]:
 
 def image_sides(config: Any) -> tuple[int, int] | None:
     """(height, width) of a vision config's `image_size`: one side for square images (ViT's 224), or
-    [height, width] (YOLOS' [512, 864]); None where it names none."""
-    size = getattr(config, "image_size", None)
+    [height, width] (YOLOS' [512, 864]), LayoutLMv3's page image `input_size`; None where it names none."""
+    size = getattr(config, "image_size", None) or (getattr(config, "input_size", None)
+                                                   if getattr(config, "visual_embed", False) else None)
     if isinstance(size, int) and size > 0:
         return size, size
     if isinstance(size, (list, tuple)) and size and all(isinstance(side, int) for side in size):
@@ -527,6 +538,14 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
     return SyntheticBatches((audio, Field("labels", (), labels))), f"{clip} and a label per clip ({labels} classes)"
 
 
+def _document(config: Any, seq_len: int | None, name: str, params: frozenset[str]) -> tuple[BatchFactory, str]:
+    """Models that read a page's text and its image together (LayoutLMv3's classifiers and question
+    answering, GIT's captioner): the text batch its head takes, and the image's pixel values."""
+    text, description = _text(config, seq_len, name, params)
+    pixels, size = _pixels(getattr(config, "vision_config", config))
+    return WithPixels(text, pixels), f"{description}, and pixel_values {_shape(pixels)}{size}"
+
+
 def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
     """CLIP-style contrastive models: token ids, pixel values and `return_loss=True`."""
     text = getattr(config, "text_config", config)
@@ -540,9 +559,10 @@ def _image_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]:
 
 def image_tokens(config: Any) -> int | None:
     """Placeholder tokens a vision-language model gives one image, where its config fixes them: LLaVA's
-    and InternVL's `image_seq_length`, Gemma 3's `mm_tokens_per_image`, PaliGemma's text config's
-    `num_image_tokens`; None where they follow the image's size (LLaVA-NeXT, Qwen2-VL, Idefics3)."""
-    for holder, name in ((config, "image_seq_length"), (config, "mm_tokens_per_image"),
+    and InternVL's `image_seq_length`, Gemma 3's `mm_tokens_per_image`, BLIP-2's and InstructBLIP's query
+    tokens (`num_query_tokens`), PaliGemma's text config's `num_image_tokens`; None where they follow the
+    image's size (LLaVA-NeXT, Qwen2-VL, Idefics3)."""
+    for holder, name in ((config, "image_seq_length"), (config, "mm_tokens_per_image"), (config, "num_query_tokens"),
                          (getattr(config, "text_config", None), "num_image_tokens")):
         count = getattr(holder, name, None)
         if isinstance(count, int) and count > 0:
@@ -626,6 +646,18 @@ class VisionLanguageBatches:
         if self.token_types:
             batch["token_type_ids"] = torch.cat([torch.zeros_like(image), torch.ones_like(text)], dim=1)
         return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class WithPixels:
+    """make_batch(n): `text`'s batch of n samples with their images' `pixels` (`_document`)."""
+
+    text: BatchFactory
+    pixels: Field
+
+    def __call__(self, n: int) -> dict[str, Any]:
+        return {**self.text(n), self.pixels.name: torch.randn((n, *self.pixels.shape),
+                                                              generator=torch.Generator().manual_seed(1))}
 
 
 OBJECTS_PER_IMAGE = 8  # COCO's images hold 7.3 annotated objects on average (its 2017 train split)

@@ -84,10 +84,11 @@ def _unknown_message(name: str) -> str:
 # their decoders alone), an encoder's the masked LM its pretraining trains (BERT's causal head needs
 # is_decoder=True; DistilBERT has none), and an image-text model whose base class computes its contrastive
 # loss (CLIP, SigLIP: `return_loss`) that class, not its vision tower's classifier. Waveform encoders
-# (wav2vec2, HuBERT) fine-tune with CTC.
+# (wav2vec2, HuBERT) fine-tune with CTC; a model whose only head is its self-supervised pretraining (ViTMAE,
+# VideoMAE) trains that.
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq",
                 "AutoModelForImageTextToText", "AutoModelForImageClassification", "AutoModelForMaskedLM",
-                "AutoModelForCTC", "AutoModel")
+                "AutoModelForCTC", "AutoModelForPreTraining", "AutoModel")
 ENCODER_DECODER_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
 
 
@@ -108,6 +109,30 @@ def model_class(config: Any) -> Any:
     raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
                      f"(model_type {model_type!r}) alone; add \"architectures\": [\"ClassName\"] to its config.json, "
                      "naming the transformers class you train, or pass FILE.py:factory.")
+
+
+def check_head(model: Any) -> None:
+    """A transformers bare model (`LayoutLMv3Model`, `Dinov2Model`: no head, its forward takes no labels)
+    returns no loss to train: the `UsageError` naming the heads transformers has for it, before any probe."""
+    import transformers
+
+    from autofit.spec.batch import forward_parameters
+
+    name = type(model).__name__
+    if not isinstance(model, transformers.PreTrainedModel) or "For" in name or not name.endswith("Model"):
+        return
+    params = forward_parameters(name)
+    if not params or "return_loss" in params or any("label" in param for param in params):
+        return
+    stem = name.removesuffix("Model")
+    heads = sorted(head for head in dir(transformers)
+                   if head.startswith(stem + "For") or head == stem + "LMHeadModel")
+    train = (f"Train one of its heads ({', '.join(heads)}): name it in the config's architectures "
+             f"(\"architectures\": [\"{heads[0]}\"] in config.json) or build it yourself, or pass "
+             if heads else "transformers has no head for it: pass ")
+    raise UsageError(f"{name} is transformers' bare model: it has no head and returns no loss. {train}"
+                     "loss_fn=lambda output, batch: ... computing your loss from the bare model's output "
+                     "(autofit tune: --loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn)).")
 
 
 def trained_name(architecture: str) -> str:

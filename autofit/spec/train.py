@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from autofit.spec import batch as batches
+from autofit.spec import batch as batches, presets
 from autofit.spec.devices import device_memory, memory_report, resolve_device
 from autofit.errors import UsageError, did_you_mean
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
@@ -121,6 +121,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     # A given module is inspected as it is; a factory is built on the meta device (no memory used).
     meta_model = None if isinstance(model, nn.Module) else build_on_meta(model_factory)
     info = inspect_model(model if isinstance(model, nn.Module) else meta_model or model_factory())
+    if loss_fn is None:
+        presets.check_head(model if isinstance(model, nn.Module) else meta_model)
     if seq_len is not None:
         _check_positive("seq_len", seq_len)
     batch_factory, description = _batch_factory(batch, info, seq_len)

@@ -5,12 +5,13 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, CLIPConfig, CLIPVisionConfig, ConvNextConfig, DetrConfig, Dinov2Config, DistilBertConfig,
-                          Gemma3Config, GPT2Config, LlamaConfig, LlavaConfig, MixtralConfig, ParakeetCTCConfig,
-                          ResNetConfig, SegformerConfig, Speech2TextConfig, T5Config, ViTConfig,
+from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, DetrConfig, Dinov2Config, DistilBertConfig,
+                          Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, MixtralConfig, ParakeetCTCConfig,
+                          ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, T5Config, ViTConfig, ViTMAEConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
+from autofit.errors import UsageError
 from autofit.estimate.dry_run import dry_run
 from autofit.strategies import MicroBatch, Precision
 
@@ -75,6 +76,33 @@ ARCHITECTURES = {
     "gemma3": (Gemma3Config(text_config=SMALL_LM, vision_config=SMALL_VIT, image_token_id=299, mm_tokens_per_image=4,
                             boi_token_index=297, eoi_token_index=298, architectures=["Gemma3ForConditionalGeneration"]),
                {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28), "token_type_ids": (32,)}),
+    # BLIP-2: its query tokens are the image's placeholders (was: "follow the image's size", no batch)
+    "blip2": (Blip2Config(vision_config=dict(**SMALL_VIT), text_config=OPTConfig(
+        vocab_size=300, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=32,
+        max_position_embeddings=128, **TOKENS), qformer_config=dict(hidden_size=32, num_hidden_layers=1,
+                                                                    num_attention_heads=2, intermediate_size=64,
+                                                                    encoder_hidden_size=32, vocab_size=64),
+        num_query_tokens=4, image_token_index=299, architectures=["Blip2ForConditionalGeneration"]),
+              {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28)}),
+    # text read with its page's image (no contrastive loss: was CLIP's batch, and no loss): a document token
+    # classifier, an image captioner that takes pixel values beside its text
+    "layoutlmv3-tokens": (LayoutLMv3Config(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=64, input_size=28, patch_size=14, num_labels=5, coordinate_size=4, shape_size=8,
+                                           max_position_embeddings=160, architectures=["LayoutLMv3ForTokenClassification"]),
+                          {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28)}),
+    "git": (GitConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                      max_position_embeddings=64, vision_config=dict(**SMALL_VIT), architectures=["GitForCausalLM"]),
+            {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28)}),
+    # a config naming no architecture whose one head is its self-supervised pretraining: pixels, no labels
+    "vit-mae": (ViTMAEConfig(**SMALL_VIT, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                             decoder_num_attention_heads=2, decoder_intermediate_size=64),
+                {"pixel_values": (3, 28, 28)}),
+    # per-layer config lists cut to a shallow copy's depth: GPT-Neo's (pattern, repeats) attention kinds
+    # (was: every simulation failed the config's check, the verdict by formula)
+    "gpt-neo": (GPTNeoConfig(vocab_size=300, hidden_size=32, num_layers=4, num_heads=2, max_position_embeddings=64,
+                             attention_types=[[["global", "local"], 2]], window_size=8,
+                             architectures=["GPTNeoForCausalLM"], **TOKENS),
+                {"input_ids": (32,), "labels": (32,)}),
     "segformer": (SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
                                   num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5, image_size=32,
                                   architectures=["SegformerForSemanticSegmentation"]),
@@ -111,7 +139,7 @@ ARCHITECTURES = {
                                                      out_features=["stage2"])),
              {"pixel_values": (3, 224, 224)}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
+SEQ_LEN = {"wav2vec2-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
            "detr": None}  # audio samples, feature frames; images: none
 
 
@@ -172,6 +200,37 @@ def test_a_config_no_auto_class_builds_names_the_fix(tmp_path, capsys):
     path.write_text(json.dumps({"model_type": "depth_anything"}))  # a depth estimator: no Auto class builds it
     assert main(["dry-run", "--model", str(path), "--global-batch-size", "4"]) == 2
     assert 'No transformers Auto class builds a model to train from a DepthAnythingConfig' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, heads", [
+    (LayoutLMv3Config(), "(LayoutLMv3ForQuestionAnswering, LayoutLMv3ForSequenceClassification, "
+                         "LayoutLMv3ForTokenClassification)"),
+    (Dinov2Config(architectures=["Dinov2Model"]), '"architectures": ["Dinov2ForImageClassification"]'),  # facebook/dinov2-base's
+])
+def test_a_bare_model_without_a_head_names_its_heads(tmp_path, capsys, config, heads):
+    """A config naming no architecture that only the bare model builds: refused before any simulation, with
+    the heads to name (was: LayoutLMv3's simulations failed on 'no scalar loss', the verdict by formula)."""
+    config.to_json_file(tmp_path / "config.json")
+    assert main(["dry-run", "--model", str(tmp_path / "config.json"), "--global-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "is transformers' bare model: it has no head and returns no loss" in err and heads in err
+
+
+def test_a_loss_the_simulation_finds_missing_is_a_usage_error_not_a_formula_verdict():
+    """A model whose forward a meta run cannot check but a simulated step runs, and that returns no loss: the
+    step's UsageError, not "simulation failed" and the formula's verdict."""
+    class NoLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.device.type == "meta":
+                raise RuntimeError("no meta kernel")  # as an op without one: the meta check cannot tell
+            return self.linear(x)
+
+    with pytest.raises(UsageError, match="which has no scalar loss"):
+        dry_run(NoLoss, torch.randn(4, 8), global_batch_size=4, gpu="rtx-4090", strategies=[Precision()])
 
 
 def test_a_config_transformers_cannot_build_names_the_field(tmp_path, capsys):
