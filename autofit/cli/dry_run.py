@@ -192,10 +192,15 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     width = render_width()
     console = make_console(as_json, width)
     # a terminal sees that work is going on (a recurrent model's step simulates token by token: minutes)
-    with console.status(f"Simulating training steps of {model_arg} (nothing is trained)..."):
+    doing = f"Simulating training steps of {model_arg} (nothing is trained)"
+    with console.status(f"{doing}...") as status:
+        def progress(done: int, total: int) -> None:
+            status.update(f"{doing}: {done} of {total} simulated...")
+
         report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                          gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow),
-                         optimizer=optimizer, lora_targets=_targets(lora_targets), deferred_sync=deferred_sync)
+                         optimizer=optimizer, lora_targets=_targets(lora_targets), deferred_sync=deferred_sync,
+                         progress=progress)
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:
         count = split_count(gpu)[0]

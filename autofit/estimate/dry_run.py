@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
 from autofit.errors import UsageError
@@ -168,7 +168,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
-            lora_targets: Sequence[str] | None = None, deferred_sync: bool = False) -> DryRunReport:
+            lora_targets: Sequence[str] | None = None, deferred_sync: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -192,6 +193,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             only (accelerate's `accumulate()`, the Trainer without `sync_each_batch`): FSDP2 with
             accumulation then holds every gradient unsharded. False: as autofit's loop and exports run,
             reducing after every micro-batch (the chosen FSDP2 plan's reason says what deferring would add).
+        progress: called as `progress(done, total)` while the training steps are simulated (the slow part:
+            seconds to minutes; `autofit dry-run` shows it on a terminal).
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
@@ -212,7 +215,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                           deferred_sync=deferred_sync)
     planner = _Planner(space, estimator, profile)
     levels = list(space.levels())
-    estimator.prefetch(config for level in levels for config in planner.asks(level))
+    estimator.prefetch((config for level in levels for config in planner.asks(level)), progress)
     allowed = [planner.best_at(level) for level in levels]
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))

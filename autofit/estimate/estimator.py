@@ -239,36 +239,43 @@ class Estimator:
         self.activations(config)
         return not any(self._key(config, mb) in self._failed for mb in self._sizes(config))
 
-    def prefetch(self, configs: Iterable[Config]) -> None:
+    def prefetch(self, configs: Iterable[Config],
+                 progress: Callable[[int, int], None] | None = None) -> None:
         """Simulate now what predicting `configs` will need, shared with worker processes when the
         simulations are slow and CPUs are spare (`autofit.estimate.workers`): the first one runs here and
         is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
-        predictions are the same either way."""
+        predictions are the same either way. `progress(done, total)` hears of each simulation done here
+        (the workers' shares count when they are collected)."""
         todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
         todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
         if not todo:
             return
         from autofit.estimate import workers  # here: `python -m autofit.estimate.workers` imports this module
 
+        tell = progress or (lambda done, total: None)
         started = time.perf_counter()
         self._at_batch(*todo[0])
+        tell(1, len(todo))
         rest = todo[1:]
-        if len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S:
-            return  # cheap: the rest are simulated when predicted
-        helpers = min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
+        cheap = len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S
+        helpers = 0 if cheap else min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
         if helpers < 1:
-            return  # no CPU to spare
-        shares = [rest[i::helpers + 1] for i in range(helpers + 1)]
-        running = workers.start(self.spec, self.strategies, self.target, shares[1:], self.full_depth)
+            running = None  # cheap, or no CPU to spare: all here
+        else:
+            running = workers.start(self.spec, self.strategies, self.target,
+                                    [rest[i::helpers + 1] for i in range(1, helpers + 1)], self.full_depth)
         try:
-            for config, mb in shares[0] if running else rest:
+            for done, (config, mb) in enumerate(rest[::helpers + 1] if running else rest, start=2):
                 self._at_batch(config, mb)
+                tell(done, len(todo))
         except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for
             if running:
                 running.close()
             raise
-        for (config, mb), found in running.collect() if running else ():
-            self._keep(config, mb, found)
+        if running:
+            for (config, mb), found in running.collect():
+                self._keep(config, mb, found)
+            tell(len(todo), len(todo))
 
     def _sizes(self, config: Config) -> tuple[int, ...]:
         """The micro-batches simulated for `config`: its own, or those to extrapolate from (`_line_points`)."""

@@ -306,3 +306,20 @@ def test_a_report_and_its_candidates_show_as_one_line_each(report):
     assert f"candidates={len(report.candidates)} (" in shown and "on 2 x a100-80gb" in shown
     assert repr(report.chosen) in shown and report.chosen.config.describe() in repr(report.chosen)
     assert all(len(repr(c)) < 300 for c in report.candidates)
+
+
+def test_progress_counts_the_simulations_to_the_last(monkeypatch):
+    """`progress(done, total)` hears of every simulation the plan runs (the CLI shows it on a terminal: a
+    recurrent model's dry-run simulates for minutes), in order, up to the total."""
+    import autofit.estimate.estimator as estimator_module
+
+    simulated, heard = [], []
+    original = estimator_module.simulate_step
+    monkeypatch.setattr(estimator_module, "simulate_step",
+                        lambda *args, **kwargs: simulated.append(1) or original(*args, **kwargs))
+    config = tiny_llama()
+    config.vocab_size = 1013  # a model no other test simulates: nothing is recalled from the caches
+    result = dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb",
+                     strategies=[Precision(), MicroBatch()], progress=lambda done, total: heard.append((done, total)))
+    assert result.fits and heard[-1] == (len(simulated), len(simulated)) and len(simulated) > 1
+    assert [done for done, _ in heard] == list(range(1, len(simulated) + 1))
