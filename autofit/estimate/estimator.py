@@ -33,7 +33,7 @@ from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers, meta_model,  # noqa: F401
                                     model_facts)  # ModelFacts and formula_activations are re-exported
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
-from autofit.estimate import cuda_attention
+from autofit.estimate import cuda_attention, reference_paths
 from autofit.estimate import simulate as simulate_module
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
@@ -191,6 +191,8 @@ class Estimator:
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
         self._shareable = simulations.shareable(self._meta, spec)
+        self._reference = reference_paths.describe(reference_paths.reference_paths(self._meta)) \
+            if self.target == "cuda" else ""  # a CPU runs the reference path wherever it is planned for
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -371,9 +373,10 @@ class Estimator:
     def _simulate(self, config: Config, mb: int, full_depth: bool | None,
                   batches: Callable[[int], Any]) -> tuple[ActivationPeak | None, str]:
         full_depth = self.full_depth if full_depth is None else full_depth
-        where = "CUDA" if self.sim_device == "cuda" else \
-            (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)})"
-             if self.target == "cuda" else "CPU")
+        where = f"CUDA ({self._reference.removeprefix('; ')})" if self.sim_device == "cuda" and self._reference else \
+            "CUDA" if self.sim_device == "cuda" else \
+            (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)}"
+             f"{self._reference})" if self.target == "cuda" else "CPU")
         k, total = config.checkpoint_every, self.facts.num_blocks
         shallow, deep = (k * d for d in SIM_DEPTHS)
         try:

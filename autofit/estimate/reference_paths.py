@@ -1,0 +1,68 @@
+"""Which of a model's fused kernels transformers runs on its reference PyTorch path in this process.
+
+State-space and linear-attention layers (Mamba, Mamba2, Falcon-Mamba, Jamba, Qwen3-Next, Qwen3.5-MoE,
+NemotronH, LFM2, ...) call functions transformers decorates with `use_kernel_func_from_hub_with_fallback`
+(transformers/integrations/hub_kernels.py): the package's fused kernel where it imports (mamba-ssm,
+causal-conv1d, flash-linear-attention), else the reference implementation, token by token or chunk by
+chunk in PyTorch ops ("correct but much slower", transformers' own warning). The decorator keeps its
+choice in the wrapper's closure (`package`, `is_new_implementation`); read here, a simulation on this
+machine can say what it ran instead of what a GPU machine with the packages runs: the reference path
+keeps more activations and issues far more kernels, so the prediction errs high on both there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+from torch import nn
+
+
+def reference_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Distribution -> the functions of `model`'s modeling code that run on transformers' reference
+    path here because the distribution does not import ({} for a model without such functions)."""
+    found: dict[str, list[str]] = {}
+    for module_name in sorted({type(module).__module__ for module in model.modules()}):
+        for name, value in vars(sys.modules.get(module_name, object())).items():
+            package = _fallen_back(value)
+            if package is not None:
+                found.setdefault(_distribution(package), []).append(name)
+    return {distribution: tuple(sorted(names)) for distribution, names in sorted(found.items())}
+
+
+def describe(paths: dict[str, tuple[str, ...]]) -> str:
+    """One clause for a prediction's method ("" where nothing fell back)."""
+    if not paths:
+        return ""
+    return (f"; {' and '.join(paths)} not installed here: transformers' reference PyTorch path for "
+            f"{_functions(paths)}, which a GPU machine with {'them' if len(paths) > 1 else 'it'} runs as fused "
+            "kernels, keeping fewer activations and issuing fewer kernels (there the peak is lower and the "
+            "step faster than predicted)")
+
+
+def _functions(paths: dict[str, tuple[str, ...]]) -> str:
+    names = [name for names in paths.values() for name in names]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _fallen_back(value: Any) -> str | None:
+    """The package a hub-kernel wrapper falls back from, where it did (its closure says which)."""
+    if not inspect.isfunction(value) or not hasattr(value, "__wrapped__"):
+        return None
+    try:
+        names = inspect.getclosurevars(value).nonlocals
+    except (TypeError, ValueError):
+        return None
+    if names.get("is_new_implementation") is False and isinstance(names.get("package"), str):
+        return names["package"]
+    return None
+
+
+def _distribution(package: str) -> str:
+    """The pip name of an import name (`fla` -> flash-linear-attention), as transformers' warning gives it."""
+    try:
+        from transformers.integrations.hub_kernels import _PACKAGE_TO_DISTRIBUTION
+    except ImportError:
+        return package.replace("_", "-")
+    return _PACKAGE_TO_DISTRIBUTION.get(package, package.replace("_", "-"))

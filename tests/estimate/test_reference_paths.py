@@ -1,0 +1,35 @@
+"""A prediction for a CUDA target says where transformers ran a fused kernel's reference PyTorch path
+(mamba-ssm, causal-conv1d, flash-linear-attention not installed here), which a GPU machine with the
+package replaces: the reference path keeps more activations and issues more kernels."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
+
+from autofit.estimate.dry_run import dry_run
+from autofit.estimate.reference_paths import describe, reference_paths
+from autofit.strategies import MicroBatch, Precision
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None,
+                                reason="mamba-ssm is installed: transformers runs its fused kernels")
+
+SMALL_MAMBA = MambaConfig(vocab_size=100, hidden_size=32, state_size=4, num_hidden_layers=1, expand=2,
+                          architectures=["MambaForCausalLM"])
+
+
+def test_the_fallen_back_functions_are_read_from_the_models_code():
+    with torch.device("meta"):
+        mamba, gpt2 = MambaForCausalLM(SMALL_MAMBA), GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    paths = reference_paths(mamba)
+    assert "mamba_inner_fn" in paths["mamba-ssm"] and "causal_conv1d_fn" in paths["causal-conv1d"]
+    assert reference_paths(gpt2) == {} and describe({}) == ""
+
+
+def test_a_cuda_plan_on_the_reference_path_says_so():
+    report = dry_run(SMALL_MAMBA, seq_len=16, global_batch_size=2, gpu="a100-40gb",
+                     strategies=[Precision(), MicroBatch()])
+    method = report.chosen.estimate.method
+    assert "causal-conv1d and mamba-ssm not installed here" in method
+    assert "there the peak is lower and the step faster than predicted" in method
