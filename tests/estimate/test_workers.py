@@ -97,8 +97,14 @@ def test_cheap_simulations_are_neither_spread_nor_wait_for_a_cpu_sample(monkeypa
     monkeypatch.setattr(estimator_module, "SPREAD_AFTER_S", float("inf"))  # every simulation counts as cheap
     monkeypatch.setattr(workers, "spare_cpus", lambda: pytest.fail("the CPUs were sampled for cheap simulations"))
     monkeypatch.setattr(workers, "start", lambda *a: pytest.fail("workers were started for cheap simulations"))
-    fresh_estimator(monkeypatch).prefetch(CONFIGS)
-    assert len(simulations) == 1  # the first, timed; the rest wait until they are predicted
+    heard = []
+    estimator = fresh_estimator(monkeypatch)
+    estimator.prefetch(CONFIGS, lambda done, total: heard.append((done, total)))
+    assert len(simulations) == 6  # every one here, in turn, each counted for the dry-run's progress line
+    assert heard == [(done, 6) for done in range(1, 7)]
+    simulations.clear()
+    [estimator.predict(c) for c in CONFIGS]
+    assert not simulations  # predicting them asks for nothing more
 
 
 @pytest.mark.parametrize("threshold, spread", [(5.0, True), (5.5, False)])
