@@ -104,7 +104,10 @@ def model_class(config: Any) -> Any:
     for auto in auto_classes(config):
         cls = getattr(transformers, auto, None)  # names differ between transformers versions
         if cls is not None and type(config) in cls._model_mapping:
-            return cls._model_mapping[type(config)]  # the class it builds (BertForMaskedLM), named in reports
+            built = cls._model_mapping[type(config)]  # the class it builds (BertForMaskedLM), named in reports
+            # several for one config (DeiT's classifier and its inference-only ...WithTeacher, Perceiver's
+            # three): the first, as transformers' auto factory takes for a config naming none of them
+            return built[0] if isinstance(built, (tuple, list)) else built
     model_type = getattr(config, "model_type", "?")
     raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
                      f"(model_type {model_type!r}) alone; add \"architectures\": [\"ClassName\"] to its config.json, "

@@ -75,6 +75,19 @@ def test_a_distilled_classifier_for_inference_only_trains_as_its_classifier(tmp_
         "GPT2LMHeadModel (the config's NoSuchForCausalLM is not a transformers class) from ")
 
 
+def test_a_config_naming_no_architecture_that_maps_to_several_classes_builds_the_first(tmp_path):
+    """transformers maps DeiT's config to its classifier and the ...WithTeacher one (Perceiver's to three):
+    with no architectures named, the first is built, as its auto factory does (was: AttributeError, exit 1)."""
+    from transformers import DeiTConfig
+
+    DeiTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
+               patch_size=16).save_pretrained(tmp_path)
+    factory, _, description = resolve_model(str(tmp_path))
+    assert description.startswith("DeiTForImageClassification from ")
+    spec = make_spec(factory, global_batch_size=2, device="cpu", memory_budget="1GiB")
+    assert factory()(**spec.batch_factory(2)).loss.requires_grad
+
+
 def test_unknown_preset_lists_close_names():
     with pytest.raises(UsageError, match="gpt2"):
         resolve_model("gtp2")
