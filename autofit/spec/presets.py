@@ -102,12 +102,9 @@ def model_class(config: Any) -> Any:
         if cls is not None:
             return cls
     for auto in auto_classes(config):
-        cls = getattr(transformers, auto, None)  # names differ between transformers versions
-        if cls is not None and type(config) in cls._model_mapping:
-            built = cls._model_mapping[type(config)]  # the class it builds (BertForMaskedLM), named in reports
-            # several for one config (DeiT's classifier and its inference-only ...WithTeacher, Perceiver's
-            # three): the first, as transformers' auto factory takes for a config naming none of them
-            return built[0] if isinstance(built, (tuple, list)) else built
+        built = _built_by(auto, config)
+        if built is not None:
+            return built
     model_type = getattr(config, "model_type", "?")
     raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
                      f"(model_type {model_type!r}) alone; add \"architectures\": [\"ClassName\"] to its config.json, "
@@ -162,12 +159,24 @@ def auto_classes(config: Any) -> tuple[str, ...]:
 
 def _trains_whole(config: Any) -> bool:
     """Whether transformers' base class for `config` takes `return_loss` (CLIP, SigLIP: the contrastive loss)."""
-    import transformers
-
     from autofit.spec.batch import forward_parameters
 
-    base = transformers.AutoModel._model_mapping.get(type(config), None)
+    base = _built_by("AutoModel", config)
     return base is not None and "return_loss" in forward_parameters(base.__name__)
+
+
+def _built_by(auto: str, config: Any) -> Any:
+    """The class transformers' Auto class `auto` builds from `config` (BertForMaskedLM), or None where its
+    mapping does not know the config's type (or this transformers has no such Auto class). Where it maps
+    several (DeiT's classifier and its inference-only ...WithTeacher, Perceiver's three, Funnel's two
+    bare models), the first, as transformers' auto factory takes for a config naming none of them."""
+    import transformers
+
+    cls = getattr(transformers, auto, None)  # names differ between transformers versions
+    if cls is None or type(config) not in cls._model_mapping:
+        return None
+    built = cls._model_mapping[type(config)]
+    return built[0] if isinstance(built, (tuple, list)) else built
 
 
 def build_model(config: Any) -> Any:

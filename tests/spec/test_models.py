@@ -78,7 +78,7 @@ def test_a_distilled_classifier_for_inference_only_trains_as_its_classifier(tmp_
 def test_a_config_naming_no_architecture_that_maps_to_several_classes_builds_the_first(tmp_path):
     """transformers maps DeiT's config to its classifier and the ...WithTeacher one (Perceiver's to three):
     with no architectures named, the first is built, as its auto factory does (was: AttributeError, exit 1)."""
-    from transformers import DeiTConfig
+    from transformers import DeiTConfig, FunnelConfig
 
     DeiTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
                patch_size=16).save_pretrained(tmp_path)
@@ -86,6 +86,9 @@ def test_a_config_naming_no_architecture_that_maps_to_several_classes_builds_the
     assert description.startswith("DeiTForImageClassification from ")
     spec = make_spec(factory, global_batch_size=2, device="cpu", memory_budget="1GiB")
     assert factory()(**spec.batch_factory(2)).loss.requires_grad
+    FunnelConfig(vocab_size=64, block_sizes=[1, 1], d_model=32, n_head=2, d_head=16, d_inner=64).save_pretrained(
+        tmp_path)  # its bare model maps to two (FunnelModel, FunnelBaseModel): read when looking for a contrastive loss
+    assert resolve_model(str(tmp_path))[2].startswith("FunnelForMaskedLM from ")
 
 
 def test_unknown_preset_lists_close_names():
