@@ -173,7 +173,10 @@ def load_config(path: Path, name: str | None = None) -> Any:
     if model_type not in CONFIG_MAPPING:
         raise UsageError(f"{file} has model_type={model_type!r}, which transformers does not know; a Hugging "
                          "Face config.json names its model_type (e.g. \"gpt2\", \"llama\").")
-    config = CONFIG_MAPPING[model_type].from_dict(data)
+    cls = CONFIG_MAPPING[model_type]
+    # transformers writes floats JSON lacks as {"__float__": "Infinity"} (Mamba2's time_step_limit) and
+    # decodes them when it reads a config file (`_dict_from_json_file`): the same here
+    config = cls.from_dict(getattr(cls, "_decode_special_floats", lambda data: data)(data))
     config.name_or_path = name or str(path)
     return config
 

@@ -91,6 +91,19 @@ def test_a_config_naming_no_architecture_that_maps_to_several_classes_builds_the
     assert resolve_model(str(tmp_path))[2].startswith("FunnelForMaskedLM from ")
 
 
+def test_a_config_with_floats_json_lacks_reads_as_transformers_wrote_it(tmp_path):
+    """transformers saves Mamba2's time_step_limit (0, inf) as [0.0, {"__float__": "Infinity"}] and decodes
+    it when it reads the file: so does autofit (was: StrictDataclassFieldValidationError, exit 1)."""
+    from transformers import Mamba2Config
+
+    Mamba2Config(num_hidden_layers=1, hidden_size=32, num_heads=4, head_dim=16, vocab_size=64,
+                 time_step_limit=(0.0, float("inf"))).save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    factory, _, description = resolve_model(str(tmp_path))
+    assert description.startswith("Mamba2ForCausalLM from ")
+    assert list(factory().config.time_step_limit) == [0.0, float("inf")]
+
+
 def test_unknown_preset_lists_close_names():
     with pytest.raises(UsageError, match="gpt2"):
         resolve_model("gtp2")
