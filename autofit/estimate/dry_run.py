@@ -38,6 +38,7 @@ The cost model that ranks fitting candidates (predicted seconds per optimizer st
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -169,7 +170,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
             lora_targets: Sequence[str] | None = None, deferred_sync: bool = False,
-            progress: Callable[[int, int], None] | None = None) -> DryRunReport:
+            progress: Callable[[int, int], Any] | bool | None = None) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -194,7 +195,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             accumulation then holds every gradient unsharded. False: as autofit's loop and exports run,
             reducing after every micro-batch (the chosen FSDP2 plan's reason says what deferring would add).
         progress: called as `progress(done, total)` while the training steps are simulated (the slow part:
-            seconds to minutes; `autofit dry-run` shows it on a terminal).
+            seconds to minutes; `autofit dry-run` shows it on a terminal); True prints the count on stderr,
+            one line rewritten in place (a notebook's cell output too), as `autofit.autofit(progress=True)`.
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
@@ -215,7 +217,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                           deferred_sync=deferred_sync)
     planner = _Planner(space, estimator, profile)
     levels = list(space.levels())
-    estimator.prefetch((config for level in levels for config in planner.asks(level)), progress)
+    estimator.prefetch((config for level in levels for config in planner.asks(level)), _listener(progress))
     allowed = [planner.best_at(level) for level in levels]
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
@@ -228,6 +230,17 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
                         time.perf_counter() - started, spec.batch_description)
+
+
+def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
+    """`dry_run`'s `progress` as the estimator hears it: True prints the count on stderr."""
+    if progress is True:
+        return lambda done, total: print(f"\r{done} of {total} training steps simulated", file=sys.stderr,
+                                         end="\n" if done == total else "", flush=True)
+    if progress is not None and progress is not False and not callable(progress):
+        raise UsageError(f"progress={progress!r}: pass True (the count on stderr), False, or a function "
+                         "progress(done, total).")
+    return progress or None
 
 
 def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> list["Strategy"]:

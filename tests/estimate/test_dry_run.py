@@ -323,3 +323,14 @@ def test_progress_counts_the_simulations_to_the_last(monkeypatch):
                      strategies=[Precision(), MicroBatch()], progress=lambda done, total: heard.append((done, total)))
     assert result.fits and heard[-1] == (len(simulated), len(simulated)) and len(simulated) > 1
     assert [done for done, _ in heard] == list(range(1, len(simulated) + 1))
+
+
+def test_progress_true_prints_the_count_on_stderr_and_a_wrong_value_is_refused(capsys):
+    config = tiny_llama()
+    config.vocab_size = 1019  # nothing recalled from the caches
+    dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", strategies=[Precision(), MicroBatch()],
+            progress=True)
+    err = capsys.readouterr().err
+    assert "\r1 of " in err and err.endswith(" training steps simulated\n")
+    with pytest.raises(UsageError, match="progress='yes'"):
+        dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", progress="yes")
