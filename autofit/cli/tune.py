@@ -31,7 +31,7 @@ from autofit.export import export_all
 from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
 from autofit.probe.outcome import ProbeResult
 from autofit.report import COLORS, label, status_of, write_report
-from autofit.search.walk import DEFAULT_MAX_PROBES, SkipTally, skip_counts
+from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, skip_counts
 from autofit.units import format_size
 
 if TYPE_CHECKING:
@@ -54,9 +54,17 @@ class RichProgress:
         self.finished_count = 0  # probes that ran and whose result is recorded (the trial store has them)
         self._status = None
         self.tally = SkipTally()
+        self.heartbeat = Heartbeat()
+
+    def predicted(self, seconds: float) -> None:
+        """A peak was predicted in `seconds`: a dim line while predicting goes on (`Heartbeat`)."""
+        line = self.heartbeat.heard(seconds)
+        if line:
+            self.console.print(f"[dim]{line}[/]")
 
     def starting(self, config: Config, why: str) -> None:
         self.flush()
+        self.heartbeat.quiet = 0.0
         self.count += 1
         self._log({"event": "starting", "config": config.to_dict(), "why": why})
         self.console.print(f"[bold]probe {self.count}[/] {config.describe()} [dim]({why})[/]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -113,7 +114,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
         return probe_placed(spec, config, space.strategies, space.placement(config), probe_timeout, step_limit)
 
-    predictor = predictor_for(spec, space.strategies) if predict else None
+    predictor = _timed(predictor_for(spec, space.strategies), listener) if predict else None
     tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
     search = Search(space, store, prober, max_probes, listener, predictor, tolerance)
     results = search.run()
@@ -125,6 +126,22 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     if callable(getattr(listener, "flush", None)):
         listener.flush()  # what it held back (the skips it counts), before the caller prints the plan
     return make_plan(space, results, predictor, confirmed)
+
+
+def _timed(predict: Callable[[Config], int | None], listener: Progress) -> Callable[[Config], int | None]:
+    """`predict`, each call's seconds told to the listener where it hears them (`PrintedProgress.predicted`)."""
+    heard = getattr(listener, "predicted", None)
+    if not callable(heard):
+        return predict
+
+    def timed(config: Config) -> int | None:
+        started = time.perf_counter()
+        try:
+            return predict(config)
+        finally:
+            heard(time.perf_counter() - started)
+
+    return timed
 
 
 def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeResult:

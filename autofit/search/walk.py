@@ -109,6 +109,25 @@ class _Silent:
         pass
 
 
+class Heartbeat:
+    """Predictions between probes, timed: simulating a step takes seconds to minutes (a recurrent model's
+    scan, token by token), so where predicting has gone on `EVERY_S` since the last line, `heard` returns
+    one saying so (the search is simulating, not stuck); else None. A probe's line resets `quiet`."""
+
+    EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self.quiet = 0, 0.0, 0.0
+
+    def heard(self, seconds: float) -> str | None:
+        self.count, self.seconds, self.quiet = self.count + 1, self.seconds + seconds, self.quiet + seconds
+        if self.quiet < self.EVERY_S:
+            return None
+        self.quiet = 0.0
+        return (f"predicting peaks ({self.count} predicted in {self.seconds:.0f} s: training steps simulated under "
+                "fake tensors, nothing trained)")
+
+
 class PrintedProgress:
     """`progress=True`: a line on stderr as each probe starts (the candidate and why) and one as it lands
     (its status, peak and speed, and the reason), for a script or a notebook cell. The skips a measured
@@ -119,9 +138,17 @@ class PrintedProgress:
         self.stream = stream
         self.count = 0
         self.tally = SkipTally()
+        self.heartbeat = Heartbeat()
+
+    def predicted(self, seconds: float) -> None:
+        """A peak was predicted in `seconds` (`Heartbeat`)."""
+        line = self.heartbeat.heard(seconds)
+        if line:
+            self._print(f"autofit: {line}")
 
     def starting(self, config: Config, why: str) -> None:
         self.flush()
+        self.heartbeat.quiet = 0.0
         self.count += 1
         self._print(f"autofit probe {self.count}: {config.describe()} ({why})")
 

@@ -320,3 +320,16 @@ def test_skips_are_counted_not_listed_and_the_table_lists_what_ran(tmp_path, cap
     assert "adamw8bit" not in table and "mb=8x1" not in table and "mb=4x1" in table  # what ran, no skip
     assert "not run: 1 predicted not to fit, 2 implied by a measured result, 1 excluded" in table
     assert re.search(r"│ 6 │ fp32, ckpt=full, mb=2x2", table)  # numbered as in plan.probes and report.html
+
+
+def test_tune_says_when_it_is_predicting_between_probes(tmp_path, capsys):
+    """`autofit tune` shows the predictions' heartbeat (`Heartbeat`) between its probe lines."""
+    from rich.console import Console
+
+    from autofit.cli.tune import RichProgress
+
+    progress = RichProgress(Console(width=120), tmp_path / "probes.jsonl")
+    progress.predicted(6.0)
+    assert capsys.readouterr().out == ""
+    progress.predicted(6.0)
+    assert "predicting peaks (2 predicted in 12 s: training steps simulated" in capsys.readouterr().out

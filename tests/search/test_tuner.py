@@ -184,6 +184,23 @@ def test_progress_counts_the_skips_a_measured_result_implies_in_one_line(capsys)
     assert sum(counted) == len(implied)  # each counted once, the last ones too (flushed when the search ends)
 
 
+def test_progress_says_the_search_is_predicting_while_it_simulates(capsys, monkeypatch):
+    """Predicting peaks simulates training steps, minutes for a recurrent model before the first probe (a
+    small Mamba sat 50 s silent): a line every `Heartbeat.EVERY_S` of predicting says so."""
+    from autofit.search.walk import Heartbeat
+
+    beat = Heartbeat()
+    assert beat.heard(4.0) is None and beat.heard(5.0) is None
+    assert beat.heard(1.5) == ("predicting peaks (3 predicted in 10 s: training steps simulated under fake tensors, "
+                               "nothing trained)")
+    assert beat.heard(9.0) is None  # quiet again since that line
+    monkeypatch.setattr(Heartbeat, "EVERY_S", 0.0)  # a line for every prediction
+    autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, loss_fn=mlp_loss, memory_budget="64MiB",
+                    allow=0, max_probes=1, progress=True, **FAST)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("autofit: predicting peaks (1 predicted in ")
+
+
 @pytest.mark.parametrize("progress", ["yes", print])
 def test_progress_that_is_no_listener_is_a_usage_error(progress):
     with pytest.raises(autofit.UsageError, match=r"progress=.*pass True"):
