@@ -191,11 +191,15 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
 
     width = render_width()
     console = make_console(as_json, width)
-    # a terminal sees that work is going on (a recurrent model's step simulates token by token: minutes)
-    doing = f"Simulating training steps of {model_arg} (nothing is trained)"
-    with console.status(f"{doing}...") as status:
+    # a terminal sees that work is going on (a recurrent model's step simulates token by token: minutes),
+    # on one line at any width: the count first, the rest cut where the terminal ends
+    def line(count: str) -> str:
+        text = escape(f"{count} (nothing is trained): {model_arg}")
+        return text if len(text) <= width - 3 else text[:width - 4] + "…"  # the spinner and a space before it
+
+    with console.status(line("Simulating training steps")) as status:
         def progress(done: int, total: int) -> None:
-            status.update(f"{doing}: {done} of {total} simulated...")
+            status.update(line(f"{done} of {total} training steps simulated"))
 
         report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                          gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow),

@@ -64,7 +64,7 @@ class RichProgress:
 
     def starting(self, config: Config, why: str) -> None:
         self.flush()
-        self.heartbeat.quiet = 0.0
+        self.heartbeat.probed()
         self.count += 1
         self._log({"event": "starting", "config": config.to_dict(), "why": why})
         self.console.print(f"[bold]probe {self.count}[/] {config.describe()} [dim]({why})[/]")

@@ -21,6 +21,7 @@ in depth); micro-batches past 2 at 1 and 2, extrapolated linearly in the micro-b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -191,8 +192,6 @@ class Estimator:
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
         self._shareable = simulations.shareable(self._meta, spec)
-        self._reference = reference_paths.describe(reference_paths.reference_paths(self._meta)) \
-            if self.target == "cuda" else ""  # a CPU runs the reference path wherever it is planned for
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -370,13 +369,23 @@ class Estimator:
             (short, long), target = SIM_LENGTHS, batches.seq_len
         return (short, long, target) if target > long else None
 
+    @functools.cached_property
+    def _simulated_on(self) -> str:
+        """What ran the simulated steps, for a prediction's method: CUDA, or CPU kernels standing in for it
+        (and how), or the CPU; and for a CUDA target, the fused kernels transformers ran on their reference
+        PyTorch path here (a CPU runs that path wherever it is planned for)."""
+        if self.target != "cuda":
+            return "CPU"
+        reference = reference_paths.describe(reference_paths.reference_paths(self._meta))
+        if self.sim_device == "cuda":
+            return f"CUDA ({reference.removeprefix('; ')})" if reference else "CUDA"
+        return (f"CPU kernels standing in for CUDA (this torch build has no CUDA"
+                f"{cuda_attention.describe(self.cuda_ampere)}{reference})")
+
     def _simulate(self, config: Config, mb: int, full_depth: bool | None,
                   batches: Callable[[int], Any]) -> tuple[ActivationPeak | None, str]:
         full_depth = self.full_depth if full_depth is None else full_depth
-        where = f"CUDA ({self._reference.removeprefix('; ')})" if self.sim_device == "cuda" and self._reference else \
-            "CUDA" if self.sim_device == "cuda" else \
-            (f"CPU kernels standing in for CUDA (this torch build has no CUDA{cuda_attention.describe(self.cuda_ampere)}"
-             f"{self._reference})" if self.target == "cuda" else "CPU")
+        where = self._simulated_on
         k, total = config.checkpoint_every, self.facts.num_blocks
         shallow, deep = (k * d for d in SIM_DEPTHS)
         try:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.spec.batch import call_model, default_loss, leading_dim
-from autofit.spec.model_info import BATCH_NORM_MICRO_BATCH, batch_normalises
+from autofit.spec.model_info import batch_normalises, least_micro_batch
 from autofit.config import Checkpointing, Config, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
@@ -270,10 +270,8 @@ class OomGuard:
 
     @functools.cached_property
     def _smallest_micro_batch(self) -> int:
-        """The micro-batch the guard steps down to at most: 1, or 2 for a model that batch-normalises in
-        training (one sample's statistics: `BatchNorm1d` refuses them, "Expected more than 1 value per
-        channel when training", and others normalise a sample by itself)."""
-        return BATCH_NORM_MICRO_BATCH if batch_normalises(unwrap(self.model)) else 1
+        """The micro-batch the guard steps down to at most (`least_micro_batch`: 2 with batch norm)."""
+        return least_micro_batch(batch_normalises(unwrap(self.model)))
 
     def _gave_up_message(self, attempt: _Attempt, total: int, peak: int | None) -> str:
         what = attempt.oom or "an OOM on another rank"

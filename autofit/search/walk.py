@@ -112,7 +112,7 @@ class _Silent:
 class Heartbeat:
     """Predictions between probes, timed: simulating a step takes seconds to minutes (a recurrent model's
     scan, token by token), so where predicting has gone on `EVERY_S` since the last line, `heard` returns
-    one saying so (the search is simulating, not stuck); else None. A probe's line resets `quiet`."""
+    one saying so (the search is simulating, not stuck); else None. A probe's line is one too (`probed`)."""
 
     EVERY_S = 10.0
 
@@ -126,6 +126,10 @@ class Heartbeat:
         self.quiet = 0.0
         return (f"predicting peaks ({self.count} predicted in {self.seconds:.0f} s: training steps simulated under "
                 "fake tensors, nothing trained)")
+
+    def probed(self) -> None:
+        """A probe's line was printed: the quiet time starts again."""
+        self.quiet = 0.0
 
 
 class PrintedProgress:
@@ -148,7 +152,7 @@ class PrintedProgress:
 
     def starting(self, config: Config, why: str) -> None:
         self.flush()
-        self.heartbeat.quiet = 0.0
+        self.heartbeat.probed()
         self.count += 1
         self._print(f"autofit probe {self.count}: {config.describe()} ({why})")
 

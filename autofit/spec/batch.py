@@ -325,6 +325,13 @@ def _text(config: Any, seq_len: int | None, name: str, params: frozenset[str]) -
     return TokenBatches(vocab, length), f"input_ids and labels of {length} tokens"
 
 
+def takes_labels(params: frozenset[str]) -> bool:
+    """Whether a forward with these arguments takes targets for its loss (`labels`, `next_sentence_label`,
+    DETR's list of `labels`, `mc_labels`): a model whose forward takes none computes its loss alone (ViTMAE)
+    or has no head at all (`presets.check_head`)."""
+    return any("label" in param for param in params)
+
+
 def forward_parameters(model_class: str | None) -> frozenset[str]:
     """Names of the arguments of transformers class `model_class`'s forward (empty when unknown)."""
     import transformers
@@ -468,7 +475,7 @@ def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
         return SyntheticBatches((pixels, Field("labels", pixels.shape[1:], labels))), \
             f"pixel_values {_shape(pixels)} and a label per pixel ({labels} classes){size}"
     params = forward_parameters(name)
-    if params and not any("label" in param for param in params):  # ViTMAE: masked patches, its own loss
+    if params and not takes_labels(params):  # ViTMAE: masked patches, its own loss
         return SyntheticBatches((pixels,)), f"pixel_values {_shape(pixels)} (no labels: the model's own loss){size}"
     return SyntheticBatches((pixels, Field("labels", (), labels))), f"pixel_values {_shape(pixels)} and labels{size}"
 

@@ -31,9 +31,8 @@ class ModelInfo:
 
     @property
     def smallest_micro_batch(self) -> int:
-        """The least micro-batch a training step takes: 2 where batch norm needs the statistics of more than
-        one sample (`BatchNorm1d` refuses one: "Expected more than 1 value per channel when training")."""
-        return BATCH_NORM_MICRO_BATCH if self.batch_norm else 1
+        """The least micro-batch a training step takes (`least_micro_batch`)."""
+        return least_micro_batch(self.batch_norm)
 
     @property
     def is_hf(self) -> bool:
@@ -108,6 +107,13 @@ def inspect_model(model: nn.Module) -> ModelInfo:
 
 
 BATCH_NORM_MICRO_BATCH = 2  # the least micro-batch batch norm trains on: one sample gives no statistics
+
+
+def least_micro_batch(batch_norm: bool) -> int:
+    """The least micro-batch a training step takes, for the search and the OOM guard alike: 2 where batch
+    norm needs the statistics of more than one sample (`BatchNorm1d` refuses one: "Expected more than 1
+    value per channel when training"; others normalise a sample by itself), else 1."""
+    return BATCH_NORM_MICRO_BATCH if batch_norm else 1
 
 
 def batch_normalises(model: nn.Module) -> bool:

@@ -116,13 +116,13 @@ def check_head(model: Any) -> None:
     returns no loss to train: the `UsageError` naming the heads transformers has for it, before any probe."""
     import transformers
 
-    from autofit.spec.batch import forward_parameters
+    from autofit.spec.batch import forward_parameters, takes_labels
 
     name = type(model).__name__
     if not isinstance(model, transformers.PreTrainedModel) or "For" in name or not name.endswith("Model"):
         return
     params = forward_parameters(name)
-    if not params or "return_loss" in params or any("label" in param for param in params):
+    if not params or "return_loss" in params or takes_labels(params):
         return
     stem = name.removesuffix("Model")
     heads = sorted(head for head in dir(transformers)
