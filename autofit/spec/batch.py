@@ -165,12 +165,47 @@ def call_model(model: torch.nn.Module, batch: Batch) -> Any:
     """Run `model` on `batch`: dict -> model(**batch); tuple/list -> model(batch[0]); tensor -> model(batch).
 
     A tuple is read as (inputs, targets, ...): the targets reach the loss through `loss_fn(output, batch)`.
+    A dict's keys that `forward` does not take (`labels` for a model whose loss is `loss_fn`'s) are left out
+    of the call and reach the loss alone, as the Trainer leaves out columns the model does not take.
     """
     if isinstance(batch, Mapping):
-        return model(**batch)
+        return model(**forward_fields(model, batch))
     if isinstance(batch, (tuple, list)):
         return model(batch[0])
     return model(batch)
+
+
+def forward_fields(model: torch.nn.Module, batch: Mapping) -> Mapping:
+    """The fields of a dict `batch` that `model`'s forward takes by name: all of them when it takes any
+    keyword (`**kwargs`, as Hugging Face models do)."""
+    names = forward_names(model)
+    if names is None or names.issuperset(batch):
+        return batch
+    return {key: value for key, value in batch.items() if key in names}
+
+
+def forward_names(model: torch.nn.Module) -> frozenset[str] | None:
+    """The keyword arguments `model`'s forward takes, None for any. A pass-through wrapper (DDP and DeepSpeed's
+    engine: `forward(*inputs, **kwargs)` around `.module`; peft's `PeftModel`; `torch.compile`'s module) is
+    read through to the forward it calls."""
+    try:
+        parameters = inspect.signature(getattr(model, "forward", model)).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    inner = _wrapped(model) if any(p.kind is p.VAR_POSITIONAL for p in parameters) else None
+    return None if inner is None else forward_names(inner)
+
+
+def _wrapped(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a pass-through wrapper calls, if `model` is one."""
+    for inner in (getattr(model, "_orig_mod", None), getattr(model, "module", None)):
+        if isinstance(inner, torch.nn.Module):
+            return inner
+    base = getattr(model, "get_base_model", None)  # peft
+    inner = base() if callable(base) else None
+    return inner if isinstance(inner, torch.nn.Module) and inner is not model else None
 
 
 def check_call(model: torch.nn.Module, batch: Batch, loss_fn: Any) -> None:
@@ -183,18 +218,30 @@ def check_call(model: torch.nn.Module, batch: Batch, loss_fn: Any) -> None:
         return
     name = f"{type(model).__name__}.forward{signature_text(model.forward)}"
     if isinstance(batch, dict):
-        if not binds(model.forward, (), batch):
-            raise UsageError(f"{name} cannot take the batch's keys {sorted(batch)} as keyword arguments (a dict "
-                             "batch is passed as model(**batch)): name the keys after forward's parameters, or give "
-                             "a tuple (inputs, targets, ...): the model gets inputs and loss_fn the whole batch.")
+        _check_fields(model, name, batch, loss_fn)
     elif isinstance(batch, (tuple, list)):
         if not binds(model.forward, (batch[0],), {}):
             raise UsageError(f"{name} cannot take a tuple batch's first element alone (a tuple (inputs, targets, "
                              "...) is passed as model(inputs), the rest reaches loss_fn): give a dict batch to pass "
-                             "several arguments by name, as model(**batch).")
+                             "several arguments by name, as model(**batch); keys forward does not take (the "
+                             "targets) reach loss_fn alone.")
     elif not binds(model.forward, (batch,), {}):
         raise UsageError(f"{name} cannot take the batch as its one argument (a tensor batch is passed as "
                          "model(batch)): give a dict batch to pass arguments by name, as model(**batch).")
+
+
+def _check_fields(model: torch.nn.Module, name: str, batch: dict, loss_fn: Any) -> None:
+    """A dict batch: forward takes the keys it names, and a key it does not take is there for `loss_fn`."""
+    taken = forward_fields(model, batch)
+    left = sorted(set(batch) - set(taken))
+    if left and loss_fn is None:
+        raise UsageError(f"{name} does not take the batch's keys {left}, and no loss_fn reads them (a dict batch is "
+                         "passed as model(**batch), less the keys forward does not take): pass loss_fn(output, "
+                         "batch) computing the loss from them, or name the keys after forward's parameters.")
+    if not binds(model.forward, (), taken):
+        raise UsageError(f"{name} cannot be called with the batch's keys {sorted(taken)} as keyword arguments (a "
+                         "dict batch is passed as model(**batch), less the keys forward does not take): name the "
+                         "keys after forward's parameters.")
 
 
 def binds(function: Any, args: tuple, kwargs: dict) -> bool:

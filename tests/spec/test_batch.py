@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from autofit import UsageError
-from autofit.spec.batch import default_loss, factory_from_sample, leading_dim, take_rows, tokens_per_sample
+from autofit.spec.batch import (call_model, default_loss, factory_from_sample, forward_names, leading_dim, take_rows,
+                                tokens_per_sample)
 
 
 def test_leading_dim_of_a_dict():
@@ -138,3 +139,54 @@ def test_a_vision_language_batch_puts_the_images_tokens_first_and_trains_on_the_
         synthesize_batch(config, 4, "PaliGemmaForConditionalGeneration")
     with pytest.raises(UsageError, match="follow the image's size and tiling; pass a batch"):  # LLaVA-NeXT's tiles
         synthesize_batch(LlavaNextConfig(), 1024, "LlavaNextForConditionalGeneration")
+
+
+class IdsAndMask(torch.nn.Module):
+    """A model of one's own: forward takes the inputs by name; the loss, from `labels`, is loss_fn's."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids, mask):
+        return self.head((self.embed(ids) * mask.unsqueeze(-1)).mean(1))
+
+
+def _labelled(n):
+    return {"ids": torch.randint(0, 50, (n, 6)), "mask": torch.ones(n, 6), "labels": torch.randint(0, 3, (n,))}
+
+
+def _labelled_loss(output, batch):
+    return torch.nn.functional.cross_entropy(output, batch["labels"])
+
+
+def test_keys_the_forward_does_not_take_reach_the_loss_alone():
+    model, batch = IdsAndMask(), _labelled(4)
+    assert call_model(model, batch).shape == (4, 3)  # was TypeError: unexpected keyword 'labels'
+    assert forward_names(model) == {"ids", "mask"}
+
+
+def test_a_pass_through_wrapper_is_read_through_to_the_forward_it_calls(tmp_path):
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    batch = _labelled(4)
+    lora = get_peft_model(IdsAndMask(), LoraConfig(target_modules=["head"]))  # PeftModel.forward(*args, **kwargs)
+    assert forward_names(lora) == {"ids", "mask"} and call_model(lora, batch).shape == (4, 3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(IdsAndMask())  # forward(*inputs, **kwargs) around .module
+        assert forward_names(ddp) == {"ids", "mask"} and call_model(ddp, batch).shape == (4, 3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_taking_any_keyword_gets_every_key():
+    class AnyKeyword(torch.nn.Module):
+        def forward(self, **fields):
+            return sorted(fields)
+
+    assert forward_names(AnyKeyword()) is None
+    assert call_model(AnyKeyword(), _labelled(2)) == ["ids", "labels", "mask"]

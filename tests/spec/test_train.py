@@ -141,8 +141,25 @@ def test_a_batch_the_forward_cannot_take_is_refused_before_any_probe(model):
     with pytest.raises(UsageError, match=r"TwoArguments.forward\(x, labels\) cannot take a tuple batch's first"):
         spec(model=model, batch=pairs, loss_fn=None)
     assert spec(model=model, batch=named, loss_fn=None)  # by name it can
-    with pytest.raises(UsageError, match=r"OneDict.forward\(batch\) cannot take the batch's keys \['labels', 'x'\]"):
+    with pytest.raises(UsageError, match=r"OneDict.forward\(batch\) does not take the batch's keys \['labels', 'x'\], "
+                                         "and no loss_fn reads them"):
         spec(model=OneDict, batch=named, loss_fn=None)
+    with pytest.raises(UsageError, match=r"OneDict.forward\(batch\) cannot be called with the batch's keys \[\]"):
+        spec(model=OneDict, batch=named, loss_fn=lambda output, batch: output)
+
+
+class Logits(TwoArguments):
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_a_dict_batch_may_hold_keys_for_the_loss_alone():
+    # A model of one's own with forward(x) and `labels` in the dict batch: refused before, now `labels`
+    # reaches loss_fn alone; without a loss_fn reading it, the key would reach nothing: refused.
+    loss_fn = lambda output, batch: torch.nn.functional.cross_entropy(output, batch["labels"])  # noqa: E731
+    assert spec(model=Logits, batch=named, loss_fn=loss_fn)
+    with pytest.raises(UsageError, match=r"does not take the batch's keys \['labels'\], and no loss_fn reads them"):
+        spec(model=Logits, batch=named, loss_fn=None)
 
 
 @pytest.mark.parametrize("loss_fn, message", [
