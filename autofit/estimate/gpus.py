@@ -69,13 +69,19 @@ def _key(name: str) -> str:
 
 
 _COUNTED = re.compile(r"^\s*(\d+)\s*[x×*]\s*(\S.*)$", re.IGNORECASE)
+_COUNT_AFTER = re.compile(r"^\s*(\S.*?)\s*[x×*]\s*(\d+)\s*$", re.IGNORECASE)
 
 
 def split_count(name: str) -> tuple[int | None, str]:
-    """A GPU written with its count, as people write a machine ("8xa100-40gb", "8×A100-40GB", "2 x h100"):
-    (8, "a100-40gb"). A plain name: (None, name)."""
-    counted = _COUNTED.match(str(name))
-    return (int(counted.group(1)), counted.group(2)) if counted else (None, name)
+    """A GPU written with its count, as people write a machine ("8xa100-40gb", "8×A100-40GB", "2 x h100",
+    or after it, "h100x8"): (8, "a100-40gb"); the count is read on the side where the rest names a GPU
+    ("4090x2" is two RTX 4090s; "rtx4090" no count). A plain name: (None, name)."""
+    before, after = _COUNTED.match(str(name)), _COUNT_AFTER.match(str(name))
+    if before and _find(before.group(2)) is not None:
+        return int(before.group(1)), before.group(2)
+    if after and _find(after.group(1)) is not None:
+        return int(after.group(2)), after.group(1)
+    return (int(before.group(1)), before.group(2)) if before else (None, name)
 
 
 def other_sizes(name: str) -> list[str]:
@@ -90,17 +96,29 @@ def other_sizes(name: str) -> list[str]:
 
 def get_gpu(name: str) -> GpuProfile:
     """The profile called `name` or one of its aliases (any case, hyphens optional: "h100sxm" reads as
-    h100-sxm where one profile answers to it); `UsageError` listing the profiles otherwise."""
+    h100-sxm where one profile answers to it; the memory's unit left out, "a100-80" for a100-80gb);
+    `UsageError` listing the profiles otherwise."""
+    found = _find(name)
+    if found is not None:
+        return found
     key = _key(name)
-    for profile in _profiles().values():
-        if key == profile.name or key in profile.aliases:
-            return profile
-    bare = key.replace("-", "")
-    spelled = [p for p in _profiles().values() if any(n.replace("-", "") == bare for n in (p.name, *p.aliases))]
-    if len(spelled) == 1:
-        return spelled[0]
     spellings = [n for p in _profiles().values() for n in (p.name, *p.aliases)]
     close = difflib.get_close_matches(key, spellings, n=3, cutoff=0.6)
     hint = f"Did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"Unknown GPU {name!r}. {hint}Known GPUs: {', '.join(sorted(_profiles()))} "
                      "(autofit gpus lists them); for any other card pass --gpu-memory, e.g. --gpu-memory 20GiB.")
+
+
+def _find(name: str) -> GpuProfile | None:
+    """The one profile `name` spells: a name or alias, its hyphens optional, its memory's unit too."""
+    key = _key(name)
+    for profile in _profiles().values():
+        if key == profile.name or key in profile.aliases:
+            return profile
+    bare = key.replace("-", "")
+    for unit in ("", "g", "gb"):
+        found = {p.name: p for p in _profiles().values()
+                 if any(n.replace("-", "") == bare + unit for n in (p.name, *p.aliases))}
+        if len(found) == 1:
+            return found.popitem()[1]
+    return None

@@ -47,12 +47,20 @@ def test_an_alias_of_several_sizes_names_the_others(name, others):
 
 @pytest.mark.parametrize("written, split", [("8xa100-40gb", (8, "a100-40gb")), ("8×A100-40GB", (8, "A100-40GB")),
                                             ("2 x h100", (2, "h100")), ("4*l4", (4, "l4")), ("h100", (None, "h100")),
-                                            ("rtx-4090", (None, "rtx-4090")), ("4090", (None, "4090"))])
+                                            ("rtx-4090", (None, "rtx-4090")), ("4090", (None, "4090")),
+                                            ("h100x8", (8, "h100")), ("A100 x 4", (4, "A100")),  # count after
+                                            ("4090x2", (2, "4090")), ("rtx4090", (None, "rtx4090"))])
 def test_a_count_in_front_is_read_apart(written, split):
     assert split_count(written) == split
     assert other_sizes(written) == other_sizes(split[1])
 
 
-@pytest.mark.parametrize("typed, profile", [("h100sxm", "h100-80gb"), ("A10040GB", "a100-40gb"), ("V10016GB", "v100-16gb")])
+@pytest.mark.parametrize("typed, profile", [("h100sxm", "h100-80gb"), ("A10040GB", "a100-40gb"), ("V10016GB", "v100-16gb"),
+                                            ("a100-80", "a100-80gb"), ("V100 32", "v100-32gb")])  # unit left out
 def test_a_name_typed_without_its_hyphens_is_the_profile_it_spells(typed, profile):
     assert get_gpu(typed).name == profile
+
+
+def test_the_start_of_a_name_is_no_profile():
+    with pytest.raises(UsageError, match="Unknown GPU 'h1'. Did you mean h100?"):
+        get_gpu("h1")
