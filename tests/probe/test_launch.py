@@ -2,6 +2,7 @@
 bad input, and nothing left behind in the caller's process."""
 
 import multiprocessing
+import subprocess
 import sys
 import time
 
@@ -251,3 +252,27 @@ def _running(pid):
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
         return stat.read().split()[2] != "Z"
+
+
+def test_a_probe_process_leaves_out_torchs_notices_of_deprecated_collectives(tmp_path):
+    # DeepSpeed's ZeRO calls reduce_scatter_tensor and all_gather_into_tensor, which torch deprecates; a
+    # catch_warnings anywhere resets the once-per-place registry, so the notice came at every call: 3,748
+    # lines on stderr in one two-rank search. The probe process leaves them out; the script is a rank's calls.
+    script = tmp_path / "collectives.py"
+    script.write_text(
+        "import sys, warnings, torch, torch.distributed as dist\n"
+        "from autofit.probe.child import quiet_deprecations\n"
+        "if sys.argv[1] == 'quiet':\n    quiet_deprecations()\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'init'}-' + sys.argv[1], rank=0, world_size=1)\n"
+        "for _ in range(3):\n"
+        "    with warnings.catch_warnings():\n        pass\n"
+        "    dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4))\n"
+        "dist.destroy_process_group()\n")
+
+    def notices(how):
+        run = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        return run.stderr.count("is deprecated")
+
+    assert notices("loud") == 3  # what a rank printed: one per call
+    assert notices("quiet") == 0
