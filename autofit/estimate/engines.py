@@ -7,15 +7,22 @@ the bytes of a parameter in the compute dtype (2 in bf16/fp16 under DeepSpeed, e
 Each engine's memory is split by when it is live, because the peak is the largest of the phases:
 - held: from the engine's construction on (buffers, DDP buckets, ZeRO-3's gradient partition);
 - backward: only while gradients are made (ZeRO-2's reduce bucket, gathered ZeRO-3/FSDP2 parameters);
-- step: only in the optimizer step (the fp32 gradient partition ZeRO's optimizer reads).
+- step: only in the optimizer step (the fp32 gradient partition ZeRO's optimizer reads);
+- epilogue: between the last backward and the step, with the step's gradients (ZeRO-1/2's partition
+  buffers while the gradients are copied into the step's partition).
 
-Sources (DeepSpeed 0.19.8, torch 2.13), checked against probes on CPU ranks (bench/results/sharded-*.json):
+Sources (DeepSpeed 0.19.8, torch 2.13), checked against probes on CPU ranks (bench/engine_memory.py,
+bench/results/engine-memory-cpu-*.json):
 - ZeRO-1/2 (`runtime/zero/stage_1_and_2.py`): the parameters are flattened into one buffer (h P, the
   model's parameters become views of it); the fp32 master partition is a clone even in fp32 (4 P/N, l.570);
-  at stage 1 the gradients are whole (h P) until the step reduces them; at stage 2 they are reduced
-  through a bucket of `reduce_bucket_size` elements (`setup_buckets`, one buffer without overlap_comm)
-  into a partition (h P/N); the step reads an fp32 gradient partition (4 P/N). A tied parameter (GPT-2's
-  embedding and head) gets its gradient twice: one extra copy of it lives in the backward (measured).
+  the step reads an fp32 gradient partition (4 P/N). Gradients are reduced into a rank's partition buffer
+  (`grads_in_partition`), which holds whole every parameter touching the partition
+  (`zero_partition_elements`: P/N and the parameters across its boundaries). At stage 1 the gradients are
+  whole (h P) until the backward's end reduces them into that buffer. At stage 2 they are reduced during
+  the backward through a bucket of `reduce_bucket_size` elements (`setup_buckets`, one buffer without
+  overlap_comm), the partition buffer made at the first reduce; with accumulation, the earlier
+  micro-batches' buffer lives beside the next one's. A tied parameter (GPT-2's embedding and head) gets
+  its gradient twice: one extra copy of it lives in the backward (measured).
 - ZeRO-3 (`runtime/zero/stage3.py`): parameters, the fp32 master and a gradient partition buffer are
   partitions (h + 4 + h) P/N, held with one reduce bucket; gathered parameters: see `zero3_gathered`.
 """
@@ -38,6 +45,7 @@ class EngineMemory:
     held: int = 0  # from the engine's construction on
     backward: int = 0  # while gradients are made
     step: int = 0  # in the optimizer step
+    epilogue: int = 0  # after the last backward, before the step: no activations left, no optimizer temporaries yet
     grads_held: bool = False  # the gradients live from the start (DDP's bucket views), not made in the backward
     terms: tuple[tuple[str, int], ...] = ()  # named parts (bytes), for the estimate's breakdown
     note: str = ""
@@ -78,10 +86,39 @@ def _zero(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> Engi
                             note="ZeRO-3 gathered parameters and buffers from the DeepSpeed config")
     # A tied parameter's gradient arrives twice; the first is kept whole while the second is made.
     tied = h * facts.tied_params
-    bucket = bucket if config.zero_stage == 2 else 0
-    terms = (("deepspeed_reduce_bucket", bucket), ("zero_tied_grad_copy", tied), ("zero_fp32_grad_partition", fp32_grads))
-    return EngineMemory(backward=bucket + tied, step=fp32_grads, terms=terms,
-                        note=f"ZeRO-{config.zero_stage} buffers from the DeepSpeed config")
+    note = f"ZeRO-{config.zero_stage} buffers from the DeepSpeed config"
+    if config.offloads:  # the gradients go to the host's partition
+        bucket = bucket if config.zero_stage == 2 else 0
+        terms = (("deepspeed_reduce_bucket", bucket), ("zero_tied_grad_copy", tied), ("zero_fp32_grad_partition", fp32_grads))
+        return EngineMemory(backward=bucket + tied, step=fp32_grads, terms=terms, note=note)
+    whole = h * zero_partition_elements(facts, n)
+    if config.zero_stage == 1:  # reduced after the backward, into the partition buffer, the gradients still whole
+        terms = (("zero_tied_grad_copy", tied), ("zero1_partition_buffer", whole), ("zero_fp32_grad_partition", fp32_grads))
+        return EngineMemory(backward=tied, step=fp32_grads, epilogue=whole, terms=terms, note=note)
+    # ZeRO-2 (stage_1_and_2.py): the rank's gradient buffer holds whole every parameter touching its partition,
+    # from the backward's first reduce on; after the first micro-batch, the earlier ones' sum beside it
+    # (`all_grad_tensors`, views of the last buffer). The backward's epilogue copies them into the step's
+    # flat partition (`averaged_gradients`, the states' grads) while both buffers and the bucket still live.
+    boundary = max(0, whole - h * p // n)
+    accumulated = whole if config.grad_accum_steps > 1 else 0
+    terms = (("deepspeed_reduce_bucket", bucket), ("zero_tied_grad_copy", tied), ("zero2_partition_boundary", boundary),
+             ("zero2_accumulated_grads", accumulated), ("zero_fp32_grad_partition", fp32_grads))
+    return EngineMemory(backward=bucket + tied + boundary + accumulated, step=fp32_grads, grads_held=True,
+                        epilogue=whole + accumulated + bucket, terms=terms, note=note)
+
+
+def zero_partition_elements(facts: "ModelFacts", n: int) -> int:
+    """The most gradient elements one rank's ZeRO-1/2 partition buffer holds. DeepSpeed flattens the trainable
+    parameters in order, pads the whole to a multiple of 2N and cuts it into N equal partitions; a rank's
+    buffer (`grads_in_partition`, made at the backward's first reduce in `copy_grads_in_partition`) holds
+    every parameter that touches its partition whole (`get_partition_info`): a parameter across a boundary
+    counts on both sides (a GPT-2's embedding, a third of its weights, on one rank's side and the next's)."""
+    sizes = [size for size in facts.trainable_sizes if size] or [facts.trainable_params]
+    align = 2 * n
+    part = -(-sum(sizes) // align) * align // n
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return max(sum(size for start, size in zip(starts, sizes) if start < (rank + 1) * part and start + size > rank * part)
+               for rank in range(n))
 
 
 def zero3_gathered(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> int:

@@ -467,7 +467,8 @@ class Estimator:
             transient = held + act.largest
         else:  # gradients appear as activations are freed
             transient = act.with_grads(states.grads)
-        transient = max(transient + engine.backward, states.grads + temp + engine.step)  # backward, the step
+        # the backward, the step, and between them the engine's epilogue
+        transient = max(transient + engine.backward, states.grads + temp + engine.step, states.grads + engine.epilogue)
         terms = self._overhead(config, act, temp)
         overhead = sum(b for _, b in terms) + engine.held
         terms += [t for t in engine.terms if t[1]]

@@ -34,6 +34,7 @@ class ModelFacts:
     tied_params: int = 0  # the largest parameter used by two modules (GPT-2's embedding and head), else 0
     trainable_bytes: float = 4.0  # bytes per trainable weight as the model stores them
     trainable_tensors: int = 0  # trainable parameter tensors (an engine's per-parameter hooks run for each)
+    trainable_sizes: tuple[int, ...] = ()  # their elements, in the model's order (how ZeRO-1/2 flattens them)
     adapted_layers: int = 0  # linear layers LoRA adapts (two adapter tensors each)
     buffer_bytes: int = 0  # the model's buffers as stored (normalization statistics, RoPE tables, masks)
     half_buffer_bytes: int = 0  # the same with its floating-point buffers cast to 16 bits
@@ -72,6 +73,7 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         tied_params=_largest_tied(model),
         trainable_bytes=_bytes_each([p for p in params if p.requires_grad]),
         trainable_tensors=sum(1 for p in params if p.requires_grad), adapted_layers=len(adapted),
+        trainable_sizes=tuple(p.numel() for p in params if p.requires_grad),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         half_buffer_bytes=sum(b.numel() * (2 if b.is_floating_point() else b.element_size())
                               for b in model.buffers()))
