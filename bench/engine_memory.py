@@ -1,8 +1,11 @@
 """The estimator against measured per-rank peaks of the multi-rank engines on CPU ranks over gloo, by
 accumulation: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2, each at accumulation 1 and several micro-batches.
 
-    python bench/engine_memory.py            # ~6 min on 2 cores; results/engine-memory-cpu-<date>.json
+    python bench/engine_memory.py            # ~12 min on 2 cores; results/engine-memory-cpu-<date>.json
     python bench/engine_memory.py --quick    # one model, fp32 only
+    python bench/engine_memory.py --reestimate results/engine-memory-cpu-<date>.json --label before
+                                             # this checkout's predictions of the same measured peaks, added
+                                             # beside them (run from an older checkout to compare)
 
 DeepSpeed's and FSDP2's buffers are the same Python code on the CPU as on a card (the allocations in
 deepspeed/runtime/zero/stage_1_and_2.py and stage3.py do not depend on the device); what a card adds (the
@@ -83,7 +86,7 @@ def rows(name: str, precisions: tuple[str, ...]) -> list[dict[str, Any]]:
                                 grad_accum_steps=accumulation, num_gpus=RANKS)
                 result = launch(spec, config, default_strategies(), Placement.RANKS, 600, None)
                 predicted = estimator.predict(config).peak_bytes
-                row = dict(model=name, config=config.describe(), status=result.status.value,
+                row = dict(model=name, config=config.describe(), knobs=config.to_dict(), status=result.status.value,
                            measured_bytes=result.peak_bytes, rank_peaks=list(result.rank_peaks),
                            predicted_bytes=predicted,
                            relative_error=predicted / result.peak_bytes - 1 if result.peak_bytes else None)
@@ -93,8 +96,32 @@ def rows(name: str, precisions: tuple[str, ...]) -> list[dict[str, Any]]:
     return out
 
 
-def summary(points: list[dict[str, Any]]) -> dict[str, Any]:
-    errors = [p["relative_error"] for p in points if p["status"] == "fit"]
+def reestimate(path: Path, label: str) -> None:
+    """This checkout's predictions of the measured peaks in `path`, added beside the recorded ones as
+    `predicted_bytes_<label>` / `relative_error_<label>`, with their summaries."""
+    from autofit.config import Config as Knobs
+
+    record = json.loads(path.read_text())
+    for name in dict.fromkeys(p["model"] for p in record["points"]):
+        model, batch, loss_fn = MODELS[name]
+        spec = make_spec(model, batch, loss_fn=loss_fn, global_batch_size=GLOBAL_BATCH, num_gpus=RANKS, device="cpu",
+                         memory_budget="1GiB", allow=1, warmup_steps=2, timed_steps=1)
+        estimator = Estimator(spec, strategies=default_strategies())
+        for point in (p for p in record["points"] if p["model"] == name):
+            predicted = estimator.predict(Knobs.from_dict(point["knobs"])).peak_bytes
+            point[f"predicted_bytes_{label}"] = predicted
+            point[f"relative_error_{label}"] = predicted / point["measured_bytes"] - 1
+    key = f"relative_error_{label}"
+    record[f"summary_{label}"] = summary(record["points"], key)
+    record[f"by_engine_{label}"] = {engine: summary([p for p in record["points"] if _engine(p["config"]) == engine], key)
+                                    for engine in ENGINES}
+    record[f"reestimated_{label}"] = datetime.date.today().isoformat()
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({"summary": record[f"summary_{label}"], "by_engine": record[f"by_engine_{label}"]}, indent=1))
+
+
+def summary(points: list[dict[str, Any]], key: str = "relative_error") -> dict[str, Any]:
+    errors = [p[key] for p in points if p["status"] == "fit"]
     return dict(rows=len(errors), median_abs=statistics.median(abs(e) for e in errors),
                 worst_abs=max(abs(e) for e in errors), largest_under=min(min(errors), 0.0))
 
@@ -103,7 +130,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--reestimate", type=Path)
+    parser.add_argument("--label", default="now")
     args = parser.parse_args()
+    if args.reestimate:
+        return reestimate(args.reestimate, args.label)
     plan = [("mlp-512x4", ("fp32",))] if args.quick else \
         [("mlp-512x4", ("fp32", "bf16")), ("mlp-256x6", ("fp32",)), ("gpt2-1.3M", ("fp32", "bf16"))]
     points = [row for name, precisions in plan for row in rows(name, precisions)]

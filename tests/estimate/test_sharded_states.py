@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
+from autofit.estimate.engines import zero_partition_elements
 from autofit.estimate.estimator import Estimator, ModelFacts, predictor_for
 from autofit.estimate.states import model_states, optimizer_temporaries, quantization_constants
 from autofit.strategies.quantization import nf4_bytes
@@ -172,3 +173,21 @@ def test_lora_target_modules_q_v_versus_all_linear():
 def test_facts_count_adapters_only_where_lora_goes():
     facts = ModelFacts(num_params=100, trainable_params=100, lora_params_per_rank=10)
     assert model_states(facts, Config(lora=2)).grads == 4 * 2 * 10
+
+
+def test_a_zero_partition_buffer_holds_the_parameters_across_its_boundary_whole():
+    # DeepSpeed's get_partition_info: a rank's gradient buffer takes every parameter touching its partition
+    sizes = (262144, 512) * 4 + (5120, 10)  # four 512x512 layers and a head: 1,055,754 elements
+    facts = ModelFacts(num_params=sum(sizes), trainable_params=sum(sizes), trainable_sizes=sizes)
+    assert zero_partition_elements(facts, 2) == 3 * 262144 + 2 * 512  # rank 0: the third weight crosses P/2
+    assert zero_partition_elements(facts, 1) == sum(sizes)
+    assert zero_partition_elements(ModelFacts(num_params=10, trainable_params=10), 4) == 10  # one tensor: whole
+
+
+def test_zero2_with_accumulation_holds_the_earlier_micro_batches_buffer_beside_the_next(estimator):
+    one, four = (Config(precision="bf16", sharding="zero2", num_gpus=N, micro_batch_size=4 // k, grad_accum_steps=k)
+                 for k in (1, 4))
+    whole = 2 * zero_partition_elements(estimator.facts, N)
+    terms = dict(estimator.predict(four).terms)
+    assert terms["zero2_accumulated_grads"] == whole and "zero2_accumulated_grads" not in dict(estimator.predict(one).terms)
+    assert terms["zero2_partition_boundary"] == whole - 2 * estimator.facts.trainable_params // N

@@ -45,22 +45,26 @@ ISSUE = functools.partial(make_gpt2, 9, 384, 6, 2100, 256)
 ISSUE_PARAMS = 16_875_648
 
 
-@pytest.mark.parametrize("sharding", [
-    pytest.param("zero1", marks=[needs_deepspeed, pytest.mark.slow]),
-    pytest.param("zero2", marks=needs_deepspeed),
-    pytest.param("zero3", marks=[needs_deepspeed, pytest.mark.slow]),
-    pytest.param("fsdp_grad_op", marks=pytest.mark.slow),
-    "fsdp_full", pytest.param("none", marks=pytest.mark.slow)])  # none: DDP
-def test_measured_rank_peak_is_within_the_estimators_tolerance(sharding, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sharding, accumulation", [
+    pytest.param("zero1", 1, marks=[needs_deepspeed, pytest.mark.slow]),
+    pytest.param("zero1", 2, marks=[needs_deepspeed, pytest.mark.slow]),
+    pytest.param("zero2", 1, marks=needs_deepspeed),
+    # was 9% under: the earlier micro-batch's partition buffer lives beside the next one's (engines.py)
+    pytest.param("zero2", 2, marks=needs_deepspeed),
+    pytest.param("zero3", 1, marks=[needs_deepspeed, pytest.mark.slow]),
+    pytest.param("fsdp_grad_op", 1, marks=pytest.mark.slow),
+    ("fsdp_full", 1), pytest.param("none", 1, marks=pytest.mark.slow)])  # none: DDP
+def test_measured_rank_peak_is_within_the_estimators_tolerance(sharding, accumulation, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # where DeepSpeed would compile its CPU ops
     spec = make_spec(SMALL, TokenBatches(2048, 32), device="cpu", num_gpus=2, global_batch_size=4,
                      memory_budget="1GiB", warmup_steps=2, timed_steps=1)
-    config = Config(num_gpus=2, sharding=sharding, micro_batch_size=2)
+    config = Config(num_gpus=2, sharding=sharding, micro_batch_size=2 // accumulation, grad_accum_steps=accumulation)
     result = run_ranks(spec, config, [MicroBatch(), Zero(), Fsdp()], timeout=600)
     assert result.status is ProbeStatus.FIT, result.reason
     assert len(result.rank_peaks) == 2 and result.peak_bytes == max(result.rank_peaks)
     predicted = Estimator(spec).predict(config).peak_bytes
     assert abs(predicted / result.peak_bytes - 1) <= tolerance_for(spec.device, config), (predicted, result.rank_peaks)
+    assert predicted >= 0.95 * result.peak_bytes, (predicted, result.rank_peaks)  # no promised fit 5% short
     assert not list(tmp_path.rglob("*.so"))  # gloo's collectives: no shared-memory kernel compiled for CPU ranks
 
 
