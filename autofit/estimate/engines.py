@@ -30,6 +30,8 @@ bench/results/engine-memory-cpu-*.json):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from typing import TYPE_CHECKING
 
 from autofit.config import Checkpointing, Config, Engine
@@ -120,12 +122,16 @@ def zero_partition_elements(facts: "ModelFacts", n: int) -> int:
     parameters in order, pads the whole to a multiple of 2N and cuts it into N equal partitions; a rank's
     buffer (`grads_in_partition`, made at the backward's first reduce in `copy_grads_in_partition`) holds
     every parameter that touches its partition whole (`get_partition_info`): a parameter across a boundary
-    counts on both sides (a GPT-2's embedding, a third of its weights, on one rank's side and the next's)."""
-    sizes = [size for size in facts.trainable_sizes if size] or [facts.trainable_params]
+    counts on both sides (a GPT-2's embedding, a third of its weights, spans one from four ranks on)."""
+    return _partition_elements(tuple(size for size in facts.trainable_sizes if size) or (facts.trainable_params,), n)
+
+
+@functools.lru_cache(maxsize=64)
+def _partition_elements(sizes: tuple[int, ...], n: int) -> int:
     align = 2 * n
     part = -(-sum(sizes) // align) * align // n
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return max(sum(size for start, size in zip(starts, sizes) if start < (rank + 1) * part and start + size > rank * part)
+    spans = list(zip(itertools.accumulate(sizes, initial=0), sizes))
+    return max(sum(size for start, size in spans if start < (rank + 1) * part and start + size > rank * part)
                for rank in range(n))
 
 
