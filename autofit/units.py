@@ -15,7 +15,7 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 MIN_UNITLESS = 2**20  # a size typed without a unit under this many bytes is a unit left out
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)\s*$")  # "1e9" too
 
 
 def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
@@ -39,8 +39,16 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
             if size > 0:
                 return _plausible(size, value, what) if unit == "" else size
     raise UsageError(
-        f"{what} must be a size such as '20GiB', '512MB' or a number of bytes, but got {value!r}."
+        f"{what} must be a size such as '20GiB', '512MB' or a number of bytes, but got {value!r}{_separators(value)}."
     )
+
+
+def _separators(value: object) -> str:
+    """The fix for a size written with a decimal comma or digit separators ("4,5GiB", "4_000MB")."""
+    if not isinstance(value, str) or not any(mark in value for mark in ",_'"):
+        return ""
+    dotted = value.strip().replace(",", ".").replace("_", "").replace("'", "")
+    return f" (write decimals with a dot and no separators between digits: {dotted!r}?)" if _SIZE.match(dotted) else ""
 
 
 def _plausible(size: int, value: str, what: str) -> int:

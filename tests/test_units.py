@@ -6,6 +6,7 @@ from autofit import UsageError, format_size, parse_size
 @pytest.mark.parametrize("text, expected", [
     ("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 512 * 2**20), ("64mib", 64 * 2**20),
     ("1048576", 2**20), (2**30, 2**30), (769_392, 769_392), ("2TiB", 2 * 2**40), ("10kb", 10_000),
+    ("1e9", 10**9), ("2.5E10", 25 * 10**9), ("1e3 MiB", 1000 * 2**20),  # as code writes a number
 ])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -22,6 +23,12 @@ def test_parse_size_rejects_with_the_value(bad):
 def test_a_number_without_a_unit_under_a_mebibyte_asks_for_one(hurried):
     with pytest.raises(UsageError, match=f"give a unit, e.g. '{str(hurried).strip()}GiB'"):
         parse_size(hurried, "gpu_memory")
+
+
+@pytest.mark.parametrize("typed, fix", [("4,5GiB", "'4.5GiB'"), ("4_000MB", "'4000MB'"), ("1'024MiB", "'1024MiB'")])
+def test_a_size_with_a_decimal_comma_or_separators_is_refused_with_its_fix(typed, fix):
+    with pytest.raises(UsageError, match=f"got {typed!r} \\(write decimals with a dot and no separators between digits: {fix}"):
+        parse_size(typed)
 
 
 def test_format_size():
