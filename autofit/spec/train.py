@@ -24,7 +24,7 @@ from autofit.units import format_size, parse_size
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 # allow= names -> the exactness tier they open. Tier 0 (same math) is always allowed.
-ALLOW_NAMES = {"numerics": 1, "lora": 2, "quantization": 2}
+ALLOW_NAMES = {"numerics": 1, "lora": 2, "quantization": 2, "qlora": 2}  # qlora: LoRA over quantized weights
 DEFAULT_MAX_TIER = 1  # tier 1 (mixed precision, 8-bit optimizers) is standard practice; tier 2 changes what is trained
 DEFAULT_SAFETY_MARGIN = 0.10  # see TrainSpec.safety_margin
 ADAM_NAMES = {"adamw", "adam"}
@@ -277,11 +277,14 @@ def parse_allow(allow: Any) -> int:
         return allow
     names = [allow] if isinstance(allow, str) else allow
     try:
+        names = [name.strip().lower() if isinstance(name, str) else name for name in names]  # "LoRA" too
         unknown = [name for name in names if name not in ALLOW_NAMES]
     except TypeError:
         unknown = [allow]
     if unknown:
-        raise UsageError(f"allow={allow!r} is not understood; give a tier 0-2 or names from "
+        which = f": {unknown[0]!r} is not a name it takes{did_you_mean(unknown[0], ALLOW_NAMES)}" \
+            if isinstance(unknown[0], str) else " is not understood"
+        raise UsageError(f"allow={allow!r}{which}; give a tier 0-2 or names from "
                          f"{sorted(ALLOW_NAMES)} (e.g. allow={{'lora'}} to train LoRA adapters).")
     return max([ALLOW_NAMES[name] for name in names], default=0)
 

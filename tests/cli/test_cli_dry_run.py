@@ -97,6 +97,9 @@ def test_what_to_allow_is_said_in_the_command_lines_words():
     (["--model", "gpt2", "--gpu-memory=24", "gb", "--seq-len", "4096"], "exceeds the model's maximum"),
     # a factory of the model alone: no batch can be synthesized for a plain module; the fix is the factory's
     (["--model", f"{EXAMPLES}/classifier.py:make_model", "--gpu", "t4"], "returning (model, make_batch)"),
+    # a name typed in a hurry, picked out in the command line's words (was "allow={'numeric'} is not understood")
+    (["--model", "gpt2", "--allow", "numeric"], "--allow numeric: 'numeric' is not a name it takes (did you mean "
+                                                "'numerics'?)"),
 ])
 def test_bad_usage_exits_2(args, message, capsys):
     assert main(["dry-run", "--global-batch-size", "8", *args]) == 2

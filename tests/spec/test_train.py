@@ -101,6 +101,13 @@ def test_allow():
     assert parse_allow(None) == 1 and parse_allow({"lora"}) == 2 and parse_allow(0) == 0
     with pytest.raises(UsageError, match="'everything'"):
         parse_allow("everything")
+    # typed in a hurry: any case, QLoRA's name, the unknown name picked out with the one it is close to
+    assert parse_allow("LoRA") == 2 and parse_allow({"qlora"}) == 2 and parse_allow(["Numerics "]) == 1
+    with pytest.raises(UsageError, match=r"allow=\['lora', 'numeric'\]: 'numeric' is not a name it takes \(did you "
+                                         r"mean 'numerics'\?\)"):
+        parse_allow(["lora", "numeric"])
+    with pytest.raises(UsageError, match=r"allow=3 is not understood; give a tier 0-2"):
+        parse_allow(3)
 
 
 def test_optimizer():
