@@ -182,13 +182,17 @@ from pathlib import Path
 from transformers import Trainer, TrainingArguments
 
 
-def train(model, train_dataset, **overrides):
+def train(model, train_dataset, loss_fn=None, **overrides):
     """Train `model` on `train_dataset` with the exported arguments (`overrides` win, e.g. max_steps)."""
     sample = train_dataset[0]
     if not isinstance(sample, Mapping):  # the Trainer's collator and model(**batch) take dict samples
         raise SystemExit(f"The Trainer trains on dict samples (model(**batch), the model returning its loss); "
                          f"this dataset's are {{type(sample).__name__}}. Train with launch/train_with_prepare.py "
                          "(autofit export --format torchrun), which takes tuples and your loss_fn.")
+    if loss_fn is not None:  # the Trainer's loss is the one the model returns
+        raise SystemExit("The Trainer trains on the loss the model returns (output.loss); this model's loss is "
+                         "your loss_fn. Train with launch/train_with_prepare.py (autofit export --format "
+                         "torchrun), which takes your loss_fn.")
     kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())
     args = TrainingArguments(**{{**kwargs, **overrides}})
 {_indent(setup)}
@@ -198,11 +202,11 @@ def train(model, train_dataset, **overrides):
 
 
 if __name__ == "__main__":
-    from autofit.export.scripts import command_line, load_dataset, load_model
+    from autofit.export.scripts import command_line, load_dataset, load_loss, load_model
 
     options = command_line(__doc__, loss=False)
     overrides = {{"max_steps": options.max_steps}} if options.max_steps else {{}}
-    train(load_model(options.model), load_dataset(options.dataset), **overrides)
+    train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, None), **overrides)
 '''
 
 

@@ -126,6 +126,11 @@ DATA = textwrap.dedent("""
     def make_dataset():
         ids = torch.randint(0, 64, (8, 16))
         return [{"input_ids": row, "labels": row} for row in ids]
+
+    def with_loss_fn():  # a model whose loss is the user's: (model, make_batch, loss_fn)
+        head = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Flatten(), torch.nn.Linear(128, 64))
+        return (head, lambda n: {"input": torch.randint(0, 64, (n, 16)), "labels": torch.randint(0, 64, (n,))},
+                lambda output, batch: torch.nn.functional.cross_entropy(output, batch["labels"]))
 """)
 
 
@@ -145,6 +150,11 @@ def test_run_as_a_script_it_trains_or_says_what_to_pass(tmp_path, plan_for):
                              f"{examples}:make_dataset", "--max-steps", "2"], capture_output=True, text=True,
                             cwd=tmp_path, timeout=300)
     assert tuples.returncode == 1 and "dict samples" in tuples.stderr and "train_with_prepare.py" in tuples.stderr
+    # dict samples for a model whose loss is a loss_fn: was the Trainer's "The model did not return a loss"
+    owned = subprocess.run([sys.executable, str(script_path), "--model", "data.py:with_loss_fn", "--dataset",
+                            "data.py:make_dataset", "--max-steps", "2"], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=300)
+    assert owned.returncode == 1 and "this model's loss is your loss_fn" in owned.stderr, owned.stderr[-2000:]
 
 
 def test_lora_is_exported_as_the_probes_trained_it(plan_for):
