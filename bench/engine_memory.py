@@ -74,10 +74,14 @@ MODELS = {  # name -> make_spec's model, batch and loss_fn
 }
 
 
-def rows(name: str, precisions: tuple[str, ...]) -> list[dict[str, Any]]:
+def _spec(name: str) -> Any:
     model, batch, loss_fn = MODELS[name]
-    spec = make_spec(model, batch, loss_fn=loss_fn, global_batch_size=GLOBAL_BATCH, num_gpus=RANKS, device="cpu",
+    return make_spec(model, batch, loss_fn=loss_fn, global_batch_size=GLOBAL_BATCH, num_gpus=RANKS, device="cpu",
                      memory_budget="1GiB", allow=1, warmup_steps=2, timed_steps=1)
+
+
+def rows(name: str, precisions: tuple[str, ...]) -> list[dict[str, Any]]:
+    spec = _spec(name)
     estimator, out = Estimator(spec, strategies=default_strategies()), []
     for precision in precisions:
         for engine in ENGINES:
@@ -99,16 +103,11 @@ def rows(name: str, precisions: tuple[str, ...]) -> list[dict[str, Any]]:
 def reestimate(path: Path, label: str) -> None:
     """This checkout's predictions of the measured peaks in `path`, added beside the recorded ones as
     `predicted_bytes_<label>` / `relative_error_<label>`, with their summaries."""
-    from autofit.config import Config as Knobs
-
     record = json.loads(path.read_text())
     for name in dict.fromkeys(p["model"] for p in record["points"]):
-        model, batch, loss_fn = MODELS[name]
-        spec = make_spec(model, batch, loss_fn=loss_fn, global_batch_size=GLOBAL_BATCH, num_gpus=RANKS, device="cpu",
-                         memory_budget="1GiB", allow=1, warmup_steps=2, timed_steps=1)
-        estimator = Estimator(spec, strategies=default_strategies())
+        estimator = Estimator(_spec(name), strategies=default_strategies())
         for point in (p for p in record["points"] if p["model"] == name):
-            predicted = estimator.predict(Knobs.from_dict(point["knobs"])).peak_bytes
+            predicted = estimator.predict(Config.from_dict(point["knobs"])).peak_bytes
             point[f"predicted_bytes_{label}"] = predicted
             point[f"relative_error_{label}"] = predicted / point["measured_bytes"] - 1
     key = f"relative_error_{label}"

@@ -35,6 +35,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from autofit.config import Checkpointing, Config, Engine
+from autofit.estimate.states import model_states
 
 if TYPE_CHECKING:
     from autofit.estimate.facts import ModelFacts
@@ -97,8 +98,7 @@ def _zero(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> Engi
     # The step's first moment (`step`, stage_1_and_2.py): the gradients, still views of the partition buffer,
     # flattened into a copy of the partition, and that copy cast to fp32 in 16-bit training (in fp32 the
     # cast is the copy itself); beyond the states' gradients (whole at stage 1, a partition at stage 2).
-    states_grads = h * p // (n if config.zero_stage == 2 else 1)
-    flatten = whole + h * p // n + (fp32_grads if h < 4 else 0) - states_grads
+    flatten = whole + h * p // n + (fp32_grads if h < 4 else 0) - model_states(facts, config).grads
     if config.zero_stage == 1:  # reduced after the backward, into the partition buffer, the gradients still whole
         terms = (("zero_tied_grad_copy", tied), ("zero1_partition_buffer", whole), ("zero_fp32_grad_partition", fp32_grads))
         return EngineMemory(backward=tied, step=fp32_grads, epilogue=max(whole, flatten), terms=terms, note=note)
