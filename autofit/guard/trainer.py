@@ -5,7 +5,7 @@
 
 Each per-device batch the Trainer feeds `training_step` is split when it runs out of memory, each
 piece's loss weighted by its share (or left as is when the loss is already normalised by the
-window's token count, `num_items_in_batch`), inside the Trainer's own accumulation window: the global
+window's token count, `num_items_in_batch`, as measured once), inside the Trainer's own accumulation window: the global
 batch, the global step and the learning-rate schedule are untouched, unlike `auto_find_batch_size`,
 which restarts with a smaller batch. Evaluation batches are split apart from training's: an OOM in
 `evaluate` never changes the training micro-batch.
@@ -13,6 +13,7 @@ which restarts with a smaller batch. Evaluation batches are split apart from tra
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class GuardedTrainer(Trainer):
                                "eval_micro_batch_size": guard_eval_micro_batch_size}
         self.oom_guard: OomGuard | None = None
         self._guard_weight = 1.0
+        self._guard_loss_divides: bool | None = None  # measured on the first split: see _loss_sums_over_window
 
     def _guard_for(self, model: nn.Module) -> OomGuard:
         """The guard, made on first use: the Trainer creates its optimizer and wrapped model lazily."""
@@ -77,21 +79,49 @@ class GuardedTrainer(Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """The Trainer's loss, weighted by the piece's share of the batch while the guard splits it."""
+        weight = self._guard_weight
+        if weight != 1.0 and self._loss_sums_over_window(model, inputs, num_items_in_batch):
+            weight = 1.0
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        if self._guard_weight == 1.0 or self._loss_sums_over_window(num_items_in_batch):
+        if weight == 1.0:
             return result
         if return_outputs:
-            return result[0] * self._guard_weight, result[1]
-        return result * self._guard_weight
+            return result[0] * weight, result[1]
+        return result * weight
 
-    def _loss_sums_over_window(self, num_items_in_batch: Any) -> bool:
-        """True when the loss is a sum divided by the window's item count: pieces then add up as they are
-        (the same test `Trainer.training_step` makes before dividing by the accumulation steps)."""
+    def _loss_sums_over_window(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> bool:
+        """True when the loss is a sum divided by the window's item count: pieces then add up as they are.
+
+        A subclass's `loss_is_scaled_for_ga` is taken at its word. Otherwise `Trainer.training_step`'s test
+        (the model takes loss kwargs, or a `compute_loss_func` is set) says only that the count is passed,
+        not that the loss divides by it: `BertForTokenClassification` takes `**kwargs` and returns a mean,
+        and unweighted pieces of it would multiply the gradient by their number. So that the split keeps
+        the gradient the unsplit batch gives, the loss is measured once, at the count and at twice it."""
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
-        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-            self.compute_loss_func is not None
+        passed = (self.model_accepts_loss_kwargs or self.compute_loss_func is not None) and num_items_in_batch is not None
+        if passed and self._guard_loss_divides is None:
+            self._guard_loss_divides = self._loss_divides_by_count(model, inputs, num_items_in_batch)
+        return passed and bool(self._guard_loss_divides)
+
+    def _loss_divides_by_count(self, model: nn.Module, inputs: dict[str, Any], count: Any) -> bool:
+        """Whether the piece's loss halves when the window's item count doubles (evaluation mode, no
+        gradients, so dropout and routing noise cannot tell the two apart); an undefined ratio (a loss
+        of zero) leaves the Trainer's own reading, that it does."""
+        was_training, weight = model.training, self._guard_weight
+        model.eval()
+        self._guard_weight = 1.0  # your compute_loss, if you override it, as the Trainer calls it, unweighted
+        try:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                once, twice = (float(self.compute_loss(model, dict(inputs), num_items_in_batch=n))
+                               for n in (count, count * 2))
+        finally:
+            model.train(was_training)
+            self._guard_weight = weight
+        if once == 0.0 or not math.isfinite(twice / once):
+            return True
+        return twice / once < 0.75  # 0.5 for a loss divided by the count, 1.0 for a mean over the piece
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (BertConfig, BertForTokenClassification, GPT2Config, GPT2LMHeadModel, Trainer,
+                          TrainerCallback, TrainingArguments)
 
 from autofit.guard.trainer import GuardedTrainer
 from autofit.probe.memory import CpuBudget
@@ -42,6 +43,11 @@ def _model(kind: str) -> nn.Module:
         config = GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)
         return GPT2LMHeadModel(config)
+    if kind == "bert-token":  # takes **kwargs, so the Trainer passes num_items_in_batch, yet its loss is a mean
+        config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=SEQ, num_labels=64,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return BertForTokenClassification(config)
     return MeanLossLM()
 
 
@@ -78,7 +84,7 @@ def _needs_scratch(state: dict):
     return hook
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "mean-loss"])
+@pytest.mark.parametrize("kind", ["gpt2", "mean-loss", "bert-token"])
 def test_trainer_recovers_mid_run_and_matches_the_plain_trainer(tmp_path, kind):
     reference = _model(kind)
     Trainer(model=reference, args=_args(tmp_path / "ref"), train_dataset=Records(64, 1)).train()
