@@ -30,6 +30,7 @@ from autofit.config import Optimizer as O
 from autofit.errors import UsageError
 from autofit.probe.step import TrainRun
 from autofit.spec.batch import default_loss, leading_dim, to_device
+from autofit.spec.shares import micro_batch_shares
 from autofit.spec.model_info import inspect_model
 from autofit.spec.target import Target
 from autofit.spec.train import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
@@ -101,9 +102,15 @@ class Prepared:
         batch = to_device(batch, self.device)
         return [_rows(batch, start, min(size, total - start)) for start in range(0, total, size)]
 
+    def weights(self, micro_batches: list[Any]) -> list[float]:
+        """Each micro-batch's share of the step's loss, for `forward_backward`: of the samples, or of the
+        targets for a Hugging Face model's own token-level loss (rows padded with -100 labels hold fewer),
+        so that the step's gradient is the whole batch's (`autofit.spec.shares`)."""
+        return micro_batch_shares(self.run.model, micro_batches, self.run.spec.loss_fn)
+
     def forward_backward(self, micro_batch: Any, weight: float = 1.0) -> torch.Tensor:
         """Forward and backward of one micro-batch with its loss scaled by `weight` (its share of the step's
-        samples); returns the unscaled loss, detached."""
+        loss: `weights`); returns the unscaled loss, detached."""
         return self.run.forward_backward(micro_batch, weight)
 
     def optimizer_step(self) -> None:

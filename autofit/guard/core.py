@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.spec.batch import call_model, default_loss, leading_dim
+from autofit.spec.shares import share, target_counts, weighted_sum
 from autofit.spec.model_info import batch_normalises, least_micro_batch
 from autofit.config import Checkpointing, Config, Optimizer
 from autofit.errors import AutofitError, UsageError
@@ -124,6 +125,9 @@ class OomGuard:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
+        # the model's own loss: a token-level one is split by targets (autofit.spec.shares); integrations
+        # whose framework computes a loss of yours (the Trainer's compute_loss_func) set it False
+        self.weigh_by_targets = loss_fn is None
         self.plan_path, self._plan = _plan_of(plan)
         self._optimizer_kind = _kind(optimizer)  # how logs and recoveries name it
         self.config = _initial_config(self._plan, micro_batch_size, self._optimizer_kind)
@@ -170,9 +174,10 @@ class OomGuard:
             self.config = Config(micro_batch_size=total, optimizer=self._optimizer_kind)
             self._tried.append(self.config.describe())
         done, losses, sizes, holds = 0, [], [], []
+        counts = target_counts(self.model, batch) if self.weigh_by_targets else None
         while True:
             size, hold = self._next_chunk(done, total, holds)
-            attempt = self._attempt(batch, done, size, total, hold, backward) if size > 0 else _Attempt()
+            attempt = self._attempt(batch, done, size, total, hold, backward, counts) if size > 0 else _Attempt()
             agreed = self.sync.agree(attempt.oom is not None, attempt.error is not None,
                                      done + attempt.size < total if attempt.loss is not None else size > 0,
                                      attempt.size if attempt.oom else 0)
@@ -215,8 +220,14 @@ class OomGuard:
         return scaled.detach()
 
     def _attempt(self, batch: Any, start: int, size: int, total: int, hold: list[nn.Parameter],
-                 backward: Backward) -> _Attempt:
-        """Forward and backward of samples `start .. start+size`; an OOM becomes the result."""
+                 backward: Backward, counts: torch.Tensor | None) -> _Attempt:
+        """Forward and backward of samples `start .. start+size`, their loss weighted by their share of the
+        step's samples, or of its targets (`counts`); an OOM becomes the result. Samples holding none of
+        the step's targets add nothing (their loss, a mean over no targets, would be NaN): they are passed
+        over, under `no_sync` like every piece."""
+        weight = share(counts, start, size, total)
+        if weight == 0.0:
+            return _Attempt(size=size, loss=torch.zeros(()))
         chunk = batch if size == total else slice_rows(batch, start, size)
         self.phase = "forward" if backward == self._forward_backward else "forward/backward"
         self._ledger.snapshot()
@@ -224,9 +235,9 @@ class OomGuard:
             with self.sync.no_sync(self.model):
                 if hold:
                     with held(hold):
-                        contribution = backward(chunk, size / total)
+                        contribution = backward(chunk, weight)
                 else:
-                    contribution = backward(chunk, size / total)
+                    contribution = backward(chunk, weight)
             self._ledger.forget()
             if isinstance(contribution, torch.Tensor) and contribution.requires_grad:
                 contribution = contribution.detach()
@@ -347,12 +358,11 @@ class OomGuard:
     def evaluate(self, batch: Any, fn: Callable[[nn.Module, Any], Any] | None = None) -> Any:
         """Evaluate `batch` without gradients, in micro-batches sized apart from training's.
 
-        Without `fn`: the sample-weighted mean loss (a 0-d tensor). With `fn(model, micro_batch)`
-        returning a tensor (or a tuple/dict of tensors) with a sample axis: those outputs concatenated
-        over the batch. An OOM halves `eval_micro_batch_size` only; the training configuration is
+        Without `fn`: the mean loss (a 0-d tensor), its pieces weighted as training's are. With
+        `fn(model, micro_batch)` returning a tensor (or a tuple/dict of tensors) with a sample axis: those
+        outputs concatenated over the batch. An OOM halves `eval_micro_batch_size` only; the training configuration is
         never touched.
         """
-        total = leading_dim(batch)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -362,7 +372,7 @@ class OomGuard:
         finally:
             self.model.train(was_training)
         if fn is None:
-            return sum(loss.float() * (size / total) for size, loss in parts)
+            return weighted_sum(target_counts(self.model, batch) if self.weigh_by_targets else None, parts)
         return concat_rows([out for _, out in parts])
 
     def evaluate_chunks(self, batch: Any, run: Callable[[Any], Any]) -> list[tuple[int, Any]]:

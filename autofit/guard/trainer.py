@@ -24,6 +24,7 @@ from transformers import Trainer
 from autofit.errors import UsageError
 from autofit.guard.core import OomGuard
 from autofit.guard.parts import concat_rows
+from autofit.spec.shares import target_counts, weighted_sum
 
 
 class GuardedTrainer(Trainer):
@@ -54,6 +55,7 @@ class GuardedTrainer(Trainer):
             options["eval_micro_batch_size"] = eval_size or options["eval_micro_batch_size"]
             running = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
             self.oom_guard = OomGuard(model, self.optimizer, running_precision=running, **options)
+            self.oom_guard.weigh_by_targets = self.compute_loss_func is None  # else the loss is yours
         return self.oom_guard
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
@@ -129,7 +131,7 @@ class GuardedTrainer(Trainer):
         guard = self._guard_for(model)
         parent = super().prediction_step
         parts = guard.evaluate_chunks(inputs, lambda chunk: parent(model, chunk, prediction_loss_only, ignore_keys))
-        total = sum(size for size, _ in parts)
         losses = [(size, out[0]) for size, out in parts]
-        loss = None if losses[0][1] is None else sum(value * (size / total) for size, value in losses)
+        counts = target_counts(model, inputs) if guard.weigh_by_targets else None
+        loss = None if losses[0][1] is None else weighted_sum(counts, losses)
         return loss, concat_rows([out[1] for _, out in parts]), concat_rows([out[2] for _, out in parts])

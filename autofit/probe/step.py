@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
-from autofit.spec.batch import call_model, checked_loss, leading_dim
+from autofit.spec.batch import call_model, checked_loss
+from autofit.spec.shares import micro_batch_shares
 from autofit.config import Config
 from autofit.spec.train import TrainSpec
 
@@ -103,13 +104,13 @@ class TrainRun:
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, micro_batches: Sequence[Any]) -> torch.Tensor:
-        """One optimizer step over `micro_batches`; each loss is weighted by its share of the samples,
-        so the gradient is the mean over the whole step however the samples are split."""
-        sizes = [leading_dim(mb) for mb in micro_batches]
-        total = sum(sizes)
+        """One optimizer step over `micro_batches`; each loss is weighted by its share of the samples (of
+        the targets, for a Hugging Face model's own token-level loss: `autofit.spec.shares`), so the
+        gradient is the whole step's however the samples are split."""
         loss = torch.zeros((), device=self.device)
-        for micro_batch, size in zip(micro_batches, sizes):
-            loss += self.forward_backward(micro_batch, size / total) * (size / total)
+        for micro_batch, weight in zip(micro_batches, micro_batch_shares(self.model, micro_batches,
+                                                                         self.spec.loss_fn)):
+            loss += self.forward_backward(micro_batch, weight) * weight
         self.optimizer_step()
         return loss
 

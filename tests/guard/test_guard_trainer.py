@@ -23,15 +23,21 @@ SEQ, BATCH = 16, 8
 
 
 class Records(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int):
+    """Token rows; `padded`: each row's labels end early (-100), so pieces hold unlike numbers of targets."""
+
+    def __init__(self, n: int, seed: int, padded: bool = False):
         gen = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, 64, (n, SEQ), generator=gen)
+        self.labels = self.ids.clone()
+        if padded:
+            for row, length in enumerate(torch.randint(2, SEQ + 1, (n,), generator=gen).tolist()):
+                self.labels[row, length:] = -100
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, index: int) -> dict:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+        return {"input_ids": self.ids[index], "labels": self.labels[index]}
 
 
 MeanLossLM = TokenLM  # its loss is a mean (no `num_items_in_batch`): pieces must be weighted
@@ -86,13 +92,13 @@ def _needs_scratch(state: dict):
 
 @pytest.mark.parametrize("kind", ["gpt2", "mean-loss", "bert-token"])
 def test_trainer_recovers_mid_run_and_matches_the_plain_trainer(tmp_path, kind):
-    reference = _model(kind)
-    Trainer(model=reference, args=_args(tmp_path / "ref"), train_dataset=Records(64, 1)).train()
+    reference, padded = _model(kind), kind == "bert-token"  # its loss: a mean over the targets its labels hold
+    Trainer(model=reference, args=_args(tmp_path / "ref"), train_dataset=Records(64, 1, padded)).train()
 
     model, state = _model(kind), {"on": False}
     model.register_forward_pre_hook(_needs_scratch(state), with_kwargs=True)
     with CpuBudget(None) as budget:
-        trainer = GuardedTrainer(model=model, args=_args(tmp_path / "guarded"), train_dataset=Records(64, 1),
+        trainer = GuardedTrainer(model=model, args=_args(tmp_path / "guarded"), train_dataset=Records(64, 1, padded),
                                  callbacks=[_SqueezeAtStep(budget, state, step=2)])
         trainer.train()
     guard = trainer.oom_guard
