@@ -127,6 +127,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         _check_positive("seq_len", seq_len)
     batch_factory, description = _batch_factory(batch, info, seq_len)
     sample = _checked_sample(batch_factory)
+    if batch is not None and seq_len is not None:
+        _check_given_length(seq_len, sample, description)
     budget, budget_reason = _budget(memory_budget, resolved)
     _check_positive("num_gpus", num_gpus)
     if global_batch_size is not None:
@@ -250,6 +252,18 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
         batches.check_factory(batch)
         return batch, "from make_batch(batch_size)"
     return batches.factory_from_sample(batch), f"sample batch of {batches.leading_dim(batch)} rows, cycled"
+
+
+def _check_given_length(seq_len: int, sample: Any, description: str) -> None:
+    """`UsageError` when `seq_len` asks for a length the given batch does not have: it sets the length of
+    a synthesized batch only, and a given one is probed as it is."""
+    tokens = batches.tokens_per_sample(sample)
+    if tokens == seq_len:
+        return
+    has = f"{tokens} tokens per sample" if tokens is not None else "no sequence axis autofit can read"
+    raise UsageError(f"seq_len={seq_len} sets the length of the batch autofit synthesizes for a Hugging Face "
+                     f"model, but a batch is given ({description}: {has}) and is probed as it is. Make the "
+                     "batch at the longest length the job will see, or leave seq_len out.")
 
 
 def _checked_sample(batch_factory: Callable[[int], Any]) -> Any:

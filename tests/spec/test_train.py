@@ -97,6 +97,16 @@ def test_seq_len_over_the_model_maximum():
         make_spec(make_gpt2, seq_len=100, device="cpu", memory_budget="1GiB")
 
 
+def test_seq_len_with_a_given_batch_is_its_length_or_refused():
+    ids = torch.randint(0, 64, (2, 32))
+    assert make_spec(make_gpt2, {"input_ids": ids, "labels": ids}, seq_len=32, device="cpu",
+                     memory_budget="1GiB").tokens_per_sample == 32
+    with pytest.raises(UsageError, match=r"seq_len=48 .* batch is given \(sample batch of 2 rows, cycled: 32 tokens"):
+        make_spec(make_gpt2, {"input_ids": ids, "labels": ids}, seq_len=48, device="cpu", memory_budget="1GiB")
+    with pytest.raises(UsageError, match="no sequence axis"):
+        make_spec(make_mlp, make_mlp_batch, loss_fn=mlp_loss, seq_len=128, device="cpu", memory_budget="1GiB")
+
+
 def test_allow():
     assert parse_allow(None) == 1 and parse_allow({"lora"}) == 2 and parse_allow(0) == 0
     with pytest.raises(UsageError, match="'everything'"):
