@@ -100,9 +100,16 @@ class RichProgress:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
 
 
+OPTION_NAMES = ("seq_len", "global_batch_size", "memory_budget", "gpu_memory", "num_gpus", "allow", "optimizer",
+                "max_probes", "warmup_steps", "timed_steps", "exact_margin", "nvme_path")
+
+
 def as_options(text: str) -> str:
-    """A library message in the command line's words: `allow={'numerics'}` is `--allow numerics` there."""
-    return re.sub(r"allow=\{'(\w+)'\}", r"--allow \1", text)
+    """A library message in the command line's words: `allow={'numerics'}` is `--allow numerics` there,
+    `seq_len=512` is `--seq-len 512`."""
+    text = re.sub(r"allow=\{'(\w+)'\}", r"--allow \1", text)
+    names = "|".join(OPTION_NAMES)
+    return re.sub(rf"(?<![\w.-])({names})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", text)
 
 
 def env_columns() -> int | None:

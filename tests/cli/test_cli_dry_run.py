@@ -82,6 +82,18 @@ def test_what_to_allow_is_said_in_the_command_lines_words():
     assert as_options(f"Pass {TIER_NAMES[1]} to go further") == \
         "Pass --allow numerics (mixed precision, 8-bit optimizers) to go further"
     assert as_options(TIER_NAMES[2]).startswith("--allow lora")
+    assert as_options("seq_len=512 sets ...; optimizer='adam8bit' is not known") == \
+        "--seq-len 512 sets ...; --optimizer 'adam8bit' is not known"
+
+
+def test_seq_len_beside_a_batch_of_yours_is_refused_in_the_command_lines_words(tmp_path, capsys):
+    (tmp_path / "mlp.py").write_text(
+        "import torch\n"
+        "def setup():\n"
+        "    model = torch.nn.Linear(8, 2)\n"
+        "    return model, lambda n: torch.randn(n, 8), lambda out, batch: out.pow(2).mean()\n")
+    code = main(["dry-run", "--model", f"{tmp_path / 'mlp.py'}:setup", "--seq-len", "512", "--gpu", "t4"])
+    assert code == 2 and "--seq-len 512 sets the length of the batch autofit synthesizes" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
