@@ -100,8 +100,8 @@ class RichProgress:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
 
 
-OPTION_NAMES = ("seq_len", "global_batch_size", "memory_budget", "gpu_memory", "num_gpus", "allow", "optimizer",
-                "max_probes", "warmup_steps", "timed_steps", "exact_margin", "nvme_path")
+OPTION_NAMES = ("seq_len", "global_batch_size", "memory_budget", "gpu_memory", "gpu", "num_gpus", "allow",
+                "optimizer", "max_probes", "warmup_steps", "timed_steps", "exact_margin", "nvme_path")
 
 
 def as_options(text: str) -> str:

@@ -194,11 +194,11 @@ def forward_names(model: torch.nn.Module) -> frozenset[str] | None:
         return None
     if not any(p.kind is p.VAR_KEYWORD for p in parameters):
         return frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    inner = _wrapped(model) if any(p.kind is p.VAR_POSITIONAL for p in parameters) else None
+    inner = wrapped_module(model) if any(p.kind is p.VAR_POSITIONAL for p in parameters) else None
     return None if inner is None else forward_names(inner)
 
 
-def _wrapped(model: torch.nn.Module) -> torch.nn.Module | None:
+def wrapped_module(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module a pass-through wrapper calls, if `model` is one."""
     for inner in (getattr(model, "_orig_mod", None), getattr(model, "module", None)):
         if isinstance(inner, torch.nn.Module):

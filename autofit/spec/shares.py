@@ -11,13 +11,14 @@ targets split in two moves a GPT-2's gradient by about 2%.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from autofit.spec.batch import _wrapped, default_loss, leading_dim
+from autofit.spec.batch import default_loss, leading_dim, wrapped_module
 
 IGNORE_INDEX = -100
 TOKEN_LOSSES = ("ForMaskedLMLoss", "ForTokenClassification")  # in transformers' LOSS_MAPPING, beside causal LMs
@@ -82,14 +83,17 @@ def _token_loss(model: nn.Module) -> str | None:
     model = _innermost(model)
     if not hasattr(model, "loss_type"):
         return None
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:
-        return None
-    function = getattr(LOSS_MAPPING.get(model.loss_type), "__name__", None)
+    return _loss_kind(type(model), model.loss_type)
+
+
+@functools.lru_cache(maxsize=64)
+def _loss_kind(model_class: type, loss_type: str | None) -> str | None:
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    function = getattr(LOSS_MAPPING.get(loss_type), "__name__", None)
     causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # FSDP2 subclasses the model's class
-    if function == "ForCausalLMLoss" or any(cls.__name__ in causal_classes for cls in type(model).__mro__):
+    if function == "ForCausalLMLoss" or any(cls.__name__ in causal_classes for cls in model_class.__mro__):
         return "causal"
     return "tokens" if function in TOKEN_LOSSES else None
 
@@ -101,6 +105,6 @@ def _config(model: nn.Module) -> Any:
 def _innermost(model: nn.Module) -> nn.Module:
     """The model inside pass-through wrappers (DDP, DeepSpeed's engine, peft, `torch.compile`), which
     hand attribute reads on to it (peft) or not (DDP), but are not its class."""
-    while (inner := _wrapped(model)) is not None:
+    while (inner := wrapped_module(model)) is not None:
         model = inner
     return model

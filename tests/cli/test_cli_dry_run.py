@@ -57,7 +57,7 @@ def test_json_is_one_document_with_every_candidate(config_json, capsys, gpus, hi
 @pytest.mark.parametrize("args, message", [(("--seq-len", "0"), "seq_len must be an integer >= 1, but got 0"),
                                            (("--top", "-1"), "'--top': -1 is not in the range x>=0"),
                                            (("--gpu", "8xh100", "--num-gpus", "4"),
-                                            "gpu='8xh100' says 8 GPUs but num_gpus=4: give the count once")])
+                                            "--gpu '8xh100' says 8 GPUs but --num-gpus 4: give the count once")])
 def test_bad_values_exit_2_and_json_still_gets_its_document(config_json, capsys, args, message):
     assert main(["dry-run", "--model", str(config_json), *args, "--json"]) == 2
     captured = capsys.readouterr()
