@@ -148,8 +148,9 @@ def run_dir(out: str | None, model: str, resume: bool) -> tuple[Path, "RunLock"]
     """The run directory (--out, or runs/<model>) and its lock: refuses a directory another `tune` is
     running in (naming it), and refuses to mix a new run into an old one."""
     path = Path(out) if out else Path("runs") / (re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).stem) or "run")
+    made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(path)
+    lock = RunLock(path, made)
     try:
         exists = (path / TRIALS).exists()
         if resume and not exists:
@@ -169,8 +170,9 @@ class RunLock:
     refused with the first's pid, host, start time and command. The operating system releases it when
     the process ends, however it ends, so a crashed run leaves no stale lock."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, made: bool = False):
         self.path = folder / LOCK
+        self._made = made  # the folder was made for this run: one that ends with nothing in it takes it away
         self._file = open(self.path, "a+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -187,11 +189,17 @@ class RunLock:
         self._file.flush()
 
     def release(self) -> None:
-        """Unlock (the file stays: removing it could let two later runs lock two different files)."""
-        if not self._file.closed:
-            self._file.truncate(0)
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
+        """Unlock (the file stays: removing it could let two later runs lock two different files), unless
+        the run made the folder and ended leaving nothing else in it (an error before the first trial):
+        then the folder goes, so the next try starts where the first would have."""
+        if self._file.closed:
+            return
+        self._file.truncate(0)
+        if self._made and [entry.name for entry in self.path.parent.iterdir()] == [LOCK]:
+            self.path.unlink()
+            self.path.parent.rmdir()
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
 
 
 def _command_line() -> list[str]:

@@ -181,6 +181,15 @@ def test_bad_values_name_the_fix(tmp_path, model_arg, capsys, args, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_a_run_refused_before_its_first_trial_leaves_no_folder_it_made(tmp_path, model_arg, capsys):
+    assert tune(model_arg, tmp_path / "new", "--seq-len", "7") == 2  # refused once the model and batch are read
+    assert "--seq-len 7 sets the length" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert tune(model_arg, tmp_path / "mine", "--seq-len", "7") == 2
+    assert (tmp_path / "mine").is_dir()  # a folder of yours stays, with the lock file in it
+
+
 def test_a_second_tune_on_the_same_out_is_refused_naming_the_first(tmp_path, model_arg, capsys):
     out = tmp_path / "run"
     out.mkdir()
