@@ -99,7 +99,12 @@ def _states(facts: ModelFacts, config: Config) -> States:
     cpu = k_bytes + 4 * trainable if to_host else 0
     if config.zero_stage >= 3:
         cpu += half * trainable if to_host else 0
-        params = wb * frozen
+        # Stage 3 with an offloaded optimizer (to the CPU or NVMe) makes its gradient partitions on the host:
+        # `grad_partitions_flat_buffer` on `self.device`, which is the CPU then (stage3.py, DeepSpeed 0.19.8),
+        # in the accumulation dtype (the model's, `engine.get_data_types`); the GPU holds a partition only
+        # while it is copied there (`partition_grads`).
+        params, grads = wb * frozen, 0
+        cpu += half * trainable
     return States(int(params), int(grads), 0, int(cpu))
 
 
