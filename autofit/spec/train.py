@@ -117,6 +117,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     resident = _resident_bytes((model, batch), resolved)
     # A module or sample batch already on a GPU is copied to the CPU once: probes and children build from it.
     model, batch = _on_cpu(model), batches.to_device(batch, torch.device("cpu")) if _is_sample(batch) else batch
+    if target is None:
+        _check_weights(model)
     model_factory = _model_factory(model)
     # A given module is inspected as it is; a factory is built on the meta device (no memory used).
     meta_model = None if isinstance(model, nn.Module) else build_on_meta(model_factory)
@@ -226,15 +228,25 @@ def _resident_bytes(values: Any, device: torch.device) -> int:
     return sum(storages.values())
 
 
+def _check_weights(model: Any) -> None:
+    """`UsageError` for a module whose weights are on the meta device (built under `torch.device("meta")`
+    or accelerate's `init_empty_weights`): probes train, and there is nothing to train."""
+    if isinstance(model, nn.Module) and any(tensor.is_meta for tensor in _tensors(model)):
+        raise UsageError(f"{type(model).__name__}'s weights are on the meta device (built under "
+                         "torch.device('meta') or init_empty_weights()): probes train real steps and these "
+                         "have no data. Pass the model with its weights, or a factory that builds it; "
+                         "autofit.dry_run takes it as it is.")
+
+
 def _on_cpu(model: Any) -> Any:
-    """`model` itself when it is no module or all its tensors are on the CPU; else a CPU copy, made
-    tensor by tensor (never a second copy on the GPU; tied weights stay tied). The user's module is
-    not touched."""
+    """`model` itself when it is no module or all its tensors are on the CPU (or the meta device: no data
+    to copy); else a CPU copy, made tensor by tensor (never a second copy on the GPU; tied weights stay
+    tied). The user's module is not touched."""
     if not isinstance(model, nn.Module):
         return model
     memo: dict[int, Any] = {}
     for tensor in _tensors(model):
-        if tensor.device.type != "cpu" and id(tensor) not in memo:
+        if tensor.device.type not in ("cpu", "meta") and id(tensor) not in memo:
             moved = tensor.detach().to("cpu")
             memo[id(tensor)] = nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved
     return copy.deepcopy(model, memo) if memo else model

@@ -187,3 +187,15 @@ def test_a_dict_batch_may_hold_keys_for_the_loss_alone():
 def test_a_loss_fn_that_gives_no_loss_to_backward_is_refused(loss_fn, message):
     with pytest.raises(UsageError, match=message):
         spec(loss_fn=loss_fn)
+
+
+def test_weights_on_the_meta_device_are_refused_for_probes_and_taken_by_the_dry_run():
+    with torch.device("meta"):
+        empty = make_mlp()
+    with pytest.raises(UsageError, match="weights are on the meta device .* autofit.dry_run takes it"):
+        make_spec(empty, make_mlp_batch, loss_fn=mlp_loss, device="cpu", memory_budget="1GiB")
+    from autofit import dry_run
+
+    report = dry_run(empty, make_mlp_batch, loss_fn=mlp_loss, global_batch_size=4, gpu="t4")
+    assert report.fits and report.chosen.estimate.simulated
+    assert all(p.is_meta for p in empty.parameters())  # the module given is left as it was
