@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import pickle
 import sys
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the job in `argv[0]`, write the result to descriptor `argv[1]`; exit status 0 when reported."""
     job_path, result_fd = (argv if argv is not None else sys.argv[1:])[:2]
     _leave_with_parent()
-    quiet_deprecations()
+    quiet_notices()
     with open(job_path, "rb") as handle:
         job = pickle.load(handle)
     # The parent's import path first: modules its objects were pickled by reference from (a test's
@@ -39,12 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def quiet_deprecations() -> None:
-    """Leave out torch's notices that DeepSpeed calls collectives it deprecated (`reduce_scatter_tensor`,
-    `all_gather_into_tensor`): nothing the user can act on, and printed at nearly every call, as other
-    libraries' `catch_warnings` reset the once-per-place registry (3,748 lines on stderr in one two-rank
-    search of 27 probes on the CPU)."""
+def quiet_notices() -> None:
+    """Leave out notices nobody can act on that a search would print over and over:
+    - torch's, that DeepSpeed calls collectives it deprecated (`reduce_scatter_tensor`,
+      `all_gather_into_tensor`), printed at nearly every call, as other libraries' `catch_warnings` reset
+      the once-per-place registry (3,748 lines on stderr in one two-rank search of 27 probes on the CPU);
+    - transformers', that a model whose class names no loss (GPT2LMHeadModel: `loss_type` None) takes the
+      causal LM loss: once per process, so once per probe and rank (8 lines in a two-rank search of GPT-2).
+    """
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    logging.getLogger("transformers.modeling_utils").addFilter(_unset_loss_type)
+
+
+def _unset_loss_type(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("`loss_type=None` was set in the config but it is unrecognized")
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:

@@ -261,8 +261,8 @@ def test_a_probe_process_leaves_out_torchs_notices_of_deprecated_collectives(tmp
     script = tmp_path / "collectives.py"
     script.write_text(
         "import sys, warnings, torch, torch.distributed as dist\n"
-        "from autofit.probe.child import quiet_deprecations\n"
-        "if sys.argv[1] == 'quiet':\n    quiet_deprecations()\n"
+        "from autofit.probe.child import quiet_notices\n"
+        "if sys.argv[1] == 'quiet':\n    quiet_notices()\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'init'}-' + sys.argv[1], rank=0, world_size=1)\n"
         "for _ in range(3):\n"
         "    with warnings.catch_warnings():\n        pass\n"
@@ -275,4 +275,26 @@ def test_a_probe_process_leaves_out_torchs_notices_of_deprecated_collectives(tmp
         return run.stderr.count("is deprecated")
 
     assert notices("loud") == 3  # what a rank printed: one per call
+    assert notices("quiet") == 0
+
+
+def test_a_probe_process_leaves_out_transformers_notice_of_a_default_loss(tmp_path):
+    # GPT2LMHeadModel's class names no loss, so transformers says, once per process, that it takes the
+    # causal LM loss: once per probe and rank in a search. The probe process leaves it out.
+    script = tmp_path / "gpt2.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from autofit.probe.child import quiet_notices\n"
+        "if sys.argv[1] == 'quiet':\n    quiet_notices()\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))\n"
+        "ids = torch.randint(0, 64, (2, 8))\n"
+        "model(input_ids=ids, labels=ids).loss.backward()\n")
+
+    def notices(how):
+        run = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        return run.stderr.count("`loss_type=None` was set")
+
+    assert notices("loud") == 1
     assert notices("quiet") == 0
