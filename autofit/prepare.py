@@ -28,10 +28,10 @@ from torch import nn
 from autofit.config import Config, Engine
 from autofit.config import Optimizer as O
 from autofit.errors import UsageError
-from autofit.probe.step import TrainRun
+from autofit.probe.step import TrainRun, checked_max_grad_norm
 from autofit.spec.batch import default_loss, leading_dim, to_device
-from autofit.spec.shares import micro_batch_shares
 from autofit.spec.model_info import inspect_model
+from autofit.spec.shares import micro_batch_shares
 from autofit.spec.target import Target
 from autofit.spec.train import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
 from autofit.strategies.base import Strategy, plugins
@@ -114,8 +114,16 @@ class Prepared:
         return self.run.forward_backward(micro_batch, weight)
 
     def optimizer_step(self) -> None:
-        """Apply the accumulated gradients (through the scaler or the engine) and clear them."""
+        """Apply the accumulated gradients (through the scaler or the engine), clipped to `max_grad_norm`
+        where one was given, and clear them."""
         self.run.optimizer_step()
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (None: not clipped, or no step yet)."""
+        deepspeed = getattr(self.run.model, "get_global_grad_norm", None)  # the engine, which clips itself
+        norm = (deepspeed() if self.run.max_grad_norm else None) if callable(deepspeed) else self.run.grad_norm
+        return None if norm is None else float(norm)
 
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over every sample of `batch`, in micro-batches; returns the mean loss.
@@ -126,7 +134,8 @@ class Prepared:
 
 def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: LossFn | None = None,
             device: str | torch.device | None = None, strategies: Sequence[Strategy] | None = None,
-            nvme_path: str | os.PathLike | None = None, engine: bool = True) -> Prepared:
+            nvme_path: str | os.PathLike | None = None, engine: bool = True,
+            max_grad_norm: float | None = None) -> Prepared:
     """Apply every knob of `plan` to `model` with the strategies' own code; return what a loop needs.
 
     Args:
@@ -146,14 +155,22 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
         nvme_path: folder for NVMe offload, when the plan offloads there.
         engine: False leaves the ranks and the engine (DDP, ZeRO, FSDP2) to a launcher that builds them
             itself (`accelerator.prepare`, the Trainer): every other knob is applied, nothing is wrapped.
+        max_grad_norm: the largest global gradient norm `optimizer_step` (and `step`) lets through, clipped
+            after fp16's unscaling and over every rank's shard (DeepSpeed clips in its engine, from its
+            config); None clips nothing. `prepared.grad_norm` is the last step's norm before clipping.
     """
     config, summary, settings = _config_of(plan)
+    max_grad_norm = checked_max_grad_norm(max_grad_norm)
+    if max_grad_norm and config.steps_in_backward:
+        raise UsageError(f"max_grad_norm={max_grad_norm}: this plan steps the optimizer inside the backward "
+                         f"({config.describe()}), one parameter at a time, so there is no global gradient norm to "
+                         "clip. Leave max_grad_norm out, or train a plan whose optimizer steps after the backward.")
     where = _device(device, summary, config)
     if engine:
         _join_ranks(config, where)
     given = _optimizer_spec(optimizer, config, settings.get("optimizer", {}))
     spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
-    run = TrainRun(spec=spec, config=config, model=model)
+    run = TrainRun(spec=spec, config=config, model=model, max_grad_norm=max_grad_norm or 0.0)
     model.train()
     for strategy in sorted(_strategies(strategies, engine, config, settings), key=lambda s: s.rung):
         strategy.apply(run)

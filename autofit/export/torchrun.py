@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
+from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit
 from autofit.export.model_setup import setup_comments
@@ -80,10 +80,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 import autofit
 
 
-def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None):
-    """Train on `dataset` (one epoch, or `max_steps` optimizer steps); returns the prepared run."""
+def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None, max_grad_norm={_clipping(plan)!r}):
+    """Train on `dataset` (one epoch, or `max_steps` optimizer steps), the gradients' global norm clipped
+    to `max_grad_norm` (None: not clipped), as the Trainer, accelerate and DeepSpeed exports clip them;
+    returns the prepared run."""
     plan = os.environ.get("AUTOFIT_PLAN", Path(__file__).with_name("{PLAN_FILENAME}"))
-    prepared = autofit.prepare(plan, model, optimizer, loss_fn=loss_fn)
+    prepared = autofit.prepare(plan, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
     ranks = dist.is_initialized() and dist.get_world_size() > 1
     sampler = DistributedSampler(dataset) if ranks else None
     loader = DataLoader(dataset, batch_size=prepared.batch_size, shuffle=sampler is None, sampler=sampler,
@@ -119,6 +121,12 @@ if __name__ == "__main__":
     if dist.is_initialized():
         dist.destroy_process_group()
 '''
+
+
+def _clipping(plan: "Plan") -> float | None:
+    """The global gradient norm the script clips to: the other exports' (DEFAULT_GRADIENT_CLIPPING), none
+    where the optimizer steps inside the backward (no global gradient to clip)."""
+    return None if plan.config is not None and plan.config.steps_in_backward else DEFAULT_GRADIENT_CLIPPING
 
 
 def export(plan: "Plan", out_dir: Path) -> list[Path]:

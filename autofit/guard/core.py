@@ -40,6 +40,7 @@ from autofit.prepare import OPTIMIZER_CLASSES
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
 from autofit.guard.sync import Round, sync_for, unwrap
 from autofit.probe.oom import classify_oom, first_line, release_memory
+from autofit.probe.step import checked_max_grad_norm, clip_gradients
 from autofit.plan import Plan
 from autofit.strategies import checkpointing
 from autofit.units import format_size
@@ -79,6 +80,7 @@ class StepReport:
     samples: int  # samples whose gradients went into this step (always the batch's size)
     micro_batches: tuple[int, ...]  # sizes of the micro-batches that completed, in order
     recoveries: tuple[Recovery, ...]  # changes made during this step
+    grad_norm: float | None = None  # the global gradient norm before clipping, where `max_grad_norm` clips
 
 
 @dataclasses.dataclass
@@ -121,7 +123,7 @@ class OomGuard:
                  plan: str | Path | Plan | None = None, grow_back_after: int | None = None,
                  eval_micro_batch_size: int | None = None, autocast_dtype: torch.dtype | None = None,
                  scaler: Any = None, escalate: bool = True, process_group: Any = None,
-                 running_precision: Any = None):
+                 running_precision: Any = None, max_grad_norm: float | None = None):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
@@ -133,6 +135,7 @@ class OomGuard:
         self.config = _initial_config(self._plan, micro_batch_size, self._optimizer_kind)
         self.grow_back_after = _positive("grow_back_after", grow_back_after)
         self.eval_micro_batch_size = _positive("eval_micro_batch_size", eval_micro_batch_size)
+        self.max_grad_norm = checked_max_grad_norm(max_grad_norm)  # `step` clips the gradients' global norm
         if self._plan is not None:  # the model runs the plan's knobs, or the guard refuses to start
             autocast_dtype, scaler = apply_plan(self._plan.config, model, optimizer, autocast_dtype, scaler,
                                                 running_precision)
@@ -159,9 +162,9 @@ class OomGuard:
             raise UsageError("OomGuard.step needs an optimizer; this guard was made with optimizer=None "
                              "(evaluation only). Pass the optimizer you train with.")
         report = self.accumulate(batch)
-        self._optimizer_step()
+        norm = self._optimizer_step()
         self.steps += 1
-        return report
+        return report if norm is None else dataclasses.replace(report, grad_norm=norm)
 
     def accumulate(self, batch: Any, backward: Backward | None = None) -> StepReport:
         """Forward and backward of every sample of `batch`, its gradients added to `.grad`, no optimizer
@@ -297,9 +300,13 @@ class OomGuard:
         itself; integrations whose framework steps the optimizer call it at the end of a window."""
         self.sync.average_gradients(self._ledger.params)
 
-    def _optimizer_step(self) -> None:
-        """Average gradients over ranks, apply them, clear them."""
+    def _optimizer_step(self) -> float | None:
+        """Average gradients over ranks, clip them to `max_grad_norm` (returning their norm before), apply
+        them, clear them."""
         self.average_gradients()
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = float(clip_gradients(self._ledger.params, self.max_grad_norm, self.optimizer, self.scaler))
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -312,6 +319,7 @@ class OomGuard:
             raise GuardGaveUp(f"Out of memory in the optimizer step at step {self.steps} ({first_line(exc)}); a "
                               f"smaller micro-batch cannot help there. Use {RESTART_RUNGS}.") from exc
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     # ---- grow-back and bookkeeping --------------------------------------------------------------
     def _maybe_grow_back(self) -> None:

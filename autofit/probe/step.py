@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
+from autofit.errors import UsageError
 from autofit.spec.batch import call_model, checked_loss
 from autofit.spec.shares import micro_batch_shares
 from autofit.config import Config
@@ -29,6 +30,31 @@ class Engine(Protocol):
 
     def step(self) -> None:
         """The optimizer step after the last micro-batch, gradients cleared."""
+
+
+def checked_max_grad_norm(value: Any) -> float | None:
+    """`max_grad_norm` as given (None: no clipping), or the `UsageError` naming the bad value."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UsageError(f"max_grad_norm must be a positive number (the largest global gradient norm, e.g. 1.0) "
+                         f"or None for no clipping, but got {value!r}.")
+    return float(value)
+
+
+def clip_gradients(params: Sequence[nn.Parameter], max_norm: float, optimizer: Any, scaler: Any) -> torch.Tensor:
+    """Clip the global norm of `params`' gradients to `max_norm` (unscaled first under fp16's GradScaler,
+    as its docs prescribe); returns the norm before clipping. Gradients sharded by FSDP2 (DTensors) have
+    their norm reduced over the ranks before they are scaled, as torchtitan's `clip_grad_norm_` does
+    (torchtitan/distributed/utils.py)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    with_grads = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+    full = getattr(norm, "full_tensor", None)  # a DTensor norm (FSDP2): the sum over the ranks
+    norm = full() if callable(full) else norm
+    torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
+    return norm.detach()
 
 
 @dataclasses.dataclass
@@ -50,6 +76,10 @@ class TrainRun:
     engine: "Engine | None" = None
     nvme_path: str | None = None  # folder for NVMe offload, set by the offload strategy for the engine
     phase: str = "build"  # what the run is doing (`autofit.probe.outcome.PHASES`): an OOM records it
+    # The largest global gradient norm before the step (`autofit.prepare`'s `max_grad_norm`); 0 clips nothing.
+    # None (probes): as the exports run, DeepSpeed's config clipping at 1.0, torch's steps unclipped.
+    max_grad_norm: float | None = None
+    grad_norm: torch.Tensor | None = None  # the last step's norm before clipping, where this run clipped
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +124,9 @@ class TrainRun:
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients and clear them."""
         self.phase = "step"
+        if self.max_grad_norm and self.engine is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            self.grad_norm = clip_gradients(params, self.max_grad_norm, self.optimizer, self.scaler)
         if self.engine is not None:
             self.engine.step()
         elif self.scaler is not None:

@@ -101,8 +101,9 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     from autofit.export.deepspeed import buffers_for, deepspeed_config
     from autofit.strategies.optimizer import hyperparameters
 
+    clipping = {} if run.max_grad_norm is None else {"gradient_clipping": run.max_grad_norm}
     config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()),
-                              hyperparameters=hyperparameters(run.config.optimizer, run.spec.optimizer))
+                              hyperparameters=hyperparameters(run.config.optimizer, run.spec.optimizer), **clipping)
     if run.spec.device.type == "cpu":
         _gloo_collectives(deepspeed)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
