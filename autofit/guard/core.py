@@ -1,8 +1,9 @@
 """The OOM guard: a running job survives an out-of-memory error inside its step.
 
 `OomGuard.step(batch)` runs one optimizer step's worth of samples on the user's live model and
-optimizer: forward and backward over micro-batches, each loss weighted by its share of the samples
-(as `autofit.probe.step.TrainRun.step` does), then the optimizer step. When a micro-batch runs out of
+optimizer: forward and backward over micro-batches, each loss weighted by its share of the samples (of
+the targets for a Hugging Face model's own token-level loss: `autofit.spec.shares`), as
+`autofit.probe.step.TrainRun.step` does, then the optimizer step. When a micro-batch runs out of
 memory the guard drops what that attempt held, halves the micro-batch (doubling accumulation) and
 replays the remaining samples of the step from the batch it was given. The gradients of micro-batches
 that completed are kept. If the OOM struck in a backward after it had added some parameters'
@@ -76,7 +77,7 @@ class Recovery:
 class StepReport:
     """What one guarded step did."""
 
-    loss: torch.Tensor  # sample-weighted mean loss of the step (detached)
+    loss: torch.Tensor  # mean loss of the step, its pieces weighted by their shares (detached)
     samples: int  # samples whose gradients went into this step (always the batch's size)
     micro_batches: tuple[int, ...]  # sizes of the micro-batches that completed, in order
     recoveries: tuple[Recovery, ...]  # changes made during this step
@@ -230,7 +231,7 @@ class OomGuard:
         over, under `no_sync` like every piece."""
         weight = share(counts, start, size, total)
         if weight == 0.0:
-            return _Attempt(size=size, loss=torch.zeros(()))
+            return _Attempt(size=size, loss=torch.zeros((), device=self._device()))
         chunk = batch if size == total else slice_rows(batch, start, size)
         self.phase = "forward" if backward == self._forward_backward else "forward/backward"
         self._ledger.snapshot()
@@ -254,7 +255,8 @@ class OomGuard:
         # Out of the except block: the exception, its traceback and the attempt's tensors are gone.
         touched = self._ledger.touched()
         done = len(touched) == len(self._ledger.params) - len(hold)  # every gradient got in before the OOM
-        return _Attempt(size=size, loss=torch.zeros(()) if done else None, oom=f"{kind} ({detail})", kind=kind,
+        nothing = torch.zeros((), device=self._device())  # beside the other pieces' losses, stacked at the end
+        return _Attempt(size=size, loss=nothing if done else None, oom=f"{kind} ({detail})", kind=kind,
                         where=self.phase, touched=[] if done else touched)
 
     def _recover(self, attempt: _Attempt, agreed: Round, total: int) -> None:
@@ -368,8 +370,8 @@ class OomGuard:
 
         Without `fn`: the mean loss (a 0-d tensor), its pieces weighted as training's are. With
         `fn(model, micro_batch)` returning a tensor (or a tuple/dict of tensors) with a sample axis: those
-        outputs concatenated over the batch. An OOM halves `eval_micro_batch_size` only; the training configuration is
-        never touched.
+        outputs concatenated over the batch. An OOM halves `eval_micro_batch_size` only; the training
+        configuration is never touched.
         """
         was_training = self.model.training
         self.model.eval()
