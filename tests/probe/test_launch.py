@@ -254,28 +254,30 @@ def _running(pid):
         return stat.read().split()[2] != "Z"
 
 
+QUIET = "import sys\nfrom autofit.probe.child import quiet_notices\nif sys.argv[1] == 'quiet':\n    quiet_notices()\n"
+
+
+def _notices(script, how: str, needle: str) -> int:
+    """Times `needle` is on the stderr of `script` run as a probe process would ('quiet') or not ('loud')."""
+    run = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stderr.count(needle)
+
+
 def test_a_probe_process_leaves_out_torchs_notices_of_deprecated_collectives(tmp_path):
     # DeepSpeed's ZeRO calls reduce_scatter_tensor and all_gather_into_tensor, which torch deprecates; a
     # catch_warnings anywhere resets the once-per-place registry, so the notice came at every call: 3,748
     # lines on stderr in one two-rank search. The probe process leaves them out; the script is a rank's calls.
     script = tmp_path / "collectives.py"
     script.write_text(
-        "import sys, warnings, torch, torch.distributed as dist\n"
-        "from autofit.probe.child import quiet_notices\n"
-        "if sys.argv[1] == 'quiet':\n    quiet_notices()\n"
+        QUIET + "import warnings, torch, torch.distributed as dist\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'init'}-' + sys.argv[1], rank=0, world_size=1)\n"
         "for _ in range(3):\n"
         "    with warnings.catch_warnings():\n        pass\n"
         "    dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4))\n"
         "dist.destroy_process_group()\n")
-
-    def notices(how):
-        run = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr
-        return run.stderr.count("is deprecated")
-
-    assert notices("loud") == 3  # what a rank printed: one per call
-    assert notices("quiet") == 0
+    assert _notices(script, "loud", "is deprecated") == 3  # what a rank printed: one per call
+    assert _notices(script, "quiet", "is deprecated") == 0
 
 
 def test_a_probe_process_leaves_out_transformers_notice_of_a_default_loss(tmp_path):
@@ -283,18 +285,9 @@ def test_a_probe_process_leaves_out_transformers_notice_of_a_default_loss(tmp_pa
     # causal LM loss: once per probe and rank in a search. The probe process leaves it out.
     script = tmp_path / "gpt2.py"
     script.write_text(
-        "import sys, torch\n"
-        "from autofit.probe.child import quiet_notices\n"
-        "if sys.argv[1] == 'quiet':\n    quiet_notices()\n"
-        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        QUIET + "import torch\nfrom transformers import GPT2Config, GPT2LMHeadModel\n"
         "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))\n"
         "ids = torch.randint(0, 64, (2, 8))\n"
         "model(input_ids=ids, labels=ids).loss.backward()\n")
-
-    def notices(how):
-        run = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 0, run.stderr
-        return run.stderr.count("`loss_type=None` was set")
-
-    assert notices("loud") == 1
-    assert notices("quiet") == 0
+    assert _notices(script, "loud", "`loss_type=None` was set") == 1
+    assert _notices(script, "quiet", "`loss_type=None` was set") == 0
