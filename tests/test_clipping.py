@@ -80,7 +80,8 @@ def test_two_ranks_clip_the_global_norm_under_ddp_fsdp2_and_zero():
                           str(script)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = {r["sharding"]: r for r in map(json.loads, (line for line in run.stdout.splitlines() if line.startswith("{")))}
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = {row["sharding"]: row for row in map(json.loads, lines)}
     assert set(rows) == {"none", "fsdp_full", "zero2"}
     first = next(expected.parameters()).detach().flatten()[:8]
     for sharding, row in rows.items():

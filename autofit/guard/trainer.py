@@ -4,11 +4,11 @@
     trainer = GuardedTrainer(model=model, args=args, train_dataset=...)   # was: Trainer(...)
 
 Each per-device batch the Trainer feeds `training_step` is split when it runs out of memory, each
-piece's loss weighted by its share (or left as is when the loss is already normalised by the
-window's token count, `num_items_in_batch`, as measured once), inside the Trainer's own accumulation window: the global
-batch, the global step and the learning-rate schedule are untouched, unlike `auto_find_batch_size`,
-which restarts with a smaller batch. Evaluation batches are split apart from training's: an OOM in
-`evaluate` never changes the training micro-batch.
+piece's loss weighted by its share (or left as is when the loss is already normalised by the window's
+token count, `num_items_in_batch`, as measured once), inside the Trainer's own accumulation window: the
+global batch, the global step and the learning-rate schedule are untouched, unlike
+`auto_find_batch_size`, which restarts with a smaller batch. Evaluation batches are split apart from
+training's: an OOM in `evaluate` never changes the training micro-batch.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ class GuardedTrainer(Trainer):
         the gradient the unsplit batch gives, the loss is measured once, at the count and at twice it."""
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
-        passed = (self.model_accepts_loss_kwargs or self.compute_loss_func is not None) and num_items_in_batch is not None
+        takes_count = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        passed = num_items_in_batch is not None and takes_count
         if passed and self._guard_loss_divides is None:
             self._guard_loss_divides = self._loss_divides_by_count(model, inputs, num_items_in_batch)
         return passed and bool(self._guard_loss_divides)

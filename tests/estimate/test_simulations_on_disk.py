@@ -58,7 +58,8 @@ def replays(monkeypatch):
 
 
 def predict(model, batch=None, config=CONFIG):
-    spec = make_spec(model, batch, seq_len=32 if batch is None else None, global_batch_size=2 * config.grad_accum_steps, device="cpu",
+    spec = make_spec(model, batch, seq_len=32 if batch is None else None, device="cpu",
+                     global_batch_size=2 * config.grad_accum_steps,
                      memory_budget="4GiB", loss_fn=None if batch is None else (lambda out, _batch: out.square().mean()))
     estimator = Estimator(spec, target="cuda")
     estimator.predict(CONFIG)  # simulated as CONFIG: `config` shares its simulation, replayed for its own
