@@ -263,21 +263,34 @@ def signature_text(function: Any) -> str:
 
 
 def default_loss(output: Any, batch: Batch) -> torch.Tensor:
-    """`output.loss` (Hugging Face), `output["loss"]`, or `output` itself when it is a scalar tensor."""
+    """`output.loss` (Hugging Face), `output["loss"]`, `output` itself when it is a scalar tensor, or the one
+    scalar tensor of a tuple (nanoGPT's `(logits, loss)`, a `return_dict=False` model's `(loss, logits)`)."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
         loss = output
+    if loss is None and isinstance(output, (tuple, list)):
+        scalars = [x for x in output if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()]
+        loss = scalars[0] if len(scalars) == 1 else None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else \
-            f"a {type(output).__name__}"
         raise UsageError(
-            f"The model returned {shape}, which has no scalar loss. Pass labels in the batch (Hugging Face), "
-            "make forward return the loss, or pass loss_fn=lambda output, batch: ... to autofit (autofit tune: "
-            "--loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn))."
+            f"The model returned {_described(output)}, which has no scalar loss. Pass labels in the batch (Hugging "
+            "Face), make forward return the loss, or pass loss_fn=lambda output, batch: ... to autofit (autofit "
+            "tune: --loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn))."
+            + (" A tuple batch gives the model its first item alone: a dict batch whose keys are forward's "
+               "arguments (e.g. {'idx': x, 'targets': y}) gives it the targets too." if isinstance(batch, tuple) else "")
         )
     return loss
+
+
+def _described(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {tuple(output.shape)}"
+    if isinstance(output, (tuple, list)):
+        scalars = sum(isinstance(x, torch.Tensor) and x.dim() == 0 for x in output)
+        return f"a {type(output).__name__} of {len(output)} items, {scalars} of them a scalar tensor"
+    return f"a {type(output).__name__}"
 
 
 def checked_loss(loss: Any) -> torch.Tensor:

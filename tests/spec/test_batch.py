@@ -41,6 +41,14 @@ def test_default_loss_explains_what_to_do():
         default_loss(torch.zeros(2, 3), None)
     assert default_loss(torch.tensor(2.0), None).item() == 2.0
     assert default_loss({"loss": torch.tensor(1.0)}, None).item() == 1.0
+    # a tuple's one scalar: nanoGPT's (logits, loss), a return_dict=False model's (loss, logits)
+    logits = torch.zeros(2, 3)
+    assert default_loss((logits, torch.tensor(3.0)), None).item() == 3.0
+    assert default_loss([torch.tensor(4.0), logits], None).item() == 4.0
+    with pytest.raises(UsageError, match="a tuple of 2 items, 2 of them a scalar tensor"):  # which one? not guessed
+        default_loss((torch.tensor(1.0), torch.tensor(2.0)), None)
+    with pytest.raises(UsageError, match=r"a tuple of 2 items, 0 of them .* A tuple batch gives the model its first"):
+        default_loss((logits, None), (logits, logits))  # nanoGPT without its targets
 
 
 def test_a_tokenizers_batch_encoding_is_a_dict_batch():
