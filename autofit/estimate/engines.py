@@ -92,8 +92,11 @@ def _zero(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> Engi
     note = f"ZeRO-{config.zero_stage} buffers from the DeepSpeed config"
     if config.offloads:  # the gradients go to the host's partition
         bucket = bucket if config.zero_stage == 2 else 0
-        terms = (("deepspeed_reduce_bucket", bucket), ("zero_tied_grad_copy", tied), ("zero_fp32_grad_partition", fp32_grads))
-        return EngineMemory(backward=bucket + tied, step=fp32_grads, terms=terms, note=note)
+        # each in-partition gradient is cast to fp32 on the GPU on its way to the host
+        # (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`): one parameter's at a time, the largest at most
+        cast = 4 * max(facts.trainable_sizes, default=0) if h < 4 else 0
+        terms = (("deepspeed_reduce_bucket", bucket), ("zero_tied_grad_copy", tied), ("zero_offload_fp32_cast", cast))
+        return EngineMemory(backward=bucket + tied + cast, terms=terms, note=note)
     whole = h * zero_partition_elements(facts, n)
     # The step's first moment (`step`, stage_1_and_2.py): the gradients, still views of the partition buffer,
     # flattened into a copy of the partition, and that copy cast to fp32 in 16-bit training (in fp32 the

@@ -97,6 +97,12 @@ def _states(facts: ModelFacts, config: Config) -> States:
     # Host RAM over all N ranks: each rank's K-byte partition plus its fp32 gradient partition for CPU Adam.
     to_host = config.offload is Offload.CPU
     cpu = k_bytes + 4 * trainable if to_host else 0
+    if config.zero_stage == 2:
+        # Stage 2 with an offloaded optimizer copies each reduced gradient into the host's fp32 partition and
+        # frees it (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`, "clear_grad_attribute(param)  #offload
+        # only", stage_1_and_2.py, DeepSpeed 0.19.8): no gradient partition stays on the GPU. Stage 1 keeps
+        # its gradients whole until the boundary's reduce.
+        grads = 0
     if config.zero_stage >= 3:
         cpu += half * trainable if to_host else 0
         # Stage 3 with an offloaded optimizer (to the CPU or NVMe) makes its gradient partitions on the host:

@@ -94,6 +94,9 @@ def test_offload_moves_states_to_host():
     offloaded = model_states(facts, Config(precision="bf16", sharding="zero2", num_gpus=4, offload="cpu"))
     assert offloaded.optimizer == 0 and on_gpu.optimizer == 12 * 10**9 // 4
     assert offloaded.cpu == 16 * 10**9  # master weights + Adam moments + fp32 grads, all ranks
+    assert offloaded.grads == 0 and on_gpu.grads == 2 * 10**9 // 4  # stage 2 frees each gradient once on the host
+    stage1 = model_states(facts, Config(precision="bf16", sharding="zero1", num_gpus=4, offload="cpu"))
+    assert stage1.grads == 2 * 10**9  # whole until the boundary's reduce
     zero3 = model_states(facts, Config(precision="bf16", sharding="zero3", num_gpus=4, offload="cpu"))
     # stage 3 makes its gradient partitions on the host too (bf16: 2 bytes), not on the GPU
     assert zero3.params == zero3.grads == 0 and zero3.cpu == 20 * 10**9
