@@ -83,10 +83,13 @@ def _zero(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> Engi
     fp32_grads = 0 if config.offloads else 4 * p // n  # with offload the step reads them on the host
     if config.zero_stage == 3:  # the gradient partition (the states' grads) is held from the start too
         gathered, tied = zero3_gathered(facts, config, elements), _tied_grad(facts, config, h)
+        # offloaded, a parameter's gradient partition is copied back to the GPU and cast to fp32 there on its
+        # way to the host (`partition_grads`, `_offload_grad_partition_at_boundary`, stage3.py)
+        copies = (h + 4) * max(facts.trainable_sizes, default=0) // n if config.offloads else 0
         terms = (("deepspeed_reduce_bucket", bucket), ("zero3_gathered", gathered), ("tied_grad_in_recompute", tied),
-                 ("zero_fp32_grad_partition", fp32_grads))
-        return EngineMemory(held=bucket, backward=gathered + tied, step=fp32_grads, grads_held=True, terms=terms,
-                            note="ZeRO-3 gathered parameters and buffers from the DeepSpeed config")
+                 ("zero_fp32_grad_partition", fp32_grads), ("zero3_offload_grad_copies", copies))
+        return EngineMemory(held=bucket, backward=gathered + tied + copies, step=fp32_grads, grads_held=True,
+                            terms=terms, note="ZeRO-3 gathered parameters and buffers from the DeepSpeed config")
     # A tied parameter's gradient arrives twice; the first is kept whole while the second is made.
     tied = h * facts.tied_params
     note = f"ZeRO-{config.zero_stage} buffers from the DeepSpeed config"
