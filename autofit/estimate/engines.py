@@ -85,7 +85,7 @@ def _zero(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> Engi
         gathered, tied = zero3_gathered(facts, config, elements), _tied_grad(facts, config, h)
         # offloaded, a parameter's gradient partition is copied back to the GPU and cast to fp32 there on its
         # way to the host (`partition_grads`, `_offload_grad_partition_at_boundary`, stage3.py)
-        copies = (h + 4) * max(facts.trainable_sizes, default=0) // n if config.offloads else 0
+        copies = (h + (4 if h < 4 else 0)) * max(facts.trainable_sizes, default=0) // n if config.offloads else 0
         terms = (("deepspeed_reduce_bucket", bucket), ("zero3_gathered", gathered), ("tied_grad_in_recompute", tied),
                  ("zero_fp32_grad_partition", fp32_grads), ("zero3_offload_grad_copies", copies))
         return EngineMemory(held=bucket, backward=gathered + tied + copies, step=fp32_grads, grads_held=True,
