@@ -179,6 +179,7 @@ class OomGuard:
             self._tried.append(self.config.describe())
         done, losses, sizes, holds = 0, [], [], []
         counts = target_counts(self.model, batch) if self.weigh_by_targets else None
+        counts = counts.cpu() if counts is not None else None  # read once per step, not once per piece
         while True:
             size, hold = self._next_chunk(done, total, holds)
             attempt = self._attempt(batch, done, size, total, hold, backward, counts) if size > 0 else _Attempt()
