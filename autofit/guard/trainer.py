@@ -55,7 +55,7 @@ class GuardedTrainer(Trainer):
             options["eval_micro_batch_size"] = eval_size or options["eval_micro_batch_size"]
             running = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
             self.oom_guard = OomGuard(model, self.optimizer, running_precision=running, **options)
-            self.oom_guard.weigh_by_targets = self.compute_loss_func is None  # else the loss is yours
+            self.oom_guard.weigh_by_targets = getattr(self, "compute_loss_func", None) is None  # else yours
         return self.oom_guard
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
@@ -100,9 +100,11 @@ class GuardedTrainer(Trainer):
         not that the loss divides by it: `BertForTokenClassification` takes `**kwargs` and returns a mean,
         and unweighted pieces of it would multiply the gradient by their number. So that the split keeps
         the gradient the unsplit batch gives, the loss is measured once, at the count and at twice it."""
-        if self.loss_is_scaled_for_ga is not None:
-            return bool(self.loss_is_scaled_for_ga)
-        takes_count = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        declared = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.x (#49240); absent before
+        if declared is not None:
+            return bool(declared)
+        takes_count = getattr(self, "model_accepts_loss_kwargs", False) or \
+            getattr(self, "compute_loss_func", None) is not None
         passed = num_items_in_batch is not None and takes_count
         if passed and self._guard_loss_divides is None:
             self._guard_loss_divides = self._loss_divides_by_count(model, inputs, num_items_in_batch)
