@@ -116,7 +116,8 @@ class OomGuard:
     `micro_batch_size=None` runs each batch whole until an OOM (`config.micro_batch_size` reads 0 until
     the first step sets it). `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
     (DDP or a plain model) every rank must call `step` with its own shard; the ranks step down together.
-    Dropout draws new masks when samples are replayed, as any re-run would.
+    Dropout draws new masks when samples are replayed, as any re-run would. `max_grad_norm` clips the
+    step's global gradient norm once every sample is in (`StepReport.grad_norm` is the norm before).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
