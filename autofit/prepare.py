@@ -102,10 +102,11 @@ class Prepared:
         batch = to_device(batch, self.device)
         return [_rows(batch, start, min(size, total - start)) for start in range(0, total, size)]
 
-    def weights(self, micro_batches: list[Any]) -> list[float]:
+    def weights(self, micro_batches: list[Any]) -> list[float | torch.Tensor]:
         """Each micro-batch's share of the step's loss, for `forward_backward`: of the samples, or of the
-        targets for a Hugging Face model's own token-level loss (rows padded with -100 labels hold fewer),
-        so that the step's gradient is the whole batch's (`autofit.spec.shares`)."""
+        targets for a Hugging Face model's own token-level loss (rows padded with -100 labels hold fewer;
+        0-d tensors on the labels' device), so that the step's gradient is the whole batch's
+        (`autofit.spec.shares`)."""
         return micro_batch_shares(self.run.model, micro_batches, self.run.spec.loss_fn)
 
     def forward_backward(self, micro_batch: Any, weight: float = 1.0) -> torch.Tensor:

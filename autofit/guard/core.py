@@ -179,8 +179,7 @@ class OomGuard:
             self.config = Config(micro_batch_size=total, optimizer=self._optimizer_kind)
             self._tried.append(self.config.describe())
         done, losses, sizes, holds = 0, [], [], []
-        counts = target_counts(self.model, batch) if self.weigh_by_targets else None
-        counts = counts.cpu() if counts is not None else None  # read once per step, not once per piece
+        counts = functools.cache(lambda: _on_host(target_counts(self.model, batch) if self.weigh_by_targets else None))
         while True:
             size, hold = self._next_chunk(done, total, holds)
             attempt = self._attempt(batch, done, size, total, hold, backward, counts) if size > 0 else _Attempt()
@@ -226,12 +225,12 @@ class OomGuard:
         return scaled.detach()
 
     def _attempt(self, batch: Any, start: int, size: int, total: int, hold: list[nn.Parameter],
-                 backward: Backward, counts: torch.Tensor | None) -> _Attempt:
+                 backward: Backward, counts: Callable[[], torch.Tensor | None]) -> _Attempt:
         """Forward and backward of samples `start .. start+size`, their loss weighted by their share of the
-        step's samples, or of its targets (`counts`); an OOM becomes the result. Samples holding none of
-        the step's targets add nothing (their loss, a mean over no targets, would be NaN): they are passed
-        over, under `no_sync` like every piece."""
-        weight = share(counts, start, size, total)
+        step's samples, or of its targets (`counts()`, read only when the step is split); an OOM becomes the
+        result. Samples holding none of the step's targets add nothing (their loss, a mean over no targets,
+        would be NaN): they are passed over, under `no_sync` like every piece."""
+        weight = 1.0 if size == total else share(counts(), start, size, total)
         if weight == 0.0:
             return _Attempt(size=size, loss=torch.zeros((), device=self._device()))
         chunk = batch if size == total else slice_rows(batch, start, size)
@@ -440,6 +439,11 @@ def _kind(optimizer: Any) -> Optimizer:
     """The optimizer knob naming `optimizer`'s class (a class autofit does not search is the user's own)."""
     name = type(optimizer).__name__
     return next((kind for kind, cls in OPTIMIZER_CLASSES.items() if cls == name), Optimizer.USER)
+
+
+def _on_host(counts: torch.Tensor | None) -> torch.Tensor | None:
+    """Targets per row, read from the device once per step rather than once per piece."""
+    return None if counts is None else counts.cpu()
 
 
 def _positive(name: str, value: int | None) -> int | None:

@@ -51,16 +51,19 @@ def share(counts: torch.Tensor | None, start: int, size: int, total: int) -> flo
     return int(counts[start:start + size].sum()) / whole if whole else size / total
 
 
-def micro_batch_shares(model: nn.Module, micro_batches: Sequence[Any], loss_fn: Any) -> list[float]:
+def micro_batch_shares(model: nn.Module, micro_batches: Sequence[Any], loss_fn: Any) -> list[float | torch.Tensor]:
     """Each of a step's micro-batches' share of its loss: of the targets for the model's own token-level
-    loss, else of the samples."""
+    loss (0-d tensors where the labels are: reading them would wait for the device in a timed step), else
+    of the samples."""
     sizes = [leading_dim(micro_batch) for micro_batch in micro_batches]
+    by_samples = [size / sum(sizes) for size in sizes]
     counts = [target_counts(model, micro_batch) for micro_batch in micro_batches] if loss_fn is default_loss else []
-    if counts and all(count is not None for count in counts):
-        held = torch.stack([count.sum() for count in counts]).tolist()  # one device sync a step
-        if sum(held):
-            return [count / sum(held) for count in held]
-    return [size / sum(sizes) for size in sizes]
+    if not counts or any(count is None for count in counts):
+        return by_samples
+    held = torch.stack([count.sum() for count in counts]).float()
+    whole = held.sum()
+    shares = torch.where(whole > 0, held / whole.clamp(min=1), torch.tensor(by_samples, device=held.device))
+    return list(shares.unbind())
 
 
 def weighted_sum(counts: torch.Tensor | None, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -75,8 +75,12 @@ def test_counts_follow_each_models_own_loss():
     adapted = peft.get_peft_model(_gpt2(), peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True))
     assert target_counts(adapted, {"labels": labels}).tolist() == [2, 0]  # read through peft's wrapper
     halves = [{"labels": labels[:1]}, {"labels": labels[1:]}]
-    assert micro_batch_shares(_gpt2(), halves, default_loss) == [1.0, 0.0]
+    shares = micro_batch_shares(_gpt2(), halves, default_loss)
+    assert all(isinstance(w, torch.Tensor) for w in shares)  # on the labels' device: no wait in a timed step
+    assert [float(w) for w in shares] == [1.0, 0.0]
     assert micro_batch_shares(_gpt2(), halves, lambda output, batch: output.loss) == [0.5, 0.5]
+    nothing = [{"labels": torch.full((1, 4), -100)}] * 2  # no target anywhere: the samples' shares
+    assert [float(w) for w in micro_batch_shares(_gpt2(), nothing, default_loss)] == [0.5, 0.5]
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -110,9 +114,23 @@ def test_prepared_step_with_accumulation_keeps_the_whole_batchs_gradient():
     reference, _ = _whole_batch_grads("gpt2")
     torch.manual_seed(0)
     prepared = autofit.prepare(autofit.Config(micro_batch_size=2, grad_accum_steps=4, optimizer="adamw"), _gpt2())
-    weights = prepared.weights(prepared.micro_batches(_batch("gpt2")))
+    weights = [float(w) for w in prepared.weights(prepared.micro_batches(_batch("gpt2")))]
     assert sum(weights) == pytest.approx(1.0) and weights[0] == pytest.approx((2 + 15) / sum(n - 1 for n in LENGTHS))
     stepped = []  # the gradient the optimizer step is given
     prepared.optimizer.register_step_pre_hook(lambda *_: stepped.append(_grads(prepared.model).clone()))
     prepared.step(_batch("gpt2"))
     torch.testing.assert_close(stepped[0], reference, rtol=1e-5, atol=1e-7)
+
+
+def test_an_unsplit_guard_step_reads_no_targets(monkeypatch):
+    # the OOM guard's step is a hot path: the targets are counted (a device read) only once it splits a batch
+    import autofit.guard.core as core
+
+    calls = []
+    monkeypatch.setattr(core, "target_counts", lambda *args: calls.append(1) or torch.ones(len(LENGTHS)))
+    model = _gpt2()
+    guard = autofit.OomGuard(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    guard.accumulate(_batch("gpt2"))
+    assert calls == []
+    autofit.OomGuard(model, torch.optim.SGD(model.parameters(), lr=0.0), micro_batch_size=4).accumulate(_batch("gpt2"))
+    assert calls == [1]  # once a step, however many pieces
