@@ -51,7 +51,8 @@ def test_the_guard_clips_the_whole_steps_gradient():
     assert report.micro_batches == (3, 3, 2) and report.grad_norm == pytest.approx(norm, rel=1e-5)
     for p, q in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(p, q)
-    unclipped = autofit.OomGuard(make_model(), torch.optim.SGD(make_model().parameters(), lr=1.0), loss_fn=loss_fn)
+    plain = make_model()
+    unclipped = autofit.OomGuard(plain, torch.optim.SGD(plain.parameters(), lr=1.0), loss_fn=loss_fn)
     assert unclipped.step(batch()).grad_norm is None
 
 
