@@ -70,7 +70,8 @@ def _states(facts: ModelFacts, config: Config) -> States:
     - ZeRO 1/2/3 with fp16/bf16: 2 bytes of half weights and grads; fp32 master weights + states (K)
       partitioned over N by stage 1, grads too by stage 2, weights too by stage 3.
     - FSDP2: the weights, gradients and states of the torch case, all sharded over N (`_fsdp_states`).
-    - offload "cpu"/"nvme": master weights and optimizer states leave the GPU (stage 3: weights too).
+    - offload "cpu"/"nvme": master weights and optimizer states leave the GPU (stages 2 and 3: the gradient
+      partitions too; stage 3: weights too).
     - LoRA: base weights frozen (as stored, or NF4/int8 when quantized); only the adapters train.
     """
     if config.adapters:
