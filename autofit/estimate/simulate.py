@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept
+from autofit.estimate.sized_kernels import SizedKernels
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
 from autofit.probe.memory import StorageCounter
@@ -271,9 +272,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             on_cuda = cuda_ampere is not None
-            with fake, _fake_friendly_kernels(), healthy_checks(), transformers_checks_off(), \
-                    cuda_attention.as_on_cuda(cuda_ampere, half), cuda_dropout.as_on_cuda(on_cuda), \
-                    cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
+            with fake, SizedKernels(cuda=on_cuda), _fake_friendly_kernels(), healthy_checks(), \
+                    transformers_checks_off(), cuda_attention.as_on_cuda(cuda_ampere, half), \
+                    cuda_dropout.as_on_cuda(on_cuda), cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
                 fake_batch = as_fake(fake, batch, device)
                 with tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \
