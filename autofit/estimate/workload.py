@@ -116,11 +116,28 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
             batch = as_fake(fake, spec.batch_factory(2), "cpu")
-            with FlopCounterMode(display=False) as counter, torch.no_grad(), quiet_transformers():
+            with FlopCounterMode(display=False, custom_mapping=_RECURRENT_FLOPS) as counter, torch.no_grad(), \
+                    quiet_transformers():
                 call_model(model, batch)
     except Exception:  # noqa: BLE001 - an op without a fake kernel: the plain count stands, and says so
         return None
     return max(1, round(counter.get_total_flops() / 2 / (2 * num_params)))
+
+
+def _recurrent_matmuls(input_shape: tuple[int, ...], weight_shapes: Any) -> int:
+    """FLOPs of a recurrent kernel's matmuls: every 2-D weight (input-to-hidden and hidden-to-hidden, per layer
+    and direction) applied at every step of every sample (the input's rows: steps x samples, or packed)."""
+    return 2 * math.prod(input_shape[:-1]) * sum(w[0] * w[1] for w in weight_shapes if len(w) == 2)
+
+
+# `torch.utils.flop_counter` has no formula for the fused recurrent kernels, and counted an LSTM as no work:
+# oneDNN's layer (`mkldnn_rnn_layer`: input, then its weights w0 .. w3) and cuDNN's stack (`_cudnn_rnn`:
+# input, then the list of every layer's weights). Keyed by op packet, as the counter looks formulas up;
+# called with the tensors' shapes.
+_RECURRENT_FLOPS = {
+    torch.ops.aten.mkldnn_rnn_layer: lambda input, *weights, **_: _recurrent_matmuls(input, weights[:4]),
+    torch.ops.aten._cudnn_rnn: lambda input, weights, *_, **__: _recurrent_matmuls(input, weights),
+}
 
 
 def _encoder_decoder(spec: "TrainSpec", hf: Any, sample: Any, num_params: int) -> Workload:

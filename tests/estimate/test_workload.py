@@ -203,3 +203,26 @@ def test_a_model_that_cannot_run_one_sample_in_training_still_counts_its_flops()
                      loss_fn=lambda output, batch: output.square().mean())
     work = workload(spec, spec.model.num_params, 1)
     assert work.how.startswith("each weight applied once per sample")  # was "its FLOPs could not be counted"
+
+
+class _Tagger(torch.nn.Module):
+    """A bidirectional 2-layer LSTM over 30 feature frames, a label per frame."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(12, 24, num_layers=2, bidirectional=True)
+        self.out = torch.nn.Linear(48, 5)
+
+    def forward(self, frames):
+        return self.out(self.rnn(frames.transpose(0, 1))[0])
+
+
+def test_a_recurrent_model_applies_its_weights_at_every_step():
+    """The flop counter has no formula for the fused LSTM kernel: every recurrent weight counted as unused
+    (each weight applied 1 time per sample for a model that is almost all LSTM)."""
+    spec = make_spec(_Tagger, lambda n: torch.randn(n, 30, 12), global_batch_size=8, device="cpu",
+                     memory_budget="1GiB", loss_fn=lambda out, batch: out.square().mean())
+    recurrent = sum(p.numel() for name, p in _Tagger().rnn.named_parameters() if name.startswith("weight"))
+    forward = 2 * 30 * (recurrent + 48 * 5)  # every weight matrix at each of 30 frames, biases aside
+    work = workload(spec, spec.model.num_params, 1)
+    assert work.positions == round(forward / (2 * spec.model.num_params)) >= 25
