@@ -61,7 +61,8 @@ def _page(nbytes: int) -> int:
 
 def onednn_workspace(steps: int, batch: int, input_size: int, hidden: int, itemsize: int) -> int:
     """Bytes of the workspace torch's oneDNN LSTM layer (`mkldnn_rnn_layer`, one layer and direction) keeps
-    for backward: states in the input's dtype (`itemsize` bytes), the cell states and their gradients in fp32."""
+    for backward, its input `itemsize` bytes an element: seven parts, fitted to the kernel's sizes (the
+    gates of every step and per-step vectors in the input's dtype; per-state vectors in it and in fp32)."""
     wide = max(input_size, hidden)
     states = (steps + 1) * batch * 2
     parts = (steps * batch * _good_ld(4 * hidden, itemsize) * itemsize,  # the gates of every step
@@ -82,9 +83,10 @@ def cudnn_reserve(mode: int, layers: int, directions: int, step_samples: int, hi
 
 class SizedKernels(TorchDispatchMode):
     """Under fake tensors, gives the workspace of `mkldnn_rnn_layer` and the reserve of `_cudnn_rnn` the size
-    the kernel would allocate (the module's formulas). `cuda`: CPU kernels stand in for CUDA, and an
-    LSTM layer's oneDNN call keeps what cuDNN keeps per layer instead. Enter it after the fake mode and
-    before the storage counter, which then counts the workspace as the op's own output."""
+    the kernel would allocate, and `_ctc_loss` with tensor lengths its outputs (the module's formulas).
+    `cuda`: CPU kernels stand in for CUDA, and an LSTM layer's oneDNN call keeps what cuDNN keeps per layer
+    instead. Enter it after the fake mode and before the storage counter, which then counts what it
+    returns as the op's own outputs."""
 
     def __init__(self, cuda: bool):
         super().__init__()

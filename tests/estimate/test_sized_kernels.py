@@ -148,7 +148,7 @@ def test_cudnn_reserve_reproduces_the_published_figures():
 
 
 def test_cudnn_calls_keep_their_reserve_and_a_cpu_stand_in_keeps_cudnns_share():
-    """A CUDA test double's decisions, no figures measured: fake CUDA tensors take `_cudnn_rnn` (every layer
+    """Decisions, no figure measured on a GPU: fake CUDA tensors take `_cudnn_rnn` (every layer
     in one call, its reserve sized by `cudnn_reserve`); where CPU kernels stand in for CUDA, each oneDNN
     layer call keeps cuDNN's per-layer share (5 vectors beside its output) instead of oneDNN's workspace."""
     with FakeTensorMode(allow_non_fake_inputs=True), SizedKernels(cuda=True):
