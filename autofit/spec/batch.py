@@ -67,8 +67,23 @@ def _tensor_rows(batched: Batch, batch: Batch) -> int:
                          "micro-batches; give every tensor a leading sample axis.")
     if len(sizes) > 1:
         raise UsageError(f"The batch's tensors disagree on the sample axis (first dims {sorted(s[0] for s in sizes)}), "
-                         "so it cannot be sliced into micro-batches; give every tensor the same first dimension.")
+                         "so it cannot be sliced into micro-batches; give every tensor the same first dimension."
+                         + _time_major_hint(leaves))
     return sizes.pop()[0]
+
+
+def _time_major_hint(leaves: list[torch.Tensor]) -> str:
+    """For tensors that disagree on their first axis: where one holds the others' count on its second axis,
+    it is likely time-major (steps first), as `nn.LSTM`, `nn.GRU` and `nn.Transformer` take by default."""
+    firsts = {leaf.shape[0] for leaf in leaves}
+    for leaf in leaves:
+        if leaf.dim() >= 2 and leaf.shape[1] in firsts - {leaf.shape[0]}:
+            samples_first = (leaf.shape[1], leaf.shape[0], *leaf.shape[2:])
+            return (f" A tensor of shape {tuple(leaf.shape)} looks time-major (steps first, samples second: the "
+                    "default of nn.LSTM, nn.GRU and nn.Transformer without batch_first=True); autofit slices the "
+                    f"first axis: pass it samples first, {samples_first}, and build those layers with "
+                    "batch_first=True or transpose it inside forward.")
+    return ""
 
 
 def take_rows(batch: Batch, start: int, count: int) -> Batch:

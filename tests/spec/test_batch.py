@@ -15,6 +15,16 @@ def test_disagreeing_sample_axes_are_an_error():
         leading_dim((torch.zeros(2, 4), torch.zeros(3)))
 
 
+def test_a_time_major_sequence_is_named_with_the_layout_that_works():
+    """nn.LSTM's default takes (steps, samples, features): beside per-sample labels the first axes disagree,
+    and the message says which tensor is time-major and the shape to pass."""
+    with pytest.raises(UsageError, match=r"shape \(50, 16, 12\) looks time-major.*samples first, \(16, 50, 12\)"):
+        leading_dim((torch.randn(50, 16, 12), torch.zeros(16)))
+    with pytest.raises(UsageError) as plain:
+        leading_dim((torch.randn(2, 4), torch.randn(3, 4)))
+    assert "time-major" not in str(plain.value)
+
+
 def test_scalar_cannot_be_sliced():
     with pytest.raises(UsageError, match="0-dimensional"):
         leading_dim((torch.zeros(2, 4), torch.tensor(1.0)))
