@@ -33,7 +33,8 @@ micro-batch 32. `SizedKernels` gives those outputs their size:
   (samples x frames x (2 x longest target + 1), in the log-probabilities' dtype, kept for backward:
   aten/src/ATen/native/LossCTC.cpp, `ctc_loss_cpu_template`; the CUDA kernel's is alike) are given the
   padded targets' width as the longest target, or for targets concatenated in one row their whole length:
-  at most that, never less.
+  at most that, never less. Its kernels take fp32 and fp64 only (`AT_DISPATCH_FLOATING_TYPES` in
+  LossCTC.cpp and cuda/LossCTC.cu); 16-bit log-probabilities are refused here as there.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ def _cudnn_size(args: tuple, kwargs: dict | None, output: torch.Tensor) -> int:
 def _ctc_outputs(log_probs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`_ctc_loss`'s (negative log-likelihood, alpha table) for (frames, samples, classes) `log_probs`, the
     longest target taken at its bound (see the module)."""
+    if log_probs.dtype not in (torch.float32, torch.float64):  # AT_DISPATCH_FLOATING_TYPES on both devices
+        raise NotImplementedError(f'"ctc_loss" not implemented for {log_probs.dtype}: pass the log-probabilities '
+                                  "to F.ctc_loss as float32 (`.float()`)")
     frames, samples = log_probs.shape[:2]
     longest = targets.shape[1] if targets.dim() == 2 else targets.shape[0]
     return log_probs.new_empty(samples), log_probs.new_empty(samples, frames, 2 * longest + 1)

@@ -140,6 +140,20 @@ def test_ctc_alpha_table_takes_the_longest_target_at_its_bound():
     assert padded.shape == (4, 120, 61) and concatenated.shape == (4, 120, 161)
 
 
+def test_ctc_refuses_16_bit_log_probabilities_as_its_kernels_do():
+    """CTC's CPU and CUDA kernels take float32 and float64 only (AT_DISPATCH_FLOATING_TYPES): a model whose
+    weights are 16-bit (pure bf16, ZeRO's and FSDP2's bf16) hands it bf16 and fails; the simulation must not
+    promise that step a fit."""
+    real = torch.randn(120, 4, 29, dtype=torch.bfloat16).log_softmax(-1)
+    lengths = torch.full((4,), 30)
+    with pytest.raises(RuntimeError, match="not implemented for 'BFloat16'"):
+        nn.functional.ctc_loss(real, torch.randint(1, 29, (4, 30)), torch.full((4,), 120), lengths)
+    with FakeTensorMode(allow_non_fake_inputs=True), SizedKernels(cuda=False), \
+            pytest.raises(NotImplementedError, match="not implemented for torch.bfloat16"):
+        aten._ctc_loss.Tensor(torch.empty(120, 4, 29, dtype=torch.bfloat16), torch.empty(4, 30, dtype=torch.long),
+                              lengths, lengths, 0, False)
+
+
 def test_cudnn_reserve_reproduces_the_published_figures():
     """pytorch/pytorch#2895: cudnnGetRNNTrainingReserveSize gave 736,000,000 bytes for a 4-layer LSTM and
     864,000,000 for the same GRU (hidden 320, fp32, 25,000 steps x samples)."""
