@@ -9,11 +9,12 @@ from rich import box
 from rich.table import Table
 
 from autofit.cli.tune import make_console
+from autofit.spec.batch import max_positions
 from autofit.spec.presets import get_preset, list_presets, preset_aliases
 
 # (column, config attribute): read through transformers' attribute maps (GPT-2's n_layer is num_hidden_layers)
 SHAPE = (("layers", "num_hidden_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),
-         ("vocab", "vocab_size"), ("max len", "max_position_embeddings"))
+         ("vocab", "vocab_size"))  # and "max len": the tokens a sample may hold (`max_positions`)
 WIDE = 120  # columns from which the architecture and aliases are shown
 NARROW = 62  # columns under which only the name, layers, hidden size and vocabulary are shown (no figure cut, to 44)
 
@@ -24,7 +25,8 @@ def preset_rows() -> list[dict]:
     rows = []
     for name in list_presets():
         config = get_preset(name)
-        shape = {column: getattr(config, attribute, None) for column, attribute in SHAPE}
+        shape = {**{column: getattr(config, attribute, None) for column, attribute in SHAPE},
+                 "max len": max_positions(config) if getattr(config, "max_position_embeddings", None) else None}
         rows.append({"name": name, "architecture": config.architectures[0], **shape, "aliases": preset_aliases(name)})
     return rows
 
@@ -42,7 +44,7 @@ def models_command(as_json: bool) -> None:
     table = Table(title="Model presets (configurations only: dry-run builds them without weights)",
                   title_justify="left", box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide,
                   caption=None if wide else "All fields, the architecture and aliases: --json or a wider COLUMNS")
-    shape = [c for c, _ in SHAPE if console.width >= NARROW or c in ("layers", "hidden", "vocab")]
+    shape = [c for c in (*(c for c, _ in SHAPE), "max len") if console.width >= NARROW or c in ("layers", "hidden", "vocab")]
     columns = ["name", *(["architecture"] if wide else []), *shape, *(["aliases"] if wide else [])]
     for column in columns:
         table.add_column(column, justify="left" if column in ("name", "architecture", "aliases") else "right",

@@ -775,10 +775,23 @@ class TokenBatches:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+# Models that number positions from padding_idx + 1, as fairseq did (transformers'
+# `create_position_ids_from_input_ids`, models/roberta/modeling_roberta.py, with `padding_idx` on their
+# position embeddings): of roberta-base's 514 position embeddings, 512 hold tokens, and a 514-token batch
+# fails with "index 514 is out of bounds".
+POSITIONS_AFTER_PADDING = frozenset({
+    "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "roberta-prelayernorm", "data2vec-text", "longformer",
+    "ibert", "xmod", "luke", "markuplm", "mpnet", "lilt", "layoutlmv3", "esm", "clap_text_model",
+    "altclip_text_model", "bridgetower_text_model"})
+
+
 def max_positions(config: Any) -> int | None:
-    """The longest sequence a Hugging Face config allows, when it says."""
+    """The longest sequence a Hugging Face config allows, when it says (`POSITIONS_AFTER_PADDING`: less the
+    padding id and the one before it)."""
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx", "max_target_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
+            if name == "max_position_embeddings" and getattr(config, "model_type", None) in POSITIONS_AFTER_PADDING:
+                return value - (getattr(config, "pad_token_id", None) or 0) - 1
             return value
     return None

@@ -208,3 +208,21 @@ def test_a_model_taking_any_keyword_gets_every_key():
 
     assert forward_names(AnyKeyword()) is None
     assert call_model(AnyKeyword(), _labelled(2)) == ["ids", "labels", "mask"]
+
+
+def test_roberta_positions_after_padding_leave_two_fewer_tokens():
+    """RoBERTa numbers positions from padding_idx + 1: of max_position_embeddings=130, 128 hold tokens. The
+    synthesized batch took 130 and the first probe failed ("index 130 is out of bounds for dimension 1")."""
+    from transformers import RobertaConfig, RobertaForMultipleChoice, RobertaForSequenceClassification
+
+    from autofit.spec.batch import synthesize_batch
+
+    config = RobertaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=130)
+    for model in (RobertaForSequenceClassification(config), RobertaForMultipleChoice(config)):
+        factory, _ = synthesize_batch(config, None, type(model).__name__)
+        batch = factory(2)
+        assert batch["input_ids"].shape[-1] == 128
+        assert call_model(model, batch).loss.isfinite()  # the real model takes it
+    with pytest.raises(UsageError, match="seq_len 130 exceeds the model's maximum of 128 positions"):
+        synthesize_batch(config, 130, "RobertaForSequenceClassification")
