@@ -482,6 +482,7 @@ def _configs_restored(model: nn.Module) -> Any:
 
 
 LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+SPEC_AUGMENT_PROBABILITIES = ("mask_time_prob", "mask_feature_prob")  # a waveform model's SpecAugment, per frame/feature
 
 
 def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple:
@@ -492,8 +493,9 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
     layerdrop`): switched off in the config and in every module that keeps its own, every layer runs, the
     most memory a step takes (a step that drops none). Waveform
     models (wav2vec2, HuBERT) mask random spans of their features in training (SpecAugment:
-    `hidden_states[mask] = masked_spec_embed`, an in-place write through a boolean mask): switched off,
-    which leaves out a boolean mask of batch x frames. Their CTC heads compute the loss over
+    `hidden_states[mask] = masked_spec_embed`, an in-place write through a boolean mask, whose backward
+    fake tensors cannot size): switched off, by `apply_spec_augment` and by its probabilities (data2vec-audio
+    has no such switch), which leaves out a boolean mask of batch x frames. Their CTC heads compute the loss over
     `labels.masked_select(...)` and tensor lengths (`ctc_loss`'s outputs are sized by them): the labels
     are dropped and the loss is the fp32 log-softmax of the logits, which is what `ctc_loss` keeps for
     backward and the size of the gradient it returns (its alpha table, batch x frames x (2 x characters
@@ -508,6 +510,9 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
                 setattr(holder, name, 0.0)
     if getattr(config, "apply_spec_augment", False):
         config.apply_spec_augment = False
+    for name in SPEC_AUGMENT_PROBABILITIES:  # data2vec-audio's config has no `apply_spec_augment` (its getattr
+        if isinstance(getattr(config, name, None), float) and getattr(config, name) > 0:  # reads True): by these
+            setattr(config, name, 0.0)
     name = type(model).__name__
     memory = next((loss for suffix, loss in DATA_DEPENDENT_LOSSES.items() if name.endswith(suffix)), None)
     if memory is None or loss_fn is not default_loss or "labels" not in batch:
