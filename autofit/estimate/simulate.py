@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
-from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept
+from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept, stand_in_losses
 from autofit.estimate.sized_kernels import SizedKernels
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
@@ -247,6 +247,8 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             from autofit.strategies.quantization import simulate_nf4
 
             simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
+        # the whole batch is live through the step, the label fields a stand-in loss drops too (a mask per object)
+        batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         batch, loss_fn = _without_data_dependent_steps(model, batch, loss_fn)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         # one process without an engine holds a tied weight once; the engines' terms add its lingering
@@ -268,7 +270,6 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
         deep = _Deep(model, *replay_depth, tracker) if replay_depth else None
         hooks += deep.handles if deep else []
-        batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             on_cuda = cuda_ampere is not None
@@ -499,8 +500,9 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
     `labels.masked_select(...)` and tensor lengths (`ctc_loss`'s outputs are sized by them): the labels
     are dropped and the loss is the fp32 log-softmax of the logits, which is what `ctc_loss` keeps for
     backward and the size of the gradient it returns (its alpha table, batch x frames x (2 x characters
-    + 1) fp32, under 1 MB per sample for 10 s of audio, is left out). Object detectors (DETR, YOLOS) match
-    predictions to targets with scipy on the host first: likewise (`_detection_memory`)."""
+    + 1) fp32, under 1 MB per sample for 10 s of audio, is left out). Object detectors (DETR, YOLOS) and
+    Mask2Former match predictions to targets with scipy on the host first: likewise
+    (`autofit.estimate.stand_in_losses`)."""
     from autofit.spec.batch import default_loss
 
     config = getattr(model, "config", None)
@@ -513,28 +515,8 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
     for name in SPEC_AUGMENT_PROBABILITIES:  # data2vec-audio's config has no `apply_spec_augment` (its getattr
         if isinstance(getattr(config, name, None), float) and getattr(config, name) > 0:  # reads True): by these
             setattr(config, name, 0.0)
-    name = type(model).__name__
-    memory = next((loss for suffix, loss in DATA_DEPENDENT_LOSSES.items() if name.endswith(suffix)), None)
-    if memory is None or loss_fn is not default_loss or "labels" not in batch:
-        return batch, loss_fn
-    return {k: v for k, v in batch.items() if k != "labels"}, memory
-
-
-def _ctc_memory(output: Any, batch: Any) -> torch.Tensor:
-    return torch.log_softmax(output.logits, dim=-1, dtype=torch.float32).mean()
-
-
-def _detection_memory(output: Any, batch: Any) -> torch.Tensor:
-    """What a detection loss keeps beside the model's outputs: the classification loss's fp32 log-softmax
-    over every query's logits and a gradient for every predicted box. The matching it runs first (scipy's
-    Hungarian algorithm on the host, under no_grad) and the box losses over the matched pairs (a few
-    floats per object) are left out."""
-    return torch.log_softmax(output.logits, dim=-1, dtype=torch.float32).mean() + output.pred_boxes.float().mean()
-
-
-# Heads whose loss has shapes that depend on the data (`_without_data_dependent_steps`): simulated with the
-# labels dropped and the memory their loss keeps
-DATA_DEPENDENT_LOSSES = {"ForCTC": _ctc_memory, "ForObjectDetection": _detection_memory}
+    found = stand_in_losses.stand_in(model, batch) if loss_fn is default_loss else None
+    return (batch, loss_fn) if found is None else found
 
 
 FUSED_STAND_IN = "autofit_fused_memory"  # SDPA under a name of its own, soft-capping dropped: memory only

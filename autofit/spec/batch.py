@@ -77,7 +77,7 @@ def _time_major_hint(leaves: list[torch.Tensor]) -> str:
     it is likely time-major (steps first), as `nn.LSTM`, `nn.GRU` and `nn.Transformer` take by default."""
     firsts = {leaf.shape[0] for leaf in leaves}
     for leaf in leaves:
-        if leaf.dim() >= 2 and leaf.shape[1] in firsts - {leaf.shape[0]}:
+        if leaf.dim() in (2, 3) and leaf.shape[1] in firsts - {leaf.shape[0]}:  # ids or features, not images
             samples_first = (leaf.shape[1], leaf.shape[0], *leaf.shape[2:])
             return (f" A tensor of shape {tuple(leaf.shape)} looks time-major (steps first, samples second: the "
                     "default of nn.LSTM, nn.GRU and nn.Transformer without batch_first=True); autofit slices the "
@@ -115,9 +115,12 @@ def _per_sample(value: Any, size: int) -> bool:
 
 
 def _targets(value: Any) -> bool:
-    """A list of one dict per sample, as object detectors take their targets (DETR, YOLOS, RT-DETR:
-    `labels=[{"class_labels": ..., "boxes": ...}, ...]`): its tensors' first axes count objects, not samples."""
-    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, Mapping) for v in value)
+    """A dict field holding one dict or one tensor per sample, as object detectors and mask segmenters take
+    their targets (DETR, YOLOS, RT-DETR: `labels=[{"class_labels": ..., "boxes": ...}, ...]`; Mask2Former,
+    MaskFormer: `mask_labels=[objects x height x width, ...]`, `class_labels=[objects, ...]`): its
+    tensors' first axes count objects, not samples."""
+    return isinstance(value, (list, tuple)) and bool(value) and (
+        all(isinstance(v, Mapping) for v in value) or all(isinstance(v, torch.Tensor) for v in value))
 
 
 def factory_from_sample(sample: Batch) -> BatchFactory:
@@ -546,6 +549,9 @@ def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     if name.endswith("ForObjectDetection"):
         return DetectionBatches(pixels, labels), (f"pixel_values {_shape(pixels)} and {OBJECTS_PER_IMAGE} objects per "
                                                   f"image (class and box, {labels} classes){size}")
+    if name.endswith(MASK_SEGMENTERS):
+        return MaskBatches(pixels, labels), (f"pixel_values {_shape(pixels)} and {OBJECTS_PER_IMAGE} objects per "
+                                             f"image (a class and a mask each, {labels} classes){size}")
     if name.endswith("ForSemanticSegmentation"):
         return SyntheticBatches((pixels, Field("labels", pixels.shape[1:], labels))), \
             f"pixel_values {_shape(pixels)} and a label per pixel ({labels} classes){size}"
@@ -559,10 +565,13 @@ def _pixels(config: Any) -> tuple[Field, str]:
     """Pixel values at a vision config's size, and a note when it names none: a convolutional model
     (ResNet, RegNet take any size) gets `DEFAULT_IMAGE_SIZE`, and its description says so."""
     channels = getattr(config, "num_channels", 3)
-    sides = image_sides(config)
-    height, width = sides or (DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
-    size = "" if sides else \
-        f" ({height}x{width}, the usual size: the config names none; pass a batch of your images' size)"
+    sides, backbone = image_sides(config), getattr(config, "backbone_config", None)
+    if sides is None and backbone is not None and image_sides(backbone) is not None:  # Mask2Former's Swin
+        (height, width), size = image_sides(backbone), " (the backbone config's image size; pass a batch of your images' size)"
+    else:
+        height, width = sides or (DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
+        size = "" if sides else \
+            f" ({height}x{width}, the usual size: the config names none; pass a batch of your images' size)"
     return Field("pixel_values", (channels, height, width)), size
 
 
@@ -761,6 +770,26 @@ class DetectionBatches:
         labels = [{"class_labels": torch.randint(0, self.classes, (self.objects,), generator=gen),
                    "boxes": 0.25 + 0.5 * torch.rand(self.objects, 4, generator=gen)} for _ in range(n)]
         return {self.pixels.name: pixels, "labels": labels}
+
+
+MASK_SEGMENTERS = ("ForUniversalSegmentation", "ForInstanceSegmentation")  # Mask2Former, MaskFormer: a mask per object
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskBatches:
+    """make_batch(n) for mask segmenters (Mask2Former, MaskFormer): pixel values and, per image, the
+    `mask_labels` (objects x height x width, binary) and `class_labels` (objects) their losses take."""
+
+    pixels: Field
+    classes: int
+    objects: int = OBJECTS_PER_IMAGE
+
+    def __call__(self, n: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        pixels = torch.randn((n, *self.pixels.shape), generator=gen)
+        masks = [(torch.rand(self.objects, *self.pixels.shape[1:], generator=gen) > 0.5).float() for _ in range(n)]
+        classes = [torch.randint(0, self.classes, (self.objects,), generator=gen) for _ in range(n)]
+        return {self.pixels.name: pixels, "mask_labels": masks, "class_labels": classes}
 
 
 @dataclasses.dataclass(frozen=True)

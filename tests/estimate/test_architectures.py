@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, Data2VecAudioConfig, DetrConfig, Dinov2Config, DistilBertConfig,
-                          Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, MixtralConfig, ParakeetCTCConfig,
-                          ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, T5Config, ViTConfig, ViTMAEConfig,
+                          Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, Mask2FormerConfig, MixtralConfig, ParakeetCTCConfig,
+                          ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
@@ -144,9 +144,18 @@ ARCHITECTURES = {
                         backbone_config=ResNetConfig(depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8,
                                                      out_features=["stage2"])),
              {"pixel_values": (3, 224, 224)}),
+    # a mask and a class per object, as lists per image; its loss matches with scipy and samples points
+    "mask2former": (Mask2FormerConfig(backbone_config=SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1],
+                                                                 num_heads=[1, 2, 2, 4], window_size=4,
+                                                                 out_features=["stage1", "stage2", "stage3", "stage4"]),
+                                      num_labels=5, hidden_dim=32, mask_feature_size=32, feature_size=32,
+                                      encoder_feedforward_dim=64, dim_feedforward=64, num_queries=10, decoder_layers=3,
+                                      encoder_layers=1, num_attention_heads=2, train_num_points=256,
+                                      architectures=["Mask2FormerForUniversalSegmentation"]),
+                    {"pixel_values": (3, 64, 64)}),
 }
 SEQ_LEN = {"wav2vec2-ctc": 1600, "data2vec-audio-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
-           "detr": None}  # audio samples, feature frames; images: none
+           "detr": None, "mask2former": None}  # audio samples, feature frames; images: none
 
 
 @pytest.fixture(autouse=True)
