@@ -11,7 +11,7 @@ memory the loss keeps and passes through, without its data-dependent steps (`sta
 - **Mask2Former** (`ForUniversalSegmentation`) matches too, then supervises every decoder layer with
   point-sampled mask losses (transformers' `Mask2FormerLoss`): `_mask_layer`. MaskFormer's loss
   upsamples every matched mask to the image instead, which this stand-in would not count: it is left to
-  the real loss (its simulation fails at the matching and says so).
+  the real loss (its simulation fails, and the dry-run says so).
 
 The label fields are dropped from the batch the model is called with (the model then computes no loss);
 the simulation still counts their bytes, live through the step.
