@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import json
 from importlib import resources
 from typing import Any
@@ -119,6 +120,11 @@ def check_head(model: Any) -> None:
     from autofit.spec.batch import forward_parameters, takes_labels
 
     name = type(model).__name__
+    if isinstance(model, transformers.PreTrainedModel) and _refuses_training(type(model)):
+        raise UsageError(f"{name}'s forward raises \"Training is not implemented yet\" when given labels: "
+                         "transformers has no training loss for it. Pass loss_fn=lambda output, batch: ... "
+                         "computing yours from its output (autofit tune: --loss-fn FILE.py:fn, or a factory "
+                         "returning (model, make_batch, loss_fn)).")
     if not isinstance(model, transformers.PreTrainedModel) or "For" in name or not name.endswith("Model"):
         return
     params = forward_parameters(name)
@@ -133,6 +139,17 @@ def check_head(model: Any) -> None:
     raise UsageError(f"{name} is transformers' bare model: it has no head and returns no loss. {train}"
                      "loss_fn=lambda output, batch: ... computing your loss from the bare model's output "
                      "(autofit tune: --loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn)).")
+
+
+def _refuses_training(cls: type) -> bool:
+    """Whether a transformers head's forward raises on labels rather than compute a loss (DPT, Depth Anything,
+    ZoeDepth and Depth Pro's depth heads, OmDet-Turbo: `raise NotImplementedError("Training is not
+    implemented yet")`), read from its source, which says so where a name would not (GLPN's depth head
+    trains)."""
+    try:
+        return "Training is not implemented yet" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source to read
+        return False
 
 
 def trained_name(architecture: str) -> str:

@@ -231,6 +231,25 @@ def test_a_bare_model_without_a_head_names_its_heads(tmp_path, capsys, config, h
     assert "is transformers' bare model: it has no head and returns no loss" in err and heads in err
 
 
+def test_a_head_whose_forward_refuses_labels_asks_for_a_loss(tmp_path, capsys):
+    """DPT's depth head raises "Training is not implemented yet" on labels: the dry-run's simulation failed
+    on it and rested on the formula (exit 4); refused before any simulation, asking for a loss_fn. GLPN's
+    depth head trains: it is not refused."""
+    from transformers import DPTConfig, GLPNConfig, GLPNForDepthEstimation
+
+    from autofit.spec.presets import check_head
+
+    DPTConfig(image_size=64, patch_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+              intermediate_size=64, neck_hidden_sizes=[8, 16, 32, 32], fusion_hidden_size=16,
+              architectures=["DPTForDepthEstimation"]).to_json_file(tmp_path / "config.json")
+    assert main(["dry-run", "--model", str(tmp_path / "config.json"), "--global-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert 'DPTForDepthEstimation\'s forward raises "Training is not implemented yet"' in err and "loss_fn" in err
+    check_head(GLPNForDepthEstimation(GLPNConfig(num_encoder_blocks=1, depths=[1], sr_ratios=[1], hidden_sizes=[8],
+                                                 patch_sizes=[3], strides=[2], num_attention_heads=[1],
+                                                 mlp_ratios=[2], decoder_hidden_size=8)))
+
+
 def test_a_loss_the_simulation_finds_missing_is_a_usage_error_not_a_formula_verdict():
     """A model whose forward a meta run cannot check but a simulated step runs, and that returns no loss: the
     step's UsageError, not "simulation failed" and the formula's verdict."""
