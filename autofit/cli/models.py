@@ -44,7 +44,8 @@ def models_command(as_json: bool) -> None:
     table = Table(title="Model presets (configurations only: dry-run builds them without weights)",
                   title_justify="left", box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide,
                   caption=None if wide else "All fields, the architecture and aliases: --json or a wider COLUMNS")
-    shape = [c for c in (*(c for c, _ in SHAPE), "max len") if console.width >= NARROW or c in ("layers", "hidden", "vocab")]
+    fields = (*(c for c, _ in SHAPE), "max len")
+    shape = [c for c in fields if console.width >= NARROW or c in ("layers", "hidden", "vocab")]
     columns = ["name", *(["architecture"] if wide else []), *shape, *(["aliases"] if wide else [])]
     for column in columns:
         table.add_column(column, justify="left" if column in ("name", "architecture", "aliases") else "right",

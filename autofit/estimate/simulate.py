@@ -483,7 +483,7 @@ def _configs_restored(model: nn.Module) -> Any:
 
 
 LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
-SPEC_AUGMENT_PROBABILITIES = ("mask_time_prob", "mask_feature_prob")  # a waveform model's SpecAugment, per frame/feature
+SPEC_AUGMENT_PROBABILITIES = ("mask_time_prob", "mask_feature_prob")  # SpecAugment's, per frame and per feature
 
 
 def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple:

@@ -66,8 +66,9 @@ class _MaskTargets:
 
 def mask2former(output: Any, batch: Any, masks: _MaskTargets) -> torch.Tensor:
     """Mask2Former's loss, as memory: `_mask_layer` for the last decoder layer and each auxiliary one."""
+    auxiliary = output.auxiliary_logits or ()
     layers = [(output.class_queries_logits, output.masks_queries_logits),
-              *((layer["class_queries_logits"], layer["masks_queries_logits"]) for layer in output.auxiliary_logits or ())]
+              *((layer["class_queries_logits"], layer["masks_queries_logits"]) for layer in auxiliary)]
     return sum(_mask_layer(classes, predicted, masks) for classes, predicted in layers)
 
 
@@ -89,8 +90,8 @@ def _mask_layer(classes: torch.Tensor, predicted: torch.Tensor, masks: _MaskTarg
         padded = torch.zeros(samples, masks.objects, *masks.size, **fp32)
         targets = padded.flatten(0, 1).clone()
         del padded
-        oversampled = [torch.empty(matched, masks.oversampled, 2, **fp32), torch.empty(matched, 1, masks.oversampled, **fp32),
-                       torch.empty(matched, 1, masks.oversampled, **fp32)]
+        oversampled = [torch.empty(matched, masks.oversampled, 2, **fp32),  # points, their logits, uncertainties
+                       *(torch.empty(matched, 1, masks.oversampled, **fp32) for _ in range(2))]
         del oversampled
         grid = torch.rand(matched, 1, masks.points, 2, **fp32) * 2 - 1
         labels = torch.rand(matched, masks.points, **fp32)

@@ -567,7 +567,8 @@ def _pixels(config: Any) -> tuple[Field, str]:
     channels = getattr(config, "num_channels", 3)
     sides, backbone = image_sides(config), getattr(config, "backbone_config", None)
     if sides is None and backbone is not None and image_sides(backbone) is not None:  # Mask2Former's Swin
-        (height, width), size = image_sides(backbone), " (the backbone config's image size; pass a batch of your images' size)"
+        (height, width) = image_sides(backbone)
+        size = " (the backbone config's image size; pass a batch of your images' size)"
     else:
         height, width = sides or (DEFAULT_IMAGE_SIZE, DEFAULT_IMAGE_SIZE)
         size = "" if sides else \
