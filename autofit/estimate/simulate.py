@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept, stand_in_losses
-from autofit.estimate.sized_kernels import SizedKernels
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
+from autofit.estimate.sized_kernels import SizedKernels
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -496,13 +496,9 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
     models (wav2vec2, HuBERT) mask random spans of their features in training (SpecAugment:
     `hidden_states[mask] = masked_spec_embed`, an in-place write through a boolean mask, whose backward
     fake tensors cannot size): switched off, by `apply_spec_augment` and by its probabilities (data2vec-audio
-    has no such switch), which leaves out a boolean mask of batch x frames. Their CTC heads compute the loss over
-    `labels.masked_select(...)` and tensor lengths (`ctc_loss`'s outputs are sized by them): the labels
-    are dropped and the loss is the fp32 log-softmax of the logits, which is what `ctc_loss` keeps for
-    backward and the size of the gradient it returns (its alpha table, batch x frames x (2 x characters
-    + 1) fp32, under 1 MB per sample for 10 s of audio, is left out). Object detectors (DETR, YOLOS) and
-    Mask2Former match predictions to targets with scipy on the host first: likewise
-    (`autofit.estimate.stand_in_losses`)."""
+    has no such switch), which leaves out a boolean mask of batch x frames. Heads whose own loss has
+    shapes that depend on the data (CTC's tensor lengths; DETR's and Mask2Former's matching with scipy on
+    the host) run a stand-in that keeps what the loss keeps (`autofit.estimate.stand_in_losses`)."""
     from autofit.spec.batch import default_loss
 
     config = getattr(model, "config", None)
@@ -512,8 +508,9 @@ def _without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callabl
                 setattr(holder, name, 0.0)
     if getattr(config, "apply_spec_augment", False):
         config.apply_spec_augment = False
-    for name in SPEC_AUGMENT_PROBABILITIES:  # data2vec-audio's config has no `apply_spec_augment` (its getattr
-        if isinstance(getattr(config, name, None), float) and getattr(config, name) > 0:  # reads True): by these
+    # data2vec-audio's config has no `apply_spec_augment` (its model reads a missing one as True): by these
+    for name in SPEC_AUGMENT_PROBABILITIES:
+        if isinstance(getattr(config, name, None), float) and getattr(config, name) > 0:
             setattr(config, name, 0.0)
     found = stand_in_losses.stand_in(model, batch) if loss_fn is default_loss else None
     return (batch, loss_fn) if found is None else found
