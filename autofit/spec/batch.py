@@ -756,10 +756,9 @@ OBJECTS_PER_IMAGE = 8  # COCO's images hold 7.3 annotated objects on average (it
 
 
 @dataclasses.dataclass(frozen=True)
-class DetectionBatches:
-    """make_batch(n) for object detectors (DETR, YOLOS, RT-DETR, ...): pixel values and, per image,
-    `objects` targets as transformers' detection losses take them: `labels`, a list of one dict per
-    image of `class_labels` and `boxes` (centre x, centre y, width, height, relative to the image)."""
+class _ObjectBatches:
+    """make_batch(n) for models trained on objects in images: pixel values and, per image, `objects` targets
+    of `classes` classes (`_targets`)."""
 
     pixels: Field
     classes: int
@@ -768,29 +767,33 @@ class DetectionBatches:
     def __call__(self, n: int) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(0)
         pixels = torch.randn((n, *self.pixels.shape), generator=gen)
-        labels = [{"class_labels": torch.randint(0, self.classes, (self.objects,), generator=gen),
-                   "boxes": 0.25 + 0.5 * torch.rand(self.objects, 4, generator=gen)} for _ in range(n)]
-        return {self.pixels.name: pixels, "labels": labels}
+        return {self.pixels.name: pixels, **self._targets(n, gen)}
+
+    def _targets(self, n: int, gen: torch.Generator) -> dict[str, list]:
+        raise NotImplementedError
+
+
+class DetectionBatches(_ObjectBatches):
+    """Object detectors (DETR, YOLOS, RT-DETR, ...): targets as transformers' detection losses take them,
+    `labels`, a list of one dict per image of `class_labels` and `boxes` (centre x, centre y, width,
+    height, relative to the image)."""
+
+    def _targets(self, n: int, gen: torch.Generator) -> dict[str, list]:
+        return {"labels": [{"class_labels": torch.randint(0, self.classes, (self.objects,), generator=gen),
+                            "boxes": 0.25 + 0.5 * torch.rand(self.objects, 4, generator=gen)} for _ in range(n)]}
 
 
 MASK_SEGMENTERS = ("ForUniversalSegmentation", "ForInstanceSegmentation")  # Mask2Former, MaskFormer: a mask per object
 
 
-@dataclasses.dataclass(frozen=True)
-class MaskBatches:
-    """make_batch(n) for mask segmenters (Mask2Former, MaskFormer): pixel values and, per image, the
-    `mask_labels` (objects x height x width, binary) and `class_labels` (objects) their losses take."""
+class MaskBatches(_ObjectBatches):
+    """Mask segmenters (Mask2Former, MaskFormer): per image, the `mask_labels` (objects x height x width,
+    binary) and `class_labels` (objects) their losses take."""
 
-    pixels: Field
-    classes: int
-    objects: int = OBJECTS_PER_IMAGE
-
-    def __call__(self, n: int) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(0)
-        pixels = torch.randn((n, *self.pixels.shape), generator=gen)
+    def _targets(self, n: int, gen: torch.Generator) -> dict[str, list]:
         masks = [(torch.rand(self.objects, *self.pixels.shape[1:], generator=gen) > 0.5).float() for _ in range(n)]
-        classes = [torch.randint(0, self.classes, (self.objects,), generator=gen) for _ in range(n)]
-        return {self.pixels.name: pixels, "mask_labels": masks, "class_labels": classes}
+        return {"mask_labels": masks, "class_labels": [torch.randint(0, self.classes, (self.objects,), generator=gen)
+                                                       for _ in range(n)]}
 
 
 @dataclasses.dataclass(frozen=True)
