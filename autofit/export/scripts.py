@@ -5,8 +5,10 @@
 `--model` takes what `autofit tune --model` takes (a preset, a config.json or model folder, or
 FILE.py:factory returning a model, (model, make_batch) or (model, make_batch, loss_fn)); `--dataset`
 is FILE.py:fn returning the training set (any map-style dataset: a list of samples, a TensorDataset,
-a `datasets.Dataset`); `--loss-fn FILE.py:fn` as in `autofit tune`. Run with no arguments, a script
-says what to pass and exits 2.
+a `datasets.Dataset`); `--collate-fn FILE.py:fn` the function that makes a batch of its samples where
+torch's default cannot (samples holding a different count of objects, masks or boxes each: Mask2Former's,
+DETR's); `--loss-fn FILE.py:fn` as in `autofit tune`. Run with no arguments, a script says what to pass
+and exits 2.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def command_line(description: str, argv: Sequence[str] | None = None, loss: bool
     parser.add_argument("--model", help="what `autofit tune --model` took: a preset, a config.json or model folder, "
                                         "or FILE.py:factory")
     parser.add_argument("--dataset", help="FILE.py:fn returning the training set (a map-style dataset)")
+    parser.add_argument("--collate-fn", help="FILE.py:fn making a batch of a list of samples, where torch's "
+                                             "default cannot stack them (a different count of objects each)")
     if loss:
         parser.add_argument("--loss-fn", help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model "
                                               "whose output has no .loss (or the factory's third item)")
@@ -55,3 +59,8 @@ def load_loss(model_text: str, loss_text: str | None) -> Any:
 def load_dataset(text: str) -> Any:
     """The training set `--dataset FILE.py:fn` returns."""
     return file_factory(text, "--dataset").load()()
+
+
+def load_collate(text: str | None) -> Any:
+    """The function `--collate-fn FILE.py:fn` names (it is called on each list of samples), or None."""
+    return file_factory(text, "--collate-fn").load() if text else None

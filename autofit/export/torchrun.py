@@ -66,7 +66,8 @@ plan (precision, checkpointing, optimizer, LoRA, engine) with the code its probe
 
 {chr(10).join(comment_lines(plan, prefix=""))}
 
-    bash {FILENAME} {SCRIPT_FILENAME} --model MODEL --dataset FILE.py:fn [--loss-fn FILE.py:fn] [--max-steps N]
+    bash {FILENAME} {SCRIPT_FILENAME} --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn]
+        [--loss-fn FILE.py:fn] [--max-steps N]
 
 MODEL is what `autofit tune --model` took. Copy `train` into your own script as a starting point.
 """
@@ -80,16 +81,17 @@ from torch.utils.data import DataLoader, DistributedSampler
 import autofit
 
 
-def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None, max_grad_norm={_clipping(plan)!r}):
-    """Train on `dataset` (one epoch, or `max_steps` optimizer steps), the gradients' global norm clipped
-    to `max_grad_norm` (None: not clipped), as the Trainer, accelerate and DeepSpeed exports clip them;
-    returns the prepared run."""
+def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None, max_grad_norm={_clipping(plan)!r},
+          collate_fn=None):
+    """Train on `dataset` (one epoch, or `max_steps` optimizer steps; batches made by `collate_fn`, default
+    torch's), the gradients' global norm clipped to `max_grad_norm` (None: not clipped), as the Trainer,
+    accelerate and DeepSpeed exports clip them; returns the prepared run."""
     plan = os.environ.get("AUTOFIT_PLAN", Path(__file__).with_name("{PLAN_FILENAME}"))
     prepared = autofit.prepare(plan, model, optimizer, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
     ranks = dist.is_initialized() and dist.get_world_size() > 1
     sampler = DistributedSampler(dataset) if ranks else None
     loader = DataLoader(dataset, batch_size=prepared.batch_size, shuffle=sampler is None, sampler=sampler,
-                        drop_last=True)  # micro-batch x accumulation samples per optimizer step and rank
+                        drop_last=True, collate_fn=collate_fn)  # micro-batch x accumulation samples per step and rank
     if not len(loader):
         raise SystemExit(f"The dataset has {{len(dataset)}} samples, fewer than one optimizer step's "
                          f"{{prepared.batch_size}} per rank; give it more samples.")
@@ -109,11 +111,11 @@ def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None, max_grad
 
 
 if __name__ == "__main__":
-    from autofit.export.scripts import command_line, load_dataset, load_loss, load_model
+    from autofit.export.scripts import command_line, load_collate, load_dataset, load_loss, load_model
 
     options = command_line(__doc__)
     train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, options.loss_fn),
-          max_steps=options.max_steps)
+          max_steps=options.max_steps, collate_fn=load_collate(options.collate_fn))
     # Before exit, while the interpreter lives: what the run left in reference cycles, then the group.
     # Without the collect, 5 of 30 two-rank gloo runs aborted a rank at exit even after
     # destroy_process_group ("terminate called without an active exception"); with it, none of 60.

@@ -169,7 +169,7 @@ def script(plan: "Plan") -> str:
 
 {chr(10).join(comment_lines(plan, prefix=""))}
 
-    python train_with_trainer.py --model MODEL --dataset FILE.py:fn [--max-steps N]
+    python train_with_trainer.py --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn] [--max-steps N]
 
 MODEL is what `autofit tune --model` took; the dataset's samples are dicts the model takes, with labels
 (a Hugging Face model returns its loss). In Python: `from train_with_trainer import train`, then
@@ -182,8 +182,9 @@ from pathlib import Path
 from transformers import Trainer, TrainingArguments
 
 
-def train(model, train_dataset, loss_fn=None, **overrides):
-    """Train `model` on `train_dataset` with the exported arguments (`overrides` win, e.g. max_steps)."""
+def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
+    """Train `model` on `train_dataset` with the exported arguments (`overrides` win, e.g. max_steps), its
+    batches made by `data_collator` (default the Trainer's)."""
     sample = train_dataset[0]
     if not isinstance(sample, Mapping):  # the Trainer's collator and model(**batch) take dict samples
         raise SystemExit(f"The Trainer trains on dict samples (model(**batch), the model returning its loss); "
@@ -196,17 +197,18 @@ def train(model, train_dataset, loss_fn=None, **overrides):
     kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())
     args = TrainingArguments(**{{**kwargs, **overrides}})
 {_indent(setup)}
-    trainer = Trainer(model=model, args=args, train_dataset=train_dataset)
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator)
     trainer.train()
     return trainer
 
 
 if __name__ == "__main__":
-    from autofit.export.scripts import command_line, load_dataset, load_loss, load_model
+    from autofit.export.scripts import command_line, load_collate, load_dataset, load_loss, load_model
 
     options = command_line(__doc__, loss=False)
     overrides = {{"max_steps": options.max_steps}} if options.max_steps else {{}}
-    train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, None), **overrides)
+    train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, None),
+          data_collator=load_collate(options.collate_fn), **overrides)
 '''
 
 

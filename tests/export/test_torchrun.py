@@ -87,6 +87,54 @@ DATA = textwrap.dedent("""
 """)
 
 
+OBJECTS = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def forward(self, x):
+            return self.body(x)
+
+    def make():  # a model whose loss reads a different count of objects per sample (as a detector's does)
+        return Net(), batch, loss
+
+    def batch(n):
+        return collate([sample(i) for i in range(n)])
+
+    def sample(i):
+        return {"x": torch.randn(8), "objects": torch.randn(1 + i % 3)}
+
+    def loss(output, batch):
+        return nn.functional.mse_loss(output[:, 0], torch.stack([o.sum() for o in batch["objects"]]))
+
+    def make_dataset():
+        return [sample(i) for i in range(32)]
+
+    def collate(samples):  # torch's default cannot stack objects of different counts
+        return {"x": torch.stack([s["x"] for s in samples]), "objects": [s["objects"] for s in samples]}
+""")
+
+
+def test_the_exported_script_takes_a_collate_fn_for_samples_of_different_object_counts(tmp_path, plan_for):
+    """Samples holding a different count of objects each (Mask2Former's masks, DETR's boxes) need a collate
+    function of one's own: the exported loop had no way to take one (torch's default cannot stack them)."""
+    script = plan_for(Config(micro_batch_size=2, grad_accum_steps=2)).export("torchrun", tmp_path / "launch")[0]
+    (tmp_path / "objects.py").write_text(OBJECTS)
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    command = ["bash", str(script), str(tmp_path / "launch" / "train_with_prepare.py"), "--model", "objects.py:make",
+               "--dataset", "objects.py:make_dataset", "--max-steps", "2"]
+    done = subprocess.run([*command, "--collate-fn", "objects.py:collate"], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("step ")] == ["step 1", "step 2"]
+    default = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert default.returncode != 0 and "stack expects each tensor to be equal size" in default.stderr
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_the_exported_script_trains_with_autofit_prepare(tmp_path, plan_for, ranks):
     config = Config(micro_batch_size=2, grad_accum_steps=2, checkpointing="full", optimizer="adafactor", num_gpus=ranks)

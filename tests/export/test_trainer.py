@@ -57,8 +57,15 @@ def test_exported_script_trains_two_steps(tmp_path, plan_for):
     model = GPT2LMHeadModel(GPT2Config(**TINY))
     ids = torch.randint(0, 64, (8, 16))
     dataset = [{"input_ids": row, "labels": row} for row in ids]
-    trainer = module.train(model, dataset, max_steps=2, output_dir=str(tmp_path / "out"), save_strategy="no")
-    assert trainer.state.global_step == 2
+    collated = []  # a collate function of one's own (`--collate-fn`) makes the Trainer's batches
+
+    def collate(samples):
+        collated.append(len(samples))
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+    trainer = module.train(model, dataset, max_steps=2, output_dir=str(tmp_path / "out"), save_strategy="no",
+                           data_collator=collate)
+    assert trainer.state.global_step == 2 and collated and set(collated) == {2}
     assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.per_device_train_batch_size == 2
     assert model.is_gradient_checkpointing  # every 2nd block, switched on by the script
     assert load_kwargs(args_path)["use_cpu"] is True
