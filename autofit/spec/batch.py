@@ -600,8 +600,9 @@ AUDIO_SECONDS = 10  # default clip when no --seq-len is given
 def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, str]:
     """Waveform models (wav2vec2, HuBERT, WavLM): `seq_len` audio samples at 16 kHz (default 10 s) with
     CTC transcripts (a character per 3 output frames, about 17 per second at wav2vec2's 20 ms frames;
-    ids from 1, the blank being the pad id 0) or a label per clip. The Audio Spectrogram Transformer
-    takes a spectrogram of `max_length` frames x `num_mel_bins` instead."""
+    ids from 1, the blank being the pad id 0), a label per clip, or for a waveform encoder-decoder
+    (SpeechT5's speech-to-text) decoder labels of as many characters, at most its `max_text_positions`.
+    The Audio Spectrogram Transformer takes a spectrogram of `max_length` frames x `num_mel_bins` instead."""
     labels = _classes(config)
     if getattr(config, "model_type", "") == "audio-spectrogram-transformer":
         _no_sequence(seq_len, name, "spectrograms of the config's max_length frames")
@@ -609,10 +610,11 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
         return SyntheticBatches((Field("input_values", shape), Field("labels", (), labels))), \
             f"input_values {shape[0]}x{shape[1]} (spectrogram frames x mel bins) and a label per clip"
     kernels, strides = getattr(config, "conv_kernel", None), getattr(config, "conv_stride", None)
-    if not (kernels and strides) or not (name.endswith("ForCTC") or _clip_classifier(name)):
+    transcribes = name.endswith("ForSpeechToText") and getattr(config, "is_encoder_decoder", False)
+    if not (kernels and strides) or not (name.endswith("ForCTC") or transcribes or _clip_classifier(name)):
         raise UsageError(f"Cannot synthesize audio for {name or type(config).__name__} (autofit knows "
-                         "waveform CTC and clip classification heads, and the Audio Spectrogram Transformer); "
-                         "pass a batch or a make_batch(batch_size) factory.")
+                         "waveform CTC, speech-to-text and clip classification heads, and the Audio Spectrogram "
+                         "Transformer); pass a batch or a make_batch(batch_size) factory.")
     samples = seq_len or AUDIO_RATE * AUDIO_SECONDS
     frames = samples
     for kernel, stride in zip(kernels, strides):
@@ -622,6 +624,10 @@ def _audio(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, s
                          f"give --seq-len in samples at {AUDIO_RATE // 1000} kHz, e.g. {AUDIO_RATE} for a second.")
     audio = Field("input_values", (samples,))
     clip = f"input_values of {samples:,} samples ({samples / AUDIO_RATE:.1f} s at {AUDIO_RATE // 1000} kHz)"
+    if transcribes:
+        characters = max(1, min(frames // 3, getattr(config, "max_text_positions", frames // 3)))
+        return SyntheticBatches((audio, Field("labels", (characters,), config.vocab_size))), \
+            f"{clip} and decoder labels of {characters} characters"
     if name.endswith("ForCTC"):
         characters = max(1, frames // 3)
         low, high = ctc_ids(config)

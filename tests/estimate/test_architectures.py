@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, Data2VecAudioConfig, DetrConfig, Dinov2Config, DistilBertConfig,
                           Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, Mask2FormerConfig, MixtralConfig, ParakeetCTCConfig,
-                          ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
+                          ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, SpeechT5Config, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
@@ -51,6 +51,13 @@ ARCHITECTURES = {
                                     num_feat_extract_layers=2, num_conv_pos_embeddings=16,
                                     num_conv_pos_embedding_groups=4, architectures=["Wav2Vec2ForCTC"]),
                      {"input_values": (1600,), "labels": (53,)}),  # 1,600 samples: 159 frames, a character per 3
+    # a waveform encoder-decoder: audio in, decoder labels of a character per 3 encoder frames
+    "speecht5-asr": (SpeechT5Config(vocab_size=100, hidden_size=64, encoder_layers=2, decoder_layers=2,
+                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128,
+                                    decoder_ffn_dim=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                    num_feat_extract_layers=2, num_conv_pos_embeddings=16,
+                                    architectures=["SpeechT5ForSpeechToText"]),
+                     {"input_values": (1600,), "labels": (53,)}),
     # SpecAugment without an `apply_spec_augment` switch: its masked write's backward failed under fake tensors
     "data2vec-audio-ctc": (Data2VecAudioConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2),
@@ -154,7 +161,7 @@ ARCHITECTURES = {
                                       architectures=["Mask2FormerForUniversalSegmentation"]),
                     {"pixel_values": (3, 64, 64)}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "data2vec-audio-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
+SEQ_LEN = {"wav2vec2-ctc": 1600, "speecht5-asr": 1600, "data2vec-audio-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
            "detr": None, "mask2former": None}  # audio samples, feature frames; images: none
 
 
@@ -170,7 +177,7 @@ def _config_file(tmp_path, name):
     return path
 
 
-SPEECH = ("whisper", "wav2vec2-ctc", "data2vec-audio-ctc", "speech2text", "parakeet-ctc", "w2v-bert-ctc")  # their cases run in test_speech_models.py (the files run in parallel)
+SPEECH = ("whisper", "wav2vec2-ctc", "speecht5-asr", "data2vec-audio-ctc", "speech2text", "parakeet-ctc", "w2v-bert-ctc")  # their cases run in test_speech_models.py (the files run in parallel)
 
 
 @pytest.mark.parametrize("name", sorted(set(ARCHITECTURES) - set(SPEECH)))
