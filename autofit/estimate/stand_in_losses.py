@@ -79,23 +79,24 @@ def _mask_layer(classes: torch.Tensor, predicted: torch.Tensor, masks: _MaskTarg
     and the matched ones picked out, at the image's resolution; the oversampled points the uncertainty
     picks from. Kept for backward: the classification's fp32 log-softmax; the matched queries' masks, which
     `grid_sample` keeps in fp32 with its grid; the sampled logits and labels the sigmoid cross-entropy and
-    dice losses keep. Matched queries are taken as many as the image's objects."""
+    dice losses keep. The matching pairs as many queries as the image holds objects, at most every query."""
     samples, queries = predicted.shape[:2]
-    matched = samples * masks.objects
+    per_image = min(masks.objects, queries)
+    matched = samples * per_image
     fp32 = dict(device=predicted.device, dtype=torch.float32)
     with torch.no_grad():
         for _ in range(samples):  # the matcher, one image at a time
             costs = [torch.empty(queries, masks.points, **fp32) for _ in range(4)]
             del costs
         padded = torch.zeros(samples, masks.objects, *masks.size, **fp32)
-        targets = padded.flatten(0, 1).clone()
+        targets = padded[:, :per_image].flatten(0, 1).clone()  # the matched ones
         del padded
         oversampled = [torch.empty(matched, masks.oversampled, 2, **fp32),  # points, their logits, uncertainties
                        *(torch.empty(matched, 1, masks.oversampled, **fp32) for _ in range(2))]
         del oversampled
         grid = torch.rand(matched, 1, masks.points, 2, **fp32) * 2 - 1
         labels = torch.rand(matched, masks.points, **fp32)
-    picked = predicted[:, :masks.objects].flatten(0, 1)[:, None]
+    picked = predicted[:, :per_image].flatten(0, 1)[:, None]
     logits = F.grid_sample(picked.float(), grid, align_corners=False).flatten(1)
     probabilities = logits.sigmoid()
     loss = torch.log_softmax(classes, dim=-1, dtype=torch.float32).mean() \

