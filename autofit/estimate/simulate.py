@@ -17,10 +17,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optimizer, Precision, Quantization
-from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept, stand_in_losses
+from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept, sized_kernels, stand_in_losses
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
-from autofit.estimate.sized_kernels import SizedKernels
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -117,12 +116,14 @@ class _Tracker(StorageCounter):
     """Records every storage made by an op (`autofit.probe.memory.StorageCounter`) as allocation events:
     mallocs, frees and weight gradients (`take_grad`: recorded, then dropped at once), which the step's
     peaks are read from (`curve`) and the CUDA caching allocator replays (`autofit.estimate.allocator`).
-    Counts the kernels launched and the bytes offloaded beside them."""
+    Counts the kernels launched and the bytes offloaded beside them. Kernels whose outputs fake tensors
+    cannot size run through `autofit.estimate.sized_kernels` (`cuda`: CPU kernels stand in for CUDA)."""
 
-    def __init__(self, rounding: int, ties: dict[int, int]):
+    def __init__(self, rounding: int, ties: dict[int, int], cuda: bool = False):
         super().__init__()
         self.rounding = rounding  # as the allocator rounds: a storage resized within its block makes no events
         self.ties = ties  # id(parameter) -> its weight (`fake_empty`): tied parameters are one weight
+        self.cuda = cuda
         self.events: list[Event] = []
         self.offloaded = self.kernels = 0
         self.backward_at: int | None = None  # the index in `events` where the backward began
@@ -141,6 +142,9 @@ class _Tracker(StorageCounter):
 
     def _before_op(self, func: Any) -> None:
         self.kernels += launches_kernel(func)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        return sized_kernels.run(func, args, kwargs, self.cuda)
 
     def _count(self, storage: Any) -> None:
         key = id(storage)
@@ -265,7 +269,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             from autofit.strategies.chunked_loss import enable as chunk_loss
 
             chunk_loss(model)
-        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties)
+        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None)
         tracker.ignore([*model.parameters(), *model.buffers()])
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
         deep = _Deep(model, *replay_depth, tracker) if replay_depth else None
@@ -273,9 +277,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         try:
             half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             on_cuda = cuda_ampere is not None
-            with fake, SizedKernels(cuda=on_cuda), _fake_friendly_kernels(), healthy_checks(), \
-                    transformers_checks_off(), cuda_attention.as_on_cuda(cuda_ampere, half), \
-                    cuda_dropout.as_on_cuda(on_cuda), cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
+            with fake, _fake_friendly_kernels(), healthy_checks(), transformers_checks_off(), \
+                    cuda_attention.as_on_cuda(cuda_ampere, half), cuda_dropout.as_on_cuda(on_cuda), \
+                    cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
                 fake_batch = as_fake(fake, batch, device)
                 with tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \

@@ -9,7 +9,7 @@ torch's meta kernels return both empty (torch/_meta_registrations.py: `mkldnn_rn
 `torch.empty(0)`; `_cudnn_rnn`'s reserve is `0 if train else 0`, "TODO: Query
 cudnnGetRNNTrainingReserveSize"), so a simulated step left out most of an LSTM's activations: a 2-layer
 LSTM classifier (hidden 128, 50 steps) was predicted at 7.6 MiB where its CPU probe peaked at 31.5 MiB at
-micro-batch 32. `SizedKernels` gives those outputs their size:
+micro-batch 32. `run` gives those outputs their size:
 
 - **oneDNN** (`onednn_workspace`): seven parts, each rounded up to a 4 KiB page, their leading dimensions
   padded as oneDNN pads them (`get_good_ld`, src/cpu/rnn/rnn_utils.cpp: 64-byte multiples, then one more
@@ -42,7 +42,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 PAGE = 4096  # oneDNN aligns each part of its workspace to a page (`set_offsets`)
@@ -82,30 +81,24 @@ def cudnn_reserve(mode: int, layers: int, directions: int, step_samples: int, hi
     return (_CUDNN_VECTORS[mode] * layers - 1) * directions * step_samples * hidden * itemsize
 
 
-class SizedKernels(TorchDispatchMode):
-    """Under fake tensors, gives the workspace of `mkldnn_rnn_layer` and the reserve of `_cudnn_rnn` the size
-    the kernel would allocate, and `_ctc_loss` with tensor lengths its outputs (the module's formulas).
-    `cuda`: CPU kernels stand in for CUDA, and an LSTM layer's oneDNN call keeps what cuDNN keeps per layer
-    instead. Enter it after the fake mode and before the storage counter, which then counts what it
-    returns as the op's own outputs."""
+def run(func: Any, args: tuple, kwargs: dict | None, cuda: bool) -> Any:
+    """Run `func` under fake tensors, the workspace of `mkldnn_rnn_layer` and the reserve of `_cudnn_rnn`
+    given the size the kernel would allocate, and `_ctc_loss` with tensor lengths its outputs (the module's
+    formulas). `cuda`: CPU kernels stand in for CUDA, and an LSTM layer's oneDNN call keeps what cuDNN keeps
+    per layer instead. Called by the simulation's storage counter for every op (`simulate._Tracker`), which
+    then counts what it returns as the op's own outputs: two identity checks per op, no mode of its own."""
+    if func is aten._ctc_loss.Tensor:
+        return _ctc_outputs(_arg(args, kwargs, 0, "log_probs"), _arg(args, kwargs, 1, "targets"))
+    out = func(*args, **(kwargs or {}))
+    if func is aten.mkldnn_rnn_layer.default and _arg(args, kwargs, 15, "train"):
+        return (*out[:3], _bytes(out[0], _onednn_size(args, kwargs, out[0], cuda)))
+    if func is aten._cudnn_rnn.default and _arg(args, kwargs, 12, "train"):
+        return (*out[:3], _bytes(out[0], _cudnn_size(args, kwargs, out[0])), *out[4:])
+    return out
 
-    def __init__(self, cuda: bool):
-        super().__init__()
-        self.cuda = cuda
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is aten._ctc_loss.Tensor:
-            return _ctc_outputs(_arg(args, kwargs, 0, "log_probs"), _arg(args, kwargs, 1, "targets"))
-        out = func(*args, **(kwargs or {}))
-        if func is aten.mkldnn_rnn_layer.default and _arg(args, kwargs, 15, "train"):
-            return (*out[:3], self._bytes(out[0], _onednn_size(args, kwargs, out[0], self.cuda)))
-        if func is aten._cudnn_rnn.default and _arg(args, kwargs, 12, "train"):
-            return (*out[:3], self._bytes(out[0], _cudnn_size(args, kwargs, out[0])), *out[4:])
-        return out
-
-    @staticmethod
-    def _bytes(like: torch.Tensor, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+def _bytes(like: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
 
 def _arg(args: tuple, kwargs: dict | None, index: int, name: str) -> Any:

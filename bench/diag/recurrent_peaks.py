@@ -16,10 +16,9 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autofit.config import Config
-from autofit.estimate import simulate
+from autofit.estimate import sized_kernels
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.simulations import SIMULATIONS
 from autofit.probe.run import run_probe
@@ -47,25 +46,20 @@ def loss_fn(out: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(out, batch["labels"])
 
 
-class _AsMetaKernelsSizeThem(TorchDispatchMode):
-    """Passes every op through: the simulation as it was before `SizedKernels`."""
-
-    def __init__(self, cuda: bool):
-        super().__init__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+def _as_the_meta_kernels_size_them(func, args, kwargs, cuda):
+    """Every op as torch's fake tensors run it: the simulation as it was before `sized_kernels`."""
+    return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def without_sizing():
-    """The simulation without `SizedKernels`; the steps it simulates are not kept for the process."""
-    original = simulate.SizedKernels
-    simulate.SizedKernels = _AsMetaKernelsSizeThem
+    """The simulation without `sized_kernels`; the steps it simulates are not kept for the process."""
+    original = sized_kernels.run
+    sized_kernels.run = _as_the_meta_kernels_size_them
     try:
         yield
     finally:
-        simulate.SizedKernels = original
+        sized_kernels.run = original
         SIMULATIONS.kept.clear()
 
 

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.sized_kernels import SizedKernels, cudnn_reserve, onednn_workspace
+from autofit.estimate import sized_kernels
+from autofit.estimate.sized_kernels import cudnn_reserve, onednn_workspace
 from autofit.probe.run import run_probe
 from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
@@ -32,6 +33,17 @@ class _Workspaces(TorchDispatchMode):
         if func is aten.mkldnn_rnn_layer.default:
             self.sizes.append(out[3].untyped_storage().nbytes())
         return out
+
+
+class _Sized(TorchDispatchMode):
+    """`sized_kernels.run` as a mode of its own, as the simulation's storage counter calls it for every op."""
+
+    def __init__(self, cuda):
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return sized_kernels.run(func, args, kwargs, self.cuda)
 
 
 def _real_workspace(steps, batch, features, hidden, dtype):
@@ -54,7 +66,7 @@ def test_onednn_workspace_is_the_real_kernels_to_the_byte():
 def test_the_meta_kernels_leave_it_out_and_the_mode_puts_it_back():
     """What the estimator works around: torch's meta kernel returns an empty workspace."""
     shape = (50, 8, 64)
-    for mode, expected in ((None, 0), (SizedKernels(cuda=False), onednn_workspace(50, 8, 64, 128, 4))):
+    for mode, expected in ((None, 0), (_Sized(cuda=False), onednn_workspace(50, 8, 64, 128, 4))):
         with FakeTensorMode(allow_non_fake_inputs=True):
             lstm = nn.LSTM(64, 128)
             x = torch.empty(shape, requires_grad=True)
@@ -132,7 +144,7 @@ def test_a_ctc_loss_of_ones_own_is_simulated_and_predicted():
 
 
 def test_ctc_alpha_table_takes_the_longest_target_at_its_bound():
-    with FakeTensorMode(allow_non_fake_inputs=True), SizedKernels(cuda=False):
+    with FakeTensorMode(allow_non_fake_inputs=True), _Sized(cuda=False):
         log_probs = torch.empty(120, 4, 29)
         lengths = torch.full((4,), 30)
         _, padded = aten._ctc_loss.Tensor(log_probs, torch.empty(4, 30, dtype=torch.long), lengths, lengths, 0, False)
@@ -148,7 +160,7 @@ def test_ctc_refuses_16_bit_log_probabilities_as_its_kernels_do():
     lengths = torch.full((4,), 30)
     with pytest.raises(RuntimeError, match="not implemented for 'BFloat16'"):
         nn.functional.ctc_loss(real, torch.randint(1, 29, (4, 30)), torch.full((4,), 120), lengths)
-    with FakeTensorMode(allow_non_fake_inputs=True), SizedKernels(cuda=False), \
+    with FakeTensorMode(allow_non_fake_inputs=True), _Sized(cuda=False), \
             pytest.raises(NotImplementedError, match="not implemented for torch.bfloat16"):
         aten._ctc_loss.Tensor(torch.empty(120, 4, 29, dtype=torch.bfloat16), torch.empty(4, 30, dtype=torch.long),
                               lengths, lengths, 0, False)
@@ -165,7 +177,7 @@ def test_cudnn_calls_keep_their_reserve_and_a_cpu_stand_in_keeps_cudnns_share():
     """Decisions, no figure measured on a GPU: fake CUDA tensors take `_cudnn_rnn` (every layer
     in one call, its reserve sized by `cudnn_reserve`); where CPU kernels stand in for CUDA, each oneDNN
     layer call keeps cuDNN's per-layer share (5 vectors beside its output) instead of oneDNN's workspace."""
-    with FakeTensorMode(allow_non_fake_inputs=True), SizedKernels(cuda=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _Sized(cuda=True):
         x = torch.empty(6, 3, 8, device="cuda")
         weights = [torch.empty(64, 8, device="cuda"), torch.empty(64, 16, device="cuda"),
                    torch.empty(64, device="cuda"), torch.empty(64, device="cuda")]
