@@ -16,7 +16,9 @@ micro-batch 32. `run` gives those outputs their size:
   64 bytes where the length is a multiple of 256 elements). The parts and their element sizes were fitted
   to torch 2.13's kernel and agree with it to the byte on 40 random shapes in fp32 and bf16
   (tests/estimate/test_sized_kernels.py measures 24 random shapes again against the real kernel).
-- **cuDNN** (`cudnn_reserve`): not measured by this project (no GPU was lent for it). Per layer,
+- **cuDNN** (`cudnn_reserve`): kept for backward with the output (tools/autograd/derivatives.yaml:
+  `_cudnn_rnn_backward` takes `result0` and `result3`); not measured by this project (no GPU was lent
+  for it). Per layer,
   direction, step and sample an LSTM keeps 6 hidden-sized vectors (4 gates, the cell, the hidden state)
   and a GRU 7, less one at the top layer, whose hidden states are the output: (6 x layers - 1) and
   (7 x layers - 1). Reconstructed from the one published reserve size found, a maintainer's

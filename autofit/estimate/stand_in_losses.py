@@ -78,7 +78,9 @@ def _mask_layer(classes: torch.Tensor, predicted: torch.Tensor, masks: _MaskTarg
     (its (queries x points) logits and the costs drawn from them); the targets padded to the most objects
     and the matched ones picked out, at the image's resolution; the oversampled points the uncertainty
     picks from. Kept for backward: the classification's fp32 log-softmax; the matched queries' masks, which
-    `grid_sample` keeps in fp32 with its grid; the sampled logits and labels the sigmoid cross-entropy and
+    `grid_sample` keeps with its grid, in fp32 even under autocast (its inputs are promoted to the widest
+    dtype, the fp32 points: `AT_FORALL_PROMOTE`, aten/src/ATen/autocast_mode.h); the sampled logits and
+    labels the sigmoid cross-entropy and
     dice losses keep. The matching pairs as many queries as the image holds objects, at most every query."""
     samples, queries = predicted.shape[:2]
     per_image = min(masks.objects, queries)
