@@ -71,7 +71,7 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         _stop_if_broken(exc, config)
         kind = classify_oom(exc)
         status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
-        where = raised_at(exc) if kind is None else ""
+        where = raised_at(exc) + "".join(s.explain(config, exc) for s in strategies) if kind is None else ""
         result = ProbeResult(config, status, first_line(exc) + where, budget.peak or None, oom_kind=kind,
                              phase=getattr(exc, "autofit_phase", None))
     else:

@@ -23,7 +23,10 @@ The walk, and its stop rule:
 6. An error or a too-slow probe ends its level. The walk stops after `max_probes` probes; levels not
    visited are recorded as skipped with that reason. When the first probes fail with one and the same
    error on two levels, before anything fitted or ran out of memory, the fault is the user's model, batch
-   or loss, not a knob: the walk stops with a `UsageError` quoting it.
+   or loss, not a knob: the walk stops with a `UsageError` quoting it. After a fit, an error two levels
+   met alike is laid to a knob value they share that no level which ran without error had (pure bf16
+   meeting an fp32 tensor the model makes); a level with that value, and otherwise only values the failed
+   levels had, is certain to fail the same way and is recorded as skipped, not probed.
 Among the fits, the plan takes the highest measured throughput.
 """
 
@@ -214,6 +217,10 @@ class Search:
             if self.probes_run >= self.max_probes:
                 self._add(decided(top, Skip.BUDGET, f"probe budget of {self.max_probes} probes spent"))
                 continue
+            same_error = self._same_error(level)
+            if same_error:
+                self._add(decided(top, Skip.IMPLIED, same_error))
+                continue
             self._walk(level)
         return self.results
 
@@ -286,6 +293,30 @@ class Search:
             elif result.measured and result.status is _IMPLIES[verdict] \
                     and self.space.saves_at_least(config, result.config):
                 return result.config
+        return None
+
+    def _same_error(self, level: Config) -> str | None:
+        """Why `level` is certain to fail as earlier levels did, or None: at least `USER_ERROR_PROBES` levels
+        failed with one error (type and place), sharing a knob value that no level which ran without error
+        had and that `level` has; each of `level`'s other knob values is one a failed level had."""
+        knobs = [name for name in self.space.values() if name not in ("micro_batch_size", "grad_accum_steps")]
+        ran = [r.config for r in self.results if r.measured and r.status is not ProbeStatus.ERROR]
+        failures = collections.defaultdict(list)
+        for result in self.results:
+            if result.measured and result.status is ProbeStatus.ERROR:
+                failures[_failure(result.reason)].append(result)
+        for failed in failures.values():
+            if len(failed) < USER_ERROR_PROBES:
+                continue
+            seen = {name: {r.config.knob(name) for r in failed} for name in knobs}
+            if any(level.knob(name) not in values for name, values in seen.items()):
+                continue
+            for name, values in seen.items():
+                value = level.knob(name)
+                if len(values) == 1 and all(c.knob(name) != value for c in ran):
+                    return (f"certain to fail the same way: {failed[0].config.describe()} and "
+                            f"{failed[1].config.describe()} failed alike ({failed[0].reason}), and no level with "
+                            f"{name}={getattr(value, 'value', value)} ran without error")
         return None
 
     def _holds_no_less(self, config: Config, failed: Config) -> bool:

@@ -100,6 +100,12 @@ class Strategy(abc.ABC):
         only."""
         return {}
 
+    def explain(self, config: Config, exc: BaseException) -> str:
+        """What `config`'s value of this knob has to do with the error `exc` a probe of it raised, as a
+        clause for the probe's reason ("; ..."), when the knob is its likely cause and the user can act on it;
+        "" otherwise (the default)."""
+        return ""
+
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
         """Keys this knob adds to launcher format `fmt` ("deepspeed", "accelerate", "trainer", "torchrun";
         dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs); nothing

@@ -12,18 +12,22 @@ compile their step with `torch.compile` (minutes of compilation per probe on a C
 toolchain), and they change the optimizer rather than the precision; see docs/new-rungs.md.
 
 Plain models get their floating-point inputs cast to bf16 by a forward pre-hook (autocast did that).
+A tensor the model makes in fp32 inside its forward (a sinusoidal embedding from `torch.arange`, a float
+buffer re-made each step) then meets bf16 weights, which autocast would have cast: the probe's error says
+so and what to change (`PureBf16.explain`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autofit.config import Precision as P
+from autofit.config import Config, Precision as P
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
@@ -47,6 +51,20 @@ class PureBf16(Strategy):
     def apply(self, run: "TrainRun") -> None:
         if run.config.pure_bf16:
             enable(run.model)
+
+    def explain(self, config: Config, exc: BaseException) -> str:
+        text = str(exc)
+        if not (config.pure_bf16 and _BF16.search(text) and _FP32.search(text)):
+            return ""
+        return ("; pure bf16 runs with no autocast to cast for it: a tensor your forward makes in fp32 "
+                "(torch.arange, torch.exp, a float constant or buffer) meets the bf16 weights. Cast it to "
+                "theirs (`.to(x.dtype)`) for pure bf16 to be a candidate; the other precisions are unaffected")
+
+
+# A dtype mismatch between bf16 and fp32 as torch words it: "got Float and BFloat16", "Input type (float)
+# and bias type (c10::BFloat16)", "expected scalar type Float but found BFloat16".
+_BF16 = re.compile(r"bfloat16", re.IGNORECASE)
+_FP32 = re.compile(r"\b(?:float|float32)\b", re.IGNORECASE)
 
 
 def enable(model: nn.Module) -> nn.Module:

@@ -9,7 +9,7 @@ from autofit.search.space import build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import Search
 from autofit.spec.train import make_spec
-from autofit.strategies import Checkpointing, DataParallel, MicroBatch, Precision, Zero
+from autofit.strategies import Checkpointing, DataParallel, MicroBatch, OptimizerStates, Precision, Zero
 from autofit.strategies.zero import installed_version
 from models import LinearBlocks
 
@@ -102,3 +102,40 @@ def test_errors_that_differ_by_level_are_results():
         return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
     results, _ = _walk(prober)
     assert any(r.status is ProbeStatus.ERROR for r in results)
+
+
+def test_an_error_two_levels_met_alike_skips_the_levels_that_share_its_knob_value():
+    """After a fit, bf16 fails alike with every optimizer and checkpointing: once two bf16 levels failed, a
+    bf16 level made only of knob values the failures had is skipped; one with a value they had not runs."""
+    def prober(config):
+        if config.precision.value == "bf16":
+            return ProbeResult(config, ProbeStatus.ERROR, "RuntimeError: mat1 and mat2 must have the same dtype "
+                               "(at model.py:30 in forward)", phase="forward")
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    bf16_levels = [level for level in space.levels() if level.precision.value == "bf16"]
+    assert len(bf16_levels) > 3, [level.describe() for level in bf16_levels]
+    results = Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
+    probed = [r for r in results if r.status is ProbeStatus.ERROR]
+    skipped = [r for r in results if r.skip is Skip.IMPLIED and "same way" in r.reason]
+    assert len(probed) + len(skipped) == len(bf16_levels)
+    assert len(probed) >= 2 and skipped, [r.config.describe() for r in probed]
+    for result in skipped:  # each of its values was met by a failure before it
+        earlier = [r.config for r in results[:results.index(result)] if r.status is ProbeStatus.ERROR]
+        assert all(any(c.knob(name) == result.config.knob(name) for c in earlier)
+                   for name in ("checkpointing", "optimizer"))
+        assert "no level with precision=bf16 ran without error" in result.reason
+
+
+def test_an_error_a_level_without_the_value_ran_past_is_not_laid_to_it():
+    """Errors on two bf16 levels while another bf16 level fitted: bf16 is not the cause, nothing is skipped."""
+    def prober(config):
+        if config.precision.value == "bf16" and config.optimizer.value != "adamw":
+            return ProbeResult(config, ProbeStatus.ERROR, "RuntimeError: broke (at model.py:30 in forward)",
+                               phase="step")
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    results = Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
+    assert not [r for r in results if "same way" in r.reason]

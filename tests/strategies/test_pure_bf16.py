@@ -58,3 +58,26 @@ def test_estimator_predicts_the_peak_within_its_tolerance():
     measured = run_probe(spec, config, default_strategies()).peak_bytes
     predicted = Estimator(spec).predict(config).peak_bytes
     assert abs(predicted / measured - 1) <= PREDICTION_TOLERANCE["cpu"], (predicted, measured)
+
+
+class _Fp32Embedding(torch.nn.Module):
+    """A timestep embedding made in fp32 inside the forward, as diffusion models make theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, t):
+        freqs = torch.exp(-torch.arange(4, device=t.device) / 4)
+        return self.proj(torch.cat([torch.sin(t[:, None] * freqs), torch.cos(t[:, None] * freqs)], 1)).sum()
+
+
+def test_a_tensor_the_forward_makes_in_fp32_is_named_as_the_cause_under_pure_bf16_only():
+    spec = make_spec(_Fp32Embedding, lambda n: torch.rand(n), global_batch_size=4, device="cpu", memory_budget="1GiB")
+    failed = run_probe(spec, Config(precision="pure_bf16", micro_batch_size=4), default_strategies())
+    assert failed.status.value == "error" and "same dtype" in failed.reason, failed.reason
+    assert "no autocast to cast for it" in failed.reason and "`.to(x.dtype)`" in failed.reason
+    assert "test_pure_bf16.py" in failed.reason  # where it was raised comes first, then the hint
+    assert run_probe(spec, Config(precision="bf16", micro_batch_size=4), default_strategies()).fits
+    assert PureBf16().explain(Config(precision="bf16"), RuntimeError("got Float and BFloat16")) == ""
+    assert PureBf16().explain(Config(precision="pure_bf16"), RuntimeError("index out of range")) == ""
