@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autofit.cli.tune import ALLOW_HELP, LENGTH, MODEL_HELP, as_options, env_columns, parse_allow_option
+from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, as_options, env_columns, parse_allow_option,
+                              positive_option)
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.estimate.gpus import other_sizes, split_count
@@ -160,10 +161,10 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 
 @click.command("dry-run")
 @click.option("--model", "model_arg", required=True, help=MODEL_HELP)
-@click.option("--seq-len", type=LENGTH, default=None,
+@click.option("--seq-len", type=LENGTH, default=None, callback=positive_option,
               help="Tokens per sample, e.g. 4096 or 4k (at most the model's maximum); audio samples at 16 kHz for "
                    "waveform models (wav2vec2, HuBERT); none for image models.")
-@click.option("--global-batch-size", type=int, default=None,
+@click.option("--global-batch-size", type=COUNT, default=None, callback=positive_option,
               help="Samples per optimizer step over all GPUs, kept exactly; default: micro-batches up to "
                    f"{DEFAULT_MAX_MICRO_BATCH} without accumulation.")
 @click.option("--gpu", default="h100-80gb", show_default=True,

@@ -249,10 +249,32 @@ class Length(click.ParamType):
 LENGTH = Length()
 
 
+class Count(click.ParamType):
+    """A count of samples as people type it: 1024, 1,024 or 1_024. "1k" is refused with both readings, as a
+    batch of "1k" is 1,000 to some and 1,024 to others (a length's k is 1,024 by the name of context lengths)."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().replace(",", "").replace("_", "")
+        if text.isdigit():
+            return int(text)
+        if text[-1:] in ("k", "K") and text[:-1].isdigit():
+            thousands = int(text[:-1])
+            self.fail(f"{value!r}: pass the number of samples, {thousands * 1024} or {thousands * 1000}", param, ctx)
+        self.fail(f"{value!r} is not a count of samples: pass a whole number, e.g. 256", param, ctx)
+
+
+COUNT = Count()
+
+
 def positive_option(context: click.Context, param: click.Parameter, value: int | None) -> int | None:
     """Click callback: an integer option that must be >= 1 when given."""
     if value is not None and value < 1:
-        raise UsageError(f"{param.opts[-1]} {value}: must be an integer >= 1 ({param.help.rstrip('.').lower()}).")
+        what = param.help.rstrip(".")
+        raise UsageError(f"{param.opts[-1]} {value}: must be an integer >= 1 ({what[:1].lower() + what[1:]}).")
     return value
 
 
@@ -297,7 +319,8 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--seq-len", type=LENGTH, default=None, callback=positive_option,
               help="Tokens per sample of the synthesized batch, e.g. 4096 or 4k; audio samples at 16 kHz for "
                    "waveform models; none for image models.")
-@click.option("--global-batch-size", type=int, default=None, help="Samples per optimizer step, kept exactly.")
+@click.option("--global-batch-size", type=COUNT, default=None, callback=positive_option,
+              help="Samples per optimizer step, kept exactly.")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autofit.cli.main import main, sizes_joined
-from autofit.cli.tune import LENGTH
+from autofit.cli.tune import COUNT, LENGTH
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
@@ -54,7 +54,7 @@ def test_json_is_one_document_with_every_candidate(config_json, capsys, gpus, hi
         c["config"]["sharding"] for c in data["candidates"]}
 
 
-@pytest.mark.parametrize("args, message", [(("--seq-len", "0"), "seq_len must be an integer >= 1, but got 0"),
+@pytest.mark.parametrize("args, message", [(("--seq-len", "0"), "--seq-len 0: must be an integer >= 1"),
                                            (("--top", "-1"), "'--top': -1 is not in the range x>=0"),
                                            (("--gpu", "8xh100", "--num-gpus", "4"),
                                             "--gpu '8xh100' says 8 GPUs but --num-gpus 4: give the count once")])
@@ -116,6 +116,21 @@ def test_seq_len_beside_a_batch_of_yours_is_refused_in_the_command_lines_words(t
 def test_bad_usage_exits_2(args, message, capsys):
     assert main(["dry-run", "--global-batch-size", "8", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["dry-run", "tune"])
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch-size", "1k"], "'1k': pass the number of samples, 1024 or 1000"),  # k is not one reading
+    (["--global-batch-size", "0"], "--global-batch-size 0: must be an integer >= 1 (samples per optimizer step"),
+    (["--seq-len", "0"], "--seq-len 0: must be an integer >= 1 (tokens per sample"),
+])
+def test_counts_typed_in_a_hurry_name_the_option(command, args, message, capsys):
+    assert main([command, "--model", "gpt2", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_counts_are_read_as_people_type_them():
+    assert [COUNT.convert(v, None, None) for v in ("1024", "1,024", "1_024", " 64 ", 8)] == [1024, 1024, 1024, 64, 8]
 
 
 def test_lengths_are_read_as_people_type_them():
