@@ -106,7 +106,8 @@ def breakdown_table(candidate: Candidate) -> Table:
     for name, value in candidate.estimate.breakdown.to_dict().items():
         if name == "gathered" and not value:
             continue  # nothing is sharded
-        what = ", ".join(f"{term} {format_size(b)}" for term, b in candidate.estimate.terms) if name == "overhead" else ""
+        what = {"overhead": ", ".join(f"{term} {format_size(b)}" for term, b in candidate.estimate.terms),
+                "gathered": "full weights of the layers in use, gathered from their shards"}.get(name, "")
         table.add_row(name, format_size(value), what)
     table.add_row("[bold]peak[/]", f"[bold]{format_size(candidate.peak_bytes)}[/]",
                   "the parts are not all live at once" if candidate.peak_bytes < candidate.estimate.breakdown.total else "")

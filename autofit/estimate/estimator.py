@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from autofit.strategies.base import Strategy
 
 MIB = 1024**2
+# The engine's term shown as `Breakdown.gathered`, not in the overhead: ZeRO-3's gathered working set.
+GATHERED_TERM = "zero3_gathered"
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
 # The CUDA context of a training process: the driver context plus every kernel module the step loads
 # lazily (cuBLAS, attention, the optimizer's foreach kernels). Measured in a probe on one H100, torch
@@ -471,7 +473,7 @@ class Estimator:
         transient = max(transient + engine.backward, states.grads + temp + engine.step, states.grads + engine.epilogue)
         terms = self._overhead(config, act, temp)
         overhead = sum(b for _, b in terms) + engine.held
-        terms += [t for t in engine.terms if t[1]]
+        terms += [t for t in engine.terms if t[1] and t[0] != GATHERED_TERM]  # that one is `Breakdown.gathered`
         notes += [engine.note] if engine.note else []
         peak = states.params + gathered + states.optimizer + transient + overhead
         breakdown = _parts(dataclasses.replace(states, grads=held), temp, act.largest, overhead, gathered, engine, peak)
@@ -553,7 +555,7 @@ def _parts(states: States, temp: int, activations: int, overhead: int, gathered:
     FSDP2's, and transient bytes the backward holds beyond the activations' peak (its last gradients'
     inputs, a hook's step) counted as activations."""
     buffers = dict(engine.terms)
-    gathered += buffers.pop("zero3_gathered", 0)
+    gathered += buffers.pop(GATHERED_TERM, 0)
     overhead += sum(buffers.values()) - engine.held
     parts = Breakdown(states.params, states.grads, states.optimizer + temp, activations, overhead, gathered)
     return dataclasses.replace(parts, activations=activations + max(0, peak - parts.total))
