@@ -30,6 +30,7 @@ from autofit.config import Optimizer as O
 from autofit.errors import UsageError
 from autofit.probe.step import TrainRun, checked_max_grad_norm
 from autofit.spec.batch import default_loss, leading_dim, to_device
+from autofit.spec.sample_axis import check_first_batch
 from autofit.spec.model_info import inspect_model
 from autofit.spec.shares import micro_batch_shares
 from autofit.spec.target import Target
@@ -50,6 +51,7 @@ class Prepared:
 
     config: Config  # the plan's configuration, applied
     run: TrainRun  # the training run the strategies shaped (the same class the probe trains)
+    _axis_checked: bool = dataclasses.field(default=False, init=False, repr=False)  # `check_first_batch` ran
 
     @property
     def model(self) -> nn.Module:
@@ -99,6 +101,9 @@ class Prepared:
         """`batch` split along its sample axis into micro-batches of `micro_batch_size`, on the device
         (views of the batch where it already is there: nothing is copied)."""
         total, size = leading_dim(batch), self.micro_batch_size
+        if not self._axis_checked:
+            check_first_batch(self.run.model, batch)
+            self._axis_checked = True
         batch = to_device(batch, self.device)
         return [_rows(batch, start, min(size, total - start)) for start in range(0, total, size)]
 

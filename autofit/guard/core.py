@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.spec.batch import call_model, default_loss, leading_dim
+from autofit.spec.sample_axis import check_first_batch
 from autofit.spec.shares import share, target_counts, weighted_sum
 from autofit.spec.model_info import batch_normalises, least_micro_batch
 from autofit.config import Checkpointing, Config, Optimizer
@@ -154,6 +155,7 @@ class OomGuard:
         self.phase = "forward"  # where the current attempt is: "forward", "backward" (logs say where an OOM struck)
         self._undo: list[Config] = []  # configurations stepped down from, most recent last
         self._clean_units = 0
+        self._axis_checked = False  # `check_first_batch` ran on the first batch
         self._grow_wait = grow_back_after
         self._tried: list[str] = [self.config.describe()] if self.config is not None else []
 
@@ -173,6 +175,9 @@ class OomGuard:
         step. `backward(micro_batch, weight)` replaces the guard's own forward/backward (integrations)."""
         backward = backward or self._forward_backward
         total = rows(batch)
+        if not self._axis_checked:
+            check_first_batch(self.model, batch)
+            self._axis_checked = True
         first_recovery = len(self.recoveries)
         self._maybe_grow_back()
         if self.config is None:  # no size given: the whole batch at once

@@ -186,11 +186,17 @@ def call_model(model: torch.nn.Module, batch: Batch) -> Any:
     A dict's keys that `forward` does not take (`labels` for a model whose loss is `loss_fn`'s) are left out
     of the call and reach the loss alone, as the Trainer leaves out columns the model does not take.
     """
+    args, kwargs = call_arguments(model, batch)
+    return model(*args, **kwargs)
+
+
+def call_arguments(model: torch.nn.Module, batch: Batch) -> tuple[tuple, dict]:
+    """The positional and keyword arguments `call_model` passes `model` for `batch`."""
     if isinstance(batch, Mapping):
-        return model(**forward_fields(model, batch))
+        return (), dict(forward_fields(model, batch))
     if isinstance(batch, (tuple, list)):
-        return model(batch[0])
-    return model(batch)
+        return (batch[0],), {}
+    return (batch,), {}
 
 
 def forward_fields(model: torch.nn.Module, batch: Mapping) -> Mapping:

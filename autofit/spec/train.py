@@ -18,6 +18,7 @@ from autofit.spec import batch as batches, presets
 from autofit.spec.devices import device_memory, memory_report, resolve_device
 from autofit.errors import UsageError, did_you_mean
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
+from autofit.spec.sample_axis import check_sample_axis
 from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
 
@@ -152,6 +153,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     called = model if isinstance(model, nn.Module) else meta_model
     if called is not None:
         batches.check_call(called, sample, loss_fn)
+        check_sample_axis(called, batch_factory)
     if meta_model is not None:
         _check_loss_on_meta(meta_model, sample, spec.loss_fn)
     return spec
