@@ -30,8 +30,12 @@ def made(batch_factory: BatchFactory, num_samples: int) -> Batch:
     if rows != num_samples:
         raise UsageError(f"make_batch({num_samples}) returned a batch of {rows} samples; it must return exactly the "
                          "number it is asked for (autofit asks for 2 and 3 up front, then for each micro-batch "
-                         "size it measures).")
+                         "size it measures)." + _time_major_hint(_leaves(batch), {num_samples}))
     return batch
+
+
+def _leaves(batch: Batch) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def check_factory(make_batch: BatchFactory) -> None:
@@ -57,7 +61,7 @@ def leading_dim(batch: Batch) -> int:
 
 def _tensor_rows(batched: Batch, batch: Batch) -> int:
     """The first axis every tensor of `batched` (the batch less its per-sample fields) agrees on."""
-    leaves = [leaf for leaf in tree_flatten(batched)[0] if isinstance(leaf, torch.Tensor)]
+    leaves = _leaves(batched)
     if not leaves:
         raise UsageError(f"The batch holds no tensors (got {type(batch).__name__}); pass a tensor, "
                          "a tuple of tensors or a dict of tensors.")
@@ -68,16 +72,16 @@ def _tensor_rows(batched: Batch, batch: Batch) -> int:
     if len(sizes) > 1:
         raise UsageError(f"The batch's tensors disagree on the sample axis (first dims {sorted(s[0] for s in sizes)}), "
                          "so it cannot be sliced into micro-batches; give every tensor the same first dimension."
-                         + _time_major_hint(leaves))
+                         + _time_major_hint(leaves, {leaf.shape[0] for leaf in leaves}))
     return sizes.pop()[0]
 
 
-def _time_major_hint(leaves: list[torch.Tensor]) -> str:
-    """For tensors that disagree on their first axis: where one holds the others' count on its second axis,
-    it is likely time-major (steps first), as `nn.LSTM`, `nn.GRU` and `nn.Transformer` take by default."""
-    firsts = {leaf.shape[0] for leaf in leaves}
+def _time_major_hint(leaves: list[torch.Tensor], counts: set[int]) -> str:
+    """Where a tensor holds one of the sample `counts` (the other tensors' first axes; the count a factory was
+    asked for) on its second axis and not its first, it is likely time-major (steps first), as `nn.LSTM`,
+    `nn.GRU` and `nn.Transformer` take by default."""
     for leaf in leaves:
-        if leaf.dim() in (2, 3) and leaf.shape[1] in firsts - {leaf.shape[0]}:  # ids or features, not images
+        if leaf.dim() in (2, 3) and leaf.shape[1] in counts - {leaf.shape[0]}:  # ids or features, not images
             samples_first = (leaf.shape[1], leaf.shape[0], *leaf.shape[2:])
             return (f" A tensor of shape {tuple(leaf.shape)} looks time-major (steps first, samples second: the "
                     "default of nn.LSTM, nn.GRU and nn.Transformer without batch_first=True); autofit slices the "

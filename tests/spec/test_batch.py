@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from autofit import UsageError
-from autofit.spec.batch import (call_model, default_loss, factory_from_sample, forward_names, leading_dim, take_rows,
-                                tokens_per_sample)
+from autofit.spec.batch import (call_model, default_loss, factory_from_sample, forward_names, leading_dim, made,
+                                take_rows, tokens_per_sample)
 
 
 def test_leading_dim_of_a_dict():
@@ -23,6 +23,16 @@ def test_a_time_major_sequence_is_named_with_the_layout_that_works():
     with pytest.raises(UsageError) as plain:
         leading_dim((torch.randn(2, 4), torch.randn(3, 4)))
     assert "time-major" not in str(plain.value)
+
+
+def test_a_factory_making_time_major_batches_is_named_with_the_layout_that_works():
+    """Its tensors agree on their first axis (the steps), which is not the count it was asked for."""
+    with pytest.raises(UsageError, match=r"make_batch\(3\) returned a batch of 50 samples.*shape \(50, 3, 16\) looks "
+                                         r"time-major.*samples first, \(3, 50, 16\)"):
+        made(lambda n: (torch.randn(50, n, 16), torch.zeros(50, n)), 3)
+    with pytest.raises(UsageError) as fixed:
+        made(lambda n: torch.randn(8, 4), 3)
+    assert "time-major" not in str(fixed.value)
 
 
 def test_scalar_cannot_be_sliced():
