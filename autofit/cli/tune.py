@@ -29,9 +29,9 @@ from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
 from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
-from autofit.probe.outcome import ProbeResult
+from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
-from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, skip_counts
+from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, failure, skip_counts
 from autofit.units import format_size
 
 if TYPE_CHECKING:
@@ -302,6 +302,17 @@ def probe_table(plan: "Plan", width: int = NARROW) -> Table:
     return table
 
 
+def error_lines(plan: "Plan") -> list[str]:
+    """One line per error the probes met (its type and where it was raised: `walk.failure`): the probes it
+    struck, by their row in the table, and its reason."""
+    struck: dict[str, list[int]] = {}
+    for index, probe in enumerate(plan.probes, 1):
+        if probe.status is ProbeStatus.ERROR:
+            struck.setdefault(failure(probe.reason), []).append(index)
+    return [f"in probe{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}: {plan.probes[rows[0] - 1].reason}"
+            for rows in struck.values()]
+
+
 def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
     """plan.json, report.html and (when it fits) the launcher files of every format; returns the paths."""
     paths: dict[str, Any] = {"run_dir": str(out), "plan": str(plan.save(out / PLAN)),
@@ -366,6 +377,9 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
             return EXIT_INTERRUPTED
         paths = write_run(plan, out_dir)
         console.print(probe_table(plan, console.width))
+        if console.width < NARROW:  # the table left the reasons out: an error's is what the user acts on
+            for line in error_lines(plan):
+                console.print(f"[{COLORS['error']}]error[/] {escape(line)}", highlight=False)
         if plan.fits:
             console.print(f"[bold green]Chosen:[/] {escape(plan.summary())}")
         else:

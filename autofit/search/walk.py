@@ -304,7 +304,7 @@ class Search:
         failures = collections.defaultdict(list)
         for result in self.results:
             if result.measured and result.status is ProbeStatus.ERROR:
-                failures[_failure(result.reason)].append(result)
+                failures[failure(result.reason)].append(result)
         for failed in failures.values():
             if len(failed) < USER_ERROR_PROBES:
                 continue
@@ -372,7 +372,7 @@ class Search:
         if len(probed) < USER_ERROR_PROBES or any(r.status is not ProbeStatus.ERROR for r in probed):
             return
         levels = {r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in probed}
-        if len({_failure(r.reason) for r in probed}) == 1 and len(levels) > 1:
+        if len({failure(r.reason) for r in probed}) == 1 and len(levels) > 1:
             first = probed[0]
             raise UsageError(f"Every configuration probed ({'; '.join(r.config.describe() for r in probed)}) failed "
                              f"the same way in the {first.phase or 'step'}, so the cause is the model, the batch or "
@@ -389,7 +389,7 @@ class Search:
 _VARIES_BY_KNOB = re.compile(r"\d+|\b(?:B?Float\d*|Half|Double|bfloat16|float\d*|half)\b")
 
 
-def _failure(reason: str) -> str:
+def failure(reason: str) -> str:
     """What identifies an error across configurations: its type and where it was raised when the probe could
     tell (`autofit.probe.oom.raised_at`), else its text with sizes and dtypes blanked."""
     kind, _, rest = reason.partition(":")

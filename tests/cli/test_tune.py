@@ -342,3 +342,17 @@ def test_tune_says_when_it_is_predicting_between_probes(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     progress.predicted(6.0)
     assert "predicting peaks (2 predicted in 12 s: training steps simulated" in capsys.readouterr().out
+
+
+def test_a_narrow_table_leaves_reasons_out_but_each_error_is_said_once_with_its_rows():
+    from autofit import Config, Plan
+    from autofit.cli.tune import error_lines
+    from autofit.probe.outcome import ProbeResult, ProbeStatus
+
+    fit = ProbeResult(Config(micro_batch_size=4), ProbeStatus.FIT, "fits", 2**20, 0.1, 40.0)
+    dtype = [ProbeResult(Config(precision="pure_bf16", optimizer=o), ProbeStatus.ERROR, f"RuntimeError: got Float "
+                         f"and BFloat16 ({o}) (at unet.py:30 in forward); pure bf16 runs with no autocast")
+             for o in ("adamw", "adafactor")]
+    other = ProbeResult(Config(checkpointing="full"), ProbeStatus.ERROR, "ValueError: no blocks (at model.py:3 in f)")
+    plan = Plan(True, fit.config, 40.0, None, 2**20, "won", (fit, dtype[0], other, dtype[1]), {})
+    assert error_lines(plan) == [f"in probes 2, 4: {dtype[0].reason}", f"in probe 3: {other.reason}"]
