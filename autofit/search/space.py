@@ -33,6 +33,7 @@ class Excluded:
     reason: str
     tier: int | None = None  # the tier an allow= would open, when the tier alone excluded it
     rule: str | None = None  # the rule between knobs that excluded it (`autofit.search.rules.RULES`)
+    micro_batch: int | None = None  # the size excluded, where the micro-batch option itself was
 
     def result(self) -> ProbeResult:
         """The record shown in `plan.probes`."""
@@ -50,6 +51,7 @@ class Space:
     level_list: tuple[Config, ...]  # every allowed combination, cheapest first
     excluded: tuple[Excluded, ...]
     level_sizes: dict[Config, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # see sizes_at
+    size_options: tuple[Option, ...] = ()  # the micro-batch's options, whose tiers count as the others' do
 
     def levels(self) -> list[Config]:
         """Every allowed combination of the level knobs, cheapest first: fewer and earlier changes first."""
@@ -75,9 +77,18 @@ class Space:
         return {**out, "micro_batch_size": self.sizes}
 
     def tier(self, config: Config) -> int:
-        """The exactness tier of `config`: the highest tier among the options it uses."""
-        return max((o.tier for field, options in self.choices.items() for o in options
-                    if all(config.knob(k) == v for k, v in o.knobs(field).items())), default=0)
+        """The exactness tier of `config`: the highest tier among the options it uses, its micro-batch's too
+        (fewer samples than the rank's batch where batch norm or the loss couples them)."""
+        return max((o.tier for _, o in self._used(config)), default=0)
+
+    def changes(self, config: Config) -> list[tuple[str, str]]:
+        """The numerics changes `config` makes, as (knob, the option's reason): its options of tier 1 and up."""
+        return [(field, o.reason) for field, o in self._used(config) if o.tier]
+
+    def _used(self, config: Config) -> list[tuple[str, Option]]:
+        options = [*self.choices.items(), ("micro_batch_size", self.size_options)]
+        return [(field, o) for field, kept in options for o in kept
+                if all(config.knob(k) == v for k, v in o.knobs(field).items())]
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
         """Whether config `a` needs no more memory than `b`: every knob of `a` saves at least as much."""
@@ -113,7 +124,8 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
         for option in strategy.options(spec):
             reason, tier = _exclusion(option, spec.max_tier)
             if reason:
-                excluded.append(Excluded(base.replace(**option.knobs(strategy.field)), reason, tier))
+                size = option.value if strategy.field == "micro_batch_size" else None
+                excluded.append(Excluded(base.replace(**option.knobs(strategy.field)), reason, tier, micro_batch=size))
             elif all(o.knobs(strategy.field) != option.knobs(strategy.field) for o in kept):  # engines share
                 # the no-sharding value; every_k options differ in their frequency only
                 kept.append(option)
@@ -121,16 +133,19 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
     if empty:
         reasons = "; ".join(e.reason for e in excluded if any(e.config.knob(f) != base.knob(f) for f in empty))
         raise UsageError(f"No usable {', '.join(empty)}: {reasons}")
-    sizes = tuple(sorted(o.value for o in choices.pop("micro_batch_size")))
+    size_options = tuple(choices.pop("micro_batch_size"))
+    sizes = tuple(sorted(o.value for o in size_options))
     frozen = {field: tuple(kept) for field, kept in choices.items()}
     levels, ruled_out = _levels(spec, base, frozen)
-    space = Space(spec, ordered, frozen, sizes, tuple(levels), ())
-    shown = tuple(dataclasses.replace(e, config=space.at(e.config, sizes[-1])) for e in excluded + ruled_out)
+    space = Space(spec, ordered, frozen, sizes, tuple(levels), (), size_options=size_options)
+    shown = tuple(dataclasses.replace(e, config=space.at(e.config, e.micro_batch or sizes[-1]))
+                  for e in excluded + ruled_out)
     by_size, level_sizes = _sizes_ruled_out(space)
     return dataclasses.replace(space, excluded=shown + by_size, level_sizes=level_sizes)
 
 
 SIZE_FIELDS = ("micro_batch_size", "grad_accum_steps")
+
 
 
 def _size_violation(config: Config, target: Any) -> tuple[Rule, str] | None:
@@ -215,5 +230,5 @@ def _exclusion(option: Option, max_tier: int) -> tuple[str | None, int | None]:
     if not option.available:
         return option.reason, None
     if option.tier > max_tier:
-        return f"tier {option.tier} not allowed: {TIER_NAMES.get(option.tier, '')}", option.tier
+        return f"{option.reason}: tier {option.tier}, not allowed: {TIER_NAMES.get(option.tier, '')}", option.tier
     return None, None

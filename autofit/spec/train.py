@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autofit.spec import batch as batches, presets
+from autofit.spec.coupling import sample_coupling
 from autofit.spec.devices import device_memory, memory_report, resolve_device
 from autofit.errors import UsageError, did_you_mean
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
@@ -75,6 +76,9 @@ class TrainSpec:
     foreign_memory: int | None = None
     memory_accounting: str = ""
     nvme_path: str | None = None  # folder on a fast local disk for NVMe offload (checked writable); exports write it
+    # What couples the samples of the loss (a contrastive loss's negatives), so that a micro-batch smaller than
+    # the rank's batch changes it; None: one term per sample, or not found out (`autofit.spec.coupling`)
+    sample_coupling: str | None = None
 
     @property
     def fit_limit(self) -> int:
@@ -156,6 +160,9 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         check_sample_axis(called, batch_factory)
     if meta_model is not None:
         _check_loss_on_meta(meta_model, sample, spec.loss_fn)
+    if global_batch_size is not None and global_batch_size > num_gpus:  # else no rank's batch is ever split
+        spec = dataclasses.replace(spec, sample_coupling=sample_coupling(called, model_factory, batch_factory,
+                                                                          spec.loss_fn))
     return spec
 
 

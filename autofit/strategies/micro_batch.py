@@ -2,7 +2,8 @@
 
 Buys activation memory in proportion to the micro-batch; costs GPU utilisation (tier 0: the gradient
 is the same mean over the same samples; tier 1 for a model with batch norm, whose statistics are then
-taken over fewer samples). A model with batch norm is offered 2 samples at least. With no global batch
+taken over fewer samples, and for a loss that couples samples, such as a contrastive loss's negatives:
+`autofit.spec.coupling`). A model with batch norm is offered 2 samples at least. With no global batch
 given, sizes are powers of two and the search looks for the fastest micro-batch at accumulation 1, as
 batch-size finders do.
 """
@@ -40,10 +41,14 @@ class MicroBatch(Strategy):
     @staticmethod
     def _accumulated(spec: "TrainSpec", m: int, per_rank: int) -> Option:
         """Micro-batch `m` accumulated to the rank's batch: a numerics change (tier 1) where batch norm then
-        takes its statistics over fewer samples than the rank's."""
+        takes its statistics over fewer samples than the rank's, or the loss couples samples (a contrastive
+        loss's negatives: `TrainSpec.sample_coupling`)."""
         reason = f"{m} x {per_rank // m} accumulation steps = {per_rank} per rank"
-        if spec.model.batch_norm and m < per_rank:
-            return Option(m, 1, f"{reason} (batch norm's statistics over {m} samples, not {per_rank})")
+        samples = f"over {m} sample{'s' * (m > 1)}, not {per_rank}"
+        changes = [f"batch norm's statistics {samples}"] if spec.model.batch_norm else []
+        changes += [f"the loss {samples}: {spec.sample_coupling}"] if spec.sample_coupling else []
+        if changes and m < per_rank:
+            return Option(m, 1, "; ".join([reason, *changes]))
         return Option(m, 0, reason)
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
