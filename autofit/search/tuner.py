@@ -22,7 +22,7 @@ from autofit.search.trials import TrialStore
 from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search, make_progress
 from autofit.spec.devices import device_memory
 from autofit.spec.train import DEFAULT_SAFETY_MARGIN, LossFn, TrainSpec, make_spec
-from autofit.strategies import ENGINES, Placement, Strategy, default_strategies
+from autofit.strategies import ENGINES, Placement, Strategy, default_strategies, resolve_strategies
 from autofit.strategies.sharding import ShardingEngine
 
 LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
@@ -185,11 +185,7 @@ def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_p
     if engine == "deepspeed" and installed_version() is None:
         raise UsageError("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
                          "or use engine='fsdp' (torch's own FSDP2).")
-    chosen = list(strategies) if strategies is not None else default_strategies(engine)
-    wrong = [s for s in chosen if not isinstance(s, Strategy)]
-    if wrong:
-        raise UsageError(f"strategies takes Strategy instances (e.g. [autofit.strategies.Precision(), "
-                         f"autofit.strategies.MicroBatch()]), but got {wrong[0]!r}; leave it out to search every rung.")
+    chosen = resolve_strategies(strategies) if strategies is not None else default_strategies(engine)
     chosen = [s for s in chosen if not isinstance(s, ShardingEngine) or engine in ("auto", s.engine.value)]
     if nvme_path is not None:
         chosen = [Offload(nvme_path) if isinstance(s, Offload) else s for s in chosen]

@@ -3,7 +3,9 @@
 Each offers its options for a spec's `Target`; `autofit.search.space` lays them out as candidates.
 """
 
-from autofit.errors import UsageError
+from typing import Any
+
+from autofit.errors import UsageError, did_you_mean
 from autofit.strategies.activation_offload import ActivationOffload
 from autofit.strategies.attention import Attention
 from autofit.strategies.base import Option, Placement, Strategy, plugins
@@ -36,6 +38,38 @@ def default_strategies(engine: str = "auto") -> list[Strategy]:
                    DataParallel(), Quantization(), Lora(), Offload()], key=lambda s: s.rung)
 
 
+def resolve_strategies(given: Any) -> list[Strategy]:
+    """`strategies=` as a user writes it: Strategy instances, their classes, or names in any case -- a file's
+    (`micro_batch`, `pure_bf16`), a class's (`MicroBatch`) or a knob's, which names every strategy setting it
+    (`precision`: fp32/bf16/fp16 and pure bf16; `sharding`: ZeRO and FSDP2)."""
+    if isinstance(given, (str, Strategy, type)):
+        given = [given]
+    known = [*default_strategies(), *(cls() for cls in plugins())]
+    chosen: list[Strategy] = []
+    for value in given:
+        if isinstance(value, type) and issubclass(value, Strategy):
+            value = value()
+        found = [value] if isinstance(value, Strategy) else \
+            [s for s in known if isinstance(value, str) and _normal(value) in _names(s)]
+        if not found:
+            names = sorted({name for s in known for name in (type(s).__module__.rpartition(".")[2], s.field)})
+            raise UsageError(f"strategies: {value!r} is not a strategy{did_you_mean(value, names)}; give names such "
+                             f"as {', '.join(map(repr, names[:4]))}, ... (a strategy's file in autofit/strategies, or "
+                             "the knob it sets), Strategy instances, or leave it out to search every rung.")
+        chosen += [s for s in found if all(type(c) is not type(s) for c in chosen)]
+    return chosen
+
+
+def _names(strategy: Strategy) -> set[str]:
+    """What a strategy may be called by (`_normal` forms): its file, its class, the knob it sets."""
+    return {_normal(type(strategy).__module__.rpartition(".")[2]), _normal(type(strategy).__name__),
+            _normal(strategy.field)}
+
+
+def _normal(name: str) -> str:
+    return name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
+
+
 __all__ = ["ActivationOffload", "Attention", "Checkpointing", "ChunkedLoss", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
            "OptimizerInBackward", "OptimizerStates", "Placement", "Precision", "PureBf16", "Quantization", "Strategy", "Zero", "default_strategies",
-           "plugins"]
+           "plugins", "resolve_strategies"]

@@ -216,10 +216,25 @@ def test_the_callers_random_state_is_left_as_it_was():
     torch.testing.assert_close(torch.rand(3), expected)
 
 
+def test_strategies_are_taken_by_name_class_or_instance():
+    from autofit.strategies import (Checkpointing, DataParallel, Fsdp, MicroBatch, Precision, PureBf16, Zero,
+                                    resolve_strategies)
+
+    names = lambda given: [type(s).__name__ for s in resolve_strategies(given)]  # noqa: E731
+    assert names(["precision", "Micro_Batch", "micro-batch"]) == ["Precision", "PureBf16", "MicroBatch"]  # once each
+    assert names("checkpointing") == ["Checkpointing"] and names([MicroBatch, Checkpointing()]) == [
+        "MicroBatch", "Checkpointing"]
+    assert set(names(["sharding"])) == {Zero.__name__, Fsdp.__name__} and names("num_gpus") == [DataParallel.__name__]
+    assert names(["pure_bf16"]) == [PureBf16.__name__] and names(["PRECISION"])[0] == Precision.__name__
+
+
 def test_what_is_not_a_strategy_or_a_factory_is_named():
-    with pytest.raises(UsageError, match="strategies takes Strategy instances.*got 'precision'"):
+    with pytest.raises(UsageError, match=r"strategies: 'precison' is not a strategy \(did you mean 'precision'\?\)"):
         autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss,
-                        strategies=["precision"])
+                        strategies=["micro_batch", "precison"])
+    with pytest.raises(UsageError, match="strategies: 3 is not a strategy"):
+        autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss,
+                        strategies=[3])
 
     class NeedsWidth(torch.nn.Module):
         def __init__(self, width):
