@@ -44,7 +44,7 @@ def resolve_strategies(given: Any) -> list[Strategy]:
     (`precision`: fp32/bf16/fp16 and pure bf16; `sharding`: ZeRO and FSDP2)."""
     if isinstance(given, (str, Strategy, type)):
         given = [given]
-    known = [*default_strategies(), *(cls() for cls in plugins())]
+    known = [*default_strategies(), *plugins()]
     chosen: list[Strategy] = []
     for value in given:
         if isinstance(value, type) and issubclass(value, Strategy):
