@@ -56,6 +56,12 @@ def resolve_model(arg: str) -> tuple[Callable[[], nn.Module], Callable[[int], An
         if config is not None:
             return functools.partial(presets.build_model, config), None, \
                 f"{_architecture(config)} {text} from {where} (random weights)"
+    if presets.resolve_name(text) is None:
+        cached = cached_repos(text)
+        if cached:
+            raise UsageError(f"--model {text!r} is not a preset; the local Hugging Face cache holds "
+                             f"{' and '.join(map(repr, cached))}: pass {'it' if len(cached) == 1 else 'one'} as "
+                             f"--model {cached[0]} (its config.json is read from the cache).")
     config = presets.get_preset(text)  # unknown names raise UsageError listing the close ones
     return functools.partial(presets.build_model, config), None, \
         f"preset {config.name_or_path} ({config.architectures[0]}, random weights)"
@@ -71,6 +77,15 @@ def hub_cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     return Path(home).expanduser() / "hub"
+
+
+def cached_repos(name: str) -> list[str]:
+    """Hub ids ORG/NAME in the local cache whose NAME is `name` (any case): what a bare name typed for a
+    model probably meant ("whisper-small" for "openai/whisper-small")."""
+    cache = hub_cache_dir()
+    folders = cache.glob("models--*--*") if cache.is_dir() else ()
+    ids = (folder.name.removeprefix("models--").replace("--", "/", 1) for folder in folders)
+    return sorted(i for i in ids if i.partition("/")[2].lower() == name.lower())
 
 
 def hub_offline() -> bool:

@@ -75,8 +75,9 @@ def _unknown_message(name: str) -> str:
     suggestions = list(dict.fromkeys(_names()[c] for c in close))  # most similar first
     hint = f"did you mean {', '.join(suggestions)}?" if suggestions else \
         f"known presets: {', '.join(list_presets())}."
-    return (f"Unknown model preset {name!r}: {hint} Or pass a Hugging Face config.json, a model folder, "
-            "or FILE.py:factory (`autofit models` lists the presets).")
+    return (f"Unknown model preset {name!r}: {hint} Or pass a Hugging Face hub id as ORG/NAME (e.g. "
+            "openai/whisper-small), a config.json, a model folder, or FILE.py:factory (`autofit models` lists the "
+            "presets).")
 
 
 # The Auto classes tried, in order, for a config that names no architecture: the first whose mapping knows

@@ -250,6 +250,15 @@ def test_cached_config_wins_over_a_preset_alias(hf_home):
         assert factory().config.hidden_size == 64 and "cache" in description
 
 
+def test_a_bare_name_the_cache_holds_under_an_org_is_named_with_it(hf_home):
+    _cache_repo(hf_home, "Qwen/Qwen2.5-7B-Instruct", QWEN)
+    with pytest.raises(UsageError, match=r"'qwen2.5-7b-instruct' is not a preset; the local Hugging Face cache holds "
+                                         r"'Qwen/Qwen2.5-7B-Instruct': pass it as --model Qwen/Qwen2.5-7B-Instruct"):
+        resolve_model("qwen2.5-7b-instruct")
+    with pytest.raises(UsageError, match="Unknown model preset 'qwen2.5-7b-instructt'"):  # no such name cached
+        resolve_model("qwen2.5-7b-instructt")
+
+
 def test_preset_alias_is_the_offline_shortcut(hf_home):
     factory, _, description = resolve_model("meta-llama/Llama-2-7b-hf")  # nothing cached, offline
     assert "preset llama-2-7b" in description
