@@ -4,7 +4,8 @@ Gradient accumulation is exact for a loss made of one term per sample (their mea
 a token-level loss, or their sum): split in micro-batches and weighted by their shares, the step's gradient
 is the whole batch's. A loss that couples samples is not: a contrastive loss (CLIP's and SigLIP's, SimCLR's
 InfoNCE) takes each sample's negatives from its batch, so at micro-batch 8 of 256 it sees 7 negatives, not
-255, and trains something else. Such a model is then searched like one with batch norm: a micro-batch
+255, and trains something else; a loss of yours that averages over the batch's targets (padded rows holding
+fewer) weighs them otherwise once split, as autofit weighs your loss's micro-batches by their samples. Such a model is then searched like one with batch norm: a micro-batch
 smaller than the rank's batch is a numerics change (tier 1), taken only when it clears `exact_margin` or
 nothing exact fits, and the plan's reason says what it changes.
 
@@ -79,8 +80,9 @@ def _measured(model: nn.Module, pair: Any, loss_fn: Any) -> str | None:
     mean = sum(s * loss for s, loss in zip(shares, alone))
     if not close(whole, again) or close(whole, mean) or close(whole, sum(alone)):
         return None  # random whatever the batch, or one term per sample
-    return (f"the loss couples samples, as a contrastive loss's negatives do: 2 samples together {whole:.4g}, "
-            f"alone {alone[0]:.4g} and {alone[1]:.4g}, neither their mean nor their sum")
+    return (f"the loss couples samples, as a contrastive loss's negatives or a mean over the batch's targets (rows "
+            f"holding different counts) do: 2 samples together {whole:.4g}, alone {alone[0]:.4g} and "
+            f"{alone[1]:.4g}, neither their mean nor their sum")
 
 
 def _loss(model: nn.Module, batch: Any, loss_fn: Any, device: torch.device, seed: int) -> float:

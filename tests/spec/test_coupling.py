@@ -59,12 +59,33 @@ def _coupling(model, loss_fn, batch=views):
 
 @pytest.mark.parametrize("given", [Siamese, Siamese()], ids=["factory", "module"])
 def test_a_contrastive_loss_is_found_to_couple_samples(given):
-    assert "the loss couples samples, as a contrastive loss's negatives do" in _coupling(given, info_nce)
+    assert "the loss couples samples, as a contrastive loss's negatives" in _coupling(given, info_nce)
 
 
 @pytest.mark.parametrize("loss_fn", [pulled_together, summed], ids=["mean", "sum"])
 def test_a_loss_of_one_term_per_sample_does_not(loss_fn):
     assert _coupling(Siamese, loss_fn) is None
+
+
+def test_a_loss_of_yours_averaging_over_the_batchs_targets_is_a_coupling_too():
+    """Rows of 20 and of 5 targets: split and weighed by samples (a loss of yours is), the step's loss differs."""
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+        def forward(self, ids):
+            return self.out(self.embed(ids))
+
+    def padded(n):
+        targets = torch.randint(0, 50, (n, 20))
+        targets[::2, 5:] = -100
+        return torch.randint(0, 50, (n, 20)), targets
+
+    def token_mean(output, batch):
+        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten(), ignore_index=-100)
+
+    assert "a mean over the batch's targets" in _coupling(Tagger, token_mean, padded)
 
 
 def test_a_random_forward_decides_nothing():
