@@ -249,8 +249,11 @@ class Search:
         memory there (its frontier is likely low too)."""
         if self.predictor is not None:
             fitting = [m for m in unknown if not self._over(self.space.at(level, m))]
-            return (fitting[-1], "largest micro-batch predicted to fit") if fitting else \
-                (unknown[0], "smallest micro-batch: none is predicted to fit")
+            if not fitting:
+                return unknown[0], "smallest micro-batch: none is predicted to fit"
+            if self.predictor(self.space.at(level, fitting[-1])) is None:
+                return fitting[-1], "largest micro-batch first: the estimator could not simulate this step"
+            return fitting[-1], "largest micro-batch predicted to fit"
         smallest = self.space.at(level, unknown[0])
         for result in self.results:
             if result.status is ProbeStatus.OOM and result.config.micro_batch_size == unknown[0] \

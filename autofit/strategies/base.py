@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from autofit.config import Config, Knob, register_knob
@@ -111,6 +112,18 @@ class Strategy(abc.ABC):
         dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs); nothing
         for the knob's no-op value, nor for a format whose loader rejects keys it does not know."""
         return {}
+
+
+# A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
+# type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".
+_HALF = re.compile(r"bfloat16|\bhalf\b|float16", re.IGNORECASE)
+_FULL = re.compile(r"\b(?:float|float32)\b", re.IGNORECASE)
+
+
+def mixes_dtypes(exc: BaseException) -> bool:
+    """Whether `exc` is an op refusing to meet a 16-bit tensor and an fp32 one (`Strategy.explain`)."""
+    text = str(exc)
+    return bool(_HALF.search(text) and _FULL.search(text))
 
 
 def plugins() -> list[Strategy]:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autofit.config import Precision as P
-from autofit.strategies.base import Option, Strategy
+from autofit.config import Config, Precision as P
+from autofit.strategies.base import Option, Strategy, mixes_dtypes
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -41,3 +41,12 @@ class Precision(Strategy):
         run.autocast_dtype = DTYPES.get(precision)
         if precision is P.FP16:
             run.scaler = torch.amp.GradScaler(run.device.type)
+
+    def explain(self, config: Config, exc: BaseException) -> str:
+        if config.precision not in DTYPES or not mixes_dtypes(exc):
+            return ""
+        half = config.precision.value
+        return (f"; under {half} autocast, matmuls and convolutions return {half} while a tensor your code makes "
+                f"(torch.zeros_like of an fp32 input, a buffer) stays fp32, and an op taking one dtype (index_add_, "
+                f"copy_, an in-place update) fails where they meet: make it in the result's dtype "
+                f"(torch.zeros_like(x, dtype=y.dtype)) or cast (.to(y.dtype)) for {half} to be a candidate")

@@ -20,7 +20,6 @@ so and what to change (`PureBf16.explain`).
 from __future__ import annotations
 
 import functools
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autofit.config import Config, Precision as P
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Option, Strategy, mixes_dtypes
 
 if TYPE_CHECKING:
     from autofit.probe.step import TrainRun
@@ -53,18 +52,12 @@ class PureBf16(Strategy):
             enable(run.model)
 
     def explain(self, config: Config, exc: BaseException) -> str:
-        text = str(exc)
-        if not (config.pure_bf16 and _BF16.search(text) and _FP32.search(text)):
+        if not (config.pure_bf16 and mixes_dtypes(exc)):
             return ""
         return ("; pure bf16 runs with no autocast to cast for it: a tensor your forward makes in fp32 "
                 "(torch.arange, torch.exp, a float constant or buffer) meets the bf16 weights. Cast it to "
                 "theirs (`.to(x.dtype)`) for pure bf16 to be a candidate; the other precisions are unaffected")
 
-
-# A dtype mismatch between bf16 and fp32 as torch words it: "got Float and BFloat16", "Input type (float)
-# and bias type (c10::BFloat16)", "expected scalar type Float but found BFloat16".
-_BF16 = re.compile(r"bfloat16", re.IGNORECASE)
-_FP32 = re.compile(r"\b(?:float|float32)\b", re.IGNORECASE)
 
 
 def enable(model: nn.Module) -> nn.Module:

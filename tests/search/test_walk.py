@@ -139,3 +139,20 @@ def test_an_error_a_level_without_the_value_ran_past_is_not_laid_to_it():
     space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
     results = Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
     assert not [r for r in results if "same way" in r.reason]
+
+
+def test_a_level_the_estimator_cannot_predict_starts_largest_and_says_why():
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch()])
+    whys = []
+
+    class Listener:
+        def starting(self, config, why):
+            whys.append((config.micro_batch_size, why))
+
+        def finished(self, result):
+            pass
+
+    Search(space, TrialStore(space), lambda config, limit: ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0),
+           progress=Listener(), predictor=lambda config: None).run()
+    assert whys[0] == (16, "largest micro-batch first: the estimator could not simulate this step")

@@ -28,3 +28,26 @@ def test_forced_by_a_budget_only_bf16_meets():
     plan = tune(make_mlp, long_batch, [Precision(), MicroBatch()], budget_between(bf16, fp32), 1, loss_fn=mlp_loss)
     assert plan.fits and plan.config.precision == "bf16"
     assert [p.status.value for p in plan.probes if p.config.precision == "fp32"] == ["oom"]
+
+
+class _Scatter(torch.nn.Module):
+    """Rows routed through a layer and added back into a buffer made like the input (an MoE's combine)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        return out.index_add_(0, torch.arange(len(x)), self.proj(x)).sum()
+
+
+def test_a_buffer_the_forward_makes_in_fp32_is_named_as_the_cause_under_autocast():
+    from autofit.probe.run import run_probe
+
+    spec = make_spec(_Scatter, lambda n: torch.randn(n, 8), global_batch_size=4, device="cpu", memory_budget="1GiB")
+    failed = run_probe(spec, Config(precision="bf16", micro_batch_size=4), default_strategies())
+    assert failed.status.value == "error" and "index_add_" in failed.reason, failed.reason
+    assert "under bf16 autocast, matmuls and convolutions return bf16" in failed.reason
+    assert "pure bf16" not in failed.reason  # one knob's words: the one in use
+    assert run_probe(spec, Config(micro_batch_size=4), default_strategies()).fits
