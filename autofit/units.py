@@ -13,6 +13,7 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
     "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4,  # Kubernetes' spelling of the binary units
 }
 MIN_UNITLESS = 2**20  # a size typed without a unit under this many bytes is a unit left out
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)\s*$")  # "1e9" too
@@ -21,7 +22,8 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     """Return `value` in bytes. Accepts a number of bytes or a string such as "20GiB", "1.5 GB", "512MiB".
 
-    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of 1024.
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB; Kubernetes' Ki, Mi, Gi,
+    Ti) powers of 1024.
     A string without a unit counts bytes, and is refused under `MIN_UNITLESS` (a unit left out).
     """
     if isinstance(value, bool):

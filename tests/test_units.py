@@ -7,6 +7,7 @@ from autofit import UsageError, format_size, parse_size
     ("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 512 * 2**20), ("64mib", 64 * 2**20),
     ("1048576", 2**20), (2**30, 2**30), (769_392, 769_392), ("2TiB", 2 * 2**40), ("10kb", 10_000),
     ("1e9", 10**9), ("2.5E10", 25 * 10**9), ("1e3 MiB", 1000 * 2**20),  # as code writes a number
+    ("8Gi", 8 * 2**30), ("512 Mi", 512 * 2**20),  # as Kubernetes writes a size
 ])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
