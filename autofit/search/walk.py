@@ -301,7 +301,8 @@ class Search:
     def _same_error(self, level: Config) -> str | None:
         """Why `level` is certain to fail as earlier levels did, or None: at least `USER_ERROR_PROBES` levels
         failed with one error (type and place), sharing a knob value that no level which ran without error
-        had and that `level` has; each of `level`'s other knob values is one a failed level had."""
+        had and that `level` has; each of `level`'s other knob values is one a failed level had, and their one
+        micro-batch, if they shared one, is not the likelier cause (`_one_size`)."""
         knobs = [name for name in self.space.values() if name not in ("micro_batch_size", "grad_accum_steps")]
         ran = [r.config for r in self.results if r.measured and r.status is not ProbeStatus.ERROR]
         failures = collections.defaultdict(list)
@@ -312,7 +313,7 @@ class Search:
             if len(failed) < USER_ERROR_PROBES:
                 continue
             seen = {name: {r.config.knob(name) for r in failed} for name in knobs}
-            if any(level.knob(name) not in values for name, values in seen.items()):
+            if any(level.knob(name) not in values for name, values in seen.items()) or _one_size(failed, ran):
                 continue
             for name, values in seen.items():
                 value = level.knob(name)
@@ -390,6 +391,13 @@ class Search:
 # What a knob changes in an error's text without changing the error: sizes (the micro-batch) and dtypes
 # (precision: "Long and Float" at fp32 is "Long and BFloat16" under bf16 autocast).
 _VARIES_BY_KNOB = re.compile(r"\d+|\b(?:B?Float\d*|Half|Double|bfloat16|float\d*|half)\b")
+
+
+def _one_size(failed: list[ProbeResult], ran: list[Config]) -> bool:
+    """Whether the failed probes all ran at one micro-batch that nothing which ran without error ran at: the
+    error may be that size's (a squeeze that drops the sample axis at 1), not a knob value's."""
+    sizes = {r.config.micro_batch_size for r in failed}
+    return len(sizes) == 1 and all(c.micro_batch_size not in sizes for c in ran)
 
 
 def failure(reason: str) -> str:

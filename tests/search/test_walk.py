@@ -156,3 +156,23 @@ def test_a_level_the_estimator_cannot_predict_starts_largest_and_says_why():
     Search(space, TrialStore(space), lambda config, limit: ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0),
            progress=Listener(), predictor=lambda config: None).run()
     assert whys[0] == (16, "largest micro-batch first: the estimator could not simulate this step")
+
+
+def test_an_error_met_at_one_micro_batch_nothing_else_ran_at_is_not_laid_to_a_knob():
+    """bf16's levels are predicted to fit at micro-batch 1 alone and fail there, where the model's own code
+    breaks: the size may be the cause as well as bf16, so its other levels still run."""
+    def prober(config):
+        if config.micro_batch_size == 1:
+            return ProbeResult(config, ProbeStatus.ERROR, "IndexError: squeezed (at model.py:9 in forward)",
+                               phase="forward")
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
+
+    def predictor(config):  # over the 0.9 GiB fit limit by far, but at micro-batch 1
+        return 2**40 if config.precision.value == "bf16" and config.micro_batch_size > 1 else 2**20
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    bf16 = [level for level in space.levels() if level.precision.value == "bf16"]
+    results = Search(space, TrialStore(space), lambda config, limit: prober(config), predictor=predictor).run()
+    failed = [r for r in results if r.status is ProbeStatus.ERROR]
+    assert len(bf16) > 2 and len(failed) == len(bf16)  # each ran: none laid to bf16
+    assert not [r for r in results if "same way" in r.reason]
