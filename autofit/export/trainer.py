@@ -198,8 +198,34 @@ def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
     args = TrainingArguments(**{{**kwargs, **overrides}})
 {_indent(setup)}
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator)
+    if args.gradient_accumulation_steps > 1 and trainer.model_accepts_loss_kwargs and \
+            _ignores_num_items(trainer, train_dataset):
+        # A forward taking **kwargs is left to divide its loss by num_items_in_batch, and the Trainer then does
+        # not divide it by the accumulation steps; this model's loss ignores it (T5's own cross-entropy), so each
+        # step would add its micro-batches' means. The Trainer divides instead, as autofit's probes weighed them.
+        trainer.model_accepts_loss_kwargs = False
     trainer.train()
     return trainer
+
+
+def _ignores_num_items(trainer, train_dataset):
+    """Whether the model's loss on a sample is the same whatever num_items_in_batch it is given (eval mode,
+    no gradient); False where the forward cannot tell (it refuses the keyword, or runs under an engine)."""
+    import torch
+
+    model, device = trainer.model, trainer.args.device
+    batch = {{key: value.to(device) if hasattr(value, "to") else value
+             for key, value in trainer.data_collator([train_dataset[0]]).items()}}
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            losses = [model(**batch, num_items_in_batch=torch.tensor(n, device=device)).loss for n in (1, 1000)]
+    except Exception:  # noqa: BLE001 - the Trainer's own reading stands
+        return False
+    finally:
+        model.train(training)
+    return bool(torch.equal(losses[0], losses[1]))
 
 
 if __name__ == "__main__":
