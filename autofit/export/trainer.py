@@ -209,13 +209,14 @@ def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
 
 
 def _ignores_num_items(trainer, train_dataset):
-    """Whether the model's loss on a sample is the same whatever num_items_in_batch it is given (eval mode,
+    """Whether the model's loss on a micro-batch is the same whatever num_items_in_batch it is given (eval mode,
     no gradient); False where the forward cannot tell (it refuses the keyword, or runs under an engine)."""
     import torch
 
     model, device = trainer.model, trainer.args.device
+    samples = [train_dataset[i] for i in range(min(len(train_dataset), trainer.args.per_device_train_batch_size))]
     batch = {{key: value.to(device) if hasattr(value, "to") else value
-             for key, value in trainer.data_collator([train_dataset[0]]).items()}}
+             for key, value in trainer.data_collator(samples).items()}}
     training = model.training
     model.eval()
     try:
