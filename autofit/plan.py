@@ -234,7 +234,7 @@ def _exactness_words(space: "Space", confirmation: Confirmation, fits: Sequence[
                     f"as probed it is {winner.probed / fastest.samples_per_s:.2f}x the fastest exact one "
                     f"({fastest.config.describe()})")
     others = [reason for field, reason in space.changes(winner.config) if not (swap and field == "optimizer")]
-    change = "; ".join([swap] * bool(swap) + others) if swap else \
+    change = "; ".join([swap, *others]) if swap else \
         f"a numerics change (tier {winner.tier}: {winner.config.describe()}: {'; '.join(others)})"
     return f"{change}, because {evidence}"
 

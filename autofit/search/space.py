@@ -147,7 +147,6 @@ def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
 SIZE_FIELDS = ("micro_batch_size", "grad_accum_steps")
 
 
-
 def _size_violation(config: Config, target: Any) -> tuple[Rule, str] | None:
     """The first rule reading the micro-batch or the accumulation that `config` breaks (a level passed the
     others already), with its reason."""

@@ -5,9 +5,10 @@ a token-level loss, or their sum): split in micro-batches and weighted by their 
 is the whole batch's. A loss that couples samples is not: a contrastive loss (CLIP's and SigLIP's, SimCLR's
 InfoNCE) takes each sample's negatives from its batch, so at micro-batch 8 of 256 it sees 7 negatives, not
 255, and trains something else; a loss of yours that averages over the batch's targets (padded rows holding
-fewer) weighs them otherwise once split, as autofit weighs your loss's micro-batches by their samples. Such a model is then searched like one with batch norm: a micro-batch
-smaller than the rank's batch is a numerics change (tier 1), taken only when it clears `exact_margin` or
-nothing exact fits, and the plan's reason says what it changes.
+fewer) weighs them otherwise once split, as autofit weighs your loss's micro-batches by their samples.
+Such a model is then searched like one with batch norm: a micro-batch smaller than the rank's batch is a
+numerics change (tier 1), taken only when it clears `exact_margin` or nothing exact fits, and the plan's
+reason says what it changes.
 
 How it is found: a Hugging Face model asked for its contrastive loss (`return_loss=True`) is known to, and
 its other heads' own losses (a mean over samples or targets) are known not to; any other loss (yours, or a

@@ -1,4 +1,4 @@
-"""Whether the batch's samples reach the sample axis of the model's time-major modules.
+"""Whether the batch's samples reach the steps axis of the model's time-major modules.
 
 autofit counts and splits samples along every batch tensor's first axis. `nn.LSTM`, `nn.GRU`, `nn.RNN`
 and `nn.MultiheadAttention` (so `nn.Transformer` and its layers) take their steps first unless built with

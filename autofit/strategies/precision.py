@@ -47,6 +47,6 @@ class Precision(Strategy):
             return ""
         half = config.precision.value
         return (f"; under {half} autocast, matmuls and convolutions return {half} while a tensor your code makes "
-                f"(torch.zeros_like of an fp32 input, a buffer) stays fp32, and an op taking one dtype (index_add_, "
-                f"copy_, an in-place update) fails where they meet: make it in the result's dtype "
+                "(torch.zeros_like of an fp32 input, a buffer) stays fp32, and an op taking one dtype (index_add_, "
+                "copy_, an in-place update) fails where they meet: make it in the result's dtype "
                 f"(torch.zeros_like(x, dtype=y.dtype)) or cast (.to(y.dtype)) for {half} to be a candidate")
