@@ -103,9 +103,14 @@ class Space:
         return [e.result() for e in self.excluded]
 
     def next_tier_hint(self) -> str | None:
-        """What to allow to go further, when options were excluded by their tier."""
+        """What to allow to go further, when options were excluded by their tier (micro-batches too, where
+        they were: batch norm's or a coupled loss's)."""
         tiers = sorted({e.tier for e in self.excluded if e.tier is not None})
-        return TIER_NAMES.get(tiers[0]) if tiers else None
+        if not tiers or tiers[0] not in TIER_NAMES:
+            return None
+        sized = any(e.micro_batch and e.tier == tiers[0] for e in self.excluded)
+        return TIER_NAMES[tiers[0]].replace(")", ", micro-batches smaller than the rank's batch)") if sized \
+            else TIER_NAMES[tiers[0]]
 
 
 def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:

@@ -151,3 +151,11 @@ def test_the_plan_says_what_a_chosen_micro_batch_changes():
     assert plan.fits and plan.config.micro_batch_size < 8, plan.reason
     assert "a numerics change (tier 1" in plan.reason and "the loss couples samples" in plan.reason
     assert "because no exact configuration fits" in plan.reason
+
+
+def test_nothing_exact_fits_names_the_micro_batches_the_next_tier_opens():
+    plan = autofit.autofit(Siamese, views, global_batch_size=64, loss_fn=info_nce, device="cpu",
+                           memory_budget="120KiB", allow=0, strategies=["micro_batch"], max_probes=3)
+    assert not plan.fits
+    assert "Pass allow={'numerics'} (mixed precision, 8-bit optimizers, micro-batches smaller than the rank's " \
+           "batch) to go further" in plan.reason, plan.reason
