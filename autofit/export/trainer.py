@@ -199,7 +199,7 @@ def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
 {_indent(setup)}
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator)
     if args.gradient_accumulation_steps > 1 and trainer.model_accepts_loss_kwargs and \
-            _ignores_num_items(trainer, train_dataset):
+            not _divides_by_count(trainer, train_dataset):
         # A forward taking **kwargs is left to divide its loss by num_items_in_batch, and the Trainer then does
         # not divide it by the accumulation steps; this model's loss ignores it (T5's own cross-entropy), so each
         # step would add its micro-batches' means. The Trainer divides instead, as autofit's probes weighed them.
@@ -208,10 +208,12 @@ def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
     return trainer
 
 
-def _ignores_num_items(trainer, train_dataset):
-    """Whether the model's loss on a micro-batch is the same whatever num_items_in_batch it is given (eval mode,
-    no gradient); False where the forward cannot tell (it refuses the keyword, or runs under an engine)."""
+def _divides_by_count(trainer, train_dataset):
+    """Whether the model's loss on a micro-batch divides by the num_items_in_batch it is given (evaluation mode,
+    no gradient: autofit.spec.shares.divides_by_count, as the guard asks it); True, the Trainer's own reading,
+    where the forward cannot tell (it refuses the keyword, or runs under an engine)."""
     import torch
+    from autofit.spec.shares import divides_by_count
 
     model, device = trainer.model, trainer.args.device
     samples = [train_dataset[i] for i in range(min(len(train_dataset), trainer.args.per_device_train_batch_size))]
@@ -221,12 +223,12 @@ def _ignores_num_items(trainer, train_dataset):
     model.eval()
     try:
         with torch.no_grad():
-            losses = [model(**batch, num_items_in_batch=torch.tensor(n, device=device)).loss for n in (1, 1000)]
+            return divides_by_count(
+                lambda n: float(model(**batch, num_items_in_batch=torch.tensor(n, device=device)).loss), 1)
     except Exception:  # noqa: BLE001 - the Trainer's own reading stands
-        return False
+        return True
     finally:
         model.train(training)
-    return bool(torch.equal(losses[0], losses[1]))
 
 
 if __name__ == "__main__":

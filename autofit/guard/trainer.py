@@ -13,7 +13,6 @@ training's: an OOM in `evaluate` never changes the training micro-batch.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from transformers import Trainer
 from autofit.errors import UsageError
 from autofit.guard.core import OomGuard
 from autofit.guard.parts import concat_rows
-from autofit.spec.shares import target_counts, weighted_sum
+from autofit.spec.shares import divides_by_count, target_counts, weighted_sum
 
 
 class GuardedTrainer(Trainer):
@@ -119,14 +118,11 @@ class GuardedTrainer(Trainer):
         self._guard_weight = 1.0  # your compute_loss, if you override it, as the Trainer calls it, unweighted
         try:
             with torch.no_grad(), self.compute_loss_context_manager():
-                once, twice = (float(self.compute_loss(model, dict(inputs), num_items_in_batch=n))
-                               for n in (count, count * 2))
+                return divides_by_count(lambda n: float(self.compute_loss(model, dict(inputs), num_items_in_batch=n)),
+                                        count)
         finally:
             model.train(was_training)
             self._guard_weight = weight
-        if once == 0.0 or not math.isfinite(twice / once):
-            return True
-        return twice / once < 0.75  # 0.5 for a loss divided by the count, 1.0 for a mean over the piece
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:

@@ -94,6 +94,14 @@ def backend_flags() -> dict[str, Any]:
     return flags
 
 
+def without_tf32(flags: dict[str, Any]) -> dict[str, Any]:
+    """`flags` (from `backend_flags`) with fp32 matmuls, convolutions and RNNs at full precision (no TF32), in
+    the API family they were read with, for `apply_backend_flags`."""
+    if "fp32_precision" in flags:
+        return {**flags, "fp32_precision": {**flags["fp32_precision"], "matmul": "ieee", "conv": "ieee", "rnn": "ieee"}}
+    return {**flags, "matmul.allow_tf32": False, "cudnn.allow_tf32": False}
+
+
 def apply_backend_flags(flags: dict[str, Any]) -> None:
     """Set `flags` (from `backend_flags`) in this process, through the API family they were read with."""
     torch.backends.cudnn.benchmark = flags["cudnn.benchmark"]

@@ -108,9 +108,10 @@ class Space:
         tiers = sorted({e.tier for e in self.excluded if e.tier is not None})
         if not tiers or tiers[0] not in TIER_NAMES:
             return None
-        sized = any(e.micro_batch and e.tier == tiers[0] for e in self.excluded)
-        return TIER_NAMES[tiers[0]].replace(")", ", micro-batches smaller than the rank's batch)") if sized \
-            else TIER_NAMES[tiers[0]]
+        hint = TIER_NAMES[tiers[0]]
+        if any(e.micro_batch and e.tier == tiers[0] for e in self.excluded):  # the names close on their ")"
+            return hint.removesuffix(")") + ", micro-batches smaller than the rank's batch)"
+        return hint
 
 
 def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:

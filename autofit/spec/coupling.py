@@ -98,16 +98,19 @@ def _loss(model: nn.Module, batch: Any, loss_fn: Any, device: torch.device, seed
 
 @contextlib.contextmanager
 def _full_precision() -> Iterator[None]:
-    """fp32 matmuls and convolutions in full precision (no TF32, whose ~1e-3 error differs between the kernels
-    of 1 and 2 rows), the caller's settings restored on leaving."""
-    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
+    """fp32 matmuls, convolutions and RNNs at full precision, the caller's settings restored on leaving, each
+    through the API family it was set with (`autofit.probe.handover`: a legacy getter raises after a setting
+    through torch 2.9's new one). TF32 reads 10 bits of each input's mantissa (pytorch
+    docs/source/notes/numerical_accuracy.rst, "TensorFloat-32(TF32) on Nvidia Ampere devices"): ~1e-3 of
+    error, ten times the tolerance, and the kernels of 1 and 2 rows need not round alike. Not run on a GPU."""
+    from autofit.probe.handover import apply_backend_flags, backend_flags, without_tf32
+
+    saved = backend_flags()
+    apply_backend_flags(without_tf32(saved))
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(matmul)
-        torch.backends.cudnn.allow_tf32 = cudnn
+        apply_backend_flags(saved)
 
 
 @contextlib.contextmanager

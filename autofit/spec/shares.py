@@ -12,8 +12,9 @@ targets moves a GPT-2's gradient by 1.8% split in two, by 28% in four (bench/dia
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +23,17 @@ from autofit.spec.batch import default_loss, leading_dim, wrapped_module
 
 IGNORE_INDEX = -100
 TOKEN_LOSSES = ("ForMaskedLMLoss", "ForTokenClassification")  # in transformers' LOSS_MAPPING, beside causal LMs
+
+
+def divides_by_count(loss_at: Callable[[int], float], count: int) -> bool:
+    """Whether a loss handed the window's item count (`num_items_in_batch`, the Trainer's) divides by it:
+    `loss_at(n)` halves when the count doubles (1.0 for a mean over the piece that ignores it). Measure it in
+    evaluation mode with no gradient, so that dropout and routing noise cannot tell the two apart. An undefined
+    ratio (a loss of zero) reads as dividing: the Trainer's own reading stands."""
+    once, twice = loss_at(count), loss_at(count * 2)
+    if once == 0.0 or not math.isfinite(twice / once):
+        return True
+    return twice / once < 0.75
 
 
 def target_counts(model: nn.Module, batch: Any) -> torch.Tensor | None:

@@ -159,3 +159,18 @@ def test_nothing_exact_fits_names_the_micro_batches_the_next_tier_opens():
     assert not plan.fits
     assert "Pass allow={'numerics'} (mixed precision, 8-bit optimizers, micro-batches smaller than the rank's " \
            "batch) to go further" in plan.reason, plan.reason
+
+
+def test_the_check_computes_without_tf32_and_leaves_the_callers_flags():
+    from autofit.probe.handover import backend_flags, without_tf32
+
+    before, seen = backend_flags(), []
+
+    def spying(output, batch):
+        seen.append(backend_flags())
+        return pulled_together(output, batch)
+
+    _coupling(Siamese, spying)
+    assert without_tf32(before) != before  # the loss is computed 4 times for the check (and once on meta before)
+    assert len(seen) == 5 and seen[1:] == [without_tf32(before)] * 4
+    assert backend_flags() == before
