@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autofit.config import Config
 from autofit.estimate.simulate import ActivationPeak
+from autofit.probe.child import LAUNCHER_PID, leave_with_parent
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 Job = tuple[Config, int]  # a configuration and the micro-batch to simulate it at
 Found = tuple[ActivationPeak | None, str]  # what `Estimator.simulate` returns
 TIMEOUT_S = 1800.0  # a worker still running after this is killed (its jobs fall back to the caller)
+FOLDER_PREFIX = "autofit-sim-"  # the workers' temporary folder: their jobs and results
 
 
 def spare_cpus(window: float = 0.2) -> int:
@@ -86,7 +88,7 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shar
         data = payload(spec, strategies)
     except UsageError:
         return None
-    folder = tempfile.TemporaryDirectory(prefix="autofit-sim-")
+    folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
     workers = Workers(shares, [], [], folder)
     for index, share in enumerate(shares):
         job, result = Path(folder.name) / f"job-{index}.pkl", Path(folder.name) / f"result-{index}.pkl"
@@ -95,6 +97,7 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shar
                                       "jobs": [(c.to_dict(), mb) for c, mb in share]}))
         workers.processes.append(subprocess.Popen(
             [sys.executable, "-m", "autofit.estimate.workers", str(job), str(result)],
+            env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         workers.results.append(result)
     return workers
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     """Simulate the jobs in `argv[0]` and write what each found to `argv[1]` (pickled: each peak keeps its
     replay's events, `ActivationPeak.replay`); exit 0 when written."""
     job_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
+    leave_with_parent(job_path, FOLDER_PREFIX)
     job = pickle.loads(Path(job_path).read_bytes())
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
     import torch

@@ -40,6 +40,7 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
+from autofit.probe.child import JOB_FOLDER_PREFIX
 from autofit.probe.handover import parent_state
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.spec.train import TrainSpec
@@ -102,7 +103,7 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
     world = config.num_gpus if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    with tempfile.TemporaryDirectory(prefix="autofit-probe-") as folder:
+    with tempfile.TemporaryDirectory(prefix=JOB_FOLDER_PREFIX) as folder:
         job_path = Path(folder) / "job.pickle"
         job_path.write_bytes(pickle.dumps(make_job(spec, config, strategies, world, timeout, step_limit)))
         processes: list[_Process] = []

@@ -1,10 +1,15 @@
 """Simulations shared with worker processes (`autofit.estimate.workers`) predict exactly what the caller
 alone predicts; what a worker does not deliver, the caller simulates itself."""
 
+import os
+import signal
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 import autofit.estimate.estimator as estimator_module
@@ -120,3 +125,48 @@ def test_quick_simulations_are_spread_when_together_they_are_slow(monkeypatch, s
     monkeypatch.setattr(workers, "start", lambda *args: started.append(args) or None)  # none starts
     fresh_estimator(monkeypatch).prefetch(CONFIGS)
     assert bool(started) == spread
+
+
+class Sleeper(torch.nn.Module):
+    """A model whose forward sleeps where `SLEEP` is set: a simulation that runs until it is killed."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        if os.environ.get("SLEEP"):
+            time.sleep(600)
+        return self.linear(x).sum()
+
+
+KILLED_CALLER = """
+import os, sys, torch
+sys.path[:0] = {path!r}
+from autofit.config import Config
+from autofit.estimate import workers
+from autofit.spec.train import make_spec
+from test_workers import Sleeper
+spec = make_spec(Sleeper, torch.randn(2, 4), device="cpu", memory_budget="1GiB")
+os.environ["SLEEP"] = "1"  # in the worker, not in the checks above
+workers.start(spec, [], "cuda", [[(Config(micro_batch_size=2), 2)]]).collect()
+"""
+
+
+def test_workers_leave_with_their_job_files_when_the_caller_is_killed(tmp_path):
+    """A caller killed by SIGKILL runs no `finally`: its worker notices by itself, removes the folder that
+    held the job (the serialised model) and exits, instead of simulating on for nobody."""
+    import psutil
+
+    here = os.path.dirname(__file__)
+    caller = subprocess.Popen([sys.executable, "-c", KILLED_CALLER.format(path=[here, *sys.path])],
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))
+    deadline = time.monotonic() + 120
+    while not (started := psutil.Process(caller.pid).children()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert started and list(tmp_path.glob("autofit-sim-*"))
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive
+    assert not list(tmp_path.glob("autofit-sim-*"))

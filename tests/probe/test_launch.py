@@ -224,7 +224,8 @@ def test_ranks_leave_when_their_launcher_is_killed(tmp_path):
     import subprocess
 
     here = os.path.dirname(__file__)
-    parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT.format(path=[here, os.path.dirname(here), *sys.path])])
+    parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT.format(path=[here, os.path.dirname(here), *sys.path])],
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))
     children = []
     deadline = time.monotonic() + 120
     while len(children) < 2 and time.monotonic() < deadline:  # wait until both ranks run
@@ -241,6 +242,7 @@ def test_ranks_leave_when_their_launcher_is_killed(tmp_path):
         time.sleep(0.5)
         alive = [pid for pid in children if _running(pid)]
     assert not alive
+    assert not list(tmp_path.glob("autofit-probe-*"))  # the job (the pickled model) went with them
 
 
 def _running(pid):
