@@ -35,6 +35,7 @@ from autofit.spec.model_info import inspect_model
 from autofit.spec.shares import micro_batch_shares
 from autofit.spec.target import Target
 from autofit.spec.train import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
+from autofit.strategies import in_order
 from autofit.strategies.base import Strategy, plugins
 from autofit.strategies.optimizer import BNB
 from autofit.strategies.optimizer import recorded as recorded_optimizer
@@ -178,7 +179,7 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
     run = TrainRun(spec=spec, config=config, model=model, max_grad_norm=max_grad_norm or 0.0)
     model.train()
-    for strategy in sorted(_strategies(strategies, engine, config, settings), key=lambda s: s.rung):
+    for strategy in in_order(_strategies(strategies, engine, config, settings)):
         strategy.apply(run)
     factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
     if factory and config.optimizer is not O.USER:
@@ -267,7 +268,8 @@ def _optimizer_spec(optimizer: Any, config: Config, recorded: dict[str, Any]) ->
             return spec
         if config.optimizer is O.USER:
             raise UsageError("The plan was tuned with your own optimizer; pass it again: "
-                             "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer).")
+                             "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer; "
+                             "the exported train_with_prepare.py takes --optimizer FILE.py:fn).")
         return OptimizerSpec(config.optimizer.value)
     if config.optimizer is O.USER:
         return parse_optimizer(optimizer)

@@ -160,6 +160,31 @@ def test_a_plan_tuned_with_your_own_optimizer_instance_rebuilds_its_class(tmp_pa
     assert (prepared.optimizer.defaults["lr"], prepared.optimizer.defaults["momentum"]) == (0.1, 0.9)
 
 
+def test_a_plan_tuned_with_your_own_optimizer_factory_rebuilds_what_it_built(tmp_path):
+    """A factory's class and hyperparameters are read from what it builds over stand-in parameters, as an
+    instance's are: `prepare` rebuilds it without the factory; one whose groups differ asks for it again."""
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                           allow=0, max_probes=2)
+    assert plan.settings["optimizer"]["class"] == "torch.optim.sgd.SGD"
+    assert plan.spec["optimizer"] == "user (torch.optim.sgd.SGD)"
+    prepared = autofit.prepare(plan.save(tmp_path / "plan.json"), make_mlp(), loss_fn=mlp_loss)
+    assert isinstance(prepared.optimizer, torch.optim.SGD)
+    assert (prepared.optimizer.defaults["lr"], prepared.optimizer.defaults["momentum"]) == (0.1, 0.9)
+
+    def split(params):  # decay on matrices only: the stand-ins' matrix and vector show the groups differ
+        params = list(params)
+        return torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
+                                {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0}], lr=0.1)
+
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer=split, allow=0, max_probes=2)
+    assert plan.settings["optimizer"]["differ_by_group"] == ["weight_decay"]
+    with pytest.raises(UsageError, match="groups differ in weight_decay.*train_with_prepare.py takes --optimizer"):
+        autofit.prepare(plan, make_mlp(), loss_fn=mlp_loss)
+    assert autofit.prepare(plan, make_mlp(), split, loss_fn=mlp_loss).optimizer.param_groups[1]["weight_decay"] == 0.0
+
+
 def test_adam_by_name_is_adamw_without_weight_decay():
     plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
                            loss_fn=mlp_loss, optimizer="adam", allow=0)

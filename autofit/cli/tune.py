@@ -28,7 +28,7 @@ from rich.table import Table
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
-from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model
+from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model, resolve_optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, failure, skip_counts
@@ -336,7 +336,9 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
-@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
+@click.option("--optimizer", default="adamw", show_default=True,
+              help="adamw, adafactor, adamw8bit, ...; or FILE.py:fn returning your optimizer for the parameters "
+                   "it is given, e.g. torch.optim.SGD(params, lr=0.1).")
 @click.option("--engine", type=click.Choice(["auto", "deepspeed", "fsdp"]), default="auto", show_default=True,
               help="Sharding engine over several ranks: auto searches ZeRO (DeepSpeed) and FSDP2; or pin one.")
 @click.option("--nvme-path", default=None,
@@ -350,7 +352,7 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_batch_size: int | None,
-         device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: str,
+         device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: Any,
          engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int,
          exact_margin: float, out: str | None, resume: bool, as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
@@ -359,6 +361,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
     console = make_console(as_json)
     model_factory, batch_factory, description = resolve_model(model_arg)
     loss_fn = resolve_loss_fn(loss_fn_arg) if loss_fn_arg else factory_loss_fn(model_arg)
+    optimizer = resolve_optimizer(optimizer)
     out_dir, lock = run_dir(out, model_arg, resume)
     try:
         progress = RichProgress(console, out_dir / PROBES_LOG)

@@ -179,7 +179,7 @@ class Estimator:
             if self.target == "cuda" and self.sim_device == "cpu" else None
         self._meta = meta_model(spec.model_factory)
         targets = _lora_targets(self._meta, self.strategies)
-        self.facts = model_facts(self._meta, targets)
+        self.facts = dataclasses.replace(model_facts(self._meta, targets), own_optimizer=spec.optimizer.costs)
         # LoRA simulates the base frozen and these layers' weights trained: like the adapters beside
         # them, they keep their inputs for backward (their paths inside a block: `simulate.is_adapted`).
         self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
@@ -480,7 +480,7 @@ class Estimator:
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
-        notes += state_notes(config, states)
+        notes += state_notes(config, states, self.facts)
         if config.offloads_activations:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)

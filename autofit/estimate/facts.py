@@ -13,6 +13,7 @@ from torch import nn
 
 from autofit.config import Config, Engine
 from autofit.spec.batch import image_sides
+from autofit.spec.optimizer_costs import OptimizerCosts
 
 
 # -- model facts ---------------------------------------------------------------------------------------
@@ -38,6 +39,9 @@ class ModelFacts:
     adapted_layers: int = 0  # linear layers LoRA adapts (two adapter tensors each)
     buffer_bytes: int = 0  # the model's buffers as stored (normalization statistics, RoPE tables, masks)
     half_buffer_bytes: int = 0  # the same with its floating-point buffers cast to 16 bits
+    # The user's own optimizer's states and step temporaries per byte of weight, measured on stand-ins
+    # (`autofit.spec.optimizer_costs`); None: unknown, counted as AdamW
+    own_optimizer: OptimizerCosts | None = None
 
     def tensors_trained(self, adapters: bool) -> int:
         """Parameter tensors that train: the model's trainable ones, or two per adapted layer with LoRA."""

@@ -37,7 +37,10 @@ def optimizer_bytes(facts: ModelFacts, optimizer: Optimizer, trainable: int, sta
     """Optimizer-state bytes for `trainable` parameters (no master weights): AdamW two moments of
     `state_bytes` each (torch keeps them in the weights' dtype: 8 per fp32 parameter), 8-bit AdamW 2
     (+ an fp32 absmax per 2048-element block per state), Adafactor its factored moments; a user's own
-    optimizer is counted as AdamW (a fallback: its states are unknown)."""
+    optimizer as measured on stand-ins (`facts.own_optimizer`: torch's keep their states in the weights'
+    dtype), or as AdamW where that could not be measured (a fallback, which `state_notes` says)."""
+    if optimizer is Optimizer.USER and facts.own_optimizer is not None:
+        return facts.own_optimizer.states * state_bytes * trainable
     if optimizer.eight_bit:
         return trainable * (2 + 2 * 4 / 2048)
     if optimizer is Optimizer.ADAFACTOR:
@@ -246,7 +249,8 @@ def optimizer_temporaries(facts: ModelFacts, config: Config, target: str) -> int
     trainable weights it updates, in their dtype (`exp_avg_sq_sqrt = torch._foreach_sqrt(...)` in
     torch/optim/adam.py `_multi_tensor_adam`); under FSDP2 those are the 1/N shards. The single-tensor
     path (CPU) makes two temporaries of the largest tensor; bitsandbytes and DeepSpeed's CPU Adam
-    (offload) update in place."""
+    (offload) update in place. A user's own optimizer: its temporaries on each path as measured on
+    stand-ins (`facts.own_optimizer`), else AdamW's."""
     if config.optimizer.eight_bit or config.zero_stage or \
             (config.engine is Engine.FSDP and config.offload is Offload.CPU):
         return 0  # ZeRO: DeepSpeed is configured with torch's fused AdamW (or its CPU Adam with offload)
@@ -255,16 +259,23 @@ def optimizer_temporaries(facts: ModelFacts, config: Config, target: str) -> int
     else:
         trainable, size = facts.trainable_params, 4.0 if config.zero_stage else facts.weight_bytes
         size = 2.0 if config.pure_bf16 else size  # the temporaries take the parameters' dtype
+    own = facts.own_optimizer if config.optimizer is Optimizer.USER else None
     if target != "cuda":
-        return int(2 * size * min(facts.largest_param, trainable))
+        return int((own.single_temporaries if own else 2) * size * min(facts.largest_param, trainable))
     shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
-    return int(size * trainable / shards)
+    return int((own.foreach_temporaries if own else 1) * size * trainable / shards)
 
 
-def state_notes(config: Config, states: States) -> list[str]:
-    """Phrases for an estimate's reason: which model states rest on formulas, and the host RAM offload needs."""
+def state_notes(config: Config, states: States, facts: ModelFacts) -> list[str]:
+    """Phrases for an estimate's reason: which model states rest on formulas or a fallback, and the host
+    RAM offload needs."""
     notes = []
-    if config.optimizer is not Optimizer.ADAMW:
+    if config.optimizer is Optimizer.USER:
+        own = facts.own_optimizer
+        notes.append(f"your optimizer's states {own.describe()}" if own else
+                     "your optimizer's states counted as AdamW's, 2x the trained weights (a fallback: its steps "
+                     "could not be measured on stand-ins)")
+    elif config.optimizer is not Optimizer.ADAMW:
         notes.append(f"{config.optimizer.value} states by formula")
     if config.zero_stage:
         notes.append(f"ZeRO-{config.zero_stage} states by formula")

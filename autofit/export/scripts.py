@@ -7,8 +7,8 @@ FILE.py:factory returning a model, (model, make_batch) or (model, make_batch, lo
 is FILE.py:fn returning the training set (any map-style dataset: a list of samples, a TensorDataset,
 a `datasets.Dataset`); `--collate-fn FILE.py:fn` the function that makes a batch of its samples where
 torch's default cannot (samples holding a different count of objects, masks or boxes each: Mask2Former's,
-DETR's); `--loss-fn FILE.py:fn` as in `autofit tune`. Run with no arguments, a script says what to pass
-and exits 2.
+DETR's); `--loss-fn FILE.py:fn` and (train_with_prepare.py) `--optimizer FILE.py:fn` as in `autofit
+tune`. Run with no arguments, a script says what to pass and exits 2.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from autofit.spec.models import factory_loss_fn, file_factory, resolve_loss_fn, 
 EXIT_USAGE = 2
 
 
-def command_line(description: str, argv: Sequence[str] | None = None, loss: bool = True) -> argparse.Namespace:
-    """The script's options; without --model and --dataset, the usage and what to pass (exit 2)."""
+def command_line(description: str, argv: Sequence[str] | None = None, loss: bool = True,
+                 optimizer: bool = False) -> argparse.Namespace:
+    """The script's options (`--loss-fn` with `loss`, `--optimizer` with `optimizer`); without --model and
+    --dataset, the usage and what to pass (exit 2)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="what `autofit tune --model` took: a preset, a config.json or model folder, "
                                         "or FILE.py:factory")
@@ -34,6 +36,9 @@ def command_line(description: str, argv: Sequence[str] | None = None, loss: bool
     if loss:
         parser.add_argument("--loss-fn", help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model "
                                               "whose output has no .loss (or the factory's third item)")
+    if optimizer:
+        parser.add_argument("--optimizer", help="FILE.py:fn returning your optimizer for the parameters it is given, "
+                                                "where the plan was tuned with one it cannot rebuild")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     options = parser.parse_args(argv)
     missing = [name for name in ("model", "dataset") if not getattr(options, name)]
@@ -54,6 +59,12 @@ def load_model(text: str) -> nn.Module:
 def load_loss(model_text: str, loss_text: str | None) -> Any:
     """`--loss-fn`, else the loss a (model, make_batch, loss_fn) factory returns, else None (`output.loss`)."""
     return resolve_loss_fn(loss_text) if loss_text else factory_loss_fn(model_text)
+
+
+def load_optimizer(text: str | None) -> Any:
+    """The optimizer factory `--optimizer FILE.py:fn` names (called on the trainable parameters), or None: the
+    plan's own (`autofit.prepare` rebuilds it)."""
+    return file_factory(text, "--optimizer").load() if text else None
 
 
 def load_dataset(text: str) -> Any:

@@ -67,7 +67,7 @@ plan (precision, checkpointing, optimizer, LoRA, engine) with the code its probe
 {chr(10).join(comment_lines(plan, prefix=""))}
 
     bash {FILENAME} {SCRIPT_FILENAME} --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn]
-        [--loss-fn FILE.py:fn] [--max-steps N]
+        [--loss-fn FILE.py:fn] [--optimizer FILE.py:fn] [--max-steps N]
 
 MODEL is what `autofit tune --model` took. Copy `train` into your own script as a starting point.
 """
@@ -111,11 +111,13 @@ def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None, max_grad
 
 
 if __name__ == "__main__":
-    from autofit.export.scripts import command_line, load_collate, load_dataset, load_loss, load_model
+    from autofit.export.scripts import (command_line, load_collate, load_dataset, load_loss, load_model,
+                                        load_optimizer)
 
-    options = command_line(__doc__)
+    options = command_line(__doc__, optimizer=True)
     train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, options.loss_fn),
-          max_steps=options.max_steps, collate_fn=load_collate(options.collate_fn))
+          optimizer=load_optimizer(options.optimizer), max_steps=options.max_steps,
+          collate_fn=load_collate(options.collate_fn))
     # Before exit, while the interpreter lives: what the run left in reference cycles, then the group.
     # Without the collect, 5 of 30 two-rank gloo runs aborted a rank at exit even after
     # destroy_process_group ("terminate called without an active exception"); with it, none of 60.

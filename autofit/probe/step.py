@@ -153,6 +153,8 @@ def build_run(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> Tra
     model = spec.model_factory()
     model.train()
     run = TrainRun(spec=spec, config=config, model=model)
-    for strategy in sorted(strategies, key=lambda s: s.rung):
+    from autofit.strategies import in_order
+
+    for strategy in in_order(strategies):
         strategy.apply(run)
     return run.ready()

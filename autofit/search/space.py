@@ -116,12 +116,14 @@ class Space:
 
 def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
     """The search space for `spec`; raises `UsageError` when a knob has no usable option at all. The
-    micro-batch and the rank count are knobs of every space: their strategies join when not given."""
-    from autofit.strategies import DataParallel, MicroBatch
+    micro-batch and the rank count are knobs of every space: their strategies join when not given; so
+    does the optimizer's, offering the user's optimizer alone (strategies that leave the rung out do not
+    search it, yet the job trains with the optimizer given, not the Config's default AdamW)."""
+    from autofit.strategies import DataParallel, MicroBatch, OptimizerStates, in_order
 
     given = {s.field for s in strategies}
-    required = [s for s in (MicroBatch(), DataParallel()) if s.field not in given]
-    ordered = tuple(sorted([*strategies, *required], key=lambda s: s.rung))
+    required = [s for s in (MicroBatch(), DataParallel(), OptimizerStates(explore=False)) if s.field not in given]
+    ordered = tuple(in_order([*strategies, *required]))
     base = Config(num_gpus=spec.num_gpus)
     choices: dict[str, list[Option]] = {}
     excluded: list[Excluded] = []

@@ -210,8 +210,8 @@ def file_factory(text: str, option: str = "--model") -> "FileFactory":
     """`FILE.py:name` as a `FileFactory` (the file resolved); `UsageError` naming the fix when a part is missing."""
     file, _, name = text.rpartition(":") if ".py:" in text else (text, "", "")
     if not name:
-        what, example = {"--loss-fn": ("function", "loss_fn"), "--dataset": ("function", "make_dataset")}.get(
-            option, ("factory", "make_model"))
+        what, example = {"--loss-fn": ("function", "loss_fn"), "--dataset": ("function", "make_dataset"),
+                         "--optimizer": ("function", "make_optimizer")}.get(option, ("factory", "make_model"))
         raise UsageError(f"{option} {text!r} names a file but no {what}; write FILE.py:{what}, e.g. {text}:{example}.")
     return FileFactory(str(Path(file).expanduser().resolve()), name, option)
 
@@ -219,7 +219,18 @@ def file_factory(text: str, option: str = "--model") -> "FileFactory":
 def resolve_loss_fn(text: str) -> "FileFunction":
     """`--loss-fn FILE.py:fn`: the function `fn(output, batch) -> scalar loss` from a Python file (picklable,
     so probes in child processes load it too); `UsageError` naming the file, the function and the fix."""
-    function = FileFunction(file_factory(text, "--loss-fn"))
+    return _file_function(text, "--loss-fn")
+
+
+def resolve_optimizer(text: str) -> "str | FileFunction":
+    """`--optimizer`: a name (adamw, adafactor, ...: `autofit.spec.train.parse_optimizer` checks it), or
+    FILE.py:fn, a function `fn(params) -> optimizer` from a Python file (your own optimizer, such as
+    `torch.optim.SGD(params, lr=0.1, momentum=0.9)`), loaded as `--loss-fn` is."""
+    return _file_function(text, "--optimizer") if ".py" in text else text
+
+
+def _file_function(text: str, option: str) -> "FileFunction":
+    function = FileFunction(file_factory(text, option))
     function.load()  # a missing file or function is reported now, not in the first probe
     return function
 
@@ -308,7 +319,8 @@ class FileLoss:
 
 @dataclasses.dataclass(frozen=True)
 class FileFunction:
-    """A module-level function of a Python file (`--loss-fn FILE.py:fn`), loaded where it is called."""
+    """A module-level function of a Python file (`--loss-fn FILE.py:fn`, `--optimizer FILE.py:fn`), loaded
+    where it is called."""
 
     source: FileFactory
 

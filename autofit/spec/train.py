@@ -19,6 +19,7 @@ from autofit.spec.coupling import sample_coupling
 from autofit.spec.devices import device_memory, memory_report, resolve_device
 from autofit.errors import UsageError, did_you_mean
 from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
+from autofit.spec.optimizer_costs import OptimizerCosts, measure, stand_ins
 from autofit.spec.sample_axis import check_sample_axis
 from autofit.spec.target import Target
 from autofit.units import format_size, parse_size
@@ -39,9 +40,14 @@ class OptimizerSpec:
     name: str  # "adamw", "adafactor", ... or "user" for a given instance/factory
     kwargs: dict = dataclasses.field(default_factory=dict)  # hyperparameters (lr, betas, weight_decay)
     factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None  # a user's own
-    cls: type | None = None  # the class of a user's own optimizer given as an instance (None: a factory)
+    cls: type | None = None  # the class of a user's own optimizer (None: a factory whose build it could not see)
     grouped: tuple[str, ...] = ()  # hyperparameters whose values differ between the instance's parameter groups
     explore: bool = True  # Adam-type optimizers may become 8-bit / paged / Adafactor (tier 1)
+    costs: OptimizerCosts | None = None  # a user's own: its states and step temporaries, measured (None: unknown)
+
+    def describe(self) -> str:
+        """The name, and for a user's own optimizer its class where known: "user (torch.optim.sgd.SGD)"."""
+        return f"{self.name} ({self.cls.__module__}.{self.cls.__qualname__})" if self.cls else self.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,7 @@ class TrainSpec:
             "global_batch_size": self.global_batch_size,
             "num_gpus": self.num_gpus,
             "max_tier": self.max_tier,
-            "optimizer": self.optimizer.name,
+            "optimizer": self.optimizer.describe(),
             "safety_margin": self.safety_margin,
             "tokens_per_sample": self.tokens_per_sample,
             "batch": self.batch_description,
@@ -335,7 +341,7 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
             raise UsageError(f"optimizer={optimizer!r} is not known{did_you_mean(name, known | ADAM_NAMES)}; "
                              f"use one of {sorted(known | ADAM_NAMES)}, "
                              "an optimizer instance (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), or a "
-                             "factory params -> optimizer.")
+                             "factory params -> optimizer (on the command line, --optimizer FILE.py:fn).")
         # Adam is AdamW without weight decay (the decay is the only difference between the two updates)
         kwargs = {"weight_decay": 0.0} if name == "adam" else {}
         return OptimizerSpec("adamw" if name in ADAM_NAMES else name, kwargs, explore=name in ADAM_NAMES)
@@ -346,11 +352,38 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
             return OptimizerSpec("adamw", {k: v for k, v in kwargs.items() if k in keep}, explore=True,
                                  grouped=tuple(k for k in grouped if k in keep))
         cls = type(optimizer)
-        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False,
-                             grouped=grouped)
+        factory = functools.partial(cls, **kwargs)
+        params = stand_ins()
+        built = _built(factory, params)
+        return OptimizerSpec("user", kwargs, factory=factory, cls=cls, explore=False, grouped=grouped,
+                             costs=built and measure(built, params))
     if callable(optimizer):
-        return OptimizerSpec("user", factory=optimizer, explore=False)
+        return _factory_spec(optimizer)
     raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")
+
+
+def _factory_spec(factory: Callable[..., Any]) -> OptimizerSpec:
+    """A factory `params -> optimizer`, kept as given, with the class and hyperparameters of what it builds
+    over stand-in parameters (a matrix and a vector, so a decay / no-decay split shows as values that
+    differ by group), for the plan's record: `autofit.prepare` and the exports rebuild it from them as
+    they do an instance; and its memory costs, measured on them. Where the stand-in build fails or
+    returns no optimizer, nothing is recorded or measured."""
+    params = stand_ins()
+    built = _built(factory, params)
+    if built is None:
+        return OptimizerSpec("user", factory=factory, explore=False)
+    kwargs, grouped = _hyperparameters(built)  # before `measure` steps it (and sets its groups' foreach)
+    return OptimizerSpec("user", kwargs, factory=factory, cls=type(built), explore=False, grouped=grouped,
+                         costs=measure(built, params))
+
+
+def _built(factory: Callable[..., Any], params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """What `factory` builds over `params`, or None where it fails or builds no optimizer."""
+    try:
+        built = factory(params)
+    except Exception:  # noqa: BLE001 - the factory may need real parameters; its probes will say if it fails
+        return None
+    return built if isinstance(built, torch.optim.Optimizer) else None
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], tuple[str, ...]]:

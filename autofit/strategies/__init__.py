@@ -3,7 +3,7 @@
 Each offers its options for a spec's `Target`; `autofit.search.space` lays them out as candidates.
 """
 
-from typing import Any
+from typing import Any, Iterable
 
 from autofit.errors import UsageError, did_you_mean
 from autofit.strategies.activation_offload import ActivationOffload
@@ -32,10 +32,22 @@ def default_strategies(engine: str = "auto") -> list[Strategy]:
     if engine not in ENGINES:
         raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
     engines = [Zero()] * (engine != "fsdp") + [Fsdp()] * (engine != "deepspeed")
-    # Quantization before Lora (same rung): the adapters go on the quantized layers. OptimizerInBackward
-    # after OptimizerStates (same rung): it runs the chosen optimizer per parameter.
-    return sorted([Precision(), PureBf16(), Attention(), ChunkedLoss(), Checkpointing(), ActivationOffload(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
-                   DataParallel(), Quantization(), Lora(), Offload()], key=lambda s: s.rung)
+    return in_order([Precision(), PureBf16(), Attention(), ChunkedLoss(), Checkpointing(), ActivationOffload(),
+                     MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines, DataParallel(), Quantization(),
+                     Lora(), Offload()])
+
+
+# The order strategies apply in: by rung, and within a rung as listed here. Quantization before Lora: the
+# adapters go on the quantized layers. OptimizerStates before OptimizerInBackward: the latter runs the
+# optimizer the former chose, one per parameter. A plug-in comes after these at its rung.
+ORDER = (Precision, PureBf16, Attention, ChunkedLoss, Checkpointing, ActivationOffload, MicroBatch, OptimizerStates,
+         OptimizerInBackward, Zero, Fsdp, DataParallel, Quantization, Lora, Offload)
+
+
+def in_order(strategies: Iterable[Strategy]) -> list[Strategy]:
+    """`strategies` in the order they apply (`ORDER`), whatever order they were given in."""
+    return sorted(strategies, key=lambda s: (s.rung, next((i for i, cls in enumerate(ORDER) if type(s) is cls),
+                                                           len(ORDER))))
 
 
 def resolve_strategies(given: Any) -> list[Strategy]:
@@ -72,4 +84,4 @@ def _normal(name: str) -> str:
 
 __all__ = ["ActivationOffload", "Attention", "Checkpointing", "ChunkedLoss", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
            "OptimizerInBackward", "OptimizerStates", "Placement", "Precision", "PureBf16", "Quantization", "Strategy", "Zero", "default_strategies",
-           "plugins", "resolve_strategies"]
+           "in_order", "plugins", "resolve_strategies"]

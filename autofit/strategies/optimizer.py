@@ -34,9 +34,14 @@ class OptimizerStates(Strategy):
     field = "optimizer"
     rung = 5
 
+    def __init__(self, explore: bool = True):
+        # False: the user's optimizer alone, where this rung joins a space whose strategies left it out
+        # (`autofit.search.space.build_space`): not searched, but still the optimizer the job trains with
+        self.explore = explore
+
     def options(self, spec: "TrainSpec") -> list[Option]:
         chosen = O(spec.optimizer.name)
-        if not spec.optimizer.explore:
+        if not (spec.optimizer.explore and self.explore):
             available, why = _available(chosen, spec)
             return [Option(chosen, 0, why or f"the optimizer you gave ({chosen.value}) is kept", available)]
         options = [Option(O.ADAMW, 0, "torch AdamW, 8 bytes of state per parameter")]
@@ -58,8 +63,9 @@ class OptimizerStates(Strategy):
     def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
         """The optimizer the probe built: its class (a user's own where it was given as an instance), the
         hyperparameters it was built with, defaults filled in (an instance's as its groups hold them, the
-        largest group's where they differ), and which differ between the instance's groups; nothing for a
-        user's factory (it is opaque)."""
+        largest group's where they differ), and which differ between the instance's groups; a factory's as
+        it built over stand-in parameters (`autofit.spec.train.parse_optimizer`), nothing where that could
+        not be seen."""
         chosen = spec.optimizer
         if config.optimizer is O.USER and chosen.cls is None:
             return {}
@@ -115,7 +121,8 @@ def recorded(config: Config, settings: dict[str, Any]) -> "OptimizerSpec | None"
     if settings.get("differ_by_group"):
         raise UsageError(f"The plan was tuned with an optimizer whose parameter groups differ in "
                          f"{', '.join(settings['differ_by_group'])}, which one set of hyperparameters cannot rebuild; "
-                         "pass your optimizer (or a factory params -> optimizer) again: prepare(plan, model, optimizer).")
+                         "pass your optimizer (or a factory params -> optimizer) again: prepare(plan, model, optimizer) "
+                         "(the exported train_with_prepare.py takes --optimizer FILE.py:fn).")
     if config.optimizer is not O.USER:
         return OptimizerSpec(config.optimizer.value, kwargs, explore=False)
     cls = _import_class(settings.get("class"))

@@ -172,9 +172,29 @@ def test_a_plain_classifier_tunes_with_its_loss(tmp_path, capsys):
     assert "--loss-fn FILE.py:fn" in capsys.readouterr().err
 
 
+OPTIMIZERS = "import torch\ndef sgd(params):\n    return torch.optim.SGD(params, lr=0.05, momentum=0.9)\n"
+
+
+def test_your_own_optimizer_from_a_file(tmp_path, model_arg, capsys):
+    """`--optimizer FILE.py:fn`: the probes train with what `fn(params)` returns; the plan records its class
+    and hyperparameters, which the torchrun script's `autofit.prepare` rebuilds, and the Trainer's
+    arguments name."""
+    (tmp_path / "opt.py").write_text(OPTIMIZERS)
+    assert tune(model_arg, tmp_path / "run", "--json", "--optimizer", f"{tmp_path}/opt.py:sgd") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["config"]["optimizer"] == "user" and plan["spec"]["optimizer"] == "user (torch.optim.sgd.SGD)"
+    assert plan["settings"]["optimizer"]["kwargs"]["momentum"] == 0.9
+    args = json.loads((tmp_path / "run" / "launch" / "trainer_args.json").read_text())
+    assert (args["optim"], args["learning_rate"]) == ("sgd", 0.05)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--seq-len", "0"], "--seq-len 0: must be an integer >= 1"),
     (["--loss-fn", "nowhere.py:loss"], "--loss-fn file .*nowhere.py does not exist"),
+    (["--optimizer", "sgd"], r"--optimizer 'sgd' is not known.*on the command line, --optimizer FILE\.py:fn"),
+    (["--optimizer", "opt.py"], r"--optimizer 'opt.py' names a file but no function; write FILE.py:function, "
+                                r"e.g. opt.py:make_optimizer"),
+    (["--optimizer", "nowhere.py:sgd"], "--optimizer file .*nowhere.py does not exist"),
 ])
 def test_bad_values_name_the_fix(tmp_path, model_arg, capsys, args, message):
     assert tune(model_arg, tmp_path / "run", *args) == 2

@@ -151,3 +151,20 @@ def test_the_exported_script_trains_with_autofit_prepare(tmp_path, plan_for, ran
     bare = subprocess.run(["bash", str(script), str(tmp_path / "launch" / "train_with_prepare.py")], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert bare.returncode != 0 and "pass --model and --dataset" in bare.stderr
+
+
+def test_the_exported_script_takes_your_optimizer_where_the_plan_cannot_rebuild_it(tmp_path, plan_for):
+    """A plan tuned with an optimizer factory whose build could not be recorded: the script says how to pass
+    it (`--optimizer FILE.py:fn`) and trains with it when passed."""
+    script = plan_for(Config(micro_batch_size=2, grad_accum_steps=2, optimizer="user")).export(
+        "torchrun", tmp_path / "launch")[0]
+    (tmp_path / "data.py").write_text(DATA + "\ndef sgd(params):\n    return torch.optim.SGD(params, lr=0.1)\n")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    command = ["bash", str(script), str(tmp_path / "launch" / "train_with_prepare.py"), "--model", "data.py:make",
+               "--dataset", "data.py:make_dataset", "--max-steps", "2"]
+    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert refused.returncode != 0 and "train_with_prepare.py takes --optimizer FILE.py:fn" in refused.stderr
+    done = subprocess.run([*command, "--optimizer", "data.py:sgd"], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("step ")] == ["step 1", "step 2"]

@@ -96,3 +96,18 @@ def test_a_knob_with_nothing_usable_is_a_usage_error():
 
     with pytest.raises(autofit.UsageError, match="No usable optimizer: not here"):
         build_space(spec, [Nothing()])
+
+
+@pytest.mark.parametrize("optimizer, knob", [("adafactor", "adafactor"), ("adamw", "adamw"),
+                                             (lambda ps: __import__("torch").optim.SGD(ps, lr=0.1), "user")])
+def test_strategies_that_leave_the_optimizer_rung_out_still_train_the_optimizer_given(optimizer, knob):
+    """`strategies=["micro_batch", "checkpointing"]` searches neither 8-bit states nor Adafactor, but the
+    job is the user's: every candidate keeps the optimizer given (it had been the Config's default AdamW,
+    Adafactor and SGD alike, and the plan recorded no optimizer)."""
+    spec = make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=mlp_loss, optimizer=optimizer)
+    space = build_space(spec, autofit.strategies.resolve_strategies(["micro_batch", "checkpointing"]))
+    assert {level.optimizer.value for level in space.levels()} == {knob}
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                           loss_fn=mlp_loss, optimizer=optimizer, strategies=["micro_batch"], max_probes=1)
+    assert plan.config.optimizer.value == knob and plan.settings["optimizer"]["class"]

@@ -124,10 +124,27 @@ def test_optimizer():
     assert parse_optimizer("AdamW").explore
     kept = parse_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     assert kept.name == "user" and not kept.explore and kept.kwargs["lr"] == 0.1
-    with pytest.raises(UsageError, match="'lion' is not known; use one of"):
+    with pytest.raises(UsageError, match=r"'lion' is not known; use one of.*\(on the command line, --optimizer "
+                                         r"FILE\.py:fn\)"):
         parse_optimizer("lion")
     with pytest.raises(UsageError, match=r"'Adam8bit' is not known \(did you mean 'adamw8bit' or"):  # typed in a hurry
         parse_optimizer("Adam8bit")
+
+
+def test_an_optimizer_factory_is_kept_and_what_it_builds_recorded():
+    def factory(params):
+        return torch.optim.RMSprop(params, lr=0.01, alpha=0.9)
+
+    spec = parse_optimizer(factory)
+    assert spec.factory is factory and not spec.explore  # trained as given
+    assert spec.cls is torch.optim.RMSprop and spec.kwargs["alpha"] == 0.9 and spec.describe() == \
+        "user (torch.optim.rmsprop.RMSprop)"
+
+    def needs_names(params):  # cannot be built over stand-ins: nothing recorded, the factory still kept
+        raise KeyError("encoder.weight")
+
+    opaque = parse_optimizer(needs_names)
+    assert opaque.factory is needs_names and opaque.cls is None and opaque.kwargs == {} and opaque.describe() == "user"
 
 
 class TwoArguments(torch.nn.Module):

@@ -131,7 +131,7 @@ def test_search_picks_lora_when_allowed(tmp_path):
     full = [p for p in plan.probes if p.config.lora == 0]
     assert full and not any(p.fits for p in full)  # full fine-tuning ran out (or was predicted to)
     recorded = {"target_modules": ["blocks.0", "blocks.1"], "alpha": 8, "dropout": 0.05}
-    assert plan.settings == {"lora": recorded}  # the adapters the probes trained, for exports and prepare
+    assert plan.settings["lora"] == recorded  # the adapters the probes trained, for exports and prepare
     assert autofit.Plan.load(plan.save(tmp_path / "plan.json")).settings == plan.settings
     prepared = autofit.prepare(plan, Mlp())  # no strategies given: the recorded adapters
     adapted = {name.split(".lora_")[0] for name, p in prepared.model.named_parameters() if p.requires_grad}

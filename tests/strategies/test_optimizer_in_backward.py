@@ -1,6 +1,7 @@
 """The optimizer step in backward: the same update as a step after backward, no whole-model gradients,
 kept by the rules at accumulation 1 on one torch rank; chosen where only it fits; predicted."""
 
+import pytest
 import torch
 from forcing import budget_between, peak, tune
 from models import WideBlocks, thin_batch
@@ -15,7 +16,7 @@ from autofit.search.rules import violation
 from autofit.search.space import build_space
 from autofit.spec.target import Target
 from autofit.spec.train import make_spec
-from autofit.strategies import MicroBatch, OptimizerInBackward, default_strategies
+from autofit.strategies import MicroBatch, OptimizerInBackward, OptimizerStates, default_strategies
 
 
 def _spec(**kwargs):
@@ -53,10 +54,14 @@ def test_the_space_runs_it_at_accumulation_1_only_and_says_why():
     assert reasons and all("exact only at accumulation 1" in r for r in reasons)
 
 
-def test_forced_by_a_budget_only_the_step_in_backward_meets():
+@pytest.mark.parametrize("strategies", [[OptimizerInBackward, MicroBatch],
+                                        [OptimizerInBackward, OptimizerStates, MicroBatch]])
+def test_forced_by_a_budget_only_the_step_in_backward_meets(strategies):
+    """Whatever order the strategies come in (the optimizer rung left out, or given after this one), the
+    optimizer's strategy applies first and this one runs its optimizer per parameter."""
     after = peak(WideBlocks, thin_batch, Config(micro_batch_size=1, grad_accum_steps=4))
     inside = peak(WideBlocks, thin_batch, Config(micro_batch_size=4, optimizer_step="in_backward"))
-    plan = tune(WideBlocks, thin_batch, [OptimizerInBackward(), MicroBatch()], budget_between(inside, after), 4)
+    plan = tune(WideBlocks, thin_batch, [s() for s in strategies], budget_between(inside, after), 4)
     assert plan.fits and plan.config.steps_in_backward and plan.config.grad_accum_steps == 1, plan.reason
 
 
