@@ -19,11 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, as_options, env_columns, parse_allow_option,
-                              positive_option)
+from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, as_options, env_columns,
+                              parse_allow_option, positive_option)
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.estimate.gpus import other_sizes, split_count
+from autofit.spec.models import resolve_optimizer
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
@@ -174,7 +175,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--num-gpus", type=click.IntRange(min=1), default=None,
               help="Data-parallel GPUs  [default: the count in --gpu, else 1]")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
-@click.option("--optimizer", default="adamw", show_default=True, help="adamw, adafactor, ...")
+@click.option("--optimizer", default="adamw", show_default=True, help=OPTIMIZER_HELP)
 @click.option("--lora-targets", default=None,
               help="Modules LoRA adapts, comma-separated (e.g. q_proj,v_proj); default: every linear layer "
                    "but the output head.")
@@ -205,7 +206,7 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
 
         report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                          gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow),
-                         optimizer=optimizer, lora_targets=_targets(lora_targets), deferred_sync=deferred_sync,
+                         optimizer=resolve_optimizer(optimizer), lora_targets=_targets(lora_targets), deferred_sync=deferred_sync,
                          progress=progress)
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:

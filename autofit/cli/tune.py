@@ -126,6 +126,8 @@ def make_console(as_json: bool) -> Console:
 
 
 ALLOW_HELP = "Tier 0-2, or names: numerics, lora, quantization (repeatable or comma-separated)."
+OPTIMIZER_HELP = ("adamw, adafactor, adamw8bit, ...; or FILE.py:fn returning your optimizer for the parameters it is "
+                  "given, e.g. torch.optim.SGD(params, lr=0.1).")
 MODEL_HELP = ("Preset name (gpt2, llama-2-7b, ...; autofit models lists them), a Hugging Face hub id (ORG/NAME: its "
               "config.json from the local cache, else downloaded alone), a config.json or model folder, or "
               "FILE.py:factory.")
@@ -336,9 +338,7 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
-@click.option("--optimizer", default="adamw", show_default=True,
-              help="adamw, adafactor, adamw8bit, ...; or FILE.py:fn returning your optimizer for the parameters "
-                   "it is given, e.g. torch.optim.SGD(params, lr=0.1).")
+@click.option("--optimizer", default="adamw", show_default=True, help=OPTIMIZER_HELP)
 @click.option("--engine", type=click.Choice(["auto", "deepspeed", "fsdp"]), default="auto", show_default=True,
               help="Sharding engine over several ranks: auto searches ZeRO (DeepSpeed) and FSDP2; or pin one.")
 @click.option("--nvme-path", default=None,

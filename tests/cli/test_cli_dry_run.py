@@ -54,6 +54,20 @@ def test_json_is_one_document_with_every_candidate(config_json, capsys, gpus, hi
         c["config"]["sharding"] for c in data["candidates"]}
 
 
+def test_your_own_optimizer_from_a_file_is_predicted_as_measured(config_json, tmp_path, capsys):
+    """`--optimizer FILE.py:fn`: SGD with momentum keeps one copy of the weights and makes no temporary on
+    CUDA's foreach path (AdamW's formula would have said two copies and one)."""
+    (tmp_path / "opt.py").write_text("import torch\ndef sgd(params):\n"
+                                     "    return torch.optim.SGD(params, lr=0.1, momentum=0.9)\n")
+    assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--optimizer", f"{tmp_path}/opt.py:sgd",
+                   "--json") == 0
+    rows = [c for c in json.loads(capsys.readouterr().out)["candidates"]
+            if c["config"]["precision"] == "fp32" and c["config"]["sharding"] == "none" and not c["config"]["lora"]]
+    assert rows and all(c["config"]["optimizer"] == "user" for c in rows)
+    assert all(abs(c["breakdown"]["optimizer"] / c["breakdown"]["params"] - 1) < 0.01 for c in rows)  # + buffers
+    assert "your optimizer's states 1x the trained weights, measured on stand-ins" in rows[0]["reason"]
+
+
 @pytest.mark.parametrize("args, message", [(("--seq-len", "0"), "--seq-len 0: must be an integer >= 1"),
                                            (("--top", "-1"), "'--top': -1 is not in the range x>=0"),
                                            (("--gpu", "8xh100", "--num-gpus", "4"),
