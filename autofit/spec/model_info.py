@@ -144,18 +144,29 @@ def hidden_size(model: nn.Module, hf_config: Any = None) -> int:
 
 def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:
     """The model's repeated blocks: the `nn.ModuleList`/`nn.Sequential` of at least two children of one
-    class holding the most parameters, as (dotted path, blocks); (None, []) when there is none."""
+    class (`module_class`) holding the most parameters, as (dotted path, blocks); (None, []) when there
+    is none."""
     best: tuple[int, str | None, list[nn.Module]] = (-1, None, [])
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(child) for child in children}) != 1:
+        if len(children) < 2 or len({module_class(child) for child in children}) != 1:
             continue
         size = sum(p.numel() for p in module.parameters())
         if size > best[0]:
             best = (size, path, children)
     return best[1], best[2]
+
+
+def module_class(module: nn.Module) -> type:
+    """The class a module was built as: a parametrized one's (`weight_norm`, `spectral_norm`, your own
+    `register_parametrization`) is a class torch makes for that module alone (`ParametrizedConv1d`, a new
+    one each time: torch/nn/utils/parametrize.py `_inject_new_class`), so a vocoder's weight-normed convs
+    share no class but the one each was made from, its first base."""
+    from torch.nn.utils import parametrize
+
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
 
 
 def hf_model(model: nn.Module) -> nn.Module | None:

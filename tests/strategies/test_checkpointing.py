@@ -38,6 +38,35 @@ def test_unavailable_without_repeated_blocks():
     assert all("Linear has no repeated blocks" in o.reason for o in options if not o.available)  # not "0 blocks"
 
 
+class Vocoder(nn.Module):
+    """Weight-normed convolutions, as HiFi-GAN's: torch makes each a class of its own (`ParametrizedConv1d`)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.convs = nn.ModuleList([weight_norm(nn.Conv1d(8, 8, 7, padding=3)) for _ in range(4)])
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = x + torch.nn.functional.leaky_relu(conv(x), 0.1)
+        return x
+
+
+def test_parametrized_layers_are_repeated_blocks_and_checkpoint_exactly():
+    spec = make_spec(Vocoder, lambda n: torch.randn(n, 8, 64), device="cpu", memory_budget="1GiB",
+                     loss_fn=lambda out, batch: out.pow(2).mean())
+    assert {o.value for o in Checkpointing().options(spec) if o.available} >= {"none", "full", "every_k"}
+    grads = []
+    for config in (Config(micro_batch_size=2), Config(checkpointing="full", micro_batch_size=2)):
+        torch.manual_seed(0)
+        run = build_run(spec, config, default_strategies())
+        run.forward_backward(torch.randn(2, 8, 64), 1.0)
+        grads.append([p.grad.clone() for p in run.model.parameters()])
+    assert all(torch.allclose(a, b) for a, b in zip(*grads))
+    assert sum("forward" in vars(conv) for conv in run.model.convs) == 4  # each conv recomputes in backward
+
+
 def test_full_saves_at_least_every_2():
     strategy = Checkpointing()
     full, every_2, none = Config(checkpointing="full"), Config(checkpointing="every_k", checkpoint_every=2), Config()
