@@ -87,7 +87,7 @@ class StorageCounter(TorchDispatchMode):
 
     def ignore(self, tensors: Any) -> None:
         """Never count the storages of `tensors`."""
-        self._ignored.update(id(t.untyped_storage()) for t in tensors)
+        self._ignored.update(id(storage) for t in tensors for storage in storages_of(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:  # creates nothing; the autograd engine asks it of every tensor it sees
@@ -97,10 +97,9 @@ class StorageCounter(TorchDispatchMode):
         inputs = _input_storages(func, args, kwargs)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and self._counts(leaf):
-                # A DTensor (FSDP2's sharded parameters) holds only its local shard on this rank.
-                storage = getattr(leaf, "_local_tensor", leaf).untyped_storage()
-                if id(storage) in self._live or id(storage) not in inputs:
-                    self._count(storage)
+                for storage in storages_of(leaf):
+                    if id(storage) in self._live or id(storage) not in inputs:
+                        self._count(storage)
         return out
 
     def _counts(self, tensor: torch.Tensor) -> bool:
@@ -171,8 +170,26 @@ def _input_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
         aliasing = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
     if not aliasing:
         return set()
-    return {id(leaf.untyped_storage()) for leaf in tree_flatten((args, kwargs))[0]
-            if isinstance(leaf, torch.Tensor)}
+    return {id(storage) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
+            for storage in storages_of(leaf)}
+
+
+# A sparse tensor has no storage of its own: its parts do (torch/sparse: `_indices`/`_values` of COO,
+# the compressed and plain indices and the values of CSR/CSC/BSR/BSC). An `nn.Embedding(sparse=True)`'s
+# gradient is one: a recommendation model's tables trained with SGD or SparseAdam.
+SPARSE_PARTS = {torch.sparse_coo: ("_indices", "_values"),
+                **{layout: ("crow_indices", "col_indices", "values") for layout in (torch.sparse_csr, torch.sparse_bsr)},
+                **{layout: ("ccol_indices", "row_indices", "values") for layout in (torch.sparse_csc, torch.sparse_bsc)}}
+
+
+def storages_of(tensor: torch.Tensor) -> list[Any]:
+    """The storages holding `tensor`'s data: its own; a DTensor's (FSDP2's sharded parameters) local shard's
+    on this rank; a sparse tensor's parts'."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    parts = SPARSE_PARTS.get(tensor.layout)
+    if parts is None:
+        return [tensor.untyped_storage()]
+    return [getattr(tensor, part)().untyped_storage() for part in parts]
 
 
 class CpuBudget(_Deadline, StorageCounter):

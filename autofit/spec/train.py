@@ -162,6 +162,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     )
     called = model if isinstance(model, nn.Module) else meta_model
     if called is not None:
+        _check_sparse_gradients(called, spec.optimizer)
         batches.check_call(called, sample, loss_fn)
         check_sample_axis(called, batch_factory)
     if meta_model is not None:
@@ -170,6 +171,31 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         spec = dataclasses.replace(spec, sample_coupling=sample_coupling(called, model_factory, batch_factory,
                                                                           spec.loss_fn))
     return spec
+
+
+# torch optimizers that step sparse gradients (torch/optim: the others raise "does not support sparse
+# gradients"); SparseAdam steps nothing else
+SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
+def _check_sparse_gradients(model: nn.Module, optimizer: OptimizerSpec) -> None:
+    """`UsageError` where a trainable `nn.Embedding`/`nn.EmbeddingBag(sparse=True)` (a recommendation
+    model's tables) meets an optimizer that cannot step its sparse gradient: every probe would fail alike
+    in the step. A class not of torch.optim is left to its probes."""
+    sparse = next((name for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                   and m.sparse and m.weight.requires_grad), None)
+    own = optimizer.cls
+    if sparse is None or (own is not None and (issubclass(own, SPARSE_OPTIMIZERS) or
+                                               not own.__module__.startswith("torch.optim"))):
+        return
+    if optimizer.name == "user" and own is None:
+        return  # a factory that could not be built over stand-ins: its probes will say
+    which = own.__name__ if own is not None else optimizer.name
+    rung = " (nor the 8-bit AdamW or Adafactor the optimizer rung would try)" if optimizer.explore else ""
+    raise UsageError(f"{type(model).__name__}.{sparse} is built with sparse=True: its gradient is a sparse tensor, "
+                     f"which {which} cannot step{rung}. Pass an optimizer that steps sparse gradients, such as "
+                     "optimizer=torch.optim.SGD(model.parameters(), lr=0.1) or Adagrad (an instance or a factory "
+                     "params -> optimizer; on the command line, --optimizer FILE.py:fn), or build it with sparse=False.")
 
 
 def _model_factory(model: Any) -> Callable[[], nn.Module]:

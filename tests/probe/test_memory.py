@@ -28,6 +28,18 @@ def test_parameters_and_optimizer_states_count():
         assert budget.current >= 4 * 40400
 
 
+def test_a_sparse_gradient_counts_its_indices_and_values():
+    """An `nn.EmbeddingBag(sparse=True)` trained with SGD: its gradient is a sparse tensor, whose parts hold
+    its bytes (it has no storage of its own: counting it had raised out of every probe's backward)."""
+    with CpuBudget(None) as budget:
+        table = torch.nn.EmbeddingBag(1000, 8, sparse=True)  # 32000 bytes
+        table(torch.tensor([[1, 2, 3], [4, 5, 6]])).sum().backward()
+        values, indices = table.weight.grad._values(), table.weight.grad._indices()
+        assert budget.current == 32000 + values.nbytes + indices.nbytes
+        torch.optim.SGD(table.parameters(), lr=0.1).step()
+    assert budget.peak >= 32000 + values.nbytes + indices.nbytes
+
+
 def test_over_the_limit_raises_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError, match="over the budget"):
         with CpuBudget(10_000):

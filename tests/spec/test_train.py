@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
@@ -145,6 +147,36 @@ def test_an_optimizer_factory_is_kept_and_what_it_builds_recorded():
 
     opaque = parse_optimizer(needs_names)
     assert opaque.factory is needs_names and opaque.cls is None and opaque.kwargs == {} and opaque.describe() == "user"
+
+
+class Recommender(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.EmbeddingBag(1000, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.table(ids)).mean()
+
+
+@pytest.mark.parametrize("optimizer, refused", [
+    ("adamw", "which adamw cannot step (nor the 8-bit AdamW or Adafactor"),
+    (lambda ps: torch.optim.Adam(ps), "which Adam cannot step."),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), None),
+    (lambda ps: torch.optim.Adagrad(ps), None),
+])
+def test_sparse_embeddings_need_an_optimizer_that_steps_sparse_gradients(optimizer, refused):
+    """Every probe of a sparse table under AdamW failed alike in the step, reported as a fault of the model."""
+    def build():
+        return make_spec(Recommender, lambda n: torch.randint(0, 1000, (n, 4)), device="cpu", memory_budget="1GiB",
+                         optimizer=optimizer)
+
+    if refused is None:
+        assert build().optimizer.name == "user"
+        return
+    with pytest.raises(UsageError, match=rf"Recommender.table is built with sparse=True: .*{re.escape(refused)}.*"
+                                         r"optimizer=torch.optim.SGD\(model.parameters\(\), lr=0.1\) or Adagrad"):
+        build()
 
 
 class TwoArguments(torch.nn.Module):
