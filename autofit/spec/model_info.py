@@ -143,20 +143,34 @@ def hidden_size(model: nn.Module, hf_config: Any = None) -> int:
 
 
 def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:
-    """The model's repeated blocks: the `nn.ModuleList`/`nn.Sequential` of at least two children of one
-    class (`module_class`) holding the most parameters, as (dotted path, blocks); (None, []) when there
-    is none."""
+    """The model's repeated blocks: in the `nn.ModuleList`/`nn.Sequential` where they hold the most
+    parameters, its children when at least two and all of one class (`module_class`), or else its
+    largest group of at least two children of one class that are modules of modules (a stack of blocks
+    between a stem and a head: `nn.Sequential(*blocks, norm, head)`; a lone `nn.Linear` or `nn.Conv2d`
+    there is a layer, not a block); as (dotted path of the container, blocks), (None, []) when there is none."""
     best: tuple[int, str | None, list[nn.Module]] = (-1, None, [])
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) < 2 or len({module_class(child) for child in children}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best[0]:
-            best = (size, path, children)
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            blocks = _repeated(list(module.children()))
+            size = _size(blocks)
+            if blocks and size > best[0]:
+                best = (size, path, blocks)
     return best[1], best[2]
+
+
+def _repeated(children: list[nn.Module]) -> list[nn.Module]:
+    """`find_blocks`' blocks among a container's `children`, or []."""
+    if len(children) >= 2 and len({module_class(child) for child in children}) == 1:
+        return children
+    groups: dict[type, list[nn.Module]] = {}
+    for child in children:
+        if next(child.children(), None) is not None:
+            groups.setdefault(module_class(child), []).append(child)
+    return max((group for group in groups.values() if len(group) >= 2), key=_size, default=[])
+
+
+def _size(modules: list[nn.Module]) -> int:
+    return sum(p.numel() for module in modules for p in module.parameters())
 
 
 def module_class(module: nn.Module) -> type:

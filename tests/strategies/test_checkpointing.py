@@ -1,3 +1,4 @@
+import pytest
 import torch
 from forcing import budget_between, long_batch, peak, tune
 from models import make_gpt2, make_mlp, mlp_loss
@@ -65,6 +66,30 @@ def test_parametrized_layers_are_repeated_blocks_and_checkpoint_exactly():
         grads.append([p.grad.clone() for p in run.model.parameters()])
     assert all(torch.allclose(a, b) for a, b in zip(*grads))
     assert sum("forward" in vars(conv) for conv in run.model.convs) == 4  # each conv recomputes in backward
+
+
+def stem_blocks_head():
+    """The blocks between a stem and a head in one `nn.Sequential`, as plain models are often written."""
+    block = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU())  # noqa: E731
+    return nn.Sequential(nn.Linear(16, 64), *[block() for _ in range(4)], nn.LayerNorm(64), nn.Linear(64, 3))
+
+
+def test_blocks_between_a_stem_and_a_head_are_found_and_checkpointed():
+    from autofit.spec.model_info import find_blocks
+
+    model = stem_blocks_head()
+    assert find_blocks(model) == ("", list(model)[1:5])  # the stem, the norm and the head are layers
+    assert find_blocks(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3))) == (None, [])
+    spec = make_spec(stem_blocks_head, lambda n: (torch.randn(n, 16), torch.randint(0, 3, (n,))), device="cpu",
+                     memory_budget="1GiB", global_batch_size=512,
+                     loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]))
+    assert spec.model.num_blocks == 4
+    peaks = {}
+    for config in (Config(micro_batch_size=512), Config(checkpointing="full", micro_batch_size=512)):
+        measured = run_probe(spec, config, default_strategies()).peak_bytes
+        assert Estimator(spec).predict(config).peak_bytes == pytest.approx(measured, rel=0.02)
+        peaks[config.checkpointing.value] = measured
+    assert peaks["full"] < 0.8 * peaks["none"]
 
 
 def test_full_saves_at_least_every_2():
