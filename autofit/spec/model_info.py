@@ -23,7 +23,7 @@ class ModelInfo:
     fingerprint: str = ""  # hash of parameter names, shapes and dtypes: identifies the model in trial storage
     attention: tuple[str, ...] = ()  # fused attention implementations a Hugging Face model supports
     blocks: str | None = None  # dotted path of the repeated blocks (checkpointing unit), "" for the model itself
-    num_blocks: int = 0
+    num_blocks: int = 0  # blocks checkpointing recomputes (`checkpoint_blocks`)
     hidden_size: int = 0  # the model's width: the Hugging Face config's, else the widest matrix's smaller side
     has_attention: bool = True  # a module named *Attention* (transformers' convention); False: Mamba, RWKV, CNNs
     weights_dtype: str = "float32"  # the floating dtype holding most parameters ("bfloat16": a model cast to bf16)
@@ -97,7 +97,7 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     weights = max(by_dtype, key=by_dtype.__getitem__, default=torch.float32)
     hf = hf_model(model)
     hf_config = hf.config if hf is not None else None
-    path, blocks = find_blocks(model)
+    path, blocks = find_blocks(model)[0], checkpoint_blocks(model)
     attention = tuple(name for name, flag in (("sdpa", "_supports_sdpa"), ("flash_attention_2", "_supports_flash_attn"))
                       if hf is not None and getattr(hf, flag, False))
     attends = any("Attention" in type(module).__name__ for module in model.modules())
@@ -156,6 +156,27 @@ def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:
             if blocks and size > best[0]:
                 best = (size, path, blocks)
     return best[1], best[2]
+
+
+def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks checkpointing recomputes, in the model's order: `find_blocks`', and in a model of your own
+    every block of their class in other containers too — a ResNet's stages `layer1` .. `layer4`, each an
+    `nn.Sequential` of its blocks, of which the largest holds the fewest activations; an encoder's and a
+    decoder's stacks of one block class. (A Hugging Face model checkpoints through its own switch.) A block
+    inside another is left to the outer one."""
+    blocks = find_blocks(model)[1]
+    if not blocks or hf_model(model) is not None:
+        return blocks
+    kind = module_class(blocks[0])
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for _, container in model.named_modules():  # outer containers first: their blocks come before what they hold
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and id(container) not in inside:
+            for block in _repeated(list(container.children())):
+                if module_class(block) is kind and id(block) not in inside:
+                    found.append(block)
+                    inside.update(id(m) for m in block.modules())
+    return found
 
 
 def _repeated(children: list[nn.Module]) -> list[nn.Module]:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from autofit.config import Checkpointing as C
 from autofit.config import Config
-from autofit.spec.model_info import find_blocks
+from autofit.spec.model_info import checkpoint_blocks
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def enable(model: nn.Module, k: int, ops: bool = False) -> None:
     if k == 1 and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
-    for index, block in enumerate(find_blocks(model)[1]):
+    for index, block in enumerate(checkpoint_blocks(model)):
         if index % k == 0 and "forward" not in vars(block):
             block.forward = _checkpointed(block.forward, kwargs)
 
@@ -111,7 +111,7 @@ def disable(model: nn.Module) -> None:
     """Undo `enable`."""
     if hasattr(model, "gradient_checkpointing_disable") and getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
-    for block in find_blocks(model)[1]:
+    for block in checkpoint_blocks(model):
         vars(block).pop("forward", None)
 
 

@@ -92,6 +92,49 @@ def test_blocks_between_a_stem_and_a_head_are_found_and_checkpointed():
     assert peaks["full"] < 0.8 * peaks["none"]
 
 
+class Basic(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.norm = nn.BatchNorm2d(width)
+
+    def forward(self, x):
+        return torch.relu(x + self.norm(self.conv(x)))
+
+
+class Stages(nn.Module):
+    """A ResNet's layout: stages `layer1` .. `layer3`, each an `nn.Sequential` of its blocks, widening and
+    shrinking: the widest stage holds the most weights and the fewest activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.layer1 = nn.Sequential(Basic(8), Basic(8))
+        self.layer2 = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2), Basic(16), Basic(16))
+        self.layer3 = nn.Sequential(nn.Conv2d(16, 32, 1, stride=2), Basic(32), Basic(32))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.layer3(self.layer2(self.layer1(self.stem(x)))).mean((2, 3)))
+
+
+def test_every_stage_of_a_resnet_is_checkpointed_not_its_widest_alone():
+    from autofit.spec.model_info import checkpoint_blocks
+
+    model = Stages()
+    assert checkpoint_blocks(model) == [*model.layer1, model.layer2[1], model.layer2[2], model.layer3[1], model.layer3[2]]
+    spec = make_spec(Stages, lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))), device="cpu",
+                     memory_budget="1GiB", global_batch_size=16,
+                     loss_fn=lambda out, batch: nn.functional.cross_entropy(out, batch[1]))
+    assert spec.model.num_blocks == 6
+    peaks = {}
+    for config in (Config(micro_batch_size=16), Config(checkpointing="full", micro_batch_size=16)):
+        measured = run_probe(spec, config, default_strategies()).peak_bytes
+        assert Estimator(spec).predict(config).peak_bytes == pytest.approx(measured, rel=0.02)
+        peaks[config.checkpointing.value] = measured
+    assert peaks["full"] < 0.8 * peaks["none"]  # the widest stage's two blocks alone had saved 2.5%
+
+
 def test_full_saves_at_least_every_2():
     strategy = Checkpointing()
     full, every_2, none = Config(checkpointing="full"), Config(checkpointing="every_k", checkpoint_every=2), Config()
