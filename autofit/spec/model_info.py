@@ -160,20 +160,20 @@ def find_blocks(model: nn.Module) -> tuple[str | None, list[nn.Module]]:
 
 def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
     """The blocks checkpointing recomputes, in the model's order: `find_blocks`', and in a model of your own
-    every block of their class in other containers too — a ResNet's stages `layer1` .. `layer4`, each an
-    `nn.Sequential` of its blocks, of which the largest holds the fewest activations; an encoder's and a
-    decoder's stacks of one block class. (A Hugging Face model checkpoints through its own switch.) A block
-    inside another is left to the outer one."""
+    the repeated blocks of its other containers too (`_repeated`, modules of modules) — a ResNet's stages
+    `layer1` .. `layer4`, each an `nn.Sequential` of its blocks, of which the largest holds the fewest
+    activations; a U-Net's down and up blocks; an encoder's and a decoder's stacks. (A Hugging Face model
+    checkpoints through its own switch.) A block inside another is left to the outer one."""
     blocks = find_blocks(model)[1]
     if not blocks or hf_model(model) is not None:
         return blocks
-    kind = module_class(blocks[0])
+    chosen = {id(block) for block in blocks}
     found: list[nn.Module] = []
     inside: set[int] = set()
     for _, container in model.named_modules():  # outer containers first: their blocks come before what they hold
         if isinstance(container, (nn.ModuleList, nn.Sequential)) and id(container) not in inside:
             for block in _repeated(list(container.children())):
-                if module_class(block) is kind and id(block) not in inside:
+                if id(block) not in inside and (id(block) in chosen or next(block.children(), None) is not None):
                     found.append(block)
                     inside.update(id(m) for m in block.modules())
     return found

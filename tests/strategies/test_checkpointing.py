@@ -135,6 +135,53 @@ def test_every_stage_of_a_resnet_is_checkpointed_not_its_widest_alone():
     assert peaks["full"] < 0.8 * peaks["none"]  # the widest stage's two blocks alone had saved 2.5%
 
 
+class Down(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.block = Basic(width)
+        self.pool = nn.Conv2d(width, width, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.pool(self.block(x))
+
+
+class Up(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.block = Basic(2 * width)
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+
+    def forward(self, x, skip):
+        return self.up(self.block(torch.cat([x, skip], 1)))
+
+
+class UNet(nn.Module):
+    """Down blocks and up blocks, each in a `nn.ModuleList` of its own class."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.downs = nn.ModuleList([Down(8), Down(8)])
+        self.ups = nn.ModuleList([Up(8), Up(8)])
+
+    def forward(self, x):
+        skips = []
+        x = self.stem(x)
+        for down in self.downs:
+            x = down(x)
+            skips.append(x)
+        for up, skip in zip(self.ups, reversed(skips)):
+            x = up(x, torch.nn.functional.interpolate(skip, size=x.shape[-2:]))
+        return x
+
+
+def test_a_unets_down_and_up_blocks_are_all_checkpointed():
+    from autofit.spec.model_info import checkpoint_blocks
+
+    model = UNet()
+    assert checkpoint_blocks(model) == [*model.downs, *model.ups]  # the ups hold the most weights, not all blocks
+
+
 def test_full_saves_at_least_every_2():
     strategy = Checkpointing()
     full, every_2, none = Config(checkpointing="full"), Config(checkpointing="every_k", checkpoint_every=2), Config()
