@@ -241,12 +241,12 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
 
             pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
         elif half_weights and precision.half:
-            from autofit.strategies.pure_bf16 import cast_inputs
+            from autofit.strategies.pure_bf16 import cast_floating, cast_inputs
 
             # and float inputs (pixels, audio features) cast, as DeepSpeed's engine under autofit and FSDP2's
             # MixedPrecisionPolicy (`cast_forward_inputs`) cast them
             half = _half_dtype(precision, device)
-            cast_inputs(model.to(half), half)
+            cast_inputs(cast_floating(model, half), half)
         if config.quantization is Quantization.NF4:
             from autofit.strategies.quantization import simulate_nf4
 

@@ -63,9 +63,17 @@ class PureBf16(Strategy):
 def enable(model: nn.Module) -> nn.Module:
     """Cast `model`'s parameters and buffers to bf16 and its floating-point inputs too (a forward
     pre-hook); build the optimizer afterwards so its states are bf16 as well. Returns `model`."""
-    model.to(torch.bfloat16)
+    cast_floating(model, torch.bfloat16)
     cast_inputs(model, torch.bfloat16)
     return model
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)` for its floating-point parameters and buffers only. `Module.to` casts complex ones
+    too (torch/nn/modules/module.py `to`, its `convert`: `dtype if t.is_floating_point() or t.is_complex()`),
+    which to a real dtype discards their imaginary part: a Fourier layer's complex weights would train as
+    something else. They stay as they are. Returns `model`."""
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def cast_inputs(module: nn.Module, dtype: torch.dtype) -> Any:

@@ -81,3 +81,26 @@ def test_a_tensor_the_forward_makes_in_fp32_is_named_as_the_cause_under_pure_bf1
     assert run_probe(spec, Config(precision="bf16", micro_batch_size=4), default_strategies()).fits
     assert PureBf16().explain(Config(precision="bf16"), RuntimeError("got Float and BFloat16")) == ""
     assert PureBf16().explain(Config(precision="pure_bf16"), RuntimeError("index out of range")) == ""
+
+
+class Spectral(torch.nn.Module):
+    """A Fourier layer's complex weights beside a real one (a Fourier neural operator's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.modes = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.cfloat))
+        self.mix = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.mix(x) + (x.to(torch.cfloat) @ self.modes).real.to(x.dtype)
+
+
+def test_complex_weights_stay_complex_and_whole():
+    """`Module.to(torch.bfloat16)` casts complex weights too, discarding their imaginary part."""
+    from autofit.strategies.pure_bf16 import enable
+
+    model = Spectral()
+    modes = model.modes.detach().clone()
+    enable(model)
+    assert model.mix.weight.dtype is torch.bfloat16
+    assert model.modes.dtype is torch.cfloat and torch.equal(model.modes.detach(), modes)
