@@ -52,6 +52,12 @@ USER_ERROR_PROBES = 2  # the first probes failing alike on this many levels: the
 WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
 # The knobs that change only activation memory: an OOM where no activation was live bounds every value of them.
 ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "checkpoint_every", "attention")
+# The knobs that leave the dtypes a forward computes in as they are: an op failing on the dtype a precision
+# computes in (torch.fft on bf16: "Unsupported dtype BFloat16") fails so whatever their values
+DTYPE_NEUTRAL_KNOBS = ("checkpointing", "checkpoint_every", "optimizer", "optimizer_step", "activation_offload",
+                       "offload")
+# The dtype each precision computes in, as torch names it in its errors (`"addmm" not implemented for 'Half'`)
+DTYPE_NAMES = {"bf16": "BFloat16", "pure_bf16": "BFloat16", "fp16": "Half"}
 
 
 class Verdict(enum.Enum):
@@ -301,8 +307,10 @@ class Search:
     def _same_error(self, level: Config) -> str | None:
         """Why `level` is certain to fail as earlier levels did, or None: at least `USER_ERROR_PROBES` levels
         failed with one error (type and place), sharing a knob value that no level which ran without error
-        had and that `level` has; each of `level`'s other knob values is one a failed level had, and their one
-        micro-batch, if they shared one, is not the likelier cause (`_one_size`)."""
+        had and that `level` has; each of `level`'s other knob values is one a failed level had (but for
+        `DTYPE_NEUTRAL_KNOBS` where the error names the dtype of the precision they share: `_dtype_error`),
+        and their one micro-batch, if they shared one, is not the likelier cause (`_one_size`; no size is,
+        of such an error)."""
         knobs = [name for name in self.space.values() if name not in ("micro_batch_size", "grad_accum_steps")]
         ran = [r.config for r in self.results if r.measured and r.status is not ProbeStatus.ERROR]
         failures = collections.defaultdict(list)
@@ -313,7 +321,10 @@ class Search:
             if len(failed) < USER_ERROR_PROBES:
                 continue
             seen = {name: {r.config.knob(name) for r in failed} for name in knobs}
-            if any(level.knob(name) not in values for name, values in seen.items()) or _one_size(failed, ran):
+            dtype = _dtype_error(failed)  # then neither those knobs nor the micro-batch is the likelier cause
+            free = DTYPE_NEUTRAL_KNOBS if dtype else ()
+            if any(level.knob(name) not in values for name, values in seen.items() if name not in free) \
+                    or (_one_size(failed, ran) and not dtype):
                 continue
             for name, values in seen.items():
                 value = level.knob(name)
@@ -398,6 +409,14 @@ def _one_size(failed: list[ProbeResult], ran: list[Config]) -> bool:
     error may be that size's (a squeeze that drops the sample axis at 1), not a knob value's."""
     sizes = {r.config.micro_batch_size for r in failed}
     return len(sizes) == 1 and all(c.micro_batch_size not in sizes for c in ran)
+
+
+def _dtype_error(failed: list[ProbeResult]) -> bool:
+    """Whether `failed` (one error) share a precision whose dtype their error names: an op that does not
+    take it, which no checkpointing, optimizer or offload changes."""
+    precisions = {r.config.precision.value for r in failed}
+    name = DTYPE_NAMES.get(next(iter(precisions))) if len(precisions) == 1 else None
+    return name is not None and name in failed[0].reason
 
 
 def failure(reason: str) -> str:

@@ -128,6 +128,31 @@ def test_an_error_two_levels_met_alike_skips_the_levels_that_share_its_knob_valu
         assert "no level with precision=bf16 ran without error" in result.reason
 
 
+def test_an_op_that_does_not_take_the_precisions_dtype_fails_it_whatever_the_other_knobs():
+    """`torch.fft` on bf16 ("Unsupported dtype BFloat16", a Fourier layer under pure bf16) at one micro-batch
+    nothing else ran at: two failures lay it to bf16, and the bf16 levels with other optimizers and
+    checkpointing are skipped (each value had run once before: 4 probes here, and a Fourier neural operator
+    spent 16 of its 40 on the one error)."""
+    def prober(config):
+        if config.precision.value == "bf16":
+            return ProbeResult(config, ProbeStatus.ERROR, "RuntimeError: Unsupported dtype BFloat16 (at fno.py:8 in "
+                               "forward)", phase="forward")
+        if config.micro_batch_size == 16:
+            return ProbeResult(config, ProbeStatus.OOM, "CPU budget exceeded", 2**30, oom_kind="cpu-budget",
+                               phase="forward")
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
+
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    bf16 = [level for level in space.levels() if level.precision.value == "bf16"]
+    results = Search(space, TrialStore(space), lambda config, limit: prober(config),
+                     predictor=lambda config: 2**20).run()
+    failed = [r for r in results if r.status is ProbeStatus.ERROR]
+    skipped = [r for r in results if r.skip is Skip.IMPLIED and "same way" in r.reason]
+    assert len(failed) == 2 and len(failed) + len(skipped) == len(bf16) > 4
+    assert {r.config.micro_batch_size for r in failed} == {16}  # the size alone is not taken for the cause
+
+
 def test_an_error_a_level_without_the_value_ran_past_is_not_laid_to_it():
     """Errors on two bf16 levels while another bf16 level fitted: bf16 is not the cause, nothing is skipped."""
     def prober(config):
