@@ -140,7 +140,7 @@ class Prepared:
 
 
 def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: LossFn | None = None,
-            device: str | torch.device | None = None, strategies: Sequence[Strategy] | None = None,
+            device: str | torch.device | None = None, strategies: Sequence[Any] | None = None,
             nvme_path: str | os.PathLike | None = None, engine: bool = True,
             max_grad_norm: float | None = None) -> Prepared:
     """Apply every knob of `plan` to `model` with the strategies' own code; return what a loop needs.
@@ -156,9 +156,10 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
             tuned with your own factory, or a class that does not import here, needs it again.
         loss_fn: `loss_fn(output, micro_batch) -> scalar` for `step`; default `output.loss` or a scalar output.
         device: where to train; default the plan's device kind (cuda:LOCAL_RANK under a launcher), else the CPU.
-        strategies: the strategies the plan was tuned with, when not the defaults (plug-in techniques;
-            plug-ins defined so far are included by default). LoRA's adapters are those the plan recorded
-            (`plan.settings["lora"]`: target modules, alpha, dropout) unless strategies are given.
+        strategies: the strategies the plan was tuned with, when not the defaults, as `autofit.autofit` takes
+            them (names or instances; plug-ins defined so far are included by default); the optimizer's
+            joins them where they leave it out, as it joined the search. LoRA's adapters are those the plan
+            recorded (`plan.settings["lora"]`: target modules, alpha, dropout) unless strategies are given.
         nvme_path: folder for NVMe offload, when the plan offloads there.
         engine: False leaves the ranks and the engine (DDP, ZeRO, FSDP2) to a launcher that builds them
             itself (`accelerator.prepare`, the Trainer): every other knob is applied, nothing is wrapped.
@@ -306,15 +307,18 @@ def _no_batches(_: int) -> Any:
     raise RuntimeError("a prepared run trains the batches its loop gives it")
 
 
-def _strategies(strategies: Sequence[Strategy] | None, engine: bool, config: Config,
+def _strategies(strategies: Sequence[Any] | None, engine: bool, config: Config,
                 settings: dict[str, dict[str, Any]]) -> list[Strategy]:
-    """The strategies given, else the defaults, LoRA as the plan recorded its adapters (`Plan.settings`)."""
-    from autofit.strategies import DataParallel, Lora, Offload, default_strategies
+    """The strategies given (with those every run needs: `with_required`, as the search had them), else the
+    defaults, LoRA as the plan recorded its adapters (`Plan.settings`)."""
+    from autofit.strategies import DataParallel, Lora, Offload, default_strategies, resolve_strategies, with_required
     from autofit.strategies.sharding import ShardingEngine
 
     if strategies is None:
         recorded = Lora.from_settings(config.lora, settings["lora"]) if "lora" in settings else None
         strategies = [recorded if recorded and isinstance(s, Lora) else s for s in default_strategies() + plugins()]
+    else:
+        strategies = with_required(resolve_strategies(strategies))
     return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, Offload))]
 
 

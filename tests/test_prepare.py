@@ -185,6 +185,17 @@ def test_a_plan_tuned_with_your_own_optimizer_factory_rebuilds_what_it_built(tmp
     assert autofit.prepare(plan, make_mlp(), split, loss_fn=mlp_loss).optimizer.param_groups[1]["weight_decay"] == 0.0
 
 
+def test_strategies_that_leave_the_optimizer_out_still_build_the_plans():
+    """The search trained Adafactor with `strategies` that leave the optimizer rung out; `prepare` given the
+    same strategies builds Adafactor too, not the Config's default AdamW."""
+    plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
+                           loss_fn=mlp_loss, optimizer="adafactor", strategies=["micro_batch", "checkpointing"],
+                           max_probes=2)
+    assert plan.config.optimizer.value == "adafactor"
+    prepared = autofit.prepare(plan, make_mlp(), loss_fn=mlp_loss, strategies=["micro_batch", "checkpointing"])
+    assert isinstance(prepared.optimizer, torch.optim.Adafactor)
+
+
 def test_adam_by_name_is_adamw_without_weight_decay():
     plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="3MiB",
                            loss_fn=mlp_loss, optimizer="adam", allow=0)

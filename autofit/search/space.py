@@ -116,14 +116,10 @@ class Space:
 
 def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:
     """The search space for `spec`; raises `UsageError` when a knob has no usable option at all. The
-    micro-batch and the rank count are knobs of every space: their strategies join when not given; so
-    does the optimizer's, offering the user's optimizer alone (strategies that leave the rung out do not
-    search it, yet the job trains with the optimizer given, not the Config's default AdamW)."""
-    from autofit.strategies import DataParallel, MicroBatch, OptimizerStates, in_order
+    micro-batch, the rank count and the optimizer are knobs of every space (`with_required`)."""
+    from autofit.strategies import with_required
 
-    given = {s.field for s in strategies}
-    required = [s for s in (MicroBatch(), DataParallel(), OptimizerStates(explore=False)) if s.field not in given]
-    ordered = tuple(in_order([*strategies, *required]))
+    ordered = tuple(with_required(strategies))
     base = Config(num_gpus=spec.num_gpus)
     choices: dict[str, list[Option]] = {}
     excluded: list[Excluded] = []

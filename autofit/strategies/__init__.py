@@ -44,6 +44,17 @@ ORDER = (Precision, PureBf16, Attention, ChunkedLoss, Checkpointing, ActivationO
          OptimizerInBackward, Zero, Fsdp, DataParallel, Quantization, Lora, Offload)
 
 
+def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
+    """`strategies` in order (`in_order`), with those every run needs where none given sets their knob: the
+    micro-batch's, the rank count's, and the optimizer's offering the user's optimizer alone (strategies
+    that leave that rung out do not search it, yet the job trains with the optimizer given, not the
+    Config's default AdamW)."""
+    strategies = list(strategies)
+    given = {s.field for s in strategies}
+    required = [s for s in (MicroBatch(), DataParallel(), OptimizerStates(explore=False)) if s.field not in given]
+    return in_order([*strategies, *required])
+
+
 def in_order(strategies: Iterable[Strategy]) -> list[Strategy]:
     """`strategies` in the order they apply (`ORDER`), whatever order they were given in."""
     return sorted(strategies, key=lambda s: (s.rung, next((i for i, cls in enumerate(ORDER) if type(s) is cls),
@@ -84,4 +95,4 @@ def _normal(name: str) -> str:
 
 __all__ = ["ActivationOffload", "Attention", "Checkpointing", "ChunkedLoss", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
            "OptimizerInBackward", "OptimizerStates", "Placement", "Precision", "PureBf16", "Quantization", "Strategy", "Zero", "default_strategies",
-           "in_order", "plugins", "resolve_strategies"]
+           "in_order", "plugins", "resolve_strategies", "with_required"]
