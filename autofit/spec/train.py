@@ -378,11 +378,10 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
             return OptimizerSpec("adamw", {k: v for k, v in kwargs.items() if k in keep}, explore=True,
                                  grouped=tuple(k for k in grouped if k in keep))
         cls = type(optimizer)
-        factory = functools.partial(cls, **kwargs)
         params = stand_ins()
-        built = _built(factory, params)
-        return OptimizerSpec("user", kwargs, factory=factory, cls=cls, explore=False, grouped=grouped,
-                             costs=built and measure(built, params))
+        built = _built(cls, kwargs, params)
+        return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False,
+                             grouped=grouped, costs=built and measure(built, params))
     if callable(optimizer):
         return _factory_spec(optimizer)
     raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")
@@ -395,21 +394,25 @@ def _factory_spec(factory: Callable[..., Any]) -> OptimizerSpec:
     they do an instance; and its memory costs, measured on them. Where the stand-in build fails or
     returns no optimizer, nothing is recorded or measured."""
     params = stand_ins()
-    built = _built(factory, params)
-    if built is None:
+    try:
+        built = factory(params)
+    except Exception:  # noqa: BLE001 - the factory may need real parameters; its probes will say if it fails
         return OptimizerSpec("user", factory=factory, explore=False)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise UsageError(f"The optimizer factory returned a {type(built).__name__}, not an optimizer: return the "
+                         "torch.optim.Optimizer alone, e.g. lambda params: torch.optim.SGD(params, lr=0.1) (a "
+                         "learning-rate scheduler is your loop's to step; a probe's few steps need none).")
     kwargs, grouped = _hyperparameters(built)  # before `measure` steps it (and sets its groups' foreach)
     return OptimizerSpec("user", kwargs, factory=factory, cls=type(built), explore=False, grouped=grouped,
                          costs=measure(built, params))
 
 
-def _built(factory: Callable[..., Any], params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """What `factory` builds over `params`, or None where it fails or builds no optimizer."""
+def _built(cls: type, kwargs: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """A `cls(params, **kwargs)`, or None where building one over stand-ins fails."""
     try:
-        built = factory(params)
-    except Exception:  # noqa: BLE001 - the factory may need real parameters; its probes will say if it fails
+        return cls(params, **kwargs)
+    except Exception:  # noqa: BLE001 - a class that needs more than parameters: left unmeasured
         return None
-    return built if isinstance(built, torch.optim.Optimizer) else None
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], tuple[str, ...]]:

@@ -148,6 +148,14 @@ def test_an_optimizer_factory_is_kept_and_what_it_builds_recorded():
     opaque = parse_optimizer(needs_names)
     assert opaque.factory is needs_names and opaque.cls is None and opaque.kwargs == {} and opaque.describe() == "user"
 
+    def with_scheduler(params):  # as a Lightning module's configure_optimizers returns them
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 10)
+
+    with pytest.raises(UsageError, match=r"The optimizer factory returned a tuple, not an optimizer: return the "
+                                         r"torch.optim.Optimizer alone"):
+        parse_optimizer(with_scheduler)  # every probe had failed in its step: "'tuple' object has no attribute"
+
 
 class Recommender(torch.nn.Module):
     def __init__(self):
