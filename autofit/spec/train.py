@@ -381,7 +381,7 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
         params = stand_ins()
         built = _built(cls, kwargs, params)
         return OptimizerSpec("user", kwargs, factory=functools.partial(cls, **kwargs), cls=cls, explore=False,
-                             grouped=grouped, costs=built and measure(built, params))
+                             grouped=grouped, costs=measure(built, params) if built is not None else None)
     if callable(optimizer):
         return _factory_spec(optimizer)
     raise UsageError(f"optimizer must be a name, an optimizer instance or a factory, got {type(optimizer).__name__}.")
@@ -391,8 +391,8 @@ def _factory_spec(factory: Callable[..., Any]) -> OptimizerSpec:
     """A factory `params -> optimizer`, kept as given, with the class and hyperparameters of what it builds
     over stand-in parameters (a matrix and a vector, so a decay / no-decay split shows as values that
     differ by group), for the plan's record: `autofit.prepare` and the exports rebuild it from them as
-    they do an instance; and its memory costs, measured on them. Where the stand-in build fails or
-    returns no optimizer, nothing is recorded or measured."""
+    they do an instance; and its memory costs, measured on them. Where the stand-in build fails, nothing is
+    recorded or measured; where it returns no optimizer (an (optimizer, scheduler) pair), `UsageError`."""
     params = stand_ins()
     try:
         built = factory(params)
