@@ -6,11 +6,14 @@
 for almost no extra FLOPs. "every_k" checkpoints every k-th block wholly (k = 2 and 4 where the depth
 allows), "full" all blocks: 50-70% of activation memory for ~20-35% more compute. All tier 0 (same
 math). Hugging Face models use their own switch; plain models (blocks in an nn.ModuleList /
-nn.Sequential) get `torch.utils.checkpoint` with `use_reentrant=False` on the chosen blocks' forward.
+nn.Sequential) get `torch.utils.checkpoint` with `use_reentrant=False` on the chosen blocks' forward,
+whose recomputation puts their batch norms' running statistics back as the first run left them (same
+evaluation statistics too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any
@@ -95,7 +98,7 @@ def enable(model: nn.Module, k: int, ops: bool = False) -> None:
         return
     for index, block in enumerate(checkpoint_blocks(model)):
         if index % k == 0 and "forward" not in vars(block):
-            block.forward = _checkpointed(block.forward, kwargs)
+            block.forward = _checkpointed(block, block.forward, kwargs)
 
 
 def keep_matmuls() -> Any:
@@ -115,12 +118,42 @@ def disable(model: nn.Module) -> None:
         vars(block).pop("forward", None)
 
 
-def _checkpointed(forward: Any, options: dict[str, Any]) -> Any:
+def _checkpointed(block: nn.Module, forward: Any, options: dict[str, Any]) -> Any:
+    """`forward` of `block` under `torch.utils.checkpoint`, its recomputation in backward leaving the
+    block's batch norms' running statistics as the first run left them (`_statistics_kept`)."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(forward, *args, **options, **kwargs)
+        runs = iter(range(2))
+
+        def once(*inner: Any, **named: Any) -> Any:
+            if next(runs, 1) == 0 or not norms:
+                return forward(*inner, **named)
+            with _statistics_kept(norms):
+                return forward(*inner, **named)
+
+        return torch.utils.checkpoint.checkpoint(once, *args, **options, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _statistics_kept(norms: list[nn.Module]) -> Any:
+    """Batch norms whose running statistics (and `num_batches_tracked`) a recomputation leaves as the first
+    run left them: a checkpointed block's forward runs twice per step, and each run in training updates
+    them (torch/nn/modules/batchnorm.py `_BatchNorm.forward`), so a checkpointed ResNet's evaluation
+    statistics had drifted from an unchecked one's (twice the momentum, num_batches_tracked 2 a step). Put
+    back after the call, not skipped: the recomputation must save the tensors the first run saved
+    (torch.utils.checkpoint counts them), and a batch norm's kernel takes its running statistics."""
+    kept = [(buffer, buffer.clone()) for m in norms if m.training and m.track_running_stats
+            for buffer in (m.running_mean, m.running_var, m.num_batches_tracked) if buffer is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 def _ordinal(k: int) -> str:

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from forcing import budget_between, long_batch, peak, tune
@@ -180,6 +182,28 @@ def test_a_unets_down_and_up_blocks_are_all_checkpointed():
 
     model = UNet()
     assert checkpoint_blocks(model) == [*model.downs, *model.ups]  # the ups hold the most weights, not all blocks
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["training", "frozen statistics"])
+def test_batch_norm_statistics_are_updated_once_per_step_as_without_checkpointing(frozen):
+    """A checkpointed block runs its forward twice per step, and batch norm in training updates its running
+    statistics at each run: twice the momentum, num_batches_tracked 2 after one step. The recomputation
+    leaves them alone; a batch norm in eval mode (frozen, as a detector's backbone) keeps normalising by them."""
+    from autofit.strategies.checkpointing import enable
+
+    torch.manual_seed(0)
+    plain = Stages()
+    if frozen:
+        plain.layer1[0].norm.eval()
+    checkpointed = copy.deepcopy(plain)
+    enable(checkpointed, 1)
+    x = torch.randn(4, 3, 16, 16)
+    for model in (plain, checkpointed):
+        model(x).pow(2).mean().backward()
+    for name, buffer in plain.named_buffers():
+        assert torch.equal(buffer, dict(checkpointed.named_buffers())[name]), name
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
 
 
 def test_full_saves_at_least_every_2():
