@@ -71,7 +71,8 @@ def _measured(model: nn.Module, pair: Any, loss_fn: Any) -> str | None:
     one, two = batches.take_rows(pair, 0, 1), batches.take_rows(pair, 1, 1)
     device = next(model.parameters(), torch.empty(0)).device
     try:
-        with _evaluating(model), _full_precision(), torch.no_grad(), batches.quiet_transformers():
+        with _evaluating(model), _buffers_kept(model), _full_precision(), torch.no_grad(), \
+                batches.quiet_transformers():
             whole, again = (_loss(model, pair, loss_fn, device, seed) for seed in (0, 1))
             alone = [_loss(model, part, loss_fn, device, 0) for part in (one, two)]
             shares = [float(s) for s in micro_batch_shares(model, [one, two], loss_fn)]
@@ -111,6 +112,22 @@ def _full_precision() -> Iterator[None]:
         yield
     finally:
         apply_backend_flags(saved)
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """`model`'s buffers as they were on leaving, the same tensors with the same values: a forward may
+    update them even in eval mode and without gradients (a MoCo queue of negatives and its pointer, a step
+    counter), and the model is the user's own (a search never changes what it was given)."""
+    kept = [(module, name, buffer, buffer.clone()) for module in model.modules()
+            for name, buffer in module._buffers.items() if buffer is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, value in kept:
+                buffer.copy_(value)
+                module._buffers[name] = buffer  # a forward may have put another tensor in its place
 
 
 @contextlib.contextmanager

@@ -104,6 +104,37 @@ def test_the_users_model_keeps_its_mode_and_weights():
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
+class Queue(nn.Module):
+    """A MoCo-style queue of negatives its forward updates, even in eval mode and without gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(8, 4)
+        self.register_buffer("queue", torch.randn(16, 4))
+        self.register_buffer("pointer", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, y):
+        z = self.encoder(x)
+        loss = torch.cat([(z * self.encoder(y)).sum(1, keepdim=True), z @ self.queue.t()], 1).logsumexp(1).mean()
+        with torch.no_grad():
+            at = int(self.pointer)
+            self.queue[at:at + len(z)] = z.detach()
+            self.pointer = (self.pointer + len(z)) % 16  # another tensor in its place
+        return loss
+
+
+def test_the_users_buffers_keep_their_values_and_tensors():
+    """The check runs the user's own module: a forward that updates its buffers had left a MoCo queue and
+    its pointer changed by the search."""
+    model = Queue()
+    tensors = {name: buffer for name, buffer in model.named_buffers()}
+    values = {name: buffer.clone() for name, buffer in tensors.items()}
+    make_spec(model, {"x": torch.randn(4, 8), "y": torch.randn(4, 8)}, device="cpu", memory_budget="1GiB",
+              global_batch_size=4)
+    for name, buffer in model.named_buffers():
+        assert buffer is tensors[name] and torch.equal(buffer, values[name]), name
+
+
 def test_clip_asking_for_its_contrastive_loss_is_known_to_without_running():
     from transformers import CLIPConfig, CLIPModel
 
