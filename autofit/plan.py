@@ -153,7 +153,7 @@ def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult], confirmatio
     parts = [_confirmed_head(confirmation, len(fits))]
     parts += [_comparison_words(c, confirmation) for c in _worth_saying(confirmation)]
     if space is not None:
-        parts.append(_exactness_words(space, confirmation, fits))
+        parts.append(_exactness_words(space, confirmation, results))
     parts.append(best.reason)
     return "; ".join(p for p in parts if p)
 
@@ -216,14 +216,21 @@ def _comparison_words(comparison: Comparison, confirmation: Confirmation) -> str
     return f"{challenger.config.describe()} was {figures}, within {margin}: {holder.config.describe()} is kept"
 
 
-def _exactness_words(space: "Space", confirmation: Confirmation, fits: Sequence[ProbeResult]) -> str:
-    """Plain words when the choice changes numerics: the user's optimizer swapped, and on what evidence."""
+def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequence[ProbeResult]) -> str:
+    """Plain words when the choice changes numerics: the user's optimizer swapped, and on what evidence
+    (where the exact configurations probed failed with errors, not out of memory, the first of them: a
+    fault of the model's the numerics change only steps around)."""
     winner = confirmation.winner
     if winner.tier == 0:
         return ""
     swap = _optimizer_swap(space, winner)
-    exact = [r for r in fits if space.tier(r.config) < winner.tier]
-    if not exact:
+    exact = [r for r in results if r.fits and space.tier(r.config) < winner.tier]
+    errors = [r for r in results if r.status is ProbeStatus.ERROR and space.tier(r.config) < winner.tier]
+    if not exact and errors:
+        evidence = (f"no exact configuration fits: {len(errors)} of those probed failed with an error, not out of "
+                    f"memory ({errors[0].config.describe()}: {errors[0].reason}), which the change may only step "
+                    "around: check it with one step of your own loop")
+    elif not exact:
         evidence = "no exact configuration fits"
     elif any(c.won and c.kind == "exactness" for c in confirmation.comparisons):
         evidence = f"it cleared the {confirmation.exact_margin:.0%} margin over an exact configuration (above)"

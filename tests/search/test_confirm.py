@@ -208,6 +208,18 @@ def test_a_numerics_change_is_taken_when_nothing_exact_fits(space):
     assert plan.reason.startswith("the only finalist")
 
 
+def test_exact_configurations_that_failed_with_an_error_are_named_beside_the_numerics_change(space):
+    """fp32 failing where bf16 autocast runs (an in-place update of a tensor the fp32 backward needs, which
+    autocast's bf16 copy steps around): not "nothing exact fits" alone, but the error, a likely fault."""
+    error = ("RuntimeError: one of the variables needed for gradient computation has been modified by an inplace "
+             "operation (at moco.py:17 in forward)")
+    results = [fit(BF16, 100), ProbeResult(EXACT, ProbeStatus.ERROR, error)]
+    plan = make_plan(space, results, None, run_confirm(space, results, GivenRounds({}), 7, 0.10, "live runs"))
+    assert plan.config == BF16
+    assert (f"because no exact configuration fits: 1 of those probed failed with an error, not out of memory "
+            f"({EXACT.describe()}: {error}), which the change may only step around") in plan.reason
+
+
 def test_a_confirmed_plan_round_trips(space, tmp_path):
     results = [fit(EXACT, 100), fit(ADAFACTOR, 125)]
     measure = GivenRounds({EXACT: [100] * 7, ADAFACTOR: [125] * 7})
