@@ -5,7 +5,7 @@ the weights, 8-bit AdamW one byte each, Adafactor its factored moments. An optim
 instance or a factory: SGD, RMSprop, Lion, ...) has none, and counting it as AdamW over-predicts plain
 SGD by twice the weights, enough for the tuner to skip configurations that fit. So its first steps are
 run here over two stand-in parameters (a matrix and a vector, gradients of ones) and what they allocate
-is read under a dispatch mode:
+is read as a CPU probe reads memory (`autofit.probe.memory.CpuBudget`):
 
 - `states`: bytes of per-parameter state tensors after the first step, per byte of weight (SGD 0, SGD
   with momentum 1, Adam 2; scalar step counters left out);
@@ -22,13 +22,10 @@ measured and the estimator counts AdamW, saying so.
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 STAND_IN_SIDE = 256  # the matrix's rows and columns: a step counter's 4 bytes are 0.006% of its weight
 
@@ -74,35 +71,11 @@ def _state_bytes(state: dict[str, Any]) -> int:
 def _temporaries(optimizer: torch.optim.Optimizer, foreach: bool) -> int:
     """The most bytes one step holds beyond what it started with, on the foreach or single-tensor path
     where its groups name one (torch's optimizers read `group["foreach"]` at every step)."""
+    from autofit.probe.memory import CpuBudget  # counts what ops make, as a CPU probe does
+
     for group in optimizer.param_groups:
         if "foreach" in group:
             group["foreach"] = foreach
-    with _Allocations() as allocations:
+    with CpuBudget(None) as allocations:
         optimizer.step()
     return allocations.peak
-
-
-class _Allocations(TorchDispatchMode):
-    """Bytes of the storages ops make under it (an in-place op's or a view's output is its input's, not
-    counted), live until their tensor is freed; `peak` the most at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in given:
-                self._made(tensor, tensor.untyped_storage().nbytes())
-        return out
-
-    def _made(self, tensor: torch.Tensor, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(tensor, self._freed, nbytes)
-
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
