@@ -28,6 +28,7 @@ class ModelInfo:
     has_attention: bool = True  # a module named *Attention* (transformers' convention); False: Mamba, RWKV, CNNs
     weights_dtype: str = "float32"  # the floating dtype holding most parameters ("bfloat16": a model cast to bf16)
     batch_norm: bool = False  # a module normalises over the micro-batch in training (`batch_normalises`)
+    complex_weights: bool = False  # a trainable weight is complex (a Fourier layer's spectral weights)
 
     @property
     def smallest_micro_batch(self) -> int:
@@ -103,7 +104,8 @@ def inspect_model(model: nn.Module) -> ModelInfo:
     attends = any("Attention" in type(module).__name__ for module in model.modules())
     return ModelInfo(type(model).__name__, total, trainable, hf_config, digest.hexdigest()[:16],
                      attention, path, len(blocks), hidden_size(model, hf_config), attends,
-                     str(weights).removeprefix("torch."), batch_normalises(model))
+                     str(weights).removeprefix("torch."), batch_normalises(model),
+                     any(p.is_complex() and p.requires_grad for p in model.parameters()))
 
 
 BATCH_NORM_MICRO_BATCH = 2  # the least micro-batch batch norm trains on: one sample gives no statistics

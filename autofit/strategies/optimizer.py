@@ -159,6 +159,9 @@ def _json_values(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _available(name: O, spec) -> tuple[bool, str]:
+    if name is O.ADAFACTOR and spec.model.complex_weights:
+        return False, ("Adafactor does not step complex weights, which this model trains (torch/optim/_adafactor.py "
+                       "raises \"Adafactor does not support complex parameters\")")
     if name not in BNB:
         return True, ""
     if not spec.target.has("bitsandbytes"):

@@ -23,6 +23,23 @@ def test_bitsandbytes_options_say_why_they_are_unavailable():
     assert strategy.placement(Config()) is Placement.IN_PROCESS
 
 
+class Spectral(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.modes = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (x.to(torch.cfloat) @ self.modes).abs().mean()
+
+
+def test_adafactor_is_not_offered_for_complex_weights():
+    """torch's Adafactor raises on a complex weight: each level with it had been probed to an error."""
+    options = {o.value: o for o in OptimizerStates().options(
+        make_spec(Spectral, lambda n: torch.randn(n, 4), device="cpu", memory_budget="1GiB"))}
+    assert options["adamw"].available and not options["adafactor"].available
+    assert "Adafactor does not step complex weights" in options["adafactor"].reason
+
+
 def test_the_users_hyperparameters_are_kept():
     chosen = spec(optimizer=torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.123, weight_decay=0.5))
     run = build_run(chosen, Config(), default_strategies())
