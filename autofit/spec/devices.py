@@ -11,11 +11,12 @@ from autofit.errors import UsageError
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to probe on: the given one, validated, or CUDA when present, else the CPU."""
+    """The device to probe on: the given one (a name in any case: "CPU", " cuda:1"), validated, or CUDA when
+    present, else the CPU."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        resolved = torch.device(device)
+        resolved = torch.device(device.strip().lower() if isinstance(device, str) else device)
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"device={device!r} is not a device name; use 'cpu', 'cuda' or 'cuda:N'.") from exc
     if resolved.type == "cpu":

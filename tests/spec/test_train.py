@@ -74,6 +74,14 @@ def test_device_that_does_not_exist():
         spec(device="cuda:3")
     with pytest.raises(UsageError, match="'tpu'"):
         spec(device="tpu")
+    with pytest.raises(UsageError, match="device='gpu' is not a device name; use 'cpu', 'cuda' or 'cuda:N'"):
+        spec(device="gpu")
+
+
+def test_a_device_name_is_read_in_any_case():
+    assert spec(device="CPU").device == spec(device=" cpu ").device == torch.device("cpu")  # typed in a hurry
+    with pytest.raises(UsageError, match=r"device='CUDA:3' does not exist"):
+        spec(device="CUDA:3")
 
 
 def test_model_that_is_not_a_model():
