@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autofit.config import Config
 from autofit.estimate.simulate import ActivationPeak
-from autofit.probe.child import LAUNCHER_PID, leave_with_parent
+from autofit.probe.orphans import LAUNCHER_PID, leave_with_parent
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec

@@ -20,8 +20,8 @@ import sys
 import warnings
 from typing import Any
 
-LAUNCHER_PID = "AUTOFIT_LAUNCHER_PID"  # set by the launcher: the process whose death ends this one
-JOB_FOLDER_PREFIX = "autofit-probe-"  # the launcher's temporary folder for a job
+from autofit.probe.orphans import JOB_FOLDER_PREFIX, leave_with_parent
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,37 +98,6 @@ def _probe(spec: Any, config: Any, strategies: list, step_limit: float | None, t
         dist.init_process_group("nccl" if spec.device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout))
     return run_probe(spec, config, strategies, step_limit)
-
-
-def leave_with_parent(job_path: str, folder_prefix: str, poll: float = 1.0) -> None:
-    """Exit when the launching process (`LAUNCHER_PID` in the environment) is gone, killed before it could
-    reap this one: a probe runs in its own session so that the launcher's kill reaches what it starts, so
-    no signal would reach it. The launcher's job folder (named `folder_prefix...`) goes too, as its own
-    exit would have removed it: the job holds the serialised model (a module given as an instance travels
-    with its weights). Simulation workers (`autofit.estimate.workers`) leave the same way."""
-    import threading
-    import time
-
-    parent = int(os.environ.get(LAUNCHER_PID, os.getppid()))  # the launcher's own word: it may be gone already
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll)
-        _remove_job_folder(job_path, folder_prefix)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
-
-
-def _remove_job_folder(job_path: str, folder_prefix: str) -> None:
-    """Remove the temporary folder the launcher made for this job (each rank or worker may try: the first
-    wins); a job file elsewhere, as one run by hand, is left alone."""
-    import shutil
-    from pathlib import Path
-
-    folder = Path(job_path).resolve().parent
-    if folder.name.startswith(folder_prefix):
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _leave_group() -> None:

@@ -40,7 +40,7 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.probe.child import JOB_FOLDER_PREFIX
+from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID
 from autofit.probe.handover import parent_state
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.spec.train import TrainSpec
@@ -160,7 +160,7 @@ def _environment(rank: int, world: int, port: int | None, device: torch.device) 
     process group as torchrun sets it (ranks only)."""
     import autofit
 
-    env = dict(os.environ, AUTOFIT_LAUNCHER_PID=str(os.getpid()))
+    env = dict(os.environ, **{LAUNCHER_PID: str(os.getpid())})
     here = str(Path(autofit.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     if port is not None:

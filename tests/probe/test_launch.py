@@ -293,3 +293,16 @@ def test_a_probe_process_leaves_out_transformers_notice_of_a_default_loss(tmp_pa
         "model(input_ids=ids, labels=ids).loss.backward()\n")
     assert _notices(script, "loud", "`loss_type=None` was set") == 1
     assert _notices(script, "quiet", "`loss_type=None` was set") == 0
+
+
+def test_the_probe_entry_point_is_not_imported_before_it_runs():
+    """`python -m autofit.probe.child` imports autofit first; were the child module imported on the way
+    (the launcher importing a name from it), runpy would warn on every rank's stderr that it was found in
+    sys.modules before its execution."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+                           "import sys, autofit, autofit.probe.launch, autofit.estimate.workers\n"
+                           "assert 'autofit.probe.child' not in sys.modules, 'imported'"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
