@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, Data2VecAudioConfig, DetrConfig, Dinov2Config, DistilBertConfig,
+from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, Data2VecAudioConfig, DebertaV2Config, DetrConfig, Dinov2Config, DistilBertConfig,
                           Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, Mask2FormerConfig, MixtralConfig, ParakeetCTCConfig,
                           ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, SpeechT5Config, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
@@ -46,6 +46,11 @@ ARCHITECTURES = {
                                          intermediate_size=128, num_labels=5,
                                          architectures=["BertForTokenClassification"]),
                               {"input_ids": (32,), "labels": (32,)}),
+    # its loss picks the labelled samples with `nonzero` (no problem_type set), which fake tensors cannot size
+    "deberta-v2-classifier": (DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                              intermediate_size=128, max_position_embeddings=64,
+                                              architectures=["DebertaV2ForSequenceClassification"]),
+                              {"input_ids": (32,), "labels": ()}),
     "wav2vec2-ctc": (Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
                                     num_feat_extract_layers=2, num_conv_pos_embeddings=16,
