@@ -212,7 +212,8 @@ class Estimator:
         for simulated in (1, 2):  # which line holds depends on how these went
             self._at_batch(config, simulated)
         low, high = self._line_points(config)
-        (one, how), (two, _) = self._at_batch(config, low), self._at_batch(config, high)
+        (one, how_low), (two, how_high) = self._at_batch(config, low), self._at_batch(config, high)
+        how = how_high if self._key(config, high) in self._failed else how_low  # a failed point says why
         line = one.replayed_at(two, mb, low, high)  # the allocator replayed from events read on the line
         if line.replay is None:  # the two steps differ beyond their sizes
             line = dataclasses.replace(line, fragmentation=_free_at_peak(one, two, line, "fragmentation"),

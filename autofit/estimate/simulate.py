@@ -20,6 +20,7 @@ from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Optim
 from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen, kept, sized_kernels, stand_in_losses
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
+from autofit.estimate.known_values import KnownValues
 from autofit.probe.memory import StorageCounter
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
@@ -281,7 +282,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
                     cuda_attention.as_on_cuda(cuda_ampere, half), cuda_dropout.as_on_cuda(on_cuda), \
                     cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
                 fake_batch = as_fake(fake, batch, device)
-                with tracker:
+                known = KnownValues()
+                known.know(fake_batch, batch)
+                with known, tracker:
                     with _autocast(Precision.FP32 if half_weights else precision, device), \
                             _offloading(tracker, config.offloads_activations):
                         output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it

@@ -5,10 +5,6 @@ memory the loss keeps and passes through, without its data-dependent steps (`sta
   the stand-in is the fp32 log-softmax of the logits, which `ctc_loss` keeps for backward and the size
   of the gradient it returns (its alpha table, batch x frames x (2 x characters + 1) fp32, under 1 MB per
   sample for 10 s of audio, is left out).
-- **DeBERTa's sequence classifiers** (`DebertaForSequenceClassification`, `DebertaV2ForSequenceClassification`,
-  DeBERTa-v3's class) pick the labelled samples first when no `problem_type` is set
-  (`label_index = (labels >= 0).nonzero()`): the stand-in is the fp32 log-softmax of the logits, which the
-  cross-entropy over them keeps (a (samples x classes) gather is left out: bytes).
 - **Object detectors** (DETR, YOLOS) match predictions to targets with scipy on the host first: the
   classification's fp32 log-softmax over every query and a gradient for every predicted box; the box
   losses over the matched pairs (a few floats per object) are left out.
@@ -46,8 +42,7 @@ def stand_in(model: nn.Module, batch: Any) -> tuple[Any, Callable[[Any, Any], to
     return {k: v for k, v in batch.items() if k not in keys}, loss
 
 
-def over_logits(output: Any, batch: Any) -> torch.Tensor:
-    """A cross-entropy over the logits, as memory: their fp32 log-softmax (CTC's, DeBERTa's)."""
+def ctc(output: Any, batch: Any) -> torch.Tensor:
     return torch.log_softmax(output.logits, dim=-1, dtype=torch.float32).mean()
 
 
@@ -113,6 +108,5 @@ def _mask_layer(classes: torch.Tensor, predicted: torch.Tensor, masks: _MaskTarg
 
 
 # Heads whose loss has shapes that depend on the data, by class-name suffix: (their label fields, the stand-in)
-LOSSES = {"ForCTC": (("labels",), over_logits), "DebertaForSequenceClassification": (("labels",), over_logits),
-          "DebertaV2ForSequenceClassification": (("labels",), over_logits), "ForObjectDetection": (("labels",), detection),
+LOSSES = {"ForCTC": (("labels",), ctc), "ForObjectDetection": (("labels",), detection),
           "ForUniversalSegmentation": (MASK_LABELS, mask2former)}

@@ -349,8 +349,9 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     SigLIP) token ids, pixel values and `return_loss`; vision-language models an image's placeholder
     tokens and text (`VisionLanguageBatches`); image-to-text encoder-decoders (VisionEncoderDecoder:
     TrOCR, Donut, captioners) pixel values and decoder labels of `seq_len` tokens; image models pixel
-    values and a label per image or per pixel (`_image`; a `seq_len` is refused there); token classifiers
-    a label per token; sequence classifiers a label per sample; multiple choice `MULTIPLE_CHOICES`
+    values and a label per image or per pixel, video models a clip of frames (`_image`; a `seq_len` is refused
+    there); token classifiers a label per token; sequence classifiers a label per sample (ids ending in one
+    `<eos>` where the head pools there: `_pools_at_eos`); multiple choice `MULTIPLE_CHOICES`
     sequences and the right one; BERT's next-sentence and pretraining heads their pair labels; question
     answering an answer span; text encoder-decoders (T5, BART) and language models token ids and labels
     of `seq_len` tokens (default: the model's maximum positions capped at 2048).
@@ -393,8 +394,12 @@ def _text(config: Any, seq_len: int | None, name: str, params: frozenset[str]) -
         return SyntheticBatches((ids, Field("labels", (length,), labels))), \
             f"input_ids of {length} tokens and a label per token ({labels} classes)"
     if name.endswith("ForSequenceClassification"):
+        eos = getattr(config, "eos_token_id", None) if _pools_at_eos(name) else None
+        if isinstance(eos, int):  # each sample ends in its <eos> and holds no other, as a tokenizer makes it
+            ids = dataclasses.replace(ids, end=eos)
+        ending = f", each ending in <eos> (id {eos}: the head pools there)" if ids.end is not None else ""
         return SyntheticBatches((ids, Field("labels", (), labels))), \
-            f"input_ids of {length} tokens and a label per sample ({labels} classes)"
+            f"input_ids of {length} tokens{ending} and a label per sample ({labels} classes)"
     if name.endswith("ForNextSentencePrediction"):
         return SyntheticBatches((ids, Field("labels", (), 2))), f"input_ids of {length} tokens and whether B follows A"
     if name.endswith("ForMultipleChoice"):  # SWAG, RACE, ARC: 4 endings a question
@@ -411,6 +416,18 @@ def _text(config: Any, seq_len: int | None, name: str, params: frozenset[str]) -
         decoder = (Field("decoder_input_ids", (length,), vocab), Field("labels", (length,), vocab))
         return SyntheticBatches((ids, *decoder)), f"input_ids and decoder labels of {length} tokens each"
     return TokenBatches(vocab, length), f"input_ids and labels of {length} tokens"
+
+
+def _pools_at_eos(model_class: str) -> bool:
+    """Whether transformers class `model_class` classifies from each sequence's `<eos>` (BART, mBART, PLBart,
+    MVP, BigBird-Pegasus, T5, mT5, UMT5: `input_ids.eq(self.config.eos_token_id)`, then "All examples must
+    have the same number of <eos> tokens"), read from its source: random ids hold none, or several."""
+    import transformers
+
+    try:
+        return "input_ids.eq(self.config.eos_token_id)" in inspect.getsource(getattr(transformers, model_class).forward)
+    except (AttributeError, OSError, TypeError):  # not a transformers class, or no source to read
+        return False
 
 
 def takes_labels(params: frozenset[str]) -> bool:
@@ -553,8 +570,12 @@ def _image_to_text(config: Any, seq_len: int | None) -> tuple[BatchFactory, str]
 def _image(config: Any, name: str) -> tuple[BatchFactory, str]:
     """Image models: pixel values at the config's size, and a class label per image, or per pixel for
     semantic segmentation (SegFormer, BEiT, DPT: `labels` of the image's height x width), or object
-    detection targets (`DetectionBatches`)."""
+    detection targets (`DetectionBatches`). A video model (VideoMAE, ViViT, TimeSformer: `...ForVideoClassification`)
+    gets a clip of the config's `num_frames` images, frames first, as its forward takes them."""
     pixels, size = _pixels(config)
+    frames = getattr(config, "num_frames", None) if "Video" in name else None
+    if isinstance(frames, int) and frames > 0:
+        pixels = dataclasses.replace(pixels, shape=(frames, *pixels.shape))
     labels = _classes(config)
     if name.endswith("ForObjectDetection"):
         return DetectionBatches(pixels, labels), (f"pixel_values {_shape(pixels)} and {OBJECTS_PER_IMAGE} objects per "
@@ -599,7 +620,9 @@ def image_sides(config: Any) -> tuple[int, int] | None:
 
 
 def _shape(field: Field) -> str:
-    return "x".join(map(str, field.shape))
+    """A pixel field's shape as read: `3x224x224`, or a clip's `16 frames of 3x224x224`."""
+    image = "x".join(map(str, field.shape[-3:]))
+    return f"{field.shape[0]} frames of {image}" if len(field.shape) > 3 else image
 
 
 MULTIPLE_CHOICES = 4  # a multiple-choice head's endings per question when synthesized (SWAG, RACE, ARC)
@@ -708,6 +731,19 @@ class Field:
     shape: tuple[int, ...]
     high: int = 0
     low: int = 0
+    end: int | None = None  # the id each sample's last position holds and no other does (an `<eos>`)
+
+    def make(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """The field's tensor for `n` samples."""
+        shape = (n, *self.shape)
+        if not self.high:
+            return torch.randn(shape, generator=gen)
+        if self.end is None:
+            return torch.randint(self.low, self.high, shape, generator=gen)
+        values = torch.randint(self.low, self.high - 1, shape, generator=gen)
+        values += (values >= self.end).long()  # skip the end's id
+        values[..., -1] = self.end
+        return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -722,9 +758,7 @@ class SyntheticBatches:
         gen = torch.Generator().manual_seed(0)
         batch: dict[str, Any] = {}
         for f in self.fields:
-            shape = (n, *f.shape)
-            batch[f.name] = torch.randint(f.low, f.high, shape, generator=gen) if f.high else \
-                torch.randn(shape, generator=gen)
+            batch[f.name] = f.make(n, gen)
         batch.update(self.extras)
         return batch
 

@@ -142,14 +142,44 @@ def check_head(model: Any) -> None:
                      "(autofit tune: --loss-fn FILE.py:fn, or a factory returning (model, make_batch, loss_fn)).")
 
 
+NO_PADDING = "Cannot handle batch sizes > 1 if no padding token is defined"  # transformers' classifiers' error
+
+
+def check_padding(model: Any) -> None:
+    """A transformers classifier that finds each sequence's last token by its config's `pad_token_id` (GPT-2's,
+    Llama's, Qwen2's, Mistral's `ForSequenceClassification`, reward models) raises on every batch of more than
+    one sample while it is unset, as base checkpoints leave it: the `UsageError` naming the id to set, before
+    any probe (every probe failed alike; a dry-run's simulation of 2 samples failed and rested on the formula)."""
+    import transformers
+
+    config = getattr(model, "config", None)
+    if not isinstance(model, transformers.PreTrainedModel) or getattr(config, "pad_token_id", 0) is not None \
+            or not _forward_says(type(model), NO_PADDING):
+        return
+    eos = config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    id_text = f" ({eos})" if isinstance(eos, int) else ""
+    json_text = f'; in config.json, "pad_token_id": {eos}' if isinstance(eos, int) else ""
+    raise UsageError(f"{type(model).__name__} finds each sequence's last token by its config's pad_token_id, which "
+                     f"is unset (base checkpoints leave it so): transformers refuses any batch of more than one "
+                     f"sample (\"{NO_PADDING}.\"). Set it to the id your tokenizer pads with: "
+                     f"model.config.pad_token_id = tokenizer.pad_token_id, or its eos_token_id{id_text} where it "
+                     f"has no pad token{json_text}.")
+
+
 def _refuses_training(cls: type) -> bool:
     """Whether a transformers head's forward raises on labels rather than compute a loss (DPT, Depth Anything,
     ZoeDepth and Depth Pro's depth heads, OmDet-Turbo: `raise NotImplementedError("Training is not
     implemented yet")`), read from its source, which says so where a name would not (GLPN's depth head
     trains)."""
+    return _forward_says(cls, "Training is not implemented yet")
+
+
+def _forward_says(cls: type, text: str) -> bool:
+    """Whether `text` is in the source of transformers class `cls`'s forward (False where it has none to read)."""
     try:
-        return "Training is not implemented yet" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # no source to read
+        return text in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
         return False
 
 

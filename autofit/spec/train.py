@@ -136,6 +136,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     info = inspect_model(model if isinstance(model, nn.Module) else meta_model or model_factory())
     if loss_fn is None:
         presets.check_head(model if isinstance(model, nn.Module) else meta_model)
+    if global_batch_size is None or global_batch_size > num_gpus:  # a rank's batch may hold more than one sample
+        presets.check_padding(model if isinstance(model, nn.Module) else meta_model)
     if seq_len is not None:
         _check_positive("seq_len", seq_len)
     batch_factory, description = _batch_factory(batch, info, seq_len)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, Data2VecAudioConfig, DebertaV2Config, DetrConfig, Dinov2Config, DistilBertConfig,
                           Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, Mask2FormerConfig, MixtralConfig, ParakeetCTCConfig,
-                          ResNetConfig, OPTConfig, SegformerConfig, Speech2TextConfig, SpeechT5Config, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
+                          ResNetConfig, OPTConfig, SegformerConfig, TimesformerConfig, VideoMAEConfig, VivitConfig, Speech2TextConfig, SpeechT5Config, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
@@ -46,6 +46,18 @@ ARCHITECTURES = {
                                          intermediate_size=128, num_labels=5,
                                          architectures=["BertForTokenClassification"]),
                               {"input_ids": (32,), "labels": (32,)}),
+    # video classifiers: a clip of num_frames images, frames first (was: one image, "not enough values to unpack")
+    "videomae": (VideoMAEConfig(image_size=32, patch_size=16, num_frames=4, tubelet_size=2, hidden_size=32,
+                                num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                architectures=["VideoMAEForVideoClassification"]),
+                 {"pixel_values": (4, 3, 32, 32), "labels": ()}),
+    "vivit": (VivitConfig(image_size=32, num_frames=4, tubelet_size=[2, 16, 16], hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=64, architectures=["VivitForVideoClassification"]),
+              {"pixel_values": (4, 3, 32, 32), "labels": ()}),
+    "timesformer": (TimesformerConfig(image_size=32, patch_size=16, num_frames=4, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, intermediate_size=64,
+                                      architectures=["TimesformerForVideoClassification"]),
+                    {"pixel_values": (4, 3, 32, 32), "labels": ()}),
     # its loss picks the labelled samples with `nonzero` (no problem_type set), which fake tensors cannot size
     "deberta-v2-classifier": (DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                               intermediate_size=128, max_position_embeddings=64,
@@ -167,7 +179,7 @@ ARCHITECTURES = {
                     {"pixel_values": (3, 64, 64)}),
 }
 SEQ_LEN = {"wav2vec2-ctc": 1600, "speecht5-asr": 1600, "data2vec-audio-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
-           "detr": None, "mask2former": None}  # audio samples, feature frames; images: none
+           "detr": None, "mask2former": None, "videomae": None, "vivit": None, "timesformer": None}  # audio samples, feature frames; images: none
 
 
 @pytest.fixture(autouse=True)
@@ -377,3 +389,37 @@ def test_a_sequence_length_for_an_image_model_is_refused(tmp_path):
 
     with pytest.raises(UsageError, match="seq_len 512 does not apply to ViTForImageClassification"):
         dry_run(str(_config_file(tmp_path, "vit")), seq_len=512, global_batch_size=4, gpu="rtx-4090")
+
+
+def _llama_classifier(tmp_path):
+    LlamaConfig(architectures=["LlamaForSequenceClassification"], **SMALL_LM).to_json_file(tmp_path / "config.json")
+    return str(tmp_path / "config.json")
+
+
+def test_a_classifier_without_a_pad_token_is_refused_with_the_id_to_set(tmp_path, capsys):
+    """A Llama/GPT-2/Qwen2 classifier finds each sequence's last token by pad_token_id, which base configs
+    leave unset, and then refuses any batch of more than one sample: every probe failed alike, and a dry-run's
+    simulation of 2 samples failed, its verdict on the formula (exit 4)."""
+    path = _llama_classifier(tmp_path)
+    assert main(["dry-run", "--model", path, "--global-batch-size", "8", "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForSequenceClassification finds each sequence's last token by its config's pad_token_id" in err
+    assert 'model.config.pad_token_id = tokenizer.pad_token_id, or its eos_token_id (2)' in err
+    assert '"pad_token_id": 2' in err
+    assert main(["dry-run", "--model", path, "--global-batch-size", "1", "--seq-len", "32"]) == 0  # one sample: fine
+
+
+def test_a_step_that_fails_past_one_sample_says_why_it_rests_on_the_formula(tmp_path):
+    """Extrapolated from micro-batches 1 and 2 where only 2 failed, a prediction said "activations simulated
+    under fake tensors" beside a verdict by formula: the failure is the reason given."""
+    from autofit.config import Config
+    from autofit.estimate.estimator import Estimator
+    from autofit.spec.models import resolve_model
+    from autofit.spec.train import make_spec
+
+    factory, _, _ = resolve_model(_llama_classifier(tmp_path))
+    estimator = Estimator(make_spec(factory, global_batch_size=1, seq_len=32, device="cpu", memory_budget="1GiB"),
+                          extrapolate_batch=True)  # as a dry-run reads its micro-batches
+    config = Config(micro_batch_size=8)
+    assert not estimator.simulated(config)
+    assert estimator.activations(config)[1].startswith("simulation failed (ValueError: Cannot handle batch sizes > 1")

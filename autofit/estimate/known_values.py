@@ -1,0 +1,150 @@
+"""Values a simulated step computes from the batch's integers, kept beside the fake tensors that hold none.
+
+Fake tensors hold shapes only, so an op whose output's shape depends on values fails under them
+(`DynamicOutputShapeException`, `DataDependentOutputException`): a classifier that pools at each
+sequence's `<eos>` (BART, mBART, PLBart, MVP, LED, T5: `hidden[input_ids.eq(eos), :]`, after checking with
+`torch.unique_consecutive` that every row holds as many) or that picks its labelled samples
+(DeBERTa: `(labels >= 0).nonzero()`). Those values come from the batch's token ids and labels, which the
+synthesized batch holds for real. `KnownValues` keeps a real copy beside each fake tensor of the batch's
+integers and computes every op whose inputs are all known on the copies too (for outputs of at most
+`KNOWN_NUMEL` elements: ids, masks, counts, positions); an op that fails on values then takes its shape
+from the real result, and a boolean index it knows becomes the positions it selects. Activations,
+weights and whatever is computed from them stay unknown: an op that needs their values still fails, and
+the simulation says so as before.
+
+A value read to decide (`if mask.any()`) is the batch's own. What no input determines stays unknown: a
+random draw, an allocation left unfilled (`torch.empty`). An in-place op whose inputs are not all known
+forgets the value of what it writes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+aten = torch.ops.aten
+KNOWN_NUMEL = 1 << 20  # the largest output kept for real (4 MiB of int32 ids): masks and counts, not activations
+_VALUE_ERRORS = (DynamicOutputShapeException, DataDependentOutputException)
+_UNFILLED = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+                       aten.new_empty_strided.default, aten.empty_like.default})
+_BOOL_INDEXED = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index.Tensor)
+
+
+class KnownValues(TorchDispatchMode):
+    """Real copies of fake tensors computed from the batch (see the module's docstring). Enter it inside the
+    `FakeTensorMode`, below any mode that must see the step's outputs (the storage counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values = WeakTensorKeyDictionary()
+
+    def know(self, batch: Any, real: Any) -> None:
+        """Keep `real`'s integer and boolean tensors as the values of `batch`'s fake tensors, leaf by leaf."""
+        for fake, value in zip(tree_flatten(batch)[0], tree_flatten(real)[0]):
+            if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor) and not value.is_floating_point() \
+                    and not value.is_complex() and value.numel() <= KNOWN_NUMEL:
+                with unset_fake_temporarily():  # a copy: an in-place op computed on it leaves the batch as it was
+                    self._values[fake] = value.detach().cpu().clone()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = list(_tensors(args, kwargs))
+        known = _determined(func) and all(t in self._values for t in tensors)
+        try:
+            out = func(*args, **kwargs)
+        except _VALUE_ERRORS:
+            if known:
+                return self._from_real(func, args, kwargs)
+            if func in _BOOL_INDEXED and self._bool_indices_known(args):
+                return func(*self._positions(args), **kwargs)
+            raise
+        if not (known and self._compute(func, args, kwargs, out)) and _writes(func):
+            for tensor in tensors:  # written with values not computed: what it held is no longer its value
+                self._values.pop(tensor, None)
+        return out
+
+    def _real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func` on the real copies (on the CPU, outside every mode); raises what it raises."""
+        def real(leaf: Any) -> Any:
+            return self._values[leaf] if isinstance(leaf, torch.Tensor) else leaf
+
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
+        if "device" in real_kwargs:
+            real_kwargs["device"] = torch.device("cpu")
+        with _disable_current_modes(), unset_fake_temporarily():
+            return func(*real_args, **real_kwargs)
+
+    def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Keep the real result of `func` beside its fake `out` where it is small; False where it is not kept
+        (too large, or it fails: a kernel the CPU lacks)."""
+        fakes = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        if not fakes or any(fake.numel() > KNOWN_NUMEL for fake in fakes):
+            return False
+        try:
+            real = self._real(func, args, kwargs)
+        except Exception:
+            return False
+        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+            if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor) and fake.shape == value.shape:
+                self._values[fake] = value
+        return True
+
+    def _from_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`func`'s outputs where their shapes or values depend on known values: a scalar as it is, a tensor
+        as a fake one of the real result's shape (an allocation the modes above count) holding its value."""
+        real = self._real(func, args, kwargs)
+        device = next(leaf.device for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor))
+
+        def fake(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            made = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+            self._values[made] = value
+            return made
+
+        return tree_map(fake, real)
+
+    def _bool_indices_known(self, args: tuple) -> bool:
+        masks = [index for index in args[1] if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)]
+        return bool(masks) and all(mask in self._values for mask in masks)
+
+    def _positions(self, args: tuple) -> tuple:
+        """`args` of an indexing op with each known boolean index replaced by the positions it selects, as
+        advanced indexing reads a mask (one index per dimension it covers)."""
+        indices: list[Any] = []
+        for index in args[1]:
+            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+                with unset_fake_temporarily():  # real: the fake mode takes them as constants
+                    indices.extend(self._values[index].nonzero().unbind(1))
+            else:
+                indices.append(index)
+        return (args[0], indices, *args[2:])
+
+
+def _tensors(args: tuple, kwargs: dict) -> Any:
+    """The tensors among an op's arguments, given alone or in a list (`cat`, `index`): every op runs through
+    here, so no pytree walk."""
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (list, tuple)):
+            yield from (item for item in arg if isinstance(item, torch.Tensor))
+
+
+@functools.lru_cache(maxsize=None)
+def _determined(func: Any) -> bool:
+    """Whether `func`'s output is determined by its inputs: not a random draw, not an unfilled allocation."""
+    return func not in _UNFILLED and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
+
+
+@functools.lru_cache(maxsize=None)
+def _writes(func: Any) -> bool:
+    """Whether `func` writes one of its arguments (an in-place or `out=` op)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.is_mutable
