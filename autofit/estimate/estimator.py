@@ -455,6 +455,7 @@ class Estimator:
         act, how = self.activations(config)
         notes = [how]
         act = self._adjusted(act, config, notes)
+        states = self._with_sparse_grads(states, act, config, notes)
         gathered = self._gathered(config, notes)
         temp = optimizer_temporaries(self.facts, config, self.target)
         # DeepSpeed's buffers, ZeRO-3's gathered weights and a tied weight's gradient, by phase (engines.py)
@@ -490,6 +491,16 @@ class Estimator:
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
                         method=notes[0], simulated=simulated, error_bound=bound,
                         offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
+
+    def _with_sparse_grads(self, states: States, act: ActivationPeak, config: Config, notes: list[str]) -> States:
+        """`states` with the sparse gradients the simulated step made (`nn.EmbeddingBag(sparse=True)`: the rows
+        a micro-batch looks up; `model_states` counts none for those weights), concatenated over the
+        accumulation's micro-batches as autograd accumulates them, live until the optimizer step."""
+        if not self.facts.sparse_params or config.zero_stage or config.engine is not Engine.TORCH:
+            return states
+        held = act.sparse_grads * config.grad_accum_steps
+        notes.append(f"sparse gradients: {_size(act.sparse_grads)} a micro-batch, kept over {config.grad_accum_steps}")
+        return dataclasses.replace(states, grads=states.grads + held)
 
     def _peak_bound(self, activations: int, peak: int) -> float | None:
         """The relative error a peak with `activations` by formula may carry upwards (None: no bound)."""

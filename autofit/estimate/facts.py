@@ -32,6 +32,8 @@ class ModelFacts:
     block_trainable_params: int = 0  # those of them that train (a frozen block has no gradient to stage)
     num_blocks: int = 0
     weight_bytes: float = 4.0  # bytes per weight as the model stores them (4 fp32; 2 for a bf16 model)
+    sparse_params: int = 0  # trainable weights whose gradient is sparse (`nn.Embedding`/`nn.EmbeddingBag` built with
+    # sparse=True): the rows a batch looks up, not a dense copy (`Estimator.predict` adds them from the simulation)
     tied_params: int = 0  # the largest parameter used by two modules (GPT-2's embedding and head), else 0
     trainable_bytes: float = 4.0  # bytes per trainable weight as the model stores them
     trainable_tensors: int = 0  # trainable parameter tensors (an engine's per-parameter hooks run for each)
@@ -74,7 +76,7 @@ def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> 
         block_params=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0, num_blocks=len(blocks),
         block_trainable_params=sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) if blocks else 0,
         weight_bytes=sum(p.numel() * p.element_size() for p in params) / total if total else 4.0,
-        tied_params=_largest_tied(model),
+        tied_params=_largest_tied(model), sparse_params=_sparse_params(model),
         trainable_bytes=_bytes_each([p for p in params if p.requires_grad]),
         trainable_tensors=sum(1 for p in params if p.requires_grad), adapted_layers=len(adapted),
         trainable_sizes=tuple(p.numel() for p in params if p.requires_grad),
@@ -87,6 +89,12 @@ def _bytes_each(params: list) -> float:
     """Bytes per element over `params` as stored (4.0 for none)."""
     total = sum(p.numel() for p in params)
     return sum(p.numel() * p.element_size() for p in params) / total if total else 4.0
+
+
+def _sparse_params(model: nn.Module) -> int:
+    """Elements of the trainable weights whose gradient is sparse (`nn.Embedding`/`nn.EmbeddingBag(sparse=True)`)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+               and m.sparse and m.weight.requires_grad)
 
 
 def _largest_tied(model: nn.Module) -> int:

@@ -21,7 +21,7 @@ from autofit.estimate import cuda_attention, cuda_autocast, cuda_dropout, deepen
 from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, CachingAllocator, Calls, Event, Replay
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
 from autofit.estimate.known_values import KnownValues
-from autofit.probe.memory import StorageCounter
+from autofit.probe.memory import SPARSE_PARTS, StorageCounter, storages_of
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 aten = torch.ops.aten
@@ -57,6 +57,8 @@ class ActivationPeak:
     # cache to stay under a limit (`least_reserve`): what a fit needs, where `fragmentation` is what a roomy card shows
     kernels: int = 0  # not bytes: operations of the forward + backward that launch a kernel (views and bare
     # allocations left out); linear in depth, the same at every micro-batch
+    sparse_grads: int = 0  # bytes of the sparse weight gradients made (`nn.EmbeddingBag(sparse=True)`: the rows
+    # looked up), which accumulation concatenates: counted by `Estimator.predict`, not in `ModelFacts`' dense grads
     replay: Replay | None = dataclasses.field(default=None, compare=False, repr=False)  # the events replayed
     # what training holds beside the step, for a configuration whose allocator replays it (`replays_training`),
     # whichever configuration was simulated: `Replay.training`'s (resident, states, temporaries, micro-steps)
@@ -126,7 +128,7 @@ class _Tracker(StorageCounter):
         self.ties = ties  # id(parameter) -> its weight (`fake_empty`): tied parameters are one weight
         self.cuda = cuda
         self.events: list[Event] = []
-        self.offloaded = self.kernels = 0
+        self.offloaded = self.kernels = self.sparse_grads = 0
         self.backward_at: int | None = None  # the index in `events` where the backward began
 
     @property
@@ -171,7 +173,12 @@ class _Tracker(StorageCounter):
 
     def take_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: record the gradient, then drop it."""
-        self.events.append(("grad", id(param.grad.untyped_storage()), param.grad.nbytes, self.ties[id(param)]))
+        grad = param.grad
+        parts = storages_of(grad)  # a sparse gradient (`nn.EmbeddingBag(sparse=True)`'s): its indices and values
+        sparse = grad.layout in SPARSE_PARTS
+        nbytes = sum(part.nbytes() for part in parts) if sparse else grad.nbytes
+        self.sparse_grads += nbytes if sparse else 0
+        self.events.append(("grad", id(parts[-1]), nbytes, self.ties[id(param)]))
         param.grad = None
 
 
@@ -311,7 +318,8 @@ def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, i
         fields[name] += batch_bytes
     history = _history(model, config, ties, deep if whole else None)
     replay = Replay.of(events, history if replays_training(config) else None)
-    return ActivationPeak(**fields, offloaded=offloaded, kernels=kernels, whole_depth=whole is not None,
+    return ActivationPeak(**fields, offloaded=offloaded, kernels=kernels, sparse_grads=tracker.sparse_grads,
+                          whole_depth=whole is not None,
                           history=history, **reserve(replay))
 
 

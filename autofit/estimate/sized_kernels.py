@@ -1,5 +1,5 @@
 """Kernels whose memory fake tensors cannot size: what a recurrent layer keeps for its backward, which
-torch's meta kernels leave out, and CTC's alpha table, sized by the data.
+torch's meta kernels leave out, an embedding bag's sparse gradient, and CTC's alpha table, sized by the data.
 
 A training-mode `nn.LSTM` on the CPU runs one oneDNN primitive per layer and direction
 (`aten.mkldnn_rnn_layer`, aten/src/ATen/native/mkldnn/RNN.cpp) and keeps its workspace for the backward:
@@ -29,6 +29,11 @@ micro-batch 32. `run` gives those outputs their size:
   stand in for CUDA, an LSTM's oneDNN call per layer is given cuDNN's share instead (its output, kept by
   the layer above, is the sixth vector); GRUs and plain RNNs run the CPU's composite cells there, which
   keep more than cuDNN would (an over-count, on the safe side).
+- **EmbeddingBag's sparse gradient** (`aten._embedding_bag_backward` with `sparse=True`, an
+  `nn.EmbeddingBag(sparse=True)`'s): torch's meta kernel returns a sparse tensor of no rows, so a
+  recommendation model's gradient, the rows its batch looks up, was missing. `run` makes it as the kernel
+  does: a row per index looked up (`_embedding_bag_sparse_grad`), and a copy of a sparse tensor (autograd
+  keeps a sparse gradient as a copy) with the rows it copies.
 - **CTC** (`aten._ctc_loss.Tensor`, what `F.ctc_loss` runs with tensor lengths): its outputs are sized by
   the longest target, a value fake tensors do not hold, so a simulation of a loss of one's own over CTC
   failed (`DynamicOutputShapeException`). The negative log-likelihood per sample and the alpha table
@@ -91,12 +96,33 @@ def run(func: Any, args: tuple, kwargs: dict | None, cuda: bool) -> Any:
     then counts what it returns as the op's own outputs: two identity checks per op, no mode of its own."""
     if func is aten._ctc_loss.Tensor:
         return _ctc_outputs(_arg(args, kwargs, 0, "log_probs"), _arg(args, kwargs, 1, "targets"))
+    if func is aten._embedding_bag_backward.default and _arg(args, kwargs, 9, "sparse"):
+        return _embedding_bag_sparse_grad(_arg(args, kwargs, 0, "grad"), _arg(args, kwargs, 1, "indices"),
+                                          _arg(args, kwargs, 6, "num_weights"))
+    if func is aten.clone.default and args[0].layout is torch.sparse_coo:  # as autograd keeps a sparse gradient
+        return _sparse(args[0]._indices().clone(), args[0]._values().clone(), args[0].shape)
     out = func(*args, **(kwargs or {}))
     if func is aten.mkldnn_rnn_layer.default and _arg(args, kwargs, 15, "train"):
         return (*out[:3], _bytes(out[0], _onednn_size(args, kwargs, out[0], cuda)))
     if func is aten._cudnn_rnn.default and _arg(args, kwargs, 12, "train"):
         return (*out[:3], _bytes(out[0], _cudnn_size(args, kwargs, out[0])), *out[4:])
     return out
+
+
+def _embedding_bag_sparse_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights: int) -> torch.Tensor:
+    """The sparse gradient of an `nn.EmbeddingBag(sparse=True)`'s weight: a row of the bags' gradient for each
+    index looked up, uncoalesced (`_embedding_bag_sparse_backward`, then `embedding_sparse_backward`,
+    aten/src/ATen/native/EmbeddingBag.cpp and Embedding.cpp: `grad.index_select(0, offset2bag)` as its
+    values, the indices themselves, viewed, as its positions). Its meta kernel makes one of no rows."""
+    dim = grad.shape[-1]
+    values = torch.empty(indices.numel(), dim, dtype=grad.dtype, device=grad.device)  # padding rows counted too
+    return _sparse(indices.reshape(1, -1), values, (num_weights, dim))
+
+
+def _sparse(indices: torch.Tensor, values: torch.Tensor, size: Any) -> torch.Tensor:
+    """An uncoalesced sparse COO tensor of these parts (torch's meta kernels make sparse tensors of no rows,
+    a copy of one (`clone`, as autograd keeps a sparse gradient) too)."""
+    return torch.sparse_coo_tensor(indices, values, size, is_coalesced=False, check_invariants=False)
 
 
 def _bytes(like: torch.Tensor, nbytes: int) -> torch.Tensor:

@@ -87,8 +87,8 @@ def _states(facts: ModelFacts, config: Config) -> States:
     frozen = facts.num_params - trainable
     if config.pure_bf16:
         return _pure_bf16_states(facts, config)
-    if config.zero_stage == 0:
-        return States(int(wb * facts.num_params), int(wb * trainable),
+    if config.zero_stage == 0:  # a sparse gradient holds the rows looked up: added from the simulation
+        return States(int(wb * facts.num_params), int(wb * (trainable - facts.sparse_params)),
                       int(optimizer_bytes(facts, config.optimizer, trainable, wb)))
     half = 2 if config.half_precision else 4
     master = 4 * trainable  # fp32 copies the optimizer updates: a clone even in fp32 (stage_1_and_2.py l.570)

@@ -93,8 +93,10 @@ class StorageCounter(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # creates nothing; the autograd engine asks it of every tensor it sees
             return func(*args, **(kwargs or {}))
         self._before_op(func)
-        out = self._run(func, args, kwargs)
+        # read before the op: an in-place op on a sparse tensor (autograd accumulating a sparse gradient,
+        # `add_`) gives it new parts, which are new memory
         inputs = _input_storages(func, args, kwargs)
+        out = self._run(func, args, kwargs)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and self._counts(leaf):
                 for storage in storages_of(leaf):
@@ -163,14 +165,16 @@ if not hasattr(torch.UntypedStorage.resize_, "__wrapped__"):
     torch.UntypedStorage.resize_ = _resize_seen(torch.UntypedStorage.resize_)  # type: ignore[method-assign]
 
 
-def _input_storages(func: Any, args: Any, kwargs: Any) -> set[int]:
-    """Ids of the input storages an op's outputs may alias (empty for ops whose schema aliases nothing)."""
+def _input_storages(func: Any, args: Any, kwargs: Any) -> dict[int, Any]:
+    """The input storages an op's outputs may alias, by id (empty for ops whose schema aliases nothing); held,
+    so that no storage made by the op takes the id of one that died meanwhile (a sparse tensor's parts are
+    read afresh each time)."""
     aliasing = _ALIASING.get(func)
     if aliasing is None:
         aliasing = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
     if not aliasing:
-        return set()
-    return {id(storage) for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
+        return {}
+    return {id(storage): storage for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
             for storage in storages_of(leaf)}
 
 

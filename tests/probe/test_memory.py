@@ -40,6 +40,19 @@ def test_a_sparse_gradient_counts_its_indices_and_values():
     assert budget.peak >= 32000 + values.nbytes + indices.nbytes
 
 
+def test_an_accumulated_sparse_gradient_counts_every_micro_batchs_rows():
+    """Autograd accumulates a sparse gradient in place (`add_`), which gives it new, longer parts: they had gone
+    uncounted (the parts read after the op took the ids of those that died in it), so a CPU probe's sparse
+    gradient stayed at one micro-batch's rows whatever the accumulation."""
+    table = torch.nn.EmbeddingBag(1000, 8, sparse=True)
+    with CpuBudget(None) as budget:
+        for _ in range(4):
+            table(torch.randint(0, 1000, (2, 3))).sum().backward()
+            grad = table.weight.grad
+            assert budget.current >= grad._values().nbytes + grad._indices().nbytes
+    assert grad._values().shape == (4 * 2 * 3, 8)  # concatenated, uncoalesced
+
+
 def test_over_the_limit_raises_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError, match="over the budget"):
         with CpuBudget(10_000):
