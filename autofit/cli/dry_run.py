@@ -211,8 +211,8 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:
         count = split_count(gpu)[0]
-        console.print(f"--gpu {gpu} is read as {report.gpu.name}; for another size pass "
-                      + " or ".join(f"--gpu {f'{count}x' if count else ''}{name}" for name in others), style="dim")
+        console.print(f"--gpu {gpu} is read as {report.gpu.name} (another of that name: "
+                      + " or ".join(f"--gpu {f'{count}x' if count else ''}{name}" for name in others) + ")", style="dim")
     if gpu_memory is not None and click.get_current_context().get_parameter_source("gpu").name == "DEFAULT":
         console.print(f"--gpu-memory {gpu_memory} without --gpu: speeds are the {report.gpu.name} profile's; pass "
                       "--gpu for your card's (autofit gpus lists them).", style="dim")

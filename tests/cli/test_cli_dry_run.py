@@ -44,7 +44,7 @@ def test_table_marks_the_chosen_candidate(config_json, capsys):
 def test_json_is_one_document_with_every_candidate(config_json, capsys, gpus, hint):
     assert dry_run("--model", str(config_json), *gpus, "--json") == 0
     captured = capsys.readouterr()
-    assert f"--gpu {gpus[1]} is read as a100-40gb; for another size pass {hint}" in captured.err
+    assert f"--gpu {gpus[1]} is read as a100-40gb (another of that name: {hint})" in captured.err
     data = json.loads(captured.out)
     assert data["chosen"]["fits"] and data["gpu"] == "a100-40gb" and data["num_gpus"] == 2
     for candidate in data["candidates"]:
@@ -112,7 +112,7 @@ def test_seq_len_beside_a_batch_of_yours_is_refused_in_the_command_lines_words(t
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "llama2-7"], "did you mean llama-2-7b"),
-    (["--model", "gpt2", "--gpu", "a100-90gb"], "Known GPUs: a100-40gb"),
+    (["--model", "gpt2", "--gpu", "a100-90gb"], "Known GPUs: a10, a100-40gb"),
     (["--model", "gpt2", "--seq-len", "4096"], "exceeds the model's maximum of 1024"),
     (["--model", "gpt2", "--seq-len", "4k"], "seq_len 4096 exceeds the model's maximum of 1024"),  # k = 1,024
     (["--model", "gpt2", "--seq-len", "2.5k"], "'2.5k' is not a length: pass a whole number, e.g. 4096, or 4k"),

@@ -35,11 +35,11 @@ def test_with_memory_overrides_size_only():
 
 
 def test_unknown_gpu_lists_profiles():
-    with pytest.raises(UsageError, match=r"Did you mean a100-80gb.*Known GPUs: a100-40gb.*--gpu-memory"):
+    with pytest.raises(UsageError, match=r"Did you mean a100-80gb.*Known GPUs: a10, a100-40gb.*--gpu-memory"):
         get_gpu("a100-90gb")
 
 
-@pytest.mark.parametrize("name, others", [("a100", ["a100-80gb"]), ("V100", ["v100-32gb"]), ("h100", []),
+@pytest.mark.parametrize("name, others", [("a100", ["a100-80gb"]), ("V100", ["v100-32gb"]), ("h100", ["h100-pcie"]),
                                           ("a100-80gb", []), ("4090", [])])
 def test_an_alias_of_several_sizes_names_the_others(name, others):
     assert other_sizes(name) == others
@@ -64,3 +64,12 @@ def test_a_name_typed_without_its_hyphens_is_the_profile_it_spells(typed, profil
 def test_the_start_of_a_name_is_no_profile():
     with pytest.raises(UsageError, match="Unknown GPU 'h1'. Did you mean h100?"):
         get_gpu("h1")
+
+
+@pytest.mark.parametrize("typed, profile", [("2xA6000", "rtx-a6000"), ("RTX A6000", "rtx-a6000"), ("a40", "a40"),
+                                            ("RTX 6000 Ada", "rtx-6000-ada"), ("h100-pcie", "h100-pcie"), ("A10", "a10")])
+def test_the_48gb_workstation_cards_and_pcie_h100_are_profiles(typed, profile):
+    """Cards common in labs and clouds (RTX A6000, A40, RTX 6000 Ada, H100 PCIe, A10) were unknown: a dry-run
+    for 2 x A6000 ended "Unknown GPU 'A6000'". Memory as nvidia-smi reports it (49140, 46068, 49140, 81559 and
+    23028 MiB)."""
+    assert get_gpu(split_count(typed)[1]).name == profile
