@@ -338,24 +338,45 @@ def _budget(memory_budget: int | str | None, device: torch.device) -> tuple[int,
     return budget, "given"
 
 
+# what people type for a numerics change (tier 1), and for every tier
+NUMERICS_WORDS = frozenset({"bf16", "fp16", "half", "mixed", "amp", "pure_bf16", "8bit", "adamw8bit", "adafactor"})
+
+
 def parse_allow(allow: Any) -> int:
-    """The highest exactness tier `allow` opens: None -> 1, an int tier, or names such as {"lora"}."""
+    """The highest exactness tier `allow` opens: None -> 1, an int tier, or names such as {"lora"}; a string
+    as `--allow` takes it too: names separated by commas ("lora,numerics"), or a tier ("2")."""
     if allow is None:
         return DEFAULT_MAX_TIER
-    if isinstance(allow, int) and not isinstance(allow, bool) and 0 <= allow <= 2:
-        return allow
-    names = [allow] if isinstance(allow, str) else allow
+    if isinstance(allow, str) and allow.strip().isdigit():
+        allow = int(allow)
+    if isinstance(allow, int) and not isinstance(allow, bool):
+        if 0 <= allow <= 2:
+            return allow
+        raise UsageError(f"allow={allow}: the tiers are 0 (exact), 1 (numerics changes) and 2 (LoRA, quantization); "
+                         "give one of them, or names such as allow={'lora'}.")
+    names = [part for part in allow.split(",") if part.strip()] if isinstance(allow, str) else allow
     try:
         names = [name.strip().lower() if isinstance(name, str) else name for name in names]  # "LoRA" too
         unknown = [name for name in names if name not in ALLOW_NAMES]
     except TypeError:
         unknown = [allow]
     if unknown:
-        which = f": {unknown[0]!r} is not a name it takes{did_you_mean(unknown[0], ALLOW_NAMES)}" \
+        which = f": {unknown[0]!r} is not a name it takes{_allow_hint(unknown[0])}" \
             if isinstance(unknown[0], str) else " is not understood"
         raise UsageError(f"allow={allow!r}{which}; give a tier 0-2 or names from "
                          f"{sorted(ALLOW_NAMES)} (e.g. allow={{'lora'}} to train LoRA adapters).")
     return max([ALLOW_NAMES[name] for name in names], default=0)
+
+
+def _allow_hint(name: str) -> str:
+    """What an `allow` name that is not one meant: a precision or optimizer is a numerics change (tier 1, open by
+    default), "all" is tier 2; else the name it is close to."""
+    if name in NUMERICS_WORDS:
+        return (f" ({name} is a numerics change, which 'numerics', tier 1, opens: the default already; the "
+                "search picks the precision and optimizer)")
+    if name in ("all", "everything", "any"):
+        return " (allow=2 opens every tier)"
+    return did_you_mean(name, ALLOW_NAMES)
 
 
 def parse_optimizer(optimizer: Any) -> OptimizerSpec:

@@ -126,8 +126,20 @@ def test_allow():
     with pytest.raises(UsageError, match=r"allow=\['lora', 'numeric'\]: 'numeric' is not a name it takes \(did you "
                                          r"mean 'numerics'\?\)"):
         parse_allow(["lora", "numeric"])
-    with pytest.raises(UsageError, match=r"allow=3 is not understood; give a tier 0-2"):
+    with pytest.raises(UsageError, match=r"allow=3: the tiers are 0 \(exact\), 1 \(numerics changes\) and 2"):
         parse_allow(3)
+
+
+def test_allow_reads_a_string_as_allow_on_the_command_line_does_and_says_what_a_precision_needs():
+    """`--allow lora,numerics` and `--allow 2` worked on the command line, but allow="lora,numerics" and
+    allow="2" were refused in Python; allow="bf16" (a precision, which the default tier opens) was "not a
+    name it takes", as if bf16 were not searched."""
+    assert parse_allow("lora,numerics") == 2 and parse_allow("LoRA, numerics") == 2
+    assert parse_allow("2") == 2 and parse_allow(" 0 ") == 0
+    with pytest.raises(UsageError, match=r"bf16 is a numerics change, which 'numerics', tier 1, opens: the default"):
+        parse_allow("bf16")
+    with pytest.raises(UsageError, match=r"'all' is not a name it takes \(allow=2 opens every tier\)"):
+        parse_allow("all")
 
 
 def test_optimizer():
