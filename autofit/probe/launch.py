@@ -67,6 +67,26 @@ def check_ranks(device: torch.device, num_ranks: int) -> None:
                          "autofit dry-run --num-gpus.")
 
 
+def check_host_budget(spec: TrainSpec) -> None:
+    """`UsageError` when CPU probes would be given more than this machine's RAM: they allocate what they count,
+    so a probe past the RAM is killed by the operating system (and the process with it, where it runs in this
+    one) rather than running out of the budget. Every rank of a CPU rehearsal of several GPUs holds its own."""
+    if spec.device.type != "cpu":
+        return
+    import psutil
+
+    ram, ranks = psutil.virtual_memory(), max(spec.num_gpus, 1)
+    if spec.memory_budget * ranks <= ram.total:
+        return
+    each = f" per rank, {format_size(spec.memory_budget * ranks)} for {ranks} ranks," if ranks > 1 else ""
+    raise UsageError(f"memory_budget {format_size(spec.memory_budget)}{each} exceeds this machine's "
+                     f"{format_size(ram.total)} of RAM: CPU probes allocate what they count, so one past the RAM "
+                     "would be killed by the operating system instead of running out of the budget. Give at most "
+                     f"{format_size(ram.available // ranks)}{' per rank' if ranks > 1 else ''} (free now), or plan "
+                     "for a larger card without probing: autofit.dry_run(..., gpu_memory=...) (autofit dry-run "
+                     "--gpu-memory).")
+
+
 def probe_placed(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], placement: Placement,
                  timeout: float = DEFAULT_TIMEOUT, step_limit: float | None = None) -> ProbeResult:
     """Probe `config` where `placement` says: in this process, a child, or launched ranks; in a child
@@ -274,4 +294,4 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-__all__ = ["DEFAULT_TIMEOUT", "check_ranks", "combine", "died", "launch", "probe_placed"]
+__all__ = ["DEFAULT_TIMEOUT", "check_host_budget", "check_ranks", "combine", "died", "launch", "probe_placed"]

@@ -13,7 +13,7 @@ from autofit.estimate.estimator import predictor_for
 from autofit.estimate.tolerance import tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.errors import UsageError
-from autofit.probe.launch import DEFAULT_TIMEOUT, check_ranks, probe_placed
+from autofit.probe.launch import DEFAULT_TIMEOUT, check_host_budget, check_ranks, probe_placed
 from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.probe.payload import check_serialisable
 from autofit.search import confirm as confirmation
@@ -106,6 +106,7 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
                      warmup_steps=warmup_steps, timed_steps=timed_steps, max_micro_batch=max_micro_batch,
                      nvme_path=nvme_path if nvme_path is not None else _nvme_path_of(chosen))
     check_ranks(spec.device, spec.num_gpus)
+    check_host_budget(spec)
     space = build_space(spec, chosen)
     if any(space.placement(level) is not Placement.IN_PROCESS for level in space.levels()):
         check_serialisable(spec, space.strategies)  # one UsageError now, not one error per candidate

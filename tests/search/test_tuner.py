@@ -72,6 +72,19 @@ def test_tiny_gpt2_at_half_the_baseline_peak():
     assert plan.tokens_per_second == pytest.approx(plan.throughput * 64)
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_cpu_budget_beyond_the_machines_ram_is_refused_before_any_probe(ranks):
+    """CPU probes allocate what they count: with a budget past the RAM, a large candidate was killed by the
+    operating system (the notebook running the search with it) instead of running out of the budget."""
+    import psutil
+
+    budget = psutil.virtual_memory().total * 2 // (3 if ranks > 1 else 1)  # over the RAM in all
+    with pytest.raises(UsageError, match=r"exceeds this machine's .* of RAM: CPU probes allocate what they count.*"
+                                         r"Give at most .* \(free now\), or plan for a larger card"):
+        autofit.autofit(make_mlp, make_mlp_batch, loss_fn=mlp_loss, device="cpu", memory_budget=budget,
+                        num_gpus=ranks, global_batch_size=8)
+
+
 def test_nothing_fits_names_the_smallest_and_what_to_allow():
     plan = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, memory_budget="1MiB",
                            loss_fn=mlp_loss, allow=0, **FAST)
