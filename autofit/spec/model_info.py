@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from autofit.config import Precision
+from autofit.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +76,15 @@ class ModelInfo:
 
 
 def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module | None:
-    """Build the model with meta parameters (shapes only), or None when the factory cannot do that."""
+    """Build the model with meta parameters (shapes only), or None when the factory cannot do that. A
+    `UsageError` the factory raises (autofit's own builder refusing a config transformers cannot build) is
+    raised: building for real would meet it too, after allocating every layer before it (a 40-layer
+    CohereCompass classifier's config took 24 GB of RAM and the process with it)."""
     try:
         with torch.device("meta"):
             model = factory()
+    except UsageError:
+        raise
     except Exception:  # factories that load weights or touch real devices cannot build on meta
         return None
     return model if isinstance(model, nn.Module) else None

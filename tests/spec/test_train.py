@@ -276,3 +276,19 @@ def test_weights_on_the_meta_device_are_refused_for_probes_and_taken_by_the_dry_
     report = dry_run(empty, make_mlp_batch, loss_fn=mlp_loss, global_batch_size=4, gpu="t4")
     assert report.fits and report.chosen.estimate.simulated
     assert all(p.is_meta for p in empty.parameters())  # the module given is left as it was
+
+
+def test_a_factory_that_refuses_its_config_on_meta_is_not_built_for_real():
+    """autofit's builder refuses a config transformers cannot build with a UsageError: on the meta device it
+    was taken for a factory that cannot build there, and the model was built for real, every layer before the
+    failing one allocated (a CohereCompass classifier's default config, 40 layers of 8192: 24 GB of RAM, and the
+    dry-run's process killed by the operating system)."""
+    built_on = []
+
+    def factory():
+        built_on.append(torch.get_default_device().type)
+        raise UsageError("transformers cannot build XForSequenceClassification from this XConfig: KeyError")
+
+    with pytest.raises(UsageError, match="cannot build XForSequenceClassification"):
+        make_spec(factory, lambda n: torch.randn(n, 4), device="cpu", memory_budget="1GiB")
+    assert built_on == ["meta"]
