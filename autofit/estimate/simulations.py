@@ -53,9 +53,21 @@ def workload_key(meta: nn.Module, spec: "TrainSpec", sim_device: str, adapted: f
     the simulating device, the layers LoRA adapts and whether its adapters drop out their inputs."""
     hf = getattr(meta, "config", None)
     described = {k: v for k, v in hf.to_dict().items() if k != "_name_or_path"} if hasattr(hf, "to_dict") else {}
-    parts = [type(meta).__module__, type(meta).__qualname__, repr(meta), json.dumps(described, sort_keys=True, default=str),
+    parts = [type(meta).__module__, type(meta).__qualname__, _described(meta), json.dumps(described, sort_keys=True, default=str),
              _structure(spec.batch_factory(1)), _code(spec.loss_fn), sim_device, sorted(adapted), adapter_dropout > 0]
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()
+
+
+def _described(meta: nn.Module) -> str:
+    """The model's modules as `repr` prints them; where a module's repr reads a value (I-BERT's quantizers print
+    their ranges with `.item()`, which a meta tensor has none of), its modules' names and types and its
+    parameters' and buffers' shapes."""
+    try:
+        return repr(meta)
+    except Exception:  # noqa: BLE001 - a repr of one's own that reads values
+        modules = (f"{name}:{type(module).__qualname__}" for name, module in meta.named_modules())
+        tensors = (f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in (*meta.named_parameters(), *meta.named_buffers()))
+        return "\n".join((*modules, *tensors))
 
 
 def _structure(value: Any) -> str:

@@ -171,3 +171,22 @@ def test_pruning_leaves_other_files_alone(tmp_path):
         kept.put(("workload", n), (peak, "simulated"), shared=True)
     kept._prune()
     assert (tmp_path / "notes.txt").read_text() == "mine" and len(list(tmp_path.glob("*.pkl"))) == 1
+
+
+class _RangePrinter(torch.nn.Linear):
+    """A quantizer-like layer whose repr reads a buffer's value, as I-BERT's `QuantAct` prints its range."""
+
+    def __init__(self):
+        super().__init__(8, 8)
+        self.register_buffer("high", torch.ones(()))
+
+    def extra_repr(self):
+        return f"high={self.high.item()}"
+
+
+def test_a_model_whose_repr_reads_a_value_is_still_predicted():
+    """The simulation's key held `repr(model)` of the meta model: a repr reading `.item()` raised out of the
+    dry-run ("Tensor.item() cannot be called on meta tensors", I-BERT's default config)."""
+    spec = make_spec(lambda: torch.nn.Sequential(_RangePrinter(), _RangePrinter()), lambda n: torch.randn(n, 8),
+                     loss_fn=lambda output, batch: output.sum(), device="cpu", memory_budget="1GiB")
+    assert Estimator(spec).predict(Config(micro_batch_size=2)).peak_bytes > 0
