@@ -23,7 +23,8 @@ import functools
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -55,7 +56,7 @@ class KnownValues(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         tensors = list(_tensors(args, kwargs))
-        known = _determined(func) and all(t in self._values for t in tensors)
+        known = _determined(func) and all(self._known(t) for t in tensors)
         try:
             out = func(*args, **kwargs)
         except _VALUE_ERRORS:
@@ -65,14 +66,24 @@ class KnownValues(TorchDispatchMode):
                 return func(*self._positions(args), **kwargs)
             raise
         if not (known and self._compute(func, args, kwargs, out)) and _writes(func):
-            for tensor in tensors:  # written with values not computed: what it held is no longer its value
+            for tensor in tensors:  # written with values not computed: what it (and its base) held is not its value
                 self._values.pop(tensor, None)
+                if tensor._base is not None:
+                    self._values.pop(tensor._base, None)
         return out
+
+    def _known(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s value is known: kept beside it, or a real tensor (a constant the step made,
+        `torch.tensor(1)`), which holds its own."""
+        return tensor in self._values or not isinstance(tensor, FakeTensor)
+
+    def _value(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._values[tensor] if isinstance(tensor, FakeTensor) else tensor
 
     def _real(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """`func` on the real copies (on the CPU, outside every mode); raises what it raises."""
         def real(leaf: Any) -> Any:
-            return self._values[leaf] if isinstance(leaf, torch.Tensor) else leaf
+            return self._value(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
         real_args, real_kwargs = tree_map(real, (args, kwargs))
         if "device" in real_kwargs:
@@ -112,7 +123,7 @@ class KnownValues(TorchDispatchMode):
 
     def _bool_indices_known(self, args: tuple) -> bool:
         masks = [index for index in args[1] if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)]
-        return bool(masks) and all(mask in self._values for mask in masks)
+        return bool(masks) and all(self._known(mask) for mask in masks)
 
     def _positions(self, args: tuple) -> tuple:
         """`args` of an indexing op with each known boolean index replaced by the positions it selects, as
@@ -121,7 +132,7 @@ class KnownValues(TorchDispatchMode):
         for index in args[1]:
             if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
                 with unset_fake_temporarily():  # real: the fake mode takes them as constants
-                    indices.extend(self._values[index].nonzero().unbind(1))
+                    indices.extend(self._value(index).nonzero().unbind(1))
             else:
                 indices.append(index)
         return (args[0], indices, *args[2:])

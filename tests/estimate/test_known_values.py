@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from transformers import (BartConfig, BartForSequenceClassification, DebertaV2Config, DebertaV2ForSequenceClassification,
-                          T5Config, T5ForSequenceClassification)
+                          LongformerConfig, LongformerForSequenceClassification, T5Config, T5ForSequenceClassification)
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
@@ -55,16 +55,22 @@ BART = BartConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2
                   num_labels=3, architectures=["BartForSequenceClassification"])
 T5 = T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
               architectures=["T5ForSequenceClassification"])
+# global attention on the first token (`global_attention_mask[:, 0] = 1`, a constant written into the batch's
+# zeros), then read to decide (`is_index_global_attn.flatten().any().item()`)
+LONGFORMER = LongformerConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=128, attention_window=[32, 32], max_position_embeddings=130,
+                              architectures=["LongformerForSequenceClassification"])
 HEADS = {"deberta-v2": (DEBERTA, DebertaV2ForSequenceClassification), "bart": (BART, BartForSequenceClassification),
-         "t5": (T5, T5ForSequenceClassification)}
+         "t5": (T5, T5ForSequenceClassification), "longformer": (LONGFORMER, LongformerForSequenceClassification)}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_classifiers_that_read_their_ids_or_labels_are_predicted_as_they_peak(name, precision):
     """DeBERTa picks its labelled samples with `(labels >= 0).nonzero()` when no problem_type is set
-    (DeBERTa-v3 checkpoints set none); BART and T5 pool at each sequence's <eos> through a boolean index.
-    Their simulations failed (DynamicOutputShapeException) and a dry-run rested on the formula, exit code 4."""
+    (DeBERTa-v3 checkpoints set none); BART and T5 pool at each sequence's <eos> through a boolean index;
+    Longformer reads its global-attention mask to decide. Their simulations failed (DynamicOutputShapeException,
+    DataDependentOutputException) and a dry-run rested on the formula, exit code 4."""
     model_config, cls = HEADS[name]
     make_batch, _ = synthesize_batch(model_config, 64, cls.__name__)
     spec = make_spec(lambda: cls(model_config), make_batch, global_batch_size=8, device="cpu", memory_budget="2GiB")
