@@ -80,25 +80,37 @@ class KnownValues(TorchDispatchMode):
     def _value(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._values[tensor] if isinstance(tensor, FakeTensor) else tensor
 
-    def _real(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """`func` on the real copies (on the CPU, outside every mode); raises what it raises."""
+    def _real(self, func: Any, args: tuple, kwargs: dict, shape: torch.Size | None = None) -> Any:
+        """`func` on the real copies (on the CPU, outside every mode); raises what it raises. `shape`: a
+        pointwise op's output shape, computed once along the dimensions every input is broadcast over
+        (`_compacted`) and broadcast back: a mask expanded to batch x heads x queries x keys costs one row."""
         def real(leaf: Any) -> Any:
             return self._value(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
         real_args, real_kwargs = tree_map(real, (args, kwargs))
-        if "device" in real_kwargs:
-            real_kwargs["device"] = torch.device("cpu")
+        if shape is not None:
+            with unset_fake_temporarily():
+                real_args, real_kwargs = _compacted((real_args, real_kwargs), shape)
+            with _disable_current_modes(), unset_fake_temporarily():
+                return self._real_call(func, real_args, real_kwargs).expand(shape)
         with _disable_current_modes(), unset_fake_temporarily():
-            return func(*real_args, **real_kwargs)
+            return self._real_call(func, real_args, real_kwargs)
+
+    @staticmethod
+    def _real_call(func: Any, real_args: tuple, real_kwargs: dict) -> Any:
+        if "device" in real_kwargs:
+            real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
+        return func(*real_args, **real_kwargs)
 
     def _compute(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         """Keep the real result of `func` beside its fake `out` where it is small; False where it is not kept
         (too large, or it fails: a kernel the CPU lacks)."""
         fakes = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
-        if not fakes or any(fake.numel() > KNOWN_NUMEL for fake in fakes):
+        large = any(fake.numel() > KNOWN_NUMEL for fake in fakes)
+        if not fakes or large and not _free(func) and not (len(fakes) == 1 and _pointwise(func)):
             return False
         try:
-            real = self._real(func, args, kwargs)
+            real = self._real(func, args, kwargs, fakes[0].shape if large and not _free(func) else None)
         except Exception:
             return False
         for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
@@ -136,6 +148,32 @@ class KnownValues(TorchDispatchMode):
             else:
                 indices.append(index)
         return (args[0], indices, *args[2:])
+
+
+def _compacted(arguments: Any, shape: torch.Size) -> Any:
+    """The real `arguments` of a pointwise op of output `shape`, each broadcast to it and cut to one element
+    along every dimension that all of them repeat (stride 0); `KNOWN_NUMEL` elements at most, else ValueError."""
+    tensors = [leaf for leaf in tree_flatten(arguments)[0] if isinstance(leaf, torch.Tensor)]
+    spread = [torch.broadcast_to(t, shape) for t in tensors]
+    repeated = [d for d in range(len(shape)) if all(t.stride(d) == 0 for t in spread)]
+    compact = torch.Size(1 if d in repeated else n for d, n in enumerate(shape))
+    if compact.numel() > KNOWN_NUMEL:
+        raise ValueError(f"{tuple(shape)} repeats too little to be kept")
+    cut = {id(t): s[tuple(slice(0, 1) if d in repeated else slice(None) for d in range(len(shape)))]
+           for t, s in zip(tensors, spread)}
+    return tree_map(lambda leaf: cut[id(leaf)] if isinstance(leaf, torch.Tensor) else leaf, arguments)
+
+
+@functools.lru_cache(maxsize=None)
+def _free(func: Any) -> bool:
+    """Whether `func` makes no new memory on real tensors (a view: `expand`, `select`), whatever its size."""
+    return bool(getattr(func, "is_view", False))
+
+
+@functools.lru_cache(maxsize=None)
+def _pointwise(func: Any) -> bool:
+    """Whether `func` computes each element from the same elements of its inputs (a cast too)."""
+    return func is aten._to_copy.default or torch.Tag.pointwise in getattr(func, "tags", ())
 
 
 def _tensors(args: tuple, kwargs: dict) -> Any:

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from transformers import (BartConfig, BartForSequenceClassification, DebertaV2Config, DebertaV2ForSequenceClassification,
-                          LongformerConfig, LongformerForSequenceClassification, T5Config, T5ForSequenceClassification)
+                          LEDConfig, LEDForConditionalGeneration, LongformerConfig, LongformerForSequenceClassification, T5Config, T5ForSequenceClassification)
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.known_values import KnownValues
+from autofit.estimate.known_values import KNOWN_NUMEL, KnownValues
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
 from autofit.spec.batch import synthesize_batch
@@ -45,6 +45,22 @@ def test_shapes_that_depend_on_the_batch_are_the_real_ones():
         with pytest.raises(DynamicOutputShapeException):
             batch["ids"].eq(2).nonzero()
     assert real["ids"].tolist() == [[5, 2, 7, 2], [2, 9, 9, 2]]  # the batch itself is never written
+
+
+def test_a_mask_broadcast_past_the_size_kept_is_computed_once_along_what_it_repeats():
+    """transformers expands a padding mask to samples x 1 x queries x keys and casts it before cutting it back
+    to samples x keys (LED's `_prepare_4d_attention_mask_inverted(...)[:, 0, 0, :]`): past `KNOWN_NUMEL`
+    elements its value was not kept, and reading it to decide failed at LED's lengths."""
+    length = 1024
+    real = {"mask": torch.ones(2, length, dtype=torch.long)}
+    real["mask"][1, -10:] = 0
+    fake, known, batch = _fake_with_values(real)
+    with fake, known:
+        expanded = batch["mask"][:, None, None, :].expand(2, 1, length, length).to(torch.float32)
+        assert expanded.numel() > KNOWN_NUMEL
+        inverted = (1.0 - expanded).masked_fill((1.0 - expanded).to(torch.bool), -1e9)
+        rows = inverted[:, 0, 0, :]
+        assert bool((rows < 0).any()) and tuple((rows < 0).nonzero().shape) == (10, 2)
 
 
 DEBERTA = DebertaV2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -126,3 +142,19 @@ def test_a_loss_of_your_own_that_masks_its_targets_is_simulated(micro_batch):
     assert estimator.simulated(config), estimator.activations(config)[1]
     measured = run_probe(spec, config, default_strategies()).peak_bytes
     assert abs(estimator.predict(config).peak_bytes / measured - 1) <= PREDICTION_TOLERANCE["cpu"]
+
+
+def test_led_at_a_length_whose_mask_is_past_the_size_kept_is_simulated():
+    """LED reads its global-attention mask with `.item()` from a mask materialized at samples x queries x keys:
+    at 1,024 tokens (2 samples: 2M elements) its simulation failed and the dry-run rested on the formula."""
+    config = LEDConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, attention_window=[64, 64],
+                       max_encoder_position_embeddings=1024, max_decoder_position_embeddings=1024,
+                       architectures=["LEDForConditionalGeneration"])
+    make_batch, _ = synthesize_batch(config, 1024, "LEDForConditionalGeneration")
+    spec = make_spec(lambda: LEDForConditionalGeneration(config), make_batch, global_batch_size=2, device="cpu",
+                     memory_budget="4GiB")
+    estimator, step = Estimator(spec), Config(micro_batch_size=2)
+    assert estimator.simulated(step), estimator.activations(step)[1]
+    measured = run_probe(spec, step, default_strategies()).peak_bytes
+    assert abs(estimator.predict(step).peak_bytes / measured - 1) <= PREDICTION_TOLERANCE["cpu"]
