@@ -154,6 +154,8 @@ def _compacted(arguments: Any, shape: torch.Size) -> Any:
     """The real `arguments` of a pointwise op of output `shape`, each broadcast to it and cut to one element
     along every dimension that all of them repeat (stride 0); `KNOWN_NUMEL` elements at most, else ValueError."""
     tensors = [leaf for leaf in tree_flatten(arguments)[0] if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise ValueError("no input to repeat")
     spread = [torch.broadcast_to(t, shape) for t in tensors]
     repeated = [d for d in range(len(shape)) if all(t.stride(d) == 0 for t in spread)]
     compact = torch.Size(1 if d in repeated else n for d, n in enumerate(shape))
