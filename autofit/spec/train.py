@@ -144,8 +144,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     sample = _checked_sample(batch_factory)
     if batch is not None and seq_len is not None:
         _check_given_length(seq_len, sample, description)
-    budget, budget_reason = _budget(memory_budget, resolved)
     _check_positive("num_gpus", num_gpus)
+    budget, budget_reason = _budget(memory_budget, resolved, num_gpus)
     if global_batch_size is not None:
         _check_global_batch(global_batch_size, num_gpus)
     _check_fraction("safety_margin", safety_margin)
@@ -327,10 +327,12 @@ def _checked_sample(batch_factory: Callable[[int], Any]) -> Any:
     return batches.made(batch_factory, 2)
 
 
-def _budget(memory_budget: int | str | None, device: torch.device) -> tuple[int, str]:
+def _budget(memory_budget: int | str | None, device: torch.device, num_gpus: int = 1) -> tuple[int, str]:
     available = device_memory(device)
-    if memory_budget is None:
-        return available, ("the card's memory" if device.type == "cuda" else "free host RAM")
+    if memory_budget is None and device.type == "cuda":
+        return available, "the card's memory"
+    if memory_budget is None:  # CPU ranks rehearsing several GPUs share the host's RAM
+        return available // num_gpus, "free host RAM" + (f" shared by {num_gpus} ranks" if num_gpus > 1 else "")
     budget = parse_size(memory_budget)
     if device.type == "cuda" and budget > available:
         raise UsageError(f"memory_budget {format_size(budget)} exceeds the card's {format_size(available)}; "

@@ -292,3 +292,12 @@ def test_a_factory_that_refuses_its_config_on_meta_is_not_built_for_real():
     with pytest.raises(UsageError, match="cannot build XForSequenceClassification"):
         make_spec(factory, lambda n: torch.randn(n, 4), device="cpu", memory_budget="1GiB")
     assert built_on == ["meta"]
+
+
+def test_cpu_ranks_share_the_free_ram_when_no_budget_is_given():
+    """Each CPU rank's default budget was the whole free RAM, twice the machine's for two ranks."""
+    spec = make_spec(make_mlp, make_mlp_batch, loss_fn=mlp_loss, device="cpu", num_gpus=2, global_batch_size=4)
+    assert spec.budget_reason == "free host RAM shared by 2 ranks"
+    import psutil
+
+    assert 2 * spec.memory_budget <= psutil.virtual_memory().total
