@@ -482,6 +482,7 @@ class Estimator:
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
+        peak = self._with_cast(config, peak, notes)
         notes += state_notes(config, states, self.facts)
         if config.offloads_activations:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
@@ -491,6 +492,21 @@ class Estimator:
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
                         method=notes[0], simulated=simulated, error_bound=bound,
                         offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
+
+    def _with_cast(self, config: Config, peak: int, notes: list[str]) -> int:
+        """`peak`, or the moment pure bf16 casts the model where that is higher, on the CPU: the model is built in
+        fp32 inside the budget and cast tensor by tensor, so its fp32 weights and buffers and the bf16 copy of
+        the largest weight are live at once (a table trained with SGD holds little else: predicted a third
+        under its probe). On a card the cast happens before the model is placed."""
+        if self.target != "cpu" or not config.pure_bf16:
+            return peak
+        facts = self.facts
+        cast = int(facts.num_params * facts.weight_bytes) + facts.buffer_bytes + 2 * facts.largest_param
+        if cast <= peak:
+            return peak
+        notes.append(f"peak at the cast to bf16: {_size(cast)} (fp32 weights and buffers, and the largest weight's "
+                     "bf16 copy)")
+        return cast
 
     def _with_sparse_grads(self, states: States, act: ActivationPeak, config: Config, notes: list[str]) -> States:
         """`states` with the sparse gradients the simulated step made (`nn.EmbeddingBag(sparse=True)`: the rows
