@@ -512,7 +512,7 @@ class Estimator:
         """`states` with the sparse gradients the simulated step made (`nn.EmbeddingBag(sparse=True)`: the rows
         a micro-batch looks up; `model_states` counts none for those weights), concatenated over the
         accumulation's micro-batches as autograd accumulates them, live until the optimizer step."""
-        if not self.facts.sparse_params or config.zero_stage or config.engine is not Engine.TORCH:
+        if not self.facts.sparse_params or config.engine is not Engine.TORCH:
             return states
         held = act.sparse_grads * config.grad_accum_steps
         notes.append(f"sparse gradients: {_size(act.sparse_grads)} a micro-batch, kept over {config.grad_accum_steps}")

@@ -144,7 +144,9 @@ class KnownValues(TorchDispatchMode):
         for index in args[1]:
             if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
                 with unset_fake_temporarily():  # real: the fake mode takes them as constants
-                    indices.extend(self._value(index).nonzero().unbind(1))
+                    positions = self._value(index).nonzero().unbind(1)
+                # on the mask's device, as the fake tensors' devices must agree (a no-op where they are on the CPU)
+                indices.extend(position.to(index.device) for position in positions)
             else:
                 indices.append(index)
         return (args[0], indices, *args[2:])

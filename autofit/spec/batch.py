@@ -740,10 +740,15 @@ class Field:
             return torch.randn(shape, generator=gen)
         if self.end is None:
             return torch.randint(self.low, self.high, shape, generator=gen)
-        values = torch.randint(self.low, self.high - 1, shape, generator=gen)
-        values += (values >= self.end).long()  # skip the end's id
+        values = _ids_without(self.end, self.low, self.high, shape, gen)
         values[..., -1] = self.end
         return values
+
+
+def _ids_without(skipped: int, low: int, high: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random ids in [low, high) that are never `skipped` (an `<eos>`, an image's placeholder)."""
+    ids = torch.randint(low, high - 1, shape, generator=gen)
+    return ids + (ids >= skipped).long()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -779,8 +784,7 @@ class VisionLanguageBatches:
 
     def __call__(self, n: int) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(0)
-        text = torch.randint(0, self.vocab - 1, (n, self.length - self.image_tokens), generator=gen)
-        text += (text >= self.image_token).long()  # skip the placeholder's id
+        text = _ids_without(self.image_token, 0, self.vocab, (n, self.length - self.image_tokens), gen)
         image = torch.full((n, self.image_tokens), self.image_token)
         batch = {"input_ids": torch.cat([image, text], dim=1),
                  "labels": torch.cat([torch.full_like(image, -100), text], dim=1),
