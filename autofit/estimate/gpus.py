@@ -103,7 +103,7 @@ def get_gpu(name: str) -> GpuProfile:
         return found
     key = _key(name)
     spellings = [n for p in _profiles().values() for n in (p.name, *p.aliases)]
-    close = difflib.get_close_matches(key, spellings, n=3, cutoff=0.6)
+    close = [n for n in difflib.get_close_matches(key, spellings, n=3, cutoff=0.6) if n[0] == key[:1]]  # a family
     hint = f"Did you mean {', '.join(close)}? " if close else ""
     raise UsageError(f"Unknown GPU {name!r}. {hint}Known GPUs: {', '.join(sorted(_profiles()))} "
                      "(autofit gpus lists them); for any other card pass --gpu-memory, e.g. --gpu-memory 20GiB.")

@@ -66,7 +66,16 @@ def test_the_start_of_a_name_is_no_profile():
         get_gpu("h1")
 
 
-@pytest.mark.parametrize("typed, profile", [("2xA6000", "rtx-a6000"), ("RTX A6000", "rtx-a6000"), ("a40", "a40"),
+def test_a_card_of_another_maker_is_offered_no_nvidia_card_that_merely_shares_digits():
+    """"mi300x" had been answered "Did you mean 3090?"; a suggestion keeps the family letter typed."""
+    with pytest.raises(UsageError) as raised:
+        get_gpu("mi300x")
+    assert "Did you mean" not in str(raised.value) and "--gpu-memory 20GiB" in str(raised.value)
+    with pytest.raises(UsageError, match="Did you mean 3090"):
+        get_gpu("3090ti")
+
+
+@pytest.mark.parametrize("typed, profile", [("L40", "l40"), ("l40s", "l40s"), ("2xA6000", "rtx-a6000"), ("RTX A6000", "rtx-a6000"), ("a40", "a40"),
                                             ("RTX 6000 Ada", "rtx-6000-ada"), ("h100-pcie", "h100-pcie"), ("A10", "a10")])
 def test_the_48gb_workstation_cards_and_pcie_h100_are_profiles(typed, profile):
     """Cards common in labs and clouds (RTX A6000, A40, RTX 6000 Ada, H100 PCIe, A10) were unknown: a dry-run
