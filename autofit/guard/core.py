@@ -58,6 +58,13 @@ class GuardGaveUp(AutofitError):
     """Even micro-batch 1 with activation checkpointing does not fit; the message lists what was tried."""
 
 
+def optimizer_oom(steps: int, exc: BaseException) -> GuardGaveUp:
+    """The guard's answer to an OOM in the optimizer step (AdamW's states are made at the first one): no
+    micro-batch helps there, so what needs a restart is named."""
+    return GuardGaveUp(f"Out of memory in the optimizer step at step {steps} ({first_line(exc)}); a smaller "
+                       f"micro-batch cannot help there. Use {RESTART_RUNGS}.")
+
+
 class OtherRankFailed(AutofitError):
     """Another rank failed with an error that is not an OOM; this rank stops instead of waiting."""
 
@@ -324,8 +331,7 @@ class OomGuard:
         except Exception as exc:  # noqa: BLE001
             if classify_oom(exc) is None:
                 raise
-            raise GuardGaveUp(f"Out of memory in the optimizer step at step {self.steps} ({first_line(exc)}); a "
-                              f"smaller micro-batch cannot help there. Use {RESTART_RUNGS}.") from exc
+            raise optimizer_oom(self.steps, exc) from exc
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -13,6 +13,7 @@ training's: an OOM in `evaluate` never changes the training micro-batch.
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from torch import nn
 from transformers import Trainer
 
 from autofit.errors import UsageError
-from autofit.guard.core import OomGuard
+from autofit.guard.core import GuardGaveUp, OomGuard, optimizer_oom
+from autofit.probe.oom import classify_oom
 from autofit.guard.parts import concat_rows
 from autofit.spec.shares import divides_by_count, target_counts, weighted_sum
 
@@ -42,6 +44,17 @@ class GuardedTrainer(Trainer):
         self.oom_guard: OomGuard | None = None
         self._guard_weight = 1.0
         self._guard_loss_divides: bool | None = None  # measured on the first split: see _loss_sums_over_window
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`. The guard splits the forward and backward; an OOM in the optimizer step the
+        Trainer takes after them (AdamW's states, made at the first step) ends in `GuardGaveUp` naming what
+        needs a restart, as `OomGuard.step` ends, not in the allocator's bare error."""
+        try:
+            return super().train(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, GuardGaveUp) or classify_oom(exc) is None or not _in_optimizer(exc):
+                raise
+            raise optimizer_oom(self.state.global_step, exc) from exc
 
     def _guard_for(self, model: nn.Module) -> OomGuard:
         """The guard, made on first use: the Trainer creates its optimizer and wrapped model lazily."""
@@ -134,3 +147,10 @@ class GuardedTrainer(Trainer):
         counts = target_counts(model, inputs) if guard.weigh_by_targets else None
         loss = None if losses[0][1] is None else weighted_sum(counts, losses)
         return loss, concat_rows([out[1] for _, out in parts]), concat_rows([out[2] for _, out in parts])
+
+
+def _in_optimizer(exc: BaseException) -> bool:
+    """Whether `exc` was raised inside an optimizer's step (torch's, or bitsandbytes' 8-bit ones)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f.name == "step" and ("torch/optim/" in f.filename or "bitsandbytes/optim/" in f.filename)
+               for f in frames)

@@ -124,3 +124,38 @@ def test_evaluation_oom_in_trainer_leaves_the_training_batch_alone(tmp_path):
     assert guard.eval_micro_batch_size <= 8 and guard.recoveries == []
     assert guard.config is None  # training never ran: its size was never set by evaluation
     assert metrics["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
+
+
+class _Wide(nn.Module):
+    """One wide layer: 4 MB of weights, a few KB of activations per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(1000, 1000)
+
+    def forward(self, x, labels):
+        return {"loss": nn.functional.mse_loss(self.layer(x), labels)}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": torch.randn(1000), "labels": torch.randn(1000)}
+
+
+def test_an_oom_in_the_trainers_optimizer_step_names_what_needs_a_restart(tmp_path):
+    """The guard splits the forward and backward; AdamW's states, made at the Trainer's first optimizer step,
+    do not fit: the run ends in `GuardGaveUp` naming the rungs that need a new job, as `OomGuard.step` does
+    (it had ended in the allocator's bare error from inside `torch.optim.adam`)."""
+    from autofit.guard.core import GuardGaveUp
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=2,
+                             optim="adamw_torch", report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", dataloader_num_workers=0)
+    trainer = GuardedTrainer(model=_Wide(), args=args, train_dataset=_Rows())
+    with CpuBudget(6_000_000):  # the gradients (4 MB) and the step fit; two AdamW states (8 MB) do not
+        with pytest.raises(GuardGaveUp, match=r"Out of memory in the optimizer step at step 0 .*8-bit optimizer"):
+            trainer.train()
+    assert trainer.oom_guard.recoveries == []  # the forward and backward never ran out
