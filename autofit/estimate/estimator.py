@@ -39,7 +39,7 @@ from autofit.estimate import simulate as simulate_module
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, reserve, simulate_step  # noqa: F401 (re-exported)
-from autofit.estimate.simulate import is_adapted, replays_training, within_block
+from autofit.estimate.simulate import replays_training, within_block
 from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
@@ -183,7 +183,6 @@ class Estimator:
         # LoRA simulates the base frozen and these layers' weights trained: like the adapters beside
         # them, they keep their inputs for backward (their paths inside a block: `simulate.is_adapted`).
         self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
-        self._adapted_params = _weights_of(self._meta, self._adapted)
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._tied = len(list(self._meta.named_parameters(remove_duplicate=False))) > len(list(self._meta.parameters()))
@@ -289,8 +288,11 @@ class Estimator:
     def _key(self, config: Config, mb: int) -> tuple:
         # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)
         tied = self._tied and config.engine is Engine.TORCH and config.num_gpus <= 1
+        # LoRA's rank sizes the adapters' gradients and states the allocator replays (`simulate._adapter_bytes`),
+        # and under pure bf16 they are fp32 beside the bf16 base (`simulate._run_as_adapters`)
+        lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
         return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
-                _implementation_key(config), tied)
+                _implementation_key(config), tied, lora)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -535,10 +537,10 @@ class Estimator:
         return held
 
     def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
-        """What the simulation cannot see: bitsandbytes' quantized matmuls use no 16-bit copy that autocast
-        keeps of an fp32 weight (2 bytes each). NF4 layers are simulated as bitsandbytes' (no such copy)
-        but the adapted ones, which the simulation trains in place of their adapters; int8 layers are not
-        simulated at all."""
+        """What the simulation cannot see: bitsandbytes' int8 matmuls use no 16-bit copy that autocast keeps
+        of an fp32 weight (2 bytes each), and int8 layers are not simulated. NF4 layers are simulated as
+        bitsandbytes' (`SimulatedLinear4bit`), and the adapted ones, trained in place of their adapters,
+        compute in the autocast dtype, as the NF4 base does (`simulate.simulate_step`): no copy either."""
         if own_adapters(self.facts, config):
             notes.append("the model's own adapters trained beside its quantized base")
         elif config.adapters:
@@ -546,11 +548,11 @@ class Estimator:
                          (" (dropped-out copies)" if self._adapter_dropout else ""))
         if config.quantization is Quantization.NF4:
             notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
-        if config.quantization is Quantization.NONE or not config.half_precision or self.facts.weight_bytes <= 2:
+        if config.quantization is not Quantization.INT8 or not config.half_precision or self.facts.weight_bytes <= 2 \
+                or _half_weights(config):  # 16-bit weights without autocast: no copy was simulated
             return act
-        if config.quantization is Quantization.INT8:
-            notes.append("int8 kernels not simulated: 16-bit weight copies removed by formula")
-        copies = 2 * (self._adapted_params if config.quantization is Quantization.NF4 else self.facts.linear_params)
+        notes.append("int8 kernels not simulated: 16-bit weight copies removed by formula")
+        copies = 2 * self.facts.linear_params
         return dataclasses.replace(act, forward=max(0, act.forward - copies), peak=max(0, act.peak - copies),
                                    joint=max(0, act.joint - copies))
 
@@ -648,14 +650,6 @@ def _block_linears(model: nn.Module) -> list[str]:
     path, blocks = find_blocks(model)
     return [name for block in blocks for name, m in block.named_modules() if isinstance(m, nn.Linear)
             or type(m).__name__ == "Conv1D"]
-
-
-def _weights_of(model: nn.Module, adapted: frozenset[str]) -> int:
-    """Elements of the weights of the linear layers `adapted` names (`simulate.is_adapted`)."""
-    from autofit.strategies.quantization import quantizable_layers
-
-    return sum(model.get_submodule(name).weight.numel() for name in quantizable_layers(model)
-               if is_adapted(name, adapted))
 
 
 def _lora_dropout(strategies: Sequence["Strategy"]) -> float:

@@ -22,6 +22,7 @@ from autofit.estimate.allocator import MICRO_STEPS_REPLAYED, ROUND_LARGE, Cachin
 from autofit.estimate.healthy_checks import healthy_checks, transformers_checks_off
 from autofit.estimate.known_values import KnownValues
 from autofit.probe.memory import SPARSE_PARTS, StorageCounter, storages_of
+from autofit.strategies.lora import DEFAULT_RANK
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 aten = torch.ops.aten
@@ -122,11 +123,13 @@ class _Tracker(StorageCounter):
     Counts the kernels launched and the bytes offloaded beside them. Kernels whose outputs fake tensors
     cannot size run through `autofit.estimate.sized_kernels` (`cuda`: CPU kernels stand in for CUDA)."""
 
-    def __init__(self, rounding: int, ties: dict[int, int], cuda: bool = False):
+    def __init__(self, rounding: int, ties: dict[int, int], cuda: bool = False,
+                 adapters: dict[int, tuple[int, int]] | None = None):
         super().__init__()
         self.rounding = rounding  # as the allocator rounds: a storage resized within its block makes no events
         self.ties = ties  # id(parameter) -> its weight (`fake_empty`): tied parameters are one weight
         self.cuda = cuda
+        self.adapters = adapters or {}  # LoRA: id(stand-in weight) -> its adapters' bytes (`_adapter_bytes`)
         self.events: list[Event] = []
         self.offloaded = self.kernels = self.sparse_grads = 0
         self.backward_at: int | None = None  # the index in `events` where the backward began
@@ -175,10 +178,28 @@ class _Tracker(StorageCounter):
         """Post-accumulate hook: record the gradient, then drop it."""
         grad = param.grad
         parts = storages_of(grad)  # a sparse gradient (`nn.EmbeddingBag(sparse=True)`'s): its indices and values
+        if id(param) in self.adapters:
+            self._adapters_grads(param, id(parts[-1]))
+            return
         sparse = grad.layout in SPARSE_PARTS
         nbytes = sum(part.nbytes() for part in parts) if sparse else grad.nbytes
         self.sparse_grads += nbytes if sparse else 0
         self.events.append(("grad", id(parts[-1]), nbytes, self.ties[id(param)]))
+        param.grad = None
+
+
+    def _adapters_grads(self, param: torch.Tensor, storage: int) -> None:
+        """A LoRA stand-in weight's gradient (`simulate_step`'s `adapted`) recorded as its adapters' two: A's and
+        B's, which training keeps (`allocator.replay_training`), where the weight's own whole gradient, which
+        LoRA never makes, is unmade (its allocation event neutralised in place, as `deepen`'s marks index
+        the events)."""
+        for index in range(len(self.events) - 1, -1, -1):
+            if self.events[index][:2] == ("malloc", storage):
+                self.events[index] = ("free", ("unmade", storage))  # frees nothing: `curve` and `allocations` skip it
+                break
+        tie = self.ties[id(param)]
+        for part, nbytes in enumerate(self.adapters[id(param)]):
+            self.events.append(("grad", None, nbytes, (tie, part)))
         param.grad = None
 
 
@@ -259,6 +280,14 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             from autofit.strategies.quantization import simulate_nf4
 
             simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
+        if adapted is not None and config.pure_bf16:  # peft's fp32 adapters beside the bf16 base (`_run_as_adapters`)
+            for module in _adapted_layers(model, adapted):
+                module.float()
+        elif adapted is not None and config.quantization is Quantization.NF4 and precision.half and not half_weights:
+            # under autocast an fp32 stand-in would keep a 16-bit copy of itself for backward, which an NF4 base
+            # (dequantized per matmul, `MatMul4Bit`) never keeps: the stand-ins compute in the autocast dtype
+            for module in _adapted_layers(model, adapted):
+                module.to(_half_dtype(precision, device))
         # the whole batch is live through the step, the label fields a stand-in loss drops too (a mask per object)
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         batch, loss_fn = _without_data_dependent_steps(model, batch, loss_fn)
@@ -267,17 +296,19 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         # gradient themselves (`engines._tied_grad`), measured against steps simulated untied
         ties = fake_empty(model, fake, device, tie=config.engine is Engine.TORCH and config.num_gpus <= 1)
         model.train()
+        adapters: dict[int, tuple[int, int]] = {}
         if adapted is not None:
             _freeze_all_but(model, adapted)
-            if adapter_dropout:
-                _drop_adapter_inputs(model, adapted, adapter_dropout)
+            _run_as_adapters(model, adapted, adapter_dropout, config.pure_bf16)
+            adapters = _adapter_bytes(model, adapted, config.lora or DEFAULT_RANK)
         if config.checkpointing is not Checkpointing.NONE:
             enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
         if config.loss is Loss.CHUNKED:
             from autofit.strategies.chunked_loss import enable as chunk_loss
 
             chunk_loss(model)
-        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None)
+        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None,
+                           adapters=adapters)
         tracker.ignore([*model.parameters(), *model.buffers()])
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
         deep = _Deep(model, *replay_depth, tracker) if replay_depth else None
@@ -316,7 +347,7 @@ def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, i
     fields = curve(events, len(events) if backward_at is None else backward_at, tracker.rounding)
     for name in ("forward", "peak", "tail", "joint", "at_grad"):
         fields[name] += batch_bytes
-    history = _history(model, config, ties, deep if whole else None)
+    history = _history(model, config, ties, deep if whole else None, tracker.adapters)
     replay = Replay.of(events, history if replays_training(config) else None)
     return ActivationPeak(**fields, offloaded=offloaded, kernels=kernels, sparse_grads=tracker.sparse_grads,
                           whole_depth=whole is not None,
@@ -429,20 +460,43 @@ def replays_training(config: Config) -> bool:
             and not config.steps_in_backward)
 
 
-def _history(model: nn.Module, config: Config, ties: dict[int, int], deep: _Deep | None = None) -> tuple:
+def _history(model: nn.Module, config: Config, ties: dict[int, int], deep: _Deep | None = None,
+             adapters: dict[int, tuple[int, int]] | None = None) -> tuple:
     """What training holds beside the step, as `replay_training` takes it: the weights and buffers, AdamW's
     states and its step's temporaries, and `config`'s micro-steps. `deep`: the events are its, at the
-    whole depth, and so are the weights (`_Deep.tensors`)."""
+    whole depth, and so are the weights (`_Deep.tensors`). `adapters` (LoRA, `_adapter_bytes`): the
+    adapters are what trains, beside the base weights as the card holds them (`_resident`)."""
     weights = list({ties[id(p)]: p for p in model.parameters()}.values())  # a tied weight once, as the card holds it
     buffers = list(model.buffers())
     if deep is not None:
         weights, buffers = deep.tensors(weights), deep.tensors(buffers)
-    resident = [t.untyped_storage().nbytes() for t in (*weights, *buffers)]
-    trained = [p.numel() * p.element_size() for p in weights if p.requires_grad]
+    resident = [*_resident(model, weights, config, adapters or {}), *(b.untyped_storage().nbytes() for b in buffers)]
+    trained = [nbytes for p in weights if p.requires_grad for nbytes in (adapters or {}).get(id(p), (p.nbytes,))]
     # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
     # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
     states = [n for n in trained for _ in range(2)]
     return resident, states, trained, config.grad_accum_steps
+
+
+def _resident(model: nn.Module, weights: list[torch.Tensor], config: Config,
+              adapters: dict[int, tuple[int, int]]) -> list[int]:
+    """Bytes of each weight as training holds it on the card: an NF4 layer's packed weight and constants (the
+    simulated layer holds the original, `SimulatedLinear4bit`), a LoRA stand-in weight as the frozen base
+    it is (NF4, or bf16 under pure bf16, where the simulation runs it in fp32) and its two adapters."""
+    from autofit.strategies.quantization import SimulatedLinear4bit, nf4_bytes
+
+    packed = {id(p) for m in model.modules() if isinstance(m, SimulatedLinear4bit) for p in m.parameters()}
+    nf4 = config.quantization is Quantization.NF4
+    sizes = []
+    for weight in weights:
+        if id(weight) in packed or (nf4 and id(weight) in adapters):
+            sizes.append(int(nf4_bytes() * weight.numel()))
+        elif id(weight) in adapters:
+            sizes.append(weight.numel() * (2 if config.pure_bf16 else weight.element_size()))
+        else:
+            sizes.append(weight.untyped_storage().nbytes())
+        sizes += adapters.get(id(weight), ())
+    return sizes
 
 
 def fake_empty(model: nn.Module, fake: Any, device: str, tie: bool = True) -> dict[int, int]:
@@ -584,12 +638,32 @@ def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
         module.weight.requires_grad_(True)
 
 
-def _drop_adapter_inputs(model: nn.Module, adapted: frozenset[str], p: float) -> None:
-    """Run each adapted layer on a dropped-out copy of its input: what peft's adapter keeps for backward
-    (`lora_A(lora_dropout(x))`: the copy and its mask), while the frozen base layer keeps nothing of x.
-    `nn.functional.dropout`, as peft's `nn.Dropout` calls it (CUDA's kernel where one is simulated)."""
+def _run_as_adapters(model: nn.Module, adapted: frozenset[str], p: float, fp32: bool) -> None:
+    """Run each adapted layer on what peft's adapter keeps for backward, while the frozen base layer keeps
+    nothing of its input: with dropout `p`, a dropped-out copy of the input and its mask (`lora_A(lora_dropout
+    (x))`; `nn.functional.dropout`, as peft's `nn.Dropout` calls it, CUDA's kernel where one is simulated).
+    `fp32` (pure bf16: the layers were cast back to fp32): peft keeps its adapters in fp32 beside a 16-bit
+    base (`autocast_adapter_dtype=True`) and casts the input to their dtype (`LoraLayer._cast_input_dtype`,
+    peft/tuners/lora/layer.py), so the copy kept is fp32; the result is cast back to bf16 as peft casts it."""
+    def pre(_module: nn.Module, args: tuple) -> tuple:
+        x = args[0].float() if fp32 else args[0]
+        return (nn.functional.dropout(x, p, True) if p else x, *args[1:])
+
     for module in _adapted_layers(model, adapted):
-        module.register_forward_pre_hook(lambda _module, args: (nn.functional.dropout(args[0], p, True), *args[1:]))
+        if p or fp32:
+            module.register_forward_pre_hook(pre)
+        if fp32:
+            module.register_forward_hook(lambda _module, _args, out: out.to(torch.bfloat16))
+
+
+def _adapter_bytes(model: nn.Module, adapted: frozenset[str], rank: int) -> dict[int, tuple[int, int]]:
+    """id(weight) of each adapted layer -> the bytes of its fp32 adapters, A (rank x in) and B (out x rank),
+    whose gradients and optimizer states training keeps in place of the stand-in weight's."""
+    found = {}
+    for module in _adapted_layers(model, adapted):
+        rows, cols = module.weight.shape  # (out, in) for nn.Linear, (in, out) for Conv1D: the sum is alike
+        found[id(module.weight)] = (4 * rank * cols, 4 * rows * rank)
+    return found
 
 
 def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:

@@ -171,10 +171,11 @@ def adapter_weights(facts: ModelFacts, config: Config) -> tuple[int, float]:
 
 
 def _adapter_states(facts: ModelFacts, config: Config) -> States:
-    """LoRA: the frozen base as stored (or NF4/int8 where quantized), the adapters (`adapter_weights`)
-    with gradients and states in their dtype."""
+    """LoRA: the frozen base as stored (in bf16 under pure bf16; NF4/int8 where quantized), the adapters
+    (`adapter_weights`) with gradients and states in their dtype."""
     adapters, size = adapter_weights(facts, config)
-    base, wb = facts.num_params - (adapters if own_adapters(facts, config) else 0), facts.weight_bytes
+    base = facts.num_params - (adapters if own_adapters(facts, config) else 0)
+    wb = min(facts.weight_bytes, 2) if config.pure_bf16 else facts.weight_bytes  # pure bf16 casts the base
     if config.quantization is Quantization.NF4:
         base_bytes = nf4_bytes() * facts.linear_params + wb * (base - facts.linear_params)
     elif config.quantization is Quantization.INT8:
