@@ -187,7 +187,6 @@ class _Tracker(StorageCounter):
         self.events.append(("grad", id(parts[-1]), nbytes, self.ties[id(param)]))
         param.grad = None
 
-
     def _adapters_grads(self, param: torch.Tensor, storage: int) -> None:
         """A LoRA stand-in weight's gradient (`simulate_step`'s `adapted`) recorded as its adapters' two: A's and
         B's, which training keeps (`allocator.replay_training`), where the weight's own whole gradient, which
