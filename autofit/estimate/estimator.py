@@ -180,8 +180,7 @@ class Estimator:
         self._meta = meta_model(spec.model_factory)
         targets = _lora_targets(self._meta, self.strategies)
         self.facts = dataclasses.replace(model_facts(self._meta, targets), own_optimizer=spec.optimizer.costs)
-        # LoRA simulates the base frozen and these layers' weights trained: like the adapters beside
-        # them, they keep their inputs for backward (their paths inside a block: `simulate.is_adapted`).
+        # LoRA's adapters go on these layers in the simulation (their paths inside a block: `simulate.is_adapted`)
         self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
@@ -288,8 +287,8 @@ class Estimator:
     def _key(self, config: Config, mb: int) -> tuple:
         # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)
         tied = self._tied and config.engine is Engine.TORCH and config.num_gpus <= 1
-        # LoRA's rank sizes the adapters' gradients and states the allocator replays (`simulate._adapter_bytes`),
-        # and under pure bf16 they are fp32 beside the bf16 base (`simulate._run_as_adapters`)
+        # LoRA's rank sizes the adapters simulated (`simulate._add_adapters`), fp32 beside a bf16 base under
+        # pure bf16 and in the model's dtype under an engine
         lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
         return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
                 _implementation_key(config), tied, lora)
@@ -539,13 +538,12 @@ class Estimator:
     def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
         """What the simulation cannot see: bitsandbytes' int8 matmuls use no 16-bit copy that autocast keeps
         of an fp32 weight (2 bytes each), and int8 layers are not simulated. NF4 layers are simulated as
-        bitsandbytes' (`SimulatedLinear4bit`), and the adapted ones, trained in place of their adapters,
-        compute in the autocast dtype, as the NF4 base does (`simulate.simulate_step`): no copy either."""
+        bitsandbytes' (`SimulatedLinear4bit`), LoRA's adapters beside them as peft's (`simulate._add_adapters`)."""
         if own_adapters(self.facts, config):
             notes.append("the model's own adapters trained beside its quantized base")
         elif config.adapters:
-            notes.append("LoRA simulated as its frozen base with the adapted layers' inputs kept" +
-                         (" (dropped-out copies)" if self._adapter_dropout else ""))
+            notes.append("LoRA simulated as peft's adapters beside the frozen base" +
+                         (" (their inputs dropped out)" if self._adapter_dropout else ""))
         if config.quantization is Quantization.NF4:
             notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
         if config.quantization is not Quantization.INT8 or not config.half_precision or self.facts.weight_bytes <= 2 \

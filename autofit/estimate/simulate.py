@@ -24,6 +24,10 @@ from autofit.estimate.known_values import KnownValues
 from autofit.probe.memory import SPARSE_PARTS, StorageCounter, storages_of
 from autofit.strategies.lora import DEFAULT_RANK
 
+# peft keeps LoRA's adapters in fp32 beside a 16-bit base (`get_peft_model(..., autocast_adapter_dtype=True)`,
+# its default) and casts each input to their dtype; releases before that made them in the base's dtype (the
+# calibration's fsdp_qlora runs, on PEFT 0.10, set this so: `bench/calibration/measured_code.py`)
+PEFT_UPCASTS_ADAPTERS = True
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 aten = torch.ops.aten
 # Ops that launch no kernel beside views (`OpOverload.is_view`): allocations without a fill.
@@ -123,13 +127,11 @@ class _Tracker(StorageCounter):
     Counts the kernels launched and the bytes offloaded beside them. Kernels whose outputs fake tensors
     cannot size run through `autofit.estimate.sized_kernels` (`cuda`: CPU kernels stand in for CUDA)."""
 
-    def __init__(self, rounding: int, ties: dict[int, int], cuda: bool = False,
-                 adapters: dict[int, tuple[int, int]] | None = None):
+    def __init__(self, rounding: int, ties: dict[int, int], cuda: bool = False):
         super().__init__()
         self.rounding = rounding  # as the allocator rounds: a storage resized within its block makes no events
         self.ties = ties  # id(parameter) -> its weight (`fake_empty`): tied parameters are one weight
         self.cuda = cuda
-        self.adapters = adapters or {}  # LoRA: id(stand-in weight) -> its adapters' bytes (`_adapter_bytes`)
         self.events: list[Event] = []
         self.offloaded = self.kernels = self.sparse_grads = 0
         self.backward_at: int | None = None  # the index in `events` where the backward began
@@ -178,27 +180,10 @@ class _Tracker(StorageCounter):
         """Post-accumulate hook: record the gradient, then drop it."""
         grad = param.grad
         parts = storages_of(grad)  # a sparse gradient (`nn.EmbeddingBag(sparse=True)`'s): its indices and values
-        if id(param) in self.adapters:
-            self._adapters_grads(param, id(parts[-1]))
-            return
         sparse = grad.layout in SPARSE_PARTS
         nbytes = sum(part.nbytes() for part in parts) if sparse else grad.nbytes
         self.sparse_grads += nbytes if sparse else 0
         self.events.append(("grad", id(parts[-1]), nbytes, self.ties[id(param)]))
-        param.grad = None
-
-    def _adapters_grads(self, param: torch.Tensor, storage: int) -> None:
-        """A LoRA stand-in weight's gradient (`simulate_step`'s `adapted`) recorded as its adapters' two: A's and
-        B's, which training keeps (`allocator.replay_training`), where the weight's own whole gradient, which
-        LoRA never makes, is unmade (its allocation event neutralised in place, as `deepen`'s marks index
-        the events)."""
-        for index in range(len(self.events) - 1, -1, -1):
-            if self.events[index][:2] == ("malloc", storage):
-                self.events[index] = ("free", ("unmade", storage))  # frees nothing: `curve` and `allocations` skip it
-                break
-        tie = self.ties[id(param)]
-        for part, nbytes in enumerate(self.adapters[id(param)]):
-            self.events.append(("grad", None, nbytes, (tie, part)))
         param.grad = None
 
 
@@ -241,10 +226,9 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
 
     `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
     used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight.
-    `adapted` (LoRA): every weight is frozen but those of the linear layers named so (`is_adapted`): they
-    keep their inputs for backward as the adapters beside them would; with `adapter_dropout`, a dropped-out
-    copy of each input and its mask, as peft's `lora_dropout` keeps for its adapter. NF4 base weights: the
-    other linear layers run as bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
+    `adapted` (LoRA): the linear layers named so (`is_adapted`) get peft's adapters (`_add_adapters`, with
+    `adapter_dropout`), and every other weight is frozen. NF4 base weights: the linear layers run as
+    bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
     `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
     attention, dropout and autocast keep what CUDA's would (`autofit.estimate.cuda_attention`,
     `autofit.estimate.cuda_dropout`, `autofit.estimate.cuda_autocast`); None: the kernels are the target's own.
@@ -278,15 +262,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         if config.quantization is Quantization.NF4:
             from autofit.strategies.quantization import simulate_nf4
 
-            simulate_nf4(model, keep=lambda name: adapted is not None and is_adapted(name, adapted))
-        if adapted is not None and config.pure_bf16:  # peft's fp32 adapters beside the bf16 base (`_run_as_adapters`)
-            for module in _adapted_layers(model, adapted):
-                module.float()
-        elif adapted is not None and config.quantization is Quantization.NF4 and precision.half and not half_weights:
-            # under autocast an fp32 stand-in would keep a 16-bit copy of itself for backward, which an NF4 base
-            # (dequantized per matmul, `MatMul4Bit`) never keeps: the stand-ins compute in the autocast dtype
-            for module in _adapted_layers(model, adapted):
-                module.to(_half_dtype(precision, device))
+            simulate_nf4(model)
+        if adapted is not None:  # peft's fp32 adapters, or in the model's dtype where an engine casts it
+            fp32 = PEFT_UPCASTS_ADAPTERS and (config.pure_bf16 or not half_weights)
+            _add_adapters(model, adapted, config.lora or DEFAULT_RANK, adapter_dropout,
+                          torch.float32 if fp32 else None)
         # the whole batch is live through the step, the label fields a stand-in loss drops too (a mask per object)
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         batch, loss_fn = _without_data_dependent_steps(model, batch, loss_fn)
@@ -295,19 +275,15 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         # gradient themselves (`engines._tied_grad`), measured against steps simulated untied
         ties = fake_empty(model, fake, device, tie=config.engine is Engine.TORCH and config.num_gpus <= 1)
         model.train()
-        adapters: dict[int, tuple[int, int]] = {}
         if adapted is not None:
-            _freeze_all_but(model, adapted)
-            _run_as_adapters(model, adapted, adapter_dropout, config.pure_bf16)
-            adapters = _adapter_bytes(model, adapted, config.lora or DEFAULT_RANK)
+            _freeze_all_but_adapters(model)
         if config.checkpointing is not Checkpointing.NONE:
             enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
         if config.loss is Loss.CHUNKED:
             from autofit.strategies.chunked_loss import enable as chunk_loss
 
             chunk_loss(model)
-        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None,
-                           adapters=adapters)
+        tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None)
         tracker.ignore([*model.parameters(), *model.buffers()])
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
         deep = _Deep(model, *replay_depth, tracker) if replay_depth else None
@@ -346,7 +322,7 @@ def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, i
     fields = curve(events, len(events) if backward_at is None else backward_at, tracker.rounding)
     for name in ("forward", "peak", "tail", "joint", "at_grad"):
         fields[name] += batch_bytes
-    history = _history(model, config, ties, deep if whole else None, tracker.adapters)
+    history = _history(model, config, ties, deep if whole else None)
     replay = Replay.of(events, history if replays_training(config) else None)
     return ActivationPeak(**fields, offloaded=offloaded, kernels=kernels, sparse_grads=tracker.sparse_grads,
                           whole_depth=whole is not None,
@@ -459,43 +435,29 @@ def replays_training(config: Config) -> bool:
             and not config.steps_in_backward)
 
 
-def _history(model: nn.Module, config: Config, ties: dict[int, int], deep: _Deep | None = None,
-             adapters: dict[int, tuple[int, int]] | None = None) -> tuple:
-    """What training holds beside the step, as `replay_training` takes it: the weights and buffers, AdamW's
-    states and its step's temporaries, and `config`'s micro-steps. `deep`: the events are its, at the
-    whole depth, and so are the weights (`_Deep.tensors`). `adapters` (LoRA, `_adapter_bytes`): the
-    adapters are what trains, beside the base weights as the card holds them (`_resident`)."""
+def _history(model: nn.Module, config: Config, ties: dict[int, int], deep: _Deep | None = None) -> tuple:
+    """What training holds beside the step, as `replay_training` takes it: the weights (`_resident`) and
+    buffers, AdamW's states and its step's temporaries, and `config`'s micro-steps. `deep`: the events are
+    its, at the whole depth, and so are the weights (`_Deep.tensors`)."""
     weights = list({ties[id(p)]: p for p in model.parameters()}.values())  # a tied weight once, as the card holds it
     buffers = list(model.buffers())
     if deep is not None:
         weights, buffers = deep.tensors(weights), deep.tensors(buffers)
-    resident = [*_resident(model, weights, config, adapters or {}), *(b.untyped_storage().nbytes() for b in buffers)]
-    trained = [nbytes for p in weights if p.requires_grad for nbytes in (adapters or {}).get(id(p), (p.nbytes,))]
+    resident = [*_resident(model, weights), *(b.untyped_storage().nbytes() for b in buffers)]
+    trained = [p.nbytes for p in weights if p.requires_grad]
     # AdamW: exp_avg and exp_avg_sq like each parameter (torch/optim/adamw.py `_init_group`); its foreach
     # step makes one more tensor per parameter (`_foreach_sqrt` of the second moments) and frees it
     states = [n for n in trained for _ in range(2)]
     return resident, states, trained, config.grad_accum_steps
 
 
-def _resident(model: nn.Module, weights: list[torch.Tensor], config: Config,
-              adapters: dict[int, tuple[int, int]]) -> list[int]:
-    """Bytes of each weight as training holds it on the card: an NF4 layer's packed weight and constants (the
-    simulated layer holds the original, `SimulatedLinear4bit`), a LoRA stand-in weight as the frozen base
-    it is (NF4, or bf16 under pure bf16, where the simulation runs it in fp32) and its two adapters."""
+def _resident(model: nn.Module, weights: list[torch.Tensor]) -> list[int]:
+    """Bytes of each weight as training holds it on the card: an NF4 layer's packed weight and constants,
+    where the simulated layer holds the original (`SimulatedLinear4bit`)."""
     from autofit.strategies.quantization import SimulatedLinear4bit, nf4_bytes
 
-    packed = {id(p) for m in model.modules() if isinstance(m, SimulatedLinear4bit) for p in m.parameters()}
-    nf4 = config.quantization is Quantization.NF4
-    sizes = []
-    for weight in weights:
-        if id(weight) in packed or (nf4 and id(weight) in adapters):
-            sizes.append(int(nf4_bytes() * weight.numel()))
-        elif id(weight) in adapters:
-            sizes.append(weight.numel() * (2 if config.pure_bf16 else weight.element_size()))
-        else:
-            sizes.append(weight.untyped_storage().nbytes())
-        sizes += adapters.get(id(weight), ())
-    return sizes
+    packed = {id(m.weight) for m in model.modules() if isinstance(m, SimulatedLinear4bit)}
+    return [int(nf4_bytes() * w.numel()) if id(w) in packed else w.untyped_storage().nbytes() for w in weights]
 
 
 def fake_empty(model: nn.Module, fake: Any, device: str, tie: bool = True) -> dict[int, int]:
@@ -629,46 +591,53 @@ def _offloading(tracker: _Tracker, enabled: bool) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _freeze_all_but(model: nn.Module, adapted: frozenset[str]) -> None:
-    """Freeze every parameter except the weights of the linear layers `is_adapted` names."""
-    for param in model.parameters():
-        param.requires_grad_(False)
+def _freeze_all_but_adapters(model: nn.Module) -> None:
+    """Freeze every parameter but the adapters `_add_adapters` made."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.rpartition(".")[2] in ADAPTERS)
+
+
+ADAPTERS = ("lora_A", "lora_B")  # the parameters `_add_adapters` makes, named as peft's modules
+
+
+def _add_adapters(model: nn.Module, adapted: frozenset[str], rank: int, p: float, dtype: torch.dtype | None) -> None:
+    """Give each adapted layer peft's LoRA adapters (peft/tuners/lora/layer.py `Linear.forward`: `result +
+    lora_B(lora_A(dropout(x))) * scaling`, cast back to the result's dtype): rank-`rank` factors in `dtype`
+    (None: the layer's weight's), the input cast to it (`LoraLayer._cast_input_dtype`; bitsandbytes' 4-bit
+    layer under autocast leaves it, peft/tuners/lora/bnb.py), with dropout `p` a dropped-out copy and its
+    mask (`nn.functional.dropout`, as peft's `nn.Dropout` calls it). So the step keeps what peft's keeps:
+    the adapters' inputs (an fp32 copy of a 16-bit input beside fp32 adapters), their matmuls' outputs under
+    op-level checkpointing, and the adapters' own gradients and optimizer states. On the meta device,
+    before the model is made of fake tensors."""
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    def add(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if not (isinstance(module, SimulatedLinear4bit) and torch.is_autocast_enabled(x.device.type)):
+            x = x.to(module.lora_A.dtype)
+        x = nn.functional.dropout(x, p, True) if p else x
+        return (out + nn.functional.linear(nn.functional.linear(x, module.lora_A), module.lora_B) * 2.0).to(out.dtype)
+
     for module in _adapted_layers(model, adapted):
-        module.weight.requires_grad_(True)
+        n_in, n_out = _features(module)
+        made = dtype or module.weight.dtype
+        module.lora_A = nn.Parameter(torch.empty(rank, n_in, dtype=made, device="meta"))
+        module.lora_B = nn.Parameter(torch.empty(n_out, rank, dtype=made, device="meta"))
+        module.register_forward_hook(add)
 
 
-def _run_as_adapters(model: nn.Module, adapted: frozenset[str], p: float, fp32: bool) -> None:
-    """Run each adapted layer on what peft's adapter keeps for backward, while the frozen base layer keeps
-    nothing of its input: with dropout `p`, a dropped-out copy of the input and its mask (`lora_A(lora_dropout
-    (x))`; `nn.functional.dropout`, as peft's `nn.Dropout` calls it, CUDA's kernel where one is simulated).
-    `fp32` (pure bf16: the layers were cast back to fp32): peft keeps its adapters in fp32 beside a 16-bit
-    base (`autocast_adapter_dtype=True`) and casts the input to their dtype (`LoraLayer._cast_input_dtype`,
-    peft/tuners/lora/layer.py), so the copy kept is fp32; the result is cast back to bf16 as peft casts it."""
-    def pre(_module: nn.Module, args: tuple) -> tuple:
-        x = args[0].float() if fp32 else args[0]
-        return (nn.functional.dropout(x, p, True) if p else x, *args[1:])
-
-    for module in _adapted_layers(model, adapted):
-        if p or fp32:
-            module.register_forward_pre_hook(pre)
-        if fp32:
-            module.register_forward_hook(lambda _module, _args, out: out.to(torch.bfloat16))
-
-
-def _adapter_bytes(model: nn.Module, adapted: frozenset[str], rank: int) -> dict[int, tuple[int, int]]:
-    """id(weight) of each adapted layer -> the bytes of its fp32 adapters, A (rank x in) and B (out x rank),
-    whose gradients and optimizer states training keeps in place of the stand-in weight's."""
-    found = {}
-    for module in _adapted_layers(model, adapted):
-        rows, cols = module.weight.shape  # (out, in) for nn.Linear, (in, out) for Conv1D: the sum is alike
-        found[id(module.weight)] = (4 * rank * cols, 4 * rows * rank)
-    return found
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a linear layer: nn.Linear's and `SimulatedLinear4bit`'s attributes, a
+    transformers Conv1D's (in, out) weight."""
+    if hasattr(module, "in_features"):
+        return module.in_features, module.out_features
+    return tuple(module.weight.shape)
 
 
 def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:
-    """The linear layers (nn.Linear, transformers' Conv1D) `is_adapted` names."""
+    """The linear layers (nn.Linear, transformers' Conv1D, an NF4 layer simulated) `is_adapted` names."""
     return [module for name, module in model.named_modules() if is_adapted(name, adapted)
-            and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")]
+            and (isinstance(module, nn.Linear) or type(module).__name__ in ("Conv1D", "SimulatedLinear4bit"))]
 
 
 def within_block(name: str) -> str:

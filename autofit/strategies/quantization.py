@@ -10,7 +10,7 @@ The output head stays in full precision.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -203,20 +203,11 @@ def keeps_inputs(version: str) -> bool:
 
 
 # -- what the estimator simulates in place of bitsandbytes --------------------------------------------------
-def simulate_nf4(model: nn.Module, keep: Callable[[str], bool] = lambda name: False) -> None:
-    """Replace every layer of `quantizable_layers` but those `keep` names (the layers the simulation trains
-    in place of LoRA's adapters) by a `SimulatedLinear4bit`, in place, for the estimator's fake-tensor
-    step. Where bitsandbytes keeps inputs (`keeps_input`), a kept layer keeps its input as its quantized
-    base would (`_Kept`)."""
+def simulate_nf4(model: nn.Module) -> None:
+    """Replace every layer of `quantizable_layers` by a `SimulatedLinear4bit`, in place, for the estimator's
+    fake-tensor step (LoRA's adapters go on them as peft puts them on bitsandbytes' layers)."""
     for name in quantizable_layers(model):
-        if not keep(name):
-            _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
-        elif SimulatedLinear4bit.keeps_input:  # the quantized base under the adapter keeps its input too
-            model.get_submodule(name).register_forward_pre_hook(_keep_input)
-
-
-def _keep_input(_layer: nn.Module, args: tuple) -> tuple:
-    return (_Kept.apply(args[0]), *args[1:])
+        _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
 
 
 class SimulatedLinear4bit(nn.Module):
@@ -275,20 +266,6 @@ class _MatMul4bit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad_x = grad @ _dequantized(ctx.weight, ctx.stored, grad.dtype) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None, None
-
-
-class _Kept(torch.autograd.Function):
-    """The input a base `MatMul4Bit` before 0.43.2 keeps (a plain context attribute), for a layer the
-    simulation trains in place of its adapter: the identity, holding its input until its backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.kept = x if ctx.needs_input_grad[0] else None
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 def _dequantized(weight: torch.Tensor, stored: torch.dtype, dtype: torch.dtype) -> torch.Tensor:

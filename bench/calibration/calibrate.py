@@ -285,10 +285,11 @@ def card_bytes(row: dict) -> int | None:
 
 def libraries_as_measured(row: dict) -> contextlib.ExitStack:
     """The libraries' behaviour `row`'s source ran, simulated: its bitsandbytes release, re-entrant
-    checkpointing where it used it, NF4 double quantization or not. A context manager."""
+    checkpointing where it used it, NF4 double quantization or not, PEFT's adapters' dtype. A context manager."""
     bnb = measured_code.bitsandbytes_of(row["id"]) if row["quantization"] != "none" else None
     stack = contextlib.ExitStack()
     stack.enter_context(measured_code.bitsandbytes_release(bnb))
+    stack.enter_context(measured_code.peft_adapters(row["id"]))
     stack.enter_context(measured_code.reentrant_checkpointing(reentrant(row)))
     stack.enter_context(measured_code.nf4_double_quant(row["id"]))
     return stack

@@ -46,7 +46,9 @@ KEPT_PER_BLOCK = (3 * D + I) * 2 * TOKENS
 
 def test_releases_before_0_43_2_keep_every_quantized_layers_input_through_the_checkpointed_forward():
     kept = _activations("nf4", "full", keeps_input=True) - _activations("nf4", "full")
-    assert kept == LAYERS * KEPT_PER_BLOCK  # a plain attribute of the autograd context: no checkpoint drops it
+    # a plain attribute of the autograd context: no checkpoint drops it; beside it, where the peak moves to, up to
+    # two rank-8 fp32 tensors of q's and v's adapters a block (an output and its gradient)
+    assert 0 <= kept - LAYERS * KEPT_PER_BLOCK <= LAYERS * 2 * 2 * TOKENS * 8 * 4
 
 
 def test_re_entrant_checkpointing_keeps_them_for_the_recomputed_block_only():
