@@ -28,6 +28,8 @@ from autofit.strategies.lora import DEFAULT_RANK
 # its default) and casts each input to their dtype; releases before that made them in the base's dtype (the
 # calibration's fsdp_qlora runs, on PEFT 0.10, set this so: `bench/calibration/measured_code.py`)
 PEFT_UPCASTS_ADAPTERS = True
+ADAPTERS = ("lora_A", "lora_B")  # the parameters `_add_adapters` makes, named as peft's modules
+LORA_SCALING = 2.0  # peft's lora_alpha / r; any constant costs the same multiply
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 aten = torch.ops.aten
 # Ops that launch no kernel beside views (`OpOverload.is_view`): allocations without a fill.
@@ -597,10 +599,8 @@ def _freeze_all_but_adapters(model: nn.Module) -> None:
         param.requires_grad_(name.rpartition(".")[2] in ADAPTERS)
 
 
-ADAPTERS = ("lora_A", "lora_B")  # the parameters `_add_adapters` makes, named as peft's modules
-
-
-def _add_adapters(model: nn.Module, adapted: frozenset[str], rank: int, p: float, dtype: torch.dtype | None) -> None:
+def _add_adapters(model: nn.Module, adapted: frozenset[str], rank: int, p: float,
+                  dtype: torch.dtype | None) -> None:
     """Give each adapted layer peft's LoRA adapters (peft/tuners/lora/layer.py `Linear.forward`: `result +
     lora_B(lora_A(dropout(x))) * scaling`, cast back to the result's dtype): rank-`rank` factors in `dtype`
     (None: the layer's weight's), the input cast to it (`LoraLayer._cast_input_dtype`; bitsandbytes' 4-bit
@@ -616,7 +616,8 @@ def _add_adapters(model: nn.Module, adapted: frozenset[str], rank: int, p: float
         if not (isinstance(module, SimulatedLinear4bit) and torch.is_autocast_enabled(x.device.type)):
             x = x.to(module.lora_A.dtype)
         x = nn.functional.dropout(x, p, True) if p else x
-        return (out + nn.functional.linear(nn.functional.linear(x, module.lora_A), module.lora_B) * 2.0).to(out.dtype)
+        lora = nn.functional.linear(nn.functional.linear(x, module.lora_A), module.lora_B)
+        return (out + lora * LORA_SCALING).to(out.dtype)
 
     for module in _adapted_layers(model, adapted):
         n_in, n_out = _features(module)
