@@ -616,8 +616,9 @@ def _add_adapters(model: nn.Module, adapted: frozenset[str], rank: int, p: float
         if not (isinstance(module, SimulatedLinear4bit) and torch.is_autocast_enabled(x.device.type)):
             x = x.to(module.lora_A.dtype)
         x = nn.functional.dropout(x, p, True) if p else x
-        lora = nn.functional.linear(nn.functional.linear(x, module.lora_A), module.lora_B)
-        return (out + lora * LORA_SCALING).to(out.dtype)
+        # one expression, as peft's: the adapters' output is freed once scaled, not held through the sum
+        return (out + nn.functional.linear(nn.functional.linear(x, module.lora_A), module.lora_B)
+                * LORA_SCALING).to(out.dtype)
 
     for module in _adapted_layers(model, adapted):
         n_in, n_out = _features(module)
