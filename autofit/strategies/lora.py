@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from torch import nn
 
 from autofit.config import Config
-from autofit.errors import MissingExtraError, UsageError
+from autofit.errors import MissingExtraError, UsageError, did_you_mean
 from autofit.spec.model_info import build_on_meta
 from autofit.strategies.base import Option, Strategy
 
@@ -114,8 +114,10 @@ class Lora(Strategy):
         missing = [t for t in self.target_modules if not any(_matches(name, t) for name in linear)]
         if missing:
             shown = sorted({name.rsplit(".", 1)[-1] for name in linear})
-            raise UsageError(f"LoRA target_modules {missing} match no linear layer of the model; its linear "
-                             f"layers are named {shown}. Pass some of those, or None for all linear layers.")
+            hints = "".join(did_you_mean(t, shown) for t in missing)
+            raise UsageError(f"LoRA target_modules {missing} match no linear layer of the model{hints}; its linear "
+                             f"layers are named {shown}. Pass some of those, or None (on the command line, no "
+                             "--lora-targets) for all linear layers.")
         return [name for name in linear if any(_matches(name, t) for t in self.target_modules)]
 
 

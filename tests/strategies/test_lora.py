@@ -90,6 +90,15 @@ def test_target_modules_matching_nothing_names_them_and_the_layers():
     assert "['q_proj']" in message and "'0'" in message  # the bad name, and the model's layer names
 
 
+def test_a_target_typed_in_a_hurry_is_answered_with_the_layer_it_is_close_to():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         vocab_size=128)
+    with pytest.raises(UsageError, match=r"\['q_prj'\] match no linear layer of the model \(did you mean 'q_proj'.*no --lora-targets"):
+        Lora(target_modules=["q_prj", "v_proj"]).targets(LlamaForCausalLM(config))
+
+
 def test_bad_rank_is_a_usage_error():
     with pytest.raises(UsageError, match="-1"):
         Lora(ranks=(-1,))
