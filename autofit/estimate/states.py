@@ -60,9 +60,13 @@ def buffers_on_device(facts: ModelFacts, config: Config) -> int:
     """Bytes of the model's buffers on each device: every rank holds them all (DDP broadcasts them, FSDP
     and ZeRO-3 shard parameters only, offload moves states only); floating ones in 16 bits where the model
     itself is cast (pure bf16, DeepSpeed's fp16/bf16 engine: `module.half()` / `module.bfloat16()`)."""
-    if config.pure_bf16 or (config.half_precision and config.zero_stage > 0):
-        return facts.half_buffer_bytes
-    return facts.buffer_bytes
+    return facts.half_buffer_bytes if model_cast_to_half(config) else facts.buffer_bytes
+
+
+def model_cast_to_half(config: Config) -> bool:
+    """Whether `config` casts the whole model to 16 bits on the device: pure bf16, and DeepSpeed's fp16/bf16
+    engine (`module.half()` / `module.bfloat16()`), where only the trained weights keep an fp32 master copy."""
+    return config.pure_bf16 or (config.half_precision and config.zero_stage > 0)
 
 
 def _states(facts: ModelFacts, config: Config) -> States:
@@ -171,11 +175,11 @@ def adapter_weights(facts: ModelFacts, config: Config) -> tuple[int, float]:
 
 
 def _adapter_states(facts: ModelFacts, config: Config) -> States:
-    """LoRA: the frozen base as stored (in bf16 under pure bf16; NF4/int8 where quantized), the adapters
-    (`adapter_weights`) with gradients and states in their dtype."""
+    """LoRA: the frozen base as stored (in 16 bits where the model is cast, `model_cast_to_half`; NF4/int8 where
+    quantized), the adapters (`adapter_weights`) with gradients and states in their dtype."""
     adapters, size = adapter_weights(facts, config)
     base = facts.num_params - (adapters if own_adapters(facts, config) else 0)
-    wb = min(facts.weight_bytes, 2) if config.pure_bf16 else facts.weight_bytes  # pure bf16 casts the base
+    wb = min(facts.weight_bytes, 2) if model_cast_to_half(config) else facts.weight_bytes
     if config.quantization is Quantization.NF4:
         base_bytes = nf4_bytes() * facts.linear_params + wb * (base - facts.linear_params)
     elif config.quantization is Quantization.INT8:
