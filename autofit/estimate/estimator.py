@@ -621,13 +621,15 @@ def _simulation_key(config: Config, mb: int) -> tuple:
 def _implementation_key(config: Config) -> tuple:
     """What a simulation depends on besides the config, in the libraries' behaviour it simulates: whether
     bitsandbytes keeps each NF4 layer's input and which dtype it dequantizes to, whether checkpointing
-    re-enters (all set by the calibration to simulate runs of older releases and other modes)."""
+    re-enters, whether peft upcasts LoRA's adapters (all set by the calibration to simulate runs of older
+    releases and other modes)."""
     from autofit.strategies import checkpointing
     from autofit.strategies.quantization import SimulatedLinear4bit
 
     nf4 = config.quantization is Quantization.NF4 and (SimulatedLinear4bit.keeps_input,
                                                         SimulatedLinear4bit.quantized_from)
-    return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT
+    peft = config.adapters and simulate_module.PEFT_UPCASTS_ADAPTERS
+    return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT, peft
 
 
 def _half_weights(config: Config) -> bool:

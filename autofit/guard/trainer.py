@@ -23,8 +23,8 @@ from transformers import Trainer
 
 from autofit.errors import UsageError
 from autofit.guard.core import GuardGaveUp, OomGuard, optimizer_oom
-from autofit.probe.oom import classify_oom
 from autofit.guard.parts import concat_rows
+from autofit.probe.oom import classify_oom
 from autofit.spec.shares import divides_by_count, target_counts, weighted_sum
 
 
