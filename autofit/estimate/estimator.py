@@ -290,7 +290,7 @@ class Estimator:
         # LoRA's rank sizes the adapters simulated (`simulate._add_adapters`), fp32 beside a bf16 base under
         # pure bf16 and in the model's dtype under an engine
         lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
-        return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
+        return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config), config.quantization,
                 _implementation_key(config), tied, lora)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
@@ -455,7 +455,7 @@ class Estimator:
         states = model_states(self.facts, config)
         act, how = self.activations(config)
         notes = [how]
-        act = self._adjusted(act, config, notes)
+        self._note_simulated_layers(config, notes)
         states = self._with_sparse_grads(states, act, config, notes)
         gathered = self._gathered(config, notes)
         temp = optimizer_temporaries(self.facts, config, self.target)
@@ -535,10 +535,9 @@ class Estimator:
                      "gradients held")
         return held
 
-    def _adjusted(self, act: ActivationPeak, config: Config, notes: list[str]) -> ActivationPeak:
-        """What the simulation cannot see: bitsandbytes' int8 matmuls use no 16-bit copy that autocast keeps
-        of an fp32 weight (2 bytes each), and int8 layers are not simulated. NF4 layers are simulated as
-        bitsandbytes' (`SimulatedLinear4bit`), LoRA's adapters beside them as peft's (`simulate._add_adapters`)."""
+    def _note_simulated_layers(self, config: Config, notes: list[str]) -> None:
+        """Say how the adapters and a quantized base were simulated: as peft's adapters (`simulate._add_adapters`)
+        over bitsandbytes' layers (`SimulatedLinear4bit`, `SimulatedLinear8bit`)."""
         if own_adapters(self.facts, config):
             notes.append("the model's own adapters trained beside its quantized base")
         elif config.adapters:
@@ -546,13 +545,8 @@ class Estimator:
                          (" (their inputs dropped out)" if self._adapter_dropout else ""))
         if config.quantization is Quantization.NF4:
             notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
-        if config.quantization is not Quantization.INT8 or not config.half_precision or self.facts.weight_bytes <= 2 \
-                or _half_weights(config):  # 16-bit weights without autocast: no copy was simulated
-            return act
-        notes.append("int8 kernels not simulated: 16-bit weight copies removed by formula")
-        copies = 2 * self.facts.linear_params
-        return dataclasses.replace(act, forward=max(0, act.forward - copies), peak=max(0, act.peak - copies),
-                                   joint=max(0, act.joint - copies))
+        if config.quantization is Quantization.INT8:
+            notes.append("int8 layers simulated as bitsandbytes' Linear8bitLt (each keeps its input for backward)")
 
     def _gathered(self, config: Config, notes: list[str]) -> int:
         """Full weights gathered from their shards while in use (`Breakdown.gathered`, apart from the

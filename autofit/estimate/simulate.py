@@ -261,10 +261,10 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
             # MixedPrecisionPolicy (`cast_forward_inputs`) cast them
             half = _half_dtype(precision, device)
             cast_inputs(cast_floating(model, half), half)
-        if config.quantization is Quantization.NF4:
-            from autofit.strategies.quantization import simulate_nf4
+        if config.quantization is not Quantization.NONE:
+            from autofit.strategies.quantization import simulate_quantized
 
-            simulate_nf4(model)
+            simulate_quantized(model, config.quantization)
         if adapted is not None:  # peft's fp32 adapters, or in the model's dtype where an engine casts it
             fp32 = PEFT_UPCASTS_ADAPTERS and (config.pure_bf16 or not half_weights)
             _add_adapters(model, adapted, config.lora or DEFAULT_RANK, adapter_dropout,
@@ -454,12 +454,19 @@ def _history(model: nn.Module, config: Config, ties: dict[int, int], deep: _Deep
 
 
 def _resident(model: nn.Module, weights: list[torch.Tensor]) -> list[int]:
-    """Bytes of each weight as training holds it on the card: an NF4 layer's packed weight and constants,
-    where the simulated layer holds the original (`SimulatedLinear4bit`)."""
-    from autofit.strategies.quantization import SimulatedLinear4bit, nf4_bytes
+    """Bytes of each weight as training holds it on the card: a quantized layer's packed weight and constants
+    (NF4's, or int8 and an fp32 scale a row), where the simulated layer holds the original
+    (`SimulatedLinear4bit`, `SimulatedLinear8bit`)."""
+    from autofit.estimate.states import INT8_BYTES
+    from autofit.strategies.quantization import SimulatedLinear4bit, SimulatedLinear8bit, nf4_bytes
 
-    packed = {id(m.weight) for m in model.modules() if isinstance(m, SimulatedLinear4bit)}
-    return [int(nf4_bytes() * w.numel()) if id(w) in packed else w.untyped_storage().nbytes() for w in weights]
+    def held(module: nn.Module) -> int:
+        w = module.weight
+        return int(INT8_BYTES * w.numel()) + 4 * w.shape[0] if isinstance(module, SimulatedLinear8bit) \
+            else int(nf4_bytes() * w.numel())
+
+    packed = {id(m.weight): held(m) for m in model.modules() if isinstance(m, SimulatedLinear4bit)}
+    return [packed.get(id(w), w.untyped_storage().nbytes()) for w in weights]
 
 
 def fake_empty(model: nn.Module, fake: Any, device: str, tie: bool = True) -> dict[int, int]:
@@ -637,9 +644,10 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 
 def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:
-    """The linear layers (nn.Linear, transformers' Conv1D, an NF4 layer simulated) `is_adapted` names."""
+    """The linear layers (nn.Linear, transformers' Conv1D, a quantized layer simulated) `is_adapted` names."""
     return [module for name, module in model.named_modules() if is_adapted(name, adapted)
-            and (isinstance(module, nn.Linear) or type(module).__name__ in ("Conv1D", "SimulatedLinear4bit"))]
+            and (isinstance(module, nn.Linear) or type(module).__name__ in ("Conv1D", "SimulatedLinear4bit",
+                                                                             "SimulatedLinear8bit"))]
 
 
 def within_block(name: str) -> str:

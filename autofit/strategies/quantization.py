@@ -203,11 +203,13 @@ def keeps_inputs(version: str) -> bool:
 
 
 # -- what the estimator simulates in place of bitsandbytes --------------------------------------------------
-def simulate_nf4(model: nn.Module) -> None:
-    """Replace every layer of `quantizable_layers` by a `SimulatedLinear4bit`, in place, for the estimator's
-    fake-tensor step (LoRA's adapters go on them as peft puts them on bitsandbytes' layers)."""
+def simulate_quantized(model: nn.Module, value: Q) -> None:
+    """Replace every layer of `quantizable_layers` by bitsandbytes' layer for `value` as the estimator's
+    fake-tensor step runs it (`SimulatedLinear4bit`, `SimulatedLinear8bit`), in place (LoRA's adapters go on
+    them as peft puts them on bitsandbytes' layers)."""
+    layer = {Q.NF4: SimulatedLinear4bit, Q.INT8: SimulatedLinear8bit}[value]
     for name in quantizable_layers(model):
-        _replace(model, name, SimulatedLinear4bit(as_linear(model.get_submodule(name))))
+        _replace(model, name, layer(as_linear(model.get_submodule(name))))
 
 
 class SimulatedLinear4bit(nn.Module):
@@ -266,6 +268,37 @@ class _MatMul4bit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad_x = grad @ _dequantized(ctx.weight, ctx.stored, grad.dtype) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None, None
+
+
+class SimulatedLinear8bit(SimulatedLinear4bit):
+    """The memory bitsandbytes' LLM.int8 `Linear8bitLt` (frozen int8 weights, `has_fp16_weights=False`) uses
+    while LoRA trains beside it, for a step under fake tensors. `MatMul8bitLt` (bitsandbytes/autograd/
+    _functions.py, 0.43 to 0.45 alike) quantizes its input to int8 from an fp16 copy, multiplies in int8 and
+    returns the input's dtype; for backward it keeps its input (`ctx.tensors = (CAt, subA, A)`: a plain
+    attribute, which no checkpointing drops; CAt is None for frozen weights from 0.45 on, the few outlier
+    columns subA are left out) and makes the weight's 16-bit copy to multiply the gradient with. The int8
+    weight itself is counted by the estimator's int8 formula."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MatMul8bit.apply(x, self.weight, self.bias)
+
+
+class _MatMul8bit(torch.autograd.Function):
+    """`MatMul8bitLt` as memory: the fp16 copy of the input and its int8 quantization made and freed, the output
+    in the input's dtype, the input kept for backward; there, the gradient's fp16 copy and the weight's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.weight, ctx.kept = weight, x if ctx.needs_input_grad[0] else None
+        quantized = x.to(torch.float16).to(torch.int8)
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+        del quantized
+        return out if bias is None else out + bias.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_x = grad.to(torch.float16) @ ctx.weight.to(torch.float16) if ctx.needs_input_grad[0] else None
+        return (None if grad_x is None else grad_x.to(ctx.kept.dtype)), None, None
 
 
 def _dequantized(weight: torch.Tensor, stored: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
