@@ -645,9 +645,10 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:
     """The linear layers (nn.Linear, transformers' Conv1D, a quantized layer simulated) `is_adapted` names."""
+    from autofit.strategies.quantization import SimulatedLinear4bit  # SimulatedLinear8bit is one too
+
     return [module for name, module in model.named_modules() if is_adapted(name, adapted)
-            and (isinstance(module, nn.Linear) or type(module).__name__ in ("Conv1D", "SimulatedLinear4bit",
-                                                                             "SimulatedLinear8bit"))]
+            and (isinstance(module, (nn.Linear, SimulatedLinear4bit)) or type(module).__name__ == "Conv1D")]
 
 
 def within_block(name: str) -> str:

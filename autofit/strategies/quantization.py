@@ -273,11 +273,12 @@ class _MatMul4bit(torch.autograd.Function):
 class SimulatedLinear8bit(SimulatedLinear4bit):
     """The memory bitsandbytes' LLM.int8 `Linear8bitLt` (frozen int8 weights, `has_fp16_weights=False`) uses
     while LoRA trains beside it, for a step under fake tensors. `MatMul8bitLt` (bitsandbytes/autograd/
-    _functions.py, 0.43 to 0.45 alike) quantizes its input to int8 from an fp16 copy, multiplies in int8 and
-    returns the input's dtype; for backward it keeps its input (`ctx.tensors = (CAt, subA, A)`: a plain
-    attribute, which no checkpointing drops; CAt is None for frozen weights from 0.45 on, the few outlier
-    columns subA are left out) and makes the weight's 16-bit copy to multiply the gradient with. The int8
-    weight itself is counted by the estimator's int8 formula."""
+    _functions.py; the `double_quant` code and its `int8_vectorwise_quant` rewrite alike) quantizes its input
+    to int8 from an fp16 copy, multiplies in int8 and returns the input's dtype; for backward it keeps its input
+    (`ctx.tensors = (CAt, subA, A)`: a plain attribute, which no checkpointing drops; the rewrite's fast path
+    for frozen weights makes no CAt, `CAt = SCAt = None`, and the few outlier columns subA are left out) and
+    multiplies the gradient with the weight copied to the input's dtype (`state.CB.to(ctx.dtype_A,
+    copy=True)`). The int8 weight itself is counted by the estimator's int8 formula."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _MatMul8bit.apply(x, self.weight, self.bias)
@@ -285,7 +286,7 @@ class SimulatedLinear8bit(SimulatedLinear4bit):
 
 class _MatMul8bit(torch.autograd.Function):
     """`MatMul8bitLt` as memory: the fp16 copy of the input and its int8 quantization made and freed, the output
-    in the input's dtype, the input kept for backward; there, the gradient's fp16 copy and the weight's."""
+    in the input's dtype, the input kept for backward; there, the weight's copy in the input's dtype."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -297,8 +298,10 @@ class _MatMul8bit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad_x = grad.to(torch.float16) @ ctx.weight.to(torch.float16) if ctx.needs_input_grad[0] else None
-        return (None if grad_x is None else grad_x.to(ctx.kept.dtype)), None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        dtype = ctx.kept.dtype
+        return grad.to(dtype) @ ctx.weight.to(dtype), None, None
 
 
 def _dequantized(weight: torch.Tensor, stored: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
