@@ -58,10 +58,12 @@ def test_the_space_runs_it_at_accumulation_1_only_and_says_why():
                                         [OptimizerInBackward, OptimizerStates, MicroBatch]])
 def test_forced_by_a_budget_only_the_step_in_backward_meets(strategies):
     """Whatever order the strategies come in (the optimizer rung left out, or given after this one), the
-    optimizer's strategy applies first and this one runs its optimizer per parameter."""
+    optimizer's strategy applies first and this one runs its optimizer per parameter. Exact math only
+    (allow=0): Adafactor's factored states fit this budget at micro-batch 4 too, and whether it clears the
+    numerics margin is a matter of this machine's speed, not of the rung being forced."""
     after = peak(WideBlocks, thin_batch, Config(micro_batch_size=1, grad_accum_steps=4))
     inside = peak(WideBlocks, thin_batch, Config(micro_batch_size=4, optimizer_step="in_backward"))
-    plan = tune(WideBlocks, thin_batch, [s() for s in strategies], budget_between(inside, after), 4)
+    plan = tune(WideBlocks, thin_batch, [s() for s in strategies], budget_between(inside, after), 4, allow=0)
     assert plan.fits and plan.config.steps_in_backward and plan.config.grad_accum_steps == 1, plan.reason
 
 
