@@ -242,7 +242,7 @@ def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequen
                     f"({fastest.config.describe()})")
     others = [reason for field, reason in space.changes(winner.config) if not (swap and field == "optimizer")]
     change = "; ".join([swap, *others]) if swap else \
-        f"a numerics change (tier {winner.tier}: {winner.config.describe()}: {'; '.join(others)})"
+        f"a numerics change is taken (tier {winner.tier}: {winner.config.describe()}: {'; '.join(others)})"
     return f"{change}, because {evidence}"
 
 

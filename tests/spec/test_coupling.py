@@ -180,7 +180,7 @@ def test_the_plan_says_what_a_chosen_micro_batch_changes():
     plan = autofit.autofit(Tokens, token_views, global_batch_size=8, loss_fn=info_nce, device="cpu",
                            memory_budget="16MiB", strategies=[MicroBatch()], max_probes=6)
     assert plan.fits and plan.config.micro_batch_size < 8, plan.reason
-    assert "a numerics change (tier 1" in plan.reason and "the loss couples samples" in plan.reason
+    assert "a numerics change is taken (tier 1" in plan.reason and "the loss couples samples" in plan.reason
     assert "because no exact configuration fits" in plan.reason
 
 
