@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.spec.batch import TokenBatches
+from autofit.spec.synthetic_batches import TokenBatches
 from autofit.config import Config
 from autofit.probe.run import run_probe
 from autofit.spec.train import TrainSpec, make_spec

@@ -37,7 +37,7 @@ import autofit  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.estimate.tolerance import tolerance_for  # noqa: E402
 from autofit.probe.outcome import ProbeStatus  # noqa: E402
-from autofit.spec.batch import TokenBatches  # noqa: E402
+from autofit.spec.synthetic_batches import TokenBatches  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.oracle import exhaustive  # noqa: E402

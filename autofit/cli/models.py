@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from autofit.cli.tune import make_console
-from autofit.spec.batch import max_positions
+from autofit.spec.synthetic import max_positions
 from autofit.spec.presets import get_preset, list_presets, preset_aliases
 
 # (column, config attribute): read through transformers' attribute maps (GPT-2's n_layer is num_hidden_layers)

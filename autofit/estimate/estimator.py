@@ -45,7 +45,7 @@ from autofit.estimate.states import (States, fsdp_gathered, model_states, optimi
                                      state_notes, step_in_backward, unsharded_grads)
 from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
 from autofit.errors import UsageError
-from autofit.spec.batch import TokenBatches
+from autofit.spec.synthetic_batches import TokenBatches
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec

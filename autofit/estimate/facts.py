@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autofit.config import Config, Engine
-from autofit.spec.batch import image_sides
+from autofit.spec.synthetic import image_sides
 from autofit.spec.optimizer_costs import OptimizerCosts
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autofit.estimate.facts import config_int, formula_positions
-from autofit.spec.batch import feature_layout, image_sides
+from autofit.spec.synthetic import feature_layout, image_sides
 
 if TYPE_CHECKING:
     from autofit.spec.train import TrainSpec

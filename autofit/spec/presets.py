@@ -118,7 +118,7 @@ def check_head(model: Any) -> None:
     returns no loss to train: the `UsageError` naming the heads transformers has for it, before any probe."""
     import transformers
 
-    from autofit.spec.batch import forward_parameters, takes_labels
+    from autofit.spec.synthetic import forward_parameters, takes_labels
 
     name = type(model).__name__
     if isinstance(model, transformers.PreTrainedModel) and _refuses_training(type(model)):
@@ -207,7 +207,7 @@ def auto_classes(config: Any) -> tuple[str, ...]:
 
 def _trains_whole(config: Any) -> bool:
     """Whether transformers' base class for `config` takes `return_loss` (CLIP, SigLIP: the contrastive loss)."""
-    from autofit.spec.batch import forward_parameters
+    from autofit.spec.synthetic import forward_parameters
 
     base = _built_by("AutoModel", config)
     return base is not None and "return_loss" in forward_parameters(base.__name__)

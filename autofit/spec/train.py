@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autofit.spec import batch as batches, presets
+from autofit.spec.synthetic import synthesize_batch
 from autofit.spec.coupling import sample_coupling
 from autofit.spec.devices import device_memory, memory_report, resolve_device
 from autofit.errors import UsageError, did_you_mean
@@ -302,7 +303,7 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
                              "synthesized; pass a sample batch or a make_batch(batch_size) factory (from the "
                              "command line, a --model FILE.py:factory returning (model, make_batch) or "
                              "(model, make_batch, loss_fn)).")
-        return batches.synthesize_batch(info.hf_config, seq_len, info.name)
+        return synthesize_batch(info.hf_config, seq_len, info.name)
     if callable(batch) and not isinstance(batch, torch.Tensor):
         batches.check_factory(batch)
         return batch, "from make_batch(batch_size)"

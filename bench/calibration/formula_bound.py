@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator, formula_activations  # noqa: E402
-from autofit.spec.batch import max_positions  # noqa: E402
+from autofit.spec.synthetic import max_positions  # noqa: E402
 from autofit.spec.presets import get_preset  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 

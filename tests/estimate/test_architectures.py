@@ -300,7 +300,7 @@ def test_a_config_transformers_cannot_build_names_the_field(tmp_path, capsys):
 
 
 def test_an_image_size_the_config_does_not_name_is_the_usual_one_and_said_so():
-    from autofit.spec.batch import synthesize_batch
+    from autofit.spec.synthetic import synthesize_batch
 
     _, described = synthesize_batch(ARCHITECTURES["resnet"][0], None)
     assert "3x224x224" in described and "the config names none" in described
@@ -371,7 +371,7 @@ def test_an_object_detector_tunes_on_synthesized_targets():
     """DETR from its config: pixel values and one dict of classes and boxes per image, as transformers'
     detection loss takes them; the probes train it (its ResNet backbone keeps eager attention under SDPA)."""
     import autofit
-    from autofit.spec.batch import synthesize_batch
+    from autofit.spec.synthetic import synthesize_batch
 
     config = ARCHITECTURES["detr"][0]
     make_batch, described = synthesize_batch(config, None)

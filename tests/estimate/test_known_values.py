@@ -13,7 +13,7 @@ from autofit.estimate.estimator import Estimator
 from autofit.estimate.known_values import KNOWN_NUMEL, KnownValues
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.spec.batch import synthesize_batch
+from autofit.spec.synthetic import synthesize_batch
 from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
 

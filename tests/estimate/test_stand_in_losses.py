@@ -8,7 +8,8 @@ from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.spec.batch import leading_dim, synthesize_batch, take_rows
+from autofit.spec.batch import leading_dim, take_rows
+from autofit.spec.synthetic import synthesize_batch
 from autofit.spec.train import make_spec
 from autofit.strategies import default_strategies
 
@@ -51,7 +52,7 @@ def test_more_objects_than_queries_are_matched_to_every_query():
     and sampled points disagreed in count and its simulation failed (grid_sample's batch sizes). Predicted
     6.6% over its real peak there (the stand-in's loss phase 9.4% over the real loss's, not found why):
     the safe side, held to twice the tolerance above and the tolerance below."""
-    from autofit.spec.batch import MaskBatches
+    from autofit.spec.synthetic_batches import MaskBatches
 
     make_batch = MaskBatches(synthesize_batch(_config(), None, "Mask2FormerForUniversalSegmentation")[0].pixels, 7,
                              objects=24)

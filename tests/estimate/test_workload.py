@@ -16,7 +16,7 @@ from autofit.estimate.facts import ModelFacts
 from autofit.estimate.estimator import meta_model, model_facts
 from autofit.estimate.gpus import get_gpu
 from autofit.estimate.workload import workload
-from autofit.spec.batch import TokenBatches
+from autofit.spec.synthetic_batches import TokenBatches
 from autofit.spec.presets import build_model, get_preset
 from autofit.spec.train import make_spec
 from autofit.strategies import MicroBatch
