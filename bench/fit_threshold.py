@@ -14,7 +14,7 @@ the backward can leave tensors allocated for every later probe (pytorch/pytorch#
 
 The estimator predicts both figures: the roomy peak (`Estimate.peak_bytes`) and what a fit needs
 (`Estimate.need_bytes`: the caching allocator replayed under a shrinking limit, its cache released at the
-limit, `autofit.estimate.simulate.least_reserve`). `--against` predicts a recorded run's rows on this
+limit, `autofit.estimate.training_replay.least_reserve`). `--against` predicts a recorded run's rows on this
 machine (CPU kernels standing in for CUDA) and says where each prediction falls against the measured
 interval; it writes bench/results/fit-threshold-replay-<recorded>-<date>.json.
 

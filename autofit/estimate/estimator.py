@@ -35,11 +35,12 @@ from autofit.estimate.facts import (ModelFacts, formula_activations, formula_cov
                                     model_facts)  # ModelFacts and formula_activations are re-exported
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.estimate import cuda_attention, reference_paths
-from autofit.estimate import simulate as simulate_module
+from autofit.estimate import simulate as simulate_module, simulated_adapters
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
-from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, reserve, simulate_step  # noqa: F401 (re-exported)
-from autofit.estimate.simulate import replays_training, within_block
+from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
+from autofit.estimate.training_replay import replays_training, reserve
+from autofit.estimate.simulated_adapters import within_block
 from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
@@ -116,7 +117,7 @@ class Estimate:
     offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
     kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
     # CUDA: bytes of the peak that the caching allocator holds in cached segments on a roomy card and
-    # releases under a tighter limit before it would fail (`simulate.least_reserve`)
+    # releases under a tighter limit before it would fail (`training_replay.least_reserve`)
     release_slack: int = 0
 
     @property
@@ -180,7 +181,8 @@ class Estimator:
         self._meta = meta_model(spec.model_factory)
         targets = _lora_targets(self._meta, self.strategies)
         self.facts = dataclasses.replace(model_facts(self._meta, targets), own_optimizer=spec.optimizer.costs)
-        # LoRA's adapters go on these layers in the simulation (their paths inside a block: `simulate.is_adapted`)
+        # LoRA's adapters go on these layers in the simulation (their paths inside a block:
+        # `simulated_adapters.is_adapted`)
         self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
         self._adapter_dropout = _lora_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
@@ -287,7 +289,7 @@ class Estimator:
     def _key(self, config: Config, mb: int) -> tuple:
         # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)
         tied = self._tied and config.engine is Engine.TORCH and config.num_gpus <= 1
-        # LoRA's rank sizes the adapters simulated (`simulate._add_adapters`), fp32 beside a bf16 base under
+        # LoRA's rank sizes the adapters simulated (`simulated_adapters.add`), fp32 beside a bf16 base under
         # pure bf16 and in the model's dtype under an engine
         lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
         return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config), config.quantization,
@@ -536,7 +538,7 @@ class Estimator:
         return held
 
     def _note_simulated_layers(self, config: Config, notes: list[str]) -> None:
-        """Say how the adapters and a quantized base were simulated: as peft's adapters (`simulate._add_adapters`)
+        """Say how the adapters and a quantized base were simulated: as peft's adapters (`simulated_adapters.add`)
         over bitsandbytes' layers (`SimulatedLinear4bit`, `SimulatedLinear8bit`)."""
         if own_adapters(self.facts, config):
             notes.append("the model's own adapters trained beside its quantized base")
@@ -622,7 +624,7 @@ def _implementation_key(config: Config) -> tuple:
 
     nf4 = config.quantization is Quantization.NF4 and (SimulatedLinear4bit.keeps_input,
                                                         SimulatedLinear4bit.quantized_from)
-    peft = config.adapters and simulate_module.PEFT_UPCASTS_ADAPTERS
+    peft = config.adapters and simulated_adapters.PEFT_UPCASTS_ADAPTERS
     return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT, peft
 
 

@@ -2,7 +2,7 @@
 for later processes (`AUTOFIT_CACHE` names it, default ~/.cache/autofit/simulations under `XDG_CACHE_HOME`
 when set; `off` keeps none), each value filed under `code_version`. Simulated steps
 (`autofit.estimate.simulations`) and the caching allocator's reserves replayed from their events
-(`RESERVES`, `autofit.estimate.simulate.reserve`)."""
+(`RESERVES`, `autofit.estimate.training_replay.reserve`)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def _canonical(value: Any) -> str:
 
 
 class Reserves(Kept):
-    """The caching allocator's reserves of a step's events (`simulate.reserve`: a roomy replay's and a
+    """The caching allocator's reserves of a step's events (`training_replay.reserve`: a roomy replay's and a
     bisection's two numbers, keyed by `allocator.Replay.digest`, the events themselves): the same events
     replay the same, whichever model, configuration or process they came from, so every one is kept in the
     folder."""
