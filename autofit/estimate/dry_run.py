@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
 from autofit.errors import UsageError
-from autofit.estimate.estimator import Estimate, Estimator, ModelFacts
+from autofit.estimate.estimator import Estimator, ModelFacts
+from autofit.estimate.prediction import Estimate
 from autofit.estimate.gpus import GpuProfile, get_gpu, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import Workload, workload

@@ -27,9 +27,8 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
-from torch import nn
 
-from autofit.config import Checkpointing, Config, Engine, Quantization, Sharding
+from autofit.config import Config, Engine, Quantization, Sharding
 from autofit.export.deepspeed import buffers_for, deepspeed_elements
 from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers, meta_model,  # noqa: F401
                                     model_facts)  # ModelFacts and formula_activations are re-exported
@@ -38,6 +37,7 @@ from autofit.estimate import cuda_attention, reference_paths
 from autofit.estimate import simulate as simulate_module, simulated_adapters
 from autofit.estimate import simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
+from autofit.estimate.prediction import Breakdown, Estimate
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.training_replay import replays_training, reserve
 from autofit.estimate.simulated_adapters import within_block
@@ -79,71 +79,6 @@ SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th
 SIM_LENGTHS = (64, 128)
 
 
-@dataclasses.dataclass(frozen=True)
-class Breakdown:
-    """Bytes per device, by what holds them."""
-
-    params: int  # the partitioned (or whole) weights and the buffers: with grads and optimizer, the model states
-    grads: int
-    optimizer: int  # states and the optimizer step's temporaries
-    activations: int
-    overhead: int
-    gathered: int = 0  # ZeRO-3 / FSDP2: full weights gathered for the blocks in use (and their unsharded grads)
-
-    @property
-    def total(self) -> int:
-        """Sum of the parts (bytes)."""
-        return self.params + self.grads + self.optimizer + self.activations + self.overhead + self.gathered
-
-    def to_dict(self) -> dict[str, int]:
-        """JSON form."""
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    """A predicted peak per device (bytes), its parts, host RAM needed (bytes, all ranks), and how it was made."""
-
-    breakdown: Breakdown
-    peak_bytes: int  # the parts are not all live at the peak moment: peak <= breakdown.total
-    cpu_bytes: int  # host RAM for offloaded states (all ranks on one node) and offloaded activations; 0 without
-    reason: str  # one line: how activations were obtained and which parts are formulas only
-    terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
-    method: str = ""  # how the activations were obtained (one phrase, the first part of `reason`)
-    simulated: bool = True  # False: the step could not be simulated and activations come from a formula
-    # relative error the peak may carry upwards: the formula's measured bound (0 when simulated); None where
-    # the formula does not cover the model (`formula_covers`): the peak has no bound
-    error_bound: float | None = 0.0
-    offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
-    kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
-    # CUDA: bytes of the peak that the caching allocator holds in cached segments on a roomy card and
-    # releases under a tighter limit before it would fail (`training_replay.least_reserve`)
-    release_slack: int = 0
-
-    @property
-    def need_bytes(self) -> int:
-        """The fewest bytes the step trains in (the peak less `release_slack`): what a fit needs."""
-        return self.peak_bytes - self.release_slack
-
-    @property
-    def upper_bytes(self) -> int | None:
-        """What it needs at its error bound (bytes): what a verdict, one resting on a formula too, must fit;
-        None where the peak has no bound (no verdict can rest on it)."""
-        return None if self.error_bound is None else int(self.need_bytes * (1 + self.error_bound))
-
-    def peak_under(self, limit: int) -> int:
-        """The peak under `limit`: a roomy card's, or the limit where the allocator fills it and then
-        releases its cache to fit (`need_bytes` within it)."""
-        return min(self.peak_bytes, max(self.need_bytes, limit))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"peak_bytes": self.peak_bytes, "need_bytes": self.need_bytes, "cpu_bytes": self.cpu_bytes,
-                "reason": self.reason,
-                "breakdown": self.breakdown.to_dict(), "overhead_terms": dict(self.terms),
-                "activations": "simulated" if self.simulated else "formula", "error_bound": self.error_bound}
-
-
 # -- the estimator ---------------------------------------------------------------------------------------
 class Estimator:
     """Predicts `Estimate`s for the configurations of one spec, caching each simulated forward + backward
@@ -179,12 +114,12 @@ class Estimator:
         self.cuda_ampere = (spec.target.bf16 if spec.target.cuda else True) \
             if self.target == "cuda" and self.sim_device == "cpu" else None
         self._meta = meta_model(spec.model_factory)
-        targets = _lora_targets(self._meta, self.strategies)
+        targets = simulated_adapters.planned_targets(self._meta, self.strategies)
         self.facts = dataclasses.replace(model_facts(self._meta, targets), own_optimizer=spec.optimizer.costs)
         # LoRA's adapters go on these layers in the simulation (their paths inside a block:
         # `simulated_adapters.is_adapted`)
-        self._adapted = frozenset(within_block(name) for name in (targets or _block_linears(self._meta)))
-        self._adapter_dropout = _lora_dropout(self.strategies)
+        self._adapted = frozenset(within_block(name) for name in (targets or simulated_adapters.block_linears(self._meta)))
+        self._adapter_dropout = simulated_adapters.planned_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._tied = len(list(self._meta.named_parameters(remove_duplicate=False))) > len(list(self._meta.parameters()))
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
@@ -216,8 +151,9 @@ class Estimator:
         how = how_high if self._key(config, high) in self._failed else how_low  # a failed point says why
         line = one.replayed_at(two, mb, low, high)  # the allocator replayed from events read on the line
         if line.replay is None:  # the two steps differ beyond their sizes
-            line = dataclasses.replace(line, fragmentation=_free_at_peak(one, two, line, "fragmentation"),
-                                       least_fragmentation=_free_at_peak(one, two, line, "least_fragmentation"))
+            free = {field: simulate_module.free_at_peak(one, two, line, field)
+                    for field in ("fragmentation", "least_fragmentation")}
+            line = dataclasses.replace(line, **free)
         return line, f"{how}, micro-batch {low} and {high} extrapolated to {mb}"
 
     def _line_points(self, config: Config) -> tuple[int, int]:
@@ -292,8 +228,8 @@ class Estimator:
         # LoRA's rank sizes the adapters simulated (`simulated_adapters.add`), fp32 beside a bf16 base under
         # pure bf16 and in the model's dtype under an engine
         lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
-        return (*_simulation_key(config, mb), config.adapters, own_adapters(self.facts, config), config.quantization,
-                _implementation_key(config), tied, lora)
+        return (*simulations.simulation_key(config, mb), config.adapters, own_adapters(self.facts, config), config.quantization,
+                simulations.implementation_key(config), tied, lora)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -353,7 +289,7 @@ class Estimator:
         # The cache's free bytes at the peak do not follow the length: simulated whole, a two-block Mamba's
         # were 5.6, 10.4, 21.8, 16.3 MiB at 128, 256, 512, 1,024 tokens (full checkpointing: 9.0, 17.2, 13.5,
         # 18.0); the larger of the two short ones stands, a few MiB under at worst, where a line or the
-        # share of the transients (`_free_at_peak`) read 2.5-4x over.
+        # share of the transients (`simulate.free_at_peak`) read 2.5-4x over.
         line = short.extrapolate(long, target, *simulated)
         padded = f" (padded to {target})" if target != batches.seq_len else ""
         return (dataclasses.replace(line, fragmentation=max(short.fragmentation, long.fragmentation),
@@ -432,7 +368,7 @@ class Estimator:
         wholly = deep and unit and total % unit == 0 and not config.offloads_activations
         replay_depth = (unit, total // unit) if wholly else None
         return simulate_step(model, batches(mb), self.spec.loss_fn, config, device=self.sim_device,
-                             half_weights=_half_weights(config),
+                             half_weights=simulations.half_weights(config),
                              adapted=self._adapted if config.adapters and not own_adapters(self.facts, config) else None,
                              adapter_dropout=self._adapter_dropout, cuda_ampere=self.cuda_ampere,
                              replay_depth=replay_depth)
@@ -585,82 +521,9 @@ def _parts(states: States, temp: int, activations: int, overhead: int, gathered:
     return dataclasses.replace(parts, activations=activations + max(0, peak - parts.total))
 
 
-def _free_at_peak(one: ActivationPeak, two: ActivationPeak, line: ActivationPeak, field: str) -> int:
-    """What the allocator's cache holds free at the peak of a micro-batch extrapolated from 1 and 2
-    (`line`): the smaller share of the transients it was at 1 and 2, of the line's transients, never below
-    either simulated value. Small and uneven at 1 and 2, a line through those values is wrong by gigabytes
-    far out; their share of the transients holds. Simulated (MiB free / MiB of transients at the peak):
-    ResNet-50 at 224 x 224 in fp16 under ZeRO-1, 22 / 47 at 1, 12 / 89 at 2, 1,401 / 10,927 at 256, where
-    the line through 1 and 2 reads 22 and the share about 1,490; with operator checkpointing, 7 / 34,
-    27 / 63, 1,820 / 7,963 (line 5,107, share about 1,520); GPT-2 at 1,024 tokens with full checkpointing,
-    200 / 805, 293 / 1,537, 5,506 / 23,486 at 32 (line 3,083, share about 4,480); fsdp_qlora's Llama-2-7B
-    QLoRA at 2,048 tokens, 2.06 GiB free at 6 and 3.43 at 10 (line 2.35 and 3.95, share 2.11 and 3.51).
-    Where they fall from 1 to 2 and rise again (a Whisper-small step: 213, 45, 91, 217 MiB at 1, 2, 4, 8),
-    the larger simulated value stands. `field`: "fragmentation" (a roomy card's) or "least_fragmentation"."""
-    at_one, at_two = getattr(one, field), getattr(two, field)
-    shares = [free / peak.largest for free, peak in ((at_one, one), (at_two, two)) if peak.largest]
-    share = min(shares) if shares else 0.0
-    return max(int(share * line.largest), at_one, at_two)
-
-
-def _simulation_key(config: Config, mb: int) -> tuple:
-    """What a simulated forward + backward depends on: one simulation serves every config with the same
-    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16);
-    autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device,
-    AT_FORALL_LOWER_PRECISION_FP in aten/src/ATen/autocast_mode.h, cast to the autocast dtype read at run
-    time; CPU kernels simulate fp16 as bf16); every fused attention is simulated as SDPA."""
-    attention = "fused" if config.attention.fused else config.attention
-    return (config.half_precision, attention, config.checkpointing, config.checkpoint_every, mb,
-            _half_weights(config), config.activation_offload, config.loss)
-
-
-def _implementation_key(config: Config) -> tuple:
-    """What a simulation depends on besides the config, in the libraries' behaviour it simulates: whether
-    bitsandbytes keeps each NF4 layer's input and which dtype it dequantizes to, whether checkpointing
-    re-enters, whether peft upcasts LoRA's adapters (all set by the calibration to simulate runs of older
-    releases and other modes)."""
-    from autofit.strategies import checkpointing
-    from autofit.strategies.quantization import SimulatedLinear4bit
-
-    nf4 = config.quantization is Quantization.NF4 and (SimulatedLinear4bit.keeps_input,
-                                                        SimulatedLinear4bit.quantized_from)
-    peft = config.adapters and simulated_adapters.PEFT_UPCASTS_ADAPTERS
-    return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT, peft
-
-
-def _half_weights(config: Config) -> bool:
-    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
-    16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
-    return config.pure_bf16 or (config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP))
-
-
 def _ddp(config: Config) -> bool:
     """Whether `config` trains under DistributedDataParallel (several ranks, no sharding engine)."""
     return config.num_gpus > 1 and config.sharding is Sharding.NONE
-
-
-def _block_linears(model: nn.Module) -> list[str]:
-    """Names of the linear layers inside the model's repeated blocks (LoRA's default without a strategy)."""
-    from autofit.spec.model_info import find_blocks
-
-    path, blocks = find_blocks(model)
-    return [name for block in blocks for name, m in block.named_modules() if isinstance(m, nn.Linear)
-            or type(m).__name__ == "Conv1D"]
-
-
-def _lora_dropout(strategies: Sequence["Strategy"]) -> float:
-    """The planned LoRA strategy's adapter dropout (0 without one)."""
-    from autofit.strategies.lora import Lora
-
-    return next((s.dropout for s in strategies if isinstance(s, Lora)), 0.0)
-
-
-def _lora_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[str] | None:
-    """The linear layers the planned LoRA strategy adapts (its `target_modules`), or None without one."""
-    from autofit.strategies.lora import Lora
-
-    lora = next((s for s in strategies if isinstance(s, Lora)), None)
-    return lora.targets(model) if lora is not None else None
 
 
 def _size(nbytes: int) -> str:

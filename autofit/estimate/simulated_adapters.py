@@ -4,11 +4,16 @@ in the dtype peft makes them, over a frozen base (`autofit.estimate.simulate`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import torch
 from torch import nn
 
 from autofit.config import Config
 from autofit.strategies.lora import DEFAULT_RANK
+
+if TYPE_CHECKING:
+    from autofit.strategies.base import Strategy
 
 # peft keeps LoRA's adapters in fp32 beside a 16-bit base (`get_peft_model(..., autocast_adapter_dtype=True)`,
 # its default) and casts each input to their dtype; releases before that made them in the base's dtype (the
@@ -91,3 +96,27 @@ def is_adapted(name: str, adapted: frozenset[str]) -> bool:
     module: the whole name or a suffix after a dot. A wrapper's generic name ('attn.linear' beside
     'mlp.fc.linear') stays distinct."""
     return any(name == target or name.endswith("." + target) for target in adapted)
+
+
+def block_linears(model: nn.Module) -> list[str]:
+    """Names of the linear layers inside the model's repeated blocks (LoRA's default without a strategy)."""
+    from autofit.spec.model_info import find_blocks
+
+    path, blocks = find_blocks(model)
+    return [name for block in blocks for name, m in block.named_modules() if isinstance(m, nn.Linear)
+            or type(m).__name__ == "Conv1D"]
+
+
+def planned_dropout(strategies: Sequence["Strategy"]) -> float:
+    """The planned LoRA strategy's adapter dropout (0 without one)."""
+    from autofit.strategies.lora import Lora
+
+    return next((s.dropout for s in strategies if isinstance(s, Lora)), 0.0)
+
+
+def planned_targets(model: nn.Module, strategies: Sequence["Strategy"]) -> list[str] | None:
+    """The linear layers the planned LoRA strategy adapts (its `target_modules`), or None without one."""
+    from autofit.strategies.lora import Lora
+
+    lora = next((s for s in strategies if isinstance(s, Lora)), None)
+    return lora.targets(model) if lora is not None else None

@@ -1,5 +1,6 @@
-"""Estimate: simulated steps kept for the life of the process (`SIMULATIONS`), keyed by `workload_key`,
-what a simulated step depends on beside its configuration, and on disk for the next process where the
+"""Estimate: simulated steps kept for the life of the process (`SIMULATIONS`), keyed by `workload_key`
+(what a simulated step depends on beside its configuration) and `simulation_key` / `implementation_key`
+(what of the configuration and of the libraries' behaviour it depends on), and on disk for the next process where the
 model is a library's (`shareable`), in the folder `autofit.estimate.kept` names (`AUTOFIT_CACHE`)."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from autofit.config import Checkpointing, Config, Engine, Quantization
+from autofit.estimate import simulated_adapters
 from autofit.estimate.kept import Kept, cache_folder
 from autofit.estimate.simulate import ActivationPeak
 
@@ -90,3 +93,34 @@ def _code(fn: Any) -> str:
     code = getattr(fn, "__code__", None)
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
     return name + (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() if code else repr(fn))
+
+
+def simulation_key(config: Config, mb: int) -> tuple:
+    """What a simulated forward + backward depends on: one simulation serves every config with the same
+    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16);
+    autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device,
+    AT_FORALL_LOWER_PRECISION_FP in aten/src/ATen/autocast_mode.h, cast to the autocast dtype read at run
+    time; CPU kernels simulate fp16 as bf16); every fused attention is simulated as SDPA."""
+    attention = "fused" if config.attention.fused else config.attention
+    return (config.half_precision, attention, config.checkpointing, config.checkpoint_every, mb,
+            half_weights(config), config.activation_offload, config.loss)
+
+
+def implementation_key(config: Config) -> tuple:
+    """What a simulation depends on besides the config, in the libraries' behaviour it simulates: whether
+    bitsandbytes keeps each NF4 layer's input and which dtype it dequantizes to, whether checkpointing
+    re-enters, whether peft upcasts LoRA's adapters (all set by the calibration to simulate runs of older
+    releases and other modes)."""
+    from autofit.strategies import checkpointing
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    nf4 = config.quantization is Quantization.NF4 and (SimulatedLinear4bit.keeps_input,
+                                                        SimulatedLinear4bit.quantized_from)
+    peft = config.adapters and simulated_adapters.PEFT_UPCASTS_ADAPTERS
+    return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT, peft
+
+
+def half_weights(config: Config) -> bool:
+    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
+    16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
+    return config.pure_bf16 or (config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autofit.config import Config, Knob, register_knob
 
 if TYPE_CHECKING:
-    from autofit.estimate.estimator import Breakdown
+    from autofit.estimate.prediction import Breakdown
     from autofit.probe.step import TrainRun
     from autofit.spec.train import TrainSpec
 
