@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autofit.config import Optimizer  # noqa: E402
-from autofit.estimate.dry_run import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
+from autofit.estimate.cost_model import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
 from autofit.estimate.simulate import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
 

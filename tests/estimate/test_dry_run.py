@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig
 
 import autofit
-from autofit.estimate.dry_run import _spec, dry_run, step_seconds
+from autofit.estimate.cost_model import step_seconds
+from autofit.estimate.dry_run import _spec, dry_run
 from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Estimator
 from autofit.estimate.gpus import get_gpu
 from autofit.errors import UsageError

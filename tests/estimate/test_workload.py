@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from autofit.config import Config
-from autofit.estimate.dry_run import dry_run, engine_host_ops, host_seconds, optimizer_host_ops, step_seconds
+from autofit.estimate.cost_model import engine_host_ops, host_seconds, optimizer_host_ops, step_seconds
+from autofit.estimate.dry_run import dry_run
 from autofit.estimate.facts import ModelFacts
 from autofit.estimate.estimator import meta_model, model_facts
 from autofit.estimate.gpus import get_gpu
