@@ -40,7 +40,6 @@ from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.prediction import Breakdown, Estimate
 from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.training_replay import replays_training, reserve
-from autofit.estimate.simulated_adapters import within_block
 from autofit.estimate.simulations import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
@@ -118,7 +117,8 @@ class Estimator:
         self.facts = dataclasses.replace(model_facts(self._meta, targets), own_optimizer=spec.optimizer.costs)
         # LoRA's adapters go on these layers in the simulation (their paths inside a block:
         # `simulated_adapters.is_adapted`)
-        self._adapted = frozenset(within_block(name) for name in (targets or simulated_adapters.block_linears(self._meta)))
+        layers = targets or simulated_adapters.block_linears(self._meta)
+        self._adapted = frozenset(simulated_adapters.within_block(name) for name in layers)
         self._adapter_dropout = simulated_adapters.planned_dropout(self.strategies)
         self._depth_key = _depth_key(self._meta, self.facts)
         self._tied = len(list(self._meta.named_parameters(remove_duplicate=False))) > len(list(self._meta.parameters()))
@@ -228,8 +228,8 @@ class Estimator:
         # LoRA's rank sizes the adapters simulated (`simulated_adapters.add`), fp32 beside a bf16 base under
         # pure bf16 and in the model's dtype under an engine
         lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
-        return (*simulations.simulation_key(config, mb), config.adapters, own_adapters(self.facts, config), config.quantization,
-                simulations.implementation_key(config), tied, lora)
+        return (*simulations.simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
+                config.quantization, simulations.implementation_key(config), tied, lora)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)

@@ -61,8 +61,8 @@ class ActivationPeak:
     sparse_grads: int = 0  # bytes of the sparse weight gradients made (`nn.EmbeddingBag(sparse=True)`: the rows
     # looked up), which accumulation concatenates: counted by `Estimator.predict`, not in `ModelFacts`' dense grads
     replay: Replay | None = dataclasses.field(default=None, compare=False, repr=False)  # the events replayed
-    # what training holds beside the step, for a configuration whose allocator replays it (`training_replay.replays_training`),
-    # whichever configuration was simulated: `Replay.training`'s (resident, states, temporaries, micro-steps)
+    # what training holds beside the step, for a configuration whose allocator replays it
+    # (`training_replay.replays_training`), whichever configuration was simulated: `Replay.training`'s (resident, states, temporaries, micro-steps)
     history: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
     # the whole model's step read from a simulation of two of its units (`replay_depth`); not a peak
     whole_depth: bool = dataclasses.field(default=False, compare=False)
@@ -97,8 +97,8 @@ class ActivationPeak:
     def replayed_for(self, config: Config) -> Replay | None:
         """The events `config` replays through the caching allocator where they are not those this peak's
         reserve was replayed from: with its training history and micro-steps where it replays one
-        (`training_replay.replays_training`), else the step alone. None where they are the same (or nothing was replayed).
-        One simulation serves every optimizer, engine and accumulation of its key."""
+        (`training_replay.replays_training`), else the step alone. None where they are the same (or nothing
+        was replayed). One simulation serves every optimizer, engine and accumulation of its key."""
         if self.replay is None:
             return None
         history = self.history if training_replay.replays_training(config) else None
