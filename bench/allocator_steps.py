@@ -33,6 +33,7 @@ from autofit.estimate import simulate  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
 from bench.estimate_accuracy import GLOBAL_BATCH, model_named  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED = RESULTS / "estimate-cuda-2026-11-27-parts.json"
@@ -53,6 +54,7 @@ def full_depth_reserve(name: str, config: Config) -> int:
 
 
 def main() -> None:
+    no_options(__doc__)
     torch.set_num_threads(1)
     started = time.perf_counter()
     rows, estimators = [], {}

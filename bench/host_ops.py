@@ -41,6 +41,7 @@ from autofit.config import Optimizer  # noqa: E402
 from autofit.estimate.cost_model import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
 from autofit.estimate.simulate import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 STEPS = 300
@@ -134,6 +135,7 @@ def optimizer_ops() -> dict:
 
 
 def main() -> None:
+    no_options(__doc__)
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     result = {

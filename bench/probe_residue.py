@@ -37,6 +37,7 @@ from autofit.spec.train import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.report import results_path  # noqa: E402
 from models import long_gpt2  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 MIB = 2**20
 CHECKPOINTED = Config(attention="sdpa", checkpointing="full")
@@ -65,6 +66,7 @@ def state(device: torch.device) -> dict:
 
 
 def main() -> None:
+    no_options(__doc__)
     device = torch.device("cuda", 0)
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=500_000)
     spec = make_spec(long_gpt2, global_batch_size=1, device="cuda", seq_len=4096, warmup_steps=1, timed_steps=1)

@@ -30,6 +30,7 @@ from autofit.estimate.estimator import Estimator, formula_activations  # noqa: E
 from autofit.spec.synthetic import max_positions  # noqa: E402
 from autofit.spec.presets import get_preset  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 MODELS = ("gpt2", "qwen2.5-0.5b", "llama-2-7b", "phi-2", "bert-base", "t5-small", "vit-base")
 SEQ_LENS = (512, 2048)
@@ -70,6 +71,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def main() -> None:
+    no_options(__doc__)
     torch.set_num_threads(1)
     started = time.time()
     rows = [row for name in MODELS for row in rows_for(name)]

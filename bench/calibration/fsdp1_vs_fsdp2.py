@@ -118,6 +118,9 @@ def rank_main() -> None:
 
 
 def main() -> None:
+    from bench.cli import no_options
+
+    no_options(__doc__)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOFIT_FSDP_RANK": "1"}
     started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -42,6 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.estimate.allocator import CachingAllocator  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "fsdp1-wrap.json"
 BUCKET = 250 * 1024 * 1024  # PARAM_BROADCAST_BUCKET_SIZE (torch/distributed/fsdp/_init_utils.py)
@@ -249,6 +250,7 @@ def predict(row: dict) -> dict:
 
 
 def main() -> None:
+    no_options(__doc__)
     from bench.calibration import calibrate
 
     torch.set_num_threads(1)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.estimate.allocator import CachingAllocator  # noqa: E402
 from bench.calibration.fsdp1_wrap import held_beyond, recorded_step, replay, step_events  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "length-history.json"
 LENGTHS = tuple(range(96, 512, 32))  # tokens of the shorter batches a history draws from
@@ -74,6 +75,7 @@ def described(result: dict) -> str:
 
 
 def main() -> None:
+    no_options(__doc__)
     from bench.calibration import calibrate
 
     torch.set_num_threads(1)

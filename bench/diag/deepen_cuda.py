@@ -25,6 +25,7 @@ import autofit.estimate.deepen as deepen_module  # noqa: E402
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.spec.train import make_spec  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 from bench.estimate_accuracy import GLOBAL_BATCH, held_out_models  # noqa: E402
 
 CASES = [("gpt2-355m", "fp32", "full", 4), ("gpt2-355m", "fp32", "none", 4), ("qwen2-0.5b", "bf16", "full", 1)]
@@ -51,6 +52,7 @@ def watched(calls: list[dict]):
 
 
 def main() -> None:
+    no_options(__doc__)
     out, device = Path(os.environ.get("OUT", "/tmp")), os.environ.get("DIAG_DEVICE", "cuda")
     for name, precision, checkpointing, micro in CASES:
         model, batch, seq_len = held_out_models()[name]

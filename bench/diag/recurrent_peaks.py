@@ -13,17 +13,22 @@ runs the CPU's composite cells and has no fused kernel, within 0.01% either way.
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from autofit.config import Config
-from autofit.estimate import sized_kernels
-from autofit.estimate.estimator import Estimator
-from autofit.estimate.simulations import SIMULATIONS
-from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
-from autofit.strategies import default_strategies
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from autofit.config import Config  # noqa: E402
+from autofit.estimate import sized_kernels  # noqa: E402
+from autofit.estimate.estimator import Estimator  # noqa: E402
+from autofit.estimate.simulations import SIMULATIONS  # noqa: E402
+from autofit.probe.run import run_probe  # noqa: E402
+from autofit.spec.train import make_spec  # noqa: E402
+from autofit.strategies import default_strategies  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 
 class Classifier(nn.Module):
@@ -64,6 +69,7 @@ def without_sizing():
 
 
 def main() -> None:
+    no_options(__doc__)
     print(f"{'model':5} {'config':24} {'measured':>12} {'without':>12} {'error':>8} {'with':>12} {'error':>8}")
     for kind in ("LSTM", "GRU"):
         spec = make_spec(lambda: Classifier(kind), make_batch, global_batch_size=32, loss_fn=loss_fn, device="cpu",

@@ -11,15 +11,20 @@ dispatch mode of its own over every op (its first form, 2420efb) it was 0.130 s 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from autofit.config import Config
-from autofit.estimate import sized_kernels
-from autofit.estimate.simulate import simulate_step
-from autofit.spec.batch import default_loss
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from autofit.config import Config  # noqa: E402
+from autofit.estimate import sized_kernels  # noqa: E402
+from autofit.estimate.simulate import simulate_step  # noqa: E402
+from autofit.spec.batch import default_loss  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 
 def _pass_through(func, args, kwargs, cuda):
@@ -35,6 +40,7 @@ def _seconds(batch: dict) -> float:
 
 
 def main() -> None:
+    no_options(__doc__)
     ids = torch.randint(0, 50000, (2, 1024))
     batch = {"input_ids": ids, "labels": ids}
     sized, times = sized_kernels.run, {"sized_kernels.run": [], "pass-through": []}

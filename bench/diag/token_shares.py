@@ -11,10 +11,16 @@ CPU): sample shares 1.8% (halves) and 27.6% (quarters); target shares 1e-7, floa
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from autofit.spec.shares import target_counts
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from autofit.spec.shares import target_counts  # noqa: E402
+from bench.cli import no_options  # noqa: E402
 
 LENGTHS = [8, 64, 12, 60, 5, 40, 30, 64]
 
@@ -27,6 +33,7 @@ def gradient(model, ids, labels, pieces, weights) -> torch.Tensor:
 
 
 def main() -> None:
+    no_options(__doc__)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
