@@ -213,7 +213,7 @@ def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
         return None
     if facts.trainable_params != facts.num_params:
         return None
-    key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+    key = _depth_field(config)
     if getattr(config, key, None) != facts.num_blocks:
         return None
     from autofit.spec.model_info import find_blocks
@@ -222,6 +222,22 @@ def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
     # list per stage): fewer of them is another model, not a shallower one
     shapes = {tuple(p.shape for p in block.parameters()) for block in find_blocks(model)[1]}
     return key if len(shapes) == 1 else None
+
+
+DECODER_DEPTHS = ("decoder_layers", "num_decoder_layers")  # a seq2seq config's decoder depth: BART's, ProphetNet's
+
+
+def _depth_field(config: Any) -> str:
+    """The field of `config` that holds the model's depth. A seq2seq config's decoder trained alone
+    (`BartForCausalLM`, `ProphetNetForCausalLM`: `is_decoder` set, no encoder) is as deep as its decoder
+    field says; its `num_hidden_layers` is the encoder's (BART's attribute map) or the sum of both
+    (ProphetNet's property), which a shallow copy's decoder does not follow."""
+    fields = config.to_dict()
+    if getattr(config, "is_decoder", False):
+        decoder = next((name for name in DECODER_DEPTHS if name in fields), None)
+        if decoder is not None:
+            return decoder
+    return getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
 
 
 def _keep_patterns(data: dict, depth: int) -> None:

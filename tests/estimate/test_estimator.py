@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import BartConfig, BartForCausalLM, LlamaConfig, ProphetNetConfig, ProphetNetForCausalLM
 
 from autofit.config import Config
 from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator, ModelFacts, predict_peak
@@ -137,6 +137,26 @@ def test_two_blocks_read_at_the_whole_depth_match_every_block_simulated():
     assert "blocks" not in how and two == full
     every_block, how = Estimator(deep, full_depth=True).activations(config)  # kept apart from the two blocks'
     assert every_block == full and "blocks" not in how
+
+
+@pytest.mark.parametrize("hf", [
+    BartConfig(vocab_size=300, d_model=64, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128),
+    ProphetNetConfig(vocab_size=300, hidden_size=64, num_encoder_layers=4, num_decoder_layers=4,
+                     num_encoder_attention_heads=4, num_decoder_attention_heads=4, encoder_ffn_dim=128,
+                     decoder_ffn_dim=128, max_position_embeddings=128),
+], ids=["bart", "prophetnet"])
+def test_a_seq2seq_decoder_trained_alone_is_read_at_two_blocks(hf):
+    """`BartForCausalLM` and its kin: the depth is the decoder's field, not `num_hidden_layers` (BART's maps to
+    the encoder's depth, ProphetNet's sums both). Was: the shallow copy cut the encoder's field, its cache had
+    fewer layers than its decoder ("list index out of range"), and every row rested on the formula."""
+    model = {BartConfig: BartForCausalLM, ProphetNetConfig: ProphetNetForCausalLM}[type(hf)]
+    spec = make_spec(lambda: model(hf), None, seq_len=64, device="cpu", memory_budget="4GiB")
+    config = Config(attention="sdpa", micro_batch_size=2)
+    two, how = Estimator(spec).activations(config)
+    assert "at 2 of 4 blocks" in how
+    full, _ = Estimator(spec, full_depth=True).activations(config)
+    assert two.forward == full.forward and two.peak == full.peak
 
 
 def test_depths_the_units_do_not_divide_are_extrapolated():
