@@ -14,7 +14,9 @@ the simulation says so as before.
 
 A value read to decide (`if mask.any()`) is the batch's own. What no input determines stays unknown: a
 random draw, an allocation left unfilled (`torch.empty`). An in-place op whose inputs are not all known
-forgets the value of what it writes.
+forgets the value of what it writes (not of its index or source: Qwen3-VL writes its activations at a known
+mask's positions layer after layer). A tensor made of scalars read from known values (`torch.tensor(list)`,
+Qwen2-VL's rope index) is made of their values and known.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            unset_fake_temporarily)
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -53,6 +56,15 @@ class KnownValues(TorchDispatchMode):
                 with unset_fake_temporarily():  # a copy: an in-place op computed on it leaves the batch as it was
                     self._values[fake] = value.detach().cpu().clone()
 
+    def __enter__(self) -> "KnownValues":
+        self._constants = _KnownConstants(self)
+        self._constants.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._constants.__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         tensors = list(_tensors(args, kwargs))
@@ -66,8 +78,8 @@ class KnownValues(TorchDispatchMode):
                 return func(*self._positions(args), **kwargs)
             raise
         if not (known and self._compute(func, args, kwargs, out)) and _writes(func):
-            for tensor in tensors:  # written with values not computed: what it (and its base) held is not its value
-                self._values.pop(tensor, None)
+            for tensor in _written(func, args, kwargs):  # written with values not computed: what it (and its base)
+                self._values.pop(tensor, None)            # held is not its value; its index and source keep theirs
                 if tensor._base is not None:
                     self._values.pop(tensor._base, None)
         return out
@@ -152,6 +164,29 @@ class KnownValues(TorchDispatchMode):
         return (args[0], indices, *args[2:])
 
 
+class _KnownConstants(TorchFunctionMode):
+    """`torch.tensor(data)` over scalars the step read from known values (Qwen2-VL's rope index gathers each
+    sample's `positions.max() + 1 - length` in a list and makes a tensor of it): made of the values, which
+    fake tensors cannot give it ("its data is not allocated"), and known itself."""
+
+    def __init__(self, known: KnownValues) -> None:
+        super().__init__()
+        self._known = known
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in (torch.tensor, torch.as_tensor) or not args:
+            return func(*args, **kwargs)
+        fakes = [leaf for leaf in tree_flatten(args[0])[0] if isinstance(leaf, FakeTensor)]
+        if not fakes or not all(self._known._known(fake) for fake in fakes):
+            return func(*args, **kwargs)
+        data = tree_map(lambda leaf: self._known._value(leaf).tolist() if isinstance(leaf, FakeTensor) else leaf, args[0])
+        out = func(data, *args[1:], **kwargs)
+        with unset_fake_temporarily():
+            self._known._values[out] = torch.tensor(data, dtype=out.dtype)
+        return out
+
+
 def _compacted(arguments: Any, shape: torch.Size) -> Any:
     """The real `arguments` of a pointwise op of output `shape`, each broadcast to it and cut to one element
     along every dimension that all of them repeat (stride 0); `KNOWN_NUMEL` elements at most, else ValueError."""
@@ -201,3 +236,13 @@ def _writes(func: Any) -> bool:
     """Whether `func` writes one of its arguments (an in-place or `out=` op)."""
     schema = getattr(func, "_schema", None)
     return schema is not None and schema.is_mutable
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The tensors `func` writes: its arguments the schema marks written (`Tensor(a!)`: `index_put_`'s self,
+    not its indices or values), given alone or in a list."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+        yield from _tensors((value,), {})

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autofit.spec.batch import leading_dim, map_fields, plain
+from autofit.spec.batch import leading_dim, map_fields, packed_fields, packed_rows, plain, without_packed
 
 
 def slice_rows(batch: Any, start: int, count: int) -> Any:
@@ -21,12 +21,15 @@ def slice_rows(batch: Any, start: int, count: int) -> Any:
         return batch.narrow(0, start, count)
     if type(batch) in (tuple, list) and all(isinstance(x, torch.Tensor) for x in batch):
         return type(batch)(x.narrow(0, start, count) for x in batch)
-    if type(batch) is dict and all(isinstance(x, torch.Tensor) for x in batch.values()):
-        return {key: x.narrow(0, start, count) for key, x in batch.items()}
     batch = plain(batch)
-    return map_fields(batch, leading_dim(batch), lambda part: tree_map(
+    packed = packed_fields(batch)  # Qwen2-VL's images: patches packed over the samples
+    if type(batch) is dict and not packed and all(isinstance(x, torch.Tensor) for x in batch.values()):
+        return {key: x.narrow(0, start, count) for key, x in batch.items()}
+    size = leading_dim(batch)
+    sliced = map_fields(without_packed(batch), size, lambda part: tree_map(
         lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, part),
         lambda values: values[start:start + count])
+    return {**sliced, **packed_rows(batch, size, range(start, start + count))} if packed else sliced
 
 
 def rows(batch: Any) -> int:

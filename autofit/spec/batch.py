@@ -10,7 +10,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -49,8 +49,10 @@ def leading_dim(batch: Batch) -> int:
     """Number of samples in `batch`; all tensors must agree on their first axis, but those of a dict
     field holding one dict per sample (`_targets`: detection targets), which holds one per sample."""
     batch = plain(batch)
-    batched = {k: v for k, v in batch.items() if not _targets(v)} if isinstance(batch, dict) else batch
+    batched = {k: v for k, v in without_packed(batch).items() if not _targets(v)} if isinstance(batch, dict) else batch
     size = _tensor_rows(batched, batch)
+    for fields in packed_fields(batch):
+        _sample_spans(batch, size, *fields)  # checks the packed images against the samples' placeholders
     for key, value in (batch.items() if isinstance(batch, dict) else ()):
         if _targets(value) and len(value) != size:
             raise UsageError(f"batch[{key!r}] holds {len(value)} per-sample entries, but the batch's tensors hold "
@@ -99,8 +101,76 @@ def take_rows(batch: Batch, start: int, count: int) -> Batch:
             return leaf
         return leaf.index_select(0, index.to(leaf.device))
 
-    rows = index.tolist()
-    return map_fields(plain(batch), size, lambda part: tree_map(take, part), lambda values: [values[i] for i in rows])
+    rows, batch = index.tolist(), plain(batch)
+    taken = map_fields(without_packed(batch), size, lambda part: tree_map(take, part), lambda values: [values[i] for i in rows])
+    return {**taken, **packed_rows(batch, size, rows)} if packed_fields(batch) else taken
+
+
+# Qwen2-VL and its kin (Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V) take every image's patches packed in one
+# tensor, patches first, and one row per image of its grid (frames, height, width in patches); the tokens that
+# stand for them are marked in `mm_token_type_ids`, 1 for an image's and 2 for a video's (transformers'
+# Qwen2VLProcessor, `create_mm_token_type_ids`). A sample's images are the next ones in order whose tokens
+# (patches over the merge factor, the same for every image) make its count.
+PACKED = (("pixel_values", "image_grid_thw", 1), ("pixel_values_videos", "video_grid_thw", 2))
+
+
+def packed_fields(batch: Batch) -> list[tuple[str, str, int]]:
+    """The (patches, grid, token type) fields of `PACKED` a dict batch holds."""
+    if not isinstance(batch, dict):
+        return []
+    return [fields for fields in PACKED if isinstance(batch.get(fields[1]), torch.Tensor)
+            and isinstance(batch.get(fields[0]), torch.Tensor)]
+
+
+def without_packed(batch: Batch) -> Batch:
+    """`batch` less its packed patches and grids (its fields with a sample axis)."""
+    packed = {name for fields in packed_fields(batch) for name in fields[:2]}
+    return {key: value for key, value in batch.items() if key not in packed} if packed else batch
+
+
+def packed_rows(batch: dict, size: int, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The packed patches and grids of samples `rows` (of `size`), in their order: views where the rows are
+    one run, as a micro-batch's are."""
+    out = {}
+    for patches, grid, kind in packed_fields(batch):
+        spans = _sample_spans(batch, size, patches, grid, kind)
+        for name, pick in ((patches, 0), (grid, 1)):
+            out[name] = _span_rows(batch[name], [spans[row][pick] for row in rows])
+    return out
+
+
+def _span_rows(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return tensor.narrow(0, spans[0][0], spans[-1][1] - spans[0][0])
+    index = torch.cat([torch.arange(start, end) for start, end in spans])
+    return tensor.index_select(0, index.to(tensor.device))
+
+
+def _sample_spans(batch: dict, size: int, patches: str, grid: str,
+                  kind: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each sample's (first, end) rows of `batch[patches]` and of `batch[grid]`; `UsageError` where the
+    packed images do not make the samples' placeholder tokens."""
+    types = batch.get("mm_token_type_ids")
+    if not isinstance(types, torch.Tensor) or types.dim() != 2 or types.shape[0] != size:
+        raise UsageError(f"batch[{patches!r}] packs every sample's patches in one tensor (with {grid!r}, as Qwen2-VL's "
+                         "processor makes them); autofit needs the processor's 'mm_token_type_ids' too, one row per "
+                         "sample, to tell which images are whose: pass the processor's whole output.")
+    tokens = (types == kind).sum(dim=1).tolist()
+    sizes = batch[grid].prod(dim=1).tolist()
+    if sum(sizes) != batch[patches].shape[0] or not sum(tokens) or sum(sizes) % sum(tokens):
+        raise UsageError(f"batch[{grid!r}] gives {sum(sizes)} patches for batch[{patches!r}]'s "
+                         f"{batch[patches].shape[0]} rows and the {sum(tokens)} placeholder tokens "
+                         f"'mm_token_type_ids' marks {kind}: pass the processor's output as it made it.")
+    merge, spans, image, patch = sum(sizes) // sum(tokens), [], 0, 0
+    for count in tokens:
+        first = (patch, image)
+        while count > 0 and image < len(sizes):
+            count, patch, image = count - sizes[image] // merge, patch + sizes[image], image + 1
+        if count:
+            raise UsageError(f"batch[{grid!r}]'s images do not make each sample's placeholder tokens in order "
+                             f"('mm_token_type_ids' == {kind}): pass the processor's output as it made it.")
+        spans.append(((first[0], patch), (first[1], image)))
+    return spans
 
 
 def map_fields(batch: Batch, size: int, tensors: Callable[[Any], Any], per_sample: Callable[[Any], Any]) -> Batch:

@@ -13,7 +13,8 @@ from typing import Any
 from autofit.errors import UsageError
 from autofit.spec.batch import BatchFactory
 from autofit.spec.synthetic_batches import (OBJECTS_PER_IMAGE, DetectionBatches, Field, MaskBatches, SyntheticBatches,
-                                            TokenBatches, VisionLanguageBatches, WithPixels)
+                                            PackedImageBatches, TokenBatches, VisionLanguageBatches,
+                                            WithPixels)
 
 
 def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None = None) -> tuple[BatchFactory, str]:
@@ -25,7 +26,8 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     rows (`_feature_frames`: Speech2Text, Parakeet, Wav2Vec2-BERT); waveform models (wav2vec2)
     `seq_len` audio samples and CTC transcripts or clip labels (`_audio`); image-text models (CLIP,
     SigLIP) token ids, pixel values and `return_loss`; vision-language models an image's placeholder
-    tokens and text (`VisionLanguageBatches`); image-to-text encoder-decoders (VisionEncoderDecoder:
+    tokens and text (`VisionLanguageBatches`; `PackedImageBatches` where the image's patches are packed over
+    the samples, Qwen2-VL and its kin); image-to-text encoder-decoders (VisionEncoderDecoder:
     TrOCR, Donut, captioners) pixel values and decoder labels of `seq_len` tokens; image models pixel
     values and a label per image or per pixel, video models a clip of frames (`_image`; a `seq_len` is refused
     there); token classifiers a label per token; sequence classifiers a label per sample (ids ending in one
@@ -387,20 +389,46 @@ def _image_text_to_text(config: Any, seq_len: int | None, name: str,
     """Vision-language models trained as a language model over an image's tokens (LLaVA, PaliGemma,
     Gemma 3, InternVL): `VisionLanguageBatches` of `seq_len` tokens (default the text model's maximum
     positions, at most 2048), one image at the vision config's size."""
+    if "image_grid_thw" in params:
+        return _packed_image_text(config, seq_len, name)
     count, text = image_tokens(config), getattr(config, "text_config", config)
     if count is None or getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT's tiles follow the image
         raise UsageError(f"Cannot synthesize a batch for {name or type(config).__name__}: the tokens it gives an "
                          "image follow the image's size and tiling; pass a batch (its processor's output for an image "
                          "and a text) or a make_batch(batch_size) factory.")
     length = _length(text, seq_len)
-    if length <= count:
-        raise UsageError(f"seq_len {length} leaves no text after the image's {count} tokens in {name}; give "
-                         f"--seq-len above {count}.")
+    _room_for_text(length, count, name)
     pixels, _ = _pixels(config.vision_config)
     batches = VisionLanguageBatches(pixels, int(config.image_token_id), count, length, int(text.vocab_size),
                                     "token_type_ids" in params)
     return batches, (f"input_ids of {length} tokens ({count} image tokens, {length - count} of text, labels on the "
                      f"text) and pixel_values {_shape(pixels)}")
+
+
+def _room_for_text(length: int, count: int, name: str) -> None:
+    if length <= count:
+        raise UsageError(f"seq_len {length} leaves no text after the image's {count} tokens in {name}; give "
+                         f"--seq-len above {count}.")
+
+
+PACKED_IMAGE_SIDE = 32  # patches along each side of a synthesized image: 448 x 448 pixels at Qwen2-VL's 14, 256 tokens
+
+
+def _packed_image_text(config: Any, seq_len: int | None, name: str) -> tuple[BatchFactory, str]:
+    """Vision-language models whose images' patches are packed over the samples and whose tokens follow the
+    image's size (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V): `PackedImageBatches` of `seq_len` tokens
+    (default the text model's maximum positions, at most 2048), one image of `PACKED_IMAGE_SIDE` patches a
+    side per sample."""
+    vision, text = config.vision_config, getattr(config, "text_config", config)
+    patch, frames = int(vision.patch_size), int(vision.temporal_patch_size)
+    batches = PackedImageBatches(int(config.image_token_id), (1, PACKED_IMAGE_SIDE, PACKED_IMAGE_SIDE),
+                                 int(vision.spatial_merge_size) ** 2, int(vision.in_channels) * frames * patch * patch,
+                                 _length(text, seq_len), int(text.vocab_size))
+    count, length = batches.image_tokens, batches.length
+    _room_for_text(length, count, name)
+    side = PACKED_IMAGE_SIDE * patch
+    return batches, (f"input_ids of {length} tokens ({count} image tokens, {length - count} of text, labels on the "
+                     f"text) and one {side}x{side} image's {batches.patches} patches packed")
 
 
 # Models that number positions from padding_idx + 1, as fairseq did (transformers'

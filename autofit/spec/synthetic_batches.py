@@ -86,6 +86,40 @@ class VisionLanguageBatches:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackedImageBatches:
+    """make_batch(n) for a vision-language model that packs its images' patches over the samples (Qwen2-VL
+    and its kin: `autofit.spec.batch.PACKED`): one image a sample of `grid` (frames, height, width in
+    patches), its `image_tokens` placeholders first (a placeholder per `merge` patches) then random text,
+    labels on the text; the patches (`patch_values` each) packed in `pixel_values`, a grid row per image in
+    `image_grid_thw`, and `mm_token_type_ids` 1 on the image, as the model's processor makes them."""
+
+    image_token: int
+    grid: tuple[int, int, int]
+    merge: int
+    patch_values: int
+    length: int
+    vocab: int
+
+    @property
+    def patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def image_tokens(self) -> int:
+        return self.patches // self.merge
+
+    def __call__(self, n: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(0)
+        text = _ids_without(self.image_token, 0, self.vocab, (n, self.length - self.image_tokens), gen)
+        image = torch.full((n, self.image_tokens), self.image_token)
+        return {"input_ids": torch.cat([image, text], dim=1),
+                "labels": torch.cat([torch.full_like(image, -100), text], dim=1),
+                "mm_token_type_ids": torch.cat([torch.ones_like(image), torch.zeros_like(text)], dim=1),
+                "pixel_values": torch.randn((n * self.patches, self.patch_values), generator=gen),
+                "image_grid_thw": torch.tensor([self.grid] * n)}
+
+
+@dataclasses.dataclass(frozen=True)
 class WithPixels:
     """make_batch(n): `text`'s batch of n samples with their images' `pixels` (`_document`)."""
 

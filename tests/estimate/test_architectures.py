@@ -7,13 +7,17 @@ import pytest
 import torch
 from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig, ConvNextConfig, Data2VecAudioConfig, DebertaV2Config, DetrConfig, Dinov2Config, DistilBertConfig,
                           Gemma3Config, GitConfig, GPT2Config, GPTNeoConfig, LayoutLMv3Config, LlamaConfig, LlavaConfig, Mask2FormerConfig, MixtralConfig, ParakeetCTCConfig,
-                          ResNetConfig, OPTConfig, SegformerConfig, TimesformerConfig, VideoMAEConfig, VivitConfig, Speech2TextConfig, SpeechT5Config, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
+                          ResNetConfig, OPTConfig, Qwen2VLConfig, Qwen3VLConfig, SegformerConfig, TimesformerConfig, VideoMAEConfig, VivitConfig, Speech2TextConfig, SpeechT5Config, SwinConfig, T5Config, ViTConfig, ViTMAEConfig,
                           VisionEncoderDecoderConfig, Wav2Vec2BertConfig, Wav2Vec2Config, WhisperConfig)
 
 from autofit.cli.main import main
+from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.estimate.dry_run import dry_run
-from autofit.strategies import MicroBatch, Precision
+from autofit.estimate.estimator import predict_peak
+from autofit.estimate.tolerance import PREDICTION_TOLERANCE
+from autofit.probe.run import run_probe
+from autofit.strategies import MicroBatch, Precision, default_strategies
 
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SMALL_LM = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -106,6 +110,25 @@ ARCHITECTURES = {
     "gemma3": (Gemma3Config(text_config=SMALL_LM, vision_config=SMALL_VIT, image_token_id=299, mm_tokens_per_image=4,
                             boi_token_index=297, eoi_token_index=298, architectures=["Gemma3ForConditionalGeneration"]),
                {"input_ids": (32,), "labels": (32,), "pixel_values": (3, 28, 28), "token_type_ids": (32,)}),
+    # Qwen2-VL and its kin: the image's patches packed over the samples, a grid row per image, its tokens
+    # following its size (was: refused, "pass a batch"); Qwen3-VL adds its deepstack features at the image's
+    # positions layer after layer
+    "qwen2-vl": (Qwen2VLConfig(text_config=dict(SMALL_LM, max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                               vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14,
+                                                  spatial_merge_size=2, temporal_patch_size=2),
+                               image_token_id=299, video_token_id=298, vision_start_token_id=297,
+                               vision_end_token_id=296, architectures=["Qwen2VLForConditionalGeneration"]),
+                 {"input_ids": (300,), "labels": (300,), "mm_token_type_ids": (300,), "pixel_values": (1176,),
+                  "image_grid_thw": (3,)}),
+    "qwen3-vl": (Qwen3VLConfig(text_config=dict(SMALL_LM, max_position_embeddings=512, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                          "mrope_interleaved": True}),
+                               vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                  out_hidden_size=32, patch_size=16, spatial_merge_size=2,
+                                                  temporal_patch_size=2, deepstack_visual_indexes=[0, 1]),
+                               image_token_id=299, video_token_id=298, vision_start_token_id=297,
+                               vision_end_token_id=296, architectures=["Qwen3VLForConditionalGeneration"]),
+                 {"input_ids": (300,), "labels": (300,), "mm_token_type_ids": (300,), "pixel_values": (1536,),
+                  "image_grid_thw": (3,)}),
     # BLIP-2: its query tokens are the image's placeholders (was: "follow the image's size", no batch)
     "blip2": (Blip2Config(vision_config=dict(**SMALL_VIT), text_config=OPTConfig(
         vocab_size=300, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=32,
@@ -178,7 +201,7 @@ ARCHITECTURES = {
                                       architectures=["Mask2FormerForUniversalSegmentation"]),
                     {"pixel_values": (3, 64, 64)}),
 }
-SEQ_LEN = {"wav2vec2-ctc": 1600, "speecht5-asr": 1600, "data2vec-audio-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
+SEQ_LEN = {"qwen2-vl": 300, "qwen3-vl": 300, "wav2vec2-ctc": 1600, "speecht5-asr": 1600, "data2vec-audio-ctc": 1600, "parakeet-ctc": 240, "w2v-bert-ctc": 240, "vit": None, "vit-mae": None, "dinov2": None, "convnext": None, "segformer": None, "resnet": None,
            "detr": None, "mask2former": None, "videomae": None, "vivit": None, "timesformer": None}  # audio samples, feature frames; images: none
 
 
@@ -423,3 +446,21 @@ def test_a_step_that_fails_past_one_sample_says_why_it_rests_on_the_formula(tmp_
     config = Config(micro_batch_size=8)
     assert not estimator.simulated(config)
     assert estimator.activations(config)[1].startswith("simulation failed (ValueError: Cannot handle batch sizes > 1")
+
+
+@pytest.mark.parametrize("config", [Config(attention="eager", micro_batch_size=1, grad_accum_steps=2),
+                                    Config(precision="bf16", attention="sdpa", checkpointing="full", micro_batch_size=2)],
+                         ids=lambda c: c.describe())
+def test_packed_images_are_predicted_as_the_cpu_probe_peaks(tmp_path, config):
+    """Qwen2-VL on its synthesized batch: the probe's micro-batches take their own samples' packed patches, and
+    the simulated step peaks as the probe measures it."""
+    from autofit.spec.models import resolve_model
+    from autofit.spec.train import make_spec
+
+    factory, _, _ = resolve_model(str(_config_file(tmp_path, "qwen2-vl")))
+    spec = make_spec(factory, seq_len=300, global_batch_size=2, device="cpu", memory_budget="2GiB", warmup_steps=1,
+                     timed_steps=1)
+    measured, predicted = run_probe(spec, config, default_strategies()), predict_peak(spec, config)
+    assert measured.fits, measured.reason
+    assert "simulated under fake tensors" in predicted.reason
+    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) < PREDICTION_TOLERANCE["cpu"], (predicted, measured)

@@ -47,6 +47,33 @@ def test_shapes_that_depend_on_the_batch_are_the_real_ones():
     assert real["ids"].tolist() == [[5, 2, 7, 2], [2, 9, 9, 2]]  # the batch itself is never written
 
 
+def test_a_masked_write_forgets_what_it_writes_not_its_mask():
+    """Qwen3-VL adds its deepstack features at the image's positions layer after layer (`hidden[mask, :] =
+    hidden[mask, :] + features`): the write is unknown, the mask stays known for the next layer (was: every
+    tensor of the write forgotten, the second layer's index failed, and the rows rested on the formula)."""
+    real = {"ids": torch.tensor([[5, 2, 7, 2], [2, 9, 9, 2]])}
+    fake, known, batch = _fake_with_values(real)
+    with fake, known:
+        hidden, mask = torch.empty(2, 4, 8), batch["ids"].eq(2)
+        for _ in range(2):
+            hidden[mask, :] = hidden[mask, :] + torch.ones(4, 8)
+        assert tuple(mask.nonzero().shape) == (4, 2)
+        mask.copy_(torch.empty(2, 4, dtype=torch.bool))  # itself written with no known value: forgotten
+        with pytest.raises(DynamicOutputShapeException):
+            mask.nonzero()
+
+
+def test_a_tensor_made_of_known_scalars_holds_their_values():
+    """Qwen2-VL's rope index lists each sample's `positions.max() + 1 - length` and makes a tensor of the
+    list: made of the values (fake tensors hold none: "its data is not allocated"), and known itself."""
+    real = {"ids": torch.tensor([[5, 2, 7, 2], [2, 9, 9, 9]])}
+    fake, known, batch = _fake_with_values(real)
+    with fake, known:
+        counts = [row.eq(2).sum() for row in batch["ids"]]
+        made = torch.tensor(counts)
+        assert tuple(torch.arange(4).repeat_interleave(made[:2].repeat(2)).shape) == (6,)
+
+
 def test_a_mask_broadcast_past_the_size_kept_is_computed_once_along_what_it_repeats():
     """transformers expands a padding mask to samples x 1 x queries x keys and casts it before cutting it back
     to samples x keys (LED's `_prepare_4d_attention_mask_inverted(...)[:, 0, 0, :]`): past `KNOWN_NUMEL`

@@ -160,3 +160,39 @@ def test_a_model_taking_any_keyword_gets_every_key():
     assert call_model(AnyKeyword(), _labelled(2)) == ["ids", "labels", "mask"]
 
 
+
+
+def _packed_batch():
+    """Qwen2-VL's processor output for 3 samples: sample 1 holds two images (2 and 4 placeholders), the others
+    one; a placeholder per 4 patches (spatial_merge_size 2); each patch's row holds its own index."""
+    types = torch.zeros(3, 12, dtype=torch.long)
+    types[0, 1:5] = types[1, 1:3] = types[1, 5:9] = types[2, 2:6] = 1
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4], [1, 4, 4], [1, 4, 4]])
+    patches = torch.arange(56.0)[:, None].repeat(1, 6)
+    return {"input_ids": torch.randint(3, 100, (3, 12)), "mm_token_type_ids": types, "pixel_values": patches,
+            "image_grid_thw": grid}
+
+
+def test_packed_images_go_with_their_samples():
+    """Qwen2-VL and its kin pack every image's patches in one tensor and a grid row per image: a micro-batch
+    takes its own samples' images (was: "The batch's tensors disagree on the sample axis")."""
+    from autofit.guard.parts import slice_rows
+
+    batch = _packed_batch()
+    assert leading_dim(batch) == 3
+    taken = take_rows(batch, 2, 3)  # samples 2, 0, 1: wrapping around
+    assert taken["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4], [1, 2, 4], [1, 4, 4]]
+    assert taken["pixel_values"][:, 0].tolist() == [*range(40, 56), *range(0, 40)] and leading_dim(taken) == 3
+    sliced = slice_rows(batch, 1, 2)  # a micro-batch: views
+    assert sliced["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 4], [1, 4, 4]]
+    assert sliced["pixel_values"][:, 0].tolist() == list(range(16, 56)) and sliced["pixel_values"]._base is not None
+    assert sliced["input_ids"].shape == (2, 12)
+
+
+def test_packed_images_need_the_token_types_that_place_them():
+    batch = _packed_batch()
+    with pytest.raises(UsageError, match="needs the processor's 'mm_token_type_ids' too"):
+        leading_dim({key: value for key, value in batch.items() if key != "mm_token_type_ids"})
+    batch["image_grid_thw"] = batch["image_grid_thw"][:3]
+    with pytest.raises(UsageError, match=r"gives 40 patches for batch\['pixel_values'\]'s 56 rows"):
+        leading_dim(batch)
