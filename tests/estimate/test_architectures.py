@@ -464,3 +464,14 @@ def test_packed_images_are_predicted_as_the_cpu_probe_peaks(tmp_path, config):
     assert measured.fits, measured.reason
     assert "simulated under fake tensors" in predicted.reason
     assert abs(predicted.peak_bytes / measured.peak_bytes - 1) < PREDICTION_TOLERANCE["cpu"], (predicted, measured)
+
+
+def test_a_config_lacking_a_field_its_model_reads_names_it(tmp_path, capsys):
+    """DBRX's default attention config has no rope_theta, which its model reads: the build's AttributeError was
+    a traceback; now the usage error that names the field."""
+    from transformers import DbrxConfig
+
+    DbrxConfig(architectures=["DbrxForCausalLM"]).to_json_file(tmp_path / "config.json")
+    assert main(["dry-run", "--model", str(tmp_path / "config.json"), "--global-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "transformers cannot build DbrxForCausalLM from this DbrxConfig: AttributeError" in err and "rope_theta" in err
