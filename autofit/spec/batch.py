@@ -1,7 +1,8 @@
 """Batches as users give them: a tensor, a tuple/list of tensors, or a dict of tensors (Hugging Face).
 
-Every tensor's first axis is the sample axis. A sample batch is turned into a factory of batches of any
-size by taking its rows cyclically, so micro-batches are exact slices of the global batch.
+Every tensor's first axis is the sample axis, but the images Qwen2-VL and its kin pack over the samples
+(`PACKED`), which go with the samples whose placeholders they fill. A sample batch is turned into a factory
+of batches of any size by taking its rows cyclically, so micro-batches are exact slices of the global batch.
 """
 
 from __future__ import annotations
