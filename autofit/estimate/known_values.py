@@ -180,7 +180,8 @@ class _KnownConstants(TorchFunctionMode):
         fakes = [leaf for leaf in tree_flatten(args[0])[0] if isinstance(leaf, FakeTensor)]
         if not fakes or not all(self._known._known(fake) for fake in fakes):
             return func(*args, **kwargs)
-        data = tree_map(lambda leaf: self._known._value(leaf).tolist() if isinstance(leaf, FakeTensor) else leaf, args[0])
+        data = tree_map(lambda leaf: self._known._value(leaf).tolist() if isinstance(leaf, FakeTensor) else leaf,
+                        args[0])
         out = func(data, *args[1:], **kwargs)
         with unset_fake_temporarily():
             self._known._values[out] = torch.tensor(data, dtype=out.dtype)

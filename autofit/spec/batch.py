@@ -103,7 +103,8 @@ def take_rows(batch: Batch, start: int, count: int) -> Batch:
         return leaf.index_select(0, index.to(leaf.device))
 
     rows, batch = index.tolist(), plain(batch)
-    taken = map_fields(without_packed(batch), size, lambda part: tree_map(take, part), lambda values: [values[i] for i in rows])
+    taken = map_fields(without_packed(batch), size, lambda part: tree_map(take, part),
+                       lambda values: [values[i] for i in rows])
     return {**taken, **packed_rows(batch, size, rows)} if packed_fields(batch) else taken
 
 

@@ -238,7 +238,7 @@ def build_model(config: Any) -> Any:
     build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     try:
         return build(config, dtype=torch.float32)
-    except (AssertionError, AttributeError, ValueError, TypeError, KeyError, IndexError) as exc:  # fields disagree or lack
+    except (AssertionError, AttributeError, ValueError, TypeError, KeyError, IndexError) as exc:  # a field wrong or missing
         raise UsageError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this "
                          f"{type(config).__name__}: {type(exc).__name__}: {exc}. Check the config's fields (e.g. "
                          "pad_token_id below vocab_size).") from exc
