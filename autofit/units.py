@@ -45,6 +45,19 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     )
 
 
+def parse_length(value: int | str, what: str = "seq_len") -> int:
+    """A sequence length as people type it: 4096, "4,096" or "4k" (k = 1,024, as context lengths are named:
+    8k = 8,192, 128k = 131,072)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().replace(",", "").replace("_", "")
+    scale = 1024 if text[-1:] in ("k", "K") else 1
+    digits = text[:-1] if scale > 1 else text
+    if isinstance(value, str) and digits.isdigit():
+        return int(digits) * scale
+    raise UsageError(f"{what}={value!r} is not a length: pass a whole number, e.g. 4096, or '4k' (k = 1,024).")
+
+
 def _separators(value: object) -> str:
     """The fix for a size written with a decimal comma or digit separators ("4,5GiB", "4_000MB")."""
     if not isinstance(value, str) or not any(mark in value for mark in ",_'"):

@@ -36,3 +36,13 @@ def test_format_size():
     assert format_size(5 * 2**30) == "5.00 GiB"
     assert format_size(512) == "512 B"
     assert format_size(None) == "-"
+
+
+def test_a_length_as_people_type_it_in_code_too():
+    """`autofit.dry_run(..., seq_len="1k")` as `--seq-len 1k` takes it (was: "seq_len must be an integer")."""
+    from autofit.units import parse_length
+
+    assert [parse_length(v) for v in (4096, "4,096", "4k", "128K", " 2_048 ")] == [4096, 4096, 4096, 131072, 2048]
+    for typo in ("2.5k", "4kb", True, 4096.0):
+        with pytest.raises(UsageError, match="is not a length: pass a whole number"):
+            parse_length(typo)

@@ -32,7 +32,7 @@ from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model,
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, failure, skip_counts
-from autofit.units import format_size
+from autofit.units import format_size, parse_length
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -240,12 +240,10 @@ class Length(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        text = str(value).strip().replace(",", "").replace("_", "")
-        scale = 1024 if text[-1:] in ("k", "K") else 1
-        digits = text[:-1] if scale > 1 else text
-        if digits.isdigit():
-            return int(digits) * scale
-        self.fail(f"{value!r} is not a length: pass a whole number, e.g. 4096, or 4k (k = 1,024)", param, ctx)
+        try:
+            return parse_length(str(value))
+        except UsageError:
+            self.fail(f"{value!r} is not a length: pass a whole number, e.g. 4096, or 4k (k = 1,024)", param, ctx)
 
 
 LENGTH = Length()

@@ -23,7 +23,7 @@ from autofit.spec.model_info import ModelInfo, build_on_meta, inspect_model
 from autofit.spec.optimizer_costs import OptimizerCosts, measure, stand_ins
 from autofit.spec.sample_axis import check_sample_axis
 from autofit.spec.target import Target
-from autofit.units import format_size, parse_size
+from autofit.units import format_size, parse_length, parse_size
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -140,6 +140,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     if global_batch_size is None or global_batch_size > num_gpus:  # a rank's batch may hold more than one sample
         presets.check_padding(model if isinstance(model, nn.Module) else meta_model)
     if seq_len is not None:
+        seq_len = parse_length(seq_len)  # "4k" as the CLI takes it
         _check_positive("seq_len", seq_len)
     batch_factory, description = _batch_factory(batch, info, seq_len)
     sample = _checked_sample(batch_factory)
