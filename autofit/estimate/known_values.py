@@ -175,7 +175,7 @@ class _KnownConstants(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in (torch.tensor, torch.as_tensor) or not args:
+        if func not in (torch.tensor, torch.as_tensor) or not args or not isinstance(args[0], (list, tuple)):
             return func(*args, **kwargs)
         fakes = [leaf for leaf in tree_flatten(args[0])[0] if isinstance(leaf, FakeTensor)]
         if not fakes or not all(self._known._known(fake) for fake in fakes):

@@ -25,7 +25,7 @@ def slice_rows(batch: Any, start: int, count: int) -> Any:
     packed = packed_fields(batch)  # Qwen2-VL's images: patches packed over the samples
     if type(batch) is dict and not packed and all(isinstance(x, torch.Tensor) for x in batch.values()):
         return {key: x.narrow(0, start, count) for key, x in batch.items()}
-    size = leading_dim(batch)
+    size = leading_dim(without_packed(batch))  # the packed images are checked once, by packed_rows
     sliced = map_fields(without_packed(batch), size, lambda part: tree_map(
         lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, part),
         lambda values: values[start:start + count])
