@@ -8,6 +8,9 @@ chunk in PyTorch ops ("correct but much slower", transformers' own warning). The
 choice in the wrapper's closure (`package`, `is_new_implementation`); read here, a simulation on this
 machine can say what it ran instead of what a GPU machine with the packages runs: the reference path
 keeps more activations and issues far more kernels, so the prediction errs high on both there.
+Where the `kernels` package is installed (transformers requires it from 5.25), its decorator turns that
+wrapper into an `nn.Module` instance whose `forward` calls it (kernels/_internals/layer/layer.py,
+`_create_func_module`); the wrapper is read from that closure.
 """
 
 from __future__ import annotations
@@ -48,15 +51,27 @@ def _functions(paths: dict[str, tuple[str, ...]]) -> str:
 
 def _fallen_back(value: Any) -> str | None:
     """The package a hub-kernel wrapper falls back from, where it did (its closure says which)."""
-    if not inspect.isfunction(value) or not hasattr(value, "__wrapped__"):
+    wrapper = _hub_wrapper(value)
+    if wrapper is None:
         return None
-    try:
-        names = inspect.getclosurevars(value).nonlocals
-    except (TypeError, ValueError):
-        return None
+    names = _nonlocals(wrapper)
     if names.get("is_new_implementation") is False and isinstance(names.get("package"), str):
         return names["package"]
     return None
+
+
+def _hub_wrapper(value: Any) -> Any:
+    """transformers' fallback wrapper: the value itself, or the function a `kernels` module calls."""
+    if isinstance(value, nn.Module):
+        value = _nonlocals(type(value).forward).get("func")
+    return value if inspect.isfunction(value) and hasattr(value, "__wrapped__") else None
+
+
+def _nonlocals(function: Any) -> dict[str, Any]:
+    try:
+        return dict(inspect.getclosurevars(function).nonlocals)
+    except (TypeError, ValueError):
+        return {}
 
 
 def _distribution(package: str) -> str:
