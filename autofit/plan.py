@@ -1,7 +1,6 @@
 """Plan: the chosen configuration with what was measured for it, every probe, and the reason.
 
-This module owns the plan: choosing among the fits (`choose`: the confirmed choice of
-`autofit.search.confirm` when the finalists were re-measured, else the fastest fit), composing why it won
+This module owns the plan: the choice among the fits (`autofit.search.decision.choose`), composing why it won
 (`chosen_reason`: the confirmed ratio and its spread, the margin a numerics change cleared, a swapped
 optimizer said plainly) or why nothing fits (from recorded results and predictions only: no probe runs
 while a message is composed), and the value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
@@ -18,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config, Optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
-from autofit.search.confirm import Comparison, Confirmation, Finalist, Ratio
+from autofit.search.decision import Comparison, Confirmation, Finalist, Ratio, choose
 from autofit.units import format_size
+from autofit.version import __version__
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
@@ -131,15 +131,6 @@ class Plan:
             return "not measured (the OOM guard changed the configuration in a run; tune again to measure it)"
         tokens = f", {self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second else ""
         return f"{self.throughput:,.2f} samples/s{tokens}, peak {format_size(self.peak_memory)}"
-
-
-def choose(results: Sequence[ProbeResult], confirmation: Confirmation | None = None) -> ProbeResult | None:
-    """The confirmed choice's result when there is a confirmation, else the fit with the highest
-    measured throughput (what the walk's deadlines compare against)."""
-    fits = [r for r in results if r.fits]
-    if confirmation is not None:
-        return next((r for r in fits if r.config == confirmation.winner.config), None)
-    return max(fits, key=lambda r: r.samples_per_s, default=None)
 
 
 def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult], confirmation: Confirmation | None = None,
@@ -261,8 +252,6 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
     what to allow next. `plan.probes` holds the search's results, then every option and combination the
     space excluded. `predict(config)` (predicted peak bytes) names what the smallest candidate needs when
     nothing fits. The plan's throughput is the confirmed median where the finalists were re-measured."""
-    from autofit import __version__
-
     common = dict(probes=tuple(results) + tuple(space.excluded_results()), spec=space.spec.summary(),
                   autofit_version=__version__, confirmation=confirmation)
     best = choose(results, confirmation)

@@ -5,7 +5,7 @@
         loss = prepared.step(batch)         # micro-batches, autocast, backward, accumulation, optimizer step
 
 In the spirit of `accelerator.prepare`: every knob of the plan is applied with the code the probe ran
-(`Strategy.apply` on a `TrainRun`, as `autofit.probe.step.build_run` does): precision (autocast, the fp16
+(`Strategy.apply` on a `TrainRun`, as `autofit.strategies.run.build_run` does): precision (autocast, the fp16
 GradScaler), attention implementation, checkpointing, the optimizer, LoRA / quantized base weights, and
 the engine (DDP, ZeRO, FSDP2). So what was measured is what runs. The pieces stay reachable for a loop
 of your own (`prepared.model`, `.optimizer`, `.micro_batch_size`, `.grad_accum_steps`, `.autocast()`,
@@ -28,13 +28,13 @@ from torch import nn
 from autofit.config import Config, Engine
 from autofit.config import Optimizer as O
 from autofit.errors import UsageError
-from autofit.probe.step import TrainRun, checked_max_grad_norm
-from autofit.spec.batch import default_loss, leading_dim, to_device
-from autofit.spec.sample_axis import check_first_batch
-from autofit.spec.model_info import inspect_model
-from autofit.spec.shares import micro_batch_shares
-from autofit.spec.target import Target
-from autofit.spec.train import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
+from autofit.strategies.run import TrainRun, checked_max_grad_norm
+from autofit.batches.batch import default_loss, leading_dim, slice_rows, to_device
+from autofit.batches.sample_axis import check_first_batch
+from autofit.models.info import inspect_model
+from autofit.batches.shares import micro_batch_shares
+from autofit.job.target import Target
+from autofit.job.train_spec import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
 from autofit.strategies import in_order
 from autofit.strategies.base import Strategy, plugins
 from autofit.strategies.optimizer import BNB
@@ -106,13 +106,13 @@ class Prepared:
             check_first_batch(self.run.model, batch)
             self._axis_checked = True
         batch = to_device(batch, self.device)
-        return [_rows(batch, start, min(size, total - start)) for start in range(0, total, size)]
+        return [slice_rows(batch, start, min(size, total - start)) for start in range(0, total, size)]
 
     def weights(self, micro_batches: list[Any]) -> list[float | torch.Tensor]:
         """Each micro-batch's share of the step's loss, for `forward_backward`: of the samples, or of the
         targets for a Hugging Face model's own token-level loss (rows padded with -100 labels hold fewer;
         0-d tensors on the labels' device), so that the step's gradient is the whole batch's
-        (`autofit.spec.shares`)."""
+        (`autofit.batches.shares`)."""
         return micro_batch_shares(self.run.model, micro_batches, self.run.spec.loss_fn)
 
     def forward_backward(self, micro_batch: Any, weight: float = 1.0) -> torch.Tensor:
@@ -227,7 +227,7 @@ def _config_of(plan: Any) -> tuple[Config, dict[str, Any], dict[str, dict[str, A
 
 def _device(device: Any, summary: dict[str, Any], config: Config) -> torch.device:
     if device is not None:
-        from autofit.spec.devices import resolve_device
+        from autofit.devices.device import resolve_device
 
         return resolve_device(device)
     if str(summary.get("device", "cpu")).startswith("cuda") and torch.cuda.is_available():
@@ -330,12 +330,6 @@ def _reused(optimizer: torch.optim.Optimizer, config: Config, model: nn.Module) 
     given = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     return optimizer if given == trainable else None
-
-
-def _rows(batch: Any, start: int, count: int) -> Any:
-    from autofit.guard.parts import slice_rows
-
-    return slice_rows(batch, start, count)
 
 
 def _free_port() -> int:

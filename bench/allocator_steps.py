@@ -7,8 +7,8 @@ explain, against the estimator's replay of the same history at the one and two b
 Training reserves after its history: the weights are placed first, each step's gradients stay until the
 optimizer step, AdamW's states are made at the first step and a foreach temporary per weight at every
 step, in the blocks the activations freed, so the next step's activations take new segments
-(`autofit.estimate.allocator.replay_training`). The estimator replays that history on its one- and
-two-block simulations (`autofit.estimate.simulate`) and carries the two-block figure to the whole depth;
+(`autofit.estimate.cuda.allocator.replay_training`). The estimator replays that history on its one- and
+two-block simulations (`autofit.estimate.simulation.step`) and carries the two-block figure to the whole depth;
 here each configuration is simulated at its full depth (CPU kernels standing in for CUDA), its events
 replayed the same way, and both compared with `max_memory_reserved - max_memory_allocated` as the H100
 measured it (bench/results/estimate-cuda-2026-11-27-parts.json). The first run of this experiment
@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.config import Config  # noqa: E402
-from autofit.estimate import simulate  # noqa: E402
+from autofit.estimate.simulation import step as simulate  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from bench.estimate_accuracy import GLOBAL_BATCH, model_named  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from autofit.probe.run import ProbeResult, ProbeStatus, run_probe
-from autofit.spec.train import TrainSpec
+from autofit.job.train_spec import TrainSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,8 +37,8 @@ from torch import nn  # noqa: E402
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.probe.launch import launch  # noqa: E402
-from autofit.spec.synthetic_batches import TokenBatches  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.batches.synthetic_batches import TokenBatches  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import Placement, default_strategies  # noqa: E402
 from bench.scenarios import make_gpt2  # noqa: E402
 

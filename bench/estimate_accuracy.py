@@ -33,10 +33,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autofit.config import Config  # noqa: E402
-from autofit.spec.devices import describe  # noqa: E402
+from autofit.devices.device import describe  # noqa: E402
 from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.report import results_path  # noqa: E402
 
@@ -94,7 +94,7 @@ def models(large: bool = False, held_out: bool = False) -> dict[str, tuple]:
     llama_1b = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                            num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
     # GPT-2 small as transformers builds it: dropout 0.1 everywhere and gelu_new, what CUDA's dropout mask
-    # and autocast's fp32 ops change (autofit/estimate/cuda_dropout.py, cuda_autocast.py) at full size
+    # and autocast's fp32 ops change (autofit/estimate/cuda/dropout.py, cuda_autocast.py) at full size
     return {**tiny, "llama-1.1b": (llama_1b, None, 1024), "gpt2-124m": (GPT2Config(), None, 1024)}
 
 
@@ -133,7 +133,7 @@ def measured_parts(device: str) -> dict[str, int]:
     bytes, and what this process holds beyond the allocator (context, workspaces), with how it was measured."""
     if not device.startswith("cuda"):
         return {}
-    from autofit.probe.memory import accounting, outside_allocator
+    from autofit.devices.memory import accounting, outside_allocator
 
     where = torch.device(device)
     return {"max_allocated": torch.cuda.max_memory_allocated(where), "max_reserved": torch.cuda.max_memory_reserved(where),

@@ -14,7 +14,7 @@ the backward can leave tensors allocated for every later probe (pytorch/pytorch#
 
 The estimator predicts both figures: the roomy peak (`Estimate.peak_bytes`) and what a fit needs
 (`Estimate.need_bytes`: the caching allocator replayed under a shrinking limit, its cache released at the
-limit, `autofit.estimate.training_replay.least_reserve`). `--against` predicts a recorded run's rows on this
+limit, `autofit.estimate.cuda.training_replay.least_reserve`). `--against` predicts a recorded run's rows on this
 machine (CPU kernels standing in for CUDA) and says where each prediction falls against the measured
 interval; it writes bench/results/fit-threshold-replay-<recorded>-<date>.json.
 
@@ -40,8 +40,8 @@ from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.launch import probe_placed  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
-from autofit.spec.devices import describe  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.devices.device import describe  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from autofit.strategies.base import Placement  # noqa: E402
 from bench.estimate_accuracy import GLOBAL_BATCH, measured_parts, model_named  # noqa: E402

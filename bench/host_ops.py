@@ -4,7 +4,7 @@
 
 A small model's GPU step is bound by the host, not the arithmetic: eager PyTorch issues every op from
 Python through autograd and the dispatcher before its kernel is launched, and the GPU waits. The dry-run
-(`autofit.estimate.dry_run`, "a floor for small models") charges `SECONDS_PER_KERNEL` per op counted in
+(`autofit.pipelines.dry_run`, "a floor for small models") charges `SECONDS_PER_KERNEL` per op counted in
 the simulated step, plus what a sharding engine adds (`engine_host_ops`). This measures, on the host at
 hand (no GPU needed):
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from autofit.config import Optimizer  # noqa: E402
 from autofit.estimate.cost_model import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
-from autofit.estimate.simulate import launches_kernel  # noqa: E402
+from autofit.estimate.simulation.step import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
@@ -48,7 +48,7 @@ STEPS = 300
 
 
 class OpCount(TorchDispatchMode):
-    """Counts the ops that launch a kernel on a GPU, as `autofit.estimate.simulate` counts them;
+    """Counts the ops that launch a kernel on a GPU, as `autofit.estimate.simulation.step` counts them;
     `tensors_only`: only those touching a tensor of at least one dimension (an optimizer's step counters
     are 0-dim host tensors under CUDA's default, `capturable=False`: no kernel)."""
 

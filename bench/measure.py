@@ -20,12 +20,12 @@ from typing import Any, Sequence
 
 import torch
 
-from autofit.spec.batch import to_device
+from autofit.batches.batch import to_device
 from autofit.config import Config
-from autofit.probe.memory import CpuBudget, CudaBudget, budget_for
+from autofit.devices.memory import CpuBudget, CudaBudget, budget_for
 from autofit.probe.oom import classify_oom, first_line, release_memory
-from autofit.spec.train import TrainSpec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import TrainSpec
+from autofit.strategies.run import build_run
 
 
 @dataclasses.dataclass(frozen=True)

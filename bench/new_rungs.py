@@ -34,7 +34,7 @@ import autofit  # noqa: E402
 from autofit.config import Checkpointing as C  # noqa: E402
 from autofit.config import Config  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import Attention, Checkpointing, ChunkedLoss, MicroBatch, default_strategies  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -15,7 +15,7 @@ from autofit.plan import choose
 from autofit.probe.launch import probe_placed
 from autofit.probe.outcome import ProbeResult
 from autofit.search.space import build_space
-from autofit.spec.train import TrainSpec
+from autofit.job.train_spec import TrainSpec
 from autofit.strategies import Strategy
 
 

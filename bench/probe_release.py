@@ -30,7 +30,7 @@ from torch import nn  # noqa: E402
 
 import autofit.probe.run as probe_run  # noqa: E402
 from autofit import Config  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.run import device_name, versions  # noqa: E402
 

@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import predict_peak  # noqa: E402
-from autofit.probe.memory import outside_allocator  # noqa: E402
+from autofit.devices.memory import outside_allocator  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
-from autofit.spec.devices import describe  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.devices.device import describe  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.report import results_path  # noqa: E402
 from models import long_gpt2  # noqa: E402

@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.spec.synthetic_batches import TokenBatches
+from autofit.batches.synthetic_batches import TokenBatches
 from autofit.config import Config
 from autofit.probe.run import run_probe
-from autofit.spec.train import TrainSpec, make_spec
+from autofit.job.train_spec import TrainSpec, make_spec
 from autofit.strategies import default_strategies
 
 PROBE_STEPS = dict(warmup_steps=2, timed_steps=3)  # autofit's defaults, for autofit and the oracle alike
@@ -67,7 +67,7 @@ def make_gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, positions: int
 
 def make_hf_causal_lm(name: str) -> nn.Module:
     """A Hugging Face causal LM from one of autofit's model presets, random weights (GPU scenarios)."""
-    from autofit.spec.presets import build_model, get_preset
+    from autofit.models.presets import build_model, get_preset
 
     torch.manual_seed(0)
     return build_model(get_preset(name))
@@ -264,7 +264,7 @@ class GpuTokens:
     seq_len: int
 
     def __call__(self, n: int) -> dict[str, torch.Tensor]:
-        from autofit.spec.presets import get_preset
+        from autofit.models.presets import get_preset
 
         return TokenBatches(get_preset(self.model).vocab_size, self.seq_len)(n)
 

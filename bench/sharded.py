@@ -37,8 +37,8 @@ import autofit  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.estimate.tolerance import tolerance_for  # noqa: E402
 from autofit.probe.outcome import ProbeStatus  # noqa: E402
-from autofit.spec.synthetic_batches import TokenBatches  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.batches.synthetic_batches import TokenBatches  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.oracle import exhaustive  # noqa: E402
 from bench.scenarios import make_gpt2  # noqa: E402

@@ -110,7 +110,7 @@ def _autofit_part(plan: Any, wall: float) -> dict[str, Any]:
 def _confirmed_noise(confirmed: Any) -> float:
     """The noise the search itself saw between its top two finalists: the width of their per-round ratio
     (upper over lower quartile), at least the noise margin."""
-    from autofit.search.confirm import NOISE_MARGIN, Ratio
+    from autofit.search.decision import NOISE_MARGIN, Ratio
 
     runner = confirmed.runner_up() if confirmed is not None else None
     if runner is None or not runner.rounds:

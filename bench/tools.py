@@ -26,11 +26,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.spec.batch import call_model, leading_dim, take_rows, to_device
+from autofit.batches.batch import call_model, leading_dim, take_rows, to_device
 from autofit.config import Config
-from autofit.probe.memory import CpuBudget, CudaBudget
+from autofit.devices.memory import CpuBudget, CudaBudget
 from autofit.probe.oom import first_line, release_memory
-from autofit.spec.train import TrainSpec
+from autofit.job.train_spec import TrainSpec
 
 TOOL_STEPS = 5  # optimizer steps each tool trains at the size it settles on (the first 2 are warm-up)
 

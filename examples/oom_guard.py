@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofit.guard.core import OomGuard
-from autofit.probe.memory import budget_for
+from autofit.devices.memory import budget_for
 from autofit.units import format_size, parse_size
 
 

@@ -3,7 +3,7 @@ import shutil
 import sys
 import tempfile
 
-# Simulated steps are shared through a folder of this run's own (autofit/estimate/simulations.py), set
+# Simulated steps are shared through a folder of this run's own (autofit/estimate/simulation/memo.py), set
 # before autofit is imported: the xdist workers and the CLI processes tests start read one another's, and
 # nothing of an earlier run or another checkout is read
 _CACHE = None if "AUTOFIT_CACHE" in os.environ else tempfile.mkdtemp(prefix="autofit-test-cache-")

@@ -7,9 +7,9 @@ import torch
 
 import autofit
 from autofit import Config, UsageError
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 

@@ -22,9 +22,9 @@ from rich.table import Table
 from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, as_options, env_columns,
                               parse_allow_option, positive_option)
 from autofit.errors import UsageError
-from autofit.estimate.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
-from autofit.estimate.gpus import other_sizes, split_count
-from autofit.spec.models import resolve_optimizer
+from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
+from autofit.devices.gpus import other_sizes, split_count
+from autofit.models.names import resolve_optimizer
 from autofit.units import format_size
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_FORMULA_ONLY = 0, 3, 4
@@ -190,7 +190,7 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
                     gpu_memory: str | None, num_gpus: int | None, allow: tuple[str, ...], optimizer: str,
                     lora_targets: str | None, deferred_sync: bool, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
-    from autofit.estimate.dry_run import dry_run
+    from autofit.pipelines.dry_run import dry_run
 
     width = render_width()
     console = make_console(as_json, width)

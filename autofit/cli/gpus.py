@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from autofit.cli.tune import make_console
-from autofit.estimate.gpus import list_gpus
+from autofit.devices.gpus import list_gpus
 from autofit.units import format_size
 
 

@@ -9,8 +9,8 @@ from rich import box
 from rich.table import Table
 
 from autofit.cli.tune import make_console
-from autofit.spec.synthetic import max_positions
-from autofit.spec.presets import get_preset, list_presets, preset_aliases
+from autofit.batches.synthetic import max_positions
+from autofit.models.presets import get_preset, list_presets, preset_aliases
 
 # (column, config attribute): read through transformers' attribute maps (GPT-2's n_layer is num_hidden_layers)
 SHAPE = (("layers", "num_hidden_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),

@@ -28,7 +28,7 @@ from rich.table import Table
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
-from autofit.spec.models import factory_loss_fn, resolve_loss_fn, resolve_model, resolve_optimizer
+from autofit.models.names import factory_loss_fn, resolve_loss_fn, resolve_model, resolve_optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, failure, skip_counts

@@ -1,5 +1,5 @@
 """The cost model: predicted seconds per optimizer step of a candidate on a GPU profile, which ranks the
-dry-run's fitting candidates (`autofit.estimate.dry_run`; `autofit tune` measures instead).
+dry-run's fitting candidates (`autofit.pipelines.dry_run`; `autofit tune` measures instead).
 
 On one GPU's figures:
 - compute: 6 FLOPs per parameter per position (forward 2, backward 4; 4 with a frozen LoRA base) plus
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 
 from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
 from autofit.estimate.facts import ModelFacts
-from autofit.estimate.gpus import GpuProfile
+from autofit.devices.gpus import GpuProfile
 from autofit.estimate.workload import Workload, workload
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.job.train_spec import TrainSpec
 
 MFU = 0.5  # achievable share of peak tensor-core TFLOP/s in training
 HALF_SATURATION_TOKENS = 512  # tokens per micro-batch at which a GPU reaches half its utilisation

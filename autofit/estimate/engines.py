@@ -56,7 +56,7 @@ class EngineMemory:
 
 def engine_memory(facts: "ModelFacts", config: Config, elements: dict[str, int]) -> EngineMemory:
     """What `config`'s engine holds beyond `model_states`, with DeepSpeed's buffer sizes `elements`
-    (flat name -> elements, `autofit.export.deepspeed.deepspeed_elements`)."""
+    (flat name -> elements, `autofit.strategies.deepspeed_config.deepspeed_elements`)."""
     if config.adapters or config.num_gpus < 1:
         return EngineMemory()
     if config.engine is Engine.DEEPSPEED:

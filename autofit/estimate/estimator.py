@@ -8,13 +8,13 @@
 Model states come from formulas (`autofit.estimate.states`: the ZeRO paper's accounting); DDP's gradients
 are bucket views, live for the whole step.
 
-Activations are measured, not guessed (`autofit.estimate.simulate`): the model is built on the meta device,
+Activations are measured, not guessed (`autofit.estimate.simulation.step`): the model is built on the meta device,
 materialised as fake tensors (shapes, no data), and one forward + backward runs under a dispatch mode
-that counts every storage alive, as `autofit.probe.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
+that counts every storage alive, as `autofit.devices.memory.CpuBudget` does for real tensors. Weight gradients are dropped as
 soon as they are made, so the curve is activations alone; the bytes of gradients made so far are
 recorded beside it. Deep Hugging Face models are simulated at two blocks (two units of k under every-k
 checkpointing) and read as at their whole depth, the second block's events repeated once for every further
-block (`autofit.estimate.deepen`; blocks unlike each other: simulated at one and two, extrapolated linearly
+block (`autofit.estimate.simulation.deepen`; blocks unlike each other: simulated at one and two, extrapolated linearly
 in depth); micro-batches past 2 at 1 and 2, extrapolated linearly in the micro-batch (the dry-run's plan).
 """
 
@@ -29,26 +29,30 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 
 from autofit.config import Config, Engine, Quantization, Sharding
-from autofit.export.deepspeed import buffers_for, deepspeed_elements
-from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers, meta_model,  # noqa: F401
+from autofit.strategies.deepspeed_config import buffers_for, deepspeed_elements
+from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers,  # noqa: F401
                                     model_facts)  # ModelFacts and formula_activations are re-exported
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
-from autofit.estimate import cuda_attention, reference_paths
-from autofit.estimate import simulate as simulate_module, simulated_adapters
-from autofit.estimate import simulations
+from autofit.models.info import meta_model
+from autofit.estimate.cuda import attention as cuda_attention
+from autofit.estimate.simulation import reference_paths
+from autofit.estimate.simulation import step as simulate_module
+from autofit.estimate.simulation import adapters as simulated_adapters
+from autofit.estimate.simulation import memo as simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
-from autofit.estimate.prediction import Breakdown, Estimate
-from autofit.estimate.simulate import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
-from autofit.estimate.training_replay import replays_training, reserve
-from autofit.estimate.simulations import workload_key
+from autofit.estimate.prediction import Estimate
+from autofit.strategies.memory import Breakdown
+from autofit.estimate.simulation.step import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
+from autofit.estimate.cuda.training_replay import replays_training, reserve
+from autofit.estimate.simulation.memo import workload_key
 from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
                                      state_notes, step_in_backward, unsharded_grads)
 from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
 from autofit.errors import UsageError
-from autofit.spec.synthetic_batches import TokenBatches
+from autofit.batches.synthetic_batches import TokenBatches
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.job.train_spec import TrainSpec
     from autofit.strategies.base import Strategy
 
 MIB = 1024**2
@@ -85,7 +89,7 @@ class Estimator:
 
     `target` is the device type predicted for: "cuda" adds the CUDA overhead terms and simulates CUDA
     kernels where this torch build has CUDA (else CPU kernels stand in, and the reason says so);
-    "cpu" predicts what `autofit.probe.memory.CpuBudget` measures.
+    "cpu" predicts what `autofit.devices.memory.CpuBudget` measures.
 
     `deferred_sync`: the training loop reduces gradients on the last micro-batch of each step only
     (accelerate's `accumulate()` and the Trainer without `sync_each_batch`, Lightning's
@@ -182,7 +186,7 @@ class Estimator:
     def prefetch(self, configs: Iterable[Config],
                  progress: Callable[[int, int], None] | None = None) -> None:
         """Simulate now what predicting `configs` will need, shared with worker processes when the
-        simulations are slow and CPUs are spare (`autofit.estimate.workers`): the first one runs here and
+        simulations are slow and CPUs are spare (`autofit.estimate.simulation.workers`): the first one runs here and
         is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
         predictions are the same either way. `progress(done, total)` hears of each simulation done here
         (the workers' shares count when they are collected)."""
@@ -190,7 +194,7 @@ class Estimator:
         todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
         if not todo:
             return
-        from autofit.estimate import workers  # here: `python -m autofit.estimate.workers` imports this module
+        from autofit.estimate.simulation import workers  # here: `python -m autofit.estimate.simulation.workers` imports this module
 
         tell = progress or (lambda done, total: None)
         started = time.perf_counter()
@@ -498,7 +502,7 @@ class Estimator:
     def _overhead(self, config: Config, act: ActivationPeak, temp: int) -> list[tuple[str, int]]:
         """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only). Fragmentation:
         what the caching allocator reserves beyond its most allocated bytes when the simulated step is
-        replayed through it (`autofit.estimate.allocator`; the optimizer step's temporaries reuse the
+        replayed through it (`autofit.estimate.cuda.allocator`; the optimizer step's temporaries reuse the
         blocks the backward freed), else `FRAGMENTATION` of the transient bytes."""
         if self.target != "cuda":
             return []

@@ -3,17 +3,15 @@ read from a meta build), and the activation formula used when a step cannot be s
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from autofit.config import Config, Engine
-from autofit.spec.synthetic import image_sides
-from autofit.spec.optimizer_costs import OptimizerCosts
+from autofit.batches.synthetic import image_sides
+from autofit.job.optimizer_costs import OptimizerCosts
 
 
 # -- model facts ---------------------------------------------------------------------------------------
@@ -42,7 +40,7 @@ class ModelFacts:
     buffer_bytes: int = 0  # the model's buffers as stored (normalization statistics, RoPE tables, masks)
     half_buffer_bytes: int = 0  # the same with its floating-point buffers cast to 16 bits
     # The user's own optimizer's states and step temporaries per byte of weight, measured on stand-ins
-    # (`autofit.spec.optimizer_costs`); None: unknown, counted as AdamW
+    # (`autofit.job.optimizer_costs`); None: unknown, counted as AdamW
     own_optimizer: OptimizerCosts | None = None
 
     def tensors_trained(self, adapters: bool) -> int:
@@ -58,7 +56,7 @@ class ModelFacts:
 def model_facts(model: nn.Module, lora_targets: Sequence[str] | None = None) -> ModelFacts:
     """`ModelFacts` of a built model (meta or real). `lora_targets`: the full names of the linear layers
     LoRA adapts (`Lora.targets`); None: every linear layer inside the blocks."""
-    from autofit.spec.model_info import find_blocks, partly_trainable
+    from autofit.models.info import find_blocks, partly_trainable
 
     params = list(model.parameters())
     _, blocks = find_blocks(model)
@@ -185,26 +183,6 @@ def formula_covers(hf: Any, tokens: int | None) -> bool:
     return config_int(hf, "hidden_size", "hidden_sizes") > 0 and formula_positions(hf, tokens) is not None
 
 
-def meta_model(factory: Callable[[], nn.Module]) -> nn.Module:
-    """A build of `factory`'s model on the meta device. A given module (the spec's deep-copy factory) is
-    copied with its tensors replaced by meta ones, so no real copy is made; factories that cannot build
-    on meta are built for real once and moved."""
-    from autofit.spec.model_info import build_on_meta
-
-    if isinstance(factory, functools.partial) and factory.func is copy.deepcopy \
-            and isinstance(factory.args[0], nn.Module):
-        module = factory.args[0]
-        memo: dict[int, Any] = {}
-        for tensor in (*module.parameters(), *module.buffers()):
-            meta = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-        return copy.deepcopy(module, memo)
-    built = build_on_meta(factory)
-    if built is None or any(t.device.type != "meta" for t in (*built.parameters(), *built.buffers())):
-        built = (built or factory()).to("meta")
-    return built
-
-
 def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
     """The config attribute that sets a Hugging Face model's depth, when the model can be rebuilt at
     another depth with identical blocks (decoder-only or encoder-only, every weight trainable)."""
@@ -216,7 +194,7 @@ def depth_key(model: nn.Module, facts: ModelFacts) -> str | None:
     key = _depth_field(config)
     if getattr(config, key, None) != facts.num_blocks:
         return None
-    from autofit.spec.model_info import find_blocks
+    from autofit.models.info import find_blocks
 
     # ConvNeXt's "layers" are stages of growing width (its num_hidden_layers is num_stages, its widths a
     # list per stage): fewer of them is another model, not a shallower one

@@ -7,26 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-@dataclasses.dataclass(frozen=True)
-class Breakdown:
-    """Bytes per device, by what holds them."""
-
-    params: int  # the partitioned (or whole) weights and the buffers: with grads and optimizer, the model states
-    grads: int
-    optimizer: int  # states and the optimizer step's temporaries
-    activations: int
-    overhead: int
-    gathered: int = 0  # ZeRO-3 / FSDP2: full weights gathered for the blocks in use (and their unsharded grads)
-
-    @property
-    def total(self) -> int:
-        """Sum of the parts (bytes)."""
-        return self.params + self.grads + self.optimizer + self.activations + self.overhead + self.gathered
-
-    def to_dict(self) -> dict[str, int]:
-        """JSON form."""
-        return dataclasses.asdict(self)
+from autofit.strategies.memory import Breakdown
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autofit.estimate.facts import config_int, formula_positions
-from autofit.spec.synthetic import feature_layout, image_sides
+from autofit.batches.synthetic import feature_layout, image_sides
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.job.train_spec import TrainSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +105,9 @@ def _weight_applications(spec: "TrainSpec", num_params: int) -> int | None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from autofit.estimate.estimator import meta_model
-    from autofit.estimate.simulate import as_fake
-    from autofit.spec.batch import call_model, quiet_transformers
+    from autofit.models.info import meta_model
+    from autofit.estimate.simulation.step import as_fake
+    from autofit.batches.batch import call_model, quiet_transformers
 
     if num_params <= 0:
         return None
@@ -170,7 +170,7 @@ def _encoder_params(spec: "TrainSpec") -> int:
     """Matmul weights of the encoder: its parameters less the embeddings it only looks up."""
     from torch import nn
 
-    from autofit.estimate.estimator import meta_model
+    from autofit.models.info import meta_model
 
     model = meta_model(spec.model_factory)
     encoder = model.get_encoder()

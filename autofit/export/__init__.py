@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from autofit.errors import UsageError
 from autofit.export import accelerate, deepspeed, torchrun, trainer
-from autofit.export.deepspeed import deepspeed_config
+from autofit.strategies.deepspeed_config import deepspeed_config
 from autofit.export.measured import require_fit
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from autofit.config import Config, Engine, Offload, Precision
-from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, OFFLOAD
+from autofit.strategies.deepspeed_config import DEFAULT_GRADIENT_CLIPPING, OFFLOAD
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 from autofit.export.model_setup import setup_comments
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import UsageError
+from autofit.strategies.deepspeed_config import set_nested
 from autofit.units import format_size
 
 if TYPE_CHECKING:
@@ -51,14 +52,6 @@ def with_plugin_keys(document: dict[str, Any], config: "Config", fmt: str) -> di
         for dotted, value in strategy.launcher_keys(config, fmt).items():
             set_nested(document, dotted, value)
     return document
-
-
-def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set `value` at the dotted key `dotted` ("zero_optimization.stage") of `out`, making parents."""
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        out = out.setdefault(key, {})
-    out[leaf] = value
 
 
 def comment_lines(plan: "Plan", prefix: str = "# ") -> list[str]:

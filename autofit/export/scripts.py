@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from autofit.spec.models import factory_loss_fn, file_factory, resolve_loss_fn, resolve_model
+from autofit.models.names import factory_loss_fn, file_factory, resolve_loss_fn, resolve_model
 
 EXIT_USAGE = 2
 

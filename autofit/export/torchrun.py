@@ -14,7 +14,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
+from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
+from autofit.strategies.deepspeed_config import DEFAULT_GRADIENT_CLIPPING
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit
 from autofit.export.model_setup import setup_comments

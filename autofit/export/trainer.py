@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import Attention, Checkpointing, Engine, Loss, Offload, Optimizer, Precision, Quantization
-from autofit.export.deepspeed import DEFAULT_GRADIENT_CLIPPING, FILENAME as DEEPSPEED_FILENAME
+from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
+from autofit.strategies.deepspeed_config import DEFAULT_GRADIENT_CLIPPING
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit, with_plugin_keys
 from autofit.export.model_setup import setup_lines
@@ -210,10 +211,10 @@ def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
 
 def _divides_by_count(trainer, train_dataset):
     """Whether the model's loss on a micro-batch divides by the num_items_in_batch it is given (evaluation mode,
-    no gradient: autofit.spec.shares.divides_by_count, as the guard asks it); True, the Trainer's own reading,
+    no gradient: autofit.batches.shares.divides_by_count, as the guard asks it); True, the Trainer's own reading,
     where the forward cannot tell (it refuses the keyword, or runs under an engine)."""
     import torch
-    from autofit.spec.shares import divides_by_count
+    from autofit.batches.shares import divides_by_count
 
     model, device = trainer.model, trainer.args.device
     samples = [train_dataset[i] for i in range(min(len(train_dataset), trainer.args.per_device_train_batch_size))]

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.spec.batch import call_model
+from autofit.batches.batch import call_model
 from autofit.errors import UsageError
 from autofit.guard.core import LossFn, OomGuard, StepReport
 

@@ -2,8 +2,8 @@
 
 `OomGuard.step(batch)` runs one optimizer step's worth of samples on the user's live model and
 optimizer: forward and backward over micro-batches, each loss weighted by its share of the samples (of
-the targets for a Hugging Face model's own token-level loss: `autofit.spec.shares`), as
-`autofit.probe.step.TrainRun.step` does, then the optimizer step. When a micro-batch runs out of
+the targets for a Hugging Face model's own token-level loss: `autofit.batches.shares`), as
+`autofit.strategies.run.TrainRun.step` does, then the optimizer step. When a micro-batch runs out of
 memory the guard drops what that attempt held, halves the micro-batch (doubling accumulation) and
 replays the remaining samples of the step from the batch it was given. The gradients of micro-batches
 that completed are kept. If the OOM struck in a backward after it had added some parameters'
@@ -31,18 +31,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from autofit.spec.batch import call_model, default_loss, leading_dim
-from autofit.spec.sample_axis import check_first_batch
-from autofit.spec.shares import share, target_counts, weighted_sum
-from autofit.spec.model_info import batch_normalises, least_micro_batch
+from autofit.batches.batch import call_model, default_loss, leading_dim
+from autofit.batches.sample_axis import check_first_batch
+from autofit.batches.shares import share, target_counts, weighted_sum
+from autofit.models.info import batch_normalises, least_micro_batch
 from autofit.config import Checkpointing, Config, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
 from autofit.prepare import OPTIMIZER_CLASSES
-from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows, slice_rows
+from autofit.batches.batch import slice_rows
+from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows
 from autofit.guard.sync import Round, sync_for, unwrap
 from autofit.probe.oom import classify_oom, first_line, release_memory
-from autofit.probe.step import checked_max_grad_norm, clip_gradients
+from autofit.strategies.run import checked_max_grad_norm, clip_gradients
 from autofit.plan import Plan
 from autofit.strategies import checkpointing
 from autofit.units import format_size
@@ -137,7 +138,7 @@ class OomGuard:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
-        # the model's own loss: a token-level one is split by targets (autofit.spec.shares); integrations
+        # the model's own loss: a token-level one is split by targets (autofit.batches.shares); integrations
         # whose framework computes a loss of yours (the Trainer's compute_loss_func) set it False
         self.weigh_by_targets = loss_fn is None
         self.plan_path, self._plan = _plan_of(plan)

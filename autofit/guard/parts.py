@@ -1,5 +1,5 @@
-"""Small pieces the OOM guard is built from: slicing a batch into micro-batches without copies,
-joining evaluation outputs, telling which gradients a failed backward touched, and the device peak."""
+"""Small pieces the OOM guard is built from: counting and joining a batch's rows (slicing them without
+copies is `autofit.batches.batch.slice_rows`), joining evaluation outputs, telling which gradients a failed backward touched, and the device peak."""
 
 from __future__ import annotations
 
@@ -8,32 +8,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from autofit.spec.batch import leading_dim, map_fields, packed_fields, packed_rows, plain, without_packed
-
-
-def slice_rows(batch: Any, start: int, count: int) -> Any:
-    """Rows `start .. start+count` of every tensor in `batch`, as views (no copy)."""
-    # Fast paths for the common shapes (a tensor, a flat tuple/list/dict of tensors): pytree's
-    # tree_map costs tens of microseconds per call, which a tiny step would notice.
-    if isinstance(batch, torch.Tensor):
-        return batch.narrow(0, start, count)
-    if type(batch) in (tuple, list) and all(isinstance(x, torch.Tensor) for x in batch):
-        return type(batch)(x.narrow(0, start, count) for x in batch)
-    batch = plain(batch)
-    packed = packed_fields(batch)  # Qwen2-VL's images: patches packed over the samples
-    if type(batch) is dict and not packed and all(isinstance(x, torch.Tensor) for x in batch.values()):
-        return {key: x.narrow(0, start, count) for key, x in batch.items()}
-    size = leading_dim(without_packed(batch))  # the packed images are checked once, by packed_rows
-    sliced = map_fields(without_packed(batch), size, lambda part: tree_map(
-        lambda x: x.narrow(0, start, count) if isinstance(x, torch.Tensor) else x, part),
-        lambda values: values[start:start + count])
-    return {**sliced, **packed_rows(batch, size, range(start, start + count))} if packed else sliced
+from autofit.batches.batch import leading_dim
 
 
 def rows(batch: Any) -> int:
-    """Samples in `batch` (`autofit.spec.batch.leading_dim`, with a fast path for flat batches)."""
+    """Samples in `batch` (`autofit.batches.batch.leading_dim`, with a fast path for flat batches)."""
     leaves = batch.values() if type(batch) is dict else batch if type(batch) in (tuple, list) else (batch,)
     sizes = {x.shape[0] if x.dim() else None for x in leaves if isinstance(x, torch.Tensor)}
     if len(sizes) == 1 and None not in sizes and all(isinstance(x, torch.Tensor) for x in leaves):
@@ -106,7 +86,7 @@ def peak_bytes(device: torch.device) -> int | None:
         return torch.cuda.max_memory_reserved(device)
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from autofit.probe.memory import CpuBudget
+    from autofit.devices.memory import CpuBudget
 
     budgets = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CpuBudget)]
     return budgets[-1].peak if budgets else None

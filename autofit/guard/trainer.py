@@ -25,7 +25,7 @@ from autofit.errors import UsageError
 from autofit.guard.core import GuardGaveUp, OomGuard, optimizer_oom
 from autofit.guard.parts import concat_rows
 from autofit.probe.oom import classify_oom
-from autofit.spec.shares import divides_by_count, target_counts, weighted_sum
+from autofit.batches.shares import divides_by_count, target_counts, weighted_sum
 
 
 class GuardedTrainer(Trainer):

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from autofit.config import Config
+from autofit.version import PACKAGE
 from autofit.errors import UsageError
 from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID
 from autofit.probe.handover import parent_state
 from autofit.probe.outcome import ProbeResult, ProbeStatus
-from autofit.spec.train import TrainSpec
+from autofit.job.train_spec import TrainSpec
 from autofit.strategies.base import Placement
 from autofit.units import format_size
 
@@ -101,9 +102,9 @@ def probe_placed(spec: TrainSpec, config: Config, strategies: Sequence["Strategy
 
 def fresh_placement(spec: TrainSpec, strategies: Sequence["Strategy"], placement: Placement) -> Placement:
     """`placement`, or CHILD for an in-process probe on a card where earlier probes in this process left
-    memory allocated (`autofit.probe.memory.memory_left_behind`): a fresh process measures what the user's
+    memory allocated (`autofit.devices.memory.memory_left_behind`): a fresh process measures what the user's
     job will have. A spec that cannot be serialised stays here (its probes then start with less room)."""
-    from autofit.probe.memory import memory_left_behind
+    from autofit.devices.memory import memory_left_behind
     from autofit.probe.payload import check_serialisable
 
     if placement is not Placement.IN_PROCESS or not memory_left_behind(spec.device):
@@ -178,10 +179,8 @@ def _start(job_path: Path, world: int, ranks: bool, device: torch.device) -> lis
 def _environment(rank: int, world: int, port: int | None, device: torch.device) -> dict[str, str]:
     """The child's environment: the caller's, autofit importable as here, and the rank's place in the
     process group as torchrun sets it (ranks only)."""
-    import autofit
-
     env = dict(os.environ, **{LAUNCHER_PID: str(os.getpid())})
-    here = str(Path(autofit.__file__).resolve().parent.parent)
+    here = str(PACKAGE.parent)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     if port is not None:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

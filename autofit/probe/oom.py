@@ -102,11 +102,11 @@ def raised_at(exc: BaseException) -> str:
     import traceback
     from pathlib import Path
 
-    import autofit
+    from autofit.version import PACKAGE
 
     paths = sysconfig.get_paths()
     libraries = (paths["purelib"], paths["platlib"])
-    ours = tuple(str(Path(m.__file__).parent) for m in (torch, autofit))
+    ours = (str(Path(torch.__file__).parent), str(PACKAGE))
 
     def foreign(name: str) -> bool:
         python_own = name.startswith(paths["stdlib"]) and not name.startswith(libraries)

@@ -19,7 +19,7 @@ def leave_with_parent(job_path: str, folder_prefix: str, poll: float = 1.0) -> N
     reap this one: a probe runs in its own session so that the launcher's kill reaches what it starts, so
     no signal would reach it. The launcher's job folder (named `folder_prefix...`) goes too, as its own
     exit would have removed it: the job holds the serialised model (a module given as an instance travels
-    with its weights). Simulation workers (`autofit.estimate.workers`) leave the same way."""
+    with its weights). Simulation workers (`autofit.estimate.simulation.workers`) leave the same way."""
     import threading
     import time
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from autofit.errors import UsageError
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.job.train_spec import TrainSpec
     from autofit.strategies.base import Strategy
 
 # id(spec) -> (the spec, weakly; the strategies' ids; the payload). A search probes one spec many

@@ -17,13 +17,13 @@ import torch
 
 from autofit.config import Config
 from autofit.errors import CudaContextBroken, UsageError
-from autofit.probe.memory import Budget, DeadlinePassed, budget_for, note_left_behind
+from autofit.devices.memory import Budget, DeadlinePassed, budget_for, note_left_behind
 from autofit.probe.oom import (classify_oom, collecting_new_objects, first_line, raised_at, release_memory,
                                sticky_error)
 from autofit.probe.outcome import ProbeResult, ProbeStatus
-from autofit.probe.step import TrainRun, build_run
-from autofit.spec.batch import made, to_device
-from autofit.spec.train import TrainSpec
+from autofit.strategies.run import TrainRun, build_run
+from autofit.batches.batch import made, to_device
+from autofit.job.train_spec import TrainSpec
 from autofit.units import format_size
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from autofit.config import (Attention, Checkpointing, Config, Engine, Offload, O
                             Sharding)
 
 if TYPE_CHECKING:
-    from autofit.spec.target import Target
+    from autofit.job.target import Target
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from autofit.search.rules import RULES, Rule
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.job.train_spec import TrainSpec
 
 TIER_NAMES = {1: "allow={'numerics'} (mixed precision, 8-bit optimizers)",
               2: "allow={'lora'} (LoRA adapters, quantized base weights)"}

@@ -41,7 +41,7 @@ from typing import Callable, Protocol, TextIO
 
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.plan import choose
+from autofit.search.decision import choose
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source, decided
 from autofit.search.space import Space
 from autofit.search.trials import TrialStore

@@ -23,8 +23,8 @@ from autofit.config import Config
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
 
 
 class ActivationOffload(Strategy):

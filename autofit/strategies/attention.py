@@ -15,8 +15,8 @@ from autofit.errors import UsageError
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 
 class Attention(Strategy):

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autofit.config import Config, Knob, register_knob
 
 if TYPE_CHECKING:
-    from autofit.estimate.prediction import Breakdown
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
+    from autofit.strategies.memory import Breakdown
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
 
 
 class Placement(enum.IntEnum):

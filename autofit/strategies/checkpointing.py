@@ -25,12 +25,12 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from autofit.config import Checkpointing as C
 from autofit.config import Config
-from autofit.spec.model_info import checkpoint_blocks
+from autofit.models.info import checkpoint_blocks
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 # autofit checkpoints without re-entry (`use_reentrant=False`, torch's recommended mode): the forward keeps
 # its autograd graph, so what a custom autograd Function holds as a plain attribute (bitsandbytes before

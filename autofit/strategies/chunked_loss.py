@@ -24,12 +24,12 @@ from torch.utils.checkpoint import checkpoint
 
 from autofit.config import Config
 from autofit.config import Loss as L
-from autofit.spec import batch as batches
+from autofit.batches import batch as batches
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
 
 CHUNKS = 8  # slices of the tokens (torchtune's chunked cross-entropy uses 8 as well)
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
@@ -64,7 +64,7 @@ def _why_not(spec: "TrainSpec") -> str | None:
     scaled = [name for name in SCALED_LOGITS if getattr(spec.model.hf_config, name, None) not in (None, 1, 1.0)]
     if scaled:
         return f"{spec.model.name} scales its logits ({scaled[0]}) between head and loss"
-    from autofit.estimate.estimator import meta_model
+    from autofit.models.info import meta_model
 
     return head_problem(meta_model(spec.model_factory))
 

@@ -19,8 +19,8 @@ from autofit.config import Config, Engine
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 
 class DataParallel(Strategy):

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autofit.config import Engine, Offload, Sharding
-from autofit.spec.model_info import find_blocks
+from autofit.models.info import find_blocks
 from autofit.strategies.precision import DTYPES
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
+    from autofit.strategies.run import TrainRun
 
 
 class Fsdp(ShardingEngine):

@@ -15,12 +15,12 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.errors import MissingExtraError, UsageError, did_you_mean
-from autofit.spec.model_info import build_on_meta
+from autofit.models.info import build_on_meta
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 DEFAULT_RANK = 16  # the usual QLoRA rank: adapters are ~0.5-1% of a 1B model's parameters
 

@@ -3,7 +3,7 @@
 Buys activation memory in proportion to the micro-batch; costs GPU utilisation (tier 0: the gradient
 is the same mean over the same samples; tier 1 for a model with batch norm, whose statistics are then
 taken over fewer samples, and for a loss that couples samples, such as a contrastive loss's negatives:
-`autofit.spec.coupling`). A model with batch norm is offered 2 samples at least. With no global batch
+`autofit.batches.coupling`). A model with batch norm is offered 2 samples at least. With no global batch
 given, sizes are powers of two and the search looks for the fastest micro-batch at accumulation 1, as
 batch-size finders do.
 """
@@ -16,8 +16,8 @@ from autofit.config import Config
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 
 class MicroBatch(Strategy):

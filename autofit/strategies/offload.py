@@ -13,18 +13,16 @@ from __future__ import annotations
 import functools
 
 import os
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autofit.devices.device import check_nvme_path
 from autofit.config import Config
 from autofit.config import Offload as O
-from autofit.errors import UsageError
 from autofit.strategies.base import Ladder, Option, Placement
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 
 class Offload(Ladder):
@@ -93,16 +91,3 @@ def aio_problem() -> str | None:
         return None
     return ("NVMe offload needs DeepSpeed's async_io op, which cannot build here (libaio is missing): "
             "apt install libaio-dev (or yum install libaio-devel), then check with ds_report")
-
-
-def check_nvme_path(path: str | os.PathLike) -> Path:
-    """`path` as an existing, writable folder (created when missing); `UsageError` naming it otherwise."""
-    folder = Path(path).expanduser()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise UsageError(f"nvme_path={str(path)!r} is not a writable folder ({exc.strerror or exc}); give a "
-                         "folder on a fast local disk that this user can write, e.g. /local_nvme/autofit.") from exc
-    return folder.resolve()

@@ -20,9 +20,9 @@ from autofit.strategies.base import Option, Placement, Strategy
 from autofit.units import format_size
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
-    from autofit.spec.train import OptimizerSpec
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.job.train_spec import OptimizerSpec
 
 BNB = {O.ADAMW8BIT: "AdamW8bit", O.PAGED_ADAMW8BIT: "PagedAdamW8bit"}
 TORCH_CLASSES = {O.ADAMW: torch.optim.AdamW, O.ADAFACTOR: torch.optim.Adafactor}
@@ -64,7 +64,7 @@ class OptimizerStates(Strategy):
         """The optimizer the probe built: its class (a user's own where it was given as an instance), the
         hyperparameters it was built with, defaults filled in (an instance's as its groups hold them, the
         largest group's where they differ), and which differ between the instance's groups; a factory's as
-        it built over stand-in parameters (`autofit.spec.train.parse_optimizer`), nothing where that could
+        it built over stand-in parameters (`autofit.job.train_spec.parse_optimizer`), nothing where that could
         not be seen."""
         chosen = spec.optimizer
         if config.optimizer is O.USER and chosen.cls is None:
@@ -115,7 +115,7 @@ def recorded(config: Config, settings: dict[str, Any]) -> "OptimizerSpec | None"
     the plan's kind with its hyperparameters, or the user's own class (torch.optim's, or another importable one)
     rebuilt with its hyperparameters. None where nothing was recorded or the class cannot be imported here; a
     `UsageError` where the groups of the optimizer it was tuned with differed (only that optimizer says how)."""
-    from autofit.spec.train import OptimizerSpec
+    from autofit.job.train_spec import OptimizerSpec
 
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.get("kwargs", {}).items()}
     if settings.get("differ_by_group"):
@@ -179,7 +179,7 @@ def _paged_bounded(spec: "TrainSpec") -> tuple[bool, str]:
     a budget below the card it runs on. Offered only where the budget is the whole card."""
     if not (spec.target.live and spec.target.cuda):
         return True, ""
-    from autofit.spec.devices import device_memory
+    from autofit.devices.device import device_memory
 
     card = device_memory(spec.device)
     if spec.memory_budget < card:

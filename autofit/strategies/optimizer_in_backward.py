@@ -26,8 +26,8 @@ from autofit.config import OptimizerStep as S
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
 
 
 class OptimizerInBackward(Strategy):

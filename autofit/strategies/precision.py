@@ -14,8 +14,8 @@ from autofit.config import Config, Precision as P
 from autofit.strategies.base import Option, Strategy, mixes_dtypes
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 DTYPES = {P.BF16: torch.bfloat16, P.FP16: torch.float16}
 

@@ -30,8 +30,8 @@ from autofit.config import Config, Precision as P
 from autofit.strategies.base import Option, Strategy, mixes_dtypes
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
 
 
 class PureBf16(Strategy):

@@ -20,13 +20,13 @@ from autofit.config import Config
 from autofit.config import Quantization as Q
 from autofit.errors import MissingExtraError, UsageError
 from autofit.strategies.base import Ladder, Option, Placement
-from autofit.spec.model_info import partly_trainable
+from autofit.models.info import partly_trainable
 from autofit.strategies.lora import output_head
 
 if TYPE_CHECKING:
-    from autofit.probe.step import TrainRun
-    from autofit.spec.train import TrainSpec
-    from autofit.spec.target import Target
+    from autofit.strategies.run import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.job.target import Target
 INT8_THRESHOLD = 6.0  # LLM.int8 outlier threshold: features above it stay in fp16
 
 

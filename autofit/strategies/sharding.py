@@ -13,7 +13,7 @@ from autofit.config import Config, Engine, Sharding
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
+    from autofit.job.train_spec import TrainSpec
 
 WHAT = {1: "optimizer states", 2: "gradients and optimizer states", 3: "parameters, gradients and optimizer states"}
 

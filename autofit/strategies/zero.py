@@ -3,7 +3,7 @@
 Stage 1 shards the optimizer states over the ranks, stage 2 the gradients too, stage 3 the parameters
 too. Buys: each rank holds 1/num_gpus of those states. Costs: communication (stage 3 gathers every
 layer's parameters in forward and backward); same math (tier 0). The probe trains with exactly the dict
-that `autofit.export.deepspeed.deepspeed_config` writes for the launcher, with bf16/fp16 as DeepSpeed
+that `autofit.strategies.deepspeed_config.deepspeed_config` writes for the launcher, with bf16/fp16 as DeepSpeed
 configures them, so what was measured is what runs. On one GPU ZeRO is the base of the offload rung.
 Needs DeepSpeed (`pip install 'autofit[deepspeed]'`); probes run in the ranks `autofit.probe.launch`
 launches, never in the caller's process.
@@ -18,8 +18,8 @@ from autofit.config import Engine, Sharding
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
-    from autofit.spec.train import TrainSpec
-    from autofit.probe.step import TrainRun
+    from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 MIN_VERSION = "0.14"  # the `deepspeed` extra's floor (pyproject); the probes were run with 0.19.8 only
 
@@ -98,7 +98,7 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
                            "no process group here")
     import deepspeed
 
-    from autofit.export.deepspeed import buffers_for, deepspeed_config
+    from autofit.strategies.deepspeed_config import buffers_for, deepspeed_config
     from autofit.strategies.optimizer import hyperparameters
 
     clipping = {} if run.max_grad_norm is None else {"gradient_clipping": run.max_grad_norm}

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autofit.config import Config, Engine  # noqa: E402
 from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator  # noqa: E402
 from autofit.estimate.states import model_states  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import Lora  # noqa: E402
 from bench.calibration import measured_code  # noqa: E402
 
@@ -270,14 +270,14 @@ def predicted(row: dict, estimator: Estimator, config: Config) -> tuple[int, str
 
 
 # The cards rows name, as autofit's GPU profiles: a reserved figure cannot pass the card's memory, where the
-# caching allocator gives back its cached segments and retries (`autofit.estimate.allocator.CachingAllocator`)
+# caching allocator gives back its cached segments and retries (`autofit.estimate.cuda.allocator.CachingAllocator`)
 CARDS = {"RTX 3090 24GB": "rtx-3090", "NVIDIA L40S (48 GB)": "l40s", "A10G (24 GB)": "a10g",
          "A100-SXM4-40GB": "a100-40gb"}
 
 
 def card_bytes(row: dict) -> int | None:
     """The memory of the card `row` was measured on, where the source names it; else None."""
-    from autofit.estimate.gpus import get_gpu
+    from autofit.devices.gpus import get_gpu
 
     name = next((profile for prefix, profile in CARDS.items() if row["gpu"].startswith(prefix)), None)
     return get_gpu(name).memory_bytes if name else None

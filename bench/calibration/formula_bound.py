@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator, formula_activations  # noqa: E402
-from autofit.spec.synthetic import max_positions  # noqa: E402
-from autofit.spec.presets import get_preset  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.batches.synthetic import max_positions  # noqa: E402
+from autofit.models.presets import get_preset  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
 MODELS = ("gpt2", "qwen2.5-0.5b", "llama-2-7b", "phi-2", "bert-base", "t5-small", "vit-base")

@@ -7,7 +7,7 @@ what the estimator predicts for both (`predicted_peaks`: FSDP1's root unit simul
 
     python bench/calibration/fsdp1_vs_fsdp2.py     # writes results/fsdp1-vs-fsdp2-cpu.json
 
-Bytes are counted by `autofit.probe.memory.CpuBudget` (every tensor storage made from the model's build
+Bytes are counted by `autofit.devices.memory.CpuBudget` (every tensor storage made from the model's build
 on), as autofit's CPU probes count them. No GPU: the CUDA caching allocator is not involved.
 """
 
@@ -65,7 +65,7 @@ def predicted_peaks() -> dict[str, int]:
 
     from autofit.config import Config
     from autofit.estimate.estimator import Estimator
-    from autofit.spec.train import make_spec
+    from autofit.job.train_spec import make_spec
     from bench.calibration.measured_code import fsdp1_flat_root
 
     ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0))
@@ -89,7 +89,7 @@ def reduce_context(model, engine: str, reduce: bool):
 def rank_peak(engine: str, deferred: bool) -> int:
     import torch
 
-    from autofit.probe.memory import CpuBudget
+    from autofit.devices.memory import CpuBudget
 
     ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     with CpuBudget(None) as budget:

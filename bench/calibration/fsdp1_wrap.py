@@ -22,7 +22,7 @@ torch/distributed/fsdp/_init_utils.py `_init_param_handle_from_module`:
   NO_SHARD keeps it whole; CPU offload moves the shard to the host) and drops the moved parameters.
 `wrap_events` writes that sequence; `tests/bench/test_fsdp1_wrap.py` checks it against the storages real
 FSDP1 makes on the CPU as rank 1 of 2 (torch's fake process group). The step is then the estimator's simulated forward + backward at the
-model's full depth, recorded allocation by allocation (`autofit.estimate.simulate.recorded_events`) and replayed
+model's full depth, recorded allocation by allocation (`autofit.estimate.simulation.step.recorded_events`) and replayed
 `STEPS` times from that cache; a row's prediction swaps the estimator's fragmentation term for what this
 replay reserves beyond what it allocates. Not part of the calibration's headline: see README.md.
 """
@@ -41,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autofit.estimate.allocator import CachingAllocator  # noqa: E402
+from autofit.estimate.cuda.allocator import CachingAllocator  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "fsdp1-wrap.json"
@@ -171,7 +171,7 @@ def fsdp_qlora_units(row: dict) -> list[Unit]:
     too: PEFT cast them to the base weight's dtype, bf16 `quant_storage`), NF4 weights packed two to a byte
     on every linear layer of the decoder (train.py `replace_linear`, `skip_modules=["lm_head"]`), each
     trainable leaf and each decoder layer a unit (train.py `get_wrapping_policy`), the root last."""
-    from autofit.spec.model_info import find_blocks
+    from autofit.models.info import find_blocks
     from bench.calibration import calibrate, measured_code
 
     class_name, fields = calibrate.architecture(row)
@@ -219,7 +219,7 @@ def recorded_step(row: dict) -> list[tuple[str, int, int]]:
     """The allocation events of the row's step simulated at full depth, as (kind, key, bytes): one step's
     mallocs and frees, its gradients dropped as they come."""
     from autofit.estimate.estimator import Estimator
-    from autofit.estimate.simulate import recorded_events
+    from autofit.estimate.simulation.step import recorded_events
     from bench.calibration import calibrate
 
     spec, config, strategies = calibrate.setup(row)

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autofit.estimate.allocator import CachingAllocator  # noqa: E402
+from autofit.estimate.cuda.allocator import CachingAllocator  # noqa: E402
 from bench.calibration.fsdp1_wrap import held_beyond, recorded_step, replay, step_events  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autofit.estimate.dry_run import dry_run  # noqa: E402
+from autofit.pipelines.dry_run import dry_run  # noqa: E402
 from autofit.strategies import MicroBatch, Precision  # noqa: E402
 
 SECONDS_EACH = 240

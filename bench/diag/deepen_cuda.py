@@ -1,4 +1,4 @@
-"""What the depth synthesis (`autofit.estimate.deepen`) sees on a card: for three held-out configurations,
+"""What the depth synthesis (`autofit.estimate.simulation.deepen`) sees on a card: for three held-out configurations,
 each call's events, marks, units and the sizes its two units allocated, pickled to $OUT (or /tmp) for
 reading elsewhere, and whether it gave up (None: the units looked unlike).
 
@@ -6,7 +6,7 @@ reading elsewhere, and whether it gave up (None: the units looked unlike).
     DIAG_DEVICE=cpu python bench/diag/deepen_cuda.py # here: CPU kernels standing in, to compare
 
 On the H200 (2026-11-27) it showed the first checkpointed block making two storages of no bytes that the
-second did not, which made the synthesis give up on CUDA only (fixed in autofit/estimate/simulate.py).
+second did not, which made the synthesis give up on CUDA only (fixed in autofit/estimate/simulation/step.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import autofit.estimate.deepen as deepen_module  # noqa: E402
+import autofit.estimate.simulation.deepen as deepen_module  # noqa: E402
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 from bench.estimate_accuracy import GLOBAL_BATCH, held_out_models  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The estimator against CPU probes for recurrent models, with and without the kernels' own memory that
-torch's meta kernels leave out (`autofit.estimate.sized_kernels`: oneDNN's LSTM workspace).
+torch's meta kernels leave out (`autofit.estimate.simulation.sized_kernels`: oneDNN's LSTM workspace).
 
     AUTOFIT_CACHE=off python bench/diag/recurrent_peaks.py    # nothing simulated kept on disk
 
@@ -22,11 +22,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.config import Config  # noqa: E402
-from autofit.estimate import sized_kernels  # noqa: E402
+from autofit.estimate.simulation import sized_kernels  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
-from autofit.estimate.simulations import SIMULATIONS  # noqa: E402
+from autofit.estimate.simulation.memo import SIMULATIONS  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 

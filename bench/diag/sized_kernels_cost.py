@@ -1,4 +1,4 @@
-"""What `autofit.estimate.sized_kernels` costs a simulation of a model that has none of its kernels: a
+"""What `autofit.estimate.simulation.sized_kernels` costs a simulation of a model that has none of its kernels: a
 GPT-2 step (6 layers, 1,024 tokens, CPU kernels standing in for CUDA) simulated with `sized_kernels.run`
 and with a pass-through in its place, alternated, medians of 10.
 
@@ -21,9 +21,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.config import Config  # noqa: E402
-from autofit.estimate import sized_kernels  # noqa: E402
-from autofit.estimate.simulate import simulate_step  # noqa: E402
-from autofit.spec.batch import default_loss  # noqa: E402
+from autofit.estimate.simulation import sized_kernels  # noqa: E402
+from autofit.estimate.simulation.step import simulate_step  # noqa: E402
+from autofit.batches.batch import default_loss  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """How far a split step's gradient moves from the whole batch's when micro-batches are weighted by their
-share of the samples instead of their share of the targets (`autofit.spec.shares`), for a Hugging Face
+share of the samples instead of their share of the targets (`autofit.batches.shares`), for a Hugging Face
 model's own token-level loss over rows padded with -100 labels.
 
     python bench/diag/token_shares.py
@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autofit.spec.shares import target_counts  # noqa: E402
+from autofit.batches.shares import target_counts  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
 LENGTHS = [8, 64, 12, 60, 5, 40, 30, 64]

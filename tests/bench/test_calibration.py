@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autofit.estimate.facts import meta_model
+from autofit.models.info import meta_model
 from bench.calibration import calibrate, measured_code
 
 RESULTS = json.loads((Path(calibrate.__file__).parent / "results" / "calibration.json").read_text())
@@ -180,7 +180,7 @@ def test_litgpts_step_hands_back_fp32_logits_as_lightning_fabric_does():
 def test_litgpts_step_holds_the_previous_iterations_logits_and_kept_inputs_through_the_forward(monkeypatch):
     from types import SimpleNamespace
 
-    from autofit.probe.memory import StorageCounter
+    from autofit.devices.memory import StorageCounter
     from autofit.strategies.quantization import SimulatedLinear4bit
 
     monkeypatch.setattr(SimulatedLinear4bit, "keeps_input", True)  # bitsandbytes before 0.43.2

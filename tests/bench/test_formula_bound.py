@@ -21,7 +21,7 @@ def test_a_formula_based_estimate_carries_its_targets_bound_where_the_formula_co
     from autofit.config import Config
     from autofit.estimate import estimator as estimator_module
     from autofit.estimate.estimator import Estimator
-    from autofit.spec.train import make_spec
+    from autofit.job.train_spec import make_spec
 
     def failing(*_args, **_kwargs):
         raise RuntimeError("no fake kernel")

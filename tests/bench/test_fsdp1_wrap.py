@@ -36,7 +36,7 @@ class Recorder:
     """Every storage made and freed while active, as ("malloc", key, bytes) / ("free", key, 0)."""
 
     def __init__(self):
-        from autofit.probe.memory import StorageCounter
+        from autofit.devices.memory import StorageCounter
 
         events = self.events = []
 

@@ -234,7 +234,7 @@ def test_a_memory_size_without_a_card_says_whose_speeds_are_used(config_json, ca
 
 @pytest.mark.parametrize("columns", ["200", "80", "60"])
 def test_models_lists_every_preset_by_the_names_model_takes(capsys, monkeypatch, columns):
-    from autofit.spec.presets import get_preset, list_presets
+    from autofit.models.presets import get_preset, list_presets
 
     monkeypatch.setenv("COLUMNS", columns)
     assert main(["models"]) == 0

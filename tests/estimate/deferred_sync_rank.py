@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import autofit
 from autofit.config import Config
-from autofit.probe.memory import CpuBudget, StorageCounter
+from autofit.devices.memory import CpuBudget, StorageCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_deferred_sync import CASES, PEAK_CONFIG, make_model  # noqa: E402

@@ -8,8 +8,8 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.simulated_adapters import is_adapted, within_block
-from autofit.spec.train import make_spec
+from autofit.estimate.simulation.adapters import is_adapted, within_block
+from autofit.job.train_spec import make_spec
 from autofit.strategies import Lora
 
 WIDTH, TOKENS = 128, 64
@@ -214,7 +214,7 @@ def test_peft_releases_that_made_adapters_in_the_base_dtype_are_simulated_apart(
 
     from transformers import LlamaForCausalLM
 
-    from autofit.estimate import simulated_adapters
+    from autofit.estimate.simulation import adapters as simulated_adapters
 
     hf = _llama_spec().model.hf_config
     spec = make_spec(lambda: LlamaForCausalLM(hf).to(torch.bfloat16), None, seq_len=128, device="cpu",

@@ -1,4 +1,4 @@
-"""The CUDA caching allocator replayed (autofit/estimate/allocator.py): the rules of
+"""The CUDA caching allocator replayed (autofit/estimate/cuda/allocator.py): the rules of
 c10/cuda/CUDACachingAllocator.cpp in its default configuration, and the estimate's fragmentation term."""
 
 import dataclasses
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate.allocator import CachingAllocator, Replay, replay, replay_training, round_size, segment_size
+from autofit.estimate.cuda.allocator import CachingAllocator, Replay, replay, replay_training, round_size, segment_size
 from autofit.estimate.estimator import Estimator
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 
 MIB = 1 << 20
 
@@ -109,7 +109,7 @@ def test_an_extrapolated_micro_batch_replays_the_events_read_on_the_line():
     # Its events are the simulated ones with each size on the line through micro-batches 1 and 2: the
     # allocator replayed as at the micro-batch itself (PEFT's Llama-3.2-3B full fine-tune at 4: 1,415 MiB
     # replayed so, 1,430 simulated there, 3,207 by the share of the transients).
-    from autofit.estimate.training_replay import reserve
+    from autofit.estimate.cuda.training_replay import reserve
 
     spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
                      loss_fn=lambda output, batch: output.square().mean())
@@ -155,7 +155,7 @@ def test_a_tied_weight_is_one_weight_in_the_simulation_and_its_replay():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autofit.estimate.simulate import fake_empty
+    from autofit.estimate.simulation.step import fake_empty
 
     def built():
         with torch.device("meta"):
@@ -196,7 +196,7 @@ def test_a_split_segment_is_not_released():
 
 
 def test_the_least_reserve_is_where_the_replay_stops_running_out_of_memory():
-    from autofit.estimate.training_replay import least_reserve
+    from autofit.estimate.cuda.training_replay import least_reserve
 
     step = Replay.of(STEP, ([10 * MIB], [10 * MIB, 10 * MIB], [10 * MIB], 1))
     roomy = step.run()

@@ -13,7 +13,7 @@ from transformers import (BertConfig, Blip2Config, CLIPConfig, CLIPVisionConfig,
 from autofit.cli.main import main
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.estimate.dry_run import dry_run
+from autofit.pipelines.dry_run import dry_run
 from autofit.estimate.estimator import predict_peak
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
@@ -237,8 +237,8 @@ def check_simulated(tmp_path, name):
         assert "simulated under fake tensors" in candidate.estimate.method
         assert candidate.estimate.breakdown.activations > 0
     # the synthesized batch is the modality's own, shaped as the model's forward takes it
-    from autofit.spec.models import resolve_model
-    from autofit.spec.train import make_spec
+    from autofit.models.names import resolve_model
+    from autofit.job.train_spec import make_spec
 
     factory, _, _ = resolve_model(str(path))
     spec = make_spec(factory, seq_len=SEQ_LEN.get(name, 32), device="cpu", memory_budget="1GiB")
@@ -284,7 +284,7 @@ def test_a_head_whose_forward_refuses_labels_asks_for_a_loss(tmp_path, capsys):
     depth head trains: it is not refused."""
     from transformers import DPTConfig, GLPNConfig, GLPNForDepthEstimation
 
-    from autofit.spec.presets import check_head
+    from autofit.models.presets import check_head
 
     DPTConfig(image_size=64, patch_size=16, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
               intermediate_size=64, neck_hidden_sizes=[8, 16, 32, 32], fusion_hidden_size=16,
@@ -323,7 +323,7 @@ def test_a_config_transformers_cannot_build_names_the_field(tmp_path, capsys):
 
 
 def test_an_image_size_the_config_does_not_name_is_the_usual_one_and_said_so():
-    from autofit.spec.synthetic import synthesize_batch
+    from autofit.batches.synthetic import synthesize_batch
 
     _, described = synthesize_batch(ARCHITECTURES["resnet"][0], None)
     assert "3x224x224" in described and "the config names none" in described
@@ -340,7 +340,7 @@ def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, cap
         raise NotImplementedError("aten::made_up has no fake kernel")
 
     monkeypatch.setattr(estimator, "simulate_step", no_fake_kernel)
-    from autofit.estimate import simulations
+    from autofit.estimate.simulation import memo as simulations
 
     monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())  # none of the real ones kept
     path = _config_file(tmp_path, "bert-token-classifier")
@@ -359,8 +359,8 @@ def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, cap
     # the tuner never prunes by the formula: the probe decides
     from autofit.config import Config
     from autofit.estimate.estimator import predictor_for
-    from autofit.spec.models import resolve_model
-    from autofit.spec.train import make_spec
+    from autofit.models.names import resolve_model
+    from autofit.job.train_spec import make_spec
 
     spec = make_spec(resolve_model(str(path))[0], seq_len=32, device="cpu", memory_budget="1GiB")
     assert predictor_for(spec)(Config()) is None
@@ -376,7 +376,7 @@ def test_a_failed_simulation_the_formula_does_not_cover_gives_no_verdict(tmp_pat
         raise NotImplementedError("aten::made_up has no fake kernel")
 
     monkeypatch.setattr(estimator, "simulate_step", no_fake_kernel)
-    from autofit.estimate import simulations
+    from autofit.estimate.simulation import memo as simulations
 
     monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())
     path = _config_file(tmp_path, "resnet")
@@ -394,7 +394,7 @@ def test_an_object_detector_tunes_on_synthesized_targets():
     """DETR from its config: pixel values and one dict of classes and boxes per image, as transformers'
     detection loss takes them; the probes train it (its ResNet backbone keeps eager attention under SDPA)."""
     import autofit
-    from autofit.spec.synthetic import synthesize_batch
+    from autofit.batches.synthetic import synthesize_batch
 
     config = ARCHITECTURES["detr"][0]
     make_batch, described = synthesize_batch(config, None)
@@ -437,8 +437,8 @@ def test_a_step_that_fails_past_one_sample_says_why_it_rests_on_the_formula(tmp_
     under fake tensors" beside a verdict by formula: the failure is the reason given."""
     from autofit.config import Config
     from autofit.estimate.estimator import Estimator
-    from autofit.spec.models import resolve_model
-    from autofit.spec.train import make_spec
+    from autofit.models.names import resolve_model
+    from autofit.job.train_spec import make_spec
 
     factory, _, _ = resolve_model(_llama_classifier(tmp_path))
     estimator = Estimator(make_spec(factory, global_batch_size=1, seq_len=32, device="cpu", memory_budget="1GiB"),
@@ -454,8 +454,8 @@ def test_a_step_that_fails_past_one_sample_says_why_it_rests_on_the_formula(tmp_
 def test_packed_images_are_predicted_as_the_cpu_probe_peaks(tmp_path, config):
     """Qwen2-VL on its synthesized batch: the probe's micro-batches take their own samples' packed patches, and
     the simulated step peaks as the probe measures it."""
-    from autofit.spec.models import resolve_model
-    from autofit.spec.train import make_spec
+    from autofit.models.names import resolve_model
+    from autofit.job.train_spec import make_spec
 
     factory, _, _ = resolve_model(str(_config_file(tmp_path, "qwen2-vl")))
     spec = make_spec(factory, seq_len=300, global_batch_size=2, device="cpu", memory_budget="2GiB", warmup_steps=1,

@@ -1,4 +1,4 @@
-"""Attention simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda_attention.py): the backend
+"""Attention simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda/attention.py): the backend
 CUDA's rules pick, and the scores the math backend keeps, which the CPU's fused kernel does not."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from autofit.config import Config
-from autofit.estimate.cuda_attention import backend
-from autofit.estimate.simulate import simulate_step
+from autofit.estimate.cuda.attention import backend
+from autofit.estimate.simulation.step import simulate_step
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -65,7 +65,7 @@ def test_flash_attention_is_simulated_for_a_model_that_refuses_sdpa(tmp_path):
     # (`_supports_sdpa = False`): its flash rows failed to simulate as SDPA and rested on the formula.
     from transformers import Gemma2Config
 
-    from autofit.estimate.dry_run import dry_run
+    from autofit.pipelines.dry_run import dry_run
     from autofit.strategies import Attention, MicroBatch, Precision
 
     config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

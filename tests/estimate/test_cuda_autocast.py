@@ -1,4 +1,4 @@
-"""Autocast simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda_autocast.py): the ops CUDA's
+"""Autocast simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda/autocast.py): the ops CUDA's
 autocast runs in fp32 keep fp32 tensors for backward where the CPU's autocast keeps bf16 ones."""
 
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate.simulate import simulate_step
+from autofit.estimate.simulation.step import simulate_step
 
 BATCH, TOKENS, WIDTH, HEADS = 2, 64, 128, 4
 
@@ -90,7 +90,7 @@ def test_cross_entropy_of_bf16_logits_keeps_what_cuda_keeps():
 
 
 def test_cross_entropy_on_cuda_computes_what_cross_entropy_computes():
-    from autofit.estimate.cuda_autocast import _cross_entropy
+    from autofit.estimate.cuda.autocast import _cross_entropy
 
     logits = torch.randn(6, 5).to(torch.bfloat16)
     target = torch.tensor([0, 1, 2, 3, 4, -100])

@@ -1,5 +1,5 @@
-"""Dropout simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda_dropout.py, and attention
-dropout in autofit/estimate/cuda_attention.py): a bool mask where the CPU keeps its noise in the
+"""Dropout simulated on CPU kernels as CUDA runs it (autofit/estimate/cuda/dropout.py, and attention
+dropout in autofit/estimate/cuda/attention.py): a bool mask where the CPU keeps its noise in the
 input's dtype, and no mask at all inside CUDA's fused attention."""
 
 import torch
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate import cuda_dropout
-from autofit.estimate.simulate import simulate_step
+from autofit.estimate.cuda import dropout as cuda_dropout
+from autofit.estimate.simulation.step import simulate_step
 
 TOKENS, WIDTH = 64, 256
 

@@ -1,5 +1,5 @@
 """A deep model's allocation events synthesized from a simulation of two of its blocks
-(autofit/estimate/deepen.py): the same events, in the same order, as a simulation of every block makes,
+(autofit/estimate/simulation/deepen.py): the same events, in the same order, as a simulation of every block makes,
 and so the same peaks, kernels and reserve replayed through the caching allocator."""
 
 import itertools
@@ -10,11 +10,12 @@ import transformers
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate import deepen, simulate
-from autofit.estimate.allocator import allocations
+from autofit.estimate.simulation import deepen
+from autofit.estimate.simulation import step as simulate
+from autofit.estimate.cuda.allocator import allocations
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.facts import rebuild
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 
 
 def gpt2(layers):

@@ -18,7 +18,7 @@ import torch
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import tolerance_for
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 
 # (precision, weights' dtype): no policy on bf16 weights (held in bf16), the bf16 policy on bf16 weights
 # (upcast to the fp32 reduce dtype), pure bf16 (bf16 throughout)

@@ -13,7 +13,7 @@ from autofit.estimate.states import model_states
 from autofit.strategies.quantization import NF4_BYTES
 from autofit.estimate.facts import model_facts
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies, quantization
 
 GB = 1e9
@@ -188,7 +188,7 @@ def test_estimate_is_frozen_values(spec):
 def test_a_given_module_is_planned_without_a_real_copy():
     from torch import nn
 
-    from autofit.estimate.estimator import meta_model
+    from autofit.models.info import meta_model
 
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     spec = make_spec(net, torch.randn(4, 64), loss_fn=lambda out, batch: out.pow(2).mean(), device="cpu",
@@ -203,7 +203,7 @@ def test_a_second_estimator_of_the_same_workload_simulates_nothing_again(monkeyp
     """Simulations are kept for the process (a notebook planning one model for several GPUs); another
     batch shape or model simulates anew."""
     import autofit.estimate.estimator as estimator_module
-    from autofit.estimate import simulations
+    from autofit.estimate.simulation import memo as simulations
 
     runs = []
     real = estimator_module.simulate_step
@@ -300,7 +300,7 @@ def test_a_prediction_does_not_depend_on_what_was_simulated_before(monkeypatch):
     # configuration simulated set every other's reserve
     from transformers import GPT2Config
 
-    from autofit.estimate import simulations
+    from autofit.estimate.simulation import memo as simulations
 
     tied = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=2, n_positions=128)
     specs = [make_spec(tied, None, seq_len=64, global_batch_size=4, device="cpu", memory_budget="4GiB", num_gpus=n)

@@ -6,8 +6,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from autofit.config import Config
-from autofit.estimate.healthy_checks import healthy_checks
-from autofit.estimate.simulate import simulate_step
+from autofit.estimate.simulation.healthy_checks import healthy_checks
+from autofit.estimate.simulation.step import simulate_step
 
 
 class Checked(nn.Module):
@@ -52,7 +52,7 @@ def test_a_model_that_checks_for_overflow_is_simulated():
 def test_transformers_checks_are_off_while_simulating_and_as_they_were_after(monkeypatch):
     import os
 
-    from autofit.estimate.healthy_checks import TRANSFORMERS_CHECKS, transformers_checks_off
+    from autofit.estimate.simulation.healthy_checks import TRANSFORMERS_CHECKS, transformers_checks_off
 
     monkeypatch.delenv(TRANSFORMERS_CHECKS, raising=False)
     with transformers_checks_off():

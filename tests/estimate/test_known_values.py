@@ -1,4 +1,4 @@
-"""Values a simulated step computes from the batch's integers (autofit/estimate/known_values.py): ops whose
+"""Values a simulated step computes from the batch's integers (autofit/estimate/simulation/known_values.py): ops whose
 shapes depend on them sized as the real step sizes them, and heads that read them simulated and predicted
 as their CPU probes peak."""
 
@@ -10,11 +10,11 @@ from transformers import (BartConfig, BartForSequenceClassification, DebertaV2Co
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.known_values import KNOWN_NUMEL, KnownValues
+from autofit.estimate.simulation.known_values import KNOWN_NUMEL, KnownValues
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.spec.synthetic import synthesize_batch
-from autofit.spec.train import make_spec
+from autofit.batches.synthetic import synthesize_batch
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 

@@ -9,7 +9,7 @@ import transformers
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import Lora, checkpointing
 from autofit.strategies.quantization import SimulatedLinear4bit
 

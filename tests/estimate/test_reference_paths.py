@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
 
-from autofit.estimate.dry_run import dry_run
-from autofit.estimate.reference_paths import describe, reference_paths
+from autofit.pipelines.dry_run import dry_run
+from autofit.estimate.simulation.reference_paths import describe, reference_paths
 from autofit.strategies import MicroBatch, Precision
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None,

@@ -11,7 +11,7 @@ from autofit.estimate.engines import zero_partition_elements
 from autofit.estimate.estimator import Estimator, ModelFacts, predictor_for
 from autofit.estimate.states import model_states, optimizer_temporaries, quantization_constants
 from autofit.strategies.quantization import nf4_bytes
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import Lora
 
 N = 4

@@ -1,6 +1,6 @@
-"""Simulated steps shared between processes through a folder (autofit/estimate/simulations.py): a library's
+"""Simulated steps shared between processes through a folder (autofit/estimate/simulation/memo.py): a library's
 model read back by the next process, never a step of other code, never a model of one's own class; the
-caching allocator's reserves (autofit/estimate/kept.py `RESERVES`) by their events, whatever the model."""
+caching allocator's reserves (autofit/estimate/simulation/disk_cache.py `RESERVES`) by their events, whatever the model."""
 
 import pytest
 import torch
@@ -9,9 +9,12 @@ from transformers import LlamaConfig
 
 import autofit.estimate.estimator as estimator_module
 from autofit.config import Config
-from autofit.estimate import allocator, kept, simulate, simulations
+from autofit.estimate.cuda import allocator
+from autofit.estimate.simulation import disk_cache as kept
+from autofit.estimate.simulation import step as simulate
+from autofit.estimate.simulation import memo as simulations
 from autofit.estimate.estimator import Estimator
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 
 CONFIG = Config(precision="bf16", attention="sdpa", checkpointing="full", micro_batch_size=2)
 

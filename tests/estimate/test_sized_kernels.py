@@ -12,10 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.estimate import sized_kernels
-from autofit.estimate.sized_kernels import cudnn_reserve, onednn_workspace
+from autofit.estimate.simulation import sized_kernels
+from autofit.estimate.simulation.sized_kernels import cudnn_reserve, onednn_workspace
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 aten = torch.ops.aten

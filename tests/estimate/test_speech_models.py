@@ -7,7 +7,7 @@ import torch
 from test_architectures import ARCHITECTURES, SPEECH, _config_file, check_simulated
 from transformers import Wav2Vec2Config
 
-from autofit.estimate.dry_run import dry_run
+from autofit.pipelines.dry_run import dry_run
 from autofit.strategies import MicroBatch, Precision
 
 
@@ -37,7 +37,7 @@ def test_float_inputs_are_simulated_under_every_16_bit_weight_mode(tmp_path):
 
 
 def test_whisper_labels_follow_the_decoder_not_the_2048_default(tmp_path):
-    from autofit.spec.synthetic import synthesize_batch
+    from autofit.batches.synthetic import synthesize_batch
 
     config = ARCHITECTURES["whisper"][0]
     make_batch, description = synthesize_batch(config, None, "WhisperForConditionalGeneration")
@@ -74,7 +74,7 @@ def test_audio_batches_follow_each_audio_models_input():
     from transformers import ASTConfig
 
     from autofit.errors import UsageError
-    from autofit.spec.synthetic import synthesize_batch
+    from autofit.batches.synthetic import synthesize_batch
 
     waveform = ARCHITECTURES["wav2vec2-ctc"][0]
     make_batch, description = synthesize_batch(waveform, None, "Wav2Vec2ForCTC")  # default: 10 s at 16 kHz
@@ -98,7 +98,7 @@ def test_speech_clip_classifiers_get_a_label_per_clip():
     from transformers import Wav2Vec2BertConfig, Wav2Vec2BertForSequenceClassification, WhisperForAudioClassification
 
     from autofit.errors import UsageError
-    from autofit.spec.synthetic import synthesize_batch
+    from autofit.batches.synthetic import synthesize_batch
 
     whisper = ARCHITECTURES["whisper"][0]
     make_batch, description = synthesize_batch(whisper, None, "WhisperForAudioClassification")

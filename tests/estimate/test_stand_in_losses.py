@@ -1,4 +1,4 @@
-"""Losses whose shapes depend on the data, simulated by the memory they keep (autofit/estimate/stand_in_losses.py):
+"""Losses whose shapes depend on the data, simulated by the memory they keep (autofit/estimate/simulation/stand_in_losses.py):
 Mask2Former's matched, point-sampled mask losses against its real loss on the CPU."""
 
 import pytest
@@ -8,9 +8,9 @@ from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.spec.batch import leading_dim, take_rows
-from autofit.spec.synthetic import synthesize_batch
-from autofit.spec.train import make_spec
+from autofit.batches.batch import leading_dim, take_rows
+from autofit.batches.synthetic import synthesize_batch
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 
@@ -52,7 +52,7 @@ def test_more_objects_than_queries_are_matched_to_every_query():
     and sampled points disagreed in count and its simulation failed (grid_sample's batch sizes). Predicted
     6.6% over its real peak there (the stand-in's loss phase 9.4% over the real loss's, not found why):
     the safe side, held to twice the tolerance above and the tolerance below."""
-    from autofit.spec.synthetic_batches import MaskBatches
+    from autofit.batches.synthetic_batches import MaskBatches
 
     make_batch = MaskBatches(synthesize_batch(_config(), None, "Mask2FormerForUniversalSegmentation")[0].pixels, 7,
                              objects=24)

@@ -1,4 +1,4 @@
-"""Simulations shared with worker processes (`autofit.estimate.workers`) predict exactly what the caller
+"""Simulations shared with worker processes (`autofit.estimate.simulation.workers`) predict exactly what the caller
 alone predicts; what a worker does not deliver, the caller simulates itself."""
 
 import os
@@ -13,11 +13,11 @@ import torch
 from transformers import LlamaConfig
 
 import autofit.estimate.estimator as estimator_module
-from autofit.estimate import simulations as kept_simulations
+from autofit.estimate.simulation import memo as kept_simulations
 from autofit.config import Config
-from autofit.estimate import workers
+from autofit.estimate.simulation import workers
 from autofit.estimate.estimator import Estimator
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 
 CONFIGS = [Config(precision=p, attention="sdpa", checkpointing=c, micro_batch_size=mb)
            for p, c in (("fp32", "none"), ("bf16", "none"), ("fp32", "full")) for mb in (1, 4)]
@@ -144,8 +144,8 @@ KILLED_CALLER = """
 import os, sys, torch
 sys.path[:0] = {path!r}
 from autofit.config import Config
-from autofit.estimate import workers
-from autofit.spec.train import make_spec
+from autofit.estimate.simulation import workers
+from autofit.job.train_spec import make_spec
 from test_workers import Sleeper
 spec = make_spec(Sleeper, torch.randn(2, 4), device="cpu", memory_budget="1GiB")
 os.environ["SLEEP"] = "1"  # in the worker, not in the checks above

@@ -12,14 +12,15 @@ import torch
 
 from autofit.config import Config
 from autofit.estimate.cost_model import engine_host_ops, host_seconds, optimizer_host_ops, step_seconds
-from autofit.estimate.dry_run import dry_run
+from autofit.pipelines.dry_run import dry_run
 from autofit.estimate.facts import ModelFacts
-from autofit.estimate.estimator import meta_model, model_facts
-from autofit.estimate.gpus import get_gpu
+from autofit.estimate.estimator import model_facts
+from autofit.models.info import meta_model
+from autofit.devices.gpus import get_gpu
 from autofit.estimate.workload import workload
-from autofit.spec.synthetic_batches import TokenBatches
-from autofit.spec.presets import build_model, get_preset
-from autofit.spec.train import make_spec
+from autofit.batches.synthetic_batches import TokenBatches
+from autofit.models.presets import build_model, get_preset
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch
 
 RTX_4090 = get_gpu("rtx-4090")  # 165 dense bf16 TFLOP/s

@@ -152,7 +152,7 @@ def test_buffers_are_sized_for_the_model_and_budget(tmp_path, plan_for, stage):
     parsed = parse(data)
     assert parsed.zero_config.reduce_bucket_size == 256 * 256
     # the probe builds the same dict from the spec's summary
-    from autofit.export.deepspeed import buffers_for
+    from autofit.strategies.deepspeed_config import buffers_for
 
     assert deepspeed_config(config, buffers=buffers_for(plan.spec))["zero_optimization"] == zero
 

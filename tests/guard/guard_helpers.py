@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 
 WIDTH = 16
 

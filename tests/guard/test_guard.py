@@ -14,7 +14,7 @@ import torch
 
 from autofit import Config, Plan
 from autofit.guard.core import GuardGaveUp, OomGuard
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from guard_helpers import assert_same_weights, fresh, loss_fn, make_batch, reference, step_peak
 
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 from autofit.guard.accelerate import AccelerateGuard
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from guard_helpers import SCRATCH, WIDTH, assert_same_weights, fresh, loss_fn
 
 torch.set_num_threads(1)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofit.guard.core import OomGuard
-from autofit.probe.memory import CudaBudget
+from autofit.devices.memory import CudaBudget
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

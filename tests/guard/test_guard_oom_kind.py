@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from autofit.guard.core import OomGuard
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from guard_helpers import fresh, loss_fn, make_batch, step_peak
 
 LONG, TOTAL = 32, 16

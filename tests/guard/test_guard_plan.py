@@ -8,7 +8,7 @@ import torch
 
 from autofit import Config, Plan, UsageError
 from autofit.guard.core import OomGuard
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from guard_helpers import fresh, loss_fn, make_batch
 
 torch.set_num_threads(1)

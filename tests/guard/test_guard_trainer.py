@@ -14,7 +14,7 @@ from transformers import (BertConfig, BertForTokenClassification, GPT2Config, GP
                           TrainerCallback, TrainingArguments)
 
 from autofit.guard.trainer import GuardedTrainer
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from guard_helpers import TokenLM
 
 torch.set_num_threads(1)

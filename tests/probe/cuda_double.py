@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from autofit.probe.memory import forget_baselines
+from autofit.devices.memory import forget_baselines
 
 GiB = 2**30
 

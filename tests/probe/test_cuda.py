@@ -10,9 +10,9 @@ from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 import autofit
 from autofit import Config, ProbeStatus
 from autofit.probe.run import run_probe
-from autofit.probe.memory import CudaBudget, accounting, outside_allocator
-from autofit.spec.devices import bf16_support
-from autofit.spec.train import make_spec
+from autofit.devices.memory import CudaBudget, accounting, outside_allocator
+from autofit.devices.device import bf16_support
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 pytestmark = [pytest.mark.gpu,

@@ -15,8 +15,8 @@ from autofit import Config, ProbeStatus
 from autofit.errors import UsageError
 from autofit.probe import launch as launcher
 from autofit.probe.child import run_job
-from autofit.probe.memory import accounting
-from autofit.spec.train import make_spec
+from autofit.devices.memory import accounting
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, Placement
 from models import LinearBlocks
 

@@ -13,7 +13,7 @@ from autofit import Config
 from autofit.errors import CudaContextBroken
 from autofit.probe.oom import classify_oom
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from autofit import Config, ProbeStatus
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, Precision
 from autofit.strategies.base import Option, Strategy
 

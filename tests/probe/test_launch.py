@@ -16,7 +16,7 @@ from autofit.errors import UsageError
 from autofit.probe.launch import check_ranks, died
 from autofit.probe.outcome import ProbeStatus
 from autofit.search.space import build_space
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, Placement, default_strategies
 from models import LinearBlocks, run_ranks
 
@@ -302,7 +302,7 @@ def test_the_probe_entry_point_is_not_imported_before_it_runs():
     import subprocess
 
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
-                           "import sys, autofit, autofit.probe.launch, autofit.estimate.workers\n"
+                           "import sys, autofit, autofit.probe.launch, autofit.estimate.simulation.workers\n"
                            "assert 'autofit.probe.child' not in sys.modules, 'imported'"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

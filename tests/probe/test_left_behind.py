@@ -14,10 +14,10 @@ from torch import nn
 import autofit
 from autofit import Config
 from autofit.probe.launch import fresh_placement
-from autofit.probe.memory import memory_left_behind
+from autofit.devices.memory import memory_left_behind
 from autofit.probe.outcome import ProbeStatus
 from autofit.probe.run import LEFT_BEHIND_SLACK, run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import Attention, Checkpointing, MicroBatch, default_strategies
 from autofit.strategies.base import Placement
 

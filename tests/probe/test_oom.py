@@ -3,7 +3,7 @@ import weakref
 
 import torch
 
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from autofit.probe.oom import classify_oom, collecting_new_objects, release_memory
 
 

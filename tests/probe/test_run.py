@@ -5,9 +5,9 @@ from models import make_mlp, make_mlp_batch, mlp_loss
 from autofit import Config, ProbeStatus
 from autofit.probe.launch import launch
 from autofit.strategies import Placement
-from autofit.probe.memory import CpuBudget
+from autofit.devices.memory import CpuBudget
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 STRATEGIES = default_strategies()

@@ -9,7 +9,7 @@ from models import make_mlp, make_mlp_batch, mlp_loss
 from autofit import Config, ProbeStatus
 from autofit.probe import run as run_module
 from autofit.probe.run import AllocatorWatch, Timed, run_probe, settle
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 

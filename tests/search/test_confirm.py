@@ -12,10 +12,10 @@ from autofit.config import Config, Optimizer
 from autofit.plan import make_plan
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Source, decided, Skip
 from autofit.search import confirm
-from autofit.search.confirm import (LIVE_WINDOW, PROBE_WINDOW, Finalist, confirm as run_confirm, decide, finalists, follow_near_limit,
-                                    follow_numerics)
+from autofit.search.confirm import confirm as run_confirm, finalists, follow_near_limit, follow_numerics
+from autofit.search.decision import LIVE_WINDOW, PROBE_WINDOW, Finalist, decide
 from autofit.search.space import build_space
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, OptimizerStates, Precision as PrecisionStrategy
 
 EXACT = Config(micro_batch_size=8)
@@ -271,8 +271,8 @@ def test_a_thrashing_fit_loses_to_the_next_smaller_micro_batch(monkeypatch):
     spec_args = dict(global_batch_size=8, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
     limit = make_spec(make_mlp, make_mlp_batch, **spec_args).fit_limit
     card = FakeCard(limit)  # micro-batch 8 peaks at 94% of the fit limit: retries; 4 is calm
-    monkeypatch.setattr("autofit.search.tuner.probe_placed", card)
-    monkeypatch.setattr("autofit.search.tuner.LIVE_SHARE", 0.0)  # re-measure through the card too
+    monkeypatch.setattr("autofit.pipelines.tune.probe_placed", card)
+    monkeypatch.setattr("autofit.pipelines.tune.LIVE_SHARE", 0.0)  # re-measure through the card too
     plan = autofit.autofit(make_mlp, make_mlp_batch, strategies=[MicroBatch()], predict=False, **spec_args)
     assert card.asked[:2] == [8, 4]  # 8 fits but retries, so 4 is probed although it "cannot be faster"
     eight = next(p for p in plan.probes if p.config.micro_batch_size == 8)
@@ -299,8 +299,8 @@ def test_a_numerics_change_the_walk_only_implied_is_probed(space):
 def test_follow_up_probes_keep_to_the_probe_budget(monkeypatch):
     spec_args = dict(global_batch_size=8, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
     card = FakeCard(make_spec(make_mlp, make_mlp_batch, **spec_args).fit_limit)
-    monkeypatch.setattr("autofit.search.tuner.probe_placed", card)
-    monkeypatch.setattr("autofit.search.tuner.LIVE_SHARE", 0.0)
+    monkeypatch.setattr("autofit.pipelines.tune.probe_placed", card)
+    monkeypatch.setattr("autofit.pipelines.tune.LIVE_SHARE", 0.0)
     plan = autofit.autofit(make_mlp, make_mlp_batch, strategies=[MicroBatch()], predict=False, max_probes=1,
                            **spec_args)
     assert card.asked[0] == 8 and plan.probes_run == 1  # the rest of the card's answers are re-measurements

@@ -8,7 +8,7 @@ import autofit
 from autofit.probe.launch import probe_placed
 from autofit.probe.outcome import ProbeStatus
 from autofit.search.space import build_space
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 ARGS = dict(global_batch_size=2, device="cpu", num_gpus=2, allow={"lora"}, seq_len=16, warmup_steps=1,

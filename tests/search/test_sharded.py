@@ -19,8 +19,8 @@ from autofit.config import Config, Engine
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import tolerance_for
 from autofit.probe.outcome import ProbeStatus, Source
-from autofit.spec.synthetic_batches import TokenBatches
-from autofit.spec.train import make_spec
+from autofit.batches.synthetic_batches import TokenBatches
+from autofit.job.train_spec import make_spec
 from autofit.strategies import Fsdp, MicroBatch, Zero
 from autofit.strategies.zero import installed_version
 from models import run_ranks
@@ -96,7 +96,7 @@ def test_four_ranks_at_45_percent_fit_fully_sharded():
 
 STDIN = """
 import torch, autofit
-from autofit.spec.synthetic_batches import TokenBatches
+from autofit.batches.synthetic_batches import TokenBatches
 from transformers import GPT2Config, GPT2LMHeadModel
 plan = autofit.autofit(lambda: GPT2LMHeadModel(GPT2Config(n_layer=9, n_embd=384, n_head=6, vocab_size=2100,
                                                           n_positions=256, bos_token_id=0, eos_token_id=0)),

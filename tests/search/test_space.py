@@ -8,12 +8,12 @@ from models import make_mlp, make_mlp_batch, mlp_loss
 
 import autofit
 from autofit.config import Config
-from autofit.estimate.gpus import get_gpu
+from autofit.devices.gpus import get_gpu
 from autofit.probe.outcome import Skip
 from autofit.search.rules import RULES, violation
 from autofit.search.space import build_space
-from autofit.spec.target import Target
-from autofit.spec.train import make_spec
+from autofit.job.target import Target
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 

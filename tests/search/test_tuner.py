@@ -13,7 +13,7 @@ from autofit import Config, ProbeStatus, UsageError
 from autofit.config import Checkpointing
 from autofit.probe.outcome import Skip, Source
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 FAST = dict(warmup_steps=1, timed_steps=2, device="cpu")
@@ -161,7 +161,7 @@ def test_loading_a_bad_plan_file(tmp_path):
 
 def test_engine_pins_the_sharding_engine_and_rejects_unknown_ones(tmp_path):
     from autofit.errors import UsageError
-    from autofit.search.tuner import engine_strategies
+    from autofit.pipelines.tune import engine_strategies
     from autofit.strategies import Fsdp, Offload, Zero
 
     fsdp = engine_strategies(None, "fsdp")

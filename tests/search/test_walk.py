@@ -8,7 +8,7 @@ from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip
 from autofit.search.space import build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import Search
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import Checkpointing, DataParallel, MicroBatch, OptimizerStates, Precision, Zero
 from autofit.strategies.zero import installed_version
 from models import LinearBlocks

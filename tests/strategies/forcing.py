@@ -5,7 +5,7 @@ import torch
 import autofit
 from autofit.config import Config
 from autofit.probe.run import run_probe
-from autofit.spec.train import DEFAULT_SAFETY_MARGIN, make_spec
+from autofit.job.train_spec import DEFAULT_SAFETY_MARGIN, make_spec
 from autofit.strategies import default_strategies
 
 FAST = dict(device="cpu", warmup_steps=1, timed_steps=1)

@@ -9,11 +9,11 @@ import autofit
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
-from autofit.estimate.gpus import get_gpu
+from autofit.devices.gpus import get_gpu
 from autofit.probe.launch import probe_placed
 from autofit.search.rules import violation
-from autofit.spec.target import Target
-from autofit.spec.train import make_spec
+from autofit.job.target import Target
+from autofit.job.train_spec import make_spec
 from autofit.strategies import ActivationOffload, Attention, Checkpointing, MicroBatch, default_strategies
 from autofit.strategies.activation_offload import enable
 from autofit.strategies.base import Placement

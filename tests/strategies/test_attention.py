@@ -5,8 +5,8 @@ import torch
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import Attention, default_strategies
 
 
@@ -51,8 +51,8 @@ def test_switching_leaves_a_shared_config_alone():
 
 
 def test_flash_attention_is_not_offered_before_ampere():
-    from autofit.estimate.gpus import get_gpu
-    from autofit.spec.target import Target
+    from autofit.devices.gpus import get_gpu
+    from autofit.job.target import Target
 
     spec = make_spec(make_gpt2, device="cpu", seq_len=16)
     for gpu, offered in (("t4", False), ("v100-16gb", False), ("a10g", True)):

@@ -10,8 +10,8 @@ from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import Checkpointing, MicroBatch, default_strategies
 from autofit.strategies.checkpointing import disable, enable
 
@@ -77,7 +77,7 @@ def stem_blocks_head():
 
 
 def test_blocks_between_a_stem_and_a_head_are_found_and_checkpointed():
-    from autofit.spec.model_info import find_blocks
+    from autofit.models.info import find_blocks
 
     model = stem_blocks_head()
     assert find_blocks(model) == ("", list(model)[1:5])  # the stem, the norm and the head are layers
@@ -128,7 +128,7 @@ class Stages(nn.Module):
 
 
 def test_every_stage_of_a_resnet_is_checkpointed_not_its_widest_alone():
-    from autofit.spec.model_info import checkpoint_blocks
+    from autofit.models.info import checkpoint_blocks
 
     model = Stages()
     assert checkpoint_blocks(model) == [*model.layer1, model.layer2[1], model.layer2[2], model.layer3[1], model.layer3[2]]
@@ -178,7 +178,7 @@ class UNet(nn.Module):
 
 
 def test_a_unets_down_and_up_blocks_are_all_checkpointed():
-    from autofit.spec.model_info import checkpoint_blocks
+    from autofit.models.info import checkpoint_blocks
 
     model = UNet()
     assert checkpoint_blocks(model) == [*model.downs, *model.ups]  # the ups hold the most weights, not all blocks

@@ -10,7 +10,7 @@ from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.spec.train import make_spec
+from autofit.job.train_spec import make_spec
 from autofit.strategies import ChunkedLoss, MicroBatch, default_strategies
 from autofit.strategies.chunked_loss import enable
 

@@ -5,8 +5,8 @@ from freeze_embeddings import FreezeEmbeddings
 from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 
 from autofit.config import Config
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import Option, Placement, default_strategies
 
 STRATEGIES = [*default_strategies(), FreezeEmbeddings()]  # a plug-in technique passes the same contract

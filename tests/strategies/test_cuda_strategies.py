@@ -17,10 +17,10 @@ from cuda_double import GiB, FakeCuda, FakeGpu  # noqa: E402
 from autofit.config import Attention as A  # noqa: E402
 from autofit.config import Config  # noqa: E402
 from autofit.config import Optimizer as O  # noqa: E402
-from autofit.export.deepspeed import deepspeed_config  # noqa: E402
-from autofit.probe.step import TrainRun  # noqa: E402
+from autofit.strategies.deepspeed_config import deepspeed_config  # noqa: E402
+from autofit.strategies.run import TrainRun  # noqa: E402
 from autofit.search.rules import violation  # noqa: E402
-from autofit.spec.train import make_spec  # noqa: E402
+from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import Attention, Fsdp, OptimizerStates, Quantization, Zero  # noqa: E402
 from autofit.strategies import fsdp as fsdp_module  # noqa: E402
 from autofit.strategies.quantization import as_linear, quantizable_layers  # noqa: E402

@@ -11,8 +11,8 @@ import autofit
 from autofit.config import Config, Engine
 
 from autofit.probe.run import ProbeStatus
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import Fsdp, MicroBatch
 from models import LinearBlocks, run_ranks
 

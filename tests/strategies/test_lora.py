@@ -7,8 +7,8 @@ from torch import nn
 import autofit
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import Lora, MicroBatch, default_strategies
 from autofit.strategies.lora import linear_layer_names
 
@@ -167,8 +167,8 @@ def peft_llama():
 def test_a_model_with_its_own_adapters_gets_no_lora_or_quantization_over_them():
     import dataclasses
 
-    from autofit.estimate.gpus import get_gpu
-    from autofit.spec.target import Target
+    from autofit.devices.gpus import get_gpu
+    from autofit.job.target import Target
     from autofit.strategies import Quantization
 
     spec = make_spec(peft_llama, device="cpu", seq_len=32)  # a peft model is a Hugging Face one: batch synthesized

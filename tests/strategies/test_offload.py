@@ -9,10 +9,10 @@ from autofit.config import Config
 
 from autofit.errors import UsageError
 from autofit.probe.run import ProbeStatus
-from autofit.spec.train import make_spec
-from autofit.estimate.gpus import get_gpu
+from autofit.job.train_spec import make_spec
+from autofit.devices.gpus import get_gpu
 from autofit.search.rules import violation
-from autofit.spec.target import Target
+from autofit.job.target import Target
 from autofit.strategies import Fsdp, MicroBatch, Offload, Precision, Zero
 from autofit.strategies.offload import aio_problem
 from autofit.strategies.zero import installed_version

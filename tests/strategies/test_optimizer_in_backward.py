@@ -9,13 +9,13 @@ from models import WideBlocks, thin_batch
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
-from autofit.estimate.gpus import get_gpu
+from autofit.devices.gpus import get_gpu
 from autofit.probe.run import run_probe
-from autofit.probe.step import build_run
+from autofit.strategies.run import build_run
 from autofit.search.rules import violation
 from autofit.search.space import build_space
-from autofit.spec.target import Target
-from autofit.spec.train import make_spec
+from autofit.job.target import Target
+from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, OptimizerInBackward, OptimizerStates, default_strategies
 
 

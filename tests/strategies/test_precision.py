@@ -3,8 +3,8 @@ from forcing import budget_between, long_batch, peak, tune
 from models import make_mlp, mlp_loss
 
 from autofit.config import Config
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import MicroBatch, Precision, default_strategies
 
 

@@ -9,11 +9,11 @@ from torch import nn
 
 import autofit
 from autofit.config import Config
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
-from autofit.estimate.gpus import get_gpu
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
+from autofit.devices.gpus import get_gpu
 from autofit.search.rules import violation
-from autofit.spec.target import Target
+from autofit.job.target import Target
 from autofit.strategies import Lora, MicroBatch, Quantization
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from autofit.config import Config
 
 from autofit.probe.run import ProbeStatus
-from autofit.spec.train import make_spec
-from autofit.probe.step import build_run
+from autofit.job.train_spec import make_spec
+from autofit.strategies.run import build_run
 from autofit.strategies import MicroBatch, Zero
 from autofit.strategies.zero import installed_version, version_problem
 from models import LinearBlocks, run_ranks

@@ -1,0 +1,86 @@
+"""Which device to tune on, what it supports, and how much memory a plan may use there."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from autofit.errors import UsageError
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to probe on: the given one (a name in any case: "CPU", " cuda:1"), validated, or CUDA when
+    present, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device.strip().lower() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"device={device!r} is not a device name; use 'cpu', 'cuda' or 'cuda:N'.") from exc
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type != "cuda":
+        raise UsageError(f"device={device!r} is not supported; autofit tunes on 'cpu' or 'cuda[:N]'.")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if resolved.index is None else resolved.index
+    if index >= count:
+        raise UsageError(f"device={device!r} does not exist: {count} CUDA device(s) visible. "
+                         "Use device='cpu' with a memory_budget to tune without a GPU, or dry_run() for a target GPU.")
+    return torch.device("cuda", index)
+
+
+def bf16_support(device: torch.device) -> tuple[bool, str]:
+    """Whether bf16 runs natively on `device`, and the reason, e.g. "CUDA SM 7.5: bf16 not native ...".
+
+    Decided by the chosen device's compute capability (>= 8.0, Ampere), not by
+    `torch.cuda.is_bf16_supported()`, which checks the current device and counts emulated bf16 as
+    supported by default (torch/cuda/__init__.py, `including_emulation=True`).
+    """
+    if device.type == "cpu":
+        return True, "CPU autocast supports bf16"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return True, f"CUDA SM {major}.{minor} supports bf16"
+    return False, f"CUDA SM {major}.{minor}: bf16 not native, fp16 with GradScaler instead"
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes a plan may use on `device` when no budget is given: the card's memory, or free host RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().available
+
+
+def describe(device: torch.device) -> str:
+    """The device in words, e.g. "NVIDIA H100 80GB HBM3" or "cpu (2 cores)"."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({psutil.cpu_count() or 1} cores)"
+
+
+def memory_report(device: torch.device) -> dict[str, Any]:
+    """For the spec summary: bytes other processes hold on a CUDA `device` (None where NVML cannot tell),
+    and how this process's memory outside the allocator is measured there."""
+    if device.type != "cuda":
+        return {"foreign_memory": None, "memory_accounting": ""}
+    from autofit.devices.memory import accounting, foreign_memory
+
+    return {"foreign_memory": foreign_memory(device), "memory_accounting": accounting(device)}
+
+
+def check_nvme_path(path: str | os.PathLike) -> Path:
+    """`path` as an existing, writable folder (created when missing); `UsageError` naming it otherwise."""
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageError(f"nvme_path={str(path)!r} is not a writable folder ({exc.strerror or exc}); give a "
+                         "folder on a fast local disk that this user can write, e.g. /local_nvme/autofit.") from exc
+    return folder.resolve()

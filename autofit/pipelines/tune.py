@@ -1,0 +1,197 @@
+"""`autofit.autofit`: spec -> space -> walk (probes) -> confirmation (finalists re-measured) -> plan."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autofit.config import Config
+from autofit.estimate.estimator import predictor_for
+from autofit.estimate.tolerance import tolerance_for
+from autofit.plan import Plan, make_plan
+from autofit.errors import UsageError
+from autofit.probe.launch import DEFAULT_TIMEOUT, check_host_budget, check_ranks, probe_placed
+from autofit.probe.outcome import ProbeResult, Skip, decided
+from autofit.probe.payload import check_serialisable
+from autofit.search import confirm as confirmation, decision
+from autofit.search.space import Space, build_space
+from autofit.search.trials import TrialStore
+from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search, make_progress
+from autofit.devices.device import device_memory
+from autofit.job.train_spec import DEFAULT_SAFETY_MARGIN, LossFn, TrainSpec, make_spec
+from autofit.strategies import ENGINES, Placement, Strategy, default_strategies, resolve_strategies
+from autofit.strategies.sharding import ShardingEngine
+
+LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
+
+
+def _keeps_rng(function: Callable[..., Plan]) -> Callable[..., Plan]:
+    """`function` run with torch's random state saved and restored (the CPU's and every CUDA device's): the
+    probes draw weights, batches and dropout masks, and the caller's next draw must not depend on them."""
+    @functools.wraps(function)
+    def kept(*args: Any, **kwargs: Any) -> Plan:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return function(*args, **kwargs)
+    return kept
+
+
+@_keeps_rng
+def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
+            memory_budget: int | str | None = None, num_gpus: int = 1, allow: Any = None,
+            optimizer: Any = "adamw", loss_fn: LossFn | None = None, seq_len: int | None = None,
+            safety_margin: float = DEFAULT_SAFETY_MARGIN, storage: Any = None,
+            max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
+            max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
+            strategies: Sequence[Strategy] | None = None, progress: Progress | bool | None = None,
+            predict: bool = True, engine: str = "auto", nvme_path: Any = None,
+            exact_margin: float = decision.DEFAULT_EXACT_MARGIN) -> Plan:
+    """Find the fastest training configuration that fits, by probing real training steps.
+
+    Args:
+        model: an `nn.Module` (never modified: each probe trains a deep copy), a zero-argument factory
+            returning one (preferred: nothing is copied), or a Hugging Face config.
+        batch: a sample batch at the largest shape the job will see (tensor, tuple (inputs, targets, ...)
+            or dict of tensors), or `make_batch(num_samples) -> batch`. None synthesizes one for a
+            Hugging Face model (token ids and labels at `seq_len`, or pixel values).
+        global_batch_size: samples per optimizer step, kept exactly (micro-batch x accumulation x GPUs).
+            None finds the micro-batch with the best throughput at accumulation 1.
+        device: "cpu", "cuda" or "cuda:N"; default CUDA when present.
+        memory_budget: bytes or a string like "20GiB" the plan may use; enforced for real (the CPU
+            budget counts every tensor; on CUDA the allocator's per-process fraction). Default: the
+            card's memory, or the free host RAM on the CPU.
+        num_gpus: data-parallel ranks.
+        allow: exactness tiers beyond the default: None (tiers 0-1), a tier 0-2, or names such as
+            {"lora"}; tier 1 = "numerics", tier 2 = "lora"/"quantization".
+        optimizer: "adamw" (the optimizer rung may swap it for 8-bit / paged / Adafactor), another name
+            (kept), an optimizer instance (its class and hyperparameters are reused), or a factory.
+        loss_fn: `loss_fn(output, batch) -> scalar`; default `output.loss` or a scalar output.
+        seq_len: sequence length of a synthesized batch.
+        safety_margin: fraction of the budget a fit must leave free (default 10%).
+        storage: optuna storage (URL or object) to record trials in; a search resumed with the same
+            spec and storage re-probes nothing. Default: in memory.
+        max_probes: at most this many probes are run.
+        warmup_steps, timed_steps: optimizer steps per probe, untimed then timed.
+        max_micro_batch: largest micro-batch tried when `global_batch_size` is None.
+        probe_timeout: seconds a probe in a child process may take.
+        strategies: the techniques to search (default: all single-device rungs).
+        progress: True prints a line on stderr as each probe starts and lands; or an object receiving
+            `starting(config, why)` and `finished(result)` events (the CLI's table). Default: silent.
+        predict: use the dry-run estimator to start each level at the largest micro-batch predicted to
+            fit and to skip configs predicted over the budget by more than its measured error.
+        engine: the sharding engines searched over several ranks: "auto" (ZeRO where DeepSpeed is
+            installed, and FSDP2; the faster measured one wins), "deepspeed" or "fsdp" to pin one.
+        nvme_path: a folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); checked writable
+            now, kept in the plan (`plan.spec["nvme_path"]`) and written by the exports.
+        exact_margin: how much faster (0.10 = 10%) a numerics change (bf16/fp16, 8-bit optimizer states,
+            Adafactor in place of your AdamW) must be than the best exact fit, re-measured back to back,
+            to be chosen over it; a numerics change is chosen regardless when nothing exact fits.
+
+    Returns:
+        A `Plan`: `fits`, `config`, `throughput` (samples/s, as confirmed), `tokens_per_second`,
+        `peak_memory` (bytes), `reason`, every probe, and the `confirmation` (finalists re-measured back to
+        back, see `autofit.search.confirm`).
+    """
+    margin = decision.check_margin(exact_margin)
+    if isinstance(max_probes, bool) or not isinstance(max_probes, int) or max_probes < 1:
+        raise UsageError(f"max_probes must be an integer >= 1 (probes the search may run), but got {max_probes!r}.")
+    listener = make_progress(progress)
+    chosen = engine_strategies(strategies, engine, nvme_path)
+    spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
+                     memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
+                     loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin,
+                     warmup_steps=warmup_steps, timed_steps=timed_steps, max_micro_batch=max_micro_batch,
+                     nvme_path=nvme_path if nvme_path is not None else _nvme_path_of(chosen))
+    check_ranks(spec.device, spec.num_gpus)
+    check_host_budget(spec)
+    space = build_space(spec, chosen)
+    if any(space.placement(level) is not Placement.IN_PROCESS for level in space.levels()):
+        check_serialisable(spec, space.strategies)  # one UsageError now, not one error per candidate
+    store = TrialStore(space, storage)
+
+    def prober(config: Config, step_limit: float | None) -> ProbeResult:
+        return probe_placed(spec, config, space.strategies, space.placement(config), probe_timeout, step_limit)
+
+    predictor = _timed(predictor_for(spec, space.strategies), listener) if predict else None
+    tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
+    search = Search(space, store, prober, max_probes, listener, predictor, tolerance)
+    results = search.run()
+    probe = functools.partial(_follow_up, search, prober)
+    results = confirmation.follow_near_limit(space, results, probe)
+    results = confirmation.follow_numerics(space, results, probe)
+    measure, rounds, method, window = _measurer(spec, space, results, prober)
+    confirmed = confirmation.confirm(space, results, measure, rounds, margin, method, window)
+    if callable(getattr(listener, "flush", None)):
+        listener.flush()  # what it held back (the skips it counts), before the caller prints the plan
+    return make_plan(space, results, predictor, confirmed)
+
+
+def _timed(predict: Callable[[Config], int | None], listener: Progress) -> Callable[[Config], int | None]:
+    """`predict`, each call's seconds told to the listener where it hears them (`PrintedProgress.predicted`)."""
+    heard = getattr(listener, "predicted", None)
+    if not callable(heard):
+        return predict
+
+    def timed(config: Config) -> int | None:
+        started = time.perf_counter()
+        try:
+            return predict(config)
+        finally:
+            heard(time.perf_counter() - started)
+
+    return timed
+
+
+def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeResult:
+    """Probe `config` after the walk (no deadline: it is measured to be compared), recorded in the trial
+    store and shown like the walk's probes; a stored result is reused; within the same probe budget."""
+    stored = search.store.lookup(config)
+    if stored is not None:
+        return stored
+    if search.probes_run >= search.max_probes:
+        return decided(config, Skip.BUDGET, f"probe budget of {search.max_probes} probes spent")
+    search.progress.starting(config, why)
+    result = prober(config, None)
+    search.probes_run += 1
+    search.store.record(result)
+    search.progress.finished(result)
+    return result
+
+
+def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
+              prober: Any) -> tuple[confirmation.Measure, int, str, decision.Window]:
+    """How the finalists are re-measured (measure, rounds, its name, the window they are taken in): live runs
+    side by side when they all run in this process on the CPU and fit in host memory together, else whole
+    probes (child processes, ranks, CUDA)."""
+    fits = [r for r in results if r.fits]
+    in_process = all(space.placement(r.config) is Placement.IN_PROCESS for r in fits)
+    held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:2 * decision.LIVE_WINDOW.limit])
+    if spec.device.type == "cpu" and in_process and held <= LIVE_SHARE * device_memory(spec.device):
+        return (confirmation.live_measure(spec, space.strategies), confirmation.LIVE_ROUNDS, "live runs",
+                decision.LIVE_WINDOW)
+    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, "probes", decision.PROBE_WINDOW)
+
+
+def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_path: Any = None) -> list[Strategy]:
+    """The strategies searched: the given ones or every rung, with the sharding engines narrowed to
+    `engine` ("auto", "deepspeed", "fsdp"); `nvme_path` goes to the offload rung."""
+    from autofit.strategies import Offload
+    from autofit.strategies.zero import installed_version
+
+    if engine not in ENGINES:
+        raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
+    if engine == "deepspeed" and installed_version() is None:
+        raise UsageError("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
+                         "or use engine='fsdp' (torch's own FSDP2).")
+    chosen = resolve_strategies(strategies) if strategies is not None else default_strategies(engine)
+    chosen = [s for s in chosen if not isinstance(s, ShardingEngine) or engine in ("auto", s.engine.value)]
+    if nvme_path is not None:
+        chosen = [Offload(nvme_path) if isinstance(s, Offload) else s for s in chosen]
+    return chosen
+
+
+def _nvme_path_of(strategies: Sequence[Strategy]) -> str | None:
+    return next((s.nvme_path for s in strategies if getattr(s, "nvme_path", None)), None)

@@ -1,0 +1,337 @@
+"""dry_run: predicted plans for GPUs that are not here, on fake tensors only."""
+
+import dataclasses
+import json
+
+import psutil
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import autofit
+from autofit.estimate.cost_model import step_seconds
+from autofit.pipelines.dry_run import _spec, dry_run
+from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Estimator
+from autofit.devices.gpus import get_gpu
+from autofit.errors import UsageError
+from autofit.job.train_spec import DEFAULT_SAFETY_MARGIN
+from autofit.strategies import (ActivationOffload, Attention, ChunkedLoss, MicroBatch, OptimizerInBackward, Precision,
+                                PureBf16, default_strategies)
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def above_overhead(mib: int) -> str:
+    """A card whose fit limit leaves `mib` MiB beyond the CUDA context and cuBLAS workspace the estimator counts."""
+    return f"{int(((CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES) // MIB + mib) / (1 - DEFAULT_SAFETY_MARGIN))}MiB"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def tiny_llama() -> LlamaConfig:
+    return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory="1GiB", num_gpus=2)
+
+
+def test_70b_preset_plans_with_nothing_allocated():
+    rss = psutil.Process().memory_info().rss
+    # the rungs that decide where 70B fits (precision, checkpointing, optimizer states, sharding, offload)
+    rungs = [s for s in default_strategies() if not isinstance(s, (Attention, ActivationOffload, ChunkedLoss,
+                                                                   OptimizerInBackward, PureBf16))]
+    result = autofit.dry_run("llama-2-70b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8,
+                             strategies=rungs)
+    assert psutil.Process().memory_info().rss - rss < 4 * GIB  # 70B fp32 weights alone would be 280 GB
+    assert result.fits and result.chosen.config.shards_parameters  # 70B needs every state sharded on 8 GPUs
+    assert result.chosen.peak_bytes <= result.fit_limit
+    unsharded = [c for c in result.candidates if not c.config.shards_optimizer and not c.config.lora]
+    assert unsharded and not any(c.fits for c in unsharded)  # 16 bytes/param cannot fit 80 GB
+    fsdp = [c for c in result.candidates if c.config.sharding.value == "fsdp_full" and not c.config.offloads]
+    assert fsdp and all(c.estimate.breakdown.gathered > 0 for c in fsdp)  # FSDP2 is modelled, not deferred
+
+
+def test_chosen_heads_the_fits_and_candidates_are_ordered(report):
+    fitting = [c for c in report.candidates if c.fits]
+    assert report.chosen is fitting[0]  # the table's first row, whatever --top shows
+    assert [c.step_seconds for c in fitting[1:]] == sorted(c.step_seconds for c in fitting[1:])
+    rest = [c.peak_bytes for c in report.candidates if not c.fits]
+    assert rest == sorted(rest)
+    assert report.candidates[:len(fitting)] == tuple(fitting)
+
+
+def test_every_candidate_keeps_the_global_batch_and_its_tier(report):
+    for candidate in report.candidates:
+        assert candidate.config.global_batch_size == 16
+        assert candidate.tier <= 1  # lora (tier 2) is not allowed by default
+        parts = candidate.estimate.breakdown
+        assert candidate.peak_bytes <= parts.total  # not every part is live at the peak
+
+
+def test_largest_fitting_micro_batch_per_level(report):
+    from autofit.pipelines.dry_run import _Planner
+
+    chosen = report.chosen.config
+    assert chosen.micro_batch_size == 8  # the whole per-rank batch fits 1 GiB for this tiny model
+    tight = dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory=above_overhead(32))
+    assert tight.fits and min(c.config.micro_batch_size for c in tight.candidates if c.fits) < 16
+    assert all(c.peak_bytes <= tight.fit_limit for c in tight.candidates if c.fits)
+    assert isinstance(_Planner, type)
+
+
+def test_json_document(report):
+    data = json.loads(json.dumps(report.to_dict()))
+    first = data["candidates"][0]
+    assert {"config", "peak_bytes", "fits", "reason", "breakdown", "cpu_bytes"} <= set(first)
+    assert set(first["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead", "gathered"}
+    assert data["chosen"] == data["candidates"][data["chosen_index"]]
+
+
+def test_nothing_fits_names_the_smallest_and_what_to_allow():
+    # the spec of test_the_new_rungs_are_listed_with_predicted_peaks but 8 MiB: one file's simulations serve both
+    result = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="rtx-4090", gpu_memory="8MiB")
+    assert not result.fits and result.chosen is None
+    assert "No candidate fits" in result.reason and "the smallest needs" in result.reason
+    from autofit.strategies.lora import Lora
+
+    # allow= opens LoRA's levels to the table (the rungs that make them, to keep it short)
+    allowed = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="rtx-4090", gpu_memory="8MiB",
+                      allow={"lora"}, strategies=[s for s in default_strategies() if isinstance(s, (MicroBatch, Lora))])
+    assert any(c.config.lora for c in allowed.candidates)
+
+
+def test_the_states_floor_is_under_every_candidates_need(report):
+    # a level whose model states alone are over the limit is predicted at one size, and left out of what an
+    # allow= would open (`_Planner.states_over`): the floor must bound every prediction from below
+    spec, _ = _spec(tiny_llama(), None, get_gpu("a100-80gb").with_memory(GIB), 2, 16, 256, None, "adamw", None,
+                    0.1, 64)
+    estimator = Estimator(spec, target="cuda")
+    assert all(estimator.states_floor(c.config) <= c.estimate.need_bytes for c in report.candidates)
+    assert {c.config.offload for c in report.candidates} > {"none"}  # offloaded states too
+
+
+def test_what_an_allow_would_open_is_named_and_a_level_over_the_limit_is_not_predicted(monkeypatch):
+    from autofit.strategies.lora import Lora
+
+    rungs = [s for s in default_strategies() if isinstance(s, (MicroBatch, Lora))]
+    plan = dict(seq_len=64, global_batch_size=2, gpu="rtx-4090", allow=0, strategies=rungs)
+    opened = dry_run(tiny_llama(), gpu_memory=above_overhead(8), **plan)
+    assert not opened.fits and "Pass allow={'lora'}" in opened.reason
+    assert "lora=r16 is predicted to fit" in opened.reason
+    predicted = []
+    real = Estimator.predict
+    monkeypatch.setattr(Estimator, "predict", lambda self, config: predicted.append(config) or real(self, config))
+    closed = dry_run(tiny_llama(), gpu_memory="8MiB", **plan)  # the CUDA context alone is over it
+    assert "use a GPU with more memory" in closed.reason
+    assert predicted and not any(config.lora for config in predicted)  # LoRA's states are over it too
+
+
+def test_gpu_without_bf16_plans_fp16():
+    # the rungs that plan a precision; the others' levels add nothing to it
+    rungs = [s for s in default_strategies() if isinstance(s, (MicroBatch, Precision, PureBf16))]
+    result = dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="v100-16gb", strategies=rungs)
+    assert {c.config.precision for c in result.candidates} == {"fp32", "fp16"}
+    fp16 = next(c for c in result.candidates if c.config.precision == "fp16")
+    fp32 = next(c for c in result.candidates if c.config == fp16.config.replace(precision="fp32"))
+    spec, _ = _spec(tiny_llama(), None, get_gpu("v100-16gb"), 1, 4, 128, None, "adamw", None, 0.1, 64)
+    facts, v100 = Estimator(spec).facts, get_gpu("v100-16gb")
+    # where the arithmetic decides, fp16 runs at 8x the fp32 TFLOP/s; this 2-layer model at 128 tokens is
+    # bound by the host issuing its kernels, and autocast's weight casts are kernels too
+    assert step_seconds(spec, fp16.config, v100, facts) < step_seconds(spec, fp32.config, v100, facts) / 4
+    assert fp32.estimate.kernels < fp16.estimate.kernels and result.chosen.config.precision == "fp32"
+    strict = dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="v100-16gb", allow=0, strategies=rungs)
+    assert {c.config.precision for c in strict.candidates} == {"fp32"}
+
+
+def test_offload_rows_report_host_ram(report):
+    offloaded = [c for c in report.candidates if c.config.offload == "cpu" and c.config.zero_stage]
+    assert offloaded and all(c.estimate.cpu_bytes > 0 for c in offloaded)
+    assert all(c.estimate.breakdown.optimizer == 0 for c in offloaded)
+
+
+def test_cost_model_charges_recompute_and_offload(report):
+    spec_like = report  # the same spec figures are reused through a fresh plan below
+    base = next(c for c in report.candidates if c.config.checkpointing == "none" and c.config.zero_stage == 0
+                and c.config.optimizer == "adamw" and not c.config.lora)
+    full = base.config.replace(checkpointing="full")
+    offload = base.config.replace(sharding="zero2", offload="cpu")
+    gpu = get_gpu("a100-80gb")
+    spec, _ = _spec(tiny_llama(), None, gpu, 2, 16, 256, None, "adamw", None, 0.1, 64)
+    facts = Estimator(spec).facts
+    assert step_seconds(spec, full, gpu, facts) > step_seconds(spec, base.config, gpu, facts)
+    assert step_seconds(spec, offload, gpu, facts) > step_seconds(spec, base.config, gpu, facts)
+    assert spec_like.num_gpus == 2
+
+
+def test_bad_input_is_a_usage_error():
+    with pytest.raises(UsageError, match="Unknown GPU"):
+        dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="a200")
+    with pytest.raises(UsageError, match="exceeds the model's maximum"):
+        dry_run(tiny_llama(), seq_len=4096, global_batch_size=4)
+    with pytest.raises(UsageError, match="did you mean"):
+        dry_run("llama-2-7", seq_len=128, global_batch_size=4)
+
+
+def test_the_new_rungs_are_listed_with_predicted_peaks():
+    result = dry_run(tiny_llama(), seq_len=256, global_batch_size=4, gpu="rtx-4090", gpu_memory="256MiB")
+    listed = {name: [c for c in result.candidates if test(c.config)] for name, test in (
+        ("pure_bf16", lambda c: c.pure_bf16), ("activation_offload", lambda c: c.offloads_activations),
+        ("optimizer_in_backward", lambda c: c.steps_in_backward), ("chunked_loss", lambda c: c.loss == "chunked"),
+        ("ops", lambda c: c.checkpointing == "ops"))}
+    for name, candidates in listed.items():
+        assert candidates and all(c.peak_bytes > 0 for c in candidates), name
+    assert all(c.config.grad_accum_steps == 1 for c in listed["optimizer_in_backward"])
+    assert all(c.estimate.cpu_bytes > 0 for c in listed["activation_offload"])
+
+
+def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_it_when_asked():
+    from transformers import LlamaForCausalLM
+
+    from autofit.strategies import Fsdp, MicroBatch
+    from autofit.units import format_size
+
+    wide_vocab = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=512)  # states decide: DDP is over
+    result = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239),
+                     num_gpus=2, strategies=[MicroBatch(), Fsdp()])
+    config = result.chosen.config
+    assert config.needs_sync_each_micro_batch
+    params = sum(p.numel() for p in LlamaForCausalLM(wide_vocab).parameters())
+    assert result.chosen.estimate.breakdown.grads == 4 * params // 2  # fp32 shards, reduced every micro-batch
+    assert f"holds every gradient unsharded: {format_size(4 * params - 4 * params // 2)} more per GPU" in result.reason
+    deferred = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239),
+                       num_gpus=2, strategies=[MicroBatch(), Fsdp()], deferred_sync=True)
+    assert not deferred.fits and "unsharded" not in deferred.reason  # the loop the user runs: over the limit
+    assert deferred.candidates[0].estimate.breakdown.grads == 4 * params  # every gradient, unsharded
+
+
+def test_a_numerics_change_is_chosen_only_when_predicted_clearly_faster():
+    from autofit.pipelines.dry_run import Candidate, _chosen_reason, _decided
+    from autofit.search.space import build_space
+    from autofit.strategies import default_strategies
+
+    gpu = get_gpu("a100-80gb")
+    spec, _ = _spec(tiny_llama(), None, gpu, 1, 8, 128, None, "adamw", None, 0.1, 64)
+    space = build_space(spec, default_strategies())
+    exact = next(level for level in space.levels() if space.tier(level) == 0)
+    numerics = next(level for level in space.levels() if space.tier(level) == 1)
+    estimate = Estimator(spec, target="cuda").predict(exact)
+
+    def candidate(config, seconds):
+        return Candidate(config, estimate, True, "", space.tier(config), seconds, 8 / seconds)
+
+    # the tuner's rule (autofit.search.decision.decide) on predicted speeds: a 10% margin for numerics
+    near = [candidate(numerics, 0.95), candidate(exact, 1.0)]
+    assert _decided(space, near).config == exact
+    assert "is predicted 5.3% faster, under the 10% margin a numerics change must clear" in _chosen_reason(near[1], near)
+    clear = [candidate(numerics, 0.85), candidate(exact, 1.0)]
+    assert _decided(space, clear).config == numerics
+    # a tie is not "slower": the fewest changes win it, and the reason says how many were as fast
+    tied = [candidate(exact, 1.0), candidate(numerics, 1.0), candidate(numerics, 1.2)]
+    assert _decided(space, tied).config == exact
+    assert _chosen_reason(tied[0], tied).endswith("(2 other(s) fit: 1 predicted as fast, with more changes, 1 slower)")
+    assert _chosen_reason(tied[0], [tied[0], tied[2]]).endswith("(1 other(s) fit, slower)")
+
+
+def test_a_model_in_bf16_planned_at_fp32_is_said_to_run_in_bf16():
+    def model():
+        layers = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+        return layers.to(torch.bfloat16)
+
+    report = dry_run(model, lambda n: torch.randn(n, 256, dtype=torch.bfloat16), gpu="rtx-4090", global_batch_size=8,
+                     allow=0, loss_fn=lambda out, batch: out.float().sum())
+    assert report.chosen.config.precision == "fp32"
+    assert "weights are bfloat16: fp32 here means no autocast" in report.reason
+
+
+def test_a_model_in_bf16_at_fp32_is_predicted_at_bf16_speed():
+    # The step computes in bf16 (no autocast on bf16 weights): the speed model had used the card's fp32
+    # rate for it, predicting it ~8x slower than the same step planned as pure bf16.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def model(dtype):
+        return lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=1024, n_head=8, vocab_size=512)).to(dtype)
+
+    def speeds(dtype):  # wide enough for the compute, not the host's kernel launches, to set the pace
+        report = dry_run(model(dtype), gpu="a100-80gb", seq_len=1024, global_batch_size=8, allow=1,
+                         strategies=[Precision(), PureBf16(), MicroBatch()])
+        return {(c.config.precision.value, c.config.micro_batch_size): c.samples_per_s for c in report.candidates}
+
+    given_bf16, given_fp32 = speeds(torch.bfloat16), speeds(torch.float32)
+    assert given_bf16[("fp32", 8)] == given_bf16[("pure_bf16", 8)]
+    assert given_fp32[("fp32", 8)] < given_fp32[("pure_bf16", 8)] / 4  # an fp32 model at fp32: the fp32 rate
+
+
+def test_a_fit_the_allocator_makes_by_releasing_its_cache_is_a_fit():
+    # Under a limit below a roomy card's reserve the caching allocator gives back its cached segments and
+    # retries before it fails: GPT-2 small trained on an H200 under 3,948 MiB, below the 4,074 it peaked at
+    # on the roomy card (bench/results/fit-threshold-cuda-h200-2026-11-27.json). What a fit needs is the
+    # replay's least reserve, not its roomy one; the tuner prunes on it too.
+    import transformers
+
+    from autofit.config import Config
+    from autofit.pipelines.dry_run import _verdict
+    from autofit.estimate.estimator import predictor_for
+    from autofit.job.train_spec import make_spec
+
+    def gpt2():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4,
+                                                                    vocab_size=8000, n_positions=512))
+
+    def batch(n):
+        ids = torch.zeros(n, 512, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+    spec = make_spec(gpt2, batch, device="cpu", memory_budget="1TiB")
+    config = Config(checkpointing="full", micro_batch_size=2)
+    estimator = Estimator(spec, target="cuda")
+    estimate, (act, _) = estimator.predict(config), estimator.activations(config)
+    assert estimate.release_slack == act.fragmentation - act.least_fragmentation > 0
+    limit = (estimate.need_bytes + estimate.peak_bytes) // 2
+    assert estimate.upper_bytes <= limit < estimate.peak_bytes
+    assert estimate.peak_under(limit) == limit and estimate.peak_under(2 * limit) == estimate.peak_bytes
+    assert "the caching allocator releasing its cache to stay under" in _verdict(estimate, True, limit)
+    assert predictor_for(dataclasses.replace(spec, device=torch.device("cuda")))(config) == estimate.need_bytes
+
+
+def test_a_report_and_its_candidates_show_as_one_line_each(report):
+    shown = repr(report)  # what a notebook cell shows for `autofit.dry_run(...)`
+    assert "\n" not in shown and len(shown) < 1000
+    assert f"candidates={len(report.candidates)} (" in shown and "on 2 x a100-80gb" in shown
+    assert repr(report.chosen) in shown and report.chosen.config.describe() in repr(report.chosen)
+    assert all(len(repr(c)) < 300 for c in report.candidates)
+
+
+def test_progress_counts_the_simulations_to_the_last(monkeypatch):
+    """`progress(done, total)` hears of every simulation the plan runs (the CLI shows it on a terminal: a
+    recurrent model's dry-run simulates for minutes), in order, up to the total."""
+    import autofit.estimate.estimator as estimator_module
+
+    simulated, heard = [], []
+    original = estimator_module.simulate_step
+    monkeypatch.setattr(estimator_module, "simulate_step",
+                        lambda *args, **kwargs: simulated.append(1) or original(*args, **kwargs))
+    config = tiny_llama()
+    config.vocab_size = 1013  # a model no other test simulates: nothing is recalled from the caches
+    result = dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb",
+                     strategies=[Precision(), MicroBatch()], progress=lambda done, total: heard.append((done, total)))
+    assert result.fits and heard[-1] == (len(simulated), len(simulated)) and len(simulated) > 1
+    assert [done for done, _ in heard] == list(range(1, len(simulated) + 1))
+
+
+def test_progress_true_prints_the_count_on_stderr_and_a_wrong_value_is_refused(capsys):
+    config = tiny_llama()
+    config.vocab_size = 1019  # nothing recalled from the caches
+    dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", strategies=[Precision(), MicroBatch()],
+            progress=True)
+    err = capsys.readouterr().err
+    assert "\r1 of " in err and err.endswith(" training steps simulated\n")
+    with pytest.raises(UsageError, match="progress='yes'"):
+        dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", progress="yes")
