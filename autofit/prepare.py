@@ -200,11 +200,11 @@ def apply_in_place(config: Config, model: nn.Module, precision: bool = True) -> 
     """The knobs a live model takes without being rebuilt — precision (when `precision`: the run's autocast
     dtype and fp16 scaler), attention implementation, checkpointing — applied to `model` with the
     strategies' own code; the run holds the results. For the OOM guard, which trains the model it is given."""
-    from autofit.strategies import Attention, Checkpointing, Precision
+    from autofit.strategies import FusedAttention, ActivationCheckpointing, MixedPrecision
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     run = TrainRun(spec=_spec(model, device, config, {}, OptimizerSpec("adamw"), None), config=config, model=model)
-    for strategy in [Precision()] * precision + [Attention(), Checkpointing()]:
+    for strategy in [MixedPrecision()] * precision + [FusedAttention(), ActivationCheckpointing()]:
         strategy.apply(run)
     return run
 
@@ -311,7 +311,8 @@ def _strategies(strategies: Sequence[Any] | None, engine: bool, config: Config,
                 settings: dict[str, dict[str, Any]]) -> list[Strategy]:
     """The strategies given (with those every run needs: `with_required`, as the search had them), else the
     defaults, LoRA as the plan recorded its adapters (`Plan.settings`)."""
-    from autofit.strategies import DataParallel, Lora, Offload, default_strategies, resolve_strategies, with_required
+    from autofit.strategies import (DataParallel, Lora, StateOffloading, default_strategies, resolve_strategies,
+                                    with_required)
     from autofit.strategies.sharding import ShardingEngine
 
     if strategies is None:
@@ -319,7 +320,7 @@ def _strategies(strategies: Sequence[Any] | None, engine: bool, config: Config,
         strategies = [recorded if recorded and isinstance(s, Lora) else s for s in default_strategies() + plugins()]
     else:
         strategies = with_required(resolve_strategies(strategies))
-    return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, Offload))]
+    return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, StateOffloading))]
 
 
 def _reused(optimizer: torch.optim.Optimizer, config: Config, model: nn.Module) -> torch.optim.Optimizer | None:

@@ -35,12 +35,12 @@ from autofit.config import Checkpointing as C  # noqa: E402
 from autofit.config import Config  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
-from autofit.strategies import Attention, Checkpointing, ChunkedLoss, MicroBatch, default_strategies  # noqa: E402
+from autofit.strategies import FusedAttention, ActivationCheckpointing, ChunkedLoss, MicroBatch, default_strategies  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class OlderCheckpointing(Checkpointing):
+class OlderCheckpointing(ActivationCheckpointing):
     """Checkpointing as it was before op-level and every-4th: none, every 2nd block, full."""
 
     def options(self, spec):
@@ -51,12 +51,12 @@ def older_strategies() -> list:
     """The single-device rungs before the new ones that bear on activations: checkpointing (none, every
     2nd block, full) and the micro-batch. Precision is left out on the CPU (bf16 runs emulated here,
     several times slower: it never wins and only costs probes); a GPU run adds it to both ladders."""
-    return [Attention(), OlderCheckpointing(), MicroBatch()]
+    return [FusedAttention(), OlderCheckpointing(), MicroBatch()]
 
 
 def every_strategy() -> list:
     """The same with the new rungs that bear on activations (activation offloading is GPU-only)."""
-    return [Attention(), Checkpointing(), ChunkedLoss(), MicroBatch()]
+    return [FusedAttention(), ActivationCheckpointing(), ChunkedLoss(), MicroBatch()]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -192,9 +192,9 @@ def cpu_rungs() -> list[Any]:
     """The rungs the CPU suite searches: every rung, less bf16 autocast and pure bf16 on a CPU without bf16
     instructions, where they cannot win and each costs the exhaustive search minutes (autofit prunes them
     after a few seconds, which would flatter its cost ratio)."""
-    from autofit.strategies import Precision, PureBf16
+    from autofit.strategies import MixedPrecision, PureBf16
 
-    skipped = () if cpu_has_bf16() else (Precision, PureBf16)
+    skipped = () if cpu_has_bf16() else (MixedPrecision, PureBf16)
     return [s for s in default_strategies() if not isinstance(s, skipped)]
 
 
@@ -223,10 +223,10 @@ def large_cpu_scenarios() -> list[Scenario]:
     states (and the attention kernel): bf16 autocast is left out because this CPU has no bf16 units
     (no avx512_bf16), so every bf16 probe is pruned by autofit after a few seconds but runs for minutes
     in the exhaustive search."""
-    from autofit.strategies import Attention, Checkpointing, MicroBatch, OptimizerStates
+    from autofit.strategies import FusedAttention, ActivationCheckpointing, MicroBatch, OptimizerStates
 
     def rungs() -> list[Any]:
-        return [Attention(), Checkpointing(), MicroBatch(), OptimizerStates()]
+        return [FusedAttention(), ActivationCheckpointing(), MicroBatch(), OptimizerStates()]
 
     mlp = functools.partial(make_mlp, 1024, 6)  # 50.4M parameters
     gpt2 = functools.partial(make_gpt2, 8, 640, 10, 20000, 64)  # 52.2M parameters

@@ -178,7 +178,7 @@ def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
 def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_path: Any = None) -> list[Strategy]:
     """The strategies searched: the given ones or every rung, with the sharding engines narrowed to
     `engine` ("auto", "deepspeed", "fsdp"); `nvme_path` goes to the offload rung."""
-    from autofit.strategies import Offload
+    from autofit.strategies import StateOffloading
     from autofit.strategies.zero import installed_version
 
     if engine not in ENGINES:
@@ -189,7 +189,7 @@ def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_p
     chosen = resolve_strategies(strategies) if strategies is not None else default_strategies(engine)
     chosen = [s for s in chosen if not isinstance(s, ShardingEngine) or engine in ("auto", s.engine.value)]
     if nvme_path is not None:
-        chosen = [Offload(nvme_path) if isinstance(s, Offload) else s for s in chosen]
+        chosen = [StateOffloading(nvme_path) if isinstance(s, StateOffloading) else s for s in chosen]
     return chosen
 
 

@@ -6,21 +6,21 @@ Each offers its options for a spec's `Target`; `autofit.search.space` lays them 
 from typing import Any, Iterable
 
 from autofit.errors import UsageError, did_you_mean
-from autofit.strategies.activation_offload import ActivationOffload
-from autofit.strategies.attention import Attention
+from autofit.strategies.activation_offload import ActivationOffloading
+from autofit.strategies.attention import FusedAttention
 from autofit.strategies.base import Option, Placement, Strategy, plugins
-from autofit.strategies.checkpointing import Checkpointing
+from autofit.strategies.checkpointing import ActivationCheckpointing
 from autofit.strategies.chunked_loss import ChunkedLoss
 from autofit.strategies.data_parallel import DataParallel
 from autofit.strategies.fsdp import Fsdp
 from autofit.strategies.lora import Lora
 from autofit.strategies.micro_batch import MicroBatch
-from autofit.strategies.offload import Offload
+from autofit.strategies.offload import StateOffloading
 from autofit.strategies.optimizer import OptimizerStates
 from autofit.strategies.optimizer_in_backward import OptimizerInBackward
-from autofit.strategies.precision import Precision
+from autofit.strategies.precision import MixedPrecision
 from autofit.strategies.pure_bf16 import PureBf16
-from autofit.strategies.quantization import Quantization
+from autofit.strategies.quantization import QuantizedBase
 from autofit.strategies.zero import Zero
 
 ENGINES = ("auto", "deepspeed", "fsdp")
@@ -32,16 +32,16 @@ def default_strategies(engine: str = "auto") -> list[Strategy]:
     if engine not in ENGINES:
         raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
     engines = [Zero()] * (engine != "fsdp") + [Fsdp()] * (engine != "deepspeed")
-    return in_order([Precision(), PureBf16(), Attention(), ChunkedLoss(), Checkpointing(), ActivationOffload(),
-                     MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines, DataParallel(), Quantization(),
-                     Lora(), Offload()])
+    return in_order([MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(), ActivationCheckpointing(),
+                     ActivationOffloading(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
+                     DataParallel(), QuantizedBase(), Lora(), StateOffloading()])
 
 
-# The order strategies apply in: by rung, and within a rung as listed here. Quantization before Lora: the
+# The order strategies apply in: by rung, and within a rung as listed here. QuantizedBase before Lora: the
 # adapters go on the quantized layers. OptimizerStates before OptimizerInBackward: the latter runs the
 # optimizer the former chose, one per parameter. A plug-in comes after these at its rung.
-ORDER = (Precision, PureBf16, Attention, ChunkedLoss, Checkpointing, ActivationOffload, MicroBatch, OptimizerStates,
-         OptimizerInBackward, Zero, Fsdp, DataParallel, Quantization, Lora, Offload)
+ORDER = (MixedPrecision, PureBf16, FusedAttention, ChunkedLoss, ActivationCheckpointing, ActivationOffloading, MicroBatch,
+         OptimizerStates, OptimizerInBackward, Zero, Fsdp, DataParallel, QuantizedBase, Lora, StateOffloading)
 
 
 def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
@@ -93,6 +93,7 @@ def _normal(name: str) -> str:
     return name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
 
 
-__all__ = ["ActivationOffload", "Attention", "Checkpointing", "ChunkedLoss", "DataParallel", "Fsdp", "Lora", "MicroBatch", "Offload", "Option",
-           "OptimizerInBackward", "OptimizerStates", "Placement", "Precision", "PureBf16", "Quantization", "Strategy", "Zero", "default_strategies",
-           "in_order", "plugins", "resolve_strategies", "with_required"]
+__all__ = ["ActivationCheckpointing", "ActivationOffloading", "ChunkedLoss", "DataParallel", "Fsdp", "FusedAttention",
+           "Lora", "MicroBatch", "MixedPrecision", "Option", "OptimizerInBackward", "OptimizerStates",
+           "Placement", "PureBf16", "QuantizedBase", "StateOffloading", "Strategy", "Zero",
+           "default_strategies", "in_order", "plugins", "resolve_strategies", "with_required"]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
 
 
-class ActivationOffload(Strategy):
+class ActivationOffloading(Strategy):
     """none, cpu (pinned host memory)."""
 
     field = "activation_offload"

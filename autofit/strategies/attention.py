@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from autofit.strategies.run import TrainRun
 
 
-class Attention(Strategy):
+class FusedAttention(Strategy):
     """Hugging Face `attn_implementation`: sdpa, flash_attention_2, or eager when nothing fused is supported."""
 
     field = "attention"

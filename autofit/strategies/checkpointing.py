@@ -50,7 +50,7 @@ KEPT_OPS = frozenset(op for op in (
     getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)) if op is not None)
 
 
-class Checkpointing(Strategy):
+class ActivationCheckpointing(Strategy):
     """none, op by op, every k-th block, all blocks."""
 
     field = "checkpointing"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from autofit.strategies.run import TrainRun
 
 
-class Offload(Ladder):
+class StateOffloading(Ladder):
     """none, cpu, nvme (when a writable `nvme_path` is given)."""
 
     field = "offload"

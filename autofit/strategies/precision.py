@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 DTYPES = {P.BF16: torch.bfloat16, P.FP16: torch.float16}
 
 
-class Precision(Strategy):
+class MixedPrecision(Strategy):
     """fp32, bf16 autocast, fp16 autocast with loss scaling."""
 
     field = "precision"

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 INT8_THRESHOLD = 6.0  # LLM.int8 outlier threshold: features above it stay in fp16
 
 
-class Quantization(Ladder):
+class QuantizedBase(Ladder):
     """none, 8-bit or 4-bit NF4 base weights (with LoRA adapters)."""
 
     field = "quantization"

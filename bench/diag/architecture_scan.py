@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autofit.pipelines.dry_run import dry_run  # noqa: E402
-from autofit.strategies import MicroBatch, Precision  # noqa: E402
+from autofit.strategies import MicroBatch, MixedPrecision  # noqa: E402
 
 SECONDS_EACH = 240
 
@@ -36,7 +36,7 @@ def scan(model_type: str, architecture: str) -> str:
     config.architectures = [architecture]
     path = os.path.join(tempfile.mkdtemp(), "config.json")
     config.to_json_file(path)
-    report = dry_run(path, seq_len=256, global_batch_size=4, gpu="a100-80gb", strategies=[Precision(), MicroBatch()])
+    report = dry_run(path, seq_len=256, global_batch_size=4, gpu="a100-80gb", strategies=[MixedPrecision(), MicroBatch()])
     simulated = [c.estimate.simulated for c in report.candidates]
     why = next((c.estimate.method for c in report.candidates if not c.estimate.simulated), "")
     return f"fits={report.fits} simulated={sum(simulated)}/{len(simulated)} {why}"

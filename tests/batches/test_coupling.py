@@ -10,7 +10,7 @@ from torch import nn
 import autofit
 from autofit.search.space import build_space
 from autofit.job.train_spec import make_spec
-from autofit.strategies import MicroBatch, Precision
+from autofit.strategies import MicroBatch, MixedPrecision
 
 WIDTH = 32
 
@@ -151,7 +151,7 @@ def test_clip_asking_for_its_contrastive_loss_is_known_to_without_running():
 
 def test_a_smaller_micro_batch_is_then_a_numerics_change_counted_in_the_configs_tier():
     spec = make_spec(Siamese, views, loss_fn=info_nce, global_batch_size=8, device="cpu", memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Precision()])
+    space = build_space(spec, [MicroBatch(), MixedPrecision()])
     whole, split = space.at(space.levels()[0], 8), space.at(space.levels()[0], 2)
     assert space.tier(whole) == 0 and space.tier(split) == 1
     [(knob, reason)] = space.changes(split)

@@ -8,7 +8,7 @@ import torch
 
 from autofit.config import Config
 from autofit.probe.run import ProbeStatus
-from autofit.strategies import Checkpointing, MicroBatch, default_strategies
+from autofit.strategies import ActivationCheckpointing, MicroBatch, default_strategies
 from bench.measure import remeasure, robustness
 from bench.oracle import exhaustive
 from bench.report import END, START, update_readme
@@ -34,7 +34,7 @@ def test_budget_is_the_fraction_of_a_measured_baseline():
 
 def test_exhaustive_probes_every_level_at_every_size(budget):
     spec = TINY.spec("cpu", budget)
-    oracle = exhaustive(spec, [Checkpointing(), MicroBatch()])
+    oracle = exhaustive(spec, [ActivationCheckpointing(), MicroBatch()])
     described = sorted((r.config.checkpointing.value, r.config.checkpoint_every, r.config.micro_batch_size)
                        for r in oracle.results)
     assert described == [("every_k", 2, 1), ("every_k", 2, 2), ("full", 1, 1), ("full", 1, 2), ("none", 1, 1),
@@ -87,7 +87,7 @@ def test_lightning_finder_ends_with_a_size_or_a_reason(budget):
 
 def test_one_scenario_end_to_end_fills_the_readme(tmp_path):
     options = Options(tools=False, robustness_steps=2, repetitions=1, remeasure_steps=1,
-                      strategies=lambda: [Checkpointing(), MicroBatch()])
+                      strategies=lambda: [ActivationCheckpointing(), MicroBatch()])
     result = run_scenario(TINY, options)
     assert result["autofit"]["fits"] and result["exhaustive"]["candidates"] >= result["autofit"]["probes_run"]
     plain = result["remeasured"]["plain"]

@@ -218,9 +218,9 @@ def test_the_simulation_prints_no_transformers_warnings(config_json):
     # a fresh process: transformers warns once per process, and this file's other tests simulate the same model
     code = textwrap.dedent(f"""
         import autofit
-        from autofit.strategies import Checkpointing, MicroBatch
+        from autofit.strategies import ActivationCheckpointing, MicroBatch
         autofit.dry_run({str(config_json)!r}, seq_len=128, global_batch_size=2, gpu="rtx-4090",
-                        strategies=[MicroBatch(), Checkpointing()])
+                        strategies=[MicroBatch(), ActivationCheckpointing()])
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

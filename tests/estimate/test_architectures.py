@@ -17,7 +17,7 @@ from autofit.pipelines.dry_run import dry_run
 from autofit.estimate.estimator import predict_peak
 from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
-from autofit.strategies import MicroBatch, Precision, default_strategies
+from autofit.strategies import MicroBatch, MixedPrecision, default_strategies
 
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SMALL_LM = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -229,7 +229,7 @@ def check_simulated(tmp_path, name):
     """A dry-run of `name`'s config.json: every row simulated, on a batch of the modality's own shapes."""
     path = _config_file(tmp_path, name)
     report = dry_run(str(path), seq_len=SEQ_LEN.get(name, 32), global_batch_size=4, gpu="rtx-4090",
-                     strategies=[Precision(), MicroBatch()])
+                     strategies=[MixedPrecision(), MicroBatch()])
     assert report.fits and not report.formula_only
     for candidate in report.candidates:
         assert candidate.estimate.simulated, candidate.reason
@@ -311,7 +311,7 @@ def test_a_loss_the_simulation_finds_missing_is_a_usage_error_not_a_formula_verd
             return self.linear(x)
 
     with pytest.raises(UsageError, match="which has no scalar loss"):
-        dry_run(NoLoss, torch.randn(4, 8), global_batch_size=4, gpu="rtx-4090", strategies=[Precision()])
+        dry_run(NoLoss, torch.randn(4, 8), global_batch_size=4, gpu="rtx-4090", strategies=[MixedPrecision()])
 
 
 def test_a_config_transformers_cannot_build_names_the_field(tmp_path, capsys):
@@ -344,7 +344,7 @@ def test_a_failed_simulation_is_never_a_confident_fit(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())  # none of the real ones kept
     path = _config_file(tmp_path, "bert-token-classifier")
-    report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090", strategies=[Precision(), MicroBatch()])
+    report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090", strategies=[MixedPrecision(), MicroBatch()])
     assert report.fits and report.formula_only
     chosen = report.chosen
     assert not chosen.estimate.simulated and chosen.estimate.error_bound > 0
@@ -380,7 +380,7 @@ def test_a_failed_simulation_the_formula_does_not_cover_gives_no_verdict(tmp_pat
 
     monkeypatch.setattr(simulations, "SIMULATIONS", simulations.Simulations())
     path = _config_file(tmp_path, "resnet")
-    report = dry_run(str(path), global_batch_size=4, gpu="rtx-4090", strategies=[Precision(), MicroBatch()])
+    report = dry_run(str(path), global_batch_size=4, gpu="rtx-4090", strategies=[MixedPrecision(), MicroBatch()])
     assert not report.fits and report.unknown and report.to_dict()["verdict_basis"] == "none"
     assert all(c.estimate.upper_bytes is None and c.estimate.error_bound is None for c in report.candidates)
     assert "no bound" in report.candidates[0].estimate.method

@@ -66,7 +66,7 @@ def test_flash_attention_is_simulated_for_a_model_that_refuses_sdpa(tmp_path):
     from transformers import Gemma2Config
 
     from autofit.pipelines.dry_run import dry_run
-    from autofit.strategies import Attention, MicroBatch, Precision
+    from autofit.strategies import FusedAttention, MicroBatch, MixedPrecision
 
     config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
@@ -76,7 +76,7 @@ def test_flash_attention_is_simulated_for_a_model_that_refuses_sdpa(tmp_path):
     path.parent.mkdir()
     config.to_json_file(path)
     report = dry_run(str(path), seq_len=64, global_batch_size=2, gpu="rtx-4090",
-                     strategies=[Precision(), Attention(), MicroBatch()])
+                     strategies=[MixedPrecision(), FusedAttention(), MicroBatch()])
     by_attention = {c.config.attention.value: c for c in report.candidates
                     if c.config.micro_batch_size == 2 and c.config.precision.value == "bf16"}
     assert set(by_attention) == {"eager", "flash_attention_2"}

@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausa
 
 from autofit.pipelines.dry_run import dry_run
 from autofit.estimate.simulation.reference_paths import describe, reference_paths
-from autofit.strategies import MicroBatch, Precision
+from autofit.strategies import MicroBatch, MixedPrecision
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None,
                                 reason="mamba-ssm is installed: transformers runs its fused kernels")
@@ -29,7 +29,7 @@ def test_the_fallen_back_functions_are_read_from_the_models_code():
 
 def test_a_cuda_plan_on_the_reference_path_says_so():
     report = dry_run(SMALL_MAMBA, seq_len=16, global_batch_size=2, gpu="a100-40gb",
-                     strategies=[Precision(), MicroBatch()])
+                     strategies=[MixedPrecision(), MicroBatch()])
     method = report.chosen.estimate.method
     assert "causal-conv1d and mamba-ssm not installed here" in method
     assert "there the peak is lower and the step faster than predicted" in method

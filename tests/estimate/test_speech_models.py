@@ -8,7 +8,7 @@ from test_architectures import ARCHITECTURES, SPEECH, _config_file, check_simula
 from transformers import Wav2Vec2Config
 
 from autofit.pipelines.dry_run import dry_run
-from autofit.strategies import MicroBatch, Precision
+from autofit.strategies import MicroBatch, MixedPrecision
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +29,7 @@ def test_float_inputs_are_simulated_under_every_16_bit_weight_mode(tmp_path):
 
     path = _config_file(tmp_path, "whisper")
     report = dry_run(str(path), seq_len=32, global_batch_size=4, gpu="rtx-4090", num_gpus=2,
-                     strategies=[Precision(), PureBf16(), ChunkedLoss(), Zero(), Fsdp(), MicroBatch()])
+                     strategies=[MixedPrecision(), PureBf16(), ChunkedLoss(), Zero(), Fsdp(), MicroBatch()])
     assert {c.config.precision.value for c in report.candidates} >= {"bf16", "pure_bf16"}
     assert {c.config.sharding.value for c in report.candidates} >= {"none", "zero2", "fsdp_full"}
     assert all(c.estimate.simulated for c in report.candidates), \
@@ -54,7 +54,7 @@ def test_the_simulation_leaves_the_callers_config_as_it_was():
     # off LayerDrop and SpecAugment (random, data-dependent steps) and sets the attention, then sets them back.
     from transformers import Wav2Vec2ForCTC
 
-    from autofit.strategies import Attention
+    from autofit.strategies import FusedAttention
 
     config = Wav2Vec2Config(**{k: v for k, v in ARCHITECTURES["wav2vec2-ctc"][0].to_dict().items()
                                if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -65,7 +65,7 @@ def test_the_simulation_leaves_the_callers_config_as_it_was():
     Wav2Vec2ForCTC(config)  # transformers settles the attention implementation on the first build
     before = dict(vars(config))
     report = dry_run(lambda: Wav2Vec2ForCTC(config), seq_len=1600, global_batch_size=2, gpu="rtx-4090",
-                     strategies=[Attention(), MicroBatch()])
+                     strategies=[FusedAttention(), MicroBatch()])
     assert report.fits and all(c.estimate.simulated for c in report.candidates)
     assert vars(config) == before
 

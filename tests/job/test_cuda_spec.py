@@ -14,7 +14,7 @@ from cuda_double import GiB, FakeCuda, FakeGpu, OnFakeCuda, on_fake_cuda  # noqa
 from autofit.config import Precision  # noqa: E402
 from autofit.devices.memory import CudaBudget  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
-from autofit.strategies import Precision as PrecisionStrategy  # noqa: E402
+from autofit.strategies import MixedPrecision as PrecisionStrategy  # noqa: E402
 
 TWO_CARDS = [FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0)),
              FakeGpu(name="Tesla V100-SXM2-32GB", total=32 * GiB, capability=(7, 0), pci=(0, 0x3B, 0))]

@@ -283,11 +283,11 @@ def test_hub_id_online_with_the_hub_unreachable(hf_home, monkeypatch):
 
 def test_dry_run_takes_a_cached_hub_id(hf_home):
     import autofit
-    from autofit.strategies import MicroBatch, Precision
+    from autofit.strategies import MicroBatch, MixedPrecision
 
     _cache_repo(hf_home, "Qwen/Qwen2.5-7B-Instruct", QWEN)
     report = autofit.dry_run("Qwen/Qwen2.5-7B-Instruct", seq_len=32, global_batch_size=2, gpu="l4",
-                             strategies=[Precision(), MicroBatch()])
+                             strategies=[MixedPrecision(), MicroBatch()])
     assert report.fits and "Qwen/Qwen2.5-7B-Instruct" in report.model
 
 

@@ -15,7 +15,7 @@ from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTE
 from autofit.devices.gpus import get_gpu
 from autofit.errors import UsageError
 from autofit.job.train_spec import DEFAULT_SAFETY_MARGIN
-from autofit.strategies import (ActivationOffload, Attention, ChunkedLoss, MicroBatch, OptimizerInBackward, Precision,
+from autofit.strategies import (ActivationOffloading, FusedAttention, ChunkedLoss, MicroBatch, OptimizerInBackward, MixedPrecision,
                                 PureBf16, default_strategies)
 
 GIB = 1024**3
@@ -45,7 +45,7 @@ def report():
 def test_70b_preset_plans_with_nothing_allocated():
     rss = psutil.Process().memory_info().rss
     # the rungs that decide where 70B fits (precision, checkpointing, optimizer states, sharding, offload)
-    rungs = [s for s in default_strategies() if not isinstance(s, (Attention, ActivationOffload, ChunkedLoss,
+    rungs = [s for s in default_strategies() if not isinstance(s, (FusedAttention, ActivationOffloading, ChunkedLoss,
                                                                    OptimizerInBackward, PureBf16))]
     result = autofit.dry_run("llama-2-70b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8,
                              strategies=rungs)
@@ -135,7 +135,7 @@ def test_what_an_allow_would_open_is_named_and_a_level_over_the_limit_is_not_pre
 
 def test_gpu_without_bf16_plans_fp16():
     # the rungs that plan a precision; the others' levels add nothing to it
-    rungs = [s for s in default_strategies() if isinstance(s, (MicroBatch, Precision, PureBf16))]
+    rungs = [s for s in default_strategies() if isinstance(s, (MicroBatch, MixedPrecision, PureBf16))]
     result = dry_run(tiny_llama(), seq_len=128, global_batch_size=4, gpu="v100-16gb", strategies=rungs)
     assert {c.config.precision for c in result.candidates} == {"fp32", "fp16"}
     fp16 = next(c for c in result.candidates if c.config.precision == "fp16")
@@ -261,7 +261,7 @@ def test_a_model_in_bf16_at_fp32_is_predicted_at_bf16_speed():
 
     def speeds(dtype):  # wide enough for the compute, not the host's kernel launches, to set the pace
         report = dry_run(model(dtype), gpu="a100-80gb", seq_len=1024, global_batch_size=8, allow=1,
-                         strategies=[Precision(), PureBf16(), MicroBatch()])
+                         strategies=[MixedPrecision(), PureBf16(), MicroBatch()])
         return {(c.config.precision.value, c.config.micro_batch_size): c.samples_per_s for c in report.candidates}
 
     given_bf16, given_fp32 = speeds(torch.bfloat16), speeds(torch.float32)
@@ -321,7 +321,7 @@ def test_progress_counts_the_simulations_to_the_last(monkeypatch):
     config = tiny_llama()
     config.vocab_size = 1013  # a model no other test simulates: nothing is recalled from the caches
     result = dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb",
-                     strategies=[Precision(), MicroBatch()], progress=lambda done, total: heard.append((done, total)))
+                     strategies=[MixedPrecision(), MicroBatch()], progress=lambda done, total: heard.append((done, total)))
     assert result.fits and heard[-1] == (len(simulated), len(simulated)) and len(simulated) > 1
     assert [done for done, _ in heard] == list(range(1, len(simulated) + 1))
 
@@ -329,7 +329,7 @@ def test_progress_counts_the_simulations_to_the_last(monkeypatch):
 def test_progress_true_prints_the_count_on_stderr_and_a_wrong_value_is_refused(capsys):
     config = tiny_llama()
     config.vocab_size = 1019  # nothing recalled from the caches
-    dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", strategies=[Precision(), MicroBatch()],
+    dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", strategies=[MixedPrecision(), MicroBatch()],
             progress=True)
     err = capsys.readouterr().err
     assert "\r1 of " in err and err.endswith(" training steps simulated\n")

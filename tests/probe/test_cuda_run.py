@@ -10,7 +10,7 @@ from torch import nn
 from autofit import Config, ProbeStatus
 from autofit.probe.run import run_probe
 from autofit.job.train_spec import make_spec
-from autofit.strategies import MicroBatch, Precision
+from autofit.strategies import MicroBatch, MixedPrecision
 from autofit.strategies.base import Option, Strategy
 
 WIDTH = 64
@@ -55,7 +55,7 @@ def calm_loss(output, batch):
 def _fp16_peak(loss_fn):
     spec = make_spec(nn.Linear(WIDTH, WIDTH), _batch, device="cpu", global_batch_size=2, loss_fn=loss_fn,
                      memory_budget="1GiB", warmup_steps=2, timed_steps=1)
-    result = run_probe(spec, Config(micro_batch_size=2, precision="fp16"), [MicroBatch(), Precision()])
+    result = run_probe(spec, Config(micro_batch_size=2, precision="fp16"), [MicroBatch(), MixedPrecision()])
     assert result.status is ProbeStatus.FIT, result.reason
     return result.peak_bytes
 
@@ -73,5 +73,5 @@ def always_overflowing_loss(output, batch):
 def test_fp16_that_always_overflows_is_an_error_naming_why():
     spec = make_spec(nn.Linear(WIDTH, WIDTH), _batch, device="cpu", global_batch_size=2,
                      loss_fn=always_overflowing_loss, warmup_steps=1, timed_steps=1)
-    result = run_probe(spec, Config(micro_batch_size=2, precision="fp16"), [MicroBatch(), Precision()])
+    result = run_probe(spec, Config(micro_batch_size=2, precision="fp16"), [MicroBatch(), MixedPrecision()])
     assert result.status is ProbeStatus.ERROR and "optimizer states never existed" in result.reason

@@ -18,7 +18,7 @@ from autofit.devices.memory import memory_left_behind
 from autofit.probe.outcome import ProbeStatus
 from autofit.probe.run import LEFT_BEHIND_SLACK, run_probe
 from autofit.job.train_spec import make_spec
-from autofit.strategies import Attention, Checkpointing, MicroBatch, default_strategies
+from autofit.strategies import FusedAttention, ActivationCheckpointing, MicroBatch, default_strategies
 from autofit.strategies.base import Placement
 
 CUDA0 = torch.device("cuda", 0)
@@ -111,5 +111,5 @@ def _tune_after_an_oom_in_the_backward() -> tuple[bool, str, list[str]]:
     assert full.fits, full.reason
     plan = autofit.autofit(long_gpt2, global_batch_size=1, device="cuda", seq_len=4096,
                            memory_budget=int(full.peak_bytes * 1.1 / 0.9), predict=False, warmup_steps=1,
-                           timed_steps=1, strategies=[Attention(), Checkpointing(), MicroBatch()])
+                           timed_steps=1, strategies=[FusedAttention(), ActivationCheckpointing(), MicroBatch()])
     return plan.fits, plan.reason, [p.reason for p in plan.probes if p.left_behind]

@@ -16,7 +16,7 @@ from autofit.search.confirm import confirm as run_confirm, finalists, follow_nea
 from autofit.search.decision import LIVE_WINDOW, PROBE_WINDOW, Finalist, decide
 from autofit.search.space import build_space
 from autofit.job.train_spec import make_spec
-from autofit.strategies import MicroBatch, OptimizerStates, Precision as PrecisionStrategy
+from autofit.strategies import MicroBatch, OptimizerStates, MixedPrecision as PrecisionStrategy
 
 EXACT = Config(micro_batch_size=8)
 ADAFACTOR = Config(micro_batch_size=8, optimizer="adafactor")
@@ -312,9 +312,9 @@ def test_numerics_follow_up_of_a_checkpointed_fit(tmp_path):
     # every_k checkpointing carries its frequency: the follow-up must not build checkpointing=none with it
     spec = make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
                      loss_fn=mlp_loss)
-    from autofit.strategies import Checkpointing
+    from autofit.strategies import ActivationCheckpointing
 
-    space = build_space(spec, [Checkpointing(), OptimizerStates(), MicroBatch()])
+    space = build_space(spec, [ActivationCheckpointing(), OptimizerStates(), MicroBatch()])
     every2 = Config(checkpointing="every_k", checkpoint_every=2, micro_batch_size=8)
     results = [fit(every2, 100), decided(every2.replace(optimizer="adafactor"), Skip.IMPLIED, "cannot be faster")]
     out = follow_numerics(space, results, lambda c, why: fit(c, 90))

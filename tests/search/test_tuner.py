@@ -162,7 +162,7 @@ def test_loading_a_bad_plan_file(tmp_path):
 def test_engine_pins_the_sharding_engine_and_rejects_unknown_ones(tmp_path):
     from autofit.errors import UsageError
     from autofit.pipelines.tune import engine_strategies
-    from autofit.strategies import Fsdp, Offload, Zero
+    from autofit.strategies import Fsdp, StateOffloading, Zero
 
     fsdp = engine_strategies(None, "fsdp")
     assert any(isinstance(s, Fsdp) for s in fsdp) and not any(isinstance(s, Zero) for s in fsdp)
@@ -171,7 +171,7 @@ def test_engine_pins_the_sharding_engine_and_rejects_unknown_ones(tmp_path):
     assert [type(s) for s in engine_strategies([Zero(), Fsdp()], "deepspeed")] == [Zero]
     with pytest.raises(UsageError, match="engine='zero' is not known"):
         engine_strategies(None, "zero")
-    offload = next(s for s in engine_strategies(None, "auto", tmp_path) if isinstance(s, Offload))
+    offload = next(s for s in engine_strategies(None, "auto", tmp_path) if isinstance(s, StateOffloading))
     assert offload.nvme_path == str(tmp_path.resolve())
 
 
@@ -230,15 +230,15 @@ def test_the_callers_random_state_is_left_as_it_was():
 
 
 def test_strategies_are_taken_by_name_class_or_instance():
-    from autofit.strategies import (Checkpointing, DataParallel, Fsdp, MicroBatch, Precision, PureBf16, Zero,
-                                    resolve_strategies)
+    from autofit.strategies import (ActivationCheckpointing, DataParallel, Fsdp, MicroBatch, MixedPrecision, PureBf16,
+                                    Zero, resolve_strategies)
 
     names = lambda given: [type(s).__name__ for s in resolve_strategies(given)]  # noqa: E731
-    assert names(["precision", "Micro_Batch", "micro-batch"]) == ["Precision", "PureBf16", "MicroBatch"]  # once each
-    assert names("checkpointing") == ["Checkpointing"] and names([MicroBatch, Checkpointing()]) == [
-        "MicroBatch", "Checkpointing"]
+    assert names(["precision", "Micro_Batch", "micro-batch"]) == ["MixedPrecision", "PureBf16", "MicroBatch"]  # once each
+    assert names("checkpointing") == ["ActivationCheckpointing"] and names([MicroBatch, ActivationCheckpointing()]) == [
+        "MicroBatch", "ActivationCheckpointing"]
     assert set(names(["sharding"])) == {Zero.__name__, Fsdp.__name__} and names("num_gpus") == [DataParallel.__name__]
-    assert names(["pure_bf16"]) == [PureBf16.__name__] and names(["PRECISION"])[0] == Precision.__name__
+    assert names(["pure_bf16"]) == [PureBf16.__name__] and names(["PRECISION"])[0] == MixedPrecision.__name__
 
 
 def test_what_is_not_a_strategy_or_a_factory_is_named():

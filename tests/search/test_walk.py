@@ -9,7 +9,7 @@ from autofit.search.space import build_space
 from autofit.search.trials import TrialStore
 from autofit.search.walk import Search
 from autofit.job.train_spec import make_spec
-from autofit.strategies import Checkpointing, DataParallel, MicroBatch, OptimizerStates, Precision, Zero
+from autofit.strategies import ActivationCheckpointing, DataParallel, MicroBatch, OptimizerStates, MixedPrecision, Zero
 from autofit.strategies.zero import installed_version
 from models import LinearBlocks
 
@@ -27,7 +27,7 @@ def make_batch(n):
 
 def _walk(prober):
     spec = make_spec(Blocks, make_batch, device="cpu", num_gpus=2, global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Checkpointing(), Zero(), DataParallel()])
+    space = build_space(spec, [MicroBatch(), ActivationCheckpointing(), Zero(), DataParallel()])
     probed = []
 
     def record(config, step_limit):
@@ -90,7 +90,7 @@ def test_an_error_whose_dtype_follows_the_precision_is_still_one_error():
         return ProbeResult(config, ProbeStatus.ERROR, f"RuntimeError: mat1 and mat2 must have the same dtype, but got "
                            f"Long and {dtype}", phase="forward")
     spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Precision()])
+    space = build_space(spec, [MicroBatch(), MixedPrecision()])
     with pytest.raises(UsageError, match="same dtype, but got Long and Float"):
         Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
 
@@ -113,7 +113,7 @@ def test_an_error_two_levels_met_alike_skips_the_levels_that_share_its_knob_valu
                                "(at model.py:30 in forward)", phase="forward")
         return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
     spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    space = build_space(spec, [MicroBatch(), MixedPrecision(), ActivationCheckpointing(), OptimizerStates()])
     bf16_levels = [level for level in space.levels() if level.precision.value == "bf16"]
     assert len(bf16_levels) > 3, [level.describe() for level in bf16_levels]
     results = Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
@@ -143,7 +143,7 @@ def test_an_op_that_does_not_take_the_precisions_dtype_fails_it_whatever_the_oth
         return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
 
     spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    space = build_space(spec, [MicroBatch(), MixedPrecision(), ActivationCheckpointing(), OptimizerStates()])
     bf16 = [level for level in space.levels() if level.precision.value == "bf16"]
     results = Search(space, TrialStore(space), lambda config, limit: prober(config),
                      predictor=lambda config: 2**20).run()
@@ -161,7 +161,7 @@ def test_an_error_a_level_without_the_value_ran_past_is_not_laid_to_it():
                                phase="step")
         return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0)
     spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    space = build_space(spec, [MicroBatch(), MixedPrecision(), ActivationCheckpointing(), OptimizerStates()])
     results = Search(space, TrialStore(space), lambda config, limit: prober(config)).run()
     assert not [r for r in results if "same way" in r.reason]
 
@@ -195,7 +195,7 @@ def test_an_error_met_at_one_micro_batch_nothing_else_ran_at_is_not_laid_to_a_kn
     def predictor(config):  # over the 0.9 GiB fit limit by far, but at micro-batch 1
         return 2**40 if config.precision.value == "bf16" and config.micro_batch_size > 1 else 2**20
     spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch(), Precision(), Checkpointing(), OptimizerStates()])
+    space = build_space(spec, [MicroBatch(), MixedPrecision(), ActivationCheckpointing(), OptimizerStates()])
     bf16 = [level for level in space.levels() if level.precision.value == "bf16"]
     results = Search(space, TrialStore(space), lambda config, limit: prober(config), predictor=predictor).run()
     failed = [r for r in results if r.status is ProbeStatus.ERROR]

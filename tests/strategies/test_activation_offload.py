@@ -14,19 +14,19 @@ from autofit.probe.launch import probe_placed
 from autofit.search.rules import violation
 from autofit.job.target import Target
 from autofit.job.train_spec import make_spec
-from autofit.strategies import ActivationOffload, Attention, Checkpointing, MicroBatch, default_strategies
+from autofit.strategies import ActivationOffloading, FusedAttention, ActivationCheckpointing, MicroBatch, default_strategies
 from autofit.strategies.activation_offload import enable
 from autofit.strategies.base import Placement
 from models import long_gpt2
 
 
-STRATEGIES = [Attention(), Checkpointing(), ActivationOffload(), MicroBatch()]
+STRATEGIES = [FusedAttention(), ActivationCheckpointing(), ActivationOffloading(), MicroBatch()]
 
 
 def test_unavailable_on_the_cpu_offered_for_a_gpu():
-    cpu = ActivationOffload().options(make_spec(long_gpt2, device="cpu", memory_budget="1GiB", seq_len=64))
+    cpu = ActivationOffloading().options(make_spec(long_gpt2, device="cpu", memory_budget="1GiB", seq_len=64))
     assert not cpu[1].available and "is the host" in cpu[1].reason
-    gpu = ActivationOffload().options(type("S", (), {"target": Target.from_profile(get_gpu("a100-80gb"), 1)})())
+    gpu = ActivationOffloading().options(type("S", (), {"target": Target.from_profile(get_gpu("a100-80gb"), 1)})())
     assert gpu[1].available and gpu[1].tier == 0
 
 
@@ -90,6 +90,6 @@ def test_on_a_gpu_the_tuner_chooses_it_and_the_estimator_predicts_it():
     assert kept - offloaded > 128 * 2**20, (kept, offloaded)
     budget = int((kept + offloaded) / 2 / 0.9)
     plan = autofit.autofit(long_gpt2, global_batch_size=1, device="cuda", seq_len=4096, memory_budget=budget,
-                           strategies=[Attention(), ActivationOffload(), MicroBatch()], predict=False,
+                           strategies=[FusedAttention(), ActivationOffloading(), MicroBatch()], predict=False,
                            warmup_steps=1, timed_steps=1)
     assert plan.fits and plan.config.offloads_activations, plan.reason

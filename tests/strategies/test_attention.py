@@ -7,12 +7,12 @@ from models import make_gpt2, make_mlp, make_mlp_batch, mlp_loss
 from autofit.config import Config
 from autofit.job.train_spec import make_spec
 from autofit.strategies.run import build_run
-from autofit.strategies import Attention, default_strategies
+from autofit.strategies import FusedAttention, default_strategies
 
 
 def test_hf_model_gets_sdpa_and_says_why_not_the_others():
     spec = make_spec(make_gpt2, global_batch_size=2, device="cpu", memory_budget="1GiB", seq_len=16)
-    options = {o.value: o for o in Attention().options(spec)}
+    options = {o.value: o for o in FusedAttention().options(spec)}
     assert options["sdpa"].available and options["sdpa"].tier == 0
     assert not options["flash_attention_2"].available and "CUDA" in options["flash_attention_2"].reason
     assert not options["eager"].available and "SDPA is supported" in options["eager"].reason
@@ -22,7 +22,7 @@ def test_hf_model_gets_sdpa_and_says_why_not_the_others():
 
 def test_plain_model_keeps_its_attention():
     spec = make_spec(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
-    [option] = Attention().options(spec)
+    [option] = FusedAttention().options(spec)
     assert option.value == "default" and "not a Hugging Face model" in option.reason
 
 
@@ -32,7 +32,7 @@ def test_a_model_without_attention_layers_has_nothing_to_switch():
     config = MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4)
     spec = make_spec(lambda: MambaForCausalLM(config), global_batch_size=2, device="cpu", memory_budget="1GiB",
                      seq_len=8)
-    [option] = Attention().options(spec)
+    [option] = FusedAttention().options(spec)
     assert option.value == "default" and "has no attention layers" in option.reason
 
 
@@ -57,7 +57,7 @@ def test_flash_attention_is_not_offered_before_ampere():
     spec = make_spec(make_gpt2, device="cpu", seq_len=16)
     for gpu, offered in (("t4", False), ("v100-16gb", False), ("a10g", True)):
         on = dataclasses.replace(spec, target=Target.from_profile(get_gpu(gpu), 1))
-        flash = next(o for o in Attention().options(on) if o.value == "flash_attention_2")
+        flash = next(o for o in FusedAttention().options(on) if o.value == "flash_attention_2")
         assert flash.available is offered, flash.reason
         assert offered or "Ampere or later" in flash.reason
 

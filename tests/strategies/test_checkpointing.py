@@ -12,7 +12,7 @@ from autofit.estimate.tolerance import PREDICTION_TOLERANCE
 from autofit.probe.run import run_probe
 from autofit.job.train_spec import make_spec
 from autofit.strategies.run import build_run
-from autofit.strategies import Checkpointing, MicroBatch, default_strategies
+from autofit.strategies import ActivationCheckpointing, MicroBatch, default_strategies
 from autofit.strategies.checkpointing import disable, enable
 
 
@@ -36,7 +36,7 @@ def test_unavailable_without_repeated_blocks():
 
     spec = make_spec(lambda: torch.nn.Linear(4, 1), lambda n: torch.randn(n, 4), device="cpu",
                      memory_budget="1GiB", loss_fn=lambda out, batch: out.sum())
-    options = Checkpointing().options(spec)
+    options = ActivationCheckpointing().options(spec)
     assert [o.value for o in options if o.available] == ["none"]
     assert all("Linear has no repeated blocks" in o.reason for o in options if not o.available)  # not "0 blocks"
 
@@ -59,7 +59,7 @@ class Vocoder(nn.Module):
 def test_parametrized_layers_are_repeated_blocks_and_checkpoint_exactly():
     spec = make_spec(Vocoder, lambda n: torch.randn(n, 8, 64), device="cpu", memory_budget="1GiB",
                      loss_fn=lambda out, batch: out.pow(2).mean())
-    assert {o.value for o in Checkpointing().options(spec) if o.available} >= {"none", "full", "every_k"}
+    assert {o.value for o in ActivationCheckpointing().options(spec) if o.available} >= {"none", "full", "every_k"}
     grads = []
     for config in (Config(micro_batch_size=2), Config(checkpointing="full", micro_batch_size=2)):
         torch.manual_seed(0)
@@ -207,14 +207,14 @@ def test_batch_norm_statistics_are_updated_once_per_step_as_without_checkpointin
 
 
 def test_full_saves_at_least_every_2():
-    strategy = Checkpointing()
+    strategy = ActivationCheckpointing()
     full, every_2, none = Config(checkpointing="full"), Config(checkpointing="every_k", checkpoint_every=2), Config()
     assert strategy.saves_at_least(full, every_2) and strategy.saves_at_least(every_2, none)
     assert not strategy.saves_at_least(none, full)
 
 
 def test_op_level_sits_between_none_and_full_and_beside_every_k():
-    strategy = Checkpointing()
+    strategy = ActivationCheckpointing()
     ops, full, none = Config(checkpointing="ops"), Config(checkpointing="full"), Config()
     every_2, every_4 = (Config(checkpointing="every_k", checkpoint_every=k) for k in (2, 4))
     assert strategy.saves_at_least(ops, none) and strategy.saves_at_least(full, ops)
@@ -253,9 +253,9 @@ def gated_batch(n):
 
 
 def test_every_4_is_offered_where_the_depth_allows():
-    six = {o.knobs("checkpointing").get("checkpoint_every"): o for o in Checkpointing().options(
+    six = {o.knobs("checkpointing").get("checkpoint_every"): o for o in ActivationCheckpointing().options(
         make_spec(Gated, gated_batch, device="cpu", memory_budget="1GiB")) if o.value == "every_k"}
-    four = [o for o in Checkpointing().options(make_spec(make_mlp, long_batch, device="cpu", memory_budget="1GiB",
+    four = [o for o in ActivationCheckpointing().options(make_spec(make_mlp, long_batch, device="cpu", memory_budget="1GiB",
                                                          loss_fn=mlp_loss)) if o.value == "every_k"]
     assert six[4].available and six[2].available
     assert [o.available for o in four] == [False, True] and "too few" in four[0].reason
@@ -275,7 +275,7 @@ def test_forced_by_a_budget_only_op_level_meets_without_recomputing_matmuls():
     # One sample per step: a smaller micro-batch cannot rescue every_k.
     ops = peak(Gated, gated_batch, Config(checkpointing="ops"))
     every_2 = peak(Gated, gated_batch, Config(checkpointing="every_k", checkpoint_every=2))
-    plan = tune(Gated, gated_batch, [Checkpointing(), MicroBatch()], budget_between(ops, every_2), 1)
+    plan = tune(Gated, gated_batch, [ActivationCheckpointing(), MicroBatch()], budget_between(ops, every_2), 1)
     assert plan.fits and plan.config.checkpointing == "ops", plan.reason
     full = [p for p in plan.probes if p.config.checkpointing == "full"]
     assert full and not full[0].measured and "only adds work" in full[0].reason
@@ -292,7 +292,7 @@ def test_estimator_predicts_op_level_within_its_tolerance():
 def test_forced_by_a_budget_only_checkpointing_meets():
     none = peak(make_mlp, long_batch, Config(micro_batch_size=1), loss_fn=mlp_loss)
     full = peak(make_mlp, long_batch, Config(checkpointing="full", micro_batch_size=1), loss_fn=mlp_loss)
-    plan = tune(make_mlp, long_batch, [Checkpointing(), MicroBatch()], budget_between(full, none), 1,
+    plan = tune(make_mlp, long_batch, [ActivationCheckpointing(), MicroBatch()], budget_between(full, none), 1,
                 loss_fn=mlp_loss)
     assert plan.fits and plan.config.checkpointing != "none"
     assert plan.peak_memory < none

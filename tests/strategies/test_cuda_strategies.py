@@ -21,7 +21,7 @@ from autofit.strategies.deepspeed_config import deepspeed_config  # noqa: E402
 from autofit.strategies.run import TrainRun  # noqa: E402
 from autofit.search.rules import violation  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
-from autofit.strategies import Attention, Fsdp, OptimizerStates, Quantization, Zero  # noqa: E402
+from autofit.strategies import FusedAttention, Fsdp, OptimizerStates, QuantizedBase, Zero  # noqa: E402
 from autofit.strategies import fsdp as fsdp_module  # noqa: E402
 from autofit.strategies.quantization import as_linear, quantizable_layers  # noqa: E402
 from models import LinearBlocks, make_gpt2  # noqa: E402
@@ -113,7 +113,7 @@ def test_a_flash_attn_module_transformers_cannot_use_is_not_offered(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     with FakeCuda():
         spec = _cuda_spec(make_gpt2, None, extras={"flash_attn"}, seq_len=16)
-        flash = {o.value: o for o in Attention().options(spec)}[A.FLASH_ATTENTION_2]
+        flash = {o.value: o for o in FusedAttention().options(spec)}[A.FLASH_ATTENTION_2]
     assert "flash_attention_2" in spec.model.attention
     assert not flash.available and "is_flash_attn_2_available() is False" in flash.reason
     target = spec.target  # and flash-attention never runs in fp32: a rule says so
@@ -147,5 +147,5 @@ class NoLinear(nn.Module):
 def test_a_model_with_nothing_to_quantize_has_quantization_unavailable_with_the_reason():
     with FakeCuda():
         spec = _cuda_spec(NoLinear, extras={"bitsandbytes", "peft"})
-        options = {o.value: o for o in Quantization().options(spec)}
+        options = {o.value: o for o in QuantizedBase().options(spec)}
     assert not options["nf4"].available and "no linear layer to quantize" in options["nf4"].reason

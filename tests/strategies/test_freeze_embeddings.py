@@ -12,7 +12,7 @@ import autofit
 from autofit.config import Config
 from autofit.probe.outcome import Skip
 from autofit.report import render
-from autofit.strategies import MicroBatch, Precision, default_strategies
+from autofit.strategies import MicroBatch, MixedPrecision, default_strategies
 
 
 def test_config_carries_the_plugin_knob():
@@ -43,7 +43,7 @@ def test_search_dry_run_exports_and_report_handle_it(tmp_path):
     plan_on.export("trainer", tmp_path / "tr")
     assert autofit.Plan.load(plan_on.save(tmp_path / "plan.json")).config == on
 
-    planned = [Precision(), MicroBatch(), FreezeEmbeddings()]  # the plug-in beside two rungs: fewer simulations
+    planned = [MixedPrecision(), MicroBatch(), FreezeEmbeddings()]  # the plug-in beside two rungs: fewer simulations
     report = autofit.dry_run(make_gpt2, seq_len=16, global_batch_size=2, gpu="a100-80gb", allow={"lora"},
                              strategies=planned)
     rows = {c.config.knob("freeze_embeddings") for c in report.candidates}

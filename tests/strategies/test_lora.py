@@ -123,7 +123,7 @@ def test_saves_at_least():
 
 def test_default_strategies_put_quantization_before_lora():
     names = [type(s).__name__ for s in default_strategies()]
-    assert names.index("Quantization") < names.index("Lora")
+    assert names.index("QuantizedBase") < names.index("Lora")
 
 
 # Full fine-tuning of Mlp needs weights + grads + AdamW states = 16 bytes x 263k params = 4 MiB;
@@ -169,7 +169,7 @@ def test_a_model_with_its_own_adapters_gets_no_lora_or_quantization_over_them():
 
     from autofit.devices.gpus import get_gpu
     from autofit.job.target import Target
-    from autofit.strategies import Quantization
+    from autofit.strategies import QuantizedBase
 
     spec = make_spec(peft_llama, device="cpu", seq_len=32)  # a peft model is a Hugging Face one: batch synthesized
     assert spec.model.is_hf and spec.model.trains_part
@@ -177,15 +177,15 @@ def test_a_model_with_its_own_adapters_gets_no_lora_or_quantization_over_them():
     assert [o.value for o in options] == [0, 16] and options[0].available and not options[1].available
     assert f"already trains {spec.model.trained()}" in options[1].reason and "(its own adapters" in options[1].reason
     on_a_gpu = dataclasses.replace(spec, target=Target.from_profile(get_gpu("a100-80gb"), 1))
-    nf4 = Quantization().options(on_a_gpu)[-1]
+    nf4 = QuantizedBase().options(on_a_gpu)[-1]
     assert not nf4.available and "load the base quantized yourself" in nf4.reason
 
 
 def test_a_dry_run_of_a_peft_model_plans_its_own_adapters():
-    from autofit.strategies import Precision, Quantization
+    from autofit.strategies import MixedPrecision, QuantizedBase
 
     report = autofit.dry_run(peft_llama, seq_len=64, global_batch_size=4, gpu="a100-80gb", allow={"lora"},
-                             strategies=[MicroBatch(), Precision(), Quantization(), Lora(ranks=(16,))])
+                             strategies=[MicroBatch(), MixedPrecision(), QuantizedBase(), Lora(ranks=(16,))])
     assert report.fits and report.candidates
     assert all(not c.config.lora and c.config.quantization.value == "none" for c in report.candidates)
     trainable = sum(p.numel() for p in peft_llama().parameters() if p.requires_grad)

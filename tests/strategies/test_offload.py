@@ -1,5 +1,5 @@
 """Offload: on the CPU it is unavailable with its reason; NVMe paths are checked; the GPU runs
-(ZeRO-Offload, ZeRO-3 parameter offload, FSDP2 CPU offload on one GPU) are `gpu`-marked."""
+(ZeRO-StateOffloading, ZeRO-3 parameter offload, FSDP2 CPU offload on one GPU) are `gpu`-marked."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from autofit.job.train_spec import make_spec
 from autofit.devices.gpus import get_gpu
 from autofit.search.rules import violation
 from autofit.job.target import Target
-from autofit.strategies import Fsdp, MicroBatch, Offload, Precision, Zero
+from autofit.strategies import Fsdp, MicroBatch, StateOffloading, MixedPrecision, Zero
 from autofit.strategies.offload import aio_problem
 from autofit.strategies.zero import installed_version
 from models import run_ranks
@@ -38,7 +38,7 @@ def make_batch(n):
 
 
 def test_unavailable_on_cpu_with_reason(tmp_path):
-    options = Offload(nvme_path=tmp_path).options(make_spec(Blocks, make_batch, device="cpu"))
+    options = StateOffloading(nvme_path=tmp_path).options(make_spec(Blocks, make_batch, device="cpu"))
     assert [o.value for o in options] == ["none", "cpu", "nvme"]
     assert [o.available for o in options] == [True, False, False]
     assert "already the host" in options[1].reason
@@ -48,15 +48,15 @@ def test_nvme_path_not_writable_names_it(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     with pytest.raises(UsageError, match="a-file/nvme.*not a writable folder"):
-        Offload(nvme_path=blocker / "nvme")
+        StateOffloading(nvme_path=blocker / "nvme")
 
 
 def test_nvme_path_is_created(tmp_path):
-    assert Offload(nvme_path=tmp_path / "new" / "nvme").nvme_path == str((tmp_path / "new" / "nvme").resolve())
+    assert StateOffloading(nvme_path=tmp_path / "new" / "nvme").nvme_path == str((tmp_path / "new" / "nvme").resolve())
 
 
 def test_without_nvme_path_the_reason_says_how_to_give_one():
-    assert "nvme_path" in Offload().options(_FakeCudaSpec())[2].reason
+    assert "nvme_path" in StateOffloading().options(_FakeCudaSpec())[2].reason
 
 
 class _FakeCudaSpec:
@@ -78,11 +78,11 @@ def test_nvme_is_offered_for_probes_here_only_where_deepspeeds_async_io_op_build
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     builds = AsyncIOBuilder().is_compatible(verbose=False)
-    nvme = Offload(nvme_path=tmp_path).options(_ProbedOnCuda())[2]
+    nvme = StateOffloading(nvme_path=tmp_path).options(_ProbedOnCuda())[2]
     assert nvme.available is builds
     if not builds:
         assert "async_io" in nvme.reason and "libaio" in nvme.reason
-    planned = Offload(nvme_path=tmp_path).options(_FakeCudaSpec())[2]  # a plan for another machine: not checked
+    planned = StateOffloading(nvme_path=tmp_path).options(_FakeCudaSpec())[2]  # a plan for another machine: not checked
     assert planned.available
 
 
@@ -96,7 +96,7 @@ def test_offload_without_an_engine_is_a_rule():
 
 def test_order():
     nvme, cpu, none = Config(offload="nvme"), Config(offload="cpu"), Config()
-    assert Offload().saves_at_least(nvme, cpu) and not Offload().saves_at_least(none, cpu)
+    assert StateOffloading().saves_at_least(nvme, cpu) and not StateOffloading().saves_at_least(none, cpu)
 
 
 
@@ -110,8 +110,8 @@ def test_zero_offload_on_one_gpu(stage, tmp_path):
         if value == "nvme" and aio_problem():  # no libaio here: the rung does not offer it (tested above)
             continue
         config = Config(sharding=f"zero{stage}", offload=value, micro_batch_size=4, precision="bf16")
-        # Precision sets bf16 autocast: DeepSpeed casts the weights to bf16, the batch stays fp32
-        result = run_ranks(spec, config, [Precision(), MicroBatch(), Zero(), Offload(nvme_path=tmp_path)],
+        # MixedPrecision sets bf16 autocast: DeepSpeed casts the weights to bf16, the batch stays fp32
+        result = run_ranks(spec, config, [MixedPrecision(), MicroBatch(), Zero(), StateOffloading(nvme_path=tmp_path)],
                            timeout=600)
         assert result.status is ProbeStatus.FIT, result.reason
 
@@ -121,14 +121,14 @@ def test_zero_offload_on_one_gpu(stage, tmp_path):
 def test_fsdp_cpu_offload_on_one_gpu():
     spec = make_spec(Blocks, make_batch, device="cuda", global_batch_size=4, warmup_steps=1, timed_steps=1)
     config = Config(sharding="fsdp_full", offload="cpu", micro_batch_size=4, precision="bf16")
-    result = run_ranks(spec, config, [MicroBatch(), Fsdp(), Offload()], timeout=600)
+    result = run_ranks(spec, config, [MicroBatch(), Fsdp(), StateOffloading()], timeout=600)
     assert result.status is ProbeStatus.FIT, result.reason
 
 
 def test_the_specs_nvme_path_is_offered_and_kept_in_the_plan(tmp_path):
     spec = make_spec(Blocks, make_batch, device="cpu", nvme_path=tmp_path / "nvme")
     assert spec.summary()["nvme_path"] == str((tmp_path / "nvme").resolve())
-    assert Offload().folder(spec) == spec.nvme_path
+    assert StateOffloading().folder(spec) == spec.nvme_path
 
 
 

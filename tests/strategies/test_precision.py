@@ -5,12 +5,12 @@ from models import make_mlp, mlp_loss
 from autofit.config import Config
 from autofit.job.train_spec import make_spec
 from autofit.strategies.run import build_run
-from autofit.strategies import MicroBatch, Precision, default_strategies
+from autofit.strategies import MicroBatch, MixedPrecision, default_strategies
 
 
 def test_options_on_cpu():
     spec = make_spec(make_mlp, long_batch, global_batch_size=1, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss)
-    options = {o.value: o for o in Precision().options(spec)}
+    options = {o.value: o for o in MixedPrecision().options(spec)}
     assert options["fp32"].tier == 0 and options["bf16"].tier == 1 and options["bf16"].available
     assert not options["fp16"].available and "bf16 is native" in options["fp16"].reason
 
@@ -25,7 +25,7 @@ def test_bf16_and_fp16_set_autocast_and_scaler():
 def test_forced_by_a_budget_only_bf16_meets():
     fp32 = peak(make_mlp, long_batch, Config(micro_batch_size=1), loss_fn=mlp_loss)
     bf16 = peak(make_mlp, long_batch, Config(precision="bf16", micro_batch_size=1), loss_fn=mlp_loss)
-    plan = tune(make_mlp, long_batch, [Precision(), MicroBatch()], budget_between(bf16, fp32), 1, loss_fn=mlp_loss)
+    plan = tune(make_mlp, long_batch, [MixedPrecision(), MicroBatch()], budget_between(bf16, fp32), 1, loss_fn=mlp_loss)
     assert plan.fits and plan.config.precision == "bf16"
     assert [p.status.value for p in plan.probes if p.config.precision == "fp32"] == ["oom"]
 

@@ -13,7 +13,7 @@ from autofit.strategies.run import build_run
 from autofit.search.rules import violation
 from autofit.job.target import Target
 from autofit.job.train_spec import make_spec
-from autofit.strategies import MicroBatch, Precision, PureBf16, default_strategies
+from autofit.strategies import MicroBatch, MixedPrecision, PureBf16, default_strategies
 
 
 def _spec(**kwargs):
@@ -47,7 +47,7 @@ def test_forced_by_a_budget_only_pure_bf16_meets():
     mixed = peak(WideBlocks, thin_batch, Config(precision="bf16", micro_batch_size=4))
     pure = peak(WideBlocks, thin_batch, Config(precision="pure_bf16", micro_batch_size=4))
     assert pure < 0.6 * mixed  # 8 bytes per parameter instead of 16
-    plan = tune(WideBlocks, thin_batch, [Precision(), PureBf16(), MicroBatch()], budget_between(pure, mixed), 4)
+    plan = tune(WideBlocks, thin_batch, [MixedPrecision(), PureBf16(), MicroBatch()], budget_between(pure, mixed), 4)
     assert plan.fits and plan.config.precision == "pure_bf16", plan.reason
     assert {p.status.value for p in plan.probes if p.config.precision != "pure_bf16" and p.measured} == {"oom"}
 

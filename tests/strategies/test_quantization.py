@@ -14,7 +14,7 @@ from autofit.strategies.run import build_run
 from autofit.devices.gpus import get_gpu
 from autofit.search.rules import violation
 from autofit.job.target import Target
-from autofit.strategies import Lora, MicroBatch, Quantization
+from autofit.strategies import Lora, MicroBatch, QuantizedBase
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 needs_cuda_bnb = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_BNB), reason="needs CUDA and bitsandbytes")
@@ -37,7 +37,7 @@ def make_batch(n):
 
 
 def test_unavailable_on_cpu_with_reason():
-    options = Quantization().options(make_spec(Mlp, make_batch, device="cpu"))
+    options = QuantizedBase().options(make_spec(Mlp, make_batch, device="cpu"))
     assert [o.value for o in options] == ["none", "int8", "nf4"]
     assert options[0].available
     for option in options[1:]:
@@ -48,7 +48,7 @@ def test_unavailable_on_cpu_with_reason():
 
 def test_cpu_search_goes_on_without_it():
     plan = autofit.autofit(Mlp, make_batch, device="cpu", global_batch_size=2, allow={"lora"},
-                           strategies=[MicroBatch(), Quantization()], warmup_steps=1, timed_steps=1)
+                           strategies=[MicroBatch(), QuantizedBase()], warmup_steps=1, timed_steps=1)
     assert plan.fits and plan.config.quantization == "none"
 
 
@@ -59,7 +59,7 @@ def test_quantized_base_without_lora_is_a_rule():
 
 
 def test_savings_order():
-    q = Quantization()
+    q = QuantizedBase()
     nf4, int8, none = Config(quantization="nf4"), Config(quantization="int8"), Config()
     assert q.saves_at_least(nf4, int8) and q.saves_at_least(int8, none)
     assert not q.saves_at_least(none, nf4)
@@ -73,7 +73,7 @@ def test_qlora_trains_adapters_on_cuda(value):
 
     spec = make_spec(Mlp, make_batch, device="cuda")
     run = build_run(spec, Config(quantization=value, lora=8, precision="bf16"),
-                    [MicroBatch(), Quantization(), Lora(ranks=(8,))])
+                    [MicroBatch(), QuantizedBase(), Lora(ranks=(8,))])
     layer_types = {type(m) for m in run.model.modules()}
     assert (bnb.nn.Linear4bit if value == "nf4" else bnb.nn.Linear8bitLt) in layer_types
     trainable = [n for n, p in run.model.named_parameters() if p.requires_grad]
@@ -88,7 +88,7 @@ def test_qlora_search_on_cuda_picks_quantization_under_a_small_budget():
     # 4 x 8192^2 = 268M parameters: full fine-tuning needs ~4.3 GB, fp32 weights + LoRA ~1.1 GB plus the
     # CUDA context; NF4 weights ~0.13 GB. Under 1.5 GiB only a quantized base fits.
     plan = autofit.autofit(_wide, _wide_batch, device="cuda", global_batch_size=2, allow={"lora"},
-                           memory_budget="1.5GiB", strategies=[MicroBatch(), Quantization(), Lora(ranks=(8,))],
+                           memory_budget="1.5GiB", strategies=[MicroBatch(), QuantizedBase(), Lora(ranks=(8,))],
                            warmup_steps=1, timed_steps=1)
     assert plan.fits, plan.reason
     assert plan.config.quantization in ("nf4", "int8") and plan.config.lora == 8
