@@ -279,8 +279,8 @@ class CudaBudget(_Deadline):
         outside the allocator than on entry. A fresh process's CUDA context grows through its first steps:
         cuBLAS makes its handle at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp), and CUDA loads
         each kernel's module at its first launch (lazy loading, CUDA's default from 12.2; CUDA C++
-        Programming Guide, "Lazy Loading"). On an H200 (2026-11-27) by 130 MiB or more, inferred from
-        bench/results/fit-threshold-cuda-h200-2026-11-27-share-on-entry.json: the share set on entry let
+        Programming Guide, "Lazy Loading"). On an H200 by 130 MiB or more, inferred from
+        bench/README.md#fit-threshold: the share set on entry let
         allocator and context together pass the limit, and the probe failed where a card of that size
         would have made the allocator free its cache and retry. Where the allocator reserved more
         than the new share, its cache is emptied and its peak counts again from here, the allocated peak

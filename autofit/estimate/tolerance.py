@@ -11,7 +11,7 @@ from autofit.config import Config, Engine
 # Relative error allowed to a predicted peak before it prunes a candidate: the estimator's measured
 # worst over-prediction (a prune is wrong only when the true peak is lower than predicted).
 # CPU: worst error against the CPU budget's measured peak 4.1% over 24 points (under-predicted; the worst
-# over-prediction is 0.9%): bench/results/estimate-cpu-2026-11-22.json.
+# over-prediction is 0.9%): bench/README.md#tolerance.
 # CUDA: the tuner prunes on what a fit needs (`Estimate.need_bytes`: the allocator's cache released at the
 # limit), measured against: 40 published GPU training peaks (bench/calibration/results/calibration.json, like
 # compared with like, each simulated with the code its source ran): of the 16 reserved figures, the need is
@@ -19,11 +19,11 @@ from autofit.config import Config, Engine
 # peak over-predicts by up to +9.4% (fsdp_qlora's QLoRA under FSDP1), by +1.3% for the 23 rows on one GPU
 # without an engine (litgpt's
 # config-hub QLoRA rows, +1.5% .. +6.4%, left out: upper bounds of a batch order the source does not give);
-# 40 peaks measured on an H100 and on an H200 (2026-11-27) and predicted without CUDA, as a dry-run predicts
-# (bench/results/estimate-replay-estimate-cuda-*-2026-11-27-2026-11-27.json): up to +4.7%; and the smallest
+# 40 peaks measured on an H100 and on an H200 and predicted without CUDA, as a dry-run predicts
+# (bench/README.md#tolerance): up to +4.7%; and the smallest
 # budgets two configurations trained under on the H200, found by bisection: the need predicted within one
 # measured interval and 4 MiB above the other
-# (bench/results/fit-threshold-replay-cuda-h200-2026-11-27-2026-11-27.json). So a candidate predicted to
+# (bench/README.md#fit-threshold). So a candidate predicted to
 # need more than 5% over the limit is skipped. The estimator still under-predicts
 # some published runs (down to -21%: FSDP1's reserved figures): an under-prediction never prunes, it makes a
 # probe that runs out of memory, which the tuner records and steps back from.
@@ -31,7 +31,7 @@ PREDICTION_TOLERANCE = {"cpu": 0.05, "cuda": 0.05}
 
 # The activation formula's worst under-prediction of the simulated activations (simulated / formula),
 # over preset models x sequence lengths x checkpointing, per target: bench/calibration/formula_bound.py,
-# results in bench/calibration/results/formula-bound.json (2026-11-26: CPU x4.05, CUDA x2.52, both T5-small
+# results in bench/calibration/results/formula-bound.json (CPU x4.05, CUDA x2.52, both T5-small
 # at 512 tokens; the CPU keeps dropout noise in the activations' dtype, CUDA a one-byte mask). A peak
 # resting on the formula is reported with this bound.
 FORMULA_UNDER_PREDICTION = {"cpu": 4.1, "cuda": 2.6}

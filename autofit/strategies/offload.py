@@ -84,7 +84,7 @@ def aio_problem() -> str | None:
     """Why DeepSpeed's async I/O op, which reads and writes NVMe offload's files, cannot build on this
     machine, or None. `AsyncIOBuilder.is_compatible` compiles a test against libaio
     (deepspeed/ops/op_builder/async_io.py); without it every NVMe probe failed at the engine's build with
-    "Unable to JIT load the async_io op" (seen on an H100 machine without libaio-dev, 2026-11-27)."""
+    "Unable to JIT load the async_io op" (seen on an H100 machine without libaio-dev)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if AsyncIOBuilder().is_compatible(verbose=False):

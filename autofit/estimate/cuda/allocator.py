@@ -190,9 +190,9 @@ def _merged(block: _Block, neighbour: _Block) -> _Block:
 # `key` (or a new one, when no event made it), which training keeps until the optimizer step is done.
 Event = tuple
 HISTORY_STEPS = 2  # optimizer steps replayed; the reserve stops growing after the second (GPT-2 small at full
-# depth: 2, 3, 5 and 8 steps replay the same reserve; one step, 13% .. 42% of it). Three until 2026-11-27: two
-# predict every measured H100/H200 peak, fit threshold and dry-run row of the README's GPT-2 the same, one
-# published row 0.1 point apart (fsdp_qlora's DDP LoRA), and a dry-run's AdamW rows take 20% less time
+# depth: 2, 3, 5 and 8 steps replay the same reserve; one step, 13% .. 42% of it). Two and three predict every
+# measured H100/H200 peak, fit threshold and dry-run row of the README's GPT-2 the same, one published row 0.1
+# point apart (fsdp_qlora's DDP LoRA); with two, a dry-run's AdamW rows take 20% less time
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
@@ -217,7 +217,7 @@ def replay_training(events: Sequence[Event], resident: Sequence[int], states: Se
     optimizer's `states` made at its first step, its `temporaries` made and freed at every step, and the
     gradients freed after it (`zero_grad`). On an H100 this history, not one step's activations, is what
     sets the reserved bytes above the allocated ones: the weights and states take cached blocks the next
-    step's activations wanted (bench/results/estimate-cuda-2026-11-27-parts.json). `allocator`: as `replay`'s."""
+    step's activations wanted (bench/README.md#allocator-history). `allocator`: as `replay`'s."""
     allocator = CachingAllocator() if allocator is None else allocator
     fresh = itertools.count()
     for nbytes in resident:

@@ -5,7 +5,7 @@ which keeps the output and the log-sum-exp for backward, as CUDA's flash and mem
 do. CUDA falls back to the math backend where neither fused kernel takes the inputs, and the math
 backend materialises the scores: it keeps the softmax of every head's (query x key) matrix for backward,
 [batch, heads, seq, seq] per layer, and copies of the grouped keys and values. Measured on one H100
-(torch 2.11, bench/results/estimate-cuda-2026-11-22.json): a 1.1B Llama with grouped-query attention at
+(torch 2.11, bench/README.md#cuda-attention): a 1.1B Llama with grouped-query attention at
 1,024 tokens in fp32 peaks at 46.1 GB; the CUDA simulation predicted 44.1 GB, CPU kernels 30.5 GB.
 
 The rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `can_use_flash_attention`,
@@ -15,7 +15,7 @@ The rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `can_use_flash_
   for q, k and v of at most 256; grouped keys and values with `enable_gqa`.
 - memory-efficient: fp16 or fp32 (bf16 too on sm80+), head sizes divisible by the GEMM alignment (8 for
   16-bit types, 4 for fp32 on sm80+), masks allowed, and as many key/value heads as query heads. Grouped
-  heads were added to it by pytorch/pytorch#191085 (July 2026); which release carries it is not checked
+  heads were added to it by pytorch/pytorch#191085; which release carries it is not checked
   here, so grouped heads outside flash are simulated on the math backend: on a torch that has it, that
   over-counts (a margin), where the opposite would promise fits that run out of memory.
 - dropout: both fused kernels take it (no `check_for_dropout` among their constraints) and keep no mask,

@@ -39,7 +39,7 @@ def least_reserve(calls: Calls, roomy: CachingAllocator) -> int:
     roomy one first passes the allocated peak (`Calls.until`: all of them alike up to there, about half of
     a training history's calls). Under a limit below its
     roomy reserve the allocator releases its cached segments and retries (`CachingAllocator`): on an H200
-    (bench/results/fit-threshold-cuda-h200-2026-11-27.json), GPT-2 small's full-checkpointing step in
+    (bench/README.md#fit-threshold), GPT-2 small's full-checkpointing step in
     fp32 at micro-batch 1 trained with its segments capped between 3,125 and 3,188 MiB (the process's
     budget less the 760 MiB outside the allocator), under the 3,314 it reserved on the roomy card; this
     replay, 3,093 (3,260 roomy); in bf16 at micro-batch 4 between 5,389 and 5,518, the replay 5,451."""

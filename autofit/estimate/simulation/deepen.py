@@ -7,7 +7,7 @@ beyond the first (`deepen`), and each repeat's allocations and frees are told ap
 to. The peaks are read from those events (`autofit.estimate.simulation.step.curve`) and the CUDA caching allocator
 replays them: what it reserves beyond the allocated bytes is not linear in depth (on an H100, GPT-2 small's
 step with full checkpointing, replayed at 2, 8, 10 and 12 blocks, reserved 638, 304, 1,009 and 882 MiB
-beyond its allocated bytes, 854 measured at 12: bench/results/allocator-steps-2026-11-27.json), and nor is
+beyond its allocated bytes, 854 measured at 12: bench/README.md#allocator-steps), and nor is
 the backward's most of live and gradient bytes (a line through one and two blocks of a tiny Llama with full
 checkpointing read it 23% under a simulation of every block; the events repeated read it exactly).
 
