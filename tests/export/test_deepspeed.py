@@ -30,8 +30,8 @@ def test_deepspeed_parses_every_stage(tmp_path, plan_for, stage, offload, precis
             parsed.train_batch_size) == (4, 8, 32)
     assert parsed.zero_optimization_stage == stage
     assert parsed.gradient_clipping == 1.0
-    assert parsed.bfloat16_config.enabled is (precision == "bf16")
-    assert parsed.float16_config.enabled is (precision == "fp16")
+    assert _enabled(parsed, "bfloat16") is (precision == "bf16")
+    assert _enabled(parsed, "float16") is (precision == "fp16")
     offloaded = parsed.zero_config.offload_optimizer
     assert (str(getattr(offloaded.device, "value", offloaded.device)) if offloaded else "none") == offload
     param = parsed.zero_config.offload_param
@@ -176,3 +176,10 @@ def test_model_side_rungs_are_listed_for_the_script(tmp_path, plan_for):
     parse({k: v for k, v in document.items() if k != "autofit"})  # the real parser still accepts it
     lines = document["autofit"]["apply_in_script"]
     assert any("chunk_loss(model)" in line for line in lines) and any("ops=True" in line for line in lines)
+
+
+def _enabled(parsed, mode):
+    """Whether DeepSpeed's parsed config enables `mode` ("float16", "bfloat16"): a `<mode>_config` section in
+    recent releases, a flag in older ones (0.14: `fp16_enabled`, `bfloat16_enabled`)."""
+    section = getattr(parsed, f"{mode}_config", None)
+    return section.enabled if section is not None else getattr(parsed, {"float16": "fp16"}.get(mode, mode) + "_enabled")
