@@ -1,6 +1,6 @@
 """Entry point of the `autofit` console script.
 
-Exit codes (DESIGN.md): 0 a configuration fits, 3 nothing fits, 2 bad usage, 1 any other error. With
+Exit codes (docs/design.md): 0 a configuration fits, 3 nothing fits, 2 bad usage, 1 any other error. With
 `--json`, stdout carries exactly one JSON document (on an error, `{"error": ..., "exit_code": ...}`);
 logs go to stderr.
 """

@@ -1,4 +1,4 @@
-"""Step 2 of the flow (DESIGN.md): the decision tree's techniques, one module each, in rung order.
+"""Step 2 of the flow (docs/design.md): the decision tree's techniques, one module each, in rung order.
 
 Each offers its options for a spec's `Target`; `autofit.search.space` lays them out as candidates.
 """

@@ -59,7 +59,7 @@ class Strategy(abc.ABC):
     """One technique. Subclasses set `field` and `rung` and implement `options` and `apply`."""
 
     field: ClassVar[str]  # the Config knob this strategy sets
-    rung: ClassVar[int]  # position in DESIGN.md's decision tree (cheapest first)
+    rung: ClassVar[int]  # position in docs/design.md's decision tree (cheapest first)
     knob_type: ClassVar[type[Knob] | None] = None  # a plug-in strategy's own knob (its first member: off)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
