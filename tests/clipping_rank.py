@@ -26,5 +26,5 @@ for sharding in ("none", "fsdp_full", "zero2"):
         print(json.dumps({"sharding": sharding, "norm": prepared.grad_norm,
                           "weight": weight.detach().float().flatten()[:8].tolist()}), flush=True)
 
-gc.collect()  # as train_with_prepare.py ends: without it a rank may abort at exit (README)
+gc.collect()  # as train_with_prepare.py ends: without it a rank may abort at exit (docs/prepare.md)
 dist.destroy_process_group()

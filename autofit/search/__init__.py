@@ -1,5 +1,6 @@
-"""Steps 2-3 and 5 of the flow (docs/design.md): the candidates the strategies offer for a Target, laid out as a
-space with the rules between knobs applied once (`space`, `rules`), the walk that probes as little as
-it can (`walk`), the trial store that makes a search resumable (`trials`), and `autofit.autofit`
-wiring spec -> space -> walk -> plan (`tuner`).
+"""The search (docs/design.md): the candidates the strategies offer for a Target, laid out as a space with
+the rules between knobs applied once (`space`, `rules`), the walk that probes as little as it can (`walk`),
+the finalists re-measured back to back (`confirm`) and the decision between them with its records
+(`decision`), and the trial store that makes a search resumable (`trials`). `autofit.pipelines.tune`
+wires the job -> space -> walk -> confirmation -> plan.
 """
