@@ -24,11 +24,11 @@ sys.path.insert(0, str(HERE.parent))  # `python bench/run.py` from anywhere impo
 
 import torch  # noqa: E402
 
-from bench.load import CompetingLoad  # noqa: E402
-from bench.report import update_readme  # noqa: E402
+from bench.suite.load import CompetingLoad  # noqa: E402
+from bench.suite.report import update_readme  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
-from bench.scenarios import cpu_rungs, cpu_scenarios, gpu_scenarios  # noqa: E402
-from bench.suite import Options, log, run_scenario  # noqa: E402
+from bench.suite.scenarios import cpu_rungs, cpu_scenarios, gpu_scenarios  # noqa: E402
+from bench.suite.side_by_side import Options, log, run_scenario  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

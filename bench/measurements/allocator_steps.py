@@ -2,7 +2,7 @@
 allocated bytes, measured on an H100, does a replay of whole training steps at the model's full depth
 explain, against the estimator's replay of the same history at the one and two blocks it simulates?
 
-    python bench/allocator_steps.py        # ~1 min on 2 cores; writes results/allocator-steps-<date>.json
+    python bench/measurements/allocator_steps.py        # ~1 min on 2 cores; writes bench/results/allocator-steps-<date>.json
 
 Training reserves after its history: the weights are placed first, each step's gradients stay until the
 optimizer step, AdamW's states are made at the first step and a foreach temporary per weight at every
@@ -12,7 +12,7 @@ two-block simulations (`autofit.estimate.simulation.step`) and carries the two-b
 here each configuration is simulated at its full depth (CPU kernels standing in for CUDA), its events
 replayed the same way, and both compared with `max_memory_reserved - max_memory_allocated` as the H100
 measured it (bench/results/estimate-cuda-2026-11-27-parts.json). The first run of this experiment
-(2026-11-22, results/allocator-steps-2026-11-22.json) replayed the 1.1B Llama's peaks whole.
+(2026-11-22, bench/results/allocator-steps-2026-11-22.json) replayed the 1.1B Llama's peaks whole.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.simulation import step as simulate  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
-from bench.estimate_accuracy import GLOBAL_BATCH, model_named  # noqa: E402
+from bench.measurements.estimate_accuracy import GLOBAL_BATCH, model_named  # noqa: E402
+from bench import RESULTS  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED = RESULTS / "estimate-cuda-2026-11-27-parts.json"
 MIB = 2**20
 

@@ -1,10 +1,10 @@
 """Predicted vs measured peak memory: `autofit.estimate.estimator.predict_peak` against the probe's measured peak.
 
-    python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
-    python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
-    python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama and GPT-2 small at 1,024 tokens
-    python bench/estimate_accuracy.py --device cuda --held-out   # only models no calibration used
-    python bench/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
+    python bench/measurements/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
+    python bench/measurements/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
+    python bench/measurements/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama and GPT-2 small at 1,024 tokens
+    python bench/measurements/estimate_accuracy.py --device cuda --held-out   # only models no calibration used
+    python bench/measurements/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
         # no probe: predict here (CPU kernels standing in for CUDA, as a dry-run does) the peaks a GPU
         # run measured, beside what that run's own estimator said
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 from autofit.config import Config  # noqa: E402
 from autofit.devices.device import describe  # noqa: E402
@@ -38,9 +38,9 @@ from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
-from bench.report import results_path  # noqa: E402
+from bench import RESULTS  # noqa: E402
+from bench.suite.report import results_path  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GLOBAL_BATCH = 4
 
 

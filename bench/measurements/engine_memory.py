@@ -1,9 +1,9 @@
 """The estimator against measured per-rank peaks of the multi-rank engines on CPU ranks over gloo, by
 accumulation: DDP, DeepSpeed ZeRO-1/2/3 and FSDP2, each at accumulation 1 and several micro-batches.
 
-    python bench/engine_memory.py            # ~12 min on 2 cores; results/engine-memory-cpu-<date>.json
-    python bench/engine_memory.py --quick    # one model, fp32 only
-    python bench/engine_memory.py --reestimate results/engine-memory-cpu-<date>.json --label before
+    python bench/measurements/engine_memory.py            # ~12 min on 2 cores; bench/results/engine-memory-cpu-<date>.json
+    python bench/measurements/engine_memory.py --quick    # one model, fp32 only
+    python bench/measurements/engine_memory.py --reestimate bench/results/engine-memory-cpu-<date>.json --label before
                                              # this checkout's predictions of the same measured peaks, added
                                              # beside them (run from an older checkout to compare)
 
@@ -28,8 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -40,7 +39,8 @@ from autofit.probe.launch import launch  # noqa: E402
 from autofit.batches.synthetic_batches import TokenBatches  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import Placement, default_strategies  # noqa: E402
-from bench.scenarios import make_gpt2  # noqa: E402
+from bench import RESULTS  # noqa: E402
+from bench.suite.scenarios import make_gpt2  # noqa: E402
 
 RANKS, GLOBAL_BATCH = 2, 64
 ENGINES = ("none", "zero1", "zero2", "zero3", "fsdp_grad_op", "fsdp_full")
@@ -142,7 +142,7 @@ def main() -> None:
                   f"{os.cpu_count()} cores", load_before=os.getloadavg(), torch=torch.__version__,
                   deepspeed=_version("deepspeed"), ranks=RANKS, global_batch_size=GLOBAL_BATCH,
                   summary=summary(points), by_engine=by_engine, points=points)
-    path = args.out or HERE / "results" / f"engine-memory-cpu-{record['date']}.json"
+    path = args.out or RESULTS / f"engine-memory-cpu-{record['date']}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({"summary": record["summary"], "by_engine": by_engine}, indent=1))
     print(f"written {path}")

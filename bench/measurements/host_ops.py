@@ -1,6 +1,6 @@
 """Host work per op of an eager training step: the figures behind the dry-run's launch floor.
 
-    python bench/host_ops.py        # ~30 s on 2 cores; writes results/host-ops-<date>.json
+    python bench/measurements/host_ops.py        # ~30 s on 2 cores; writes bench/results/host-ops-<date>.json
 
 A small model's GPU step is bound by the host, not the arithmetic: eager PyTorch issues every op from
 Python through autograd and the dispatcher before its kernel is launched, and the GPU waits. The dry-run
@@ -34,16 +34,16 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autofit.config import Optimizer  # noqa: E402
 from autofit.estimate.cost_model import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
 from autofit.estimate.simulation.step import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
+from bench import RESULTS  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 STEPS = 300
 
 

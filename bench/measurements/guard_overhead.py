@@ -1,7 +1,7 @@
 """What the OOM guard costs on a step that does not run out of memory, against the bare loop.
 
-    python bench/guard_overhead.py                  # CPU; writes bench/results/guard-overhead-cpu-<date>.json
-    python bench/guard_overhead.py --device cuda    # a GPU (device synchronised around every timed step)
+    python bench/measurements/guard_overhead.py                  # CPU; writes bench/results/guard-overhead-cpu-<date>.json
+    python bench/measurements/guard_overhead.py --device cuda    # a GPU (device synchronised around every timed step)
 
 Both loops do the same work per step: forward and backward over the same micro-batches with the same
 sample weights, then AdamW's step. They run side by side in one process on twin models (same initial
@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # `python bench/guard_overhead.py` from anywhere imports bench and autofit
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from autofit.guard.core import OomGuard  # noqa: E402
+from bench import RESULTS  # noqa: E402
 from bench.run import device_name, versions  # noqa: E402
 
 # (name, width, depth, sequence length, samples per step, micro-batch, pairs / --pairs): "tiny" is a
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=100, help="timed (bare, guarded) step pairs (scaled per scenario)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads on the CPU")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
