@@ -2,18 +2,22 @@
 allocated bytes, measured on an H100, does a replay of whole training steps at the model's full depth
 explain, against the estimator's replay of the same history at the one and two blocks it simulates?
 
-    python bench/measurements/allocator_steps.py        # ~1 min on 2 cores; writes bench/results/allocator-steps-<date>.json
+    python bench/measurements/allocator_steps.py   # ~1 min on 2 cores; bench/results/allocator-steps-<date>.json
 
 Training reserves after its history: the weights are placed first, each step's gradients stay until the
 optimizer step, AdamW's states are made at the first step and a foreach temporary per weight at every
 step, in the blocks the activations freed, so the next step's activations take new segments
 (`autofit.estimate.cuda.allocator.replay_training`). The estimator replays that history on its one- and
-two-block simulations (`autofit.estimate.simulation.step`) and carries the two-block figure to the whole depth;
-here each configuration is simulated at its full depth (CPU kernels standing in for CUDA), its events
-replayed the same way, and both compared with `max_memory_reserved - max_memory_allocated` as the H100
-measured it (bench/results/estimate-cuda-2026-11-27-parts.json). The first run of this experiment
-(2026-11-22, bench/results/allocator-steps-2026-11-22.json) replayed the 1.1B Llama's peaks whole.
-"""
+two-block simulations (`autofit.estimate.simulation.step`) and carries the two-block figure to the whole
+depth; here each configuration is simulated at its full depth (CPU kernels standing in for CUDA), its
+events replayed the same way, and both compared with `max_memory_reserved - max_memory_allocated` as the
+H100 measured it (bench/results/estimate-cuda-2026-11-27-parts.json).
+
+Backs: bench/README.md#allocator-steps and #allocator-history, cited by autofit/estimate/simulation/deepen.py
+(the reserve is not linear in depth, so the two blocks' events are repeated to the whole depth) and
+autofit/estimate/cuda/allocator.py (`replay_training`: the history, not one step, sets the reserve).
+Results: bench/results/allocator-steps-2026-11-27.json (this script); allocator-steps-2026-11-22.json, its
+first form, replayed the 1.1B Llama's whole peaks against estimate-cuda-2026-11-22.json."""
 
 from __future__ import annotations
 

@@ -9,18 +9,26 @@ not fall short of is this threshold: found here by bisection, each step one real
 own rule) in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD): in one process an OOM in
 the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
 
-    python bench/measurements/fit_threshold.py [--steps 5] [--only gpt2-124m] [--held-out]    # needs a GPU
-    python bench/measurements/fit_threshold.py --against bench/results/fit-threshold-cuda-h200-2026-11-27.json  # no GPU
+    python bench/measurements/fit_threshold.py [--steps 5] [--only gpt2-124m] [--held-out]   # needs a GPU
+    python bench/measurements/fit_threshold.py --against bench/results/fit-threshold-cuda-h200-2026-11-27.json
+        # no GPU: predict a recorded run's rows here
 
 The estimator predicts both figures: the roomy peak (`Estimate.peak_bytes`) and what a fit needs
 (`Estimate.need_bytes`: the caching allocator replayed under a shrinking limit, its cache released at the
-limit, `autofit.estimate.cuda.training_replay.least_reserve`). `--against` predicts a recorded run's rows on this
-machine (CPU kernels standing in for CUDA) and says where each prediction falls against the measured
-interval; it writes bench/results/fit-threshold-replay-<recorded>-<date>.json.
+limit, `autofit.estimate.cuda.training_replay.least_reserve`). `--against` predicts a recorded run's rows
+on this machine (CPU kernels standing in for CUDA) and says where each prediction falls against the
+measured interval.
 
-Writes bench/results/fit-threshold-cuda-<card>-<date>.json after every configuration (device, date and torch
-inside): roomy peak, its parts, the threshold interval, the prediction and both errors.
-"""
+Backs: bench/README.md#fit-threshold, cited by autofit/estimate/tolerance.py (the CUDA prediction
+tolerance), autofit/estimate/cuda/training_replay.py (`least_reserve`) and autofit/devices/memory.py
+(`CudaBudget.after_step`: the CUDA context grows through a fresh process's first steps); docs/dry-run.md's
+and README.md's thresholds.
+Results: bench/results/fit-threshold[-held-out]-cuda-<card>-<date>.json, written after every
+configuration (device, date and torch inside: roomy peak, its parts, the threshold interval, the
+prediction and both errors), and with --against fit-threshold-replay-<recorded>-<date>.json:
+fit-threshold-cuda-2026-11-27.json (H100, confounded: see its caveat),
+fit-threshold-cuda-h200-2026-11-27-share-on-entry.json, fit-threshold-cuda-h200-2026-11-27.json,
+fit-threshold-held-out-cuda-h200-2026-11-27.json and their fit-threshold-replay-*.json."""
 
 from __future__ import annotations
 

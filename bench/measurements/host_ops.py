@@ -1,6 +1,6 @@
 """Host work per op of an eager training step: the figures behind the dry-run's launch floor.
 
-    python bench/measurements/host_ops.py        # ~30 s on 2 cores; writes bench/results/host-ops-<date>.json
+    python bench/measurements/host_ops.py        # ~30 s on 2 cores
 
 A small model's GPU step is bound by the host, not the arithmetic: eager PyTorch issues every op from
 Python through autograd and the dispatcher before its kernel is launched, and the GPU waits. The dry-run
@@ -16,7 +16,10 @@ hand (no GPU needed):
 3. the ops of one optimizer step as CUDA runs it (`foreach=True`), AdamW and Adafactor, over the model at
    two depths: a fixed part and a part per trainable tensor, and a step over one tensor (the step in
    backward runs one per tensor) (`OPTIMIZER_OPS`).
-"""
+
+Backs: `SECONDS_PER_KERNEL`, `FSDP_OPS_PER_UNIT` and `OPTIMIZER_OPS` in autofit/estimate/cost_model.py,
+and docs/dry-run.md's per-op host time; the results file records the constants beside what was measured.
+Results: bench/results/host-ops-<date>.json: host-ops-2026-11-23.json."""
 
 from __future__ import annotations
 

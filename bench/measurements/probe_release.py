@@ -1,13 +1,16 @@
 """What returning a probe's memory costs: the garbage collection after each probe, looking only at what the
 probe made (autofit's, `autofit.probe.oom.collecting_new_objects`) against a full collection of the process.
 
-    python bench/measurements/probe_release.py        # writes bench/results/probe-release-<date>.json
+    python bench/measurements/probe_release.py
 
 A process that imported transformers and built one of its models (as a notebook has) runs probes of a
 small MLP on the CPU, taking turns: a probe as autofit runs it, then the same probe with every object of
 the process looked at (the freeze replaced by nothing), for fitting probes and for probes that run out of
 the CPU budget. The figures are medians of the wall time per probe, side by side in one run, and their ratio.
-"""
+
+Backs: autofit/probe/oom.py's `collecting_new_objects` (a small MLP's probe 0.03 s against 0.40 s) and
+README.md's probe release figures (0.002 s against 0.36 s for a probe that runs out of the budget).
+Results: bench/results/probe-release-<date>.json: probe-release-2026-11-28.json."""
 
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ comparison, and records the CUDA caching allocator's snapshot after each probe
 
     python bench/measurements/probe_residue.py          # needs a GPU
 
-Writes bench/results/probe-residue-<device>-<date>.json (device, date and torch inside).
-"""
+Backs: bench/README.md#probe-residue, cited by autofit/probe/run.py (`LEFT_BEHIND_SLACK` and the check of
+what a probe leaves: fitting probes leave nothing, so a leak is the OOM's) and tests/isolation.py.
+Results: bench/results/probe-residue-<device>-<date>.json (device, date and torch inside):
+probe-residue-cuda-h200-2026-11-27.json."""
 
 from __future__ import annotations
 

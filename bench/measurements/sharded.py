@@ -1,8 +1,9 @@
 """Sharded scenarios on CPU ranks over gloo: autofit against exhaustive search, and the estimator's error.
 
-    python bench/measurements/sharded.py                      # the suite (~25 min on 2 busy cores), bench/results/sharded-cpu-<date>.json
+    python bench/measurements/sharded.py                      # the suite (~25 min on 2 busy cores)
     python bench/measurements/sharded.py --only gpt2-1.3M@2x85%
-    python bench/measurements/sharded.py --reestimate bench/results/sharded-cpu-<date>.json   # the estimator's error again, same probes
+    python bench/measurements/sharded.py --reestimate bench/results/sharded-cpu-<date>.json
+        # the estimator's error again over the same probes (none run again)
 
 Each scenario is a GPT-2 whose exact fp32 training (`allow=0`) under plain data parallelism needs 16
 bytes per parameter on each rank (weights 4, gradients 4, AdamW 8), with a per-rank budget that is a
@@ -15,7 +16,10 @@ fraction of that, so only sharding (ZeRO or FSDP2, both searched) can fit. Repor
 - the estimator's error: predicted / measured per-rank peak - 1 for every candidate that ran its steps
   (fits, and OOMs inside the safety margin, whose peak is complete; an OOM stopped by the budget
   measured only a lower bound and is left out).
-"""
+
+Backs: `ENGINE_TOLERANCE` in autofit/estimate/tolerance.py (the estimator's per-rank error on CPU ranks
+with ZeRO and FSDP2, bench/README.md#engine-tolerance).
+Results: bench/results/sharded-cpu-<date>.json."""
 
 from __future__ import annotations
 
