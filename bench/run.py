@@ -4,6 +4,10 @@
     python bench/run.py --gpu           # GPU scenarios (~125M-3B models, budgets for 16-80 GB cards)
     python bench/run.py --only gpt2-tiny@60% --robustness-steps 20 --no-tools   # a quick look
     python bench/run.py --threads 1 --competing-load 1   # with another CPU-bound process running
+
+The suite's parts are in bench/suite/ (scenarios, the exhaustive oracle, the tools people use, the
+re-measurement, the dry-run error, the README's tables); bench/README.md#the-suite says how the figures
+are taken. Backs README.md's benchmark figures: bench/results/cpu-2026-11-22.json, cpu-2026-11-22-load1.json.
 """
 
 from __future__ import annotations
