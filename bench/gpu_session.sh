@@ -2,15 +2,16 @@
 # One lent-GPU session in one command (each start of the machine costs minutes), side by side: the
 # gpu-marked tests, the estimator against the CUDA allocator's measured peaks, the README's main job
 # against the card, the smallest budget GPT-2 small's worst configurations train under
-# (bench/fit_threshold.py) and what each in-process probe leaves on the card for the next
-# (bench/probe_residue.py). Run from the project's root on the GPU machine, with .whl/ carried along
-# (../shared/gpu/make-wheels.sh cloudpickle nvidia-ml-py pytest-xdist execnet py-cpuinfo msgpack einops):
+# (bench/measurements/fit_threshold.py) and what each in-process probe leaves on the card for the next
+# (bench/measurements/probe_residue.py). Run from the project's root on the GPU machine, with .whl/
+# carried along (../shared/gpu/make-wheels.sh cloudpickle nvidia-ml-py pytest-xdist execnet py-cpuinfo
+# msgpack einops):
 #
 #     bash bench/gpu_session.sh [SECONDS [PART...]]   # SECONDS: each part's wall-clock limit (default 330)
 #
 # PART: gpu-tests, estimate, quickstart, threshold, residue, held-out, held-out-threshold (default: all of
-# them, at once; the held-out parts measure the models no calibration used, bench/estimate_accuracy.py's
-# held_out_models).
+# them, at once; the held-out parts measure the models no calibration used,
+# bench/measurements/estimate_accuracy.py's held_out_models).
 #
 # Everything lands in $OUT (or /tmp/gpu-session): the results files written, machine.txt, and logs.tar.gz
 # (each part's log and the pytest junit file).
@@ -39,12 +40,12 @@ part() {  # part NAME COMMAND...: one part in the background, its log and exit s
 }
 part gpu-tests python3 -m pytest -o addopts='' -m gpu -q -n 3 --dist loadfile -rA --durations=15 \
   -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests
-part estimate python3 bench/estimate_accuracy.py --device cuda --large
+part estimate python3 bench/measurements/estimate_accuracy.py --device cuda --large
 part quickstart python3 examples/quickstart.py
-part threshold python3 bench/fit_threshold.py --only gpt2-124m --steps 5
-part residue python3 bench/probe_residue.py
-part held-out python3 bench/estimate_accuracy.py --device cuda --held-out
-part held-out-threshold python3 bench/fit_threshold.py --held-out --steps 5
+part threshold python3 bench/measurements/fit_threshold.py --only gpt2-124m --steps 5
+part residue python3 bench/measurements/probe_residue.py
+part held-out python3 bench/measurements/estimate_accuracy.py --device cuda --held-out
+part held-out-threshold python3 bench/measurements/fit_threshold.py --held-out --steps 5
 wait
 find bench/results -newer "$out/machine.txt" -name '*.json' -exec cp {} "$out/" \;
 nvidia-smi --query-gpu=memory.used --format=csv >> "$out/machine.txt" 2>&1

@@ -4,6 +4,10 @@
     python bench/run.py --gpu           # GPU scenarios (~125M-3B models, budgets for 16-80 GB cards)
     python bench/run.py --only gpt2-tiny@60% --robustness-steps 20 --no-tools   # a quick look
     python bench/run.py --threads 1 --competing-load 1   # with another CPU-bound process running
+
+The suite's parts are in bench/suite/ (scenarios, the exhaustive oracle, the tools people use, the
+re-measurement, the dry-run error, the README's tables); bench/README.md#the-suite says how the figures
+are taken. Backs README.md's benchmark figures: bench/results/cpu-2026-11-22.json, cpu-2026-11-22-load1.json.
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ sys.path.insert(0, str(HERE.parent))  # `python bench/run.py` from anywhere impo
 
 import torch  # noqa: E402
 
-from bench.load import CompetingLoad  # noqa: E402
-from bench.report import update_readme  # noqa: E402
+from bench.suite.load import CompetingLoad  # noqa: E402
+from bench.suite.report import update_readme  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
-from bench.scenarios import cpu_rungs, cpu_scenarios, gpu_scenarios  # noqa: E402
-from bench.suite import Options, log, run_scenario  # noqa: E402
+from bench.suite.scenarios import cpu_rungs, cpu_scenarios, gpu_scenarios  # noqa: E402
+from bench.suite.side_by_side import Options, log, run_scenario  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

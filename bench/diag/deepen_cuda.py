@@ -26,7 +26,7 @@ from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from bench.cli import no_options  # noqa: E402
-from bench.estimate_accuracy import GLOBAL_BATCH, held_out_models  # noqa: E402
+from bench.measurements.estimate_accuracy import GLOBAL_BATCH, held_out_models  # noqa: E402
 
 CASES = [("gpt2-355m", "fp32", "full", 4), ("gpt2-355m", "fp32", "none", 4), ("qwen2-0.5b", "bf16", "full", 1)]
 REAL = deepen_module.deepen

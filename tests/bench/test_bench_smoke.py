@@ -9,14 +9,14 @@ import torch
 from autofit.config import Config
 from autofit.probe.run import ProbeStatus
 from autofit.strategies import ActivationCheckpointing, MicroBatch, default_strategies
-from bench.measure import remeasure, robustness
-from bench.oracle import exhaustive
-from bench.report import END, START, update_readme
-from bench.scenarios import Scenario, TokenFeatures, baseline_config, budget_for, make_mlp, token_loss
+from bench.suite.measure import remeasure, robustness
+from bench.suite.oracle import exhaustive
+from bench.suite.report import END, START, update_readme
+from bench.suite.scenarios import Scenario, TokenFeatures, baseline_config, budget_for, make_mlp, token_loss
 from autofit.search.space import build_space
-from bench.load import CompetingLoad
-from bench.suite import Options, _policy_oracle, run_scenario
-from bench.tools import AllocatorWordedBudget, run_accelerate, run_lightning, run_trainer
+from bench.suite.load import CompetingLoad
+from bench.suite.side_by_side import Options, _policy_oracle, run_scenario
+from bench.suite.tools import AllocatorWordedBudget, run_accelerate, run_lightning, run_trainer
 
 TINY = Scenario("tiny-mlp@60%", "mlp", functools.partial(make_mlp, 16, 3), TokenFeatures(256, 16), 2, 0.6,
                 loss_fn=token_loss, intent="smoke test")

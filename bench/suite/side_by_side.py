@@ -12,11 +12,11 @@ import autofit
 from autofit.probe.outcome import Source
 from autofit.strategies import Strategy, default_strategies
 
-from bench.dryrun import peak_rows
-from bench.measure import remeasure, robustness
-from bench.oracle import exhaustive
-from bench.scenarios import Scenario, baseline_config, budget_for
-from bench.tools import run_tools
+from bench.suite.dryrun import peak_rows
+from bench.suite.measure import remeasure, robustness
+from bench.suite.oracle import exhaustive
+from bench.suite.scenarios import Scenario, baseline_config, budget_for
+from bench.suite.tools import run_tools
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,12 @@ test_activation_offload.py), with its checkpointed configuration once first in a
 comparison, and records the CUDA caching allocator's snapshot after each probe
 (`torch.cuda.memory._record_memory_history`, python stacks).
 
-    python bench/probe_residue.py          # needs a GPU
+    python bench/measurements/probe_residue.py          # needs a GPU
 
-Writes bench/results/probe-residue-<device>-<date>.json (device, date and torch inside).
-"""
+Backs: bench/README.md#probe-residue, cited by autofit/probe/run.py (`LEFT_BEHIND_SLACK` and the check of
+what a probe leaves: fitting probes leave nothing, so a leak is the OOM's) and tests/isolation.py.
+Results: bench/results/probe-residue-<device>-<date>.json (device, date and torch inside):
+probe-residue-cuda-h200-2026-11-27.json."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -35,7 +37,7 @@ from autofit.probe.run import run_probe  # noqa: E402
 from autofit.devices.device import describe  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
-from bench.report import results_path  # noqa: E402
+from bench.suite.report import results_path  # noqa: E402
 from models import long_gpt2  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 

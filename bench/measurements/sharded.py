@@ -1,8 +1,9 @@
 """Sharded scenarios on CPU ranks over gloo: autofit against exhaustive search, and the estimator's error.
 
-    python bench/sharded.py                      # the suite (~25 min on 2 busy cores), results/sharded-cpu-<date>.json
-    python bench/sharded.py --only gpt2-1.3M@2x85%
-    python bench/sharded.py --reestimate results/sharded-cpu-<date>.json   # the estimator's error again, same probes
+    python bench/measurements/sharded.py                      # the suite (~25 min on 2 busy cores)
+    python bench/measurements/sharded.py --only gpt2-1.3M@2x85%
+    python bench/measurements/sharded.py --reestimate bench/results/sharded-cpu-<date>.json
+        # the estimator's error again over the same probes (none run again)
 
 Each scenario is a GPT-2 whose exact fp32 training (`allow=0`) under plain data parallelism needs 16
 bytes per parameter on each rank (weights 4, gradients 4, AdamW 8), with a per-rank budget that is a
@@ -15,7 +16,10 @@ fraction of that, so only sharding (ZeRO or FSDP2, both searched) can fit. Repor
 - the estimator's error: predicted / measured per-rank peak - 1 for every candidate that ran its steps
   (fits, and OOMs inside the safety margin, whose peak is complete; an OOM stopped by the budget
   measured only a lower bound and is left out).
-"""
+
+Backs: `ENGINE_TOLERANCE` in autofit/estimate/tolerance.py (the estimator's per-rank error on CPU ranks
+with ZeRO and FSDP2, bench/README.md#engine-tolerance).
+Results: bench/results/sharded-cpu-<date>.json: sharded-cpu-2026-12-06.json."""
 
 from __future__ import annotations
 
@@ -30,8 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # `python bench/sharded.py` from anywhere imports bench and autofit
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 import autofit  # noqa: E402
 from autofit.estimate.estimator import Estimator  # noqa: E402
@@ -40,8 +43,9 @@ from autofit.probe.outcome import ProbeStatus  # noqa: E402
 from autofit.batches.synthetic_batches import TokenBatches  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
-from bench.oracle import exhaustive  # noqa: E402
-from bench.scenarios import make_gpt2  # noqa: E402
+from bench import RESULTS  # noqa: E402
+from bench.suite.oracle import exhaustive  # noqa: E402
+from bench.suite.scenarios import make_gpt2  # noqa: E402
 
 BYTES_PER_PARAM = 16  # exact fp32 data parallelism per rank: weights 4 + gradients 4 + AdamW 8
 
@@ -140,10 +144,10 @@ def _versions() -> dict[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the sharded scenarios; write results/sharded-cpu-<date>.json; print a summary line each."""
+    """Run the sharded scenarios; write bench/results/sharded-cpu-<date>.json; print a summary line each."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", default=[], help="run only the scenario of this name")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reestimate", type=Path, help="recompute the predictions of a results file, probing nothing")
     args = parser.parse_args(argv)
     if args.reestimate:
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
     started = datetime.datetime.now(datetime.timezone.utc)
     record: dict[str, Any] = dict(device=device_name(False), started=started.isoformat(timespec="seconds"),
-                                  command="python bench/sharded.py " + " ".join(argv or sys.argv[1:]),
+                                  command="python bench/measurements/sharded.py " + " ".join(argv or sys.argv[1:]),
                                   load_before=os.getloadavg(), versions=_versions(), scenarios=[])
     for scenario in chosen:
         out = run(scenario)

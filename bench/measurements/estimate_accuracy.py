@@ -1,20 +1,27 @@
 """Predicted vs measured peak memory: `autofit.estimate.estimator.predict_peak` against the probe's measured peak.
 
-    python bench/estimate_accuracy.py            # CPU: the CPU budget's measured peak (runs anywhere)
-    python bench/estimate_accuracy.py --device cuda   # a GPU: the CUDA allocator's peak
-    python bench/estimate_accuracy.py --device cuda --large   # and a 1.1B Llama and GPT-2 small at 1,024 tokens
-    python bench/estimate_accuracy.py --device cuda --held-out   # only models no calibration used
-    python bench/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
+    python bench/measurements/estimate_accuracy.py            # CPU: the CPU budget's measured peak (anywhere)
+    python bench/measurements/estimate_accuracy.py --device cuda          # a GPU: the CUDA allocator's peak
+    python bench/measurements/estimate_accuracy.py --device cuda --large  # and a 1.1B Llama and GPT-2 small
+    python bench/measurements/estimate_accuracy.py --device cuda --held-out   # only models no calibration used
+    python bench/measurements/estimate_accuracy.py --against bench/results/estimate-cuda-2026-11-22.json
         # no probe: predict here (CPU kernels standing in for CUDA, as a dry-run does) the peaks a GPU
         # run measured, beside what that run's own estimator said
 
 Grid: a few tiny models (Llama-style and GPT-2-style Hugging Face decoders, a plain PyTorch residual MLP)
-x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation). Each
-point is one real probe (`autofit.probe.run.run_probe`: warm-up and timed optimizer steps under the budget)
-and one prediction; the error is predicted / measured - 1. Writes bench/results/estimate-<device>-<date>.json
-(the device as `cpu` or `cuda-h200`) with the device and date inside, and prints the median and worst
-absolute error.
-"""
+x precision (fp32, bf16) x activation checkpointing (none, full) x micro-batch (with accumulation); the
+large ones at 1,024 tokens. Each point is one real probe (`autofit.probe.run.run_probe`: warm-up and
+timed optimizer steps under the budget) and one prediction; the error is predicted / measured - 1. On
+CUDA each peak is also recorded in its parts (allocated, reserved, outside the allocator).
+
+Backs: `PREDICTION_TOLERANCE` in autofit/estimate/tolerance.py (bench/README.md#tolerance), the CUDA
+context term (#cuda-context), the math-backend attention (#cuda-attention) and the allocator's history
+(#allocator-history); README.md's and docs/dry-run.md's accuracy figures.
+Results: bench/results/estimate-<device>-<date>.json (the device as `cpu` or `cuda-h200`; the first H100
+runs wrote estimate-cuda-<date>.json), estimate-held-out-cuda-<card>-<date>.json with --held-out, and
+with --against estimate-replay[-extrapolated]-<recorded>-<date>.json: estimate-cpu-2026-11-22.json,
+estimate-cuda-2026-11-22.json, estimate-cuda-2026-11-27.json (and -parts), estimate-cuda-h200-2026-11-27.json,
+estimate-held-out-cuda-h200-2026-11-27.json and their estimate-replay-*.json."""
 
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 from autofit.config import Config  # noqa: E402
 from autofit.devices.device import describe  # noqa: E402
@@ -38,9 +45,9 @@ from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
 from autofit.probe.run import run_probe  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
-from bench.report import results_path  # noqa: E402
+from bench import RESULTS  # noqa: E402
+from bench.suite.report import results_path  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GLOBAL_BATCH = 4
 
 

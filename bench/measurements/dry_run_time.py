@@ -7,8 +7,11 @@ Each run is a fresh process, timed from the outside (wall seconds, imports inclu
 own `seconds`; the two trees' reports must be the same but for their timings. Prints and writes the
 times and their ratios (this checkout / the other), with the machine, its load and the date.
 
-    python bench/dry_run_time.py --against 33751b3 --out bench/results/dry-run-time-2026-11-28.json
-"""
+    python bench/measurements/dry_run_time.py --against 33751b3 --out bench/results/dry-run-time-<date>.json
+
+Backs: README.md's dry-run timing (the README's GPT-2 `--json` dry-run, a first run and a second reading
+back the kept allocator replays, against the tree before they were kept).
+Results: bench/results/dry-run-time-2026-11-28.json (against 33751b3)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout this script is in
 COMMAND = ["dry-run", "--model", "my-model/config.json", "--seq-len", "512", "--global-batch-size", "32",
            "--gpu", "rtx-4090", "--json"]
 

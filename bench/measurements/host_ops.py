@@ -1,6 +1,6 @@
 """Host work per op of an eager training step: the figures behind the dry-run's launch floor.
 
-    python bench/host_ops.py        # ~30 s on 2 cores; writes results/host-ops-<date>.json
+    python bench/measurements/host_ops.py        # ~30 s on 2 cores
 
 A small model's GPU step is bound by the host, not the arithmetic: eager PyTorch issues every op from
 Python through autograd and the dispatcher before its kernel is launched, and the GPU waits. The dry-run
@@ -16,7 +16,10 @@ hand (no GPU needed):
 3. the ops of one optimizer step as CUDA runs it (`foreach=True`), AdamW and Adafactor, over the model at
    two depths: a fixed part and a part per trainable tensor, and a step over one tensor (the step in
    backward runs one per tensor) (`OPTIMIZER_OPS`).
-"""
+
+Backs: `SECONDS_PER_KERNEL`, `FSDP_OPS_PER_UNIT` and `OPTIMIZER_OPS` in autofit/estimate/cost_model.py,
+and docs/dry-run.md's per-op host time; the results file records the constants beside what was measured.
+Results: bench/results/host-ops-<date>.json: host-ops-2026-11-23.json."""
 
 from __future__ import annotations
 
@@ -34,16 +37,16 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autofit.config import Optimizer  # noqa: E402
 from autofit.estimate.cost_model import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
 from autofit.estimate.simulation.step import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
+from bench import RESULTS  # noqa: E402
 from bench.cli import no_options  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 STEPS = 300
 
 

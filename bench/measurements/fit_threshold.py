@@ -9,18 +9,26 @@ not fall short of is this threshold: found here by bisection, each step one real
 own rule) in a fresh child process (`autofit.probe.launch.probe_placed`, CHILD): in one process an OOM in
 the backward can leave tensors allocated for every later probe (pytorch/pytorch#82218).
 
-    python bench/fit_threshold.py [--steps 5] [--only gpt2-124m] [--held-out]    # needs a GPU
-    python bench/fit_threshold.py --against bench/results/fit-threshold-cuda-h200-2026-11-27.json  # no GPU
+    python bench/measurements/fit_threshold.py [--steps 5] [--only gpt2-124m] [--held-out]   # needs a GPU
+    python bench/measurements/fit_threshold.py --against bench/results/fit-threshold-cuda-h200-2026-11-27.json
+        # no GPU: predict a recorded run's rows here
 
 The estimator predicts both figures: the roomy peak (`Estimate.peak_bytes`) and what a fit needs
 (`Estimate.need_bytes`: the caching allocator replayed under a shrinking limit, its cache released at the
-limit, `autofit.estimate.cuda.training_replay.least_reserve`). `--against` predicts a recorded run's rows on this
-machine (CPU kernels standing in for CUDA) and says where each prediction falls against the measured
-interval; it writes bench/results/fit-threshold-replay-<recorded>-<date>.json.
+limit, `autofit.estimate.cuda.training_replay.least_reserve`). `--against` predicts a recorded run's rows
+on this machine (CPU kernels standing in for CUDA) and says where each prediction falls against the
+measured interval.
 
-Writes bench/results/fit-threshold-cuda-<card>-<date>.json after every configuration (device, date and torch
-inside): roomy peak, its parts, the threshold interval, the prediction and both errors.
-"""
+Backs: bench/README.md#fit-threshold, cited by autofit/estimate/tolerance.py (the CUDA prediction
+tolerance), autofit/estimate/cuda/training_replay.py (`least_reserve`) and autofit/devices/memory.py
+(`CudaBudget.after_step`: the CUDA context grows through a fresh process's first steps); docs/dry-run.md's
+and README.md's thresholds.
+Results: bench/results/fit-threshold[-held-out]-cuda-<card>-<date>.json, written after every
+configuration (device, date and torch inside: roomy peak, its parts, the threshold interval, the
+prediction and both errors), and with --against fit-threshold-replay-<recorded>-<date>.json:
+fit-threshold-cuda-2026-11-27.json (H100, confounded: see its caveat),
+fit-threshold-cuda-h200-2026-11-27-share-on-entry.json, fit-threshold-cuda-h200-2026-11-27.json,
+fit-threshold-held-out-cuda-h200-2026-11-27.json and their fit-threshold-replay-*.json."""
 
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: bench and autofit import
 
 from autofit.config import Config  # noqa: E402
 from autofit.estimate.estimator import Estimator, predict_peak  # noqa: E402
@@ -44,14 +52,14 @@ from autofit.devices.device import describe  # noqa: E402
 from autofit.job.train_spec import make_spec  # noqa: E402
 from autofit.strategies import default_strategies  # noqa: E402
 from autofit.strategies.base import Placement  # noqa: E402
-from bench.estimate_accuracy import GLOBAL_BATCH, measured_parts, model_named  # noqa: E402
-from bench.report import results_path  # noqa: E402
+from bench.measurements.estimate_accuracy import GLOBAL_BATCH, measured_parts, model_named  # noqa: E402
+from bench.suite.report import results_path  # noqa: E402
 
 MIB = 2**20
-# the estimate run's largest under-predictions of the roomy peak (results/estimate-cuda-2026-11-27.json)
+# the estimate run's largest under-predictions of the roomy peak (bench/results/estimate-cuda-2026-11-27.json)
 CASES = [("gpt2-124m", "bf16", "full", 4), ("gpt2-124m", "fp32", "full", 1), ("gpt2-124m", "bf16", "none", 4),
          ("llama-1.1b", "fp32", "full", 4), ("llama-1.1b", "bf16", "none", 1)]
-# models no calibration used (bench.estimate_accuracy.held_out_models), bisected with --held-out
+# models no calibration used (bench.measurements.estimate_accuracy.held_out_models), bisected with --held-out
 HELD_OUT_CASES = [("gpt2-355m", "fp32", "full", 1), ("gpt2-355m", "bf16", "none", 4),
                   ("qwen2-0.5b", "bf16", "full", 4), ("qwen2-0.5b", "fp32", "none", 1)]
 
