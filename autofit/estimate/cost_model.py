@@ -22,7 +22,7 @@ On one GPU's figures:
   (recomputation and activation-offload copies included), a sharding engine's per-parameter or per-unit
   work (`engine_host_ops`) and the optimizer step's ops (`optimizer_host_ops`). Eager PyTorch spends
   ~5-25 us of host work per op before its kernel runs (Python, autograd, the dispatcher,
-  `cudaLaunchKernel`); `python bench/host_ops.py` measures it on the host at hand, and counts the ops
+  `cudaLaunchKernel`); `python bench/measurements/host_ops.py` measures it on the host at hand, and counts the ops
   FSDP2 and the optimizers add.
 """
 
@@ -42,12 +42,12 @@ MFU = 0.5  # achievable share of peak tensor-core TFLOP/s in training
 HALF_SATURATION_TOKENS = 512  # tokens per micro-batch at which a GPU reaches half its utilisation
 NF4_SLOWDOWN, INT8_SLOWDOWN = 1.25, 2.0
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank
-SECONDS_PER_KERNEL = 10e-6  # host time to issue one op of an eager training step (bench/host_ops.py)
+SECONDS_PER_KERNEL = 10e-6  # host time to issue one op of an eager training step (bench/measurements/host_ops.py)
 # Ops FSDP2 dispatches per unit and micro-step on one rank beside the model's: copies in and out of the
-# gathered and reduced buffers, `chunk_cat`, and its `record_function` markers (bench/host_ops.py, torch 2.13)
+# gathered and reduced buffers, `chunk_cat`, and its `record_function` markers (bench/measurements/host_ops.py, torch 2.13)
 FSDP_OPS_PER_UNIT = {Sharding.FSDP_FULL: 26, Sharding.FSDP_GRAD_OP: 22}
 # Ops of one optimizer step on the weights' device as CUDA's default runs it (foreach): (fixed, per
-# trainable tensor, a one-tensor step), counted on the CPU with foreach=True (bench/host_ops.py, torch
+# trainable tensor, a one-tensor step), counted on the CPU with foreach=True (bench/measurements/host_ops.py, torch
 # 2.13). bitsandbytes' 8-bit step loops over the parameters in Python: one fused update and a
 # `torch.cuda.synchronize()` each (bitsandbytes/optim/optimizer.py `Optimizer8bit.step`, @ 51294d90).
 OPTIMIZER_OPS = {Optimizer.ADAMW: (8, 0, 8), Optimizer.USER: (8, 0, 8), Optimizer.ADAFACTOR: (23, 4, 20),

@@ -11,7 +11,7 @@ Each engine's memory is split by when it is live, because the peak is the larges
 - epilogue: between the last backward and the step, with the step's gradients (ZeRO-1/2's partition
   buffers while the gradients are copied into the step's partition).
 
-Sources (DeepSpeed 0.19.8, torch 2.13), checked against probes on CPU ranks (bench/engine_memory.py,
+Sources (DeepSpeed 0.19.8, torch 2.13), checked against probes on CPU ranks (bench/measurements/engine_memory.py,
 bench/results/engine-memory-cpu-*.json):
 - ZeRO-1/2 (`runtime/zero/stage_1_and_2.py`): the parameters are flattened into one buffer (h P, the
   model's parameters become views of it); the fp32 master partition is a clone even in fp32 (4 P/N, l.570);

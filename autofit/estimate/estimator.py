@@ -61,7 +61,7 @@ GATHERED_TERM = "zero3_gathered"
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
 # The CUDA context of a training process: the driver context plus every kernel module the step loads
 # lazily (cuBLAS, attention, the optimizer's foreach kernels). Measured in a probe on one H100, torch
-# 2.11 + CUDA 13 (bench/README.md#cuda-context): 790-796 MiB beyond the allocator on tiny
+# 2.11 + CUDA 13 (bench/README.md#cuda-context): 742-768 MiB outside the allocator on tiny
 # models. A bare context before any kernel loads is smaller: 287 MB (CUDA 11.7, pytorch/pytorch#86509),
 # 426 MiB (torch 2.10 + CUDA 13, RTX 6000 Ada, unslothai/unsloth-zoo#1053); the larger figure is kept, an
 # over-count being a margin and an under-count a promised fit that runs out of memory.

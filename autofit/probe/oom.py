@@ -124,7 +124,7 @@ def collecting_new_objects() -> Iterator[None]:
     """Within it, the garbage collector looks only at the objects made since it began: those alive before
     (the libraries', a notebook's) are frozen (`gc.freeze`, undone on leaving), so the full collection
     that returns a probe's memory (`release_memory`) costs what the probe made, not what the process
-    holds (bench/probe_release.py: a small MLP's probe 0.03 s against 0.40 s in a process that built a
+    holds (bench/measurements/probe_release.py: a small MLP's probe 0.03 s against 0.40 s in a process that built a
     transformers model; more in a long-lived one). A cycle the probe made is new whatever it references,
     so it is collected as before. Left as it is where the caller froze objects of its own (`gc.unfreeze`
     would thaw theirs too)."""

@@ -87,8 +87,8 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
 # -- memory a probe leaves behind ----------------------------------------------------------------------
 # An OOM in the backward on CUDA can leave the step's intermediate tensors allocated after every
 # reference is dropped and cycles are collected (pytorch/pytorch#82218, open). Seen on an H100 with torch
-# 2.11 (bench/README.md#probe-residue): after one, every later in-process probe ran out of
-# memory in its forward with ~180 MiB more allocated than the same configuration needs alone (what stayed
+# 2.11 (bench/README.md#probe-residue): after one, four of the next five in-process probes ran
+# out of memory in their forward with ~180 MiB more allocated than the same configuration needs alone (what stayed
 # was not measured directly then: this check is what measures it). Such a process no longer measures what
 # a fresh one would, so the probes after it run in child processes (`autofit.probe.launch.probe_placed`).
 LEFT_BEHIND_SLACK = 8 * 2**20  # below this, bookkeeping noise (a library's small global buffers)

@@ -6,7 +6,7 @@ do. CUDA falls back to the math backend where neither fused kernel takes the inp
 backend materialises the scores: it keeps the softmax of every head's (query x key) matrix for backward,
 [batch, heads, seq, seq] per layer, and copies of the grouped keys and values. Measured on one H100
 (torch 2.11, bench/README.md#cuda-attention): a 1.1B Llama with grouped-query attention at
-1,024 tokens in fp32 peaks at 46.1 GB; the CUDA simulation predicted 44.1 GB, CPU kernels 30.5 GB.
+1,024 tokens in fp32 peaks at 46.1 GB; the CUDA simulation predicted 44.1 GB.
 
 The rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, `can_use_flash_attention`,
 `can_use_mem_efficient_attention`, `select_sdp_backend`: flash first, then memory-efficient, then math):

@@ -41,8 +41,8 @@ def least_reserve(calls: Calls, roomy: CachingAllocator) -> int:
     roomy reserve the allocator releases its cached segments and retries (`CachingAllocator`): on an H200
     (bench/README.md#fit-threshold), GPT-2 small's full-checkpointing step in
     fp32 at micro-batch 1 trained with its segments capped between 3,125 and 3,188 MiB (the process's
-    budget less the 760 MiB outside the allocator), under the 3,314 it reserved on the roomy card; this
-    replay, 3,093 (3,260 roomy); in bf16 at micro-batch 4 between 5,389 and 5,518, the replay 5,451."""
+    budget less the 760 MiB outside the allocator), under the 3,314 it reserved on the roomy card; in bf16
+    at micro-batch 4 between 5,389 and 5,518."""
     low, high = roomy.peak_allocated, roomy.peak_reserved
     step = max(ROUND_LARGE, int(LEAST_RESERVE_PRECISION * high))
     paused = calls.until(low) if high - low > step else None
