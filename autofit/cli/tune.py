@@ -32,7 +32,8 @@ from autofit.models.names import factory_loss_fn, resolve_loss_fn, resolve_model
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.strategies import EngineChoice
-from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, failure, skip_counts
+from autofit.search.options import SearchOptions
+from autofit.search.walk import Heartbeat, SkipTally, failure, skip_counts
 from autofit.units import format_size, parse_length
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ EXIT_FITS, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130  # 130: the shell's c
 PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
 LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second one
 NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
+DEFAULTS = SearchOptions()  # the defaults --max-probes, --warmup-steps, ... show
 
 
 class RichProgress:
@@ -337,10 +339,10 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
               help="Sharding engine over several ranks: auto searches ZeRO (DeepSpeed) and FSDP2; or pin one.")
 @click.option("--nvme-path", default=None,
               help="Folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); kept in the plan and its launchers.")
-@click.option("--max-probes", type=int, default=DEFAULT_MAX_PROBES, show_default=True)
-@click.option("--warmup-steps", type=int, default=2, show_default=True)
-@click.option("--timed-steps", type=int, default=3, show_default=True)
-@click.option("--exact-margin", type=float, default=0.10, show_default=True,
+@click.option("--max-probes", type=int, default=DEFAULTS.max_probes, show_default=True)
+@click.option("--warmup-steps", type=int, default=DEFAULTS.warmup_steps, show_default=True)
+@click.option("--timed-steps", type=int, default=DEFAULTS.timed_steps, show_default=True)
+@click.option("--exact-margin", type=float, default=DEFAULTS.exact_margin, show_default=True,
               help="How much faster a numerics change (bf16, 8-bit states, Adafactor) must be than an exact fit.")
 @click.option("--out", default=None, help="Run directory (default runs/<model>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
@@ -361,8 +363,8 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
         progress = RichProgress(console, out_dir / PROBES_LOG)
         console.print(f"Tuning {description}; run directory {out_dir}")
         try:
-            options = autofit.SearchOptions(max_probes=max_probes, warmup_steps=warmup_steps,
-                                            timed_steps=timed_steps, exact_margin=exact_margin)
+            options = SearchOptions(max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
+                                    exact_margin=exact_margin)
             plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
                                    memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
                                    optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,

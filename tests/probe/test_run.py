@@ -119,3 +119,5 @@ def test_an_error_records_its_type_and_the_site_it_was_raised_at():
     assert result.error_site is not None and result.error_site.startswith("test_run.py:")
     assert result.error_site.endswith("in forward") and f"(at {result.error_site})" in result.reason
     assert result.phase == "forward"
+    child = launch(spec, Config(micro_batch_size=2), default_strategies(), Placement.CHILD, timeout=120)
+    assert (child.error_type, child.error_site, child.phase) == ("KeyError", result.error_site, "forward")
