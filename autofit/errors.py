@@ -2,7 +2,7 @@
 
 import dataclasses
 import difflib
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 _NAME_ONLY = object()  # `Param` without a value
 
@@ -29,6 +29,14 @@ class Param:
         return f"{flag} {self.value!r}" if isinstance(self.value, str) else f"{flag} {self.value}"
 
 
+class Worded(Protocol):
+    """A value a message names that is said differently in Python and on the command line (a `Param`; why
+    nothing fits, `autofit.search.shortfall.Shortfall`)."""
+
+    def words(self, cli: bool = False) -> str:
+        """Python's words, or the command line's with `cli`."""
+
+
 class AutofitError(Exception):
     """Base class of every error autofit raises on purpose."""
 
@@ -37,13 +45,13 @@ class UsageError(AutofitError, ValueError):
     """Bad input from the user (a value, a file, a model that cannot be trained as given).
 
     The CLI maps it to exit code 2. A message that names autofit's parameters keeps them as fields: each
-    is a `{placeholder}` of `message` given as a `Param`, so `str(error)` says them in Python's words and
-    `error.words(cli=True)` in the command line's (`UsageError("{given} is not known", given=Param("optimizer",
-    "adam9"))`). A placeholder given a string takes it as it is (a value the user typed, braces and all);
-    literal braces in `message` itself are doubled, as `str.format` reads them.
+    is a `{placeholder}` of `message` given as a `Param` (or another `Worded` value), so `str(error)` says them
+    in Python's words and `error.words(cli=True)` in the command line's (`UsageError("{given} is not known",
+    given=Param("optimizer", "adam9"))`). A placeholder given a string takes it as it is (a value the user
+    typed, braces and all); literal braces in `message` itself are doubled, as `str.format` reads them.
     """
 
-    def __init__(self, message: str, **params: Param | str):
+    def __init__(self, message: str, **params: Worded | str):
         self.template = message
         self.params = params
         super().__init__(self.words())
@@ -52,7 +60,7 @@ class UsageError(AutofitError, ValueError):
         """The message, each parameter said in Python's words or, with `cli`, the command line's."""
         if not self.params:
             return self.template
-        return self.template.format(**{key: param.words(cli) if isinstance(param, Param) else param
+        return self.template.format(**{key: param if isinstance(param, str) else param.words(cli)
                                         for key, param in self.params.items()})
 
 

@@ -98,7 +98,8 @@ class ProbeResult:
     fragmentation: float | None = None  # CUDA: inactive split bytes / reserved bytes after the timed steps
     left_behind: int | None = None  # CUDA: bytes still allocated in this process once the probe released all it held
     # An error's identity across configurations (ERROR only): the exception's type name, and where it was
-    # raised in code that is neither torch's nor autofit's ("model.py:12 in forward"; None: no such frame)
+    # raised in code that is neither torch's nor autofit's ("model.py:12 in forward"; None: no such frame).
+    # Both None where no exception was caught (a timeout, a probe process that died): its reason is its identity.
     error_type: str | None = None
     error_site: str | None = None
 
