@@ -86,6 +86,7 @@ def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     data = json.loads(captured.out)
     assert data["chosen"] is None and "the smallest needs" in data["reason"]
     assert "exceeds the limit: use a GPU with more memory" in data["reason"]  # 8 MiB: the CUDA context alone
+    assert data["shortfall"]["remedy"] == "larger-gpu" and "cuda_context" in data["shortfall"]["overhead_terms"]
     assert "Nothing fits." in captured.err
 
 
