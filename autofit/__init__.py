@@ -19,6 +19,7 @@ from autofit.plan import Plan
 from autofit.prepare import Prepared, prepare
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.pipelines.tune import autofit
+from autofit.search.options import SearchOptions
 from autofit.job.target import Target
 from autofit.job.train_spec import TrainSpec, make_spec
 from autofit.units import format_size, parse_size
@@ -27,5 +28,5 @@ from autofit.version import __version__
 
 __all__ = ["ActivationOffload", "Attention", "AutofitError", "Checkpointing", "Config", "DryRunReport", "Engine", "GuardGaveUp",
            "Loss", "MissingExtraError", "Offload", "OomGuard", "Optimizer", "OptimizerStep", "Plan", "Precision", "Prepared", "ProbeResult", "ProbeStatus",
-           "Quantization", "Sharding", "Skip", "Source", "Target", "TrainSpec", "UsageError", "__version__",
+           "Quantization", "SearchOptions", "Sharding", "Skip", "Source", "Target", "TrainSpec", "UsageError", "__version__",
            "autofit", "dry_run", "format_size", "make_spec", "parse_size", "prepare"]

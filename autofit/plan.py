@@ -2,8 +2,8 @@
 
 This module owns the plan: the choice among the fits (`autofit.search.decision.choose`), composing why it won
 (`chosen_reason`: the confirmed ratio and its spread, the margin a numerics change cleared, a swapped
-optimizer said plainly) or why nothing fits (from recorded results and predictions only: no probe runs
-while a message is composed), and the value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
+optimizer said plainly) or finding why nothing fits (`nothing_fits`: a `Shortfall`, from recorded results and
+predictions only: no probe runs while it is found), and the value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
 autofit 0.1 too).
 """
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config, Optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
-from autofit.search.decision import Comparison, Confirmation, Finalist, Ratio, choose
+from autofit.search.decision import Comparison, Confirmation, Finalist, MarginKind, Ratio, choose
+from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.units import format_size
 from autofit.version import __version__
 
@@ -47,6 +48,9 @@ class Plan:
     # What reproducing the chosen knobs takes beyond their values, by knob (`Strategy.settings`: LoRA's
     # target modules, alpha and dropout), for the exports and `autofit.prepare`.
     settings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Why nothing fits, as fields (`reason` is its Python words; the CLI says it in its own): None when a
+    # configuration fits, and in plans written before plans kept it
+    shortfall: Shortfall | None = None
 
     @property
     def probes_run(self) -> int:
@@ -70,6 +74,7 @@ class Plan:
         data["config"] = self.config.to_dict() if self.config else None
         data["probes"] = [p.to_dict() for p in self.probes]
         data["confirmation"] = self.confirmation.to_dict() if self.confirmation else None
+        data["shortfall"] = self.shortfall.to_dict() if self.shortfall else None
         data["format_version"] = FORMAT_VERSION
         return data
 
@@ -81,6 +86,7 @@ class Plan:
         fields["probes"] = tuple(ProbeResult.from_dict(p) for p in fields["probes"])
         confirmed = fields.get("confirmation")
         fields["confirmation"] = Confirmation.from_dict(confirmed) if confirmed else None
+        fields["shortfall"] = Shortfall.from_dict(fields["shortfall"]) if fields.get("shortfall") else None
         return cls(**fields)
 
     def save(self, path: str | Path) -> Path:
@@ -180,7 +186,7 @@ def _worth_saying(confirmation: Confirmation) -> list[Comparison]:
     said, kept = [], set()
     for comparison in confirmation.comparisons:
         if comparison.won:
-            worth = comparison.kind != "noise" or comparison.holder in kept
+            worth = comparison.kind is not MarginKind.NOISE or comparison.holder in kept
         else:
             worth = comparison.ratio.median > 1 and comparison.challenger != confirmation.chosen
             if worth:
@@ -190,9 +196,9 @@ def _worth_saying(confirmation: Confirmation) -> list[Comparison]:
     return said
 
 
-_MARGIN_WORDS = {"exactness": "a numerics change must clear (exact_margin)",
-                 "near-limit": "a fit whose allocator retried must clear",
-                 "noise": "of noise (or faster in too few rounds) any further change must clear"}
+_MARGIN_WORDS = {MarginKind.EXACTNESS: "a numerics change must clear (exact_margin)",
+                 MarginKind.NEAR_LIMIT: "a fit whose allocator retried must clear",
+                 MarginKind.NOISE: "of noise (or faster in too few rounds) any further change must clear"}
 
 
 def _comparison_words(comparison: Comparison, confirmation: Confirmation) -> str:
@@ -223,7 +229,7 @@ def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequen
                     "around: check it with one step of your own loop")
     elif not exact:
         evidence = "no exact configuration fits"
-    elif any(c.won and c.kind == "exactness" for c in confirmation.comparisons):
+    elif any(c.won and c.kind is MarginKind.EXACTNESS for c in confirmation.comparisons):
         evidence = f"it cleared the {confirmation.exact_margin:.0%} margin over an exact configuration (above)"
     else:  # the exact finalists could not be re-measured beside it
         fastest = max(exact, key=lambda r: r.samples_per_s)
@@ -263,33 +269,37 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
                     space.spec.model.noting_weights(chosen_reason(best, results, confirmation, space),
                                                     best.config.precision), **common,
                     settings={field: value for field, value in settings.items() if value})
-    return Plan(False, None, None, None, None, nothing_fits_reason(space, results, predict), **common)
+    shortfall = nothing_fits(space, results, predict)
+    return Plan(False, None, None, None, None, shortfall.words(), **common, shortfall=shortfall)
 
 
-def nothing_fits_reason(space: "Space", results: Sequence[ProbeResult],
-                        predict: Callable[[Config], int | None] | None = None) -> str:
-    """"No candidate fits X; the smallest needs Y (config). Allow ... to go further." """
+def nothing_fits(space: "Space", results: Sequence[ProbeResult],
+                 predict: Callable[[Config], int | None] | None = None) -> Shortfall:
+    """Why nothing fits: the limit, the candidate closest to fitting and what it needs, and what to allow
+    next (or more memory); its words read "No candidate fits X; the smallest needs Y (config). Pass ... to
+    go further." """
     spec = space.spec
-    head = (f"No candidate fits {format_size(spec.fit_limit)} ({format_size(spec.memory_budget)} budget less "
-            f"the {spec.safety_margin:.0%} margin)")
+    head = dict(limit=spec.fit_limit, capacity=spec.memory_budget, margin=spec.safety_margin)
     errors = [r for r in results if r.status is ProbeStatus.ERROR]
     ooms = [r for r in results if r.status is ProbeStatus.OOM or r.skip is Skip.PREDICTED]
     if not ooms:
-        return f"{head}: every probe failed with an error, the first: {errors[0].reason}" if errors else head
+        return Shortfall(**head, first_error=errors[0].reason if errors else None)
     # the OOM that saves at least as much memory as the most others: the closest to fitting
     smallest = max(ooms, key=lambda r: sum(space.saves_at_least(r.config, o.config) for o in ooms))
-    hint = space.next_tier_hint()
-    further = f"Pass {hint} to go further." if hint else \
-        "Raise the budget, use more GPUs (num_gpus) or offload to go further."
-    return f"{head}; the smallest needs {_need(smallest, predict)} ({smallest.config.describe()}). {further}"
+    need, basis = _need(smallest, predict)
+    tier = space.next_tier()
+    if tier is None:
+        return Shortfall(**head, smallest=smallest.config, need=need, basis=basis, remedy=Remedy.MORE_MEMORY)
+    return Shortfall(**head, smallest=smallest.config, need=need, basis=basis, remedy=Remedy.ALLOW, tier=tier[0],
+                     micro_batches=tier[1])
 
 
-def _need(result: ProbeResult, predict: Callable[[Config], int | None] | None) -> str:
-    """What `result`'s config needs: the estimator's prediction where there is one (said so), else the
-    bytes it held when it ran out (a lower bound)."""
+def _need(result: ProbeResult, predict: Callable[[Config], int | None] | None) -> tuple[int | None, Basis]:
+    """What `result`'s config needs (bytes) and how that is known: the estimator's prediction where there is
+    one, else the bytes it held when it ran out (a lower bound), else only that it is more than the budget."""
     predicted = predict(result.config) if predict is not None else None
     if predicted:
-        return f"{format_size(predicted)} by the estimator's prediction"
+        return predicted, Basis.PREDICTED
     if result.peak_bytes:
-        return f"more than {format_size(result.peak_bytes)}"
-    return "more than the budget"
+        return result.peak_bytes, Basis.HELD
+    return None, Basis.OVER_BUDGET

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, as_options, env_columns,
+from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, env_columns, nothing_fits_words,
                               parse_allow_option, positive_option)
 from autofit.errors import UsageError
 from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
@@ -78,7 +78,7 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
         if wide or host:
             cells.append(format_size(candidate.estimate.cpu_bytes) if candidate.estimate.cpu_bytes else "-")
         if reasons:
-            cells.append(escape(short_reason(candidate.reason, candidate.estimate.method)))
+            cells.append(escape(short_reason(candidate)))
         table.add_row(*cells, style="bold" if candidate is report.chosen else None)
     return table
 
@@ -115,10 +115,10 @@ def breakdown_table(candidate: Candidate) -> Table:
     return table
 
 
-def short_reason(reason: str, method: str) -> str:
-    """The reason without the activation method (the same for most rows; printed once under the table),
-    which may hold "; " itself."""
-    return "; ".join(part for part in reason.replace(method, "").split("; ") if part.strip())
+def short_reason(candidate: Candidate) -> str:
+    """A row's reason without the activation method (the same for most rows; printed once under the table):
+    the verdict and speed, then the estimate's notes."""
+    return "; ".join((candidate.verdict, *candidate.estimate.notes))
 
 
 def method_note(report: DryRunReport) -> str:
@@ -156,7 +156,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     elif report.unknown:
         console.print(f"[bold yellow]No verdict.[/] {escape(report.reason)}")
     else:
-        console.print(f"[bold red]Nothing fits.[/] {escape(as_options(report.reason))}")
+        console.print(f"[bold red]Nothing fits.[/] {escape(nothing_fits_words(report.reason, report.shortfall))}")
     console.print(f"[dim]Predicted in {report.seconds:.1f} s ({escape(method_note(report))}); nothing was trained: "
                   "autofit tune measures.[/]")
 

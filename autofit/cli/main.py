@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except (click.UsageError, UsageError) as exc:
-        error, code = exc.format_message() if isinstance(exc, click.UsageError) else as_options(str(exc)), EXIT_USAGE
+        error, code = exc.format_message() if isinstance(exc, click.UsageError) else exc.words(cli=True), EXIT_USAGE
     except click.Abort:
         error, code = "aborted", EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - the last line of defence: say what broke, exit 1
@@ -64,7 +64,7 @@ def sizes_joined(args: list[str]) -> list[str]:
     return joined
 
 
-from autofit.cli.tune import as_options, tune  # noqa: E402
+from autofit.cli.tune import tune  # noqa: E402
 cli.add_command(tune)
 from autofit.cli.export import export_command  # noqa: E402
 cli.add_command(export_command)

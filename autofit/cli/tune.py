@@ -31,16 +31,20 @@ from autofit.export import export_all
 from autofit.models.names import factory_loss_fn, resolve_loss_fn, resolve_model, resolve_optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
-from autofit.search.walk import DEFAULT_MAX_PROBES, Heartbeat, SkipTally, failure, skip_counts
+from autofit.strategies import EngineChoice
+from autofit.search.options import SearchOptions
+from autofit.search.walk import Heartbeat, SkipTally, failure, skip_counts
 from autofit.units import format_size, parse_length
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
+    from autofit.search.shortfall import Shortfall
 
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130  # 130: the shell's code for Ctrl-C (128 + SIGINT)
 PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
 LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second one
 NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
+DEFAULTS = SearchOptions()  # the defaults --max-probes, --warmup-steps, ... show
 
 
 class RichProgress:
@@ -100,16 +104,10 @@ class RichProgress:
             log.write(json.dumps({"time": stamp, **record}) + "\n")
 
 
-OPTION_NAMES = ("seq_len", "global_batch_size", "memory_budget", "gpu_memory", "gpu", "num_gpus", "allow",
-                "optimizer", "max_probes", "warmup_steps", "timed_steps", "exact_margin", "nvme_path")
-
-
-def as_options(text: str) -> str:
-    """A library message in the command line's words: `allow={'numerics'}` is `--allow numerics` there,
-    `seq_len=512` is `--seq-len 512`."""
-    text = re.sub(r"allow=\{'(\w+)'\}", r"--allow \1", text)
-    names = "|".join(OPTION_NAMES)
-    return re.sub(rf"(?<![\w.-])({names})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", text)
+def nothing_fits_words(reason: str, shortfall: "Shortfall | None") -> str:
+    """Why nothing fits, in the command line's words (`--allow numerics`) where the plan or report keeps it as
+    fields; else (a plan written before plans kept them, or no verdict) its reason as it is."""
+    return shortfall.words(cli=True) if shortfall is not None else reason
 
 
 def env_columns() -> int | None:
@@ -308,7 +306,7 @@ def error_lines(plan: "Plan") -> list[str]:
     struck: dict[str, list[int]] = {}
     for index, probe in enumerate(plan.probes, 1):
         if probe.status is ProbeStatus.ERROR:
-            struck.setdefault(failure(probe.reason), []).append(index)
+            struck.setdefault(failure(probe), []).append(index)
     return [f"in probe{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}: {plan.probes[rows[0] - 1].reason}"
             for rows in struck.values()]
 
@@ -337,14 +335,14 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
 @click.option("--optimizer", default="adamw", show_default=True, help=OPTIMIZER_HELP)
-@click.option("--engine", type=click.Choice(["auto", "deepspeed", "fsdp"]), default="auto", show_default=True,
+@click.option("--engine", type=click.Choice([e.value for e in EngineChoice]), default="auto", show_default=True,
               help="Sharding engine over several ranks: auto searches ZeRO (DeepSpeed) and FSDP2; or pin one.")
 @click.option("--nvme-path", default=None,
               help="Folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); kept in the plan and its launchers.")
-@click.option("--max-probes", type=int, default=DEFAULT_MAX_PROBES, show_default=True)
-@click.option("--warmup-steps", type=int, default=2, show_default=True)
-@click.option("--timed-steps", type=int, default=3, show_default=True)
-@click.option("--exact-margin", type=float, default=0.10, show_default=True,
+@click.option("--max-probes", type=int, default=DEFAULTS.max_probes, show_default=True)
+@click.option("--warmup-steps", type=int, default=DEFAULTS.warmup_steps, show_default=True)
+@click.option("--timed-steps", type=int, default=DEFAULTS.timed_steps, show_default=True)
+@click.option("--exact-margin", type=float, default=DEFAULTS.exact_margin, show_default=True,
               help="How much faster a numerics change (bf16, 8-bit states, Adafactor) must be than an exact fit.")
 @click.option("--out", default=None, help="Run directory (default runs/<model>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
@@ -365,12 +363,13 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
         progress = RichProgress(console, out_dir / PROBES_LOG)
         console.print(f"Tuning {description}; run directory {out_dir}")
         try:
+            options = SearchOptions(max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
+                                    exact_margin=exact_margin)
             plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
                                    memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
                                    optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,
-                                   storage=f"sqlite:///{out_dir / TRIALS}", max_probes=max_probes,
-                                   warmup_steps=warmup_steps, timed_steps=timed_steps, progress=progress,
-                                   engine=engine, nvme_path=nvme_path, exact_margin=exact_margin)
+                                   storage=f"sqlite:///{out_dir / TRIALS}", progress=progress, engine=engine,
+                                   nvme_path=nvme_path, options=options)
         except KeyboardInterrupt:
             click.echo(f"\nInterrupted. {progress.finished_count} finished probe(s) are recorded in "
                        f"{out_dir / TRIALS} (and {PROBES_LOG}); the one running was dropped. Resume, re-probing "
@@ -384,7 +383,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
         if plan.fits:
             console.print(f"[bold green]Chosen:[/] {escape(plan.summary())}")
         else:
-            console.print(f"[bold red]Nothing fits.[/] {escape(as_options(plan.reason))}")
+            console.print(f"[bold red]Nothing fits.[/] {escape(nothing_fits_words(plan.reason, plan.shortfall))}")
         console.print(f"Run directory {out_dir}: {PLAN}, {TRIALS}, {PROBES_LOG}, {REPORT}"
                       + (f", launchers in {LAUNCHERS}/" if plan.fits else ""))
         if as_json:

@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import torch
 
-from autofit.errors import UsageError
+from autofit.errors import Param, UsageError
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -81,6 +81,7 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise UsageError(f"nvme_path={str(path)!r} is not a writable folder ({exc.strerror or exc}); give a "
-                         "folder on a fast local disk that this user can write, e.g. /local_nvme/autofit.") from exc
+        raise UsageError("{given} is not a writable folder ({why}); give a folder on a fast local disk that this "
+                         "user can write, e.g. /local_nvme/autofit.", given=Param("nvme_path", str(path)),
+                         why=str(exc.strerror or exc)) from exc
     return folder.resolve()

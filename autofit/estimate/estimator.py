@@ -432,8 +432,8 @@ class Estimator:
         simulated = self.simulated(config)
         bound = 0.0 if simulated else self._peak_bound(breakdown.activations, peak)
         slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
-        return Estimate(breakdown, int(peak), states.cpu + act.offloaded, "; ".join(notes), tuple(terms),
-                        method=notes[0], simulated=simulated, error_bound=bound,
+        return Estimate(breakdown, int(peak), states.cpu + act.offloaded, notes[0], tuple(notes[1:]), tuple(terms),
+                        simulated=simulated, error_bound=bound,
                         offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
 
     def _with_cast(self, config: Config, peak: int, notes: list[str]) -> int:

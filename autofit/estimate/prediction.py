@@ -17,9 +17,9 @@ class Estimate:
     breakdown: Breakdown
     peak_bytes: int  # the parts are not all live at the peak moment: peak <= breakdown.total
     cpu_bytes: int  # host RAM for offloaded states (all ranks on one node) and offloaded activations; 0 without
-    reason: str  # one line: how activations were obtained and which parts are formulas only
+    method: str  # how the activations were obtained (one phrase: simulated under fake tensors, or by formula)
+    notes: tuple[str, ...] = ()  # one phrase each: what else shaped the peak (formula-only parts, offload, ...)
     terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
-    method: str = ""  # how the activations were obtained (one phrase, the first part of `reason`)
     simulated: bool = True  # False: the step could not be simulated and activations come from a formula
     # relative error the peak may carry upwards: the formula's measured bound (0 when simulated); None where
     # the formula does not cover the model (`formula_covers`): the peak has no bound
@@ -29,6 +29,11 @@ class Estimate:
     # CUDA: bytes of the peak that the caching allocator holds in cached segments on a roomy card and
     # releases under a tighter limit before it would fail (`training_replay.least_reserve`)
     release_slack: int = 0
+
+    @property
+    def reason(self) -> str:
+        """One line for people: how the activations were obtained, then the notes."""
+        return "; ".join((self.method, *self.notes))
 
     @property
     def need_bytes(self) -> int:
@@ -49,6 +54,6 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {"peak_bytes": self.peak_bytes, "need_bytes": self.need_bytes, "cpu_bytes": self.cpu_bytes,
-                "reason": self.reason,
+                "reason": self.reason, "method": self.method, "notes": list(self.notes),
                 "breakdown": self.breakdown.to_dict(), "overhead_terms": dict(self.terms),
                 "activations": "simulated" if self.simulated else "formula", "error_bound": self.error_bound}

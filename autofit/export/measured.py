@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 def require_fit(plan: "Plan") -> None:
     """Raise `UsageError` when `plan` has no fitting configuration, saying why and what to do."""
     if not plan.fits or plan.config is None:
-        raise UsageError(f"This plan does not fit, so there is nothing to export: {plan.reason} "
-                         "Re-run autofit tune with what the message allows, then export the new plan.")
+        raise UsageError("This plan does not fit, so there is nothing to export: {why} Re-run autofit tune with "
+                         "what the message allows, then export the new plan.", why=plan.shortfall or plan.reason)
 
 
 def measured(plan: "Plan") -> dict[str, Any]:

@@ -2,6 +2,6 @@
 goes on, losing no samples (`core`); integrations for accelerate and the Hugging Face Trainer.
 """
 
-from autofit.guard.core import GuardGaveUp, OomGuard, Recovery, StepReport
+from autofit.guard.core import GuardGaveUp, OomGuard, Recovery, RecoveryAction, StepReport
 
-__all__ = ["GuardGaveUp", "OomGuard", "Recovery", "StepReport"]
+__all__ = ["GuardGaveUp", "OomGuard", "Recovery", "RecoveryAction", "StepReport"]

@@ -35,7 +35,7 @@ from autofit.batches.batch import call_model, default_loss, leading_dim
 from autofit.batches.sample_axis import check_first_batch
 from autofit.batches.shares import share, target_counts, weighted_sum
 from autofit.models.info import batch_normalises, least_micro_batch
-from autofit.config import Checkpointing, Config, Optimizer
+from autofit.config import Checkpointing, Config, Knob, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
 from autofit.prepare import OPTIMIZER_CLASSES
@@ -43,6 +43,7 @@ from autofit.batches.batch import slice_rows
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows
 from autofit.guard.sync import Round, sync_for, unwrap
 from autofit.probe.oom import classify_oom, first_line, release_memory
+from autofit.probe.outcome import OomKind
 from autofit.strategies.run import checked_max_grad_norm, clip_gradients
 from autofit.plan import Plan
 from autofit.strategies import checkpointing
@@ -70,16 +71,27 @@ class OtherRankFailed(AutofitError):
     """Another rank failed with an error that is not an OOM; this rank stops instead of waiting."""
 
 
+class RecoveryAction(Knob):
+    """What the guard changed."""
+
+    MICRO_BATCH = "micro-batch"  # halved the micro-batch, doubling accumulation (the global batch kept)
+    CHECKPOINTING = "checkpointing"  # switched on full activation checkpointing at micro-batch 1
+    GROW_BACK = "grow-back"  # went back to the previous configuration after clean steps
+
+
 @dataclasses.dataclass(frozen=True)
 class Recovery:
     """One change of configuration made by the guard."""
 
     step: int  # the guard's step counter (0-based) when it happened
-    action: str  # "micro-batch", "checkpointing" or "grow-back"
+    action: RecoveryAction
     old: Config
     new: Config
     reason: str  # one line: what ran out of memory, where, and what changed
     peak_before: int | None  # peak bytes the device had held before the change (None: unknown)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", RecoveryAction.parse(self.action, "action"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +112,7 @@ class _Attempt:
     size: int = 0
     loss: torch.Tensor | None = None  # its share of the step's loss, when its gradients are in
     oom: str | None = None  # OOM kind and message
-    kind: str | None = None  # OOM kind alone (`autofit.probe.oom.classify_oom`), named in the recovery's reason
+    kind: OomKind | None = None  # OOM kind alone (`autofit.probe.oom.classify_oom`), named in the recovery's reason
     where: str = ""  # "forward" / "backward" (or "forward/backward" for an integration's own step)
     touched: list[nn.Parameter] = dataclasses.field(default_factory=list)  # gradients the failed backward added to
     error: BaseException | None = None  # a non-OOM error, re-raised unchanged
@@ -212,7 +224,7 @@ class OomGuard:
             elif not agreed.busy:
                 break
         recoveries = tuple(self.recoveries[first_recovery:])
-        self._clean_units = self._clean_units + 1 if all(r.action == "grow-back" for r in recoveries) else 0
+        self._clean_units = self._clean_units + 1 if all(r.action is RecoveryAction.GROW_BACK for r in recoveries) else 0
         self.samples_seen += total
         accumulation = math.ceil(total / self.config.micro_batch_size) * self.accumulation_multiplier
         if accumulation != self.config.grad_accum_steps:
@@ -282,10 +294,10 @@ class OomGuard:
             new_mb = old.micro_batch_size // 2
             while new_mb >= agreed.smallest_failure and new_mb > floor:
                 new_mb //= 2
-            new, action = old.replace(micro_batch_size=max(new_mb, floor)), "micro-batch"
+            new, action = old.replace(micro_batch_size=max(new_mb, floor)), RecoveryAction.MICRO_BATCH
         elif self.escalate and old.checkpointing is not Checkpointing.FULL:
             checkpointing.enable(unwrap(self.model), 1)
-            new, action = old.replace(checkpointing=Checkpointing.FULL, checkpoint_every=1), "checkpointing"
+            new, action = old.replace(checkpointing=Checkpointing.FULL, checkpoint_every=1), RecoveryAction.CHECKPOINTING
         else:
             raise GuardGaveUp(self._gave_up_message(attempt, total, peak))
         new = new.replace(grad_accum_steps=math.ceil(total / new.micro_batch_size) * self.accumulation_multiplier)
@@ -347,11 +359,11 @@ class OomGuard:
             if new.checkpointing is not Checkpointing.NONE:
                 checkpointing.enable(unwrap(self.model), new.checkpoint_every)
         reason = f"step {self.steps}: {self._clean_units} clean steps; growing back {old.describe()} -> {new.describe()}"
-        self._change("grow-back", old, new, reason, peak_bytes(self._device()))
+        self._change(RecoveryAction.GROW_BACK, old, new, reason, peak_bytes(self._device()))
         self._clean_units = 0
         self._grow_wait *= 2  # a grow-back that fails again is retried less often
 
-    def _change(self, action: str, old: Config, new: Config, reason: str, peak: int | None) -> None:
+    def _change(self, action: RecoveryAction, old: Config, new: Config, reason: str, peak: int | None) -> None:
         self.config = new
         self._tried.append(new.describe())
         self.recoveries.append(Recovery(self.steps, action, old, new, reason, peak))

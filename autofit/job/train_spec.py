@@ -19,7 +19,7 @@ from autofit.models import presets
 from autofit.batches.synthetic import synthesize_batch
 from autofit.batches.coupling import sample_coupling
 from autofit.devices.device import check_nvme_path, device_memory, memory_report, resolve_device
-from autofit.errors import UsageError, did_you_mean
+from autofit.errors import Param, UsageError, did_you_mean
 from autofit.models.info import ModelInfo, build_on_meta, inspect_model
 from autofit.job.optimizer_costs import OptimizerCosts, measure, stand_ins
 from autofit.batches.sample_axis import check_sample_axis
@@ -319,9 +319,10 @@ def _check_given_length(seq_len: int, sample: Any, description: str) -> None:
     if tokens == seq_len:
         return
     has = f"{tokens} tokens per sample" if tokens is not None else "no sequence axis autofit can read"
-    raise UsageError(f"seq_len={seq_len} sets the length of the batch autofit synthesizes for a Hugging Face "
-                     f"model, but a batch is given ({description}: {has}) and is probed as it is. Make the "
-                     "batch at the longest length the job will see, or leave seq_len out.")
+    raise UsageError("{given} sets the length of the batch autofit synthesizes for a Hugging Face model, but a batch "
+                     "is given ({description}: {has}) and is probed as it is. Make the batch at the longest length "
+                     "the job will see, or leave {name} out.", given=Param("seq_len", seq_len), name=Param("seq_len"),
+                     description=description, has=has)
 
 
 def _checked_sample(batch_factory: Callable[[int], Any]) -> Any:
@@ -357,8 +358,9 @@ def parse_allow(allow: Any) -> int:
     if isinstance(allow, int) and not isinstance(allow, bool):
         if 0 <= allow <= 2:
             return allow
-        raise UsageError(f"allow={allow}: the tiers are 0 (exact), 1 (numerics changes) and 2 (LoRA, quantization); "
-                         "give one of them, or names such as allow={'lora'}.")
+        raise UsageError("{given}: the tiers are 0 (exact), 1 (numerics changes) and 2 (LoRA, quantization); give "
+                         "one of them, or names such as {example}.", given=Param("allow", allow),
+                         example=Param("allow", {"lora"}))
     names = [part for part in allow.split(",") if part.strip()] if isinstance(allow, str) else allow
     try:
         names = [name.strip().lower() if isinstance(name, str) else name for name in names]  # "LoRA" too
@@ -366,21 +368,22 @@ def parse_allow(allow: Any) -> int:
     except TypeError:
         unknown = [allow]
     if unknown:
-        which = f": {unknown[0]!r} is not a name it takes{_allow_hint(unknown[0])}" \
-            if isinstance(unknown[0], str) else " is not understood"
-        raise UsageError(f"allow={allow!r}{which}; give a tier 0-2 or names from "
-                         f"{sorted(ALLOW_NAMES)} (e.g. allow={{'lora'}} to train LoRA adapters).")
+        which = ": {name} is not a name it takes" + _allow_hint(unknown[0]) if isinstance(unknown[0], str) else \
+            " is not understood"
+        raise UsageError("{given}" + which + "; give a tier 0-2 or names from {names} (e.g. {example} to train LoRA "
+                         "adapters).", given=Param("allow", allow), name=repr(unknown[0]),
+                         names=str(sorted(ALLOW_NAMES)), example=Param("allow", {"lora"}), every=Param("allow", 2))
     return max([ALLOW_NAMES[name] for name in names], default=0)
 
 
 def _allow_hint(name: str) -> str:
     """What an `allow` name that is not one meant: a precision or optimizer is a numerics change (tier 1, open by
-    default), "all" is tier 2; else the name it is close to."""
+    default), "all" is tier 2 (`{every}`, a `UsageError` placeholder); else the name it is close to."""
     if name in NUMERICS_WORDS:
         return (f" ({name} is a numerics change, which 'numerics', tier 1, opens: the default already; the "
                 "search picks the precision and optimizer)")
     if name in ("all", "everything", "any"):
-        return " (allow=2 opens every tier)"
+        return " ({every} opens every tier)"
     return did_you_mean(name, ALLOW_NAMES)
 
 
@@ -392,10 +395,10 @@ def parse_optimizer(optimizer: Any) -> OptimizerSpec:
         name = optimizer.lower()
         known = {o.value for o in Optimizer} - {"user"}
         if name not in known | ADAM_NAMES:
-            raise UsageError(f"optimizer={optimizer!r} is not known{did_you_mean(name, known | ADAM_NAMES)}; "
-                             f"use one of {sorted(known | ADAM_NAMES)}, "
-                             "an optimizer instance (e.g. torch.optim.SGD(model.parameters(), lr=0.1)), or a "
-                             "factory params -> optimizer (on the command line, --optimizer FILE.py:fn).")
+            raise UsageError("{given} is not known{close}; use one of {names}, an optimizer instance (e.g. "
+                             "torch.optim.SGD(model.parameters(), lr=0.1)), or a factory params -> optimizer (on the "
+                             "command line, --optimizer FILE.py:fn).", given=Param("optimizer", optimizer),
+                             close=did_you_mean(name, known | ADAM_NAMES), names=str(sorted(known | ADAM_NAMES)))
         # Adam is AdamW without weight decay (the decay is the only difference between the two updates)
         kwargs = {"weight_decay": 0.0} if name == "adam" else {}
         return OptimizerSpec("adamw" if name in ADAM_NAMES else name, kwargs, explore=name in ADAM_NAMES)
@@ -472,8 +475,8 @@ def _check_positive(name: str, value: Any, minimum: int = 1) -> int:
 def _check_global_batch(global_batch_size: Any, num_gpus: int) -> None:
     _check_positive("global_batch_size", global_batch_size)
     if global_batch_size % num_gpus:
-        raise UsageError(f"global_batch_size {global_batch_size} cannot be split over num_gpus={num_gpus} ranks; "
-                         f"use a multiple of {num_gpus}.")
+        raise UsageError("global_batch_size {size} cannot be split over {ranks} ranks; use a multiple of {count}.",
+                         size=str(global_batch_size), ranks=Param("num_gpus", num_gpus), count=str(num_gpus))
 
 
 def _check_fraction(name: str, value: float) -> None:

@@ -19,15 +19,16 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
-from autofit.errors import UsageError
+from autofit.errors import Param, UsageError
 from autofit.estimate.cost_model import SECONDS_PER_KERNEL, host_seconds, step_seconds
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.prediction import Estimate
 from autofit.devices.gpus import GpuProfile, get_gpu, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
-from autofit.search.decision import DEFAULT_EXACT_MARGIN, change_order, margin_between
-from autofit.search.space import TIER_NAMES, Space, build_space
+from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, change_order, margin_between
+from autofit.search.shortfall import Basis, Remedy, Shortfall
+from autofit.search.space import Space, build_space
 from autofit.job.target import Target
 from autofit.units import format_size, parse_size
 
@@ -45,11 +46,16 @@ class Candidate:
     config: Config
     estimate: Estimate
     fits: bool
-    reason: str  # one line: the fit (or the shortfall) in bytes, the speed, and how the peak was predicted
+    verdict: str  # one phrase: the fit (or the shortfall) in bytes, and the speed
     tier: int  # exactness tier (0 same math, 1 numerics, 2 trains adapters)
     step_seconds: float  # predicted seconds per optimizer step
     samples_per_s: float  # predicted global samples per second
     limit: int = 0  # the bytes per GPU it was planned under (0: none)
+
+    @property
+    def reason(self) -> str:
+        """One line: the verdict and speed, then how the peak was predicted (`Estimate.reason`)."""
+        return f"{self.verdict}; {self.estimate.reason}"
 
     @property
     def peak_bytes(self) -> int:
@@ -89,6 +95,7 @@ class DryRunReport:
     reason: str
     seconds: float  # wall time the planning took
     batch: str = ""  # the batch each candidate was predicted for (a synthesized one's shape: its length)
+    shortfall: Shortfall | None = None  # why nothing fits, as fields (`reason` is its Python words)
 
     @property
     def fits(self) -> bool:
@@ -125,6 +132,7 @@ class DryRunReport:
                 "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
                 "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
                 "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
+                "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
@@ -187,13 +195,15 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = _decided(space, fitting) if fitting else None
-    reason = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator),
-                                       chosen.config.precision) if chosen else \
-        _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
+    if chosen:
+        reason, shortfall = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator),
+                                                      chosen.config.precision), None
+    else:
+        reason, shortfall = _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
-                        time.perf_counter() - started, spec.batch_description)
+                        time.perf_counter() - started, spec.batch_description, shortfall)
 
 
 def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
@@ -221,8 +231,9 @@ def _gpus(gpu: str | GpuProfile, num_gpus: int | None) -> tuple[GpuProfile, int]
         return gpu, 1 if num_gpus is None else num_gpus
     count, name = split_count(gpu)
     if count is not None and num_gpus is not None and count != num_gpus:
-        raise UsageError(f"gpu={gpu!r} says {count} GPUs but num_gpus={num_gpus}: give the count once "
-                         f"(--gpu {name} --num-gpus N, or --gpu {count}x{name}).")
+        raise UsageError("{given} says {count} GPUs but {ranks}: give the count once ({once}, or {joined}).",
+                         given=Param("gpu", gpu), count=str(count), ranks=Param("num_gpus", num_gpus),
+                         once=f"--gpu {name} --num-gpus N", joined=f"--gpu {count}x{name}")
     return get_gpu(name), next(n for n in (count, num_gpus, 1) if n is not None)
 
 
@@ -312,8 +323,8 @@ class _Planner:
         head = _verdict(estimate, fits, self.spec.fit_limit)
         host = host_seconds(config, self.estimator.facts, estimate.kernels)
         bound = f"; bound by the host issuing {round(host / SECONDS_PER_KERNEL):,} ops a step" if host >= seconds else ""
-        return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound}); "
-                         f"{estimate.reason}", self.space.tier(config), seconds, samples, self.spec.fit_limit)
+        return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound})",
+                         self.space.tier(config), seconds, samples, self.spec.fit_limit)
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
@@ -348,12 +359,13 @@ def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
     return holder
 
 
-def _margin(safer: Candidate, riskier: Candidate) -> tuple[float, str]:
+def _margin(safer: Candidate, riskier: Candidate) -> tuple[float, MarginKind]:
     return margin_between((safer.tier, False), (riskier.tier, False), DEFAULT_EXACT_MARGIN)
 
 
-_MARGIN_WORDS = {"exactness": "a numerics change must clear", "near-limit": "a fit nearer the limit must clear",
-                 "noise": "any other change must clear"}
+_MARGIN_WORDS = {MarginKind.EXACTNESS: "a numerics change must clear",
+                 MarginKind.NEAR_LIMIT: "a fit nearer the limit must clear",
+                 MarginKind.NOISE: "any other change must clear"}
 
 
 def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
@@ -398,29 +410,30 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
 
 
-def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate], beyond: list[Candidate]) -> str:
-    """"No candidate fits ...; the smallest needs ... Allow ... / use more GPUs to go further." """
-    head = (f"No candidate fits {format_size(spec.fit_limit)} per GPU ({gpu.name}, {format_size(gpu.memory_bytes)} "
-            f"less the {spec.safety_margin:.0%} margin)")
+def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate],
+                  beyond: list[Candidate]) -> tuple[str, Shortfall | None]:
+    """Why nothing fits (a `Shortfall`, and its Python words): "No candidate fits ...; the smallest needs ...
+    Pass allow=... / use more GPUs ... to go further."; or, where the closest candidate's peak has no bound,
+    that no verdict can be reached (no shortfall)."""
     unbounded = [c for c in rest if c.estimate.upper_bytes is None]
     if unbounded:
         floor = min(unbounded, key=lambda c: c.estimate.need_bytes - c.estimate.breakdown.activations)
         return (f"Cannot predict whether {spec.model.name} fits: its training step could not be simulated "
                 f"({floor.estimate.method}). Without activations, the least any candidate holds is "
                 f"{format_size(floor.estimate.need_bytes - floor.estimate.breakdown.activations)} "
-                f"({floor.config.describe()}); run autofit tune on the GPU to measure it.")
+                f"({floor.config.describe()}); run autofit tune on the GPU to measure it."), None
     smallest = min(rest, key=lambda c: c.estimate.need_bytes) if rest else None
+    found = dict(limit=spec.fit_limit, capacity=gpu.memory_bytes, margin=spec.safety_margin, gpu=gpu.name)
     if smallest is not None:
-        head += f"; the smallest needs {format_size(smallest.estimate.need_bytes)} ({smallest.config.describe()})"
+        found.update(smallest=smallest.config, need=smallest.estimate.need_bytes, basis=Basis.PREDICTED)
     opened = sorted((c for c in beyond if c.fits), key=lambda c: (c.tier, c.peak_bytes))
-    if opened:
-        best = opened[0]
-        return (f"{head}. Pass {TIER_NAMES[best.tier]} to go further: {best.config.describe()} is predicted "
-                f"to fit at {format_size(best.peak_bytes)}.")
     overhead = smallest.estimate.breakdown.overhead if smallest is not None else 0
-    if overhead >= spec.fit_limit:  # the CUDA context and workspaces: no sharding or smaller model helps
-        return (f"{head}. Its overhead alone ({format_size(overhead)}: "
-                f"{', '.join(term for term, _ in smallest.estimate.terms)}) exceeds the limit: use a GPU with "
-                "more memory.")
-    more = "more GPUs (--num-gpus) with ZeRO-3, " if spec.num_gpus < 8 else ""
-    return f"{head}. Use {more}a larger GPU, a shorter sequence or a smaller model to go further."
+    if opened:
+        shortfall = Shortfall(**found, remedy=Remedy.ALLOW, tier=opened[0].tier, opened=opened[0].config,
+                              opened_peak=opened[0].peak_bytes)
+    elif overhead >= spec.fit_limit:  # the CUDA context and workspaces: no sharding or smaller model helps
+        shortfall = Shortfall(**found, remedy=Remedy.LARGER_GPU, overhead=overhead,
+                              overhead_terms=tuple(term for term, _ in smallest.estimate.terms))
+    else:
+        shortfall = Shortfall(**found, remedy=Remedy.MORE_MEMORY, more_gpus=spec.num_gpus < 8)
+    return shortfall.words(), shortfall

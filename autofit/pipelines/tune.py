@@ -13,16 +13,17 @@ from autofit.estimate.estimator import predictor_for
 from autofit.estimate.tolerance import tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.errors import UsageError
-from autofit.probe.launch import DEFAULT_TIMEOUT, check_host_budget, check_ranks, probe_placed
+from autofit.probe.launch import check_host_budget, check_ranks, probe_placed
 from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.probe.payload import check_serialisable
 from autofit.search import confirm as confirmation, decision
 from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
-from autofit.search.walk import DEFAULT_MAX_PROBES, Progress, Search, make_progress
+from autofit.search.options import SearchOptions
+from autofit.search.walk import Progress, Search, make_progress
 from autofit.devices.device import device_memory
-from autofit.job.train_spec import DEFAULT_SAFETY_MARGIN, LossFn, TrainSpec, make_spec
-from autofit.strategies import ENGINES, Placement, Strategy, default_strategies, resolve_strategies
+from autofit.job.train_spec import LossFn, TrainSpec, make_spec
+from autofit.strategies import EngineChoice, Placement, Strategy, default_strategies, resolve_strategies
 from autofit.strategies.sharding import ShardingEngine
 
 LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
@@ -43,12 +44,12 @@ def _keeps_rng(function: Callable[..., Plan]) -> Callable[..., Plan]:
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
             memory_budget: int | str | None = None, num_gpus: int = 1, allow: Any = None,
             optimizer: Any = "adamw", loss_fn: LossFn | None = None, seq_len: int | None = None,
-            safety_margin: float = DEFAULT_SAFETY_MARGIN, storage: Any = None,
-            max_probes: int = DEFAULT_MAX_PROBES, warmup_steps: int = 2, timed_steps: int = 3,
-            max_micro_batch: int = 1024, probe_timeout: float = DEFAULT_TIMEOUT,
-            strategies: Sequence[Strategy] | None = None, progress: Progress | bool | None = None,
-            predict: bool = True, engine: str = "auto", nvme_path: Any = None,
-            exact_margin: float = decision.DEFAULT_EXACT_MARGIN) -> Plan:
+            storage: Any = None, strategies: Sequence[Strategy] | None = None,
+            progress: Progress | bool | None = None, engine: EngineChoice | str = EngineChoice.AUTO,
+            nvme_path: Any = None, options: SearchOptions | None = None, safety_margin: float | None = None,
+            max_probes: int | None = None, warmup_steps: int | None = None, timed_steps: int | None = None,
+            max_micro_batch: int | None = None, probe_timeout: float | None = None, predict: bool | None = None,
+            exact_margin: float | None = None) -> Plan:
     """Find the fastest training configuration that fits, by probing real training steps.
 
     Args:
@@ -70,40 +71,37 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
             (kept), an optimizer instance (its class and hyperparameters are reused), or a factory.
         loss_fn: `loss_fn(output, batch) -> scalar`; default `output.loss` or a scalar output.
         seq_len: sequence length of a synthesized batch.
-        safety_margin: fraction of the budget a fit must leave free (default 10%).
         storage: optuna storage (URL or object) to record trials in; a search resumed with the same
             spec and storage re-probes nothing. Default: in memory.
-        max_probes: at most this many probes are run.
-        warmup_steps, timed_steps: optimizer steps per probe, untimed then timed.
-        max_micro_batch: largest micro-batch tried when `global_batch_size` is None.
-        probe_timeout: seconds a probe in a child process may take.
         strategies: the techniques to search (default: all single-device rungs).
         progress: True prints a line on stderr as each probe starts and lands; or an object receiving
             `starting(config, why)` and `finished(result)` events (the CLI's table). Default: silent.
-        predict: use the dry-run estimator to start each level at the largest micro-batch predicted to
-            fit and to skip configs predicted over the budget by more than its measured error.
         engine: the sharding engines searched over several ranks: "auto" (ZeRO where DeepSpeed is
             installed, and FSDP2; the faster measured one wins), "deepspeed" or "fsdp" to pin one.
         nvme_path: a folder on a fast local disk for NVMe offload (DeepSpeed ZeRO-3); checked writable
             now, kept in the plan (`plan.spec["nvme_path"]`) and written by the exports.
-        exact_margin: how much faster (0.10 = 10%) a numerics change (bf16/fp16, 8-bit optimizer states,
-            Adafactor in place of your AdamW) must be than the best exact fit, re-measured back to back,
-            to be chosen over it; a numerics change is chosen regardless when nothing exact fits.
+        options: the search's own knobs as one value (`SearchOptions`: probe counts, steps per probe, the
+            probe timeout, the safety and exactness margins, whether the estimator prunes); default
+            `SearchOptions()`.
+        safety_margin, max_probes, warmup_steps, timed_steps, max_micro_batch, probe_timeout, predict,
+            exact_margin: shortcuts for the `SearchOptions` fields of those names (see it for each one's
+            meaning and units); given beside `options`, they replace its fields. None: the options' value.
 
     Returns:
         A `Plan`: `fits`, `config`, `throughput` (samples/s, as confirmed), `tokens_per_second`,
         `peak_memory` (bytes), `reason`, every probe, and the `confirmation` (finalists re-measured back to
         back, see `autofit.search.confirm`).
     """
-    margin = decision.check_margin(exact_margin)
-    if isinstance(max_probes, bool) or not isinstance(max_probes, int) or max_probes < 1:
-        raise UsageError(f"max_probes must be an integer >= 1 (probes the search may run), but got {max_probes!r}.")
+    opts = _options(options, safety_margin=safety_margin, max_probes=max_probes, warmup_steps=warmup_steps,
+                    timed_steps=timed_steps, max_micro_batch=max_micro_batch, probe_timeout=probe_timeout,
+                    predict=predict, exact_margin=exact_margin)
     listener = make_progress(progress)
     chosen = engine_strategies(strategies, engine, nvme_path)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
                      memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
-                     loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin,
-                     warmup_steps=warmup_steps, timed_steps=timed_steps, max_micro_batch=max_micro_batch,
+                     loss_fn=loss_fn, seq_len=seq_len, safety_margin=opts.safety_margin,
+                     warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
+                     max_micro_batch=opts.max_micro_batch,
                      nvme_path=nvme_path if nvme_path is not None else _nvme_path_of(chosen))
     check_ranks(spec.device, spec.num_gpus)
     check_host_budget(spec)
@@ -113,20 +111,29 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     store = TrialStore(space, storage)
 
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
-        return probe_placed(spec, config, space.strategies, space.placement(config), probe_timeout, step_limit)
+        return probe_placed(spec, config, space.strategies, space.placement(config), opts.probe_timeout,
+                            step_limit)
 
-    predictor = _timed(predictor_for(spec, space.strategies), listener) if predict else None
+    predictor = _timed(predictor_for(spec, space.strategies), listener) if opts.predict else None
     tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
-    search = Search(space, store, prober, max_probes, listener, predictor, tolerance)
+    search = Search(space, store, prober, opts.max_probes, listener, predictor, tolerance)
     results = search.run()
     probe = functools.partial(_follow_up, search, prober)
     results = confirmation.follow_near_limit(space, results, probe)
     results = confirmation.follow_numerics(space, results, probe)
     measure, rounds, method, window = _measurer(spec, space, results, prober)
-    confirmed = confirmation.confirm(space, results, measure, rounds, margin, method, window)
+    confirmed = confirmation.confirm(space, results, measure, rounds, opts.exact_margin, method, window)
     if callable(getattr(listener, "flush", None)):
         listener.flush()  # what it held back (the skips it counts), before the caller prints the plan
     return make_plan(space, results, predictor, confirmed)
+
+
+def _options(options: SearchOptions | None, **shortcuts: Any) -> SearchOptions:
+    """`options` (default `SearchOptions()`) with the shortcut keywords given (not None) replacing its fields."""
+    if options is not None and not isinstance(options, SearchOptions):
+        raise UsageError(f"options={options!r}: pass autofit.SearchOptions(...) (or its fields as keywords, "
+                         "such as max_probes=10).")
+    return (options or SearchOptions()).replace(**shortcuts)
 
 
 def _timed(predict: Callable[[Config], int | None], listener: Progress) -> Callable[[Config], int | None]:
@@ -162,7 +169,7 @@ def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeRe
 
 
 def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
-              prober: Any) -> tuple[confirmation.Measure, int, str, decision.Window]:
+              prober: Any) -> tuple[confirmation.Measure, int, decision.Method, decision.Window]:
     """How the finalists are re-measured (measure, rounds, its name, the window they are taken in): live runs
     side by side when they all run in this process on the CPU and fit in host memory together, else whole
     probes (child processes, ranks, CUDA)."""
@@ -170,24 +177,26 @@ def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult],
     in_process = all(space.placement(r.config) is Placement.IN_PROCESS for r in fits)
     held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:2 * decision.LIVE_WINDOW.limit])
     if spec.device.type == "cpu" and in_process and held <= LIVE_SHARE * device_memory(spec.device):
-        return (confirmation.live_measure(spec, space.strategies), confirmation.LIVE_ROUNDS, "live runs",
+        return (confirmation.live_measure(spec, space.strategies), confirmation.LIVE_ROUNDS, decision.Method.LIVE_RUNS,
                 decision.LIVE_WINDOW)
-    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, "probes", decision.PROBE_WINDOW)
+    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, decision.Method.PROBES,
+            decision.PROBE_WINDOW)
 
 
-def engine_strategies(strategies: Sequence[Strategy] | None, engine: str, nvme_path: Any = None) -> list[Strategy]:
+def engine_strategies(strategies: Sequence[Strategy] | None, engine: EngineChoice | str,
+                      nvme_path: Any = None) -> list[Strategy]:
     """The strategies searched: the given ones or every rung, with the sharding engines narrowed to
     `engine` ("auto", "deepspeed", "fsdp"); `nvme_path` goes to the offload rung."""
     from autofit.strategies import StateOffloading
     from autofit.strategies.zero import installed_version
 
-    if engine not in ENGINES:
-        raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
-    if engine == "deepspeed" and installed_version() is None:
+    engine = EngineChoice.parse(engine, "engine")
+    if engine is EngineChoice.DEEPSPEED and installed_version() is None:
         raise UsageError("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
                          "or use engine='fsdp' (torch's own FSDP2).")
     chosen = resolve_strategies(strategies) if strategies is not None else default_strategies(engine)
-    chosen = [s for s in chosen if not isinstance(s, ShardingEngine) or engine in ("auto", s.engine.value)]
+    chosen = [s for s in chosen if not isinstance(s, ShardingEngine)
+              or engine in (EngineChoice.AUTO, s.engine.value)]
     if nvme_path is not None:
         chosen = [StateOffloading(nvme_path) if isinstance(s, StateOffloading) else s for s in chosen]
     return chosen

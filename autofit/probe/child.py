@@ -69,10 +69,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         spec = _placed(spec, job["state"], rank, world)
         result = _probe(spec, config, strategies, job["step_limit"], job["timeout"])
     except Exception as exc:  # noqa: BLE001 - bad input found in a child still comes back as a result
-        from autofit.probe.oom import first_line
+        from autofit.probe.oom import error_site, first_line
 
         who = f"rank {rank}: " if world > 1 else ""
-        result = ProbeResult(config, ProbeStatus.ERROR, who + first_line(exc))
+        result = ProbeResult(config, ProbeStatus.ERROR, who + first_line(exc), error_type=type(exc).__name__,
+                             error_site=error_site(exc))
     return result.to_dict()
 
 

@@ -40,10 +40,10 @@ import torch
 
 from autofit.config import Config
 from autofit.version import PACKAGE
-from autofit.errors import UsageError
+from autofit.errors import Param, UsageError
 from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID
 from autofit.probe.handover import parent_state
-from autofit.probe.outcome import ProbeResult, ProbeStatus
+from autofit.probe.outcome import OomKind, ProbeResult, ProbeStatus
 from autofit.job.train_spec import TrainSpec
 from autofit.strategies.base import Placement
 from autofit.units import format_size
@@ -62,10 +62,10 @@ def check_ranks(device: torch.device, num_ranks: int) -> None:
         return
     visible, first = torch.cuda.device_count(), device.index or 0
     if first + num_ranks > visible:
-        raise UsageError(f"num_gpus={num_ranks} but {max(visible - first, 0)} CUDA device(s) are visible from "
-                         f"cuda:{first} on ({visible} in all); use num_gpus<={max(visible - first, 0)}, an earlier "
-                         "device, make more devices visible (CUDA_VISIBLE_DEVICES), or plan for a larger machine with "
-                         "autofit dry-run --num-gpus.")
+        raise UsageError(f"{{given}} but {max(visible - first, 0)} CUDA device(s) are visible from cuda:{first} on "
+                         f"({visible} in all); use {{name}} of at most {max(visible - first, 0)}, an earlier device, "
+                         "make more devices visible (CUDA_VISIBLE_DEVICES), or plan for a larger machine with "
+                         "autofit dry-run --num-gpus.", given=Param("num_gpus", num_ranks), name=Param("num_gpus"))
 
 
 def check_host_budget(spec: TrainSpec) -> None:
@@ -232,7 +232,7 @@ def died(config: Config, exitcode: int | None, who: str) -> ProbeResult:
     most likely) is an OOM of the host; anything else an error."""
     if exitcode == -9:
         return ProbeResult(config, ProbeStatus.OOM, f"{who} killed (SIGKILL), likely out of host memory",
-                           oom_kind="host-killed")
+                           oom_kind=OomKind.HOST_KILLED)
     return ProbeResult(config, ProbeStatus.ERROR, f"{who} died with exit code {exitcode}")
 
 

@@ -8,22 +8,24 @@ from typing import Iterator
 
 import torch
 
+from autofit.probe.outcome import OomKind
+
 # (kind, substring of the message) for OOMs that arrive as plain RuntimeErrors (first match wins).
 _MESSAGES = (
     # torch/utils/data/_utils/pin_memory.py wraps the error: "Caught RuntimeError in pin memory thread ..."
-    ("host-pinned", "in pin memory thread"),
+    (OomKind.HOST_PINNED, "in pin memory thread"),
     # c10_cuda_check_implementation: "CUDA error: " + cudaGetErrorString; also cudaHostAlloc of pinned
     # host memory (aten/src/ATen/cuda/CachingHostAllocator.cpp), which cannot be told apart by its text.
-    ("cuda-runtime", "CUDA error: out of memory"),
-    ("cuda-driver", "CUDA driver error: out of memory"),  # c10/cuda/driver_api.h: cuMemCreate, cuMemHostAlloc
-    ("cublas", "CUBLAS_STATUS_ALLOC_FAILED"),
-    ("cudnn", "CUDNN_STATUS_ALLOC_FAILED"),
-    ("cudnn", "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),  # cuDNN 9 (code 4004)
-    ("cudnn-host", "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED"),  # cuDNN 9 (code 4003)
-    ("cudnn", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"),
-    ("cuda-allocator", "CUDA out of memory"),
-    ("cpu-allocator", "DefaultCPUAllocator: can't allocate memory"),
-    ("cpu-allocator", "DefaultCPUAllocator: not enough memory"),
+    (OomKind.CUDA_RUNTIME, "CUDA error: out of memory"),
+    (OomKind.CUDA_DRIVER, "CUDA driver error: out of memory"),  # c10/cuda/driver_api.h: cuMemCreate, cuMemHostAlloc
+    (OomKind.CUBLAS, "CUBLAS_STATUS_ALLOC_FAILED"),
+    (OomKind.CUDNN, "CUDNN_STATUS_ALLOC_FAILED"),
+    (OomKind.CUDNN, "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),  # cuDNN 9 (code 4004)
+    (OomKind.CUDNN_HOST, "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED"),  # cuDNN 9 (code 4003)
+    (OomKind.CUDNN, "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"),
+    (OomKind.CUDA_ALLOCATOR, "CUDA out of memory"),
+    (OomKind.CPU_ALLOCATOR, "DefaultCPUAllocator: can't allocate memory"),
+    (OomKind.CPU_ALLOCATOR, "DefaultCPUAllocator: not enough memory"),
 )
 # cublasCreate fails with NOT_INITIALIZED when there is no memory for the handle, and also after an
 # earlier asynchronous error: an OOM only while the context still works (CublasHandlePool.cpp).
@@ -36,12 +38,12 @@ STICKY = ("device-side assert triggered", "an illegal memory access was encounte
           "an illegal instruction was encountered", "misaligned address")
 
 
-def classify_oom(exc: BaseException) -> str | None:
-    """The kind of OOM `exc` is ("cuda-allocator", "cpu-budget", "cublas", "nccl", ...), or None if it is not one."""
+def classify_oom(exc: BaseException) -> OomKind | None:
+    """The kind of OOM `exc` is (CUDA_ALLOCATOR, CPU_BUDGET, CUBLAS, NCCL, ...), or None if it is not one."""
     if isinstance(exc, torch.OutOfMemoryError):
-        return "cpu-budget" if getattr(exc, "autofit_cpu_budget", False) else "cuda-allocator"
+        return OomKind.CPU_BUDGET if getattr(exc, "autofit_cpu_budget", False) else OomKind.CUDA_ALLOCATOR
     if isinstance(exc, MemoryError):
-        return "host"
+        return OomKind.HOST
     if isinstance(exc, RuntimeError):
         kind = _runtime_kind(exc, str(exc))
         if kind is not None:
@@ -50,16 +52,16 @@ def classify_oom(exc: BaseException) -> str | None:
     return classify_oom(cause) if cause is not None and cause is not exc else None
 
 
-def _runtime_kind(exc: RuntimeError, message: str) -> str | None:
+def _runtime_kind(exc: RuntimeError, message: str) -> OomKind | None:
     if sticky_error(exc) is not None:
         return None
     for kind, needle in _MESSAGES:
         if needle in message:
             return kind
     if _CUBLAS_CREATE in message:
-        return "cublas" if _context_works() else None
+        return OomKind.CUBLAS if _context_works() else None
     if _is_nccl_error(exc) and any(needle in message for needle in _NCCL_OOM):
-        return "nccl"
+        return OomKind.NCCL
     return None
 
 
@@ -95,9 +97,9 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return f"{type(exc).__name__}: {message}"[:limit]
 
 
-def raised_at(exc: BaseException) -> str:
+def error_site(exc: BaseException) -> str | None:
     """Where `exc` was raised in code that is neither torch's, autofit's nor Python's own (the user's model or
-    loss, or a library such as transformers), as " (at file:line in function)"; "" when there is no such frame."""
+    loss, or a library such as transformers), as "file:line in function"; None when there is no such frame."""
     import sysconfig
     import traceback
     from pathlib import Path
@@ -114,9 +116,9 @@ def raised_at(exc: BaseException) -> str:
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if foreign(f.filename)]
     if not frames:
-        return ""
+        return None
     frame = frames[-1]
-    return f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
 
 
 @contextlib.contextmanager

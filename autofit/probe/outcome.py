@@ -12,7 +12,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from autofit.config import Config
+from autofit.config import Config, Knob
 
 
 class ProbeStatus(str, enum.Enum):
@@ -34,10 +34,36 @@ class Skip(str, enum.Enum):
     BUDGET = "budget"  # the probe budget (max_probes) was spent
 
 
-# Where in a probe a failure struck. "build" (the model and engine) and "step" (the optimizer step,
-# activations freed) hold no activations: memory there does not depend on the micro-batch.
-PHASES = ("build", "forward", "backward", "step")
-FIXED_PHASES = ("build", "step")
+class Phase(Knob):
+    """Where in a probe a failure struck. BUILD (the model and engine) and STEP (the optimizer step,
+    activations freed) hold no activations: memory there does not depend on the micro-batch."""
+
+    BUILD = "build"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+PHASES = tuple(Phase)
+FIXED_PHASES = (Phase.BUILD, Phase.STEP)
+
+
+class OomKind(Knob):
+    """What ran out of memory (`autofit.probe.oom.classify_oom`), or why a run that finished counts as one."""
+
+    CUDA_ALLOCATOR = "cuda-allocator"  # torch.OutOfMemoryError from the CUDA caching allocator
+    CPU_BUDGET = "cpu-budget"  # the CPU budget autofit enforces (`autofit.devices.memory`)
+    CPU_ALLOCATOR = "cpu-allocator"  # the host allocator refused (DefaultCPUAllocator)
+    HOST = "host"  # Python's MemoryError
+    HOST_PINNED = "host-pinned"  # pinned host memory, in a DataLoader's pin-memory thread
+    HOST_KILLED = "host-killed"  # a probe process killed by SIGKILL: the kernel's OOM killer, most likely
+    CUDA_RUNTIME = "cuda-runtime"  # "CUDA error: out of memory" (a CUDA runtime call, or pinned host memory)
+    CUDA_DRIVER = "cuda-driver"  # "CUDA driver error: out of memory" (cuMemCreate, cuMemHostAlloc)
+    CUBLAS = "cublas"  # cuBLAS could not allocate its handle or workspace
+    CUDNN = "cudnn"  # cuDNN could not allocate (device memory or workspace)
+    CUDNN_HOST = "cudnn-host"  # cuDNN could not allocate host memory
+    NCCL = "nccl"  # NCCL could not allocate
+    MARGIN = "margin"  # finished its steps, but its peak is inside the safety margin
 
 
 class Source(str, enum.Enum):
@@ -62,15 +88,20 @@ class ProbeResult:
     step_seconds: float | None = None  # mean wall time of one optimizer step (all micro-batches)
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
-    oom_kind: str | None = None  # "cuda-allocator", "cpu-budget", "cublas", "margin", ... (OOM only)
+    oom_kind: OomKind | None = None  # what ran out (OOM only)
     skip: Skip | None = None  # why it was not run (SKIPPED only)
     source: Source = Source.PROBED
     rank_peaks: tuple[int | None, ...] = ()  # each rank's peak (bytes; None: it did not report), several ranks only
-    phase: str | None = None  # where an OOM or error struck: "build", "forward", "backward" or "step" (`PHASES`)
+    phase: Phase | None = None  # where an OOM or error struck
     step_spread: float | None = None  # (slowest - fastest) / median of the timed steps' seconds
     alloc_retries: int | None = None  # CUDA caching-allocator retries (cudaMalloc failed, cache flushed) while timed
     fragmentation: float | None = None  # CUDA: inactive split bytes / reserved bytes after the timed steps
     left_behind: int | None = None  # CUDA: bytes still allocated in this process once the probe released all it held
+    # An error's identity across configurations (ERROR only): the exception's type name, and where it was
+    # raised in code that is neither torch's nor autofit's ("model.py:12 in forward"; None: no such frame).
+    # Both None where no exception was caught (a timeout, a probe process that died): its reason is its identity.
+    error_type: str | None = None
+    error_site: str | None = None
 
     @property
     def near_limit(self) -> bool:
@@ -84,6 +115,10 @@ class ProbeResult:
         object.__setattr__(self, "source", Source(self.source))
         if self.skip is not None:
             object.__setattr__(self, "skip", Skip(self.skip))
+        if self.oom_kind is not None:
+            object.__setattr__(self, "oom_kind", OomKind.parse(self.oom_kind, "oom_kind"))
+        if self.phase is not None:
+            object.__setattr__(self, "phase", Phase.parse(self.phase, "phase"))
         problem = self._problem()
         if problem:
             raise ValueError(f"inconsistent probe result ({problem}): {self.config.describe()}, {self.status.value}")
@@ -97,6 +132,8 @@ class ProbeResult:
             return "a skip, and only a skip, says why it was not run"
         if (self.status is ProbeStatus.SKIPPED) != (self.source is Source.DECIDED):
             return "a skip, and only a skip, is decided without running"
+        if self.status is not ProbeStatus.ERROR and (self.error_type or self.error_site):
+            return "only an error has an error's type and site"
         return None
 
     @property
@@ -125,12 +162,15 @@ class ProbeResult:
         """JSON-serialisable form."""
         data = dataclasses.asdict(self)
         data["config"] = self.config.to_dict()
-        data.update(status=self.status.value, source=self.source.value, skip=self.skip.value if self.skip else None)
+        data.update(status=self.status.value, source=self.source.value, skip=self.skip.value if self.skip else None,
+                    oom_kind=self.oom_kind.value if self.oom_kind else None,
+                    phase=self.phase.value if self.phase else None)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
-        """Inverse of `to_dict`; reads records written by autofit 0.1 too (`too_slow`, "search" source)."""
+        """Inverse of `to_dict`; reads records written by autofit 0.1 too (`too_slow`, "search" source) and
+        those written before errors kept their type and site (`error_type`, `error_site` left None)."""
         fields = _upgraded(dict(data))
         fields["config"] = Config.from_dict(fields["config"])
         return cls(**fields)

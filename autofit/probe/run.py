@@ -18,9 +18,9 @@ import torch
 from autofit.config import Config
 from autofit.errors import CudaContextBroken, UsageError
 from autofit.devices.memory import Budget, DeadlinePassed, budget_for, note_left_behind
-from autofit.probe.oom import (classify_oom, collecting_new_objects, first_line, raised_at, release_memory,
+from autofit.probe.oom import (classify_oom, collecting_new_objects, error_site, first_line, release_memory,
                                sticky_error)
-from autofit.probe.outcome import ProbeResult, ProbeStatus
+from autofit.probe.outcome import OomKind, Phase, ProbeResult, ProbeStatus
 from autofit.strategies.run import TrainRun, build_run
 from autofit.batches.batch import made, to_device
 from autofit.job.train_spec import TrainSpec
@@ -69,11 +69,7 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
                              budget.peak or None)
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         _stop_if_broken(exc, config)
-        kind = classify_oom(exc)
-        status = ProbeStatus.ERROR if kind is None else ProbeStatus.OOM
-        where = raised_at(exc) + "".join(s.explain(config, exc) for s in strategies) if kind is None else ""
-        result = ProbeResult(config, status, first_line(exc) + where, budget.peak or None, oom_kind=kind,
-                             phase=getattr(exc, "autofit_phase", None))
+        result = failed(config, exc, strategies, budget.peak or None)
     else:
         result = _measured(spec, config, budget.peak, timed)
     try:
@@ -82,6 +78,21 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         _stop_if_broken(exc, config)
         raise
     return _left_behind(result, spec.device, held)
+
+
+def failed(config: Config, exc: Exception, strategies: Sequence["Strategy"] = (), peak: int | None = None,
+           who: str = "") -> ProbeResult:
+    """The result of a probe that raised `exc`: an OOM of its kind, or an error with its type and the site it
+    was raised at (its identity across configurations: `autofit.search.walk.failure`) and what each strategy
+    says of it; `who` ("rank 1: ") heads the reason. Both carry the phase the exception struck in."""
+    phase = getattr(exc, "autofit_phase", None)
+    kind = classify_oom(exc)
+    if kind is not None:
+        return ProbeResult(config, ProbeStatus.OOM, who + first_line(exc), peak, oom_kind=kind, phase=phase)
+    site = error_site(exc)
+    where = (f" (at {site})" if site else "") + "".join(s.explain(config, exc) for s in strategies)
+    return ProbeResult(config, ProbeStatus.ERROR, who + first_line(exc) + where, peak, phase=phase,
+                       error_type=type(exc).__name__, error_site=site)
 
 
 # -- memory a probe leaves behind ----------------------------------------------------------------------
@@ -128,7 +139,7 @@ def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
     try:
         return _steps(spec, config, strategies, budget, built)
     except BaseException as exc:
-        exc.autofit_phase = built[0].phase if built else "build"  # type: ignore[attr-defined]
+        exc.autofit_phase = built[0].phase if built else Phase.BUILD  # type: ignore[attr-defined]
         raise
 
 
@@ -284,7 +295,7 @@ def _measured(spec: TrainSpec, config: Config, peak: int, timed: Timed) -> Probe
     if peak > spec.fit_limit:
         return ProbeResult(config, ProbeStatus.OOM,
                            f"peak {share} is inside the {spec.safety_margin:.0%} safety margin",
-                           peak, step_seconds, samples, tokens, oom_kind="margin", **figures)
+                           peak, step_seconds, samples, tokens, oom_kind=OomKind.MARGIN, **figures)
     thrash = f"; {timed.alloc_retries} allocator retries while timed: near the limit" if timed.alloc_retries else ""
     return ProbeResult(config, ProbeStatus.FIT, f"fits: peak {share}{thrash}", peak, step_seconds, samples, tokens,
                        **figures)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, Skip, Source
-from autofit.search.decision import (PROBE_WINDOW, Confirmation, Finalist, Window, decide, level_of, risk,
+from autofit.search.decision import (PROBE_WINDOW, Confirmation, Finalist, Method, Window, decide, level_of, risk,
                                      simplicity)
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def _largest_oflevel_of(group: Sequence[ProbeResult], result: ProbeResult) -> Pr
 
 # -- 3. re-measured back to back --------------------------------------------------------------------------
 def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | None, rounds: int,
-            exact_margin: float, method: str, window: Window = PROBE_WINDOW) -> Confirmation | None:
+            exact_margin: float, method: Method, window: Window = PROBE_WINDOW) -> Confirmation | None:
     """Re-measure the finalists (`window`: see `finalists`) with `measure(configs, rounds)` (samples/s per
     round, or why it failed) and decide. None when nothing fits. A lone finalist measured in this session
     needs no rounds, unless its timed steps disagreed by more than `UNSTEADY_SPREAD`."""
@@ -138,7 +138,7 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
     if measure is not None and (len(picked) > 1 or stored or unsteady):
         measured = measure([r.config for r in picked], rounds)
     else:
-        method = "none"
+        method = Method.NONE
     dropped = tuple((r.config.describe(), measured[r.config]) for r in picked if isinstance(measured.get(r.config), str))
     kept = [r for r in picked if not isinstance(measured.get(r.config), str)] or picked[:1]
     pool = tuple(Finalist(r.config, space.tier(r.config), r.near_limit, r.source, r.samples_per_s,

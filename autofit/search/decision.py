@@ -17,7 +17,7 @@ import dataclasses
 import statistics
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.config import Config
+from autofit.config import Config, Knob
 from autofit.errors import UsageError
 from autofit.probe.outcome import ProbeResult, Source
 
@@ -28,6 +28,22 @@ DEFAULT_EXACT_MARGIN = 0.10  # a numerics change must be this much faster than a
 NEAR_LIMIT_MARGIN = 0.10  # a fit whose allocator retried must be this much faster than one that did not
 NOISE_MARGIN = 0.03  # any other change must be this much faster than a simpler finalist
 CLEAR_SHARE = 0.7  # ... and faster in at least this share of the rounds
+
+
+class MarginKind(Knob):
+    """Why a challenger had the margin it had to clear (`margin_between`)."""
+
+    EXACTNESS = "exactness"  # it changes numerics (a higher exactness tier): `exact_margin`
+    NEAR_LIMIT = "near-limit"  # its allocator retried while timed, the holder's did not: NEAR_LIMIT_MARGIN
+    NOISE = "noise"  # any other change: NOISE_MARGIN
+
+
+class Method(Knob):
+    """How the finalists were re-measured (`autofit.search.confirm.confirm`)."""
+
+    LIVE_RUNS = "live runs"  # every finalist built once in this process, one optimizer step each per round
+    PROBES = "probes"  # a whole probe of each per round (child processes, ranks, CUDA)
+    NONE = "none"  # not re-measured: a single finalist measured in this session
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +114,15 @@ class Comparison:
     holder: int
     ratio: Ratio  # challenger over holder
     margin: float  # what the challenger had to clear
-    kind: str  # "exactness" | "near-limit" | "noise": why that margin
+    kind: MarginKind  # why that margin
     won: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", MarginKind.parse(self.kind, "kind"))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "kind": self.kind.value}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Comparison":
@@ -119,10 +138,13 @@ class Confirmation:
     finalists: tuple[Finalist, ...]
     chosen: int  # index into `finalists`
     comparisons: tuple[Comparison, ...]
-    method: str  # "live runs" | "probes" | "none" (a single finalist measured in this session)
+    method: Method  # how the finalists were re-measured
     exact_margin: float
     dropped: tuple[tuple[str, str], ...] = ()  # (config described, why) of finalists a re-measurement lost
     window: float = PROBE_WINDOW.margin  # the window's margin the finalists were taken within
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Method.parse(self.method, "method"))
 
     @property
     def winner(self) -> Finalist:
@@ -137,7 +159,7 @@ class Confirmation:
     def to_dict(self) -> dict[str, Any]:
         """JSON form (stored in the plan)."""
         return {"finalists": [f.to_dict() for f in self.finalists], "chosen": self.chosen,
-                "comparisons": [c.to_dict() for c in self.comparisons], "method": self.method,
+                "comparisons": [c.to_dict() for c in self.comparisons], "method": self.method.value,
                 "exact_margin": self.exact_margin, "dropped": [list(d) for d in self.dropped], "window": self.window}
 
     @classmethod
@@ -177,13 +199,14 @@ def risk(space: "Space", result: ProbeResult) -> tuple[int, bool]:
     return space.tier(result.config), result.near_limit
 
 
-def margin_between(safer: tuple[int, bool], riskier: tuple[int, bool], exact_margin: float) -> tuple[float, str]:
+def margin_between(safer: tuple[int, bool], riskier: tuple[int, bool],
+                   exact_margin: float) -> tuple[float, MarginKind]:
     """What a finalist of class `riskier` must clear against one of class `safer`, and why."""
     if riskier[0] > safer[0]:
-        return exact_margin, "exactness"
+        return exact_margin, MarginKind.EXACTNESS
     if riskier[1] and not safer[1]:
-        return NEAR_LIMIT_MARGIN, "near-limit"
-    return NOISE_MARGIN, "noise"
+        return NEAR_LIMIT_MARGIN, MarginKind.NEAR_LIMIT
+    return NOISE_MARGIN, MarginKind.NOISE
 
 
 def decide(pool: Sequence[Finalist], exact_margin: float) -> tuple[int, list[Comparison]]:

@@ -16,13 +16,13 @@ from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.search.rules import RULES, Rule
+from autofit.search.shortfall import TIERS, tier_words
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
 
-TIER_NAMES = {1: "allow={'numerics'} (mixed precision, 8-bit optimizers)",
-              2: "allow={'lora'} (LoRA adapters, quantized base weights)"}
+TIER_NAMES = {tier: tier_words(tier) for tier in TIERS}  # what to pass to open each tier, in Python's words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +102,13 @@ class Space:
         """One SKIPPED/EXCLUDED record per excluded option or combination."""
         return [e.result() for e in self.excluded]
 
-    def next_tier_hint(self) -> str | None:
-        """What to allow to go further, when options were excluded by their tier (micro-batches too, where
-        they were: batch norm's or a coupled loss's)."""
+    def next_tier(self) -> tuple[int, bool] | None:
+        """The tier to allow to go further, when options were excluded by their tier, and whether it opens
+        micro-batches too (where they were: batch norm's or a coupled loss's); None when none was."""
         tiers = sorted({e.tier for e in self.excluded if e.tier is not None})
-        if not tiers or tiers[0] not in TIER_NAMES:
+        if not tiers or tiers[0] not in TIERS:
             return None
-        hint = TIER_NAMES[tiers[0]]
-        if any(e.micro_batch and e.tier == tiers[0] for e in self.excluded):  # the names close on their ")"
-            return hint.removesuffix(")") + ", micro-batches smaller than the rank's batch)"
-        return hint
+        return tiers[0], any(e.micro_batch and e.tier == tiers[0] for e in self.excluded)
 
 
 def build_space(spec: "TrainSpec", strategies: Sequence[Strategy]) -> Space:

@@ -316,7 +316,7 @@ class Search:
         failures = collections.defaultdict(list)
         for result in self.results:
             if result.measured and result.status is ProbeStatus.ERROR:
-                failures[failure(result.reason)].append(result)
+                failures[failure(result)].append(result)
         for failed in failures.values():
             if len(failed) < USER_ERROR_PROBES:
                 continue
@@ -387,7 +387,7 @@ class Search:
         if len(probed) < USER_ERROR_PROBES or any(r.status is not ProbeStatus.ERROR for r in probed):
             return
         levels = {r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in probed}
-        if len({failure(r.reason) for r in probed}) == 1 and len(levels) > 1:
+        if len({failure(r) for r in probed}) == 1 and len(levels) > 1:
             first = probed[0]
             raise UsageError(f"Every configuration probed ({'; '.join(r.config.describe() for r in probed)}) failed "
                              f"the same way in the {first.phase or 'step'}, so the cause is the model, the batch or "
@@ -419,12 +419,16 @@ def _dtype_error(failed: list[ProbeResult]) -> bool:
     return name is not None and name in failed[0].reason
 
 
-def failure(reason: str) -> str:
-    """What identifies an error across configurations: its type and where it was raised when the probe could
-    tell (`autofit.probe.oom.raised_at`), else its text with sizes and dtypes blanked."""
-    kind, _, rest = reason.partition(":")
-    site = rest.rpartition(" (at ")[2]
-    return f"{kind} at {site}" if " (at " in rest else _VARIES_BY_KNOB.sub("#", reason)
+def failure(result: ProbeResult) -> str:
+    """What identifies an error across configurations: its type and the site it was raised at where the probe
+    found one (`ProbeResult.error_type`, `error_site`), else its text with sizes and dtypes blanked. A record
+    from an older trial store or plan, which lacks those fields, has them read back from its reason."""
+    if result.error_type is not None:
+        return f"{result.error_type} at {result.error_site}" if result.error_site else \
+            _VARIES_BY_KNOB.sub("#", result.reason)
+    kind, _, rest = result.reason.partition(":")  # older records: "Type: message (at file:line in function)"
+    site = rest.rpartition(" (at ")[2].partition(")")[0]
+    return f"{kind} at {site}" if " (at " in rest else _VARIES_BY_KNOB.sub("#", result.reason)
 
 
 _IMPLIES = {Verdict.FIT: ProbeStatus.FIT, Verdict.SLOW: ProbeStatus.PRUNED}

@@ -5,6 +5,7 @@ Each offers its options for a spec's `Target`; `autofit.search.space` lays them 
 
 from typing import Any, Iterable
 
+from autofit.config import Knob
 from autofit.errors import UsageError, did_you_mean
 from autofit.strategies.activation_offload import ActivationOffloading
 from autofit.strategies.attention import FusedAttention
@@ -23,15 +24,22 @@ from autofit.strategies.pure_bf16 import PureBf16
 from autofit.strategies.quantization import QuantizedBase
 from autofit.strategies.zero import Zero
 
-ENGINES = ("auto", "deepspeed", "fsdp")
+class EngineChoice(Knob):
+    """Which sharding engines a search over several ranks tries (`autofit.autofit(engine=...)`)."""
+
+    AUTO = "auto"  # both: ZeRO where DeepSpeed is installed, and FSDP2; the faster measured one wins
+    DEEPSPEED = "deepspeed"  # DeepSpeed's ZeRO alone
+    FSDP = "fsdp"  # torch's own FSDP2 alone
 
 
-def default_strategies(engine: str = "auto") -> list[Strategy]:
+ENGINES = tuple(EngineChoice)  # str-enums: each equals its name ("auto" in ENGINES)
+
+
+def default_strategies(engine: EngineChoice | str = EngineChoice.AUTO) -> list[Strategy]:
     """One instance of every strategy, in rung order. `engine` pins the sharding rung: "deepspeed"
     (ZeRO), "fsdp" (FSDP2), or "auto" = both searched (ZeRO offered where DeepSpeed is installed)."""
-    if engine not in ENGINES:
-        raise UsageError(f"engine={engine!r} is not known; use one of {', '.join(map(repr, ENGINES))}.")
-    engines = [Zero()] * (engine != "fsdp") + [Fsdp()] * (engine != "deepspeed")
+    engine = EngineChoice.parse(engine, "engine")
+    engines = [Zero()] * (engine is not EngineChoice.FSDP) + [Fsdp()] * (engine is not EngineChoice.DEEPSPEED)
     return in_order([MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(), ActivationCheckpointing(),
                      ActivationOffloading(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
                      DataParallel(), QuantizedBase(), Lora(), StateOffloading()])

@@ -86,18 +86,55 @@ def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     data = json.loads(captured.out)
     assert data["chosen"] is None and "the smallest needs" in data["reason"]
     assert "exceeds the limit: use a GPU with more memory" in data["reason"]  # 8 MiB: the CUDA context alone
+    assert data["shortfall"]["remedy"] == "larger-gpu" and "cuda_context" in data["shortfall"]["overhead_terms"]
     assert "Nothing fits." in captured.err
 
 
-def test_what_to_allow_is_said_in_the_command_lines_words():
-    from autofit.cli.tune import as_options
-    from autofit.search.space import TIER_NAMES
+def test_what_to_allow_is_said_in_each_ones_words():
+    """One shortfall, two sentences: the plan's reason in Python's words, the command line's in its own."""
+    from autofit.config import Config
+    from autofit.search.shortfall import Basis, Remedy, Shortfall
 
-    assert as_options(f"Pass {TIER_NAMES[1]} to go further") == \
-        "Pass --allow numerics (mixed precision, 8-bit optimizers) to go further"
-    assert as_options(TIER_NAMES[2]).startswith("--allow lora")
-    assert as_options("seq_len=512 sets ...; optimizer='adam8bit' is not known") == \
-        "--seq-len 512 sets ...; --optimizer 'adam8bit' is not known"
+    shortfall = Shortfall(limit=2**30, capacity=2**30 * 10 // 9, margin=0.1, smallest=Config(micro_batch_size=1),
+                          need=3 * 2**30, basis=Basis.PREDICTED, remedy=Remedy.ALLOW, tier=1)
+    assert "Pass allow={'numerics'} (mixed precision, 8-bit optimizers) to go further." in shortfall.words()
+    assert "Pass --allow numerics (mixed precision, 8-bit optimizers) to go further." in shortfall.words(cli=True)
+    assert "the smallest needs 3.00 GiB by the estimator's prediction" in shortfall.words(cli=True)
+    more = Shortfall(limit=2**30, capacity=2**30, margin=0.1, gpu="t4", smallest=Config(), need=2**31,
+                     basis=Basis.PREDICTED, remedy=Remedy.MORE_MEMORY)
+    assert "Use more GPUs (num_gpus) with ZeRO-3" in more.words()
+    assert "Use more GPUs (--num-gpus) with ZeRO-3" in more.words(cli=True)
+
+
+def test_a_rows_reason_is_read_from_the_estimates_fields():
+    """The table leaves the activation method out of each row (it is said once under the table) by reading
+    the estimate's fields, not by cutting it out of the sentence (a method holding "; " or a note
+    holding the method's words once broke that)."""
+    from autofit.cli.dry_run import short_reason
+    from autofit.config import Config
+    from autofit.estimate.prediction import Estimate
+    from autofit.pipelines.dry_run import Candidate
+    from autofit.strategies.memory import Breakdown
+
+    method = "simulated under fake tensors; CPU kernels stand in"
+    estimate = Estimate(Breakdown(1, 1, 1, 1, 0), 4, 0, method, ("simulated under fake tensors twice", "LoRA"))
+    assert estimate.reason == f"{method}; simulated under fake tensors twice; LoRA"
+    assert estimate.to_dict()["notes"] == ["simulated under fake tensors twice", "LoRA"]
+    row = Candidate(Config(), estimate, True, "fits: 4 B of 8 B (50%), ~1.0 samples/s", 0, 1.0, 1.0)
+    assert row.reason == f"fits: 4 B of 8 B (50%), ~1.0 samples/s; {estimate.reason}"
+    assert short_reason(row) == "fits: 4 B of 8 B (50%), ~1.0 samples/s; simulated under fake tensors twice; LoRA"
+
+
+def test_a_usage_error_names_its_parameters_in_each_ones_words():
+    from autofit.errors import Param, UsageError
+
+    error = UsageError("{given} sets the length of {{synthesized}} batches; or leave {name} out",
+                       given=Param("seq_len", 512), name=Param("seq_len"))
+    assert str(error) == "seq_len=512 sets the length of {synthesized} batches; or leave seq_len out"
+    assert error.words(cli=True) == "--seq-len 512 sets the length of {synthesized} batches; or leave --seq-len out"
+    assert Param("allow", {"numerics", "lora"}).words(cli=True) == "--allow lora,numerics"
+    assert Param("optimizer", "adam9").words() == "optimizer='adam9'"
+    assert Param("optimizer", "adam9").words(cli=True) == "--optimizer 'adam9'"
 
 
 def test_seq_len_beside_a_batch_of_yours_is_refused_in_the_command_lines_words(tmp_path, capsys):

@@ -60,6 +60,15 @@ def test_plan_that_does_not_fit_is_refused(tmp_path, capsys, plan_path):
     assert main(["export", str(bad), "--format", "torchrun", "--out", str(tmp_path / "out")]) == 2
     assert "does not fit" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # a plan that keeps why as fields is told in the command line's words, what to allow included
+    from autofit.search.shortfall import Remedy, Shortfall
+
+    shortfall = Shortfall(limit=2**20, capacity=2**21, margin=0.5, smallest=autofit.Config(), need=2**22,
+                          basis="held", remedy=Remedy.ALLOW, tier=1)
+    bad.write_text(json.dumps({**data, "reason": shortfall.words(), "shortfall": shortfall.to_dict()}))
+    assert main(["export", str(bad), "--format", "torchrun", "--out", str(tmp_path / "out")]) == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert "nothing to export: No candidate fits 1.00 MiB" in error and "Pass --allow numerics (mixed" in error
 
 
 def test_a_run_directory_exports_its_plan(tmp_path, capsys, plan_path):

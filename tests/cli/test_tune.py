@@ -88,8 +88,13 @@ def test_resume_reprobes_nothing(tmp_path, model_arg, capsys, monkeypatch):
 def test_nothing_fits_exits_3_without_launchers(tmp_path, model_arg, capsys):
     out = tmp_path / "run"
     assert tune(model_arg, out, "--json", budget="40KiB") == 3
-    document = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)
     assert document["fits"] is False and "No candidate fits" in document["reason"]
+    # one shortfall, kept as fields, said in each one's words: plan.json's reason in Python's, the terminal's
+    assert document["shortfall"]["remedy"] == "allow" and document["shortfall"]["tier"] == 1
+    assert "Pass allow={'numerics'} (mixed precision" in document["reason"]
+    assert "Pass --allow numerics (mixed precision" in " ".join(captured.err.split())
     assert document["paths"]["launchers"] == [] and not (out / "launch").exists()
     assert (out / "report.html").exists()
 
@@ -99,6 +104,7 @@ def test_nothing_fits_exits_3_without_launchers(tmp_path, model_arg, capsys):
     (["--model", "gpt2", "--allow", "1", "--allow", "lora"], "either one tier"),
     (["--model", "gpt2", "--memory-budget", "lots"], "memory_budget must be a size"),
     (["--model", "gpt2", "--resume"], "holds no trials.db"),
+    (["--model", "gpt2", "--max-probes", "0"], "--max-probes must be an integer >= 1 (probes the search may run)"),
     (["--global-batch-size", "4"], "Missing option '--model'"),
 ])
 def test_bad_usage_exits_2(tmp_path, capsys, args, message):

@@ -19,3 +19,19 @@ def test_the_recovery_reason_names_the_oom_kind():
         guard = OomGuard(model, optimizer, micro_batch_size=8, loss_fn=loss_fn)
         guard.step(make_batch(0, TOTAL, LONG))
     assert guard.recoveries and "on this rank (cpu-budget), peak" in guard.recoveries[0].reason
+
+
+def test_a_recovery_records_its_action_as_an_enum():
+    import pytest
+
+    from autofit.config import Config
+    from autofit.guard import Recovery, RecoveryAction
+
+    limit = (step_peak(4, LONG) + step_peak(8, LONG)) // 2
+    with CpuBudget(limit):
+        model, optimizer = fresh()
+        guard = OomGuard(model, optimizer, micro_batch_size=8, loss_fn=loss_fn)
+        guard.step(make_batch(0, TOTAL, LONG))
+    assert guard.recoveries[0].action is RecoveryAction.MICRO_BATCH and guard.recoveries[0].action == "micro-batch"
+    with pytest.raises(ValueError, match="action='halve' is not known"):
+        Recovery(0, "halve", Config(), Config(), "why", None)

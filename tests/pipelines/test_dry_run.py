@@ -125,6 +125,10 @@ def test_what_an_allow_would_open_is_named_and_a_level_over_the_limit_is_not_pre
     opened = dry_run(tiny_llama(), gpu_memory=above_overhead(8), **plan)
     assert not opened.fits and "Pass allow={'lora'}" in opened.reason
     assert "lora=r16 is predicted to fit" in opened.reason
+    shortfall = opened.shortfall  # the same as fields, said in the command line's words by autofit dry-run
+    assert (shortfall.remedy, shortfall.tier, shortfall.gpu) == ("allow", 2, "rtx-4090") and shortfall.opened.lora
+    assert opened.reason == shortfall.words() and "Pass --allow lora (LoRA adapters" in shortfall.words(cli=True)
+    assert opened.to_dict()["shortfall"]["opened_peak"] == shortfall.opened_peak
     predicted = []
     real = Estimator.predict
     monkeypatch.setattr(Estimator, "predict", lambda self, config: predicted.append(config) or real(self, config))

@@ -99,3 +99,25 @@ def test_isolated_probe_takes_lambdas_and_refuses_the_unserialisable_once():
                     loss_fn=locked_loss)
     with pytest.raises(UsageError, match=r"the loss function \(loss_fn\).*lock.*inside the factory"):
         launch(bad, FULL, STRATEGIES, Placement.CHILD)
+
+
+def test_an_error_records_its_type_and_the_site_it_was_raised_at():
+    """The error's identity as fields (`walk.failure` compares them): the type, and the frame in the
+    user's code (this file), not torch's or autofit's."""
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            raise KeyError("no such feature")
+
+    spec = make_spec(Broken, lambda n: torch.randn(n, 8), device="cpu", memory_budget="1GiB", warmup_steps=1,
+                     timed_steps=1, loss_fn=lambda out, batch: out.sum())
+    result = run_probe(spec, Config(micro_batch_size=2), default_strategies())
+    assert result.status is ProbeStatus.ERROR and result.error_type == "KeyError"
+    assert result.error_site is not None and result.error_site.startswith("test_run.py:")
+    assert result.error_site.endswith("in forward") and f"(at {result.error_site})" in result.reason
+    assert result.phase == "forward"
+    child = launch(spec, Config(micro_batch_size=2), default_strategies(), Placement.CHILD, timeout=120)
+    assert (child.error_type, child.error_site, child.phase) == ("KeyError", result.error_site, "forward")

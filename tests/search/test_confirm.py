@@ -4,6 +4,8 @@ Figures here come from named test doubles (a measurement that returns given samp
 whose allocator retries near its limit): the tests assert decisions, never timings.
 """
 
+import dataclasses
+
 import pytest
 from models import make_mlp, make_mlp_batch, mlp_loss
 
@@ -125,7 +127,7 @@ def test_stored_figures_are_never_compared_raw_with_this_sessions(space):
     picked = finalists(space, results, PROBE_WINDOW)
     assert {r.config for r in picked} == {ADAFACTOR, EXACT}
     measure = GivenRounds({EXACT: [100] * 7, ADAFACTOR: [101] * 7})
-    confirmation = run_confirm(space, results, measure, 7, 0.10, "test")
+    confirmation = run_confirm(space, results, measure, 7, 0.10, "probes")
     assert measure.asked == [[EXACT, ADAFACTOR]] and confirmation.winner.config == EXACT
 
 
@@ -319,3 +321,24 @@ def test_numerics_follow_up_of_a_checkpointed_fit(tmp_path):
     results = [fit(every2, 100), decided(every2.replace(optimizer="adafactor"), Skip.IMPLIED, "cannot be faster")]
     out = follow_numerics(space, results, lambda c, why: fit(c, 90))
     assert {r.config.optimizer for r in out if r.measured} == {Optimizer.ADAMW, Optimizer.ADAFACTOR}
+
+
+def test_the_decisions_closed_choices_are_enums_and_old_json_loads():
+    import json
+
+    from autofit.search.decision import Comparison, Confirmation, MarginKind, Method, Ratio
+
+    ratio = Ratio(1.2, 1.1, 1.3, 1.0, 7)
+    with pytest.raises(ValueError, match="kind='nois' is not known.*did you mean 'noise'"):
+        Comparison(1, 0, ratio, 0.03, "nois", True)
+    finalists_ = (Finalist(EXACT, 0, False, Source.PROBED, 100.0, (100.0,)),
+                  Finalist(ADAFACTOR, 1, False, Source.PROBED, 120.0, (120.0,)))
+    with pytest.raises(ValueError, match="method='live' is not known"):
+        Confirmation(finalists_, 1, (), "live", 0.1)
+    # as plan.json held them: plain strings
+    written = {"finalists": [f.to_dict() for f in finalists_], "chosen": 1, "method": "live runs",
+               "comparisons": [{"challenger": 1, "holder": 0, "ratio": dataclasses.asdict(ratio), "margin": 0.1,
+                                "kind": "exactness", "won": True}], "exact_margin": 0.1}
+    loaded = Confirmation.from_dict(json.loads(json.dumps(written)))
+    assert loaded.method is Method.LIVE_RUNS and loaded.comparisons[0].kind is MarginKind.EXACTNESS
+    assert Confirmation.from_dict(json.loads(json.dumps(loaded.to_dict()))) == loaded

@@ -1,8 +1,9 @@
 """End to end on CPU under a real CPU budget: autofit.autofit as a user calls it."""
 
 import copy
-
+import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
 FAST = dict(warmup_steps=1, timed_steps=2, device="cpu")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def baseline_peak(model, batch, global_batch, **kwargs):
@@ -92,6 +94,28 @@ def test_nothing_fits_names_the_smallest_and_what_to_allow():
     assert "No candidate fits 921.60 KiB" in plan.reason
     assert "the smallest needs" in plan.reason and "mb=1x8" in plan.reason
     assert "allow={'numerics'}" in plan.reason
+    shortfall = plan.shortfall  # the same, as fields
+    assert (shortfall.limit, shortfall.remedy, shortfall.tier) == (int(2**20 * 0.9), "allow", 1)
+    assert shortfall.smallest.micro_batch_size == 1 and shortfall.need and shortfall.basis in ("predicted", "held")
+    assert plan.reason == shortfall.words() and "Pass --allow numerics" in shortfall.words(cli=True)
+
+
+def test_a_plan_keeps_why_nothing_fits_through_json(tmp_path):
+    from autofit.search.shortfall import Basis, Remedy, Shortfall
+
+    plan = autofit.Plan.load(FIXTURES / "plan-v0.1.json")  # written before plans kept it
+    assert plan.shortfall is None
+    shortfall = Shortfall(limit=2**20, capacity=2**21, margin=0.5, smallest=Config(micro_batch_size=1), need=2**22,
+                          basis=Basis.HELD, remedy=Remedy.MORE_MEMORY)
+    failed = dataclasses.replace(plan, fits=False, config=None, throughput=None, peak_memory=None,
+                                 reason=shortfall.words(), shortfall=shortfall)
+    again = autofit.Plan.load(failed.save(tmp_path / "plan.json"))
+    assert again == failed and again.shortfall.basis is Basis.HELD
+    assert again.reason.endswith("the smallest needs more than 4.00 MiB (fp32, mb=1x1, opt=adamw). Raise the budget, use "
+                                 "more GPUs (num_gpus) or offload to go further.")
+    assert again.shortfall.words(cli=True).endswith("use more GPUs (--num-gpus) or offload to go further.")
+    with pytest.raises(ValueError, match="remedy='pray' is not known"):
+        Shortfall(limit=1, capacity=2, margin=0.5, remedy="pray")
 
 
 def test_find_the_batch_when_none_is_given():
@@ -280,3 +304,17 @@ def test_a_model_in_bf16_is_trained_as_given_and_the_plan_says_what_fp32_means()
     fp32 = autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=8, loss_fn=mlp_loss, device="cpu",
                            memory_budget="64MiB", allow=0, max_probes=2)
     assert "weights are" not in fp32.reason
+
+
+def test_the_engine_is_a_closed_choice():
+    from autofit.pipelines.tune import engine_strategies
+    from autofit.strategies import ENGINES, EngineChoice, Fsdp, Zero
+
+    assert ENGINES == (EngineChoice.AUTO, EngineChoice.DEEPSPEED, EngineChoice.FSDP) and "fsdp" in ENGINES
+    chosen = engine_strategies(None, "fsdp")
+    assert any(isinstance(s, Fsdp) for s in chosen) and not any(isinstance(s, Zero) for s in chosen)
+    with pytest.raises(UsageError, match="engine='fdsp' is not known.*did you mean 'fsdp'.*use one of 'auto'"):
+        engine_strategies(None, "fdsp")
+    with pytest.raises(UsageError, match="engine='megatron' is not known"):
+        autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss,
+                        engine="megatron")

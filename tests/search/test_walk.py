@@ -201,3 +201,35 @@ def test_an_error_met_at_one_micro_batch_nothing_else_ran_at_is_not_laid_to_a_kn
     failed = [r for r in results if r.status is ProbeStatus.ERROR]
     assert len(bf16) > 2 and len(failed) == len(bf16)  # each ran: none laid to bf16
     assert not [r for r in results if "same way" in r.reason]
+
+
+def test_an_errors_identity_is_its_type_and_site_not_its_text():
+    """`failure` compares the fields the probe recorded: the same type raised at the same site is one error
+    whatever its text says (the sizes, a rank's prefix); another site is another error."""
+    from autofit.search.walk import failure
+
+    def error(reason, error_type="RuntimeError", site="model.py:12 in forward"):
+        return ProbeResult(Config(), ProbeStatus.ERROR, reason, error_type=error_type, error_site=site)
+
+    assert failure(error("RuntimeError: shapes (4x3) mismatch")) == \
+        failure(error("rank 1: RuntimeError: a view of 8 rows (on 1 of 2 ranks)"))
+    assert failure(error("RuntimeError: shapes (4x3) mismatch")) != \
+        failure(error("RuntimeError: shapes (4x3) mismatch", site="loss.py:3 in loss"))
+    assert failure(error("RuntimeError: x", error_type="KeyError")) != failure(error("RuntimeError: x"))
+    # no frame of the user's: the text, sizes and dtypes blanked
+    assert failure(error("RuntimeError: got 4 and Float", site=None)) == \
+        failure(error("RuntimeError: got 8 and BFloat16", site=None))
+
+
+def test_an_older_records_error_is_recognised_from_its_reason():
+    """A record from a trial store or plan written before errors kept their type and site."""
+    from autofit.search.walk import failure
+
+    def old(reason):
+        return ProbeResult(Config(), ProbeStatus.ERROR, reason)
+
+    assert failure(old("RuntimeError: shapes (4x3) mismatch (at model.py:12 in forward)")) == \
+        failure(old("RuntimeError: shapes (8x3) mismatch (at model.py:12 in forward)")) == \
+        failure(ProbeResult(Config(), ProbeStatus.ERROR, "RuntimeError: anything", error_type="RuntimeError",
+                            error_site="model.py:12 in forward"))
+    assert failure(old("RuntimeError: 4 broke")) == failure(old("RuntimeError: 8 broke"))
