@@ -7,8 +7,8 @@ for almost no extra FLOPs. "every_k" checkpoints every k-th block wholly (k = 2 
 allows), "full" all blocks: 50-70% of activation memory for ~20-35% more compute. All tier 0 (same
 math). Hugging Face models use their own switch; plain models (blocks in an nn.ModuleList /
 nn.Sequential) get `torch.utils.checkpoint` with `use_reentrant=False` on the chosen blocks' forward,
-whose recomputation puts their batch norms' running statistics back as the first run left them (same
-evaluation statistics too).
+whose recomputation updates scratch copies of their batch norms' running statistics, so the statistics
+stay as the first run left them (same evaluation statistics too), op by op as well.
 """
 
 from __future__ import annotations
@@ -120,17 +120,18 @@ def disable(model: nn.Module) -> None:
 
 def _checkpointed(block: nn.Module, forward: Any, options: dict[str, Any]) -> Any:
     """`forward` of `block` under `torch.utils.checkpoint`, its recomputation in backward leaving the
-    block's batch norms' running statistics as the first run left them (`_statistics_kept`)."""
+    block's batch norms' running statistics as the first run left them (`_statistics_aside`)."""
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         runs = iter(range(2))
+        aside = _scratch_statistics(norms)  # made here, outside the region the checkpoint records
 
         def once(*inner: Any, **named: Any) -> Any:
-            if next(runs, 1) == 0 or not norms:
+            if next(runs, 1) == 0 or not aside:
                 return forward(*inner, **named)
-            with _statistics_kept(norms):
+            with _statistics_aside(aside):
                 return forward(*inner, **named)
 
         return torch.utils.checkpoint.checkpoint(once, *args, **options, **kwargs)
@@ -138,22 +139,36 @@ def _checkpointed(block: nn.Module, forward: Any, options: dict[str, Any]) -> An
     return run
 
 
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _scratch_statistics(norms: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """A copy of each running statistic a training batch norm of `norms` updates, for the recomputation to
+    update instead (`_statistics_aside`); none where no batch norm trains with running statistics."""
+    with torch.no_grad():
+        return [(m, name, m._buffers[name].clone()) for m in norms if m.training and m.track_running_stats
+                for name in _STATISTICS if m._buffers.get(name) is not None]
+
+
 @contextlib.contextmanager
-def _statistics_kept(norms: list[nn.Module]) -> Any:
-    """Batch norms whose running statistics (and `num_batches_tracked`) a recomputation leaves as the first
-    run left them: a checkpointed block's forward runs twice per step, and each run in training updates
-    them (torch/nn/modules/batchnorm.py `_BatchNorm.forward`), so a checkpointed ResNet's evaluation
-    statistics had drifted from an unchecked one's (twice the momentum, num_batches_tracked 2 a step). Put
-    back after the call, not skipped: the recomputation must save the tensors the first run saved
-    (torch.utils.checkpoint counts them), and a batch norm's kernel takes its running statistics."""
-    kept = [(buffer, buffer.clone()) for m in norms if m.training and m.track_running_stats
-            for buffer in (m.running_mean, m.running_var, m.num_batches_tracked) if buffer is not None]
+def _statistics_aside(aside: list[tuple[nn.Module, str, torch.Tensor]]) -> Any:
+    """The batch norms' running statistics (and `num_batches_tracked`) swapped for the scratch copies in
+    `aside` while a recomputation runs, then swapped back untouched. A checkpointed block's forward runs
+    twice per step, and each run in training updates them (torch/nn/modules/batchnorm.py
+    `_BatchNorm.forward`), so a checkpointed ResNet's evaluation statistics had drifted from an unchecked
+    one's (twice the momentum, num_batches_tracked 2 a step). Swapped, not skipped: the recomputation must
+    run the ops the first run ran (torch.utils.checkpoint counts the tensors saved, and op-level
+    checkpointing replays the first run's ops one for one: a clone or copy it did not record fails with
+    "aten.clone.default encountered during backward but not found in storage"). Batch norm in training
+    normalises by the batch's own statistics, so the copies' values change no output or gradient."""
+    kept = [(module, name, module._buffers[name]) for module, name, _ in aside]
     try:
+        for module, name, scratch in aside:
+            module._buffers[name] = scratch
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in kept:
-                buffer.copy_(value)
+        for module, name, buffer in kept:
+            module._buffers[name] = buffer
 
 
 def _ordinal(k: int) -> str:
