@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config, Optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
-from autofit.search.decision import Comparison, Confirmation, Finalist, MarginKind, Ratio, choose
+from autofit.search.decision import (CLEAR_SHARE, CONFIDENCE, NOISE_MARGIN, Comparison, Confirmation, DecidedBy, Finalist,
+                                     MarginKind, Ratio, choose)
 from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.units import format_size
 from autofit.version import __version__
@@ -125,10 +126,14 @@ class Plan:
         return f"Plan(fits={self.fits!r}, config={self.config!r}, {figures}, reason={self.reason!r}, probes={probes})"
 
     def summary(self) -> str:
-        """A few lines for people: the choice, its figures and the reason."""
+        """At most three short lines for people: the choice and its figures; the rule that decided it; and,
+        where they apply, the numerics it changes and a peak near the limit with the next fit that has
+        headroom. The whole comparison is in `reason`, `confirmation`, the report and `--json`."""
         if not self.fits:
             return f"Nothing fits. {self.reason}"
-        return f"{self.config.describe()}: {self.figures()}\n{self.reason}"
+        lines = [f"{self.config.describe()}: {self.figures()}", decision_line(self)]
+        notes = [note for note in (numerics_note(self), near_limit_note(self)) if note]
+        return "\n".join(lines + (["; ".join(notes)] if notes else []))
 
     def figures(self) -> str:
         """The chosen configuration's measured throughput and peak, or why it has none (the OOM guard
@@ -141,14 +146,16 @@ class Plan:
 
 def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult], confirmation: Confirmation | None = None,
                   space: "Space | None" = None) -> str:
-    """Why `best` won: with a confirmation, its confirmed ratio to the runner-up and the spread over the
-    rounds, the margin a numerics change had to clear, and a swapped optimizer said plainly; without one,
-    its probed throughput against the runner-up's."""
+    """Why `best` won, composed from the decision's fields: with a confirmation, its confirmed figures
+    against the runner-up, each comparison a reader needs with the test that decided it (margin, share of
+    rounds, noise) and the class of what it beat, and a numerics change said plainly; without one, its
+    probed throughput against the runner-up's."""
     fits = [r for r in results if r.fits]
     if confirmation is None:
         return _probed_reason(best, fits, len(results))
-    parts = [_confirmed_head(confirmation, len(fits))]
-    parts += [_comparison_words(c, confirmation) for c in _worth_saying(confirmation)]
+    said = _worth_saying(confirmation)
+    parts = [_confirmed_head(confirmation, len(fits), said)]
+    parts += [_comparison_words(c, confirmation) for c in said]
     if space is not None:
         parts.append(_exactness_words(space, confirmation, results))
     parts.append(best.reason)
@@ -165,7 +172,9 @@ def _probed_reason(best: ProbeResult, fits: Sequence[ProbeResult], candidates: i
             f"({runner.config.describe()}); {best.reason}")
 
 
-def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
+def _confirmed_head(confirmation: Confirmation, fits: int, said: Sequence[Comparison]) -> str:
+    """How the finalists were re-measured and the choice's figure; the runner-up's ratio (or, when faster,
+    why it was not taken) unless a comparison said after it covers the runner-up already."""
     winner, runner = confirmation.winner, confirmation.runner_up()
     where = f"{fits} fitting configuration{'s' if fits != 1 else ''}"
     if runner is None:
@@ -173,16 +182,34 @@ def _confirmed_head(confirmation: Confirmation, fits: int) -> str:
                 f"{winner.median:,.2f} samples/s" + (", re-measured in this session" if winner.rounds else ""))
     ratio = Ratio.of(winner, runner)
     rounds = len(winner.rounds)
-    how = f"{rounds} interleaved rounds ({confirmation.method})" if rounds else "as probed"
-    return (f"chosen of {len(confirmation.finalists)} finalists ({where}) re-measured back to back, {how}: "
-            f"{winner.median:,.2f} samples/s, {ratio.median:.2f}x as fast as the runner-up "
-            f"({runner.config.describe()}; per-round ratio {ratio.low:.2f}-{ratio.high:.2f})")
+    threads = f" at {confirmation.threads} torch thread{'s' if confirmation.threads != 1 else ''}" \
+        if confirmation.threads else ""
+    how = f"{rounds} interleaved rounds ({confirmation.method}){threads}" if rounds else "as probed"
+    head = (f"chosen of {len(confirmation.finalists)} finalists ({where}) re-measured back to back, {how}: "
+            f"{winner.median:,.2f} samples/s")
+    index = confirmation.finalists.index(runner)
+    if any(index in (c.challenger, c.holder) for c in said):
+        return head
+    if ratio.median >= 1:
+        return (f"{head}, {ratio.median:.2f}x the runner-up ({runner.config.describe()}; interval "
+                f"{ratio.low:.2f}-{ratio.high:.2f})")
+    return f"{head}; {runner.config.describe()} measured {1 / ratio.median:.2f}x as fast, {_not_taken(confirmation, runner)}"
+
+
+def _not_taken(confirmation: Confirmation, finalist: Finalist) -> str:
+    """Why a finalist faster than the choice is not the choice: the test its own comparison failed."""
+    index = confirmation.finalists.index(finalist)
+    mine = next((c for c in confirmation.comparisons if c.challenger == index), None)
+    if mine is None or mine.won:
+        return "and was replaced by a finalist that cleared its margin over it (below)"
+    holder = confirmation.finalists[mine.holder]
+    return f"but was not taken over {holder.config.describe()} ({class_words(holder)}): {rule_words(mine)}"
 
 
 def _worth_saying(confirmation: Confirmation) -> list[Comparison]:
     """The comparisons a reader needs: a change that won on its exactness or near-limit margin, a faster one
-    that did not clear its margin, and a win on the noise margin over a finalist already said to be kept
-    (else the text would end on "X is kept" and choose another)."""
+    that was not taken, and a win on the noise margin over a finalist already said to be kept (else the
+    text would end on "X is kept" and choose another)."""
     said, kept = [], set()
     for comparison in confirmation.comparisons:
         if comparison.won:
@@ -198,39 +225,75 @@ def _worth_saying(confirmation: Confirmation) -> list[Comparison]:
 
 _MARGIN_WORDS = {MarginKind.EXACTNESS: "a numerics change must clear (exact_margin)",
                  MarginKind.NEAR_LIMIT: "a fit whose allocator retried must clear",
-                 MarginKind.NOISE: "of noise (or faster in too few rounds) any further change must clear"}
+                 MarginKind.NOISE: "of noise any further change must clear"}
+
+
+def class_words(finalist: Finalist) -> str:
+    """"exact", or the numerics a finalist changes ("numerics: precision=bf16", "tier 2: lora_rank=8")."""
+    if not finalist.tier and not finalist.numerics:
+        return "exact"
+    changes = ", ".join(finalist.numerics) or "a numerics change"
+    return f"numerics: {changes}" if finalist.tier <= 1 else f"tier {finalist.tier}: {changes}"
+
+
+def rule_words(comparison: Comparison) -> str:
+    """The test that decided `comparison`, with its figures."""
+    ratio, margin = comparison.ratio, comparison.margin
+    by = comparison.decided_by
+    if by is DecidedBy.CLEARED:
+        return f"above the {margin:.0%} margin {_MARGIN_WORDS[comparison.kind]}"
+    if by is DecidedBy.MARGIN:
+        return f"within the {margin:.0%} margin {_MARGIN_WORDS[comparison.kind]}"
+    if by is DecidedBy.SHARE:
+        return f"faster in too few rounds ({ratio.wins:.0%} of {ratio.rounds}; a change must win {CLEAR_SHARE:.0%})"
+    return (f"too noisy to show a {max(margin, NOISE_MARGIN):.0%} gain: paired ratios {ratio.low:.2f}-{ratio.high:.2f} "
+            f"(the median's {CONFIDENCE:.0%} interval) over {ratio.rounds} rounds")
 
 
 def _comparison_words(comparison: Comparison, confirmation: Confirmation) -> str:
     challenger = confirmation.finalists[comparison.challenger]
     holder = confirmation.finalists[comparison.holder]
     ratio = comparison.ratio
-    figures = (f"{ratio.median:.2f}x as fast as {holder.config.describe()} ({ratio.low:.2f}-{ratio.high:.2f}, "
-               f"faster in {ratio.wins:.0%} of rounds)")
-    margin = f"the {comparison.margin:.0%} margin {_MARGIN_WORDS[comparison.kind]}"
+    rounds = " as probed" if not ratio.rounds else f" over {ratio.rounds} rounds" \
+        if comparison.decided_by is DecidedBy.SHARE else f", faster in {ratio.wins:.0%} of {ratio.rounds} rounds"
+    figures = (f"{ratio.median:.2f}x as fast as {holder.config.describe()} ({class_words(holder)}; interval "
+               f"{ratio.low:.2f}-{ratio.high:.2f}{rounds})")
     if comparison.won:
-        return f"{challenger.config.describe()} is {figures}, above {margin}"
-    return f"{challenger.config.describe()} was {figures}, within {margin}: {holder.config.describe()} is kept"
+        return f"{challenger.config.describe()} is {figures}, {rule_words(comparison)}"
+    return f"{challenger.config.describe()} was {figures}, {rule_words(comparison)}: {holder.config.describe()} is kept"
+
+
+def _won_on(confirmation: Confirmation) -> Comparison | None:
+    """The comparison in which the winner's numerics replaced another arithmetic (an exactness win), following
+    the chain of holders back from the winner's own win; None where it won none."""
+    wins = {c.challenger: c for c in confirmation.comparisons if c.won}
+    comparison = wins.get(confirmation.chosen)
+    while comparison is not None and comparison.kind is not MarginKind.EXACTNESS:
+        comparison = wins.get(comparison.holder)
+    return comparison
 
 
 def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequence[ProbeResult]) -> str:
-    """Plain words when the choice changes numerics: the user's optimizer swapped, and on what evidence
-    (where the exact configurations probed failed with errors, not out of memory, the first of them: a
-    fault of the model's the numerics change only steps around)."""
+    """Plain words when the choice changes numerics: the user's optimizer swapped, and on what evidence: the
+    margin it cleared and the class of what it beat (where the exact configurations probed failed with
+    errors, not out of memory, the first of them: a fault of the model's the numerics change only steps
+    around)."""
     winner = confirmation.winner
     if winner.tier == 0:
         return ""
     swap = _optimizer_swap(space, winner)
     exact = [r for r in results if r.fits and space.tier(r.config) < winner.tier]
     errors = [r for r in results if r.status is ProbeStatus.ERROR and space.tier(r.config) < winner.tier]
+    won = _won_on(confirmation)
     if not exact and errors:
         evidence = (f"no exact configuration fits: {len(errors)} of those probed failed with an error, not out of "
                     f"memory ({errors[0].config.describe()}: {errors[0].reason}), which the change may only step "
                     "around: check it with one step of your own loop")
     elif not exact:
         evidence = "no exact configuration fits"
-    elif any(c.won and c.kind is MarginKind.EXACTNESS for c in confirmation.comparisons):
-        evidence = f"it cleared the {confirmation.exact_margin:.0%} margin over an exact configuration (above)"
+    elif won is not None:
+        beaten = confirmation.finalists[won.holder]
+        evidence = f"it cleared the {won.margin:.0%} margin over {beaten.config.describe()} ({class_words(beaten)})"
     else:  # the exact finalists could not be re-measured beside it
         fastest = max(exact, key=lambda r: r.samples_per_s)
         why = "; ".join(w for _, w in confirmation.dropped) or "none was a finalist"
@@ -241,6 +304,64 @@ def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequen
     change = "; ".join([swap, *others]) if swap else \
         f"a numerics change is taken (tier {winner.tier}: {winner.config.describe()}: {'; '.join(others)})"
     return f"{change}, because {evidence}"
+
+
+def decision_line(plan: "Plan") -> str:
+    """`summary`'s second line: the rule that decided the choice, with its figures."""
+    confirmation = plan.confirmation
+    fits = [p for p in plan.probes if p.fits]
+    if confirmation is None:
+        return (f"highest measured throughput of {len(fits)} fits" if len(fits) > 1 else
+                "the only configuration that fits")
+    winner = confirmation.winner
+    wins = [c for c in confirmation.comparisons if c.won and c.challenger == confirmation.chosen]
+    if wins:
+        won, holder = wins[0], confirmation.finalists[wins[0].holder]
+        return (f"{won.ratio.median:.2f}x {holder.config.describe()} ({class_words(holder)}) over "
+                f"{won.ratio.rounds} rounds, above the {won.margin:.0%} {won.kind.value} margin")
+    challengers = [c for c in confirmation.comparisons if c.holder == confirmation.chosen and c.ratio.median > 1]
+    if challengers:
+        faster = max(challengers, key=lambda c: c.ratio.median)
+        return (f"kept over {confirmation.finalists[faster.challenger].config.describe()} "
+                f"({faster.ratio.median:.2f}x): {_short_rule(faster)}")
+    if len(confirmation.finalists) == 1:
+        return (f"the only finalist of {len(fits)} fit{'s' if len(fits) != 1 else ''} (no other within "
+                f"{confirmation.window:.0%} as probed)")
+    rounds = len(winner.rounds)
+    return f"the fastest of {len(confirmation.finalists)} finalists re-measured over {rounds} rounds, {class_words(winner)}"
+
+
+def _short_rule(comparison: Comparison) -> str:
+    by, ratio = comparison.decided_by, comparison.ratio
+    if by is DecidedBy.SHARE:
+        return f"faster in only {ratio.wins:.0%} of {ratio.rounds} rounds"
+    if by is DecidedBy.NOISE:
+        return f"too noisy to show a {max(comparison.margin, NOISE_MARGIN):.0%} gain ({ratio.low:.2f}-{ratio.high:.2f})"
+    return f"under the {comparison.margin:.0%} {comparison.kind.value} margin"
+
+
+def numerics_note(plan: "Plan") -> str:
+    """"numerics: ..." where the choice changes them (from the confirmation's record), else ""."""
+    winner = plan.confirmation.winner if plan.confirmation is not None else None
+    if winner is None or not winner.numerics:
+        return ""
+    return f"numerics: {', '.join(winner.numerics)} (tier {winner.tier})"
+
+
+def near_limit_note(plan: "Plan") -> str:
+    """Where the chosen fit's allocator retried while timed (its peak at the limit, run to run), that, and the
+    fastest fit whose allocator did not; else ""."""
+    chosen = next((p for p in plan.probes if p.fits and p.config == plan.config), None)
+    if chosen is None or not chosen.near_limit:
+        return ""
+    confirmed = {f.config: f.median for f in plan.confirmation.finalists} if plan.confirmation else {}
+    calm = [p for p in plan.probes if p.fits and not p.near_limit and p.config != plan.config]
+    note = f"near the limit ({chosen.alloc_retries} allocator retries while timed)"
+    if not calm:
+        return f"{note}; no fit with headroom"
+    roomy = max(calm, key=lambda p: confirmed.get(p.config, p.samples_per_s))
+    return (f"{note}; with headroom: {roomy.config.describe()}, {confirmed.get(roomy.config, roomy.samples_per_s):,.2f} "
+            f"samples/s, peak {format_size(roomy.peak_bytes)}")
 
 
 def _optimizer_swap(space: "Space", winner: Finalist) -> str:

@@ -26,7 +26,7 @@ from autofit.estimate.prediction import Estimate
 from autofit.devices.gpus import GpuProfile, get_gpu, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
-from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, change_order, margin_between
+from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, Standing, change_order, margin_between
 from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.search.space import Space, build_space
 from autofit.job.target import Target
@@ -51,6 +51,12 @@ class Candidate:
     step_seconds: float  # predicted seconds per optimizer step
     samples_per_s: float  # predicted global samples per second
     limit: int = 0  # the bytes per GPU it was planned under (0: none)
+    numerics: tuple[str, ...] = ()  # its numerics changes, "knob=value" (`Space.numerics`)
+
+    @property
+    def standing(self) -> Standing:
+        """What sets the margin it must clear against another fit (`margin_between`)."""
+        return Standing(self.tier, self.numerics)
 
     @property
     def reason(self) -> str:
@@ -324,7 +330,7 @@ class _Planner:
         host = host_seconds(config, self.estimator.facts, estimate.kernels)
         bound = f"; bound by the host issuing {round(host / SECONDS_PER_KERNEL):,} ops a step" if host >= seconds else ""
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound})",
-                         self.space.tier(config), seconds, samples, self.spec.fit_limit)
+                         self.space.tier(config), seconds, samples, self.spec.fit_limit, self.space.numerics(config))
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
@@ -360,7 +366,7 @@ def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
 
 
 def _margin(safer: Candidate, riskier: Candidate) -> tuple[float, MarginKind]:
-    return margin_between((safer.tier, False), (riskier.tier, False), DEFAULT_EXACT_MARGIN)
+    return margin_between(safer.standing, riskier.standing, DEFAULT_EXACT_MARGIN)
 
 
 _MARGIN_WORDS = {MarginKind.EXACTNESS: "a numerics change must clear",

@@ -19,33 +19,53 @@ figures alone. This step runs after the walk:
    only with each other, never raw with this session's: each source picks its own finalists, and all of
    them are re-measured here.
 3. **Re-measured back to back, interleaved** (`confirm`): live runs when the probes run in this process on
-   the CPU (each finalist built once and warmed up, then LIVE_ROUNDS rounds of one optimizer step each,
-   the order rotating); otherwise PROBE_ROUNDS rounds of whole probes of at most PROBE_FINALISTS
-   finalists from the window (child processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round (paired: both measured
-   within the same seconds, so a load that comes and goes cancels out) and keeps the median.
-   The choice between them: `autofit.search.decision`.
+   the CPU (each finalist built once and warmed up, then rounds of one optimizer step each, the order
+   rotating, at one torch thread count for all); otherwise rounds of whole probes of the finalists (child
+   processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round
+   (paired: both measured within the same seconds, so a load that comes and goes cancels out) and keeps
+   the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
+   alone (its ratio's interval wider than its margin), one more at a time, up to `most` and within
+   `seconds`: more rounds narrow the interval of the median on a steady machine, and on a busy one the
+   cap ends them and the simpler finalist stays. The choice between them: `autofit.search.decision`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, Skip, Source
-from autofit.search.decision import (PROBE_WINDOW, Confirmation, Finalist, Method, Window, decide, level_of, risk,
-                                     simplicity)
+from autofit.search.decision import (PROBE_WINDOW, Confirmation, DecidedBy, Finalist, Method, Window, decide,
+                                     level_of, risk, simplicity)
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
 
-LIVE_ROUNDS = 7  # rounds of one optimizer step per finalist, live runs
-PROBE_ROUNDS = 2  # rounds of one whole probe per finalist, when runs cannot stay alive side by side
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """How many confirmation rounds: at least `least`; more, one at a time, while a comparison is undecided
+    for noise alone, up to `most` rounds and while the rounds so far took under `seconds`."""
+
+    least: int
+    most: int
+    seconds: float
+
+
+LIVE_ROUNDS = Rounds(7, 21, 30.0)  # one optimizer step per finalist a round, live runs
+PROBE_ROUNDS = Rounds(2, 4, 300.0)  # one whole probe per finalist a round, when runs cannot stay alive side by side
 # A lone finalist whose timed steps disagreed by more than this (slowest - fastest over the median) is
 # re-measured too: a probe that ran while the machine was busy (or before the process warmed up) would
 # otherwise leave its slowest figures in the plan and the exports.
 UNSTEADY_SPREAD = 0.30
 
-Measure = Callable[[Sequence[Config], int], "dict[Config, tuple[float, ...] | str]"]
+# measure(configs, rounds, more): samples/s of each config per round (or why it failed); `more(figures so far)`
+# says whether a round past `rounds.least` is worth running
+More = Callable[["dict[Config, tuple[float, ...] | str]"], bool]
+Measure = Callable[[Sequence[Config], Rounds, More], "dict[Config, tuple[float, ...] | str]"]
 Probe = Callable[[Config, str], ProbeResult]
 
 
@@ -124,38 +144,61 @@ def _largest_oflevel_of(group: Sequence[ProbeResult], result: ProbeResult) -> Pr
 
 
 # -- 3. re-measured back to back --------------------------------------------------------------------------
-def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | None, rounds: int,
-            exact_margin: float, method: Method, window: Window = PROBE_WINDOW) -> Confirmation | None:
-    """Re-measure the finalists (`window`: see `finalists`) with `measure(configs, rounds)` (samples/s per
-    round, or why it failed) and decide. None when nothing fits. A lone finalist measured in this session
-    needs no rounds, unless its timed steps disagreed by more than `UNSTEADY_SPREAD`."""
+def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | None, rounds: Rounds | int,
+            exact_margin: float, method: Method, window: Window = PROBE_WINDOW,
+            threads: int | None = None) -> Confirmation | None:
+    """Re-measure the finalists (`window`: see `finalists`) with `measure(configs, rounds, more)` (samples/s
+    per round, or why it failed; `rounds` a count: exactly that many) and decide; `threads` is recorded (torch's CPU threads of live runs). None
+    when nothing fits. A lone finalist measured in this session needs no rounds, unless its timed steps
+    disagreed by more than `UNSTEADY_SPREAD`."""
     picked = finalists(space, results, window)
     if not picked:
         return None
+    rounds = Rounds(rounds, rounds, 0.0) if isinstance(rounds, int) else rounds
     stored = any(r.source is Source.STORED for r in picked)
     unsteady = any((r.step_spread or 0.0) > UNSTEADY_SPREAD for r in picked)
     measured: dict[Config, tuple[float, ...] | str] = {}
     if measure is not None and (len(picked) > 1 or stored or unsteady):
-        measured = measure([r.config for r in picked], rounds)
+        def more(so_far: dict[Config, tuple[float, ...] | str]) -> bool:
+            _, comparisons = decide(_pool(space, picked, so_far), exact_margin)
+            return any(c.decided_by is DecidedBy.NOISE for c in comparisons)
+
+        measured = measure([r.config for r in picked], rounds, more)
     else:
-        method = Method.NONE
+        method, threads = Method.NONE, None
     dropped = tuple((r.config.describe(), measured[r.config]) for r in picked if isinstance(measured.get(r.config), str))
-    kept = [r for r in picked if not isinstance(measured.get(r.config), str)] or picked[:1]
-    pool = tuple(Finalist(r.config, space.tier(r.config), r.near_limit, r.source, r.samples_per_s,
-                          tuple(measured.get(r.config, ()) if not isinstance(measured.get(r.config), str) else ()))
-                 for r in kept)
+    pool = _pool(space, picked, measured)
     chosen, comparisons = decide(pool, exact_margin)
-    return Confirmation(pool, chosen, tuple(comparisons), method, exact_margin, dropped, window.margin)
+    return Confirmation(pool, chosen, tuple(comparisons), method, exact_margin, dropped, window.margin, threads)
+
+
+def _pool(space: "Space", picked: Sequence[ProbeResult],
+          measured: dict[Config, tuple[float, ...] | str]) -> tuple[Finalist, ...]:
+    """The finalists with their rounds so far, less those whose re-measurement failed (all of them failing,
+    the first stays, as probed)."""
+    kept = [r for r in picked if not isinstance(measured.get(r.config), str)] or list(picked[:1])
+    return tuple(Finalist(r.config, space.tier(r.config), r.near_limit, r.source, r.samples_per_s,
+                          tuple(measured.get(r.config, ()) if not isinstance(measured.get(r.config), str) else ()),
+                          space.degree(r.config), space.numerics(r.config))
+                 for r in kept)
 
 
 def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:
     """A `Measure` from one measurement per call: each round measures every config once, the order
-    rotating between rounds; a config whose measurement fails is dropped with the reason."""
+    rotating between rounds, for as many rounds as `Rounds` and `more` say; a config whose measurement
+    fails is dropped with the reason."""
 
-    def measure(configs: Sequence[Config], rounds: int) -> dict[Config, tuple[float, ...] | str]:
+    def measure(configs: Sequence[Config], rounds: Rounds,
+                more: More = lambda figures: False) -> dict[Config, tuple[float, ...] | str]:
         samples: dict[Config, list[float]] = {c: [] for c in configs}
         failed: dict[Config, str] = {}
-        for index in range(rounds):
+
+        def figures() -> dict[Config, tuple[float, ...] | str]:
+            return {c: failed.get(c) or tuple(samples[c]) for c in configs}
+
+        started, index = time.perf_counter(), 0
+        while index < rounds.least or (index < rounds.most and time.perf_counter() - started < rounds.seconds
+                                       and more(figures())):
             live = [c for c in configs if c not in failed]
             shift = index % max(len(live), 1)
             for config in live[shift:] + live[:shift]:
@@ -164,32 +207,41 @@ def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:
                     failed[config] = value
                 else:
                     samples[config].append(value)
-        return {c: failed.get(c) or tuple(samples[c]) for c in configs}
+            index += 1
+        return figures()
 
     return measure
 
 
 # -- the two ways of measuring ----------------------------------------------------------------------------
-def live_measure(spec: Any, strategies: Sequence[Any]) -> Measure:
+def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = None) -> Measure:
     """A `Measure` on live runs: every finalist built once and warmed up (one step: the process is warm,
-    and the median over the rounds shrugs off a slower first round), then each round takes one timed optimizer step of each, the order rotating. Outside the CPU
-    budget (each already fits it; its bookkeeping is off during timed steps anyway), so all runs stay in
-    host memory at once: the caller checks they fit there."""
+    and the median over the rounds shrugs off a slower first round), then each round takes one timed
+    optimizer step of each, the order rotating, all at `threads` torch CPU threads (default: the current
+    count), held for the whole measurement: a finalist's build must not change what the others run at.
+    Outside the CPU budget (each already fits it; its bookkeeping is off during timed steps anyway), so
+    all runs stay in host memory at once: the caller checks they fit there."""
+    import torch
+
     from autofit.probe.oom import collecting_new_objects, first_line, release_memory
     from autofit.probe.run import fresh_run, timed_step
 
     @collecting_new_objects()
-    def measure(configs: Sequence[Config], rounds: int) -> dict[Config, tuple[float, ...] | str]:
+    def measure(configs: Sequence[Config], rounds: Rounds,
+                more: More = lambda figures: False) -> dict[Config, tuple[float, ...] | str]:
         runs: dict[Config, Any] = {}
         failed: dict[Config, str] = {}
+        before = torch.get_num_threads()
         try:
             for config in configs:
+                torch.set_num_threads(threads or before)
                 try:
                     run, batches = fresh_run(spec, config, strategies)
                     run.step(batches)
                     runs[config] = (run, batches)
                 except Exception as exc:  # noqa: BLE001 - a finalist that cannot run is dropped, with why
                     failed[config] = first_line(exc)
+            torch.set_num_threads(threads or before)
 
             def one(config: Config) -> float | str:
                 if config in failed:
@@ -199,8 +251,9 @@ def live_measure(spec: Any, strategies: Sequence[Any]) -> Measure:
                 except Exception as exc:  # noqa: BLE001
                     return first_line(exc)
 
-            return interleaved(one)(list(configs), rounds)
+            return interleaved(one)(list(configs), rounds, more)
         finally:
+            torch.set_num_threads(before)
             runs.clear()
             release_memory()
 

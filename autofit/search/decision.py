@@ -1,11 +1,19 @@
 """The decision between the finalists the confirmation re-measured (`autofit.search.confirm`), and its records.
 
-The finalists are taken (`decide`) in order from the least to the most change (exactness tier,
-then allocator retries, then fewer knobs changed, then the larger micro-batch). Starting from the
-first, one that changes more replaces the choice only when clearly faster: a median paired ratio of at
-least 1 + its margin, winning at least CLEAR_SHARE of the rounds. The margin is `exact_margin`
-(default 10%) for a higher exactness tier (bf16/fp16, 8-bit states, Adafactor), NEAR_LIMIT_MARGIN for
-a fit whose allocator retried, and NOISE_MARGIN otherwise: within the noise the simpler one stays.
+The finalists are taken (`decide`) in order from the least to the most change: exactness tier, then how
+far the arithmetic moves (`Space.degree`: exact < bf16 autocast < pure bf16 / 8-bit states / Adafactor,
+a combination adding up), then allocator retries, then fewer knobs changed, then the larger micro-batch.
+Starting from the first, one that changes more replaces the choice only when clearly faster, and each
+comparison records the test that decided it (`DecidedBy`):
+
+1. its median paired ratio is at least 1 + its margin (else MARGIN): `exact_margin` (default 10%) where
+   its arithmetic differs from the holder's at all (a higher tier, or another numerics change: pure bf16
+   against bf16 autocast must clear it too), NEAR_LIMIT_MARGIN for a fit whose allocator retried,
+   NOISE_MARGIN otherwise;
+2. it was faster in at least CLEAR_SHARE of the rounds (else SHARE);
+3. the ratio's interval (where its median lies, at CONFIDENCE, from the rounds' order statistics) is no
+   wider than the margin (else NOISE): on a machine whose paired ratios spread 0.6-2.6 no 10% gain can be
+   shown, whatever the median says, and the simpler finalist stays.
 
 `choose` picks the plan's result from the search's: the confirmed choice where there is a confirmation,
 else the fastest fit (what the walk's deadlines compare against).
@@ -14,6 +22,7 @@ else the fastest fit (what the walk's deadlines compare against).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -28,6 +37,9 @@ DEFAULT_EXACT_MARGIN = 0.10  # a numerics change must be this much faster than a
 NEAR_LIMIT_MARGIN = 0.10  # a fit whose allocator retried must be this much faster than one that did not
 NOISE_MARGIN = 0.03  # any other change must be this much faster than a simpler finalist
 CLEAR_SHARE = 0.7  # ... and faster in at least this share of the rounds
+# ... on an interval of the median ratio no wider than the margin (and than NOISE_MARGIN, the finest gain
+# any measurement here resolves), taken at this confidence from the order statistics of the rounds' ratios
+CONFIDENCE = 0.85
 
 
 class MarginKind(Knob):
@@ -36,6 +48,15 @@ class MarginKind(Knob):
     EXACTNESS = "exactness"  # it changes numerics (a higher exactness tier): `exact_margin`
     NEAR_LIMIT = "near-limit"  # its allocator retried while timed, the holder's did not: NEAR_LIMIT_MARGIN
     NOISE = "noise"  # any other change: NOISE_MARGIN
+
+
+class DecidedBy(Knob):
+    """The test that decided a comparison (`judge`), in the order they are applied."""
+
+    MARGIN = "margin"  # its median ratio is under 1 + its margin: the holder stays
+    SHARE = "share of rounds"  # faster in fewer than CLEAR_SHARE of the rounds: the holder stays
+    NOISE = "noise"  # the ratio's interval is wider than the margin: the machine cannot rank them at it
+    CLEARED = "cleared"  # faster by its margin, in enough rounds, on a narrow enough interval: it replaces
 
 
 class Method(Knob):
@@ -69,6 +90,13 @@ class Finalist:
     source: Source  # PROBED in this search, or STORED (an earlier session's figure)
     probed: float  # samples/s the search measured
     rounds: tuple[float, ...] = ()  # samples/s in each confirmation round, this session
+    degree: int = 0  # how far its arithmetic moves from the exact baseline (`Space.degree`)
+    numerics: tuple[str, ...] = ()  # its numerics changes, "knob=value" (`Space.numerics`); () exact
+
+    @property
+    def standing(self) -> "Standing":
+        """What sets the margins it must clear, or others must clear against it."""
+        return Standing(self.tier, self.numerics, self.near_limit)
 
     @property
     def median(self) -> float:
@@ -78,13 +106,22 @@ class Finalist:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {**dataclasses.asdict(self), "config": self.config.to_dict(), "source": self.source.value,
-                "rounds": list(self.rounds)}
+                "rounds": list(self.rounds), "numerics": list(self.numerics)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Finalist":
         """Inverse of `to_dict`."""
         return cls(**{**data, "config": Config.from_dict(data["config"]), "source": Source(data["source"]),
-                      "rounds": tuple(data["rounds"])})
+                      "rounds": tuple(data["rounds"]), "numerics": tuple(data.get("numerics", ()))})
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """What sets the margin between two finalists (`margin_between`)."""
+
+    tier: int  # exactness tier
+    numerics: tuple[str, ...] = ()  # the numerics changes, "knob=value" (`Space.numerics`)
+    near_limit: bool = False  # its allocator retried while timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,18 +129,34 @@ class Ratio:
     """Paired comparison of two finalists over the same rounds: samples/s of `a` over `b` in each round."""
 
     median: float
-    low: float  # lower quartile of the per-round ratios
-    high: float  # upper quartile
+    low: float  # the interval the median ratio lies in at CONFIDENCE (order statistics of the rounds'
+    high: float  # ratios: 7 rounds give the 2nd lowest and the 2nd highest; 6 or fewer, their range)
     wins: float  # share of the rounds in which `a` was faster
     rounds: int
+
+    @property
+    def spread(self) -> float:
+        """How wide the interval is, relative: high / low - 1 (0 without rounds)."""
+        return self.high / self.low - 1 if self.rounds and self.low > 0 else 0.0
 
     @classmethod
     def of(cls, a: Finalist, b: Finalist) -> "Ratio":
         """`a` against `b`; from the medians alone (one pseudo-round) when either was not re-measured."""
         pairs = [x / y for x, y in zip(a.rounds, b.rounds)] or [a.median / b.median]
-        low, high = (min(pairs), max(pairs)) if len(pairs) < 4 else _quartiles(pairs)
+        low, high = median_interval(pairs)
         return cls(statistics.median(pairs), low, high, sum(p > 1 for p in pairs) / len(pairs),
-                   len(a.rounds) if a.rounds and b.rounds else 0)
+                   len(pairs) if a.rounds and b.rounds else 0)
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The narrowest order-statistics interval (the k-th lowest to the k-th highest) that holds the median
+    of the distribution `values` were drawn from with at least `confidence` (distribution-free: the count
+    of values below the median is binomial(n, 1/2)); their range where no narrower one reaches it."""
+    ordered = sorted(values)
+    n, k = len(ordered), 1
+    while k < (n + 1) // 2 and 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +169,18 @@ class Comparison:
     margin: float  # what the challenger had to clear
     kind: MarginKind  # why that margin
     won: bool
+    decided_by: DecidedBy | None = None  # the test that decided it (None: derived, as plans written before kept it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", MarginKind.parse(self.kind, "kind"))
+        decided = judge(self.ratio, self.margin, noise=False) if self.decided_by is None else self.decided_by
+        object.__setattr__(self, "decided_by", DecidedBy.parse(decided, "decided_by"))
+        if self.won != (self.decided_by is DecidedBy.CLEARED):
+            raise ValueError(f"inconsistent comparison: won={self.won} but decided by {self.decided_by.value}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return {**dataclasses.asdict(self), "kind": self.kind.value}
+        return {**dataclasses.asdict(self), "kind": self.kind.value, "decided_by": self.decided_by.value}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Comparison":
@@ -142,6 +200,7 @@ class Confirmation:
     exact_margin: float
     dropped: tuple[tuple[str, str], ...] = ()  # (config described, why) of finalists a re-measurement lost
     window: float = PROBE_WINDOW.margin  # the window's margin the finalists were taken within
+    threads: int | None = None  # torch's CPU threads every finalist was re-measured at (live runs)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method, "method"))
@@ -160,7 +219,8 @@ class Confirmation:
         """JSON form (stored in the plan)."""
         return {"finalists": [f.to_dict() for f in self.finalists], "chosen": self.chosen,
                 "comparisons": [c.to_dict() for c in self.comparisons], "method": self.method.value,
-                "exact_margin": self.exact_margin, "dropped": [list(d) for d in self.dropped], "window": self.window}
+                "exact_margin": self.exact_margin, "dropped": [list(d) for d in self.dropped], "window": self.window,
+                "threads": self.threads}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Confirmation":
@@ -168,7 +228,7 @@ class Confirmation:
         return cls(tuple(Finalist.from_dict(f) for f in data["finalists"]), data["chosen"],
                    tuple(Comparison.from_dict(c) for c in data["comparisons"]), data["method"],
                    data["exact_margin"], tuple(tuple(d) for d in data.get("dropped", ())),
-                   data.get("window", PROBE_WINDOW.margin))
+                   data.get("window", PROBE_WINDOW.margin), data.get("threads"))
 
 
 def check_margin(exact_margin: Any) -> float:
@@ -184,29 +244,50 @@ def level_of(config: Config) -> Config:
 
 
 def simplicity(space: "Space", result: ProbeResult) -> tuple:
-    """Sort key from the least to the most change: exactness tier, allocator retries, the level's place
-    in the space (fewer knobs changed first), the larger micro-batch (fewer accumulation passes)."""
+    """Sort key from the least to the most change: exactness tier, how far the arithmetic moves, allocator
+    retries, the level's place in the space (fewer knobs changed first), the larger micro-batch (fewer
+    accumulation passes)."""
     return change_order(space, result.config, result.near_limit)
 
 
 def change_order(space: "Space", config: Config, near_limit: bool = False) -> tuple:
     """`simplicity` of a configuration (a prediction has no allocator retries: `near_limit` False)."""
     order = {level: i for i, level in enumerate(space.levels())}
-    return (space.tier(config), near_limit, order.get(level_of(config), len(order)), -config.micro_batch_size)
+    return (space.tier(config), space.degree(config), near_limit, order.get(level_of(config), len(order)),
+            -config.micro_batch_size)
 
 
-def risk(space: "Space", result: ProbeResult) -> tuple[int, bool]:
-    return space.tier(result.config), result.near_limit
+def risk(space: "Space", result: ProbeResult) -> tuple[int, int, bool]:
+    """The class a fit belongs to for the finalists: the best of each safer class is re-measured."""
+    return space.tier(result.config), space.degree(result.config), result.near_limit
 
 
-def margin_between(safer: tuple[int, bool], riskier: tuple[int, bool],
-                   exact_margin: float) -> tuple[float, MarginKind]:
-    """What a finalist of class `riskier` must clear against one of class `safer`, and why."""
-    if riskier[0] > safer[0]:
+def standing(space: "Space", config: Config, near_limit: bool = False) -> Standing:
+    """`config`'s `Standing` in `space`."""
+    return Standing(space.tier(config), space.numerics(config), near_limit)
+
+
+def margin_between(holder: Standing, challenger: Standing, exact_margin: float) -> tuple[float, MarginKind]:
+    """What `challenger` must clear against `holder`, and why: any change of the arithmetic (a higher tier,
+    or numerics other than the holder's) `exact_margin`; allocator retries the holder had not
+    NEAR_LIMIT_MARGIN; anything else NOISE_MARGIN."""
+    if challenger.tier > holder.tier or challenger.numerics != holder.numerics:
         return exact_margin, MarginKind.EXACTNESS
-    if riskier[1] and not safer[1]:
+    if challenger.near_limit and not holder.near_limit:
         return NEAR_LIMIT_MARGIN, MarginKind.NEAR_LIMIT
     return NOISE_MARGIN, MarginKind.NOISE
+
+
+def judge(ratio: Ratio, margin: float, noise: bool = True) -> DecidedBy:
+    """The test that decides a challenger at `ratio` over the holder that had to clear `margin` (see the
+    module doc); `noise=False` leaves the interval out (records written before it was applied)."""
+    if ratio.median < 1 + margin:
+        return DecidedBy.MARGIN
+    if ratio.wins < CLEAR_SHARE:
+        return DecidedBy.SHARE
+    if noise and ratio.rounds > 1 and ratio.spread > max(margin, NOISE_MARGIN):
+        return DecidedBy.NOISE
+    return DecidedBy.CLEARED
 
 
 def decide(pool: Sequence[Finalist], exact_margin: float) -> tuple[int, list[Comparison]]:
@@ -215,19 +296,13 @@ def decide(pool: Sequence[Finalist], exact_margin: float) -> tuple[int, list[Com
     holder, comparisons = 0, []
     for index in range(1, len(pool)):
         challenger, current = pool[index], pool[holder]
-        margin, kind = margin_between((current.tier, current.near_limit), (challenger.tier, challenger.near_limit),
-                               exact_margin)
+        margin, kind = margin_between(current.standing, challenger.standing, exact_margin)
         ratio = Ratio.of(challenger, current)
-        won = ratio.median >= 1 + margin and ratio.wins >= CLEAR_SHARE
-        comparisons.append(Comparison(index, holder, ratio, margin, kind, won))
-        if won:
+        decided = judge(ratio, margin)
+        comparisons.append(Comparison(index, holder, ratio, margin, kind, decided is DecidedBy.CLEARED, decided))
+        if decided is DecidedBy.CLEARED:
             holder = index
     return holder, comparisons
-
-
-def _quartiles(values: Sequence[float]) -> tuple[float, float]:
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def choose(results: Sequence[ProbeResult], confirmation: Confirmation | None = None) -> ProbeResult | None:

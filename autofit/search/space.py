@@ -81,6 +81,18 @@ class Space:
         (fewer samples than the rank's batch where batch norm or the loss couples them)."""
         return max((o.tier for _, o in self._used(config)), default=0)
 
+    def degree(self, config: Config) -> int:
+        """How far `config` moves the arithmetic from the exact baseline: the sum of its options' degrees
+        (`Option.change`: bf16 autocast 1; pure bf16, 8-bit states, Adafactor 2; both 3). Orders numerics
+        changes within a tier."""
+        return sum(o.change for _, o in self._used(config) if o.tier)
+
+    def numerics(self, config: Config) -> tuple[str, ...]:
+        """`config`'s numerics changes as "knob=value" (its options of tier 1 and up), sorted: two configs
+        with the same tuple compute the same arithmetic, whatever their memory knobs."""
+        return tuple(sorted(f"{field}={getattr(o.value, 'value', o.value)}" for field, o in self._used(config)
+                            if o.tier))
+
     def changes(self, config: Config) -> list[tuple[str, str]]:
         """The numerics changes `config` makes, as (knob, the option's reason): its options of tier 1 and up."""
         return [(field, o.reason) for field, o in self._used(config) if o.tier]

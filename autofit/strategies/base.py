@@ -46,6 +46,15 @@ class Option:
     reason: str
     available: bool = True
     also: tuple[tuple[str, Any], ...] = ()  # other fields this value sets (checkpointing's frequency)
+    # How far it moves the arithmetic, which orders numerics changes (`Space.degree`): within tier 1, 1 where
+    # only the compute precision changes (autocast), 2 where the update itself does (weights' or optimizer
+    # states' precision, another optimizer); None: its tier.
+    degree: int | None = None
+
+    @property
+    def change(self) -> int:
+        """`degree`, or the tier where none is given."""
+        return self.tier if self.degree is None else self.degree
 
     def knobs(self, field: str) -> dict[str, Any]:
         """Every Config field this option sets, as `Config.replace` takes them."""

@@ -50,7 +50,7 @@ class OptimizerStates(Strategy):
                                    "in unified memory, which the budget neither caps nor counts: bounded by the card"),
                                   (O.ADAFACTOR, "Adafactor: factored second moment, no first moment")):
             available, why_not = _available(name, spec)
-            options.append(Option(name, 1, why_offered if available else why_not, available))
+            options.append(Option(name, 1, why_offered if available else why_not, available, degree=2))
         return options
 
     def saves_at_least(self, a: Config, b: Config) -> bool:

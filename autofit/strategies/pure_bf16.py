@@ -45,7 +45,7 @@ class PureBf16(Strategy):
         return [Option(P.FP32, 0, "full precision, the baseline"),
                 Option(P.PURE_BF16, 1, "pure bf16: weights, gradients and AdamW states in bf16 (8 bytes per "
                        "parameter instead of 16)" if target.bf16 else f"pure bf16 needs native bf16 "
-                       f"({target.bf16_reason})", available=target.bf16)]
+                       f"({target.bf16_reason})", available=target.bf16, degree=2)]
 
     def apply(self, run: "TrainRun") -> None:
         if run.config.pure_bf16:

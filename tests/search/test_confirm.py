@@ -47,10 +47,18 @@ class GivenRounds:
     def __init__(self, figures):
         self.figures, self.asked = figures, []
 
-    def __call__(self, configs, rounds):
+    def __call__(self, configs, rounds, more=lambda figures: False):
         self.asked.append(list(configs))
-        return {c: self.figures[c] if isinstance(self.figures[c], str) else tuple(self.figures[c][:rounds])
-                for c in configs}
+
+        def upto(count):
+            return {c: self.figures[c] if isinstance(self.figures[c], str) else tuple(self.figures[c][:count])
+                    for c in configs}
+
+        count = rounds.least
+        while count < rounds.most and more(upto(count)):
+            count += 1
+        self.rounds = count
+        return upto(count)
 
 
 # -- the decision ---------------------------------------------------------------------------------------
@@ -159,7 +167,7 @@ def test_interleaved_rounds_rotate_the_order():
     order = []
     measure = confirm.interleaved(lambda c: order.append(c.micro_batch_size) or 1.0)
     a, b, c = (Config(micro_batch_size=m, grad_accum_steps=8 // m) for m in (8, 4, 2))
-    out = measure([a, b, c], 3)
+    out = measure([a, b, c], confirm.Rounds(3, 3, 0.0))
     assert order == [8, 4, 2, 4, 2, 8, 2, 8, 4] and out[a] == (1.0, 1.0, 1.0)
 
 
@@ -185,14 +193,14 @@ def test_the_reason_says_why_a_faster_numerics_change_was_not_taken(space):
 def test_a_finalist_said_to_be_kept_and_then_beaten_is_said_to_be_beaten(space):
     # As the quickstart once read: bf16 cleared the exactness margin, a faster change did not clear noise's
     # ("bf16 ... is kept"), and the one after it did, unsaid: the reason ended on a finalist it did not choose.
-    smaller = Config(micro_batch_size=4, grad_accum_steps=2, precision="bf16")
-    bf16_adafactor = Config(micro_batch_size=8, precision="bf16", optimizer="adafactor")
-    results = [fit(EXACT, 100), fit(BF16, 115), fit(smaller, 117), fit(bf16_adafactor, 122)]
-    measure = GivenRounds({EXACT: [100] * 7, BF16: [115] * 7, smaller: [117] * 7, bf16_adafactor: [122] * 7})
+    four = Config(micro_batch_size=4, grad_accum_steps=2, precision="bf16")
+    two = Config(micro_batch_size=2, grad_accum_steps=4, precision="bf16")
+    results = [fit(EXACT, 100), fit(BF16, 115), fit(four, 117), fit(two, 122)]
+    measure = GivenRounds({EXACT: [100] * 7, BF16: [115] * 7, four: [117] * 7, two: [122] * 7})
     plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
-    assert plan.config == bf16_adafactor
-    kept = f"{smaller.describe()} was 1.02x as fast as {BF16.describe()}"
-    beaten = f"{bf16_adafactor.describe()} is 1.06x as fast as {BF16.describe()}"
+    assert plan.config == two
+    kept = f"{four.describe()} was 1.02x as fast as {BF16.describe()}"
+    beaten = f"{two.describe()} is 1.06x as fast as {BF16.describe()}"
     assert kept in plan.reason and beaten in plan.reason and plan.reason.index(kept) < plan.reason.index(beaten)
 
 
@@ -342,3 +350,113 @@ def test_the_decisions_closed_choices_are_enums_and_old_json_loads():
     loaded = Confirmation.from_dict(json.loads(json.dumps(written)))
     assert loaded.method is Method.LIVE_RUNS and loaded.comparisons[0].kind is MarginKind.EXACTNESS
     assert Confirmation.from_dict(json.loads(json.dumps(loaded.to_dict()))) == loaded
+
+
+# -- busy machines, the order of numerics changes, and what the reason and summary say (issue 57) -------------
+PURE = Config(micro_batch_size=8, precision="pure_bf16")
+
+
+@pytest.fixture(scope="module")
+def pure_space():
+    from autofit.strategies import PureBf16
+
+    spec = make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=mlp_loss)
+    return build_space(spec, [PrecisionStrategy(), PureBf16(), OptimizerStates(), MicroBatch()])
+
+
+def test_numerics_changes_are_ordered_by_how_much_they_change(pure_space):
+    # exact < autocast < pure bf16 / Adafactor (the update itself changes) < autocast and Adafactor together
+    degrees = {c.describe(): pure_space.degree(c) for c in (EXACT, BF16, PURE, ADAFACTOR, BF16.replace(optimizer="adafactor"))}
+    assert list(degrees.values()) == [0, 1, 2, 2, 3]
+    picked = finalists(pure_space, [fit(PURE, 140), fit(BF16, 130), fit(EXACT, 100)], LIVE_WINDOW)
+    assert [r.config for r in picked] == [EXACT, BF16, PURE]
+
+
+def test_pure_bf16_must_clear_the_exactness_margin_over_bf16_autocast(pure_space):
+    """As the quickstart chose: bf16 autocast cleared the margin over fp32, and pure bf16 (bf16 weights and
+    AdamW states: updates under bf16's resolution are lost) was kept over it on the 3% noise margin."""
+    results = [fit(EXACT, 100), fit(BF16, 130), fit(PURE, 140)]
+    measure = GivenRounds({EXACT: [100] * 7, BF16: [130] * 7, PURE: [140] * 7})
+    confirmation = run_confirm(pure_space, results, measure, 7, 0.10, "live runs")
+    assert confirmation.winner.config == BF16
+    last = confirmation.comparisons[-1]
+    assert last.kind == "exactness" and last.decided_by == "margin" and last.ratio.median == pytest.approx(140 / 130)
+    plan = make_plan(pure_space, results, None, confirmation)
+    assert f"{PURE.describe()} was 1.08x as fast as {BF16.describe()} (numerics: precision=bf16;" in plan.reason
+
+
+def test_too_noisy_to_rank_keeps_the_exact_fit_and_says_so_with_the_figures(space):
+    # paired ratios 0.6-2.6: a median of 1.5, faster in 4 of 5 rounds, on a machine that cannot rank at 10%
+    noisy = [60, 260, 130, 200, 150] * 5
+    measure = GivenRounds({EXACT: [100] * 21, ADAFACTOR: noisy})
+    results = [fit(EXACT, 100), fit(ADAFACTOR, 140)]
+    confirmation = run_confirm(space, results, measure, confirm.Rounds(7, 21, 60.0), 0.10, "live runs")
+    (comparison,) = confirmation.comparisons
+    assert confirmation.winner.config == EXACT and comparison.decided_by == "noise" and not comparison.won
+    assert measure.rounds == 21  # rounds went on while noise alone left it undecided, up to the cap
+    plan = make_plan(space, results, None, confirmation)
+    assert ("too noisy to show a 10% gain: paired ratios 1.30-2.00 (the median's 85% interval) over 21 rounds"
+            in plan.reason)
+    assert "kept over" in plan.summary() and "too noisy" in plan.summary()
+
+
+def test_more_rounds_settle_a_gain_the_first_rounds_left_to_noise(space):
+    steady = [100, 150, 120, 130, 125, 160, 122] + [125] * 14
+    measure = GivenRounds({EXACT: [100] * 21, ADAFACTOR: steady})
+    results = [fit(EXACT, 100), fit(ADAFACTOR, 125)]
+    confirmation = run_confirm(space, results, measure, confirm.Rounds(7, 21, 60.0), 0.10, "live runs")
+    assert confirmation.winner.config == ADAFACTOR and confirmation.comparisons[0].decided_by == "cleared"
+    assert 7 < measure.rounds < 21  # no more than it took
+
+
+def test_interleaved_rounds_stop_at_the_time_cap():
+    calls = []
+    measure = confirm.interleaved(lambda c: calls.append(c) or 1.0)
+    out = measure([EXACT, ADAFACTOR], confirm.Rounds(2, 50, 0.0), lambda figures: True)
+    assert len(out[EXACT]) == 2 and len(calls) == 4  # at least `least`; none past a spent time cap
+
+
+def test_a_faster_runner_up_is_never_left_unexplained(space):
+    # 1.19x as fast by the median but faster in 4 of 7 rounds: the reason says the share decided it
+    results = [fit(EXACT, 100), fit(ADAFACTOR, 119)]
+    measure = GivenRounds({EXACT: [100] * 7, ADAFACTOR: [119, 125, 130, 135, 95, 96, 97]})
+    plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
+    assert plan.config == EXACT and plan.confirmation.comparisons[0].decided_by == "share of rounds"
+    assert (f"{ADAFACTOR.describe()} was 1.19x as fast as {EXACT.describe()} (exact; interval 0.96-1.30 over 7 "
+            "rounds), faster in too few rounds (57% of 7; a change must win 70%)") in plan.reason
+    assert "within the 3% margin" not in plan.reason
+
+
+def test_the_reason_names_the_class_of_what_a_numerics_change_beat(space):
+    # the exact finalist could not be re-measured: Adafactor under bf16 beat bf16 autocast, not "an exact one"
+    both = BF16.replace(optimizer="adafactor")
+    results = [fit(EXACT, 100), fit(BF16, 110), fit(both, 130)]
+    measure = GivenRounds({EXACT: "oom when re-measured: out of memory", BF16: [110] * 7, both: [130] * 7})
+    plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
+    assert plan.config == both
+    assert f"it cleared the 10% margin over {BF16.describe()} (numerics: precision=bf16)" in plan.reason
+    assert "over an exact configuration" not in plan.reason
+
+
+def test_the_summary_is_three_short_lines_at_most(space):
+    results = [fit(EXACT, 100), fit(ADAFACTOR, 125)]
+    measure = GivenRounds({EXACT: [100] * 7, ADAFACTOR: [125, 124, 126, 125, 123, 127, 125]})
+    plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
+    lines = plan.summary().splitlines()
+    assert len(lines) == 3 and all(len(line) <= 120 for line in lines), lines
+    assert lines[0].startswith(ADAFACTOR.describe()) and "125.00 samples/s" in lines[0]
+    assert lines[1] == f"1.25x {EXACT.describe()} (exact) over 7 rounds, above the 10% exactness margin"
+    assert lines[2] == "numerics: optimizer=adafactor (tier 1)"
+    assert len(plan.reason) > 300  # the whole comparison stays in the reason (and the confirmation)
+
+
+def test_a_choice_near_the_limit_names_the_next_fit_with_headroom(space):
+    four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
+    results = [fit(EXACT, 100, retries=3), fit(four, 80, retries=0)]
+    measure = GivenRounds({EXACT: [100] * 7, four: [80] * 7})
+    plan = make_plan(space, results, None, run_confirm(space, results, measure, 7, 0.10, "live runs"))
+    assert plan.config == EXACT  # 1.25x: above the near-limit margin
+    lines = plan.summary().splitlines()
+    assert len(lines) == 3 and lines[2] == (f"near the limit (3 allocator retries while timed); with headroom: "
+                                            f"{four.describe()}, 80.00 samples/s, peak 1.00 MiB")
