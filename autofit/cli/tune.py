@@ -66,6 +66,13 @@ class RichProgress:
         if line:
             self.console.print(f"[dim]{line}[/]")
 
+    def learned(self, lesson: str) -> None:
+        """The walk laid an error to a knob value (`autofit.search.walk.Lesson`): said once here, the levels it
+        skips counted with the other quiet skips."""
+        self.flush()
+        self._log({"event": "learned", "lesson": lesson})
+        self.console.print(f"  [{COLORS['error']}]learned[/] [dim]{escape(lesson)}[/]", highlight=False)
+
     def starting(self, config: Config, why: str) -> None:
         self.flush()
         self.heartbeat.probed()

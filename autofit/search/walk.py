@@ -9,13 +9,16 @@ The walk, and its stop rule:
    micro-batch no larger) fits; one that needs at least as much as an OOM fails.
    An OOM where no activation was live (building the model and engine, or the optimizer step) is a
    fixed cost: it bounds every config of that engine and stage whose model states hold no less, at any
-   micro-batch, checkpointing and attention, so the search does not learn the same fixed cost again.
+   micro-batch, checkpointing and attention, so the search does not learn the same fixed cost again. So is
+   a complete peak over the limit that does not shrink with the micro-batch (`fixed_peak`: two of one
+   level whose line still reaches micro-batch 0 over the limit).
 3. A config implied to fit by a measured fit is not probed: it only adds work to that fit (more
    recomputation, compressed optimizer states, smaller micro-batches), so it cannot be faster. It is
    recorded as skipped with that reason; so is the smallest size above a level's largest fit that an
    OOM of another config implies will fail.
-4. Once something fits, every probe gets a deadline: at less than half the best throughput so far it
-   cannot win, so it is stopped and recorded as pruned. Whatever only adds work to a too-slow config
+4. Once something fits, every probe gets a deadline: at less than half the best throughput so far of the
+   fits that change the arithmetic no more than it does, it cannot win, so it is stopped and recorded as
+   pruned (a numerics change's figure never stops an exact probe: they are compared re-measured). Whatever only adds work to a too-slow config
    is not probed either (bf16 on a CPU without bf16 units, offload, ...).
 5. With a predictor (the dry-run estimator), a level starts at the largest micro-batch predicted to
    fit, and a config predicted over the fit limit by more than the estimator's measured error is not
@@ -24,25 +27,29 @@ The walk, and its stop rule:
    visited are recorded as skipped with that reason. When the first probes fail with one and the same
    error on two levels, before anything fitted or ran out of memory, the fault is the user's model, batch
    or loss, not a knob: the walk stops with a `UsageError` quoting it. After a fit, an error two levels
-   met alike is laid to a knob value they share that no level which ran without error had (pure bf16
-   meeting an fp32 tensor the model makes); a level with that value, and otherwise only values the failed
-   levels had, is certain to fail the same way and is recorded as skipped, not probed.
+   met alike is laid to the knob values they share that no level which ran without error had (`Lesson`:
+   pure bf16 meeting an fp32 tensor the model makes, op-level checkpointing a model it cannot replay): every
+   later level with those values is certain to fail the same way and is recorded as skipped, not probed,
+   the lesson told to the listener once.
 Among the fits, the plan takes the highest measured throughput.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import math
 import re
-import sys
-from typing import Callable, Protocol, TextIO
+from typing import Callable
 
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.search.decision import choose
-from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source, decided
+from autofit.probe.outcome import OomKind, ProbeResult, ProbeStatus, Skip, Source, decided
+# the listeners moved to their own module; these names are imported from here too (autofit.cli.tune)
+from autofit.search.progress import (QUIET_SKIPS, SKIP_WORDS, Heartbeat, PrintedProgress, Progress,  # noqa: F401
+                                     SkipTally, make_progress, skip_counts)
 from autofit.search.space import Space
 from autofit.search.trials import TrialStore
 from autofit.units import format_size
@@ -50,12 +57,12 @@ from autofit.units import format_size
 DEFAULT_MAX_PROBES = 40
 USER_ERROR_PROBES = 2  # the first probes failing alike on this many levels: the user's code is at fault
 WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput so far is stopped
+# Allowed beyond the most the predictor over-predicted this search's complete peaks (`Search._tolerance`):
+# what one configuration's error may differ from its neighbours' (the estimator's errors on one model go
+# together: -2.0% .. +4.2% over the 2-rank scenario's 14 probed peaks, bench/results/sharded-cpu-*.json)
+LEARNED_SLACK = 0.03
 # The knobs that change only activation memory: an OOM where no activation was live bounds every value of them.
 ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "checkpoint_every", "attention")
-# The knobs that leave the dtypes a forward computes in as they are: an op failing on the dtype a precision
-# computes in (torch.fft on bf16: "Unsupported dtype BFloat16") fails so whatever their values
-DTYPE_NEUTRAL_KNOBS = ("checkpointing", "checkpoint_every", "optimizer", "optimizer_step", "activation_offload",
-                       "offload")
 # The dtype each precision computes in, as torch names it in its errors (`"addmm" not implemented for 'Half'`)
 DTYPE_NAMES = {"bf16": "BFloat16", "pure_bf16": "BFloat16", "fp16": "Half"}
 
@@ -66,134 +73,6 @@ class Verdict(enum.Enum):
     FIT = "fit"  # a measured fit saves no more memory than it: it fits
     FAIL = "fail"  # it needs at least what an OOM (measured or predicted) needed: it fails
     SLOW = "slow"  # it only adds work to a pruned (too slow) config: it cannot win
-
-
-class Progress(Protocol):
-    """Receives the search's events (the CLI shows them). A listener may also have `flush()`, called once
-    the search has decided everything (what it held back, it says then)."""
-
-    def starting(self, config: Config, why: str) -> None: ...
-
-    def finished(self, result: ProbeResult) -> None: ...
-
-
-# Why a candidate was not run, as progress counts them; each skip is in plan.probes with its reason.
-SKIP_WORDS = {Skip.PREDICTED: "predicted not to fit", Skip.IMPLIED: "implied by a measured result",
-              Skip.EXCLUDED: "excluded", Skip.BUDGET: "past the probe budget"}
-# Skips progress counts instead of listing: decided by a measured result, the rules or the spent probe
-# budget, dozens at a time (a predicted one is shown as it is decided, with the need it was predicted).
-QUIET_SKIPS = (Skip.IMPLIED, Skip.EXCLUDED, Skip.BUDGET)
-
-
-def skip_counts(counts: "collections.Counter[Skip]") -> str:
-    """'32 implied by a measured result, 24 excluded'."""
-    return ", ".join(f"{counts[skip]} {words}" for skip, words in SKIP_WORDS.items() if counts[skip])
-
-
-class SkipTally:
-    """The quiet skips (`QUIET_SKIPS`) decided since progress last printed a line."""
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter[Skip] = collections.Counter()
-
-    def held(self, result: ProbeResult) -> bool:
-        """Count `result` when it is a quiet skip (and say so)."""
-        if result.skip in QUIET_SKIPS:
-            self.counts[result.skip] += 1
-            return True
-        return False
-
-    def take(self) -> str:
-        """The counts held ('' when none), emptied."""
-        text = skip_counts(self.counts)
-        self.counts.clear()
-        return text
-
-
-class _Silent:
-    def starting(self, config: Config, why: str) -> None:
-        pass
-
-    def finished(self, result: ProbeResult) -> None:
-        pass
-
-
-class Heartbeat:
-    """Predictions between probes, timed: simulating a step takes seconds to minutes (a recurrent model's
-    scan, token by token), so where predicting has gone on `EVERY_S` since the last line, `heard` returns
-    one saying so (the search is simulating, not stuck); else None. A probe's line is one too (`probed`)."""
-
-    EVERY_S = 10.0
-
-    def __init__(self) -> None:
-        self.count, self.seconds, self.quiet = 0, 0.0, 0.0
-
-    def heard(self, seconds: float) -> str | None:
-        self.count, self.seconds, self.quiet = self.count + 1, self.seconds + seconds, self.quiet + seconds
-        if self.quiet < self.EVERY_S:
-            return None
-        self.quiet = 0.0
-        return (f"predicting peaks ({self.count} predicted in {self.seconds:.0f} s: training steps simulated under "
-                "fake tensors, nothing trained)")
-
-    def probed(self) -> None:
-        """A probe's line was printed: the quiet time starts again."""
-        self.quiet = 0.0
-
-
-class PrintedProgress:
-    """`progress=True`: a line on stderr as each probe starts (the candidate and why) and one as it lands
-    (its status, peak and speed, and the reason), for a script or a notebook cell. The skips a measured
-    result implies, the rules exclude or the spent probe budget leaves are counted in one line (`SkipTally`;
-    `plan.probes` lists them all)."""
-
-    def __init__(self, stream: TextIO | None = None):
-        self.stream = stream
-        self.count = 0
-        self.tally = SkipTally()
-        self.heartbeat = Heartbeat()
-
-    def predicted(self, seconds: float) -> None:
-        """A peak was predicted in `seconds` (`Heartbeat`)."""
-        line = self.heartbeat.heard(seconds)
-        if line:
-            self._print(f"autofit: {line}")
-
-    def starting(self, config: Config, why: str) -> None:
-        self.flush()
-        self.heartbeat.probed()
-        self.count += 1
-        self._print(f"autofit probe {self.count}: {config.describe()} ({why})")
-
-    def finished(self, result: ProbeResult) -> None:
-        if self.tally.held(result):
-            return
-        self.flush()
-        peak = f", peak {format_size(result.peak_bytes)}" if result.peak_bytes else ""
-        speed = f", {result.samples_per_s:,.2f} samples/s" if result.samples_per_s else ""
-        self._print(f"  {result.status.value} {result.config.describe()}{peak}{speed} - {result.reason}")
-
-    def flush(self) -> None:
-        """Print the skips counted since the last line, if any."""
-        held = self.tally.take()
-        if held:
-            self._print(f"  skipped {held} (plan.probes has each with its reason)")
-
-    def _print(self, line: str) -> None:
-        print(line, file=self.stream or sys.stderr, flush=True)
-
-
-def make_progress(progress: "Progress | bool | None") -> "Progress":
-    """The search's listener for `progress`: None or False (silent), True (`PrintedProgress`), or an
-    object with `starting(config, why)` and `finished(result)`."""
-    if progress is None or progress is False:
-        return _Silent()
-    if progress is True:
-        return PrintedProgress()
-    if not (callable(getattr(progress, "starting", None)) and callable(getattr(progress, "finished", None))):
-        raise UsageError(f"progress={progress!r}: pass True (a line per probe on stderr), False, or an object "
-                         "with starting(config, why) and finished(result) methods.")
-    return progress
 
 
 class Search:
@@ -215,6 +94,9 @@ class Search:
         self.tolerance = tolerance
         self.results: list[ProbeResult] = []
         self.probes_run = 0
+        self._fixed: tuple[int, list[ProbeResult]] = (-1, [])  # `_fixed_peaks`, as of a result count
+        self._predicted: dict[Config, int | None] = {}  # the predictor's bytes per config asked
+        self._said: set[tuple[tuple[str, object], ...]] = set()  # the lessons told to the listener
 
     def run(self) -> list[ProbeResult]:
         """Walk every level; return all results (probed, stored and decided)."""
@@ -223,9 +105,10 @@ class Search:
             if self.probes_run >= self.max_probes:
                 self._add(decided(top, Skip.BUDGET, f"probe budget of {self.max_probes} probes spent"))
                 continue
-            same_error = self._same_error(level)
-            if same_error:
-                self._add(decided(top, Skip.IMPLIED, same_error))
+            lesson = self._same_error(level)
+            if lesson is not None:
+                self._learned(lesson)
+                self._add(decided(top, Skip.IMPLIED, lesson.words))
                 continue
             self._walk(level)
         return self.results
@@ -257,7 +140,7 @@ class Search:
             fitting = [m for m in unknown if not self._over(self.space.at(level, m))]
             if not fitting:
                 return unknown[0], "smallest micro-batch: none is predicted to fit"
-            if self.predictor(self.space.at(level, fitting[-1])) is None:
+            if self._predict(self.space.at(level, fitting[-1])) is None:
                 return fitting[-1], "largest micro-batch first: the estimator could not simulate this step"
             return fitting[-1], "largest micro-batch predicted to fit"
         smallest = self.space.at(level, unknown[0])
@@ -297,42 +180,39 @@ class Search:
                 failed = (result.measured and result.status is ProbeStatus.OOM) or result.skip is Skip.PREDICTED
                 if failed and self.space.saves_at_least(result.config, config):
                     return result.config
-                if result.measured and result.fixed_cost and self._holds_no_less(config, result.config):
+                fixed = result.fixed_cost or result in self._fixed_peaks()
+                if result.measured and fixed and self._holds_no_less(config, result.config):
                     return result.config
             elif result.measured and result.status is _IMPLIES[verdict] \
                     and self.space.saves_at_least(config, result.config):
                 return result.config
         return None
 
-    def _same_error(self, level: Config) -> str | None:
-        """Why `level` is certain to fail as earlier levels did, or None: at least `USER_ERROR_PROBES` levels
-        failed with one error (type and place), sharing a knob value that no level which ran without error
-        had and that `level` has; each of `level`'s other knob values is one a failed level had (but for
-        `DTYPE_NEUTRAL_KNOBS` where the error names the dtype of the precision they share: `_dtype_error`),
-        and their one micro-batch, if they shared one, is not the likelier cause (`_one_size`; no size is,
-        of such an error)."""
-        knobs = [name for name in self.space.values() if name not in ("micro_batch_size", "grad_accum_steps")]
-        ran = [r.config for r in self.results if r.measured and r.status is not ProbeStatus.ERROR]
-        failures = collections.defaultdict(list)
-        for result in self.results:
-            if result.measured and result.status is ProbeStatus.ERROR:
-                failures[failure(result)].append(result)
-        for failed in failures.values():
-            if len(failed) < USER_ERROR_PROBES:
-                continue
-            seen = {name: {r.config.knob(name) for r in failed} for name in knobs}
-            dtype = _dtype_error(failed)  # then neither those knobs nor the micro-batch is the likelier cause
-            free = DTYPE_NEUTRAL_KNOBS if dtype else ()
-            if any(level.knob(name) not in values for name, values in seen.items() if name not in free) \
-                    or (_one_size(failed, ran) and not dtype):
-                continue
-            for name, values in seen.items():
-                value = level.knob(name)
-                if len(values) == 1 and all(c.knob(name) != value for c in ran):
-                    return (f"certain to fail the same way: {failed[0].config.describe()} and "
-                            f"{failed[1].config.describe()} failed alike ({failed[0].reason}), and no level with "
-                            f"{name}={getattr(value, 'value', value)} ran without error")
+    def _same_error(self, level: Config) -> "Lesson | None":
+        """The lesson that `level` is certain to fail as earlier levels did (`lessons`): `level` has every
+        knob value it lays the error to. None when no lesson covers it."""
+        for lesson in lessons(self.results, [n for n in self.space.values() if n not in ("micro_batch_size",
+                                                                                        "grad_accum_steps")]):
+            if all(level.knob(name) == value for name, value in lesson.values):
+                return lesson
         return None
+
+    def _fixed_peaks(self) -> list[ProbeResult]:
+        """Complete peaks (finished, inside the safety margin) that do not shrink with the micro-batch, so that
+        what holds no less is over the limit at any micro-batch (`fixed_peak`); cached per result count."""
+        if self._fixed[0] != len(self.results):
+            limit = self.space.spec.fit_limit
+            complete = [r for r in self.results if r.measured and r.oom_kind is OomKind.MARGIN and r.peak_bytes]
+            self._fixed = (len(self.results), [r for r in complete if fixed_peak(r, complete, limit)])
+        return self._fixed[1]
+
+    def _learned(self, lesson: "Lesson") -> None:
+        """Tell the listener a lesson once, where it hears lessons (`learned`): the levels it skips are
+        counted with the other quiet skips."""
+        heard = getattr(self.progress, "learned", None)
+        if lesson.values not in self._said and callable(heard):
+            heard(lesson.announcement)
+        self._said.add(lesson.values)
 
     def _holds_no_less(self, config: Config, failed: Config) -> bool:
         """Whether `config` holds at least what `failed` held where no activation is live (model states,
@@ -344,8 +224,11 @@ class Search:
         return self.space.saves_at_least(failed, aligned)
 
     def _step_limit(self, config: Config) -> float | None:
-        """Seconds per step below which `config` could still beat the best fit so far; None before any fit."""
-        best = choose(self.results)
+        """Seconds per step below which `config` could still beat the best fit so far that changes the
+        arithmetic no more than it does (a numerics change's figure never stops an exact probe: it is compared
+        on its margin, re-measured); None before any such fit."""
+        mine = (self.space.tier(config), self.space.degree(config))
+        best = choose([r for r in self.results if (self.space.tier(r.config), self.space.degree(r.config)) <= mine])
         if best is None:
             return None
         return config.global_batch_size / (best.samples_per_s * WIN_FRACTION)
@@ -355,13 +238,37 @@ class Search:
         """Why `config` is predicted not to fit, beyond the predictor's error; None when it may fit."""
         if self.predictor is None:
             return None
-        predicted = self.predictor(config)
+        predicted = self._predict(config)
         limit = self.space.spec.fit_limit
-        tolerance = self.tolerance(config) if callable(self.tolerance) else self.tolerance
+        tolerance, measured = self._tolerance(config)
         if predicted is None or predicted <= limit * (1 + tolerance):
             return None
         return (f"predicted to need {format_size(predicted)}, over the fit limit {format_size(limit)} by "
-                f"{predicted / limit - 1:.0%}, more than the estimator's error ({tolerance:.0%})")
+                f"{predicted / limit - 1:.{1 if measured else 0}%}, more than the estimator's error "
+                f"({tolerance:.{1 if measured else 0}%}{measured})")
+
+    def _predict(self, config: Config) -> int | None:
+        if config not in self._predicted:
+            self._predicted[config] = self.predictor(config) if self.predictor is not None else None
+        return self._predicted[config]
+
+    def _tolerance(self, config: Config) -> tuple[float, str]:
+        """The predictor's error to allow `config` (and where it was learnt, in words): its general measured
+        error, or, once this search has measured complete peaks (fits, and runs inside the safety margin) of
+        `config`'s sharding on as many ranks, the most it over-predicted them plus `LEARNED_SLACK`, where that
+        is less: a lesson about this model learnt once (a 2-rank search whose predictions were within 2.5%
+        probed eight configurations predicted 2-9% over the limit, each inside the margin, under a general
+        10%)."""
+        general = self.tolerance(config) if callable(self.tolerance) else self.tolerance
+        over = [self._predicted.get(r.config) / r.peak_bytes - 1 for r in self.results
+                if r.measured and r.peak_bytes and (r.fits or r.oom_kind is OomKind.MARGIN)
+                and r.config.sharding is config.sharding and r.config.num_gpus == config.num_gpus
+                and self._predicted.get(r.config)]
+        learned = max([*over, 0.0]) + LEARNED_SLACK
+        if not over or learned >= general:
+            return general, ""
+        return learned, (f", as it over-predicted {len(over)} complete peak{'s' if len(over) > 1 else ''} of "
+                         f"this sharding here; {general:.0%} in general")
 
     def _probe(self, config: Config, why: str) -> None:
         stored = self.store.lookup(config)
@@ -402,6 +309,75 @@ class Search:
 # What a knob changes in an error's text without changing the error: sizes (the micro-batch) and dtypes
 # (precision: "Long and Float" at fp32 is "Long and BFloat16" under bf16 autocast).
 _VARIES_BY_KNOB = re.compile(r"\d+|\b(?:B?Float\d*|Half|Double|bfloat16|float\d*|half)\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lesson:
+    """An error two levels met alike (`failure`), laid to the knob values they shared that no level which ran
+    without error had: a level with all of them is certain to fail the same way."""
+
+    values: tuple[tuple[str, object], ...]  # (knob, value) the error is laid to
+    failed: tuple[ProbeResult, ...]  # the levels' results that met it
+
+    @property
+    def named(self) -> str:
+        """"checkpointing=ops" (and the others, where it is laid to several values)."""
+        return " and ".join(f"{name}={getattr(value, 'value', value)}" for name, value in self.values)
+
+    @property
+    def words(self) -> str:
+        """The reason each level it skips records."""
+        first, second = self.failed[:2]
+        return (f"certain to fail the same way: {first.config.describe()} and {second.config.describe()} failed "
+                f"alike ({first.reason}), and no level with {self.named} ran without error")
+
+    @property
+    def announcement(self) -> str:
+        """What the listener is told once."""
+        return (f"{self.named} fails every level alike ({len(self.failed)} met {failure(self.failed[0])}): the "
+                "other levels with it are skipped, not probed")
+
+
+def lessons(results: list[ProbeResult], knobs: list[str]) -> list[Lesson]:
+    """Every lesson the measured `results` teach (`Lesson`): an error (type and site) at least
+    `USER_ERROR_PROBES` levels met, laid to the values of `knobs` they all shared that no level which ran
+    without error had; none where they all ran at one micro-batch nothing else ran at, which may be the
+    cause instead (`_one_size`; no size is, of an error naming the dtype of the precision they share)."""
+    ran = [r.config for r in results if r.measured and r.status is not ProbeStatus.ERROR]
+    failures = collections.defaultdict(list)
+    for result in results:
+        if result.measured and result.status is ProbeStatus.ERROR:
+            failures[failure(result)].append(result)
+    found = []
+    for failed in failures.values():
+        if len({r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in failed}) < USER_ERROR_PROBES:
+            continue
+        if _one_size(failed, ran) and not _dtype_error(failed):
+            continue
+        shared = [(name, failed[0].config.knob(name)) for name in knobs
+                  if len({r.config.knob(name) for r in failed}) == 1]
+        values = tuple((name, value) for name, value in shared if all(c.knob(name) != value for c in ran))
+        if values:
+            found.append(Lesson(values, tuple(failed)))
+    return found
+
+
+def fixed_peak(result: ProbeResult, complete: list[ProbeResult], limit: int) -> bool:
+    """Whether `result`'s complete peak is a fixed cost over `limit`: another complete peak of its level, at
+    another micro-batch, barely differs, so that the line through the two reaches micro-batch 0 still over
+    the limit (nine ZeRO-3 probes, three checkpointing levels at micro-batch 8, 4 and 2, all peaked at the
+    same 22.60 MiB: the model states, not the activations, set it)."""
+    level = result.config.replace(micro_batch_size=1, grad_accum_steps=1)
+    for other in complete:
+        if other.config.replace(micro_batch_size=1, grad_accum_steps=1) != level:
+            continue
+        small, large = sorted((result, other), key=lambda r: r.config.micro_batch_size)
+        if small.config.micro_batch_size == large.config.micro_batch_size:
+            continue
+        slope = abs(large.peak_bytes - small.peak_bytes) / (large.config.micro_batch_size - small.config.micro_batch_size)
+        if min(small.peak_bytes, large.peak_bytes) - slope * small.config.micro_batch_size > limit:
+            return True
+    return False
 
 
 def _one_size(failed: list[ProbeResult], ran: list[Config]) -> bool:
