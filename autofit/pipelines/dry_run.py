@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+
+import torch
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
@@ -23,6 +25,7 @@ from autofit.errors import Param, UsageError
 from autofit.estimate.cost_model import SECONDS_PER_KERNEL, host_seconds, step_seconds
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.prediction import Estimate
+from autofit.estimate.tolerance import tolerance_for
 from autofit.devices.gpus import GpuProfile, get_gpu, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from autofit.strategies.base import Strategy
 
 DEFAULT_MAX_MICRO_BATCH = 64  # largest micro-batch planned when no global batch is given
+CUDA = torch.device("cuda")  # the target a dry-run plans for (its estimator's error: `tolerance_for`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,16 @@ class Candidate:
     samples_per_s: float  # predicted global samples per second
     limit: int = 0  # the bytes per GPU it was planned under (0: none)
     numerics: tuple[str, ...] = ()  # its numerics changes, "knob=value" (`Space.numerics`)
+    # the estimator's error on the target (relative, `tolerance_for`): a fit whose need at this error reaches
+    # past the limit is near the limit (`near_limit`)
+    tolerance: float = 0.0
+
+    @property
+    def near_limit(self) -> bool:
+        """Whether it fits only while the estimator's error stays under its measured bound: its need (its
+        upper bound, by formula) at `tolerance` more is over the limit."""
+        upper = self.estimate.upper_bytes
+        return self.fits and bool(self.limit) and upper is not None and upper * (1 + self.tolerance) > self.limit
 
     @property
     def standing(self) -> Standing:
@@ -82,7 +96,7 @@ class Candidate:
                 "reason": self.reason, "breakdown": self.estimate.breakdown.to_dict(),
                 "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
                 "activations": "simulated" if self.estimate.simulated else "formula",
-                "error_bound": self.estimate.error_bound,
+                "error_bound": self.estimate.error_bound, "near_limit": self.near_limit,
                 "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s}
 
 
@@ -102,6 +116,9 @@ class DryRunReport:
     seconds: float  # wall time the planning took
     batch: str = ""  # the batch each candidate was predicted for (a synthesized one's shape: its length)
     shortfall: Shortfall | None = None  # why nothing fits, as fields (`reason` is its Python words)
+    # where `chosen` is near the limit (`Candidate.near_limit`): the fit `autofit tune` would keep among those
+    # that are not (None: the choice has headroom, or no fit has)
+    headroom: Candidate | None = None
 
     @property
     def fits(self) -> bool:
@@ -140,6 +157,7 @@ class DryRunReport:
                 "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
+                "headroom": self.headroom.to_dict() if self.headroom else None,
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
 
@@ -201,15 +219,17 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = _decided(space, fitting) if fitting else None
+    roomy = [c for c in fitting if not c.near_limit]
+    headroom = _decided(space, roomy) if chosen is not None and chosen.near_limit and roomy else None
     if chosen:
-        reason, shortfall = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator),
-                                                      chosen.config.precision), None
+        reason, shortfall = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator)
+                                                      + _edge_note(chosen, headroom), chosen.config.precision), None
     else:
         reason, shortfall = _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
-                        time.perf_counter() - started, spec.batch_description, shortfall)
+                        time.perf_counter() - started, spec.batch_description, shortfall, headroom)
 
 
 def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
@@ -330,7 +350,8 @@ class _Planner:
         host = host_seconds(config, self.estimator.facts, estimate.kernels)
         bound = f"; bound by the host issuing {round(host / SECONDS_PER_KERNEL):,} ops a step" if host >= seconds else ""
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound})",
-                         self.space.tier(config), seconds, samples, self.spec.fit_limit, self.space.numerics(config))
+                         self.space.tier(config), seconds, samples, self.spec.fit_limit, self.space.numerics(config),
+                         tolerance_for(CUDA, config))
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
@@ -414,6 +435,20 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
     return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
             f"(sync_each_batch); a loop that waits for the last one (accelerate's accumulate(), the Trainer's "
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
+
+
+def _edge_note(chosen: Candidate, headroom: Candidate | None) -> str:
+    """Where the choice is near the limit: its need against the limit, the error bound that reaches past it,
+    and the fit with headroom `autofit tune` would keep instead (or that none has)."""
+    if not chosen.near_limit:
+        return ""
+    need = chosen.estimate.upper_bytes
+    note = (f". Near the limit: it needs {format_size(need)} of {format_size(chosen.limit)} "
+            f"({need / chosen.limit:.0%}), and the estimator's {chosen.tolerance:.0%} error bound reaches past it")
+    if headroom is None:
+        return note + "; no fitting candidate has headroom (probe it with autofit tune on the GPU)"
+    return (f"{note}; with headroom: {headroom.config.describe()}, peak {format_size(headroom.peak_bytes)}, "
+            f"~{headroom.samples_per_s:,.1f} samples/s")
 
 
 def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate],

@@ -339,3 +339,23 @@ def test_progress_true_prints_the_count_on_stderr_and_a_wrong_value_is_refused(c
     assert "\r1 of " in err and err.endswith(" training steps simulated\n")
     with pytest.raises(UsageError, match="progress='yes'"):
         dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", progress="yes")
+
+
+def test_a_choice_within_the_estimators_error_of_the_limit_is_flagged_and_the_next_with_headroom_named():
+    """Llama-3.1-8B at 4,096 tokens on one H100 was once chosen at 99% of its fit limit with nothing saying
+    that the estimator's error bound reaches past it. Here a card just 2% over what the fastest needs."""
+    from autofit.strategies import ActivationCheckpointing
+
+    rungs = [MicroBatch(), ActivationCheckpointing()]
+    roomy = dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory="4GiB",
+                    strategies=rungs)
+    assert not roomy.chosen.near_limit and roomy.headroom is None and "Near the limit" not in roomy.reason
+    need = roomy.chosen.estimate.need_bytes
+    tight = dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", strategies=rungs,
+                    gpu_memory=int(need * 1.02 / (1 - DEFAULT_SAFETY_MARGIN)) + 1)
+    assert tight.chosen.config == roomy.chosen.config and tight.chosen.near_limit
+    assert tight.headroom is not None and not tight.headroom.near_limit and tight.headroom is not tight.chosen
+    assert "(98%), and the estimator's 5% error bound reaches past it; with headroom: " in tight.reason
+    assert tight.headroom.config.describe() in tight.reason
+    document = tight.to_dict()
+    assert document["chosen"]["near_limit"] and document["headroom"]["config"] == tight.headroom.config.to_dict()
