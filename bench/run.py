@@ -4,6 +4,7 @@
     python bench/run.py --gpu           # GPU scenarios (~125M-3B models, budgets for 16-80 GB cards)
     python bench/run.py --only gpt2-tiny@60% --robustness-steps 20 --no-tools   # a quick look
     python bench/run.py --threads 1 --competing-load 1   # with another CPU-bound process running
+    python bench/run.py --threads 1 --busy               # two CPU-bound processes per core beside it
 
 The suite's parts are in bench/suite/ (scenarios, the exhaustive oracle, the tools people use, the
 re-measurement, the dry-run error, the README's tables); bench/README.md#the-suite says how the figures
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+BUSY_PER_CORE = 2  # --busy: competing CPU-bound processes per core
 sys.path.insert(0, str(HERE.parent))  # `python bench/run.py` from anywhere imports bench and autofit
 
 import torch  # noqa: E402
@@ -47,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--competing-load", type=int, default=0, metavar="N",
                         help="run N busy processes (matrix multiplies, one thread each) for the whole run")
+    parser.add_argument("--busy", action="store_true",
+                        help=f"a busy machine: {BUSY_PER_CORE} competing processes per core (--competing-load "
+                             f"{BUSY_PER_CORE * (os.cpu_count() or 1)} here), a load of two or more per core "
+                             "for the whole run")
     parser.add_argument("--no-large", action="store_true", help="skip the >= 50M-parameter CPU scenarios")
     parser.add_argument("--no-repeat", action="store_true", help="tune each scenario once (not twice)")
     parser.add_argument("--tag", default="", help="suffix of the results file name (<device>-<date>-<tag>.json)")
@@ -95,6 +101,8 @@ def versions() -> dict[str, str | None]:
 def main(argv: list[str] | None = None) -> int:
     """Run the suite; write the JSON and the README table; return the exit status."""
     args = parse_args(argv)
+    if args.busy:
+        args.competing_load = max(args.competing_load, BUSY_PER_CORE * (os.cpu_count() or 1))
     if args.gpu and not torch.cuda.is_available():
         print("--gpu: no CUDA device is visible; run the CPU suite without --gpu.", file=sys.stderr)
         return 2
@@ -129,14 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     loads = []
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{slug(args.gpu)}-{header['date']}{'-' + args.tag if args.tag else ''}.json"
-    with CompetingLoad(args.competing_load):
+    with CompetingLoad(args.competing_load) as competing:
         results = []
         for scenario in scenarios:
             results.append(run_scenario(scenario, options))
             loads.append(os.getloadavg()[0])
             partial = {**header, "partial": True, "load_during": loads, "scenarios": results}
             path.with_suffix(".partial.json").write_text(json.dumps(partial, indent=2, default=str) + "\n")
-    header.update(load_after=os.getloadavg(), load_during=loads, wall_s=time.perf_counter() - start, scenarios=results)
+    header.update(load_after=os.getloadavg(), load_during=loads, load_every_30s=competing.loads,
+                  wall_s=time.perf_counter() - start, scenarios=results)
     path.write_text(json.dumps(header, indent=2, default=str) + "\n")
     path.with_suffix(".partial.json").unlink(missing_ok=True)
     log(f"wrote {path} ({header['wall_s']:.0f} s)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from typing import Any
 
 
@@ -27,15 +28,25 @@ def _spin(stop: Any, parent: int) -> None:
 
 
 class CompetingLoad:
-    """Context manager running `processes` busy processes; `processes=0` does nothing."""
+    """Context manager running `processes` busy processes; `processes=0` does nothing. `loads` holds the
+    1-minute load average every `every_s` seconds while it runs (with or without processes)."""
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, every_s: float = 30.0):
         self.processes = processes
         self._context = multiprocessing.get_context("spawn")
         self._stop = self._context.Event()
         self._workers: list[Any] = []
+        self.loads: list[float] = []
+        self._every_s = every_s
+        self._sampling = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True, name="bench-load-sampler")
+
+    def _sample(self) -> None:
+        while not self._sampling.wait(self._every_s):
+            self.loads.append(os.getloadavg()[0])
 
     def __enter__(self) -> "CompetingLoad":
+        self._sampler.start()
         for index in range(self.processes):
             worker = self._context.Process(target=_spin, args=(self._stop, os.getpid()), daemon=True,
                                            name=f"bench-load-{index}")
@@ -44,6 +55,7 @@ class CompetingLoad:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._sampling.set()
         self._stop.set()
         for worker in self._workers:
             worker.join(timeout=10)

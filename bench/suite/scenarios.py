@@ -129,6 +129,84 @@ class SmallCNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one fused projection to q, k, v, causal scaled-dot-product attention, output
+    projection."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(width, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class GptBlock(nn.Module):
+    """nanoGPT's block: pre-norm attention and a 4x GELU MLP, each residual."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """A nanoGPT-style model in plain torch (no Hugging Face): token and position embeddings, blocks in an
+    nn.ModuleList, a head tied to the token embedding; `forward(idx, targets=None)` returns `(logits, loss)`,
+    as nanoGPT's `GPT.forward` does, so a dict batch {"idx", "targets"} trains it with no loss_fn."""
+
+    def __init__(self, vocab: int, block_size: int, depth: int, width: int, heads: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(block_size, width)
+        self.blocks = nn.ModuleList(GptBlock(width, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for module in self.modules():  # nanoGPT's initialisation
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if targets is None else nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def make_nanogpt(vocab: int, block_size: int, depth: int, width: int, heads: int) -> nn.Module:
+    """Seeded `NanoGPT`."""
+    torch.manual_seed(0)
+    return NanoGPT(vocab, block_size, depth, width, heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class NanoTokens:
+    """make_batch(n) for `NanoGPT`: {"idx": n x block_size token ids, "targets": the next token of each}."""
+
+    vocab: int
+    block_size: int
+
+    def __call__(self, n: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.vocab, (n, self.block_size + 1), generator=gen)
+        return {"idx": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
 def make_mlp(width: int, depth: int) -> nn.Module:
     """Seeded `BlockMLP`."""
     torch.manual_seed(0)
@@ -204,7 +282,11 @@ def cpu_scenarios() -> list[Scenario]:
     tokens = TokenBatches(256, 64)
     mlp = functools.partial(make_mlp, 64, 4)
     cnn = functools.partial(make_cnn, 16, 3)
+    nanogpt = functools.partial(make_nanogpt, 512, 64, 4, 128, 4)  # 0.87M parameters, as issue 57's
     return [
+        Scenario("nanogpt@50%", "transformer", nanogpt, NanoTokens(512, 64), 16, 0.50,
+                 intent="a plain-torch GPT with a dict batch {idx, targets}, half its peak: micro-batch, "
+                        "checkpointing or Adafactor"),
         Scenario("gpt2-tiny@60%", "transformer", gpt2, tokens, 8, 0.60,
                  intent="a little short: a smaller micro-batch (or bf16) is enough"),
         Scenario("gpt2-tiny@25%", "transformer", gpt2, tokens, 8, 0.25,

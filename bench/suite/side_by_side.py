@@ -108,8 +108,8 @@ def _autofit_part(plan: Any, wall: float) -> dict[str, Any]:
 
 
 def _confirmed_noise(confirmed: Any) -> float:
-    """The noise the search itself saw between its top two finalists: the width of their per-round ratio
-    (upper over lower quartile), at least the noise margin."""
+    """The noise the search itself saw between its top two finalists: the width of the interval of their
+    median paired ratio (`autofit.search.decision.Ratio`), at least the noise margin."""
     from autofit.search.decision import NOISE_MARGIN, Ratio
 
     runner = confirmed.runner_up() if confirmed is not None else None
@@ -164,12 +164,24 @@ def _compare(spec: Any, plan: Any, again: Any, oracle: Any, tools: list[Any], st
                for name, c in tool_configs.items()},
         screen=[dict(describe=m.config.describe(), samples_per_s=m.median) for m in screen],
         all=[dict(describe=m.config.describe(), median=m.median, samples=list(m.samples_per_s)) for m in measured.values()])
+    part["numerics"] = _numerics_check(plan, candidates, speed, space)
     if repeat is not None:
         noise = _confirmed_noise(plan.confirmation)
         ratio = speed[repeat] / ours
         part["repeat"] = dict(describe=repeat.describe(), same_config=repeat == plan.config, ratio=ratio,
                               noise=noise, agrees=repeat == plan.config or abs(ratio - 1) <= noise)
     return {"plain": part}
+
+
+def _numerics_check(plan: Any, candidates: list[Any], speed: dict[Any, float], space: Any) -> dict[str, Any]:
+    """Whether autofit took a numerics change, and if so whether the oracle's re-measured figures confirm its
+    margin: its samples/s over the fastest exact candidate's, against `exact_margin`."""
+    margin = plan.confirmation.exact_margin if plan.confirmation else 0.1
+    exact = [speed[c] for c in candidates if space.tier(c) == 0]
+    changed = space.tier(plan.config) > 0
+    over = speed[plan.config] / max(exact) if exact else None
+    return dict(changed=changed, margin=margin, over_best_exact=over,
+                confirmed=(over is None or over >= 1 + margin) if changed else None)
 
 
 def _policy_oracle(candidates: list[Any], speed: dict[Any, float], space: Any, margin: float) -> Any:
