@@ -183,7 +183,7 @@ def render(plan: "Plan") -> str:
     style = STYLE.replace("VERDICT", COLORS["fit"] if plan.fits else COLORS["oom"])
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{style}</style></head><body><h1>{title}</h1>{_meta(plan, budget)}{_verdict(plan)}"
-            f"{figures}<h2>Every probe</h2>{_table(plan)}</body></html>\n")
+            f"{_comparisons(plan)}{figures}<h2>Every probe</h2>{_table(plan)}</body></html>\n")
 
 
 def _meta(plan: "Plan", budget: int) -> str:
@@ -200,6 +200,28 @@ def _verdict(plan: "Plan") -> str:
         return f'<div class="verdict"><b>Nothing fits.</b><br>{html.escape(plan.reason)}</div>'
     return (f'<div class="verdict"><b>★ {html.escape(plan.config.describe())}</b>: '
             f"{html.escape(plan.figures())}<br>{html.escape(plan.reason)}</div>")
+
+
+def _comparisons(plan: "Plan") -> str:
+    """The confirmation's comparisons, one row each: the finalist that changes more against the choice so far
+    (and what that one is: exact, or its numerics), the paired ratio with its interval and the share of
+    rounds won, the margin it had to clear and the test that decided (plan.confirmation holds them)."""
+    confirmation = plan.confirmation
+    if confirmation is None or not confirmation.comparisons:
+        return ""
+    head = ("<tr><th>finalist</th><th>against</th><th>ratio</th><th>interval</th><th>faster in</th>"
+            "<th>margin</th><th>decided by</th></tr>")
+    rows = []
+    for c in confirmation.comparisons:
+        challenger, holder = confirmation.finalists[c.challenger], confirmation.finalists[c.holder]
+        what = ", ".join(holder.numerics) or ("exact" if not holder.tier else f"tier {holder.tier}")
+        rounds = f"{c.ratio.wins:.0%} of {c.ratio.rounds}" if c.ratio.rounds else "as probed"
+        rows.append(f"<tr><td>{html.escape(challenger.config.describe())}</td>"
+                    f"<td>{html.escape(holder.config.describe())} ({html.escape(what)})</td>"
+                    f"<td class=num>{c.ratio.median:.2f}x</td><td class=num>{c.ratio.low:.2f}-{c.ratio.high:.2f}</td>"
+                    f"<td class=num>{rounds}</td><td class=num>{c.margin:.0%} ({c.kind.value})</td>"
+                    f"<td>{'taken' if c.won else 'kept the choice'}: {c.decided_by.value}</td></tr>")
+    return f"<h2>The finalists re-measured back to back ({confirmation.method.value})</h2><table>{head}{''.join(rows)}</table>"
 
 
 def _table(plan: "Plan") -> str:

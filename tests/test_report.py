@@ -48,7 +48,8 @@ def test_report_is_self_contained_and_marks_the_choice(tmp_path, plan):
     assert len(images) == 2 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
     assert plan.fits and f"★ {plan.config.describe()}" in text
     assert text.count('class="chosen"') == 1
-    assert text.count("<tr") == len(plan.probes) + 1
+    compared = plan.confirmation.comparisons if plan.confirmation else ()
+    assert text.count("<tr") == len(plan.probes) + 1 + (len(compared) + 1 if compared else 0)
 
 
 def test_rows_cover_every_measured_probe_and_add_up(plan):
@@ -86,3 +87,28 @@ def test_chromium_renders_the_report(tmp_path, plan):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 20_000
+
+
+def test_the_report_keeps_every_comparison_of_the_confirmation(tmp_path):
+    """plan.summary() is three lines at most; the report keeps the whole decision, a row per comparison with
+    the test that decided it."""
+    from autofit.config import Optimizer
+    from autofit.plan import make_plan
+    from autofit.probe.outcome import ProbeResult, ProbeStatus
+    from autofit.search.confirm import confirm
+    from autofit.search.space import build_space
+    from autofit.job.train_spec import make_spec
+    from autofit.strategies import MicroBatch, OptimizerStates
+
+    spec = make_spec(Net, make_batch, global_batch_size=8, device="cpu", memory_budget="1GiB")
+    space = build_space(spec, [OptimizerStates(), MicroBatch()])
+    exact, adafactor = Config(micro_batch_size=8), Config(micro_batch_size=8, optimizer=Optimizer.ADAFACTOR)
+    results = [ProbeResult(c, ProbeStatus.FIT, "fits", 2**20, 0.1, s) for c, s in ((exact, 80.0), (adafactor, 100.0))]
+    figures = {exact: (80.0,) * 7, adafactor: (60, 260, 130, 200, 150, 60, 260)}
+    plan = make_plan(space, results, None, confirm(space, results, lambda configs, rounds, more: figures, 7, 0.10,
+                                                   "live runs"))
+    text = render(plan)
+    assert plan.config == exact and "<th>decided by</th>" in text
+    assert f"<td>{adafactor.describe()}</td><td>{exact.describe()} (exact)</td>" in text
+    assert "kept the choice: noise" in text
+
