@@ -4,6 +4,7 @@
     python bench/measurements/sharded.py --only gpt2-1.3M@2x85%
     python bench/measurements/sharded.py --reestimate bench/results/sharded-cpu-<date>.json
         # the estimator's error again over the same probes (none run again)
+    python bench/measurements/sharded.py --autofit-only   # autofit's probes alone (~3 min)
 
 Each scenario is a GPT-2 whose exact fp32 training (`allow=0`) under plain data parallelism needs 16
 bytes per parameter on each rank (weights 4, gradients 4, AdamW 8), with a per-rank budget that is a
@@ -77,14 +78,23 @@ class Sharded:
 SCENARIOS = [Sharded("gpt2-1.3M@2x85%", (6, 128, 4, 512, 64), 32, 4, 2, 0.85)]
 
 
-def run(scenario: Sharded) -> dict[str, Any]:
-    """autofit, the exhaustive search and the estimator's error for `scenario`, as a JSON-ready dict."""
+def run(scenario: Sharded, exhaustive_search: bool = True) -> dict[str, Any]:
+    """autofit, the exhaustive search and the estimator's error for `scenario`, as a JSON-ready dict
+    (`exhaustive_search=False`: autofit's part alone, with every probe it ran)."""
     factory, batches = scenario.factory(), TokenBatches(scenario.gpt2[3], scenario.seq_len)
     num_params = sum(p.numel() for p in factory().parameters())
     kwargs = scenario.kwargs(num_params)
     start = time.perf_counter()
     plan = autofit.autofit(factory, batches, **kwargs)
     autofit_s = time.perf_counter() - start
+    if not exhaustive_search:
+        return dict(name=scenario.name, num_params=num_params, ranks=scenario.ranks,
+                    budget_bytes=kwargs["memory_budget"], autofit=dict(
+                        config=plan.config.describe() if plan.fits else None, fits=plan.fits,
+                        probes_run=plan.probes_run, wall_s=autofit_s, samples_per_s=plan.throughput,
+                        peak_bytes=plan.peak_memory, reason=plan.reason,
+                        probed=[dict(config=p.config.describe(), status=p.status.value, peak_bytes=p.peak_bytes,
+                                     samples_per_s=p.samples_per_s) for p in plan.probes if p.source.value == "probed"]))
     spec = make_spec(factory, batches, **kwargs)
     oracle = exhaustive(spec, default_strategies())
     best = oracle.best
@@ -149,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], help="run only the scenario of this name")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reestimate", type=Path, help="recompute the predictions of a results file, probing nothing")
+    parser.add_argument("--autofit-only", action="store_true",
+                        help="autofit's choice and probes alone, no exhaustive search (sharded-autofit-cpu-<date>.json)")
     args = parser.parse_args(argv)
     if args.reestimate:
         reestimate(args.reestimate)
@@ -161,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
                                   command="python bench/measurements/sharded.py " + " ".join(argv or sys.argv[1:]),
                                   load_before=os.getloadavg(), versions=_versions(), scenarios=[])
     for scenario in chosen:
-        out = run(scenario)
+        out = run(scenario, not args.autofit_only)
         record["scenarios"].append(out)
+        if args.autofit_only:
+            print(f"{out['name']}: autofit {out['autofit']['config']} in {out['autofit']['probes_run']} probes "
+                  f"({out['autofit']['wall_s']:.0f} s)", flush=True)
+            continue
         print(f"{out['name']}: autofit {out['autofit']['config']} in {out['autofit']['probes_run']} probes "
               f"({out['autofit']['wall_s']:.0f} s); exhaustive {out['exhaustive']['best']} "
               f"({out['exhaustive']['wall_s']:.0f} s, {out['exhaustive']['candidates']} candidates); "
@@ -170,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
               f"estimator worst {out['estimator']['worst']}", flush=True)
     record["load_after"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"sharded-cpu-{started.date().isoformat()}.json"
+    path = args.out / f"sharded-{'autofit-' if args.autofit_only else ''}cpu-{started.date().isoformat()}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
