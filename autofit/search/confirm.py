@@ -12,9 +12,9 @@ figures alone. This step runs after the walk:
 2. **Finalists** (`finalists`): every fit within the window's margin of the best probed throughput, at
    most its limit of them (`LIVE_WINDOW`: 50%, 5, where a round is one optimizer step of each;
    `PROBE_WINDOW`: 20%, 2, where a round builds each again: one probe on a loaded machine can be off by
-   a third), plus the best fit of each safer class (a lower exactness tier; no allocator retries)
-   however far behind it probed, so a numerics change is chosen over an exact fit only on confirmed
-   figures, plus the largest fitting micro-batch of each finalist's level (the walk holds a larger
+   a third), plus the best fit of each safer class (a lower exactness tier, an arithmetic that moves less:
+   bf16 autocast where pure bf16 leads; no allocator retries) however far behind it probed, so a numerics
+   change is chosen over what changes less only on confirmed figures, never on one walk figure, plus the largest fitting micro-batch of each finalist's level (the walk holds a larger
    micro-batch is never slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
    only with each other, never raw with this session's: each source picks its own finalists, and all of
    them are re-measured here.
@@ -42,7 +42,6 @@ from autofit.search.decision import (PROBE_WINDOW, Confirmation, DecidedBy, Fina
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
-
 
 
 @dataclasses.dataclass(frozen=True)
