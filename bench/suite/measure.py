@@ -57,6 +57,41 @@ def remeasure(spec: TrainSpec, configs: Sequence[Config], strategies: Sequence[A
     return [Remeasured(c, tuple(samples[c])) for c in distinct]
 
 
+def paired(spec: TrainSpec, configs: Sequence[Config], strategies: Sequence[Any], rounds: int = 21,
+           warmup: int = 2) -> list[Remeasured]:
+    """Samples/s of each distinct config in `configs`, side by side: every run built once (outside the CPU
+    budget, as a user trains) and warmed up, then `rounds` rounds of one optimizer step each, the order
+    rotating. Every round measures all of them within the same seconds, so a ratio taken round by round
+    (`paired_ratio`) cancels a load that comes and goes; on a busy machine separate builds minutes apart do
+    not. Many runs of a larger model may not fit in host memory together: that is the caller's to check."""
+    from autofit.probe.run import fresh_run, timed_step
+
+    distinct = list(dict.fromkeys(configs))
+    runs = {}
+    try:
+        for config in distinct:
+            run, batches = fresh_run(dataclasses.replace(spec, global_batch_size=config.global_batch_size)
+                                     if config.global_batch_size != spec.global_batch_size else spec,
+                                     config, strategies)
+            for _ in range(warmup):
+                run.step(batches)
+            runs[config] = (run, batches)
+        samples: dict[Config, list[float]] = {c: [] for c in distinct}
+        for index in range(rounds):
+            shift = index % len(distinct)
+            for config in distinct[shift:] + distinct[:shift]:
+                samples[config].append(config.global_batch_size / timed_step(*runs[config], spec.device))
+        return [Remeasured(c, tuple(samples[c])) for c in distinct]
+    finally:
+        runs.clear()
+        release_memory()
+
+
+def paired_ratio(a: Remeasured, b: Remeasured) -> float:
+    """The median over the rounds of `a`'s samples/s over `b`'s in the same round (`paired`)."""
+    return statistics.median(x / y for x, y in zip(a.samples_per_s, b.samples_per_s))
+
+
 def _guard(spec: TrainSpec, accounting: bool) -> Any:
     if spec.device.type == "cuda":
         return CudaBudget(spec.memory_budget, spec.device)

@@ -13,7 +13,7 @@ from autofit.probe.outcome import Source
 from autofit.strategies import Strategy, default_strategies
 
 from bench.suite.dryrun import peak_rows
-from bench.suite.measure import remeasure, robustness
+from bench.suite.measure import paired, paired_ratio, remeasure, robustness
 from bench.suite.oracle import exhaustive
 from bench.suite.scenarios import Scenario, baseline_config, budget_for
 from bench.suite.tools import run_tools
@@ -26,7 +26,8 @@ class Options:
     device: str = "cpu"
     tools: bool = True
     robustness_steps: int = 200
-    repetitions: int = 5  # interleaved re-measurement rounds
+    repetitions: int = 5  # interleaved re-measurement rounds of the tools' configurations (whole builds)
+    paired_rounds: int = 21  # rounds of one step each of autofit's choice and the oracle's candidates, side by side
     remeasure_steps: int = 3  # timed steps per round
     oracle_top: int = 2  # the oracle's k fastest fits (as probed) are re-measured; the best of them is the oracle
     dry_run: bool = True
@@ -130,46 +131,52 @@ def _oracle_part(oracle: Any, top: int) -> dict[str, Any]:
 
 def _compare(spec: Any, plan: Any, again: Any, oracle: Any, tools: list[Any], strategies: Any,
              options: Options) -> dict[str, Any]:
-    """Re-measure autofit's choice against the oracle's candidates, the repeat run's choice and each tool's
-    end configuration, back to back in plain training (the speed a user gets, and the conditions of the
-    probes' timed steps). Every fit of the exhaustive search is screened once; the two fastest, and the
-    two fastest exact (tier 0) ones, are the oracle's candidates. Two oracles: the fastest of them all
-    (autofit's choice included, so quality <= 1), and the choice the same exactness rule makes (a
-    numerics change only when `exact_margin` faster than the best exact fit, re-measured)."""
+    """Re-measure autofit's choice against the oracle's candidates and the repeat run's choice side by side
+    (`paired`: each built once, one step of each per round, the order rotating; plain training, the speed
+    a user gets), and each tool's end configuration back to back (whole builds: it may change the batch).
+    Every fit of the exhaustive search is screened twice; the three fastest, and the two fastest exact
+    (tier 0) ones, are the oracle's candidates. Two oracles: the fastest of them all (autofit's choice
+    included, so quality <= 1), and the choice the same exactness rule makes (a numerics change only when
+    `exact_margin` faster than the best exact fit, re-measured). Quality is the median of the per-round
+    ratios of autofit's choice over the oracle's."""
     from autofit.search.space import build_space
 
     space = build_space(spec, strategies)
     level = baseline_config(spec)
     tool_configs = {t.tool: t.config(level) for t in tools if t.config(level) is not None}
     fits = [r.config for r in oracle.results if r.fits]
-    screen = sorted(remeasure(spec, fits, strategies, repetitions=1, steps=2), key=lambda m: m.median, reverse=True)
-    tops = [m.config for m in screen[:options.oracle_top]]
+    screen = sorted(remeasure(spec, fits, strategies, repetitions=2, steps=2), key=lambda m: m.median, reverse=True)
+    tops = [m.config for m in screen[:options.oracle_top + 1]]
     exact = [m.config for m in screen if space.tier(m.config) == 0][:options.oracle_top]
     repeat = again.config if again is not None and again.fits else None
-    configs = [plan.config, *tops, *exact, *([repeat] if repeat else []), *tool_configs.values()]
-    measured = {m.config: m for m in remeasure(spec, configs, strategies, options.repetitions,
-                                               options.remeasure_steps, accounting=False)}
-    speed = {c: measured[c].median for c in measured}
     candidates = list(dict.fromkeys([plan.config, *tops, *exact]))
-    fastest = max(candidates, key=speed.get)
-    policy = _policy_oracle(candidates, speed, space, plan.confirmation.exact_margin if plan.confirmation else 0.1)
-    ours = speed[plan.config]
+    side = {m.config: m for m in paired(spec, [*candidates, *([repeat] if repeat else [])], strategies,
+                                        options.paired_rounds)}
+    tooled = {m.config: m for m in remeasure(spec, [plan.config, *tool_configs.values()], strategies,
+                                             options.repetitions, options.remeasure_steps, accounting=False)}
+    ours = side[plan.config]
+    ratio = {c: paired_ratio(ours, side[c]) for c in side}  # ours over each, round by round
+    fastest = min(candidates, key=ratio.get)
+    speed = {c: side[c].median for c in side}
+    policy = _policy_oracle(candidates, {c: 1 / ratio[c] for c in candidates}, space,
+                            plan.confirmation.exact_margin if plan.confirmation else 0.1)
     part = dict(
-        repetitions=options.repetitions, steps=options.remeasure_steps, accounting=False,
-        autofit_samples_per_s=ours, oracle=fastest.describe(), oracle_samples_per_s=speed[fastest],
-        same_config=fastest == plan.config, decision_quality=ours / speed[fastest],
+        rounds=options.paired_rounds, paired=True, accounting=False,
+        autofit_samples_per_s=ours.median, oracle=fastest.describe(), oracle_samples_per_s=speed[fastest],
+        same_config=fastest == plan.config, decision_quality=min(1.0, ratio[fastest]),
         policy_oracle=policy.describe(), policy_same_config=policy == plan.config,
-        decision_quality_policy=min(1.0, ours / speed[policy]),
-        tools={name: dict(describe=c.describe(), samples_per_s=speed[c], vs_autofit=speed[c] / ours)
+        decision_quality_policy=min(1.0, ratio[policy]),
+        tools={name: dict(describe=c.describe(), samples_per_s=tooled[c].median,
+                          vs_autofit=tooled[c].median / tooled[plan.config].median)
                for name, c in tool_configs.items()},
         screen=[dict(describe=m.config.describe(), samples_per_s=m.median) for m in screen],
-        all=[dict(describe=m.config.describe(), median=m.median, samples=list(m.samples_per_s)) for m in measured.values()])
-    part["numerics"] = _numerics_check(plan, candidates, speed, space)
+        all=[dict(describe=m.config.describe(), median=m.median, over_autofit=1 / ratio[m.config],
+                  samples=list(m.samples_per_s)) for m in side.values()])
+    part["numerics"] = _numerics_check(plan, candidates, {c: 1 / ratio[c] for c in candidates}, space)
     if repeat is not None:
         noise = _confirmed_noise(plan.confirmation)
-        ratio = speed[repeat] / ours
-        part["repeat"] = dict(describe=repeat.describe(), same_config=repeat == plan.config, ratio=ratio,
-                              noise=noise, agrees=repeat == plan.config or abs(ratio - 1) <= noise)
+        part["repeat"] = dict(describe=repeat.describe(), same_config=repeat == plan.config, ratio=1 / ratio[repeat],
+                              noise=noise, agrees=repeat == plan.config or abs(1 / ratio[repeat] - 1) <= noise)
     return {"plain": part}
 
 
@@ -179,7 +186,7 @@ def _numerics_check(plan: Any, candidates: list[Any], speed: dict[Any, float], s
     margin = plan.confirmation.exact_margin if plan.confirmation else 0.1
     exact = [speed[c] for c in candidates if space.tier(c) == 0]
     changed = space.tier(plan.config) > 0
-    over = speed[plan.config] / max(exact) if exact else None
+    over = speed[plan.config] / max(exact) if exact else None  # `speed`: relative to autofit's choice
     return dict(changed=changed, margin=margin, over_best_exact=over,
                 confirmed=(over is None or over >= 1 + margin) if changed else None)
 

@@ -9,7 +9,7 @@ import torch
 from autofit.config import Config
 from autofit.probe.run import ProbeStatus
 from autofit.strategies import ActivationCheckpointing, MicroBatch, default_strategies
-from bench.suite.measure import remeasure, robustness
+from bench.suite.measure import Remeasured, paired, paired_ratio, remeasure, robustness
 from bench.suite.oracle import exhaustive
 from bench.suite.report import END, START, update_readme
 from bench.suite.scenarios import Scenario, TokenFeatures, baseline_config, budget_for, make_mlp, token_loss
@@ -52,6 +52,17 @@ def test_remeasure_gives_one_median_per_distinct_config(budget):
         measured = remeasure(spec, [a, b, a], default_strategies(), repetitions=2, steps=1, accounting=accounting)
         assert [m.config for m in measured] == [a, b]
         assert all(len(m.samples_per_s) == 2 and m.median > 0 for m in measured)
+
+
+def test_paired_measures_every_config_in_every_round_and_the_ratio_is_taken_round_by_round(budget):
+    spec = TINY.spec("cpu", budget)
+    a = baseline_config(spec).replace(micro_batch_size=1, grad_accum_steps=2)
+    b = a.replace(checkpointing="full")
+    measured = paired(spec, [a, b, a], default_strategies(), rounds=3, warmup=1)
+    assert [m.config for m in measured] == [a, b] and all(len(m.samples_per_s) == 3 for m in measured)
+    # a load that halves both in the second round cancels: the ratio is 2 in every round
+    loaded = Remeasured(a, (200.0, 100.0, 200.0)), Remeasured(b, (100.0, 50.0, 100.0))
+    assert paired_ratio(*loaded) == 2.0
 
 
 def test_robustness_holds_for_a_fit_and_reports_an_oom(budget):
@@ -121,11 +132,30 @@ def test_policy_oracle_keeps_exact_unless_the_change_clears_the_margin():
 def test_competing_load_runs_and_stops():
     import time
 
-    with CompetingLoad(1) as load:
+    with CompetingLoad(1, every_s=0.2) as load:
         (worker,) = load._workers
         time.sleep(1.0)
         assert worker.is_alive()
     assert not worker.is_alive() and not load._workers
+    assert load.loads and all(x >= 0 for x in load.loads)  # the load average, sampled while it ran
+
+
+def test_busy_starts_two_competing_processes_per_core(monkeypatch, tmp_path):
+    import os
+
+    import bench.run
+
+    class Started(Exception):
+        pass
+
+    def load(processes):
+        raise Started(processes)
+
+    monkeypatch.setattr(bench.run, "CompetingLoad", load)
+    monkeypatch.setattr(bench.run, "cpu_scenarios", lambda: [TINY])
+    with pytest.raises(Started) as started:
+        bench.run.main(["--busy", "--no-readme", "--only", TINY.name, "--out", str(tmp_path)])
+    assert started.value.args == (2 * (os.cpu_count() or 1),)
 
 
 def test_probe_status_values_used_by_the_report_exist():
