@@ -24,9 +24,9 @@ figures alone. This step runs after the walk:
    processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round
    (paired: both measured within the same seconds, so a load that comes and goes cancels out) and keeps
    the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
-   alone (its ratio's interval wider than its margin), one more at a time, up to `most` and within
-   `seconds`: more rounds narrow the interval of the median on a steady machine, and on a busy one the
-   cap ends them and the simpler finalist stays. The choice between them: `autofit.search.decision`.
+   alone (its ratio's interval wider than its margin), one more at a time, up to `most` and within its
+   time cap (live runs: 30 s, or three times what the first rounds took): more rounds narrow the interval
+   of the median on a steady machine, and on a busy one the cap ends them and the simpler finalist stays. The choice between them: `autofit.search.decision`.
 """
 
 from __future__ import annotations
@@ -47,14 +47,20 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class Rounds:
     """How many confirmation rounds: at least `least`; more, one at a time, while a comparison is undecided
-    for noise alone, up to `most` rounds and while the rounds so far took under `seconds`."""
+    for noise alone, up to `most` rounds and while the rounds so far took under `seconds`, or under `growth`
+    times what the first `least` took (a busy machine's slower rounds get their share of extra rounds too)."""
 
     least: int
     most: int
     seconds: float
+    growth: float = 0.0
+
+    def cap(self, first: float) -> float:
+        """Seconds the rounds may take in all, the first `least` having taken `first`."""
+        return max(self.seconds, self.growth * first)
 
 
-LIVE_ROUNDS = Rounds(7, 21, 30.0)  # one optimizer step per finalist a round, live runs
+LIVE_ROUNDS = Rounds(7, 21, 30.0, 3.0)  # one optimizer step per finalist a round, live runs
 PROBE_ROUNDS = Rounds(2, 4, 300.0)  # one whole probe per finalist a round, when runs cannot stay alive side by side
 # A lone finalist whose timed steps disagreed by more than this (slowest - fastest over the median) is
 # re-measured too: a probe that ran while the machine was busy (or before the process warmed up) would
@@ -195,8 +201,8 @@ def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:
         def figures() -> dict[Config, tuple[float, ...] | str]:
             return {c: failed.get(c) or tuple(samples[c]) for c in configs}
 
-        started, index = time.perf_counter(), 0
-        while index < rounds.least or (index < rounds.most and time.perf_counter() - started < rounds.seconds
+        started, index, first = time.perf_counter(), 0, 0.0
+        while index < rounds.least or (index < rounds.most and time.perf_counter() - started < rounds.cap(first)
                                        and more(figures())):
             live = [c for c in configs if c not in failed]
             shift = index % max(len(live), 1)
@@ -207,6 +213,8 @@ def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:
                 else:
                     samples[config].append(value)
             index += 1
+            if index == rounds.least:
+                first = time.perf_counter() - started
         return figures()
 
     return measure

@@ -460,3 +460,14 @@ def test_a_choice_near_the_limit_names_the_next_fit_with_headroom(space):
     lines = plan.summary().splitlines()
     assert len(lines) == 3 and lines[2] == (f"near the limit (3 allocator retries while timed); with headroom: "
                                             f"{four.describe()}, 80.00 samples/s, peak 1.00 MiB")
+
+
+def test_a_busy_machines_slower_rounds_get_their_share_of_extra_rounds(monkeypatch):
+    """The first 7 rounds took 40 s on a busy machine, past a 30 s cap: extra rounds may still take up to
+    three times that, so noise alone does not end the measurement at its first rounds."""
+    clock = iter(range(0, 10_000, 1))
+    monkeypatch.setattr(confirm.time, "perf_counter", lambda: float(next(clock)) * 5.0)  # 5 s a call
+    measure = confirm.interleaved(lambda c: 1.0)
+    out = measure([EXACT], confirm.Rounds(7, 21, 30.0, 3.0), lambda figures: True)
+    assert 7 < len(out[EXACT]) <= 21
+    assert confirm.Rounds(7, 21, 30.0, 3.0).cap(40.0) == 120.0 and confirm.Rounds(7, 21, 30.0).cap(40.0) == 30.0
