@@ -72,7 +72,8 @@ FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the
 # Simulations expected to take this long (the first one's time x their count) pay for worker processes,
 # each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
 SPREAD_AFTER_S = 15.0
-SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
+SIM_DEPTHS = (1, 2)  # units simulated for deep models: blocks, or k of them where a strategy repeats every k
+# (every k-th block checkpointed: the "_unit" its `simulated_as` names)
 # Token lengths simulated for a token model without attention layers (Mamba), extrapolated linearly to the
 # batch's length: nothing there grows faster than the length, and the sequential scan a CPU runs costs a
 # simulated kernel per token (a one-block Mamba at 2,048 tokens took 443 s to plan, 51 s so). A model whose
@@ -337,7 +338,7 @@ class Estimator:
                   batches: Callable[[int], Any]) -> tuple[ActivationPeak | None, str]:
         full_depth = self.full_depth if full_depth is None else full_depth
         where = self._simulated_on
-        k, total = config.checkpoint_every, self.facts.num_blocks
+        k, total = self._facts_of(config).get("_unit", 1), self.facts.num_blocks  # blocks a unit of the step spans
         shallow, deep = (k * d for d in SIM_DEPTHS)
         try:
             if full_depth or not self._depth_key or total <= deep:

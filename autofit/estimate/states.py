@@ -378,3 +378,26 @@ def simulated_layer_notes(facts: ModelFacts, config: Config, adapter_dropout: fl
     if config.quantization is Quantization.INT8:
         notes.append("int8 layers simulated as bitsandbytes' Linear8bitLt (each keeps its input for backward)")
     return notes
+
+
+# -- a report's bars ------------------------------------------------------------------------------------------
+USUAL_OPTIMIZER_BYTES = {Optimizer.ADAMW: 8, Optimizer.ADAMW8BIT: 2, Optimizer.PAGED_ADAMW8BIT: 2,
+                         Optimizer.ADAFACTOR: 0}  # per trained parameter
+USUAL_WEIGHT_BYTES = {Quantization.INT8: 1, Quantization.NF4: 0.5}  # per parameter on the device, quantized
+
+
+def usual_states(config: Config, num_params: int) -> tuple[float, float, float]:
+    """Bytes of (weights, gradients, optimizer states) per device for `config` by the usual per-parameter counts,
+    from the parameter count alone (a report's bars, beside a measured peak; the estimator's are
+    `model_states`): fp32 weights and gradients and 8 bytes of AdamW state, all three halved by pure bf16,
+    sharded by ZeRO over the ranks, gone from the device when offloaded; LoRA trains ~no full gradients or
+    optimizer states."""
+    ranks, half = max(config.num_gpus, 1), 0.5 if config.pure_bf16 else 1.0
+    weights = num_params * USUAL_WEIGHT_BYTES.get(config.quantization, 4 * half) / (ranks if config.zero_stage >= 3 else 1)
+    trained = 0 if config.lora else num_params
+    grads = trained * 4 * half / (ranks if config.zero_stage >= 2 else 1)
+    states = trained * USUAL_OPTIMIZER_BYTES.get(config.optimizer, 8) * half / (ranks if config.zero_stage >= 1 else 1)
+    if config.offloads:
+        states = 0.0
+        weights = 0.0 if config.zero_stage >= 3 else weights
+    return weights, grads, states

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import UsageError
-from autofit.strategies.deepspeed_config import set_nested
+from autofit.strategies.base import set_nested
 from autofit.units import format_size
 
 if TYPE_CHECKING:

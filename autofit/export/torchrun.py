@@ -18,7 +18,7 @@ from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit
 from autofit.export.model_setup import launcher_keys, setup_comments
-from autofit.strategies.deepspeed_config import DEFAULT_GRADIENT_CLIPPING
+from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 FILENAME = "torchrun.sh"
 SCRIPT_FILENAME = "train_with_prepare.py"

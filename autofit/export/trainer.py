@@ -19,7 +19,7 @@ from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit, with_launcher_keys
 from autofit.export.model_setup import setup_lines, strategies_of
-from autofit.strategies.deepspeed_config import DEFAULT_GRADIENT_CLIPPING
+from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 if TYPE_CHECKING:
     from autofit.plan import Plan

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autofit.config import Config, Knob, register_knob
 
 if TYPE_CHECKING:
+    import torch
+
     from autofit.strategies.memory import Breakdown
     from autofit.strategies.run import TrainRun
     from autofit.job.train_spec import TrainSpec
@@ -134,6 +136,12 @@ class Strategy(abc.ABC):
         only."""
         return {}
 
+    def compute_dtype(self, config: Config) -> "torch.dtype | None":
+        """The 16-bit dtype `config`'s value of this knob makes the forward compute in (an autocast's, 16-bit
+        weights'), None where it leaves the model's own (the default): the search reads an error that names
+        that dtype as the dtype's, not the other knobs'."""
+        return None
+
     def explain(self, config: Config, exc: BaseException) -> str:
         """What `config`'s value of this knob has to do with the error `exc` a probe of it raised, as a
         clause for the probe's reason ("; ..."), when the knob is its likely cause and the user can act on it;
@@ -170,6 +178,14 @@ def mixes_dtypes(exc: BaseException) -> bool:
     """Whether `exc` is an op refusing to meet a 16-bit tensor and an fp32 one (`Strategy.explain`)."""
     text = str(exc)
     return bool(_HALF.search(text) and _FULL.search(text))
+
+
+def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `value` at the dotted key `dotted` ("zero_optimization.stage") of `out`, making parents."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        out = out.setdefault(key, {})
+    out[leaf] = value
 
 
 def plugins() -> list[Strategy]:

@@ -82,9 +82,10 @@ class ActivationCheckpointing(Strategy):
             enable(run.model, config.checkpoint_every, ops=config.checkpointing is C.OPS)
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
-        # whether checkpointing re-enters is the calibration's to set (`REENTRANT`)
-        mode = config.checkpointing
-        return {"checkpointing": (mode.value, config.checkpoint_every, mode is not C.NONE and REENTRANT)}
+        # whether checkpointing re-enters is the calibration's to set (`REENTRANT`); the step repeats alike every
+        # k blocks where every k-th is checkpointed ("_unit": the blocks a deep model is simulated in units of)
+        mode, every = config.checkpointing, config.checkpoint_every
+        return {"checkpointing": (mode.value, every, mode is not C.NONE and REENTRANT), "_unit": every}
 
     def setup_lines(self, config: Config, fmt: str) -> list[str]:
         mode = config.checkpointing

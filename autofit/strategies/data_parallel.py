@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from autofit.config import Config, Engine
+from autofit.config import Config
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class DataParallel(Strategy):
             return
         if run.simulated:
             run.tie_weights = False  # each rank's step, as DDP's buckets and the engines hold a tied weight
-        elif run.config.engine is Engine.TORCH:
+        elif run.engine_factory is None:  # no sharding engine applied before this rung's last strategy
             run.engine_factory = wrap  # last, once every strategy has shaped the model (LoRA adapters)
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:

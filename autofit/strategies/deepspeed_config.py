@@ -15,7 +15,9 @@ from typing import Any
 
 from autofit.config import Config, Optimizer, Precision
 from autofit.errors import UsageError
+from autofit.strategies.base import set_nested
 from autofit.strategies.optimizer import DEFAULTS, torch_name
+from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 FILENAME = "deepspeed.json"  # the file the exports write this config to, beside their own
 
@@ -123,7 +125,6 @@ TORCH_BY_NAME = ("SGD", "RMSprop")
 # offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
 OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "nvme"}
 
-DEFAULT_GRADIENT_CLIPPING = 1.0  # clip the global gradient norm at 1.0: common practice, no memory cost
 
 
 def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: Buffers | None = None,
@@ -184,12 +185,6 @@ def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
     return flat
 
 
-def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set `value` at the dotted key `dotted` ("zero_optimization.stage") of `out`, making parents."""
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        out = out.setdefault(key, {})
-    out[leaf] = value
 
 
 def plan_config(config: Config, settings: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:

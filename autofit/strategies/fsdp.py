@@ -18,7 +18,6 @@ import torch
 
 from autofit.config import Config, Engine, Offload, Sharding
 from autofit.models.info import find_blocks
-from autofit.strategies.precision import DTYPES
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
@@ -92,7 +91,7 @@ def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
     if not dist.is_initialized():
         raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.probe.launch); "
                            "no process group here")
-    dtype = DTYPES.get(run.config.precision)
+    dtype = run.autocast_dtype  # the precision strategy's 16-bit type, which the policy computes in instead
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if run.config.offload is Offload.CPU else OffloadPolicy()
     mesh = _mesh(run.device)

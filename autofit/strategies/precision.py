@@ -50,6 +50,9 @@ class MixedPrecision(Strategy):
         if precision is P.FP16:
             run.scaler = torch.amp.GradScaler(run.device.type)
 
+    def compute_dtype(self, config: Config) -> torch.dtype | None:
+        return DTYPES.get(config.precision)
+
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         # autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device,
         # AT_FORALL_LOWER_PRECISION_FP in aten/src/ATen/autocast_mode.h): one simulation serves both

@@ -51,6 +51,9 @@ class PureBf16(Strategy):
         if run.config.pure_bf16 and not run.live:
             enable(run.model)  # bf16 weights, and the inputs cast as the probe casts them
 
+    def compute_dtype(self, config: Config) -> torch.dtype | None:
+        return torch.bfloat16 if config.pure_bf16 else None
+
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         # 16-bit weights without autocast: the step an engine's bf16 mode simulates too
         return {"weights16": True} if config.pure_bf16 else {}

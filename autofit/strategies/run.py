@@ -23,6 +23,7 @@ from autofit.config import Config
 from autofit.job.train_spec import TrainSpec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+DEFAULT_GRADIENT_CLIPPING = 1.0  # what the exports clip the global gradient norm at: common practice, no memory cost
 
 
 class Engine(Protocol):
