@@ -50,6 +50,7 @@ from autofit.estimate.states import (optimizer_temporaries, own_adapters, simula
                                      state_notes, step_transient)
 from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
 from autofit.errors import UsageError
+from autofit.strategies import completed
 from autofit.batches.synthetic_batches import TokenBatches
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class Estimator:
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
-        self._facts: dict[Config, dict[str, Any]] = {}  # `_facts_of`
+        self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
 
     # -- activations ---------------------------------------------------------------------------------
@@ -236,10 +237,9 @@ class Estimator:
         return (*simulations.simulation_key(facts, mb), own_adapters(self.facts, config), tied)
 
     def _facts_of(self, config: Config) -> dict[str, Any]:
-        """What `config`'s simulated step depends on (`simulations.simulated_facts`), once per config."""
-        if config not in self._facts:
-            self._facts[config] = simulations.simulated_facts(config, self.strategies)
-        return self._facts[config]
+        """What `config`'s simulated step depends on (`simulations.simulated_facts`), read anew each time: the
+        calibration sets what some strategies simulate (bitsandbytes' and peft's releases) between calls."""
+        return simulations.simulated_facts(config, self._simulating)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
