@@ -127,9 +127,9 @@ def _config_like(node: ast.AST) -> bool:
     return text.endswith("config") or text in ("cfg", "old", "new")
 
 
-def hits(path: pathlib.Path, names: dict[str, tuple[str, ...]], stem: str) -> list[str]:
-    """How `path` names the technique `stem` described by `names`: one entry per kind of mention, with a line."""
-    tree = ast.parse(path.read_text())
+def hits(tree: ast.AST, names: dict[str, tuple[str, ...]], stem: str) -> list[str]:
+    """How a module (`tree`) names the technique `stem` described by `names`: one entry per kind of mention,
+    with its line."""
     aliases, docs = _aliases(tree), _docstrings(tree)
     members = {tuple(m.split(".")) for m in names["members"]}
     knobs = {knob for knob, _ in members}
@@ -171,16 +171,15 @@ def hits(path: pathlib.Path, names: dict[str, tuple[str, ...]], stem: str) -> li
 def survey() -> dict[str, dict[str, list[str]]]:
     """technique -> {file (relative to the repository) -> how it names the technique}."""
     out: dict[str, dict[str, list[str]]] = {}
-    files = python_files()
+    files = {path.relative_to(ROOT).as_posix(): ast.parse(path.read_text()) for path in python_files()}
     for stem, names in NAMES.items():
         own = {f"autofit/strategies/{stem}.py"} | {f"autofit/strategies/{p}.py" for p, owners in PART_OF.items()
                                                     if stem in owners}
         named = {}
-        for path in files:
-            relative = path.relative_to(ROOT).as_posix()
+        for relative, tree in files.items():
             if relative in own or relative in EXCLUDED:
                 continue
-            found = hits(path, names, stem)
+            found = hits(tree, names, stem)
             if found:
                 named[relative] = found
         out[stem] = named

@@ -18,6 +18,8 @@ every exporter loop over without naming a technique:
   each launcher format, the Python lines an exported script runs on `model`, and why a format cannot say
   its value (naming the knob and the format that can). `recorded(settings, summary)` rebuilds it as a
   saved plan recorded it (`settings`) for the exports and `prepare`.
+- `compute_dtype(config)`: the 16-bit dtype its value makes the forward compute in, which the search reads
+  an error naming that dtype against.
 
 Several strategies may offer values of one knob (ZeRO and FSDP2 both offer `sharding`): each applies only
 the values it offers. A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob`

@@ -259,15 +259,11 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.batches.batch import call_model, quiet_transformers
-    from autofit.strategies import completed
 
     # the model's config may be the caller's own object: it is set back
     with simulatable.configs_restored(model), quiet_transformers():
-        run = SimulatedRun(config=config, model=model, device_type=device, adapted=adapted,
-                           adapter_dropout=adapter_dropout)
-        model.train()
-        for strategy in completed(strategies):
-            strategy.apply(run)
+        run = _shaped(SimulatedRun(config=config, model=model, device_type=device, adapted=adapted,
+                                   adapter_dropout=adapter_dropout), strategies)
         model = run.model
         # the whole batch is live through the step, the label fields a stand-in loss drops too (a mask per object)
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
@@ -305,6 +301,17 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         for recorder in _RECORDERS:
             recorder.append(list(tracker.events))
         return _peak(tracker, model, config, ties, deep, batch_bytes)
+
+
+def _shaped(run: SimulatedRun, strategies: Sequence[Any]) -> SimulatedRun:
+    """`run` as every strategy shapes it (`strategies` and every built-in and plug-in one they leave out, in
+    rung order), its model in training mode."""
+    from autofit.strategies import completed
+
+    run.model.train()
+    for strategy in completed(strategies):
+        strategy.apply(run)
+    return run
 
 
 def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, int], deep: "_Deep | None",
