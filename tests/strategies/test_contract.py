@@ -91,16 +91,24 @@ def planned_configs(strategy, spec):
 class TestHookContract:
     def test_its_apply_shapes_a_simulated_step(self, strategy, planned):
         """`apply` on a `SimulatedRun` (a meta model, made of fake tensors afterwards) leaves a step the
-        estimator can run, and `simulated_as` names what it depends on in hashable values."""
+        estimator can run, and `simulated_as` names what it depends on in hashable values (a step is simulated
+        once per distinct set of them, as the estimator does)."""
         from autofit.estimate.simulation.adapters import block_linears, within_block
         from autofit.estimate.simulation.step import simulate_step
         from autofit.models.info import meta_model
+        from autofit.strategies.run import SimulatedRun
 
+        simulated = set()
         for value, config in planned_configs(strategy, planned):
             facts = strategy.simulated_as(config, {})
-            assert isinstance(facts, dict) and hash(tuple(sorted(facts.items()))) is not None, (value, facts)
+            key = tuple(sorted(facts.items()))
+            assert isinstance(facts, dict) and hash(key) is not None, (value, facts)
             meta = meta_model(planned.model_factory)
             adapted = frozenset(within_block(name) for name in block_linears(meta))
+            strategy.apply(SimulatedRun(config=config, model=meta_model(planned.model_factory), adapted=adapted))
+            if key in simulated:
+                continue
+            simulated.add(key)
             peak = simulate_step(meta, planned.batch_factory(2), planned.loss_fn, config, device="cpu",
                                  adapted=adapted, strategies=[strategy])
             assert peak.forward > 0 and peak.kernels > 0, value
