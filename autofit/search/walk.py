@@ -37,7 +37,9 @@ import enum
 import math
 import re
 import sys
-from typing import Callable, Protocol, TextIO
+from typing import Callable, Protocol, Sequence, TextIO
+
+import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
@@ -45,6 +47,7 @@ from autofit.search.decision import choose
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source, decided
 from autofit.search.space import Space
 from autofit.search.trials import TrialStore
+from autofit.strategies.base import Strategy
 from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40
@@ -56,8 +59,8 @@ ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "ch
 # computes in (torch.fft on bf16: "Unsupported dtype BFloat16") fails so whatever their values
 DTYPE_NEUTRAL_KNOBS = ("checkpointing", "checkpoint_every", "optimizer", "optimizer_step", "activation_offload",
                        "offload")
-# The dtype each precision computes in, as torch names it in its errors (`"addmm" not implemented for 'Half'`)
-DTYPE_NAMES = {"bf16": "BFloat16", "pure_bf16": "BFloat16", "fp16": "Half"}
+# 16-bit dtypes as torch names them in its errors (`"addmm" not implemented for 'Half'`)
+DTYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half"}
 
 
 class Verdict(enum.Enum):
@@ -321,7 +324,7 @@ class Search:
             if len(failed) < USER_ERROR_PROBES:
                 continue
             seen = {name: {r.config.knob(name) for r in failed} for name in knobs}
-            dtype = _dtype_error(failed)  # then neither those knobs nor the micro-batch is the likelier cause
+            dtype = _dtype_error(failed, self.space.strategies)  # then neither those knobs nor the micro-batch is the likelier cause
             free = DTYPE_NEUTRAL_KNOBS if dtype else ()
             if any(level.knob(name) not in values for name, values in seen.items() if name not in free) \
                     or (_one_size(failed, ran) and not dtype):
@@ -411,11 +414,12 @@ def _one_size(failed: list[ProbeResult], ran: list[Config]) -> bool:
     return len(sizes) == 1 and all(c.micro_batch_size not in sizes for c in ran)
 
 
-def _dtype_error(failed: list[ProbeResult]) -> bool:
-    """Whether `failed` (one error) share a precision whose dtype their error names: an op that does not
-    take it, which no checkpointing, optimizer or offload changes."""
-    precisions = {r.config.precision.value for r in failed}
-    name = DTYPE_NAMES.get(next(iter(precisions))) if len(precisions) == 1 else None
+def _dtype_error(failed: list[ProbeResult], strategies: Sequence[Strategy]) -> bool:
+    """Whether `failed` (one error) share a 16-bit dtype their error names (the one a strategy makes the forward
+    compute in: `Strategy.compute_dtype`): an op that does not take it, which no checkpointing, optimizer or
+    offload changes."""
+    dtypes = {next((d for s in strategies if (d := s.compute_dtype(r.config)) is not None), None) for r in failed}
+    name = DTYPE_NAMES.get(next(iter(dtypes))) if len(dtypes) == 1 else None
     return name is not None and name in failed[0].reason
 
 
