@@ -5,9 +5,10 @@
         loss = prepared.step(batch)         # micro-batches, autocast, backward, accumulation, optimizer step
 
 In the spirit of `accelerator.prepare`: every knob of the plan is applied with the code the probe ran
-(`Strategy.apply` on a `TrainRun`, as `autofit.strategies.run.build_run` does): precision (autocast, the fp16
-GradScaler), attention implementation, checkpointing, the optimizer, LoRA / quantized base weights, and
-the engine (DDP, ZeRO, FSDP2). So what was measured is what runs. The pieces stay reachable for a loop
+(`Strategy.apply` on a `TrainRun`, as `autofit.strategies.run.build_run` does, for every strategy in rung
+order, each rebuilt as the plan recorded it: `Strategy.recorded`): precision (autocast, the fp16 GradScaler),
+attention implementation, checkpointing, the optimizer, LoRA / quantized base weights, the engine (DDP,
+ZeRO, FSDP2), and any plug-in technique. So what was measured is what runs. The pieces stay reachable for a loop
 of your own (`prepared.model`, `.optimizer`, `.micro_batch_size`, `.grad_accum_steps`, `.autocast()`,
 `.micro_batches(batch)`, `.forward_backward(micro_batch, weight)`, `.optimizer_step()`).
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
 import os
 import socket
 from pathlib import Path
@@ -25,8 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from autofit.config import Config, Engine
-from autofit.config import Optimizer as O
+from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.strategies.run import TrainRun, checked_max_grad_norm
 from autofit.batches.batch import default_loss, leading_dim, slice_rows, to_device
@@ -34,16 +33,11 @@ from autofit.batches.sample_axis import check_first_batch
 from autofit.models.info import inspect_model
 from autofit.batches.shares import micro_batch_shares
 from autofit.job.target import Target
-from autofit.job.train_spec import LossFn, OptimizerSpec, TrainSpec, parse_optimizer
-from autofit.strategies import in_order
-from autofit.strategies.base import Strategy, plugins
-from autofit.strategies.optimizer import BNB
-from autofit.strategies.optimizer import recorded as recorded_optimizer
-
-logger = logging.getLogger("autofit.prepare")
-
-# The optimizer knob -> the class name its factory builds (a USER optimizer is whatever was given).
-OPTIMIZER_CLASSES = {O.ADAMW: "AdamW", O.ADAFACTOR: "Adafactor", **BNB}
+from autofit.job.train_spec import LossFn, OptimizerSpec, TrainSpec
+from autofit.strategies import completed, for_plan, in_order, resolve_strategies, with_required
+from autofit.strategies.base import Placement, Strategy
+from autofit.strategies.optimizer import CLASS_NAMES as OPTIMIZER_CLASSES
+from autofit.strategies.optimizer import given_optimizer
 
 
 @dataclasses.dataclass
@@ -169,42 +163,31 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
     """
     config, summary, settings = _config_of(plan)
     max_grad_norm = checked_max_grad_norm(max_grad_norm)
-    if max_grad_norm and config.steps_in_backward:
-        raise UsageError(f"max_grad_norm={max_grad_norm}: this plan steps the optimizer inside the backward "
-                         f"({config.describe()}), one parameter at a time, so there is no global gradient norm to "
-                         "clip. Leave max_grad_norm out, or train a plan whose optimizer steps after the backward.")
+    chosen = _strategies(strategies, engine, config, settings, summary)
     where = _device(device, summary, config)
-    if engine:
+    if engine and max(s.placement(config) for s in chosen) is Placement.RANKS:
         _join_ranks(config, where)
-    given = _optimizer_spec(optimizer, config, settings.get("optimizer", {}))
-    spec = _spec(model, where, config, summary, given, loss_fn, nvme_path or summary.get("nvme_path"))
+    given = given_optimizer(optimizer, config, settings.get("optimizer", {}))
+    spec = _spec(model, where, config, summary, given.spec, loss_fn, nvme_path or summary.get("nvme_path"))
     run = TrainRun(spec=spec, config=config, model=model, max_grad_norm=max_grad_norm or 0.0)
     model.train()
-    for strategy in in_order(_strategies(strategies, engine, config, settings)):
+    for strategy in chosen:
         strategy.apply(run)
-    factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
-    if factory and config.optimizer is not O.USER:
-        run.optimizer_factory = optimizer
-    if isinstance(optimizer, torch.optim.Optimizer) and run.engine_factory is None:  # an engine builds its own
-        run.optimizer = _reused(optimizer, config, run.model)
+    given.adopt(run)
     run.ready()
-    if factory and run.engine is None and config.optimizer is not O.USER \
-            and _class_name(run.optimizer) != OPTIMIZER_CLASSES[config.optimizer]:
-        raise UsageError(f"The optimizer factory built {_class_name(run.optimizer)}, but the plan's memory was "
-                         f"measured with {OPTIMIZER_CLASSES[config.optimizer]}; return one from the factory, or "
-                         "tune again with this optimizer.")
+    given.check(run)
     return Prepared(config, run)
 
 
-def apply_in_place(config: Config, model: nn.Module, precision: bool = True) -> TrainRun:
-    """The knobs a live model takes without being rebuilt — precision (when `precision`: the run's autocast
-    dtype and fp16 scaler), attention implementation, checkpointing — applied to `model` with the
-    strategies' own code; the run holds the results. For the OOM guard, which trains the model it is given."""
-    from autofit.strategies import FusedAttention, ActivationCheckpointing, MixedPrecision
-
+def apply_in_place(config: Config, model: nn.Module, optimizer: Any = None) -> TrainRun:
+    """`config` applied to a live `model` trained with `optimizer` (the OOM guard's), by every strategy's
+    own code on a live run (`TrainRun.live`): what a live model takes in place (precision: the run's autocast
+    dtype and fp16 scaler; the attention implementation; checkpointing) is applied, what it cannot is checked
+    against it (the optimizer's class, adapters, an engine: a `UsageError` naming the fix)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    run = TrainRun(spec=_spec(model, device, config, {}, OptimizerSpec("adamw"), None), config=config, model=model)
-    for strategy in [MixedPrecision()] * precision + [FusedAttention(), ActivationCheckpointing()]:
+    run = TrainRun(spec=_spec(model, device, config, {}, OptimizerSpec("adamw"), None), config=config, model=model,
+                   optimizer=optimizer, live=True)
+    for strategy in completed():
         strategy.apply(run)
     return run
 
@@ -239,8 +222,6 @@ def _join_ranks(config: Config, device: torch.device) -> None:
     """Join (or start) the process group an engine or several ranks need."""
     import torch.distributed as dist
 
-    if config.num_gpus == 1 and config.engine is Engine.TORCH:
-        return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -260,38 +241,6 @@ def _join_ranks(config: Config, device: torch.device) -> None:
                          f"launch it with --nproc_per_node {config.num_gpus}, or tune for this many ranks.")
 
 
-def _optimizer_spec(optimizer: Any, config: Config, recorded: dict[str, Any]) -> OptimizerSpec:
-    """What the optimizer strategy builds from: the plan's kind, with the given optimizer's hyperparameters,
-    or, with none given, those the probes trained with (`plan.settings["optimizer"]`)."""
-    if optimizer is None:
-        spec = recorded_optimizer(config, recorded)
-        if spec is not None:
-            return spec
-        if config.optimizer is O.USER:
-            raise UsageError("The plan was tuned with your own optimizer; pass it again: "
-                             "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer; "
-                             "the exported train_with_prepare.py takes --optimizer FILE.py:fn).")
-        return OptimizerSpec(config.optimizer.value)
-    if config.optimizer is O.USER:
-        return parse_optimizer(optimizer)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return OptimizerSpec(config.optimizer.value)  # a factory is checked once it has built (see prepare)
-    given, expected = parse_optimizer(optimizer), OPTIMIZER_CLASSES[config.optimizer]
-    if _class_name(optimizer) not in (expected, "AdamW"):
-        kinds = "an AdamW" if expected == "AdamW" else f"an AdamW or a {expected}"
-        raise UsageError(f"The plan's memory was measured with {expected} (optimizer={config.optimizer.value!r}), "
-                         f"but the optimizer given is {_class_name(optimizer)}; pass {kinds} (its "
-                         "hyperparameters are kept), or tune again with this optimizer.")
-    if _class_name(optimizer) != expected:
-        logger.warning("autofit.prepare: the plan chose %s; a %s is built over the model with your AdamW's lr and "
-                       "weight decay", expected, expected)
-    return OptimizerSpec(config.optimizer.value, given.kwargs)
-
-
-def _class_name(optimizer: Any) -> str:
-    return type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "__name__", "?")
-
-
 def _spec(model: nn.Module, device: torch.device, config: Config, summary: dict[str, Any], optimizer: OptimizerSpec,
           loss_fn: LossFn | None, nvme_path: Any = None) -> TrainSpec:
     """The spec the strategies read while they apply (no batches: the loop brings its own)."""
@@ -307,30 +256,16 @@ def _no_batches(_: int) -> Any:
     raise RuntimeError("a prepared run trains the batches its loop gives it")
 
 
-def _strategies(strategies: Sequence[Any] | None, engine: bool, config: Config,
-                settings: dict[str, dict[str, Any]]) -> list[Strategy]:
-    """The strategies given (with those every run needs: `with_required`, as the search had them), else the
-    defaults, LoRA as the plan recorded its adapters (`Plan.settings`)."""
-    from autofit.strategies import (DataParallel, Lora, StateOffloading, default_strategies, resolve_strategies,
-                                    with_required)
-    from autofit.strategies.sharding import ShardingEngine
-
+def _strategies(strategies: Sequence[Any] | None, engine: bool, config: Config, settings: dict[str, dict[str, Any]],
+                summary: dict[str, Any]) -> list[Strategy]:
+    """The strategies given (with those every run needs: `with_required`, as the search had them), else every
+    built-in and plug-in one, each as the plan recorded it (`for_plan`: LoRA's adapters unless strategies are
+    given); without `engine`, none that runs launched ranks (`Placement.RANKS`: DDP, ZeRO, FSDP2, offload)."""
     if strategies is None:
-        recorded = Lora.from_settings(config.lora, settings["lora"]) if "lora" in settings else None
-        strategies = [recorded if recorded and isinstance(s, Lora) else s for s in default_strategies() + plugins()]
+        chosen = for_plan(settings, summary)
     else:
-        strategies = with_required(resolve_strategies(strategies))
-    return [s for s in strategies if engine or not isinstance(s, (ShardingEngine, DataParallel, StateOffloading))]
-
-
-def _reused(optimizer: torch.optim.Optimizer, config: Config, model: nn.Module) -> torch.optim.Optimizer | None:
-    """The given optimizer when it is the plan's kind over exactly the trainable parameters, else None
-    (the run builds one of the plan's kind over them, with its hyperparameters)."""
-    if config.optimizer is not O.USER and _class_name(optimizer) != OPTIMIZER_CLASSES[config.optimizer]:
-        return None
-    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    return optimizer if given == trainable else None
+        chosen = in_order(with_required(resolve_strategies(strategies)))
+    return [s for s in chosen if engine or s.placement(config) is not Placement.RANKS]
 
 
 def _free_port() -> int:

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 COLORS = {"fit": "#2e7d32", "oom": "#c62828", "error": "#757575", "too slow": "#ef6c00", "skipped": "#bdbdbd"}
 PARTS = ("weights", "gradients", "optimizer states", "activations & rest")
 PART_COLORS = ("#1565c0", "#42a5f5", "#90caf9", "#ffb74d")
-OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "paged_adamw8bit": 2, "adafactor": 0}  # per trained parameter
-WEIGHT_BYTES = {"int8": 1, "nf4": 0.5}  # per parameter on the device, for quantized base weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,22 +54,12 @@ def label(probe: ProbeResult) -> str:
 
 
 def breakdown(config: "Config", num_params: int, peak: int) -> tuple[float, ...]:
-    """Bytes of (weights, gradients, optimizer states, the rest of `peak`) for `config`.
+    """Bytes of (weights, gradients, optimizer states, the rest of `peak`) for `config`: the model states by
+    the usual per-parameter counts (`autofit.estimate.states.usual_states`), never above the measured peak, and
+    the rest what the probe measured beyond them: activations and workspace."""
+    from autofit.estimate.states import usual_states
 
-    Model states are the usual per-parameter counts (fp32 weights and gradients, 8 bytes of AdamW state;
-    pure bf16 halves all three), sharded by ZeRO over the ranks, gone from the device when offloaded; LoRA
-    trains ~no full gradients or optimizer states. The rest is what the probe measured beyond them:
-    activations and workspace.
-    """
-    ranks, half = max(config.num_gpus, 1), 0.5 if config.pure_bf16 else 1.0
-    weights = num_params * WEIGHT_BYTES.get(config.quantization, 4 * half) / (ranks if config.zero_stage >= 3 else 1)
-    trained = 0 if config.lora else num_params
-    grads = trained * 4 * half / (ranks if config.zero_stage >= 2 else 1)
-    states = trained * OPTIMIZER_BYTES.get(config.optimizer, 8) * half / (ranks if config.zero_stage >= 1 else 1)
-    if config.offloads:
-        states = 0.0
-        weights = 0.0 if config.zero_stage >= 3 else weights
-    model_states = [weights, grads, states]
+    model_states = list(usual_states(config, num_params))
     scale = min(1.0, peak / sum(model_states)) if sum(model_states) else 1.0  # never above the measured peak
     model_states = [part * scale for part in model_states]
     return (*model_states, max(peak - sum(model_states), 0.0))

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from autofit.config import Config, Engine, Quantization, Sharding
+from autofit.config import Config
 from autofit.strategies.deepspeed_config import buffers_for, deepspeed_elements
 from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers,  # noqa: F401
                                     model_facts)  # ModelFacts and formula_activations are re-exported
@@ -45,10 +45,12 @@ from autofit.strategies.memory import Breakdown
 from autofit.estimate.simulation.step import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.cuda.training_replay import replays_training, reserve
 from autofit.estimate.simulation.memo import workload_key
-from autofit.estimate.states import (States, fsdp_gathered, model_states, optimizer_temporaries, own_adapters,
-                                     state_notes, step_in_backward, unsharded_grads)
+from autofit.estimate.states import States, cast_peak, gathered as gathered_weights, held_grads, model_states
+from autofit.estimate.states import (optimizer_temporaries, own_adapters, simulated_layer_notes, sparse_grads,
+                                     state_notes, step_transient)
 from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
 from autofit.errors import UsageError
+from autofit.strategies import completed
 from autofit.batches.synthetic_batches import TokenBatches
 
 if TYPE_CHECKING:
@@ -71,7 +73,8 @@ FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the
 # Simulations expected to take this long (the first one's time x their count) pay for worker processes,
 # each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
 SPREAD_AFTER_S = 15.0
-SIM_DEPTHS = (1, 2)  # blocks simulated for deep models; (k, 2k) when every k-th block is checkpointed
+SIM_DEPTHS = (1, 2)  # units simulated for deep models: blocks, or k of them where a strategy repeats every k
+# (every k-th block checkpointed: the "_unit" its `simulated_as` names)
 # Token lengths simulated for a token model without attention layers (Mamba), extrapolated linearly to the
 # batch's length: nothing there grows faster than the length, and the sequential scan a CPU runs costs a
 # simulated kernel per token (a one-block Mamba at 2,048 tokens took 443 s to plan, 51 s so). A model whose
@@ -132,6 +135,7 @@ class Estimator:
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
+        self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
 
     # -- activations ---------------------------------------------------------------------------------
@@ -228,12 +232,14 @@ class Estimator:
 
     def _key(self, config: Config, mb: int) -> tuple:
         # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)
-        tied = self._tied and config.engine is Engine.TORCH and config.num_gpus <= 1
-        # LoRA's rank sizes the adapters simulated (`simulated_adapters.add`), fp32 beside a bf16 base under
-        # pure bf16 and in the model's dtype under an engine
-        lora = (config.lora, config.pure_bf16) if config.adapters and not own_adapters(self.facts, config) else None
-        return (*simulations.simulation_key(config, mb), config.adapters, own_adapters(self.facts, config),
-                config.quantization, simulations.implementation_key(config), tied, lora)
+        facts = self._facts_of(config)
+        tied = self._tied and not facts.get("_untied")
+        return (*simulations.simulation_key(facts, mb), own_adapters(self.facts, config), tied)
+
+    def _facts_of(self, config: Config) -> dict[str, Any]:
+        """What `config`'s simulated step depends on (`simulations.simulated_facts`), read anew each time: the
+        calibration sets what some strategies simulate (bitsandbytes' and peft's releases) between calls."""
+        return simulations.simulated_facts(config, self._simulating)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)
@@ -332,7 +338,7 @@ class Estimator:
                   batches: Callable[[int], Any]) -> tuple[ActivationPeak | None, str]:
         full_depth = self.full_depth if full_depth is None else full_depth
         where = self._simulated_on
-        k, total = config.checkpoint_every, self.facts.num_blocks
+        k, total = self._facts_of(config).get("_unit", 1), self.facts.num_blocks  # blocks a unit of the step spans
         shallow, deep = (k * d for d in SIM_DEPTHS)
         try:
             if full_depth or not self._depth_key or total <= deep:
@@ -366,16 +372,13 @@ class Estimator:
         else:
             model = _rebuild(self._meta, self._depth_key, depth)
         unit, total = (depth or 0) // 2, self.facts.num_blocks
-        # Activation offload frees a saved tensor's device storage when the units after it no longer hold
-        # it, two or more units on (a residual): two units cannot show which unit frees what, and their
-        # events repeated read the forward up to 1.6x over (tiny GPT-2 and Llama, 8 blocks): not repeated
-        wholly = deep and unit and total % unit == 0 and not config.offloads_activations
+        # where a strategy's step does not repeat alike (`SimulatedRun.repeatable`), it is not read deep
+        wholly = deep and unit and total % unit == 0
         replay_depth = (unit, total // unit) if wholly else None
         return simulate_step(model, batches(mb), self.spec.loss_fn, config, device=self.sim_device,
-                             half_weights=simulations.half_weights(config),
-                             adapted=self._adapted if config.adapters and not own_adapters(self.facts, config) else None,
+                             adapted=None if own_adapters(self.facts, config) else self._adapted,
                              adapter_dropout=self._adapter_dropout, cuda_ampere=self.cuda_ampere,
-                             replay_depth=replay_depth)
+                             replay_depth=replay_depth, strategies=self.strategies)
 
     def _formula(self, config: Config, mb: int) -> ActivationPeak:
         """The fallback when the step cannot be simulated: `formula_activations` (its error bound is
@@ -396,26 +399,19 @@ class Estimator:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
         states = model_states(self.facts, config)
         act, how = self.activations(config)
-        notes = [how]
-        self._note_simulated_layers(config, notes)
-        states = self._with_sparse_grads(states, act, config, notes)
-        gathered = self._gathered(config, notes)
+        notes = [how, *simulated_layer_notes(self.facts, config, self._adapter_dropout)]
+        sparse = sparse_grads(config, act.sparse_grads) if self.facts.sparse_params else None
+        if sparse is not None:  # the rows a micro-batch looks up, kept over the accumulation
+            notes.append(f"sparse gradients: {_size(act.sparse_grads)} a micro-batch, kept over {config.grad_accum_steps}")
+            states = dataclasses.replace(states, grads=states.grads + sparse)
+        gathered, gathered_note = gathered_weights(self.facts, config)
         temp = optimizer_temporaries(self.facts, config, self.target)
         # DeepSpeed's buffers, ZeRO-3's gathered weights and a tied weight's gradient, by phase (engines.py)
         engine = engine_memory(self.facts, config, deepspeed_elements(config, self.buffers))
-        held = self._held_grads(config, states, notes)
-        if config.steps_in_backward:  # each parameter steps in its gradient's hook, inside backward
-            states, held, temp = dataclasses.replace(states, grads=0), 0, step_in_backward(self.facts, config, self.target)
-            notes.append("optimizer step in backward: one parameter's gradient and step live at a time")
-            transient = max(act.largest, act.at_grad + temp)
-        elif config.grad_accum_steps > 1 or _ddp(config) or engine.grads_held:
-            # the gradients of earlier micro-batches are live throughout; so are DDP's gradient buckets
-            # (gradient_as_bucket_view=True: the gradients are views into buckets allocated up front)
-            transient = held + act.largest
-        else:  # gradients appear as activations are freed
-            transient = act.with_grads(states.grads)
-        # the backward, the step, and between them the engine's epilogue
-        transient = max(transient + engine.backward, states.grads + temp + engine.step, states.grads + engine.epilogue)
+        held, held_note = held_grads(self.facts, config, states.grads, self.deferred_sync)
+        states, held, temp, transient, step_note = step_transient(self.facts, config, states, held, temp, act, engine,
+                                                                  self.target)
+        notes += [note for note in (gathered_note, held_note, step_note) if note]
         terms = self._overhead(config, act, temp)
         overhead = sum(b for _, b in terms) + engine.held
         terms += [t for t in engine.terms if t[1] and t[0] != GATHERED_TERM]  # that one is `Breakdown.gathered`
@@ -425,9 +421,13 @@ class Estimator:
         for strategy in self.strategies:  # plug-in techniques say what they do to memory
             changed = strategy.memory(config, breakdown)
             peak, breakdown = peak + changed.total - breakdown.total, changed
-        peak = self._with_cast(config, peak, notes)
+        cast = cast_peak(self.facts, config, self.target)
+        if cast > peak:
+            notes.append(f"peak at the cast to bf16: {_size(cast)} (fp32 weights and buffers, and the largest "
+                         "weight's bf16 copy)")
+            peak = cast
         notes += state_notes(config, states, self.facts)
-        if config.offloads_activations:
+        if act.offloaded:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
         bound = 0.0 if simulated else self._peak_bound(breakdown.activations, peak)
@@ -436,68 +436,10 @@ class Estimator:
                         simulated=simulated, error_bound=bound,
                         offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
 
-    def _with_cast(self, config: Config, peak: int, notes: list[str]) -> int:
-        """`peak`, or the moment pure bf16 casts the model where that is higher, on the CPU: the model is built in
-        fp32 inside the budget and cast tensor by tensor, so its fp32 weights and buffers and the bf16 copy of
-        the largest weight are live at once (a table trained with SGD holds little else: predicted a third
-        under its probe). On a card the cast happens before the model is placed."""
-        if self.target != "cpu" or not config.pure_bf16:
-            return peak
-        facts = self.facts
-        cast = int(facts.num_params * facts.weight_bytes) + facts.buffer_bytes + 2 * facts.largest_param
-        if cast <= peak:
-            return peak
-        notes.append(f"peak at the cast to bf16: {_size(cast)} (fp32 weights and buffers, and the largest weight's "
-                     "bf16 copy)")
-        return cast
-
-    def _with_sparse_grads(self, states: States, act: ActivationPeak, config: Config, notes: list[str]) -> States:
-        """`states` with the sparse gradients the simulated step made (`nn.EmbeddingBag(sparse=True)`: the rows
-        a micro-batch looks up; `model_states` counts none for those weights), concatenated over the
-        accumulation's micro-batches as autograd accumulates them, live until the optimizer step."""
-        if not self.facts.sparse_params or config.engine is not Engine.TORCH:
-            return states
-        held = act.sparse_grads * config.grad_accum_steps
-        notes.append(f"sparse gradients: {_size(act.sparse_grads)} a micro-batch, kept over {config.grad_accum_steps}")
-        return dataclasses.replace(states, grads=states.grads + held)
-
     def _peak_bound(self, activations: int, peak: int) -> float | None:
         """The relative error a peak with `activations` by formula may carry upwards (None: no bound)."""
         bound = self.formula_bound
         return None if bound is None else round((bound - 1) * activations / max(peak, 1), 4)
-
-    def _held_grads(self, config: Config, states: States, notes: list[str]) -> int:
-        """Gradient bytes live through a backward after the first micro-batch: `unsharded_grads` under FSDP
-        with `deferred_sync` (every micro-batch but the last skips the reduce-scatter), else those of
-        `states`."""
-        if not (self.deferred_sync and config.needs_sync_each_micro_batch):
-            return states.grads
-        held = unsharded_grads(self.facts, config)
-        notes.append(f"gradient reduction deferred to the last micro-batch: {_size(held)} of unsharded "
-                     "gradients held")
-        return held
-
-    def _note_simulated_layers(self, config: Config, notes: list[str]) -> None:
-        """Say how the adapters and a quantized base were simulated: as peft's adapters (`simulated_adapters.add`)
-        over bitsandbytes' layers (`SimulatedLinear4bit`, `SimulatedLinear8bit`)."""
-        if own_adapters(self.facts, config):
-            notes.append("the model's own adapters trained beside its quantized base")
-        elif config.adapters:
-            notes.append("LoRA simulated as peft's adapters beside the frozen base" +
-                         (" (their inputs dropped out)" if self._adapter_dropout else ""))
-        if config.quantization is Quantization.NF4:
-            notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
-        if config.quantization is Quantization.INT8:
-            notes.append("int8 layers simulated as bitsandbytes' Linear8bitLt (each keeps its input for backward)")
-
-    def _gathered(self, config: Config, notes: list[str]) -> int:
-        """Full weights gathered from their shards while in use (`Breakdown.gathered`, apart from the
-        partitioned model states). ZeRO-3: two blocks (current + prefetch) and the largest tensor, at most
-        `stage3_max_live_parameters`, in 16 bits. FSDP2: `_fsdp_gathered`."""
-        if config.engine is Engine.FSDP:
-            notes.append("FSDP2 gathered weights by formula")
-            return fsdp_gathered(self.facts, config)
-        return 0  # ZeRO-3's gathered weights are live in the backward only: `engines.zero3_gathered`
 
     def _overhead(self, config: Config, act: ActivationPeak, temp: int) -> list[tuple[str, int]]:
         """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only). Fragmentation:
@@ -523,11 +465,6 @@ def _parts(states: States, temp: int, activations: int, overhead: int, gathered:
     overhead += sum(buffers.values()) - engine.held
     parts = Breakdown(states.params, states.grads, states.optimizer + temp, activations, overhead, gathered)
     return dataclasses.replace(parts, activations=activations + max(0, peak - parts.total))
-
-
-def _ddp(config: Config) -> bool:
-    """Whether `config` trains under DistributedDataParallel (several ranks, no sharding engine)."""
-    return config.num_gpus > 1 and config.sharding is Sharding.NONE
 
 
 def _size(nbytes: int) -> str:

@@ -1,6 +1,12 @@
 """Estimate, model states: the bytes of parameters, gradients and optimizer states per device for a
 configuration, and the other terms that follow from the model's facts alone (FSDP2's gathered weights,
-gradients held unsharded, the optimizer step's temporaries), all by formula, without a simulation.
+gradients held unsharded, the optimizer step's temporaries), all by formula, without a simulation; and how
+they join a simulated step's activations into the step's transient bytes (`step_transient`).
+
+This is the one joint formula module (DESIGN.md): precision, ZeRO and FSDP2 sharding, offload, 8-bit and
+factored optimizer states, quantized base weights, LoRA and the step in backward each change what the
+others' bytes are, so their model-state formulas live here together rather than in each strategy's `memory`
+hook. Everything else a technique does to memory the simulated step measures (`Strategy.apply` shapes it).
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3): with mixed precision
 under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of fp32 master weights and
@@ -14,10 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import TYPE_CHECKING, Any
+
 from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sharding
 from autofit.estimate.facts import ModelFacts
 from autofit.strategies.quantization import nf4_bytes
 from autofit.units import format_size
+
+if TYPE_CHECKING:
+    from autofit.estimate.simulation.step import ActivationPeak
 
 INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
 NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
@@ -287,3 +298,106 @@ def state_notes(config: Config, states: States, facts: ModelFacts) -> list[str]:
     if config.offloads:
         notes.append(f"offload to {config.offload.value}: {format_size(states.cpu)} of host RAM")
     return notes
+
+
+# -- how the model states join a simulated step ------------------------------------------------------------
+def data_parallel(config: Config) -> bool:
+    """Whether `config` trains under DistributedDataParallel (several ranks, no sharding engine)."""
+    return config.num_gpus > 1 and config.sharding is Sharding.NONE
+
+
+def sparse_grads(config: Config, per_micro_batch: int) -> int | None:
+    """Bytes of the sparse gradients a step holds until its optimizer step (`nn.EmbeddingBag(sparse=True)`:
+    the rows a micro-batch looks up, `per_micro_batch` bytes; `model_states` counts none for those weights),
+    concatenated over the accumulation's micro-batches as autograd accumulates them; None under an engine."""
+    return per_micro_batch * config.grad_accum_steps if config.engine is Engine.TORCH else None
+
+
+def held_grads(facts: ModelFacts, config: Config, grads: int, deferred_sync: bool) -> tuple[int, str | None]:
+    """Gradient bytes live through a backward after the first micro-batch, and a note where they differ from
+    `grads` (the model states'): `unsharded_grads` under FSDP where the loop defers the reduce to the last
+    micro-batch (`deferred_sync`: every micro-batch but the last skips the reduce-scatter)."""
+    if not (deferred_sync and config.needs_sync_each_micro_batch):
+        return grads, None
+    held = unsharded_grads(facts, config)
+    return held, (f"gradient reduction deferred to the last micro-batch: {format_size(held)} of unsharded "
+                  "gradients held")
+
+
+def gathered(facts: ModelFacts, config: Config) -> tuple[int, str | None]:
+    """Full weights gathered from their shards while in use (`Breakdown.gathered`, apart from the partitioned
+    model states), and a note: FSDP2's by `fsdp_gathered`. ZeRO-3's are live in the backward only
+    (`autofit.estimate.engines.zero3_gathered`): 0 here."""
+    if config.engine is Engine.FSDP:
+        return fsdp_gathered(facts, config), "FSDP2 gathered weights by formula"
+    return 0, None
+
+
+def step_transient(facts: ModelFacts, config: Config, states: States, held: int, temp: int, act: "ActivationPeak",
+                   engine: Any, target: str) -> tuple[States, int, int, int, str | None]:
+    """The most transient bytes of the backward, the step and the engine's epilogue between them, with the
+    states, held gradients and step temporaries they leave (and a note): with the step in backward each
+    parameter's gradient and step live at a time; where earlier micro-batches' gradients (or DDP's buckets:
+    `gradient_as_bucket_view=True` makes the gradients views into buckets allocated up front, or an engine's
+    held gradients) are live throughout, they add to the activations; else gradients appear as activations
+    are freed (`ActivationPeak.with_grads`). `engine`: `autofit.estimate.engines.EngineMemory`."""
+    note = None
+    if config.steps_in_backward:
+        states, held, temp = dataclasses.replace(states, grads=0), 0, step_in_backward(facts, config, target)
+        note = "optimizer step in backward: one parameter's gradient and step live at a time"
+        transient = max(act.largest, act.at_grad + temp)
+    elif config.grad_accum_steps > 1 or data_parallel(config) or engine.grads_held:
+        transient = held + act.largest
+    else:
+        transient = act.with_grads(states.grads)
+    transient = max(transient + engine.backward, states.grads + temp + engine.step, states.grads + engine.epilogue)
+    return states, held, temp, transient, note
+
+
+def cast_peak(facts: ModelFacts, config: Config, target: str) -> int:
+    """The moment pure bf16 casts the model, on the CPU (0 elsewhere): the model is built in fp32 inside the
+    budget and cast tensor by tensor, so its fp32 weights and buffers and the bf16 copy of the largest weight
+    are live at once (a table trained with SGD holds little else: predicted a third under its probe). On a
+    card the cast happens before the model is placed."""
+    if target != "cpu" or not config.pure_bf16:
+        return 0
+    return int(facts.num_params * facts.weight_bytes) + facts.buffer_bytes + 2 * facts.largest_param
+
+
+def simulated_layer_notes(facts: ModelFacts, config: Config, adapter_dropout: float) -> list[str]:
+    """How the adapters and a quantized base were simulated: as peft's adapters (`autofit.strategies.lora`)
+    over bitsandbytes' layers (`SimulatedLinear4bit`, `SimulatedLinear8bit`)."""
+    notes = []
+    if own_adapters(facts, config):
+        notes.append("the model's own adapters trained beside its quantized base")
+    elif config.adapters:
+        notes.append("LoRA simulated as peft's adapters beside the frozen base" +
+                     (" (their inputs dropped out)" if adapter_dropout else ""))
+    if config.quantization is Quantization.NF4:
+        notes.append("nf4 layers simulated as bitsandbytes' Linear4bit (a 16-bit weight dequantized per matmul)")
+    if config.quantization is Quantization.INT8:
+        notes.append("int8 layers simulated as bitsandbytes' Linear8bitLt (each keeps its input for backward)")
+    return notes
+
+
+# -- a report's bars ------------------------------------------------------------------------------------------
+USUAL_OPTIMIZER_BYTES = {Optimizer.ADAMW: 8, Optimizer.ADAMW8BIT: 2, Optimizer.PAGED_ADAMW8BIT: 2,
+                         Optimizer.ADAFACTOR: 0}  # per trained parameter
+USUAL_WEIGHT_BYTES = {Quantization.INT8: 1, Quantization.NF4: 0.5}  # per parameter on the device, quantized
+
+
+def usual_states(config: Config, num_params: int) -> tuple[float, float, float]:
+    """Bytes of (weights, gradients, optimizer states) per device for `config` by the usual per-parameter counts,
+    from the parameter count alone (a report's bars, beside a measured peak; the estimator's are
+    `model_states`): fp32 weights and gradients and 8 bytes of AdamW state, all three halved by pure bf16,
+    sharded by ZeRO over the ranks, gone from the device when offloaded; LoRA trains ~no full gradients or
+    optimizer states."""
+    ranks, half = max(config.num_gpus, 1), 0.5 if config.pure_bf16 else 1.0
+    weights = num_params * USUAL_WEIGHT_BYTES.get(config.quantization, 4 * half) / (ranks if config.zero_stage >= 3 else 1)
+    trained = 0 if config.lora else num_params
+    grads = trained * 4 * half / (ranks if config.zero_stage >= 2 else 1)
+    states = trained * USUAL_OPTIMIZER_BYTES.get(config.optimizer, 8) * half / (ranks if config.zero_stage >= 1 else 1)
+    if config.offloads:
+        states = 0.0
+        weights = 0.0 if config.zero_stage >= 3 else weights
+    return weights, grads, states

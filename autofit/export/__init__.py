@@ -4,7 +4,10 @@
 
 Formats: "deepspeed" (deepspeed.json), "accelerate" (accelerate_config.yaml + accelerate_launch.sh),
 "trainer" (trainer_args.json + train_with_trainer.py), "torchrun" (torchrun.sh). Every file carries the
-measurement where its format allows. A plan that does not fit refuses to export (`UsageError`).
+measurement where its format allows. A plan that does not fit refuses to export (`UsageError`), and so does
+a format that cannot run one of its knobs (`Strategy.refuses` names the knob and the format that can).
+Each exporter writes its format's own structure and loops over the strategies for the rest
+(`autofit.export.model_setup`): their keys, the lines a script runs on the model, their refusals.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from autofit.errors import UsageError
 from autofit.export import accelerate, deepspeed, torchrun, trainer
-from autofit.strategies.deepspeed_config import deepspeed_config
 from autofit.export.measured import require_fit
+from autofit.export.model_setup import refusal
+from autofit.strategies.deepspeed_config import deepspeed_config
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -29,7 +33,7 @@ def export(plan: "Plan", fmt: str, out_dir: str | Path) -> list[Path]:
     if fmt not in FORMATS:
         raise UsageError(f"format {fmt!r} is not known; use one of {sorted(FORMATS)}.")
     require_fit(plan)
-    why_not = getattr(FORMATS[fmt], "applies", lambda _: None)(plan)
+    why_not = refusal(plan, fmt)
     if why_not:
         raise UsageError(f"Cannot export {fmt!r}: {why_not}.")
     out = Path(out_dir)
@@ -41,7 +45,7 @@ def export(plan: "Plan", fmt: str, out_dir: str | Path) -> list[Path]:
 
 def applicable(plan: "Plan") -> list[str]:
     """The formats that apply to `plan` (DeepSpeed does not, for a plan sharded with FSDP2)."""
-    return [fmt for fmt, module in FORMATS.items() if not getattr(module, "applies", lambda _: None)(plan)]
+    return [fmt for fmt in FORMATS if not refusal(plan, fmt)]
 
 
 def export_all(plan: "Plan", out_dir: str | Path) -> list[Path]:

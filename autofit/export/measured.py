@@ -8,12 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import UsageError
-from autofit.strategies.deepspeed_config import set_nested
+from autofit.strategies.base import set_nested
 from autofit.units import format_size
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
-    from autofit.config import Config
 
 
 def require_fit(plan: "Plan") -> None:
@@ -44,13 +43,13 @@ def measured(plan: "Plan") -> dict[str, Any]:
     }
 
 
-def with_plugin_keys(document: dict[str, Any], config: "Config", fmt: str) -> dict[str, Any]:
-    """`document` with the keys plug-in strategies add to format `fmt` (dotted names nest)."""
-    from autofit.strategies.base import plugins
+def with_launcher_keys(document: dict[str, Any], plan: "Plan", fmt: str) -> dict[str, Any]:
+    """`document` with the keys every strategy writes into format `fmt` (`Strategy.launcher_keys`; dotted names
+    nest), over those the exporter wrote."""
+    from autofit.export.model_setup import launcher_keys
 
-    for strategy in plugins():
-        for dotted, value in strategy.launcher_keys(config, fmt).items():
-            set_nested(document, dotted, value)
+    for dotted, value in launcher_keys(plan, fmt).items():
+        set_nested(document, dotted, value)
     return document
 
 

@@ -3,8 +3,8 @@
 torchrun.sh names the plan (AUTOFIT_PLAN, plan.json written beside it) for `autofit.prepare`, which
 applies every knob in the training script with the probe's own code; train_with_prepare.py is such a
 script (`--model`, `--dataset`, as `autofit tune` reads them). The knobs also travel as AUTOFIT_*
-variables for scripts of your own; with ZeRO the DeepSpeed config is written beside them and named in
-AUTOFIT_DEEPSPEED_CONFIG.
+variables for scripts of your own, with those strategies add (`Strategy.launcher_keys(config, "torchrun")`);
+where one names a DeepSpeed config (AUTOFIT_DEEPSPEED_CONFIG, ZeRO's), it is written beside them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
-from autofit.strategies.deepspeed_config import DEFAULT_GRADIENT_CLIPPING
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit
-from autofit.export.model_setup import setup_comments
+from autofit.export.model_setup import launcher_keys, setup_comments
+from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 FILENAME = "torchrun.sh"
 SCRIPT_FILENAME = "train_with_prepare.py"
 PLAN_FILENAME = "plan.json"
+DEEPSPEED_VARIABLE = "AUTOFIT_DEEPSPEED_CONFIG"  # names the DeepSpeed config written beside torchrun.sh
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -31,14 +32,16 @@ if TYPE_CHECKING:
 
 def environment(plan: "Plan") -> dict[str, str]:
     """The environment variables the launched job needs (names -> values): every knob of the plan,
-    plug-in strategies' included, as AUTOFIT_<KNOB>, the global batch, and the DeepSpeed config path."""
+    plug-in strategies' included, as AUTOFIT_<KNOB>, the global batch, the plan's path, and those strategies
+    add (a file they name lies beside torchrun.sh: `$here/`)."""
     require_fit(plan)
     config = plan.config
     env = {f"AUTOFIT_{name.upper()}": str(value) for name, value in config.to_dict().items()}
     env["AUTOFIT_GLOBAL_BATCH_SIZE"] = str(config.global_batch_size)
     env["AUTOFIT_PLAN"] = "$here/" + PLAN_FILENAME
-    if config.zero_stage:
-        env["AUTOFIT_DEEPSPEED_CONFIG"] = '$here/' + DEEPSPEED_FILENAME
+    for name, value in launcher_keys(plan, "torchrun").items():
+        if name.startswith("AUTOFIT_"):
+            env[name] = "$here/" + str(value) if name == DEEPSPEED_VARIABLE else str(value)
     return env
 
 
@@ -53,7 +56,7 @@ def script(plan: "Plan") -> str:
     exports = [f'export {name}="{value}"' if value.startswith("$here") else f"export {name}={shlex.quote(value)}"
                for name, value in environment(plan).items()]
     return "\n".join([
-        "#!/usr/bin/env bash", *comment_lines(plan), *setup_comments(plan.config),
+        "#!/usr/bin/env bash", *comment_lines(plan), *setup_comments(plan, "torchrun"),
         "# Usage: bash torchrun.sh train.py [script args]", "set -euo pipefail",
         'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', *exports,
         f'exec {shlex.join(command(plan))} "$@"',
@@ -129,13 +132,14 @@ if __name__ == "__main__":
 
 
 def _clipping(plan: "Plan") -> float | None:
-    """The global gradient norm the script clips to: the other exports' (DEFAULT_GRADIENT_CLIPPING), none
-    where the optimizer steps inside the backward (no global gradient to clip)."""
-    return None if plan.config is not None and plan.config.steps_in_backward else DEFAULT_GRADIENT_CLIPPING
+    """The global gradient norm the script clips to: the other exports' (DEFAULT_GRADIENT_CLIPPING), or what a
+    strategy says instead (None where the optimizer steps inside the backward: no global gradient to clip)."""
+    return launcher_keys(plan, "torchrun").get("max_grad_norm", DEFAULT_GRADIENT_CLIPPING)
 
 
 def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write torchrun.sh, plan.json and train_with_prepare.py (and deepspeed.json when ZeRO is used)."""
+    """Write torchrun.sh, plan.json and train_with_prepare.py (and deepspeed.json where the environment names
+    it)."""
     path = out_dir / FILENAME
     path.write_text(script(plan))
     path.chmod(0o755)
@@ -143,7 +147,7 @@ def export(plan: "Plan", out_dir: Path) -> list[Path]:
     trainer = out_dir / SCRIPT_FILENAME
     trainer.write_text(training_script(plan))
     paths.append(trainer)
-    if plan.config.zero_stage:
+    if DEEPSPEED_VARIABLE in environment(plan):
         ds = out_dir / DEEPSPEED_FILENAME
         ds.write_text(json.dumps(deepspeed_file_config(plan), indent=2) + "\n")
         paths.append(ds)

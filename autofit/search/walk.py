@@ -41,7 +41,9 @@ import dataclasses
 import enum
 import math
 import re
-from typing import Callable
+from typing import Callable, Sequence
+
+import torch
 
 from autofit.config import Config
 from autofit.errors import UsageError
@@ -52,6 +54,7 @@ from autofit.search.progress import (QUIET_SKIPS, SKIP_WORDS, Heartbeat, Printed
                                      SkipTally, make_progress, skip_counts)
 from autofit.search.space import Space
 from autofit.search.trials import TrialStore
+from autofit.strategies.base import Strategy
 from autofit.units import format_size
 
 DEFAULT_MAX_PROBES = 40
@@ -63,8 +66,8 @@ WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput s
 LEARNED_SLACK = 0.03
 # The knobs that change only activation memory: an OOM where no activation was live bounds every value of them.
 ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "checkpoint_every", "attention")
-# The dtype each precision computes in, as torch names it in its errors (`"addmm" not implemented for 'Half'`)
-DTYPE_NAMES = {"bf16": "BFloat16", "pure_bf16": "BFloat16", "fp16": "Half"}
+# 16-bit dtypes as torch names them in its errors (`"addmm" not implemented for 'Half'`)
+DTYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half"}
 
 
 class Verdict(enum.Enum):
@@ -191,8 +194,8 @@ class Search:
     def _same_error(self, level: Config) -> "Lesson | None":
         """The lesson that `level` is certain to fail as earlier levels did (`lessons`): `level` has every
         knob value it lays the error to. None when no lesson covers it."""
-        for lesson in lessons(self.results, [n for n in self.space.values() if n not in ("micro_batch_size",
-                                                                                        "grad_accum_steps")]):
+        knobs = [n for n in self.space.values() if n not in ("micro_batch_size", "grad_accum_steps")]
+        for lesson in lessons(self.results, knobs, self.space.strategies):
             if all(level.knob(name) == value for name, value in lesson.values):
                 return lesson
         return None
@@ -338,7 +341,7 @@ class Lesson:
                 "other levels with it are skipped, not probed")
 
 
-def lessons(results: list[ProbeResult], knobs: list[str]) -> list[Lesson]:
+def lessons(results: list[ProbeResult], knobs: list[str], strategies: Sequence[Strategy]) -> list[Lesson]:
     """Every lesson the measured `results` teach (`Lesson`): an error (type and site) at least
     `USER_ERROR_PROBES` levels met, laid to the values of `knobs` they all shared that no level which ran
     without error had; none where they all ran at one micro-batch nothing else ran at, which may be the
@@ -352,7 +355,7 @@ def lessons(results: list[ProbeResult], knobs: list[str]) -> list[Lesson]:
     for failed in failures.values():
         if len({r.config.replace(micro_batch_size=1, grad_accum_steps=1) for r in failed}) < USER_ERROR_PROBES:
             continue
-        if _one_size(failed, ran) and not _dtype_error(failed):
+        if _one_size(failed, ran) and not _dtype_error(failed, strategies):
             continue
         shared = [(name, failed[0].config.knob(name)) for name in knobs
                   if len({r.config.knob(name) for r in failed}) == 1]
@@ -387,11 +390,12 @@ def _one_size(failed: list[ProbeResult], ran: list[Config]) -> bool:
     return len(sizes) == 1 and all(c.micro_batch_size not in sizes for c in ran)
 
 
-def _dtype_error(failed: list[ProbeResult]) -> bool:
-    """Whether `failed` (one error) share a precision whose dtype their error names: an op that does not
-    take it, which no checkpointing, optimizer or offload changes."""
-    precisions = {r.config.precision.value for r in failed}
-    name = DTYPE_NAMES.get(next(iter(precisions))) if len(precisions) == 1 else None
+def _dtype_error(failed: list[ProbeResult], strategies: Sequence[Strategy]) -> bool:
+    """Whether `failed` (one error) share a 16-bit dtype their error names (the one a strategy makes the forward
+    compute in: `Strategy.compute_dtype`): an op that does not take it, which no checkpointing, optimizer or
+    offload changes."""
+    dtypes = {next((d for s in strategies if (d := s.compute_dtype(r.config)) is not None), None) for r in failed}
+    name = DTYPE_NAMES.get(next(iter(dtypes))) if len(dtypes) == 1 else None
     return name is not None and name in failed[0].reason
 
 

@@ -63,6 +63,21 @@ def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
     return in_order([*strategies, *required])
 
 
+def completed(strategies: Iterable[Strategy] = ()) -> list[Strategy]:
+    """`strategies` in order (`in_order`), with one of every built-in and plug-in strategy whose class is not
+    among them: what shapes a step, a simulation or an export whichever knobs were searched (the others, at
+    their defaults, apply nothing)."""
+    strategies = list(strategies)
+    given = {type(s) for s in strategies}
+    return in_order([*strategies, *(s for s in [*default_strategies(), *plugins()] if type(s) not in given)])
+
+
+def for_plan(settings: dict[str, Any], summary: dict[str, Any], strategies: Iterable[Strategy] = ()) -> list[Strategy]:
+    """The strategies a saved plan runs with (`completed`), each as the plan recorded it (`Strategy.recorded`:
+    `settings` are `Plan.settings`, by knob; `summary` is `Plan.spec`)."""
+    return [s.recorded(dict(settings.get(s.field) or {}), dict(summary)) for s in completed(strategies)]
+
+
 def in_order(strategies: Iterable[Strategy]) -> list[Strategy]:
     """`strategies` in the order they apply (`ORDER`), whatever order they were given in."""
     return sorted(strategies, key=lambda s: (s.rung, next((i for i, cls in enumerate(ORDER) if type(s) is cls),
@@ -103,5 +118,5 @@ def _normal(name: str) -> str:
 
 __all__ = ["ActivationCheckpointing", "ActivationOffloading", "ChunkedLoss", "DataParallel", "Fsdp", "FusedAttention",
            "Lora", "MicroBatch", "MixedPrecision", "Option", "OptimizerInBackward", "OptimizerStates",
-           "Placement", "PureBf16", "QuantizedBase", "StateOffloading", "Strategy", "Zero",
-           "default_strategies", "in_order", "plugins", "resolve_strategies", "with_required"]
+           "Placement", "PureBf16", "QuantizedBase", "StateOffloading", "Strategy", "Zero", "completed",
+           "default_strategies", "for_plan", "in_order", "plugins", "resolve_strategies", "with_required"]

@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from autofit.config import Attention as A
+from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.strategies.base import Option, Strategy
 
@@ -42,6 +45,12 @@ class FusedAttention(Strategy):
 
     def apply(self, run: "TrainRun") -> None:
         value = run.config.attention
+        if run.simulated:
+            if value is not A.DEFAULT and hasattr(run.model, "set_attn_implementation"):
+                # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
+                run.model.set_attn_implementation(implementations(run.model, fused_stand_in(run.model)
+                                                                  if value.fused else value.value))
+            return
         if value is not A.DEFAULT:
             if not hasattr(run.model, "set_attn_implementation"):
                 raise UsageError(f"The plan runs attn_implementation={value.value!r}, a Hugging Face model's switch, "
@@ -49,6 +58,18 @@ class FusedAttention(Strategy):
                                  "model it was tuned for, or tune this one.")
             own_config(run.model)
             run.model.set_attn_implementation(implementations(run.model, value.value))
+
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        # every fused attention is simulated as SDPA (`fused_stand_in`)
+        return {"attention": "fused" if config.attention.fused else config.attention.value}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        value = config.attention
+        if value is A.DEFAULT or fmt != "trainer":  # autofit.prepare switches it for the other formats
+            return []
+        return [f'# Build the model with attn_implementation="{value}" '
+                f'(e.g. AutoModelForCausalLM.from_config(config, attn_implementation="{value}")).']
 
 
 SUPPORT_FLAGS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2")}
@@ -121,3 +142,27 @@ def _transformers_can_use_flash() -> bool:
     from transformers.utils import is_flash_attn_2_available
 
     return bool(is_flash_attn_2_available())
+
+
+FUSED_STAND_IN = "autofit_fused_memory"  # SDPA under a name of its own, soft-capping dropped: memory only
+
+
+def fused_stand_in(model: nn.Module) -> str:
+    """The attention implementation a fused kernel (flash-attention, SDPA) is simulated with: SDPA, whose
+    fused kernels keep what flash-attention keeps (the output and its log-sum-exp). A model that refuses
+    SDPA for what only flash-attention's kernels do (Gemma-2's soft-capped attention scores:
+    `_supports_sdpa = False`, and transformers' SDPA raises on `softcap`) gets SDPA registered under
+    `FUSED_STAND_IN`, which drops the soft-capping: the memory is the fused kernel's, the numbers are
+    not (fake tensors hold none)."""
+    if getattr(type(model), "_supports_sdpa", True):
+        return "sdpa"
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def fused(module: nn.Module, *args: Any, softcap: Any = None, **kwargs: Any) -> Any:
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register(FUSED_STAND_IN, fused)
+    AttentionMaskInterface.register(FUSED_STAND_IN, sdpa_mask)
+    return FUSED_STAND_IN

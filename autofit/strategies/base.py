@@ -2,15 +2,29 @@
 
 A strategy owns one knob of `Config` (`field`). It says which values it offers for a spec and its
 `Target` (cheapest first; unavailable ones with the reason), how two configs compare in the memory its
-knob saves (so the search can skip candidates certain to fail), where a probe using its value must run
-(in process, a child process, launched ranks), what its value does to a memory estimate beyond the
-estimator's own formulas, the launcher keys it exports, and how its value is applied to the training
-run a probe builds. Several strategies may offer values of one knob (ZeRO and FSDP2 both offer
-`sharding`): each applies only the values it offers.
+knob saves (so the search can skip candidates certain to fail), and where a probe using its value must
+run (in process, a child process, launched ranks). Everything a technique does beyond choosing goes
+through the hooks below, which the probe, the estimator's simulation, `autofit.prepare`, the OOM guard and
+every exporter loop over without naming a technique:
 
-A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob` enum whose first
-member is the no-op): it is registered on `Config` and in `plugins()`, so the search, the dry-run,
-the exports and the report handle it with no edit elsewhere.
+- `apply(run)`: the one model transform. `build_run` calls it for a probe, `autofit.prepare` for a user's
+  loop, the estimator for its simulated step (`run.simulated`: a meta model, stand-ins where the real
+  layer cannot run on fake tensors), and the OOM guard for a live model (`run.live`: what cannot change
+  in place is checked instead). `simulated_as(config, facts)` says what of its value the simulated step
+  depends on (the simulation's cache key).
+- `memory(config, parts)`: what its value does to a prediction beyond the estimator's formulas (the joint
+  model-states formulas of `autofit.estimate.states` cover the built-in knobs they combine).
+- `launcher_keys(config, fmt)`, `setup_lines(config, fmt)`, `refuses(config, fmt)`: the keys it writes into
+  each launcher format, the Python lines an exported script runs on `model`, and why a format cannot say
+  its value (naming the knob and the format that can). `recorded(settings, summary)` rebuilds it as a
+  saved plan recorded it (`settings`) for the exports and `prepare`.
+- `compute_dtype(config)`: the 16-bit dtype its value makes the forward compute in, which the search reads
+  an error naming that dtype against.
+
+Several strategies may offer values of one knob (ZeRO and FSDP2 both offer `sharding`): each applies only
+the values it offers. A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob`
+enum whose first member is the no-op): it is registered on `Config` and in `plugins()`, so the search,
+the dry-run, the exports, `prepare`, the guard and the report handle it with no edit elsewhere.
 """
 
 from __future__ import annotations
@@ -24,6 +38,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autofit.config import Config, Knob, register_knob
 
 if TYPE_CHECKING:
+    import torch
+
     from autofit.strategies.memory import Breakdown
     from autofit.strategies.run import TrainRun
     from autofit.job.train_spec import TrainSpec
@@ -83,8 +99,12 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, run: "TrainRun") -> None:
-        """Make the probe's training run use `run.config`'s value of this knob (called in rung order,
-        before the optimizer exists); values another strategy offers are left to it."""
+        """Make `run` train with `run.config`'s value of this knob (called in rung order, before the
+        optimizer exists); values another strategy offers are left to it. The same call shapes a probe's
+        run, `autofit.prepare`'s, the estimator's simulated step (`run.simulated`: `run.model` is on the
+        meta device and becomes fake tensors afterwards; see `autofit.strategies.run.SimulatedRun`) and the
+        OOM guard's live model (`run.live`: its optimizer exists, `run.optimizer`; a value that cannot be
+        applied in place is checked, raising `UsageError` with the fix where the model does not run it)."""
 
     def value(self, config: Config) -> Any:
         """This strategy's knob in `config`."""
@@ -100,8 +120,25 @@ class Strategy(abc.ABC):
 
     def memory(self, config: Config, parts: "Breakdown") -> "Breakdown":
         """The predicted bytes per device with this knob's effect beyond the estimator's own formulas
-        (those cover autofit's own knobs); a plug-in technique says here what it does to memory."""
+        (the simulated step, and the joint model-states formulas of `autofit.estimate.states`, which cover
+        the built-in knobs they combine); a plug-in technique says here what it does to memory."""
         return parts
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        """What of `config`'s value of this knob the estimator's simulated step depends on, as named facts
+        (hashable values) merged over the strategies in rung order (`facts`: those of the strategies
+        before this one); one simulation serves every config with the same facts. A fact whose name starts
+        with "_" is for later strategies only, not the key. Default: the value itself, nothing for the
+        knob's default (no-op) value."""
+        value = self.value(config)
+        return {} if value == Config().knob(self.field) else {self.field: str(value)}
+
+    def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Strategy":
+        """This strategy as a saved plan needs it: rebuilt from what `settings` recorded for its knob
+        (`Plan.settings[field]`, what `settings` returned) and the plan's spec `summary` (`Plan.spec`), for
+        the exports and `autofit.prepare` (LoRA's adapters, the optimizer's hyperparameters). Itself by
+        default."""
+        return self
 
     def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
         """What reproducing `config`'s value of this knob takes beyond the value itself (LoRA's target
@@ -110,6 +147,12 @@ class Strategy(abc.ABC):
         only."""
         return {}
 
+    def compute_dtype(self, config: Config) -> "torch.dtype | None":
+        """The 16-bit dtype `config`'s value of this knob makes the forward compute in (an autocast's, 16-bit
+        weights'), None where it leaves the model's own (the default): the search reads an error that names
+        that dtype as the dtype's, not the other knobs'."""
+        return None
+
     def explain(self, config: Config, exc: BaseException) -> str:
         """What `config`'s value of this knob has to do with the error `exc` a probe of it raised, as a
         clause for the probe's reason ("; ..."), when the knob is its likely cause and the user can act on it;
@@ -117,10 +160,23 @@ class Strategy(abc.ABC):
         return ""
 
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
-        """Keys this knob adds to launcher format `fmt` ("deepspeed", "accelerate", "trainer", "torchrun";
-        dotted names nest), beyond the exporters' own tables (which cover autofit's own knobs); nothing
-        for the knob's no-op value, nor for a format whose loader rejects keys it does not know."""
+        """Keys this knob writes into launcher format `fmt`; dotted names nest. "trainer": keyword arguments
+        of `transformers.TrainingArguments`; "accelerate": fields of accelerate's config file; "deepspeed":
+        keys of the DeepSpeed config beside those its builder writes (`autofit.strategies.deepspeed_config`);
+        "torchrun": `AUTOFIT_*` environment variables of torchrun.sh, and `max_grad_norm`, the default of
+        train_with_prepare.py's clipping. Nothing for a format whose loader rejects keys it does not know."""
         return {}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        """Python lines an exported script of format `fmt` runs on a variable `model` (and `optimizer`) to
+        apply what no launcher key can say, calling this strategy's own code as the probe did; "trainer":
+        train_with_trainer.py runs them, the other formats list them for your train.py. None by default."""
+        return []
+
+    def refuses(self, config: Config, fmt: str) -> str | None:
+        """Why launcher format `fmt` cannot run `config`'s value of this knob, naming the knob and the format
+        that can (`autofit.export` refuses the export with it); None where it can (the default)."""
+        return None
 
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
@@ -133,6 +189,14 @@ def mixes_dtypes(exc: BaseException) -> bool:
     """Whether `exc` is an op refusing to meet a 16-bit tensor and an fp32 one (`Strategy.explain`)."""
     text = str(exc)
     return bool(_HALF.search(text) and _FULL.search(text))
+
+
+def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `value` at the dotted key `dotted` ("zero_optimization.stage") of `out`, making parents."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        out = out.setdefault(key, {})
+    out[leaf] = value
 
 
 def plugins() -> list[Strategy]:

@@ -81,6 +81,40 @@ class ActivationCheckpointing(Strategy):
         if config.checkpointing is not C.NONE:
             enable(run.model, config.checkpoint_every, ops=config.checkpointing is C.OPS)
 
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        # whether checkpointing re-enters is the calibration's to set (`REENTRANT`); the step repeats alike every
+        # k blocks where every k-th is checkpointed ("_unit": the blocks a deep model is simulated in units of)
+        mode, every = config.checkpointing, config.checkpoint_every
+        return {"checkpointing": (mode.value, every, mode is not C.NONE and REENTRANT), "_unit": every}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        mode = config.checkpointing
+        if mode not in (C.EVERY_K, C.OPS):  # none, or full: the launchers' own switch (`launcher_keys`)
+            return []
+        ops = mode is C.OPS
+        what = "every block op by op" if ops else f"every {config.checkpoint_every}-th block"
+        return ["from autofit.strategies.checkpointing import enable as checkpoint",
+                f"checkpoint(model, {config.checkpoint_every}{', ops=True' if ops else ''})  # recompute {what}, "
+                "as probed"]
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        if fmt != "trainer":
+            return {}
+        # Trainer checkpoints all blocks or none; every k-th block is switched on in the script instead.
+        name = trainer_switch()
+        return {name: config.checkpointing is C.FULL, f"{name}_kwargs": {"use_reentrant": False}}
+
+
+def trainer_switch() -> str:
+    """TrainingArguments' name for activation checkpointing: `activation_checkpointing` from transformers 5.2x
+    (`gradient_checkpointing` is its deprecated alias there, warned of), `gradient_checkpointing` before."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
 
 def enable(model: nn.Module, k: int, ops: bool = False) -> None:
     """Checkpoint every k-th block of `model` (k=1: all), wholly or (`ops`) op by op, through Hugging

@@ -52,8 +52,17 @@ class ChunkedLoss(Strategy):
         return a.loss is L.CHUNKED or b.loss is L.FULL
 
     def apply(self, run: "TrainRun") -> None:
-        if run.config.loss is L.CHUNKED:
+        if run.config.loss is L.CHUNKED and not run.live:  # a live model's forward is the user's (the guard)
             enable(run.model)
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        return {"loss": config.loss.value}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if config.loss is not L.CHUNKED:
+            return []
+        return ["from autofit.strategies.chunked_loss import enable as chunk_loss",
+                "chunk_loss(model)  # head + cross-entropy in chunks when labels are given"]
 
 
 def _why_not(spec: "TrainSpec") -> str | None:

@@ -13,9 +13,9 @@ not the buckets). The probe wraps that way, the estimator models it so, and the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from autofit.config import Config, Engine
+from autofit.config import Config
 from autofit.strategies.base import Option, Placement, Strategy
 
 if TYPE_CHECKING:
@@ -38,8 +38,15 @@ class DataParallel(Strategy):
         return Placement.RANKS if config.num_gpus > 1 else Placement.IN_PROCESS
 
     def apply(self, run: "TrainRun") -> None:
-        if run.config.num_gpus > 1 and run.config.engine is Engine.TORCH:
+        if run.config.num_gpus < 2 or run.live:  # the guard runs DDP steps itself
+            return
+        if run.simulated:
+            run.tie_weights = False  # each rank's step, as DDP's buckets and the engines hold a tied weight
+        elif run.engine_factory is None:  # no sharding engine applied before this rung's last strategy
             run.engine_factory = wrap  # last, once every strategy has shaped the model (LoRA adapters)
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        return {"_untied": True} if config.num_gpus > 1 else {}
 
 
 def wrap(run: "TrainRun") -> None:

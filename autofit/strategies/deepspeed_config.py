@@ -15,7 +15,11 @@ from typing import Any
 
 from autofit.config import Config, Optimizer, Precision
 from autofit.errors import UsageError
-from autofit.strategies.optimizer import DEFAULTS
+from autofit.strategies.base import set_nested
+from autofit.strategies.optimizer import DEFAULTS, torch_name
+from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
+
+FILENAME = "deepspeed.json"  # the file the exports write this config to, beside their own
 
 # autofit's flat names -> DeepSpeed's nested keys, in one table (accelerate's DeepSpeedPlugin does the same).
 KEYS = {
@@ -104,7 +108,7 @@ PRECISION = {
 # the hyperparameters the probe used (`hyperparameters`: the user's, else torch's defaults). A type
 # DeepSpeed does not know by name is looked up in torch.optim (deepspeed/runtime/engine.py,
 # _configure_basic_optimizer: `getattr(torch.optim, self.optimizer_name())`), which is how Adafactor is named. bitsandbytes' 8-bit optimizers have no name
-# there: the `deepspeed` format refuses them (see `applies`); a user's own optimizer is passed to
+# there: the `deepspeed` format refuses them (`OptimizerStates.refuses`); a user's own optimizer is passed to
 # deepspeed.initialize(optimizer=...) by the script.
 DEEPSPEED_OPTIMIZERS = {
     # torch_adam: torch's AdamW, not DeepSpeed's FusedAdam, which is compiled with nvcc on first use
@@ -121,7 +125,6 @@ TORCH_BY_NAME = ("SGD", "RMSprop")
 # offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
 OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "nvme"}
 
-DEFAULT_GRADIENT_CLIPPING = 1.0  # clip the global gradient norm at 1.0: common practice, no memory cost
 
 
 def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: Buffers | None = None,
@@ -182,9 +185,35 @@ def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
     return flat
 
 
-def set_nested(out: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set `value` at the dotted key `dotted` ("zero_optimization.stage") of `out`, making parents."""
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        out = out.setdefault(key, {})
-    out[leaf] = value
+
+
+def plan_config(config: Config, settings: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """`deepspeed_config` of a saved plan: its NVMe folder and buffers from its spec `summary` (`Plan.spec`),
+    the hyperparameters its probes' optimizer was built with from its `settings` (`Plan.settings`), and your
+    own torch optimizer by name where DeepSpeed builds it so (`TORCH_BY_NAME`)."""
+    recorded = settings.get("optimizer", {})
+    out = deepspeed_config(config, nvme_path=summary.get("nvme_path"), buffers=buffers_for(summary),
+                           hyperparameters=recorded.get("kwargs"))
+    if torch_name(recorded) in TORCH_BY_NAME:  # your own torch optimizer, which DeepSpeed builds by name
+        out["optimizer"] = {"type": torch_name(recorded), "params": dict(recorded["kwargs"])}
+    return out
+
+
+def accelerate_section(config: Config, nvme_path: str | None) -> dict[str, Any]:
+    """accelerate's flat DeepSpeed keys for `config` (it maps them to DeepSpeed's nested ones itself)."""
+    device = OFFLOAD.get(config.offload) or "none"
+    section: dict[str, Any] = {
+        "zero_stage": config.zero_stage,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
+        "offload_optimizer_device": device,
+        "offload_param_device": device if config.zero_stage == 3 else "none",
+        "zero3_init_flag": config.zero_stage == 3,
+    }
+    if device == "nvme" and nvme_path:
+        section["offload_optimizer_nvme_path"] = str(nvme_path)
+        if config.zero_stage == 3:
+            section["offload_param_nvme_path"] = str(nvme_path)
+    if config.zero_stage == 3:
+        section["zero3_save_16bit_model"] = True
+    return section

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autofit.config import Engine, Offload, Sharding
+from autofit.config import Config, Engine, Offload, Sharding
 from autofit.models.info import find_blocks
-from autofit.strategies.precision import DTYPES
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
@@ -33,12 +32,54 @@ class Fsdp(ShardingEngine):
     label = "FSDP2"
 
     def apply(self, run: "TrainRun") -> None:
-        if not self.owns(run.config):
+        if self.shaped_elsewhere(run) or not self.owns(run.config):
             return
         # Sharded last, once every strategy has applied (LoRA adapters must exist before sharding),
         # and placed by `shard` itself (with CPU offload the full model never visits the GPU).
         run.placed = True
         run.engine_factory = functools.partial(shard, reshard_after_forward=run.config.sharding is Sharding.FSDP_FULL)
+
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        if not self.owns(config):
+            return {}
+        if fmt == "accelerate":
+            return {"distributed_type": "FSDP", "fsdp_config": accelerate_section(config)}
+        if fmt != "trainer":
+            return {}
+        keys: dict[str, Any] = {"fsdp": True, "fsdp_config": {
+            "version": 2, "reshard_after_forward": config.shards_parameters, "cpu_offload": config.offload is Offload.CPU,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}
+        if config.needs_sync_each_micro_batch:  # as measured; the Trainer defers the reduce-scatter otherwise
+            keys["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+        return keys
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if fmt != "accelerate" or not config.needs_sync_each_micro_batch:
+            return []
+        return ["# FSDP2 with accumulation, measured reducing gradients on every micro-batch: build the accelerator",
+                "# with Accelerator(gradient_accumulation_plugin=prepared.gradient_accumulation_plugin()); a plain",
+                "# Accelerator() defers the reduce to the last micro-batch and holds every gradient unsharded "
+                "until then."]
+
+    def refuses(self, config: Config, fmt: str) -> str | None:
+        if fmt == "deepspeed" and self.owns(config):
+            return (f"the plan shards with FSDP2 ({config.sharding.value}), not DeepSpeed; export accelerate, "
+                    "trainer or torchrun instead")
+        return None
+
+
+def accelerate_section(config: Config) -> dict[str, Any]:
+    """accelerate's FSDP2 keys: full_shard reshards parameters after forward (~ZeRO-3), shard_grad_op
+    keeps them gathered until backward (~ZeRO-2); offload="cpu" is FSDP2's CPUOffloadPolicy."""
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": config.shards_parameters,
+        "fsdp_offload_params": config.offload is Offload.CPU,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",  # the model's repeated blocks, as probed
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
+    }
 
 
 def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
@@ -50,7 +91,7 @@ def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
     if not dist.is_initialized():
         raise RuntimeError("FSDP2 probes run in the ranks autofit launches (autofit.probe.launch); "
                            "no process group here")
-    dtype = DTYPES.get(run.config.precision)
+    dtype = run.autocast_dtype  # the precision strategy's 16-bit type, which the policy computes in instead
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if run.config.offload is Offload.CPU else OffloadPolicy()
     mesh = _mesh(run.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
 from torch import nn
 
 from autofit.config import Config
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
     from autofit.strategies.run import TrainRun
 
 DEFAULT_RANK = 16  # the usual QLoRA rank: adapters are ~0.5-1% of a 1B model's parameters
+# peft keeps LoRA's adapters in fp32 beside a 16-bit base (`get_peft_model(..., autocast_adapter_dtype=True)`,
+# its default) and casts each input to their dtype; releases before that made them in the base's dtype (the
+# calibration's fsdp_qlora runs, on PEFT 0.10, set this so: `bench/calibration/measured_code.py`)
+PEFT_UPCASTS_ADAPTERS = True
+ADAPTERS = ("lora_A", "lora_B")  # the parameters `add_simulated` makes, named as peft's modules
+LORA_SCALING = 2.0  # peft's lora_alpha / r; any constant costs the same multiply
 
 
 class Lora(Strategy):
@@ -92,7 +99,37 @@ class Lora(Strategy):
         targets = list(self.target_modules) if self.target_modules is not None else "all-linear"
         return {"r": rank, "lora_alpha": self.scaling_alpha(rank), "lora_dropout": self.dropout, "target_modules": targets}
 
+    def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Lora":
+        """LoRA with the adapters the plan's probes trained (`settings`)."""
+        if not settings:
+            return self
+        return Lora(self.ranks, target_modules=settings.get("target_modules"), alpha=settings.get("alpha"),
+                    dropout=settings.get("dropout", 0.0))
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        # the rank sizes the adapters; peft makes them fp32 beside a 16-bit base unless an engine casts it all
+        if not config.adapters:
+            return {}
+        return {"adapters": (config.lora, PEFT_UPCASTS_ADAPTERS, facts.get("_cast_whole", False))}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if not config.lora or fmt != "trainer":  # autofit.prepare adds them for the other formats
+            return []
+        kwargs = self.peft_kwargs(config.lora)  # the adapters the probe trained (`recorded`)
+        return ["from peft import LoraConfig, get_peft_model",
+                f"model = get_peft_model(model, LoraConfig({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}))"]
+
     def apply(self, run: "TrainRun") -> None:
+        if run.live:
+            _check_live(run.config, run.model)
+            return
+        if run.simulated:
+            if run.config.adapters and run.adapted is not None:
+                # peft's adapters (fp32 as peft makes them, or the model's dtype where an engine casts it all)
+                dtype = torch.float32 if PEFT_UPCASTS_ADAPTERS and not run.cast_whole else None
+                add_simulated(run.model, run.adapted, run.config.lora or DEFAULT_RANK, run.adapter_dropout, dtype)
+                freeze_all_but_adapters(run.model)
+            return
         value = run.config.lora
         if not value:
             return
@@ -157,3 +194,74 @@ def _import_peft() -> Any:
     except ImportError as exc:
         raise MissingExtraError("peft", "peft", "LoRA adapters") from exc
     return peft
+
+
+def _check_live(config: Config, model: nn.Module) -> None:
+    """`UsageError` where a live model's adapters are not the plan's (the OOM guard cannot add or remove them)."""
+    has = hasattr(model, "peft_config")
+    if config.adapters and not has:
+        raise UsageError(f"The plan trains LoRA adapters ({config.describe()}) but the model has none; build them "
+                         "with autofit.prepare(plan, model, optimizer) and guard prepared.model and "
+                         "prepared.optimizer.")
+    if has and not config.adapters:
+        raise UsageError("The model carries LoRA adapters but the plan trains every weight; give the guard the plan "
+                         "it was tuned with.")
+
+
+# -- what the estimator simulates in place of peft ----------------------------------------------------------
+def freeze_all_but_adapters(model: nn.Module) -> None:
+    """Freeze every parameter but the adapters `add_simulated` made."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.rpartition(".")[2] in ADAPTERS)
+
+
+def add_simulated(model: nn.Module, adapted: frozenset[str], rank: int, p: float, dtype: torch.dtype | None) -> None:
+    """Give each adapted layer (`is_adapted` names) peft's LoRA adapters (peft/tuners/lora/layer.py
+    `Linear.forward`: `result + lora_B(lora_A(dropout(x))) * scaling`, cast back to the result's dtype):
+    rank-`rank` factors in `dtype` (None: the layer's weight's), the input cast to it
+    (`LoraLayer._cast_input_dtype`; bitsandbytes' 4-bit layer under autocast leaves it,
+    peft/tuners/lora/bnb.py), with dropout `p` a dropped-out copy and its mask (`nn.functional.dropout`, as
+    peft's `nn.Dropout` calls it). So the step keeps what peft's keeps: the adapters' inputs (an fp32 copy of
+    a 16-bit input beside fp32 adapters), their matmuls' outputs under op-level checkpointing, and the
+    adapters' own gradients and optimizer states. On the meta device, before the model is made of fake
+    tensors."""
+    from autofit.strategies.quantization import SimulatedLinear4bit
+
+    def add(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if not (isinstance(module, SimulatedLinear4bit) and torch.is_autocast_enabled(x.device.type)):
+            x = x.to(module.lora_A.dtype)
+        x = nn.functional.dropout(x, p, True) if p else x
+        # one expression, as peft's: the adapters' output is freed once scaled, not held through the sum
+        return (out + nn.functional.linear(nn.functional.linear(x, module.lora_A), module.lora_B)
+                * LORA_SCALING).to(out.dtype)
+
+    for module in _adapted_layers(model, adapted):
+        n_in, n_out = _features(module)
+        made = dtype or module.weight.dtype
+        module.lora_A = nn.Parameter(torch.empty(rank, n_in, dtype=made, device="meta"))
+        module.lora_B = nn.Parameter(torch.empty(n_out, rank, dtype=made, device="meta"))
+        module.register_forward_hook(add)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a linear layer: nn.Linear's and `SimulatedLinear4bit`'s attributes, a
+    transformers Conv1D's (in, out) weight."""
+    if hasattr(module, "in_features"):
+        return module.in_features, module.out_features
+    return tuple(module.weight.shape)
+
+
+def _adapted_layers(model: nn.Module, adapted: frozenset[str]) -> list[nn.Module]:
+    """The linear layers (nn.Linear, transformers' Conv1D, a quantized layer simulated) `is_adapted` names."""
+    from autofit.strategies.quantization import SimulatedLinear4bit  # SimulatedLinear8bit is one too
+
+    return [module for name, module in model.named_modules() if is_adapted(name, adapted)
+            and (isinstance(module, (nn.Linear, SimulatedLinear4bit)) or type(module).__name__ == "Conv1D")]
+
+
+def is_adapted(name: str, adapted: frozenset[str]) -> bool:
+    """Whether the module `name` is one of `adapted` (names inside a block, `within_block` of
+    `autofit.estimate.simulation.adapters`), matched as peft matches a target module: the whole name or a
+    suffix after a dot. A wrapper's generic name ('attn.linear' beside 'mlp.fc.linear') stays distinct."""
+    return any(name == target or name.endswith("." + target) for target in adapted)

@@ -10,7 +10,7 @@ batch-size finders do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autofit.config import Config
 from autofit.strategies.base import Option, Strategy
@@ -54,8 +54,14 @@ class MicroBatch(Strategy):
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.micro_batch_size <= b.micro_batch_size
 
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        return {}  # the estimator simulates each micro-batch it needs, whatever the config's
+
     def apply(self, run: "TrainRun") -> None:
-        # The probe slices micro-batches of this size; the identity below is the rung's promise.
+        # The probe slices micro-batches of this size (the estimator simulates each size it needs; the guard
+        # slices its own); the identity below is the rung's promise.
+        if run.simulated or run.live:
+            return
         config = run.config
         expected = run.spec.global_batch_size or config.micro_batch_size * config.num_gpus
         if config.global_batch_size != expected:

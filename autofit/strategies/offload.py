@@ -11,13 +11,13 @@ reads the choice when it builds the engine; the DeepSpeed keys come from `autofi
 from __future__ import annotations
 
 import functools
-
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autofit.devices.device import check_nvme_path
 from autofit.config import Config
 from autofit.config import Offload as O
+from autofit.errors import UsageError
 from autofit.strategies.base import Ladder, Option, Placement
 
 if TYPE_CHECKING:
@@ -60,8 +60,16 @@ class StateOffloading(Ladder):
         return Placement.RANKS if config.offloads else Placement.IN_PROCESS
 
     def apply(self, run: "TrainRun") -> None:
-        if run.config.offloads:
-            run.nvme_path = self.folder(run.spec)  # the engine strategy reads it when it builds the engine
+        if not run.config.offloads or run.simulated:  # simulated: the states' formulas say where they live
+            return
+        if run.live:
+            raise UsageError(f"The plan offloads model states ({run.config.describe()}); the OOM guard runs plain "
+                             "torch or DDP steps. Train that plan with autofit.prepare (bash launch/torchrun.sh), "
+                             "or tune again without offload for the guard.")
+        run.nvme_path = self.folder(run.spec)  # the engine strategy reads it when it builds the engine
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        return {}
 
 
 def _probed_here(spec: "TrainSpec") -> bool:

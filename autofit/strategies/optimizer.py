@@ -7,8 +7,10 @@ Costs numerics (tier 1). bitsandbytes is an optional extra (`autofit[bnb]`) and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
     from autofit.job.train_spec import OptimizerSpec
 
+logger = logging.getLogger("autofit.prepare")
+
 BNB = {O.ADAMW8BIT: "AdamW8bit", O.PAGED_ADAMW8BIT: "PagedAdamW8bit"}
 TORCH_CLASSES = {O.ADAMW: torch.optim.AdamW, O.ADAFACTOR: torch.optim.Adafactor}
 
@@ -38,6 +42,7 @@ class OptimizerStates(Strategy):
         # False: the user's optimizer alone, where this rung joins a space whose strategies left it out
         # (`autofit.search.space.build_space`): not searched, but still the optimizer the job trains with
         self.explore = explore
+        self.trained: dict[str, Any] = {}  # what `settings` recorded, where this instance is a plan's (`recorded`)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         chosen = O(spec.optimizer.name)
@@ -74,7 +79,170 @@ class OptimizerStates(Strategy):
         return {"class": cls, "kwargs": hyperparameters(config.optimizer, chosen), **grouped}
 
     def apply(self, run: "TrainRun") -> None:
+        if run.simulated:
+            return  # the simulated step ends before the optimizer's (its states are formulas)
+        if run.live:
+            check_class(run.config, run.optimizer, "the guard was given")
+            return
         run.optimizer_factory = make_factory(run.config.optimizer, run.spec.optimizer)
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "OptimizerStates":
+        """This rung with the optimizer the plan's probes trained (`settings`), for the exports."""
+        rebuilt = OptimizerStates(self.explore)
+        rebuilt.trained = dict(settings)
+        return rebuilt
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        if fmt != "trainer":
+            return {}
+        if config.optimizer in TRAINER_OPTIM:
+            return {"optim": TRAINER_OPTIM[config.optimizer], **_trainer_hyperparameters(self.trained.get("kwargs", {}))}
+        name = torch_name(self.trained)
+        return _trainer_torch_optim(name, self.trained["kwargs"]) if name in TRAINER_TORCH_OPTIM else {}
+
+    def refuses(self, config: Config, fmt: str) -> str | None:
+        if fmt == "deepspeed" and config.optimizer.eight_bit:
+            return (f"the plan's optimizer is bitsandbytes' {config.optimizer.value}, which a DeepSpeed config "
+                    "cannot name (its types are DeepSpeed's own and torch.optim's); export torchrun (its script "
+                    "builds the optimizer with autofit.prepare and hands it to deepspeed.initialize) or trainer "
+                    "(TrainingArguments.optim) instead")
+        if fmt == "trainer" and config.optimizer is O.USER and torch_name(self.trained) not in TRAINER_TORCH_OPTIM:
+            own = self.trained.get("class", "a factory")
+            return (f"the plan was tuned with your own optimizer ({own}), which TrainingArguments.optim cannot name "
+                    f"(it names {', '.join(TRAINER_TORCH_OPTIM)} and the Adam types): export torchrun "
+                    "(autofit.prepare builds it), or pass Trainer(optimizers=(optimizer, None)) yourself")
+        return None
+
+
+# The optimizer knob -> the class name its factory builds (a USER optimizer is whatever was given).
+CLASS_NAMES = {O.ADAMW: "AdamW", O.ADAFACTOR: "Adafactor"}  # bitsandbytes' are added below (`BNB`)
+
+
+def check_class(config: Config, optimizer: Any, given: str) -> None:
+    """`UsageError` where `optimizer` (an instance; None passes) is not of the class `config`'s optimizer
+    builds, the memory having been measured with that one; `given` says where it came from."""
+    if optimizer is None or config.optimizer is O.USER:
+        return
+    expected, name = CLASS_NAMES[config.optimizer], type(optimizer).__name__
+    if name != expected:
+        raise UsageError(f"The plan's memory was measured with {expected} (optimizer={config.optimizer.value!r}) "
+                         f"but {given} {name}; pass a {expected}, build them with autofit.prepare(plan, model, "
+                         f"optimizer) and guard prepared.model and prepared.optimizer, or tune again with "
+                         f"optimizer={name!r}.")
+
+
+@dataclasses.dataclass
+class GivenOptimizer:
+    """The optimizer `autofit.prepare` was given (`optimizer`: an instance, a factory or None) for a plan of
+    `config`, and the spec this rung builds from (`spec`): the plan's kind, with the given optimizer's
+    hyperparameters, or, with none given, those the probes trained with (`Plan.settings["optimizer"]`)."""
+
+    optimizer: Any
+    config: Config
+    spec: "OptimizerSpec"
+
+    @property
+    def factory(self) -> bool:
+        """Whether a factory `params -> optimizer` was given."""
+        return callable(self.optimizer) and not isinstance(self.optimizer, torch.optim.Optimizer)
+
+    def adopt(self, run: "TrainRun") -> None:
+        """Once every strategy has applied: a factory builds the plan's kind; an instance of it over exactly the
+        trainable parameters is kept (unless an engine builds its own), else the run builds one."""
+        if self.factory and self.config.optimizer is not O.USER:
+            run.optimizer_factory = self.optimizer
+        if isinstance(self.optimizer, torch.optim.Optimizer) and run.engine_factory is None:
+            run.optimizer = _reused(self.optimizer, self.config, run.model)
+
+    def check(self, run: "TrainRun") -> None:
+        """Once the run is ready: `UsageError` where the factory built another class than the plan measured."""
+        if self.factory and run.engine is None and self.config.optimizer is not O.USER \
+                and _class_name(run.optimizer) != CLASS_NAMES[self.config.optimizer]:
+            raise UsageError(f"The optimizer factory built {_class_name(run.optimizer)}, but the plan's memory was "
+                             f"measured with {CLASS_NAMES[self.config.optimizer]}; return one from the factory, or "
+                             "tune again with this optimizer.")
+
+
+def given_optimizer(optimizer: Any, config: Config, recorded_settings: dict[str, Any]) -> GivenOptimizer:
+    """What `autofit.prepare` builds the plan's optimizer from (`GivenOptimizer`); `UsageError` where the plan
+    was tuned with your own optimizer and none is given, or the instance given is of another kind."""
+    from autofit.job.train_spec import OptimizerSpec, parse_optimizer
+
+    if optimizer is None:
+        spec = recorded(config, recorded_settings)
+        if spec is None and config.optimizer is O.USER:
+            raise UsageError("The plan was tuned with your own optimizer; pass it again: "
+                             "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer; "
+                             "the exported train_with_prepare.py takes --optimizer FILE.py:fn).")
+        return GivenOptimizer(optimizer, config, spec or OptimizerSpec(config.optimizer.value))
+    if config.optimizer is O.USER:
+        return GivenOptimizer(optimizer, config, parse_optimizer(optimizer))
+    if not isinstance(optimizer, torch.optim.Optimizer):  # a factory is checked once it has built (`check`)
+        return GivenOptimizer(optimizer, config, OptimizerSpec(config.optimizer.value))
+    given, expected = parse_optimizer(optimizer), CLASS_NAMES[config.optimizer]
+    if _class_name(optimizer) not in (expected, "AdamW"):
+        kinds = "an AdamW" if expected == "AdamW" else f"an AdamW or a {expected}"
+        raise UsageError(f"The plan's memory was measured with {expected} (optimizer={config.optimizer.value!r}), "
+                         f"but the optimizer given is {_class_name(optimizer)}; pass {kinds} (its "
+                         "hyperparameters are kept), or tune again with this optimizer.")
+    if _class_name(optimizer) != expected:
+        logger.warning("autofit.prepare: the plan chose %s; a %s is built over the model with your AdamW's lr and "
+                       "weight decay", expected, expected)
+    return GivenOptimizer(optimizer, config, OptimizerSpec(config.optimizer.value, given.kwargs))
+
+
+def _class_name(optimizer: Any) -> str:
+    return type(optimizer).__name__ if isinstance(optimizer, torch.optim.Optimizer) else getattr(optimizer, "__name__", "?")
+
+
+def _reused(optimizer: torch.optim.Optimizer, config: Config, model: Any) -> torch.optim.Optimizer | None:
+    """The given optimizer when it is the plan's kind over exactly the trainable parameters, else None
+    (the run builds one of the plan's kind over them, with its hyperparameters)."""
+    if config.optimizer is not O.USER and _class_name(optimizer) != CLASS_NAMES[config.optimizer]:
+        return None
+    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return optimizer if given == trainable else None
+
+
+def knob_of(optimizer: Any) -> O:
+    """The optimizer knob naming `optimizer`'s class (a class autofit does not search is the user's own)."""
+    name = type(optimizer).__name__
+    return next((kind for kind, cls in CLASS_NAMES.items() if cls == name), O.USER)
+
+
+# autofit optimizer -> TrainingArguments.optim. A user's own optimizer goes to Trainer(optimizers=...).
+TRAINER_OPTIM = {O.ADAMW: "adamw_torch", O.ADAMW8BIT: "adamw_bnb_8bit", O.PAGED_ADAMW8BIT: "paged_adamw_8bit",
+                 O.ADAFACTOR: "adafactor"}
+# torch optimizers TrainingArguments names (transformers/trainer_optimizer.py: `optim` builds the class with
+# `learning_rate`, the groups' `weight_decay`, and these from `optim_args`, "key=value,...").
+TRAINER_TORCH_OPTIM = {"SGD": ("sgd", ("momentum", "dampening", "nesterov")),
+                       "Adagrad": ("adagrad", ("lr_decay", "eps")),
+                       "RMSprop": ("rmsprop", ("momentum", "alpha", "eps", "centered"))}
+# optimizer hyperparameter -> TrainingArguments field(s). The Trainer's own defaults differ from torch's
+# (learning_rate 5e-5, weight_decay 0), so the probe's are written out.
+TRAINER_HYPERPARAMETERS = {"lr": ("learning_rate",), "weight_decay": ("weight_decay",), "eps": ("adam_epsilon",),
+                           "betas": ("adam_beta1", "adam_beta2")}
+
+
+def _trainer_hyperparameters(recorded: dict[str, Any]) -> dict[str, Any]:
+    """TrainingArguments' fields for the hyperparameters the probe's optimizer was built with."""
+    out: dict[str, Any] = {}
+    for key, value in recorded.items():
+        fields = TRAINER_HYPERPARAMETERS.get(key, ())
+        out.update(zip(fields, value if len(fields) > 1 else [value]))
+    return out
+
+
+def _trainer_torch_optim(name: str, recorded: dict[str, Any]) -> dict[str, Any]:
+    """TrainingArguments' fields for your own torch optimizer `name` with its recorded hyperparameters."""
+    optim, extra = TRAINER_TORCH_OPTIM[name]
+    args = ",".join(f"{key}={recorded[key]}" for key in extra if recorded.get(key) is not None)
+    return {"optim": optim, "learning_rate": recorded["lr"], "weight_decay": recorded.get("weight_decay", 0.0),
+            **({"optim_args": args} if args else {})}
 
 
 def make_factory(name: O, chosen: "OptimizerSpec") -> Any:
@@ -99,6 +267,7 @@ def _kwargs_for(name: O, chosen: "OptimizerSpec") -> dict[str, Any]:
 # (0.9, 0.999), eps 1e-8, weight_decay 1e-2), and torch.optim.Adafactor's (lr 1e-2, weight_decay 0).
 DEFAULTS = {O.ADAMW: {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2},
             O.ADAFACTOR: {"lr": 1e-2, "weight_decay": 0.0}}
+CLASS_NAMES.update(BNB)
 CLASSES = {**{name: f"torch.optim.{cls.__name__}" for name, cls in TORCH_CLASSES.items()},
            **{name: f"bitsandbytes.optim.{cls}" for name, cls in BNB.items()}}
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.config import OptimizerStep as S
+from autofit.errors import UsageError
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
@@ -45,9 +46,44 @@ class OptimizerInBackward(Strategy):
         return a.steps_in_backward or not b.steps_in_backward
 
     def apply(self, run: "TrainRun") -> None:
-        if run.config.steps_in_backward:
-            inner = run.optimizer_factory or torch.optim.AdamW
-            run.optimizer_factory = lambda params: InBackward(params, inner)
+        if not run.config.steps_in_backward or run.simulated or run.live:
+            return  # simulated: its memory is `autofit.estimate.states.step_in_backward`'s
+        if run.max_grad_norm:
+            raise UsageError(f"max_grad_norm={run.max_grad_norm}: this plan steps the optimizer inside the backward "
+                             f"({run.config.describe()}), one parameter at a time, so there is no global gradient "
+                             "norm to clip. Leave max_grad_norm out, or train a plan whose optimizer steps after "
+                             "the backward.")
+        inner = run.optimizer_factory or torch.optim.AdamW
+        run.optimizer_factory = lambda params: InBackward(params, inner)
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if not config.steps_in_backward:
+            return []
+        return ["from autofit.strategies.optimizer_in_backward import InBackward",
+                "optimizer = InBackward(model.parameters(), torch.optim.AdamW)  # loss.backward() steps each "
+                "parameter; optimizer.step() is a no-op"]
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        # train_with_prepare.py clips nothing: no global gradient exists to clip
+        return {"max_grad_norm": None} if fmt == "torchrun" and config.steps_in_backward else {}
+
+    def refuses(self, config: Config, fmt: str) -> str | None:
+        if not config.steps_in_backward or fmt not in REFUSED:
+            return None
+        return REFUSED[fmt]
+
+
+REFUSED = {  # the formats whose launcher steps after backward, and why
+    "deepspeed": "DeepSpeed's engine steps the optimizer after backward; the plan steps each parameter inside "
+                 "backward: export torchrun instead",
+    "accelerate": "accelerate's optimizer wrapper and clip_grad_norm_ expect whole-model gradients after backward; "
+                  "the plan steps each parameter inside backward: export torchrun instead",
+    "trainer": "the Trainer steps the optimizer after backward and clips the global gradient norm (max_grad_norm); "
+               "the step in backward needs neither: export torchrun and step in your loop",
+}
 
 
 class InBackward:

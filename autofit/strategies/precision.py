@@ -6,7 +6,7 @@ states stay fp32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from autofit.strategies.run import TrainRun
 
 DTYPES = {P.BF16: torch.bfloat16, P.FP16: torch.float16}
+ACCELERATE = {P.FP32: "no", P.BF16: "bf16", P.FP16: "fp16"}  # accelerate's `mixed_precision`
 
 
 class MixedPrecision(Strategy):
@@ -38,9 +39,31 @@ class MixedPrecision(Strategy):
 
     def apply(self, run: "TrainRun") -> None:
         precision = run.config.precision
+        if run.simulated:
+            # CPU autocast stands in for fp16 with bf16 (the same size); CUDA's fused attention runs in fp16
+            if precision in DTYPES:
+                run.autocast_dtype = torch.float16 if precision is P.FP16 and run.device.type == "cuda" \
+                    else torch.bfloat16
+                run.attention_dtype = DTYPES[precision]
+            return
         run.autocast_dtype = DTYPES.get(precision)
         if precision is P.FP16:
             run.scaler = torch.amp.GradScaler(run.device.type)
+
+    def compute_dtype(self, config: Config) -> torch.dtype | None:
+        return DTYPES.get(config.precision)
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        # autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device,
+        # AT_FORALL_LOWER_PRECISION_FP in aten/src/ATen/autocast_mode.h): one simulation serves both
+        return {"half": config.half_precision}
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        if fmt == "trainer":
+            return {"bf16": config.precision is P.BF16, "fp16": config.precision is P.FP16}
+        if fmt == "accelerate":  # pure bf16 casts in the script: no mixed precision
+            return {"mixed_precision": ACCELERATE.get(config.precision, "no")}
+        return {}
 
     def explain(self, config: Config, exc: BaseException) -> str:
         if config.precision not in DTYPES or not mixes_dtypes(exc):

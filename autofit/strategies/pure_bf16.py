@@ -19,15 +19,14 @@ so and what to change (`PureBf16.explain`).
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from autofit.config import Config, Precision as P
 from autofit.strategies.base import Option, Strategy, mixes_dtypes
+from autofit.strategies.run import cast_floating, cast_inputs  # noqa: F401 (the casts live with the run)
 
 if TYPE_CHECKING:
     from autofit.strategies.run import TrainRun
@@ -48,8 +47,28 @@ class PureBf16(Strategy):
                        f"({target.bf16_reason})", available=target.bf16, degree=2)]
 
     def apply(self, run: "TrainRun") -> None:
-        if run.config.pure_bf16:
-            enable(run.model)
+        # a live model keeps its weights (the guard trains what it is given); a simulated one casts as a probe's
+        if run.config.pure_bf16 and not run.live:
+            enable(run.model)  # bf16 weights, and the inputs cast as the probe casts them
+
+    def compute_dtype(self, config: Config) -> torch.dtype | None:
+        return torch.bfloat16 if config.pure_bf16 else None
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        # 16-bit weights without autocast: the step an engine's bf16 mode simulates too
+        return {"weights16": True} if config.pure_bf16 else {}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if not config.pure_bf16:
+            return []
+        return ["from autofit.strategies.pure_bf16 import enable as pure_bf16",
+                "pure_bf16(model)  # bf16 weights and inputs; build the optimizer afterwards (bf16 states)"]
+
+    def refuses(self, config: Config, fmt: str) -> str | None:
+        if config.pure_bf16 and fmt == "deepspeed":
+            return ("DeepSpeed's bf16 mode keeps fp32 master weights; the plan trains pure bf16 weights with "
+                    "torch's optimizer: export trainer or torchrun instead")
+        return None
 
     def explain(self, config: Config, exc: BaseException) -> str:
         if not (config.pure_bf16 and mixes_dtypes(exc)):
@@ -66,25 +85,3 @@ def enable(model: nn.Module) -> nn.Module:
     cast_floating(model, torch.bfloat16)
     cast_inputs(model, torch.bfloat16)
     return model
-
-
-def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model.to(dtype)` for its floating-point parameters and buffers only. `Module.to` casts complex ones
-    too (torch/nn/modules/module.py `to`, its `convert`: `dtype if t.is_floating_point() or t.is_complex()`),
-    which to a real dtype discards their imaginary part: a Fourier layer's complex weights would train as
-    something else. They stay as they are. Returns `model`."""
-    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def cast_inputs(module: nn.Module, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors among `module`'s forward arguments to `dtype` (a forward pre-hook;
-    returns its handle): what autocast did for a model whose weights are now 16-bit, and what a model
-    taking float inputs (pixels, audio features) needs to meet them."""
-    return module.register_forward_pre_hook(functools.partial(_cast, dtype), with_kwargs=True)
-
-
-def _cast(dtype: torch.dtype, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    def cast(value: Any) -> Any:
-        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-    return tree_map(cast, args), tree_map(cast, kwargs)

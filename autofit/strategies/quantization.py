@@ -53,12 +53,30 @@ class QuantizedBase(Ladder):
 
     def apply(self, run: "TrainRun") -> None:
         value = run.config.quantization
-        if value is Q.NONE:
+        if value is Q.NONE or run.live:  # live: the model's adapters are LoRA's to check
+            return
+        if run.simulated:
+            simulate_quantized(run.model, value)  # bitsandbytes cannot run on fake tensors: its memory can
             return
         if not quantize_linears(run.model, value):
             raise RuntimeError(f"quantization={value.value}: {run.spec.model.name} has no linear layer to quantize")
         run.model.to(run.device)  # bitsandbytes quantizes the weights as they move to the GPU
         run.placed = True
+
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        # whether NF4 layers keep their input and which dtype they dequantize from is the calibration's to set
+        value = config.quantization
+        if value is Q.NONE:
+            return {}
+        nf4 = value is Q.NF4 and (SimulatedLinear4bit.keeps_input, SimulatedLinear4bit.quantized_from)
+        return {"quantization": (value.value, nf4)}
+
+    def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if config.quantization is Q.NONE or fmt != "trainer":  # autofit.prepare quantizes for the other formats
+            return []
+        return [f"# Load the base weights quantized ({config.quantization}) with transformers.BitsAndBytesConfig, "
+                "then peft.prepare_model_for_kbit_training(model)."]
 
 
 def unavailable_reason(target: "Target") -> str | None:

@@ -1,17 +1,20 @@
 """The training step that probes measure and the OOM guard runs: forward, backward over micro-batches
 with gradient accumulation, then one optimizer step.
 
-Strategies shape a `TrainRun` (model, autocast, scaler, optimizer factory) before it trains.
+Strategies shape a `TrainRun` (model, autocast, scaler, optimizer factory) before it trains, with the same
+`Strategy.apply` that shapes the estimator's `SimulatedRun` (a step under fake tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable, Protocol, Sequence
+import functools
+from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from autofit.errors import UsageError
 from autofit.batches.batch import call_model, checked_loss
@@ -20,6 +23,7 @@ from autofit.config import Config
 from autofit.job.train_spec import TrainSpec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+DEFAULT_GRADIENT_CLIPPING = 1.0  # what the exports clip the global gradient norm at: common practice, no memory cost
 
 
 class Engine(Protocol):
@@ -80,6 +84,10 @@ class TrainRun:
     # None (probes): as the exports run, DeepSpeed's config clipping at 1.0, torch's steps unclipped.
     max_grad_norm: float | None = None
     grad_norm: torch.Tensor | None = None  # the last step's norm before clipping, where this run clipped
+    # The model is one a user trains already, its optimizer built (`optimizer`; the OOM guard): a value a live
+    # model cannot take in place is checked instead (`Strategy.apply`).
+    live: bool = False
+    simulated: ClassVar[bool] = False  # True for the estimator's `SimulatedRun`
 
     @property
     def device(self) -> torch.device:
@@ -146,6 +154,56 @@ class TrainRun:
             loss += self.forward_backward(micro_batch, weight) * weight
         self.optimizer_step()
         return loss
+
+
+@dataclasses.dataclass(kw_only=True)
+class SimulatedRun(TrainRun):
+    """The estimator's simulated step (`autofit.estimate.simulation.step`) while strategies shape it: `model`
+    is on the meta device and becomes fake tensors (shapes, no data) after every strategy has applied, so a
+    strategy transforms it as for a probe, with a stand-in where the real layer cannot run on fake tensors
+    (bitsandbytes' quantized layers), and sets what the step runs under. No spec: a simulation may run a
+    model and batch alone."""
+
+    spec: Any = None
+    device_type: str = "cpu"  # the device the step is simulated on ("cpu", "cuda")
+    adapted: frozenset[str] | None = None  # layers that adapters go on (paths inside a block); None: none added
+    adapter_dropout: float = 0.0  # dropout on the adapters' inputs
+    attention_dtype: torch.dtype = torch.bfloat16  # the 16-bit type a GPU's fused attention would compute in
+    cast_whole: bool = False  # an engine casts the whole model to 16 bits (adapters made afterwards included)
+    tie_weights: bool = True  # a weight two modules share is held once (one process without an engine)
+    repeatable: bool = True  # the step's units repeat alike (`autofit.estimate.simulation.deepen` may read it deep)
+    # Contexts entered around the forward and loss, each made from the step's counter (`counter.offloaded`:
+    # bytes moved to host memory; `counter.kernels`: kernels launched), when the forward begins
+    forward_contexts: list[Callable[[Any], contextlib.AbstractContextManager]] = dataclasses.field(
+        default_factory=list)
+    simulated: ClassVar[bool] = True
+
+    @property
+    def device(self) -> torch.device:
+        """The device type the step is simulated on."""
+        return torch.device(self.device_type)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)` for its floating-point parameters and buffers only. `Module.to` casts complex ones
+    too (torch/nn/modules/module.py `to`, its `convert`: `dtype if t.is_floating_point() or t.is_complex()`),
+    which to a real dtype discards their imaginary part: a Fourier layer's complex weights would train as
+    something else. They stay as they are. Returns `model`."""
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def cast_inputs(module: nn.Module, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors among `module`'s forward arguments to `dtype` (a forward pre-hook;
+    returns its handle): what autocast did for a model whose weights are now 16-bit, and what a model
+    taking float inputs (pixels, audio features) needs to meet them."""
+    return module.register_forward_pre_hook(functools.partial(_cast, dtype), with_kwargs=True)
+
+
+def _cast(dtype: torch.dtype, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def build_run(spec: TrainSpec, config: Config, strategies: Sequence[Any]) -> TrainRun:

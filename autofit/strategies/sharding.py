@@ -7,13 +7,16 @@ offload rung (the rule table says so once).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from autofit.config import Config, Engine, Sharding
+from autofit.errors import UsageError
 from autofit.strategies.base import Option, Placement, Strategy
+from autofit.strategies.run import cast_floating, cast_inputs
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.run import TrainRun
 
 WHAT = {1: "optimizer states", 2: "gradients and optimizer states", 3: "parameters, gradients and optimizer states"}
 
@@ -55,3 +58,30 @@ class ShardingEngine(Strategy):
     def owns(self, config: Config) -> bool:
         """Whether `config` shards with this engine."""
         return config.engine is self.engine
+
+    def shaped_elsewhere(self, run: "TrainRun") -> bool:
+        """Shape a simulated or live `run` as this engine would, where it owns the config, and say whether
+        that was all (True: no engine to build). Simulated: DeepSpeed's bf16/fp16 mode trains 16-bit weights
+        and FSDP2's MixedPrecisionPolicy computes on 16-bit gathered weights, neither under autocast, with
+        float inputs cast (as DeepSpeed's engine under autofit and `cast_forward_inputs` cast them); each rank
+        holds a weight two modules share as two (`autofit.estimate.engines` adds its gradient). Live: the OOM
+        guard runs plain torch or DDP steps."""
+        if not (run.simulated or run.live):
+            return False
+        if not self.owns(run.config):
+            return True
+        if run.live:
+            raise UsageError(f"The plan trains through {self.engine.value} ({run.config.describe()}); the OOM guard runs "
+                             "plain torch or DDP steps. Train that plan with autofit.prepare (bash "
+                             "launch/torchrun.sh), or tune again without sharding for the guard.")
+        run.tie_weights = False
+        if run.autocast_dtype is not None:
+            cast_inputs(cast_floating(run.model, run.autocast_dtype), run.autocast_dtype)
+            run.autocast_dtype, run.cast_whole = None, True
+        return True
+
+    def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
+        if not self.owns(config):
+            return {}
+        half = {"weights16": True, "_cast_whole": True} if config.half_precision else {}
+        return {"_untied": True, **half}

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
-from autofit.config import Engine, Sharding
+from autofit.config import Config, Engine, Sharding
+from autofit.strategies.deepspeed_config import FILENAME, accelerate_section
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class Zero(ShardingEngine):
     engine = Engine.DEEPSPEED
     offered = (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
     label = "ZeRO"
+    nvme_path: str | None = None  # the plan's NVMe folder, where this instance is a plan's (`recorded`)
 
     def unavailable_reason(self, spec: "TrainSpec") -> str | None:
         if spec.target.live:
@@ -40,7 +42,26 @@ class Zero(ShardingEngine):
             return "ZeRO needs DeepSpeed: pip install 'autofit[deepspeed]'"
         return super().unavailable_reason(spec)
 
+    def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Zero":
+        """ZeRO as the plan's exports need it: its NVMe folder (`Plan.spec`)."""
+        rebuilt = Zero()
+        rebuilt.nvme_path = summary.get("nvme_path")
+        return rebuilt
+
+    def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
+        if not self.owns(config):
+            return {}
+        if fmt == "trainer":  # the DeepSpeed file the export writes beside (`autofit.export.deepspeed`)
+            return {"deepspeed": FILENAME}
+        if fmt == "torchrun":
+            return {"AUTOFIT_DEEPSPEED_CONFIG": FILENAME}
+        if fmt == "accelerate":
+            return {"distributed_type": "DEEPSPEED", "deepspeed_config": accelerate_section(config, self.nvme_path)}
+        return {}  # "deepspeed": the builder's own document
+
     def apply(self, run: "TrainRun") -> None:
+        if self.shaped_elsewhere(run):
+            return
         if self.owns(run.config):
             run.scaler = None  # DeepSpeed scales fp16 losses itself (the config's fp16 section)
             # DeepSpeed places the model itself: cast on the CPU, then moved (stages 1-2), or partitioned
@@ -115,7 +136,7 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
                                                    config=config)
     dtype = _half_dtype(config)
     if dtype is not None:
-        from autofit.strategies.pure_bf16 import cast_inputs
+        from autofit.strategies.run import cast_inputs
 
         # DeepSpeed's forward switches off an outer `torch.autocast` unless its config has a
         # `torch_autocast` section (deepspeed/runtime/torch_autocast.py `autocast_if_enabled`), and casts

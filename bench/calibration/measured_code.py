@@ -96,11 +96,11 @@ def nf4_double_quant(row_id: str) -> Any:
 def peft_adapters(row_id: str) -> Any:
     """Simulate LoRA's adapters in the dtype `row_id`'s PEFT made them: fsdp_qlora ran PEFT 0.10 (Feb-Mar
     2024), which made them in the base's dtype (bf16; its LoRA rows' adapters are built into the model, as
-    `build` does); later releases keep them in fp32 (`autofit.estimate.simulation.adapters.PEFT_UPCASTS_ADAPTERS`).
+    `build` does); later releases keep them in fp32 (`autofit.strategies.lora.PEFT_UPCASTS_ADAPTERS`).
     A context manager."""
-    from autofit.estimate.simulation import adapters as simulated_adapters
+    from autofit.strategies import lora
 
-    return mock.patch.object(simulated_adapters, "PEFT_UPCASTS_ADAPTERS", not row_id.startswith("fsdpqlora-"))
+    return mock.patch.object(lora, "PEFT_UPCASTS_ADAPTERS", not row_id.startswith("fsdpqlora-"))
 
 
 def reentrant_checkpointing(on: bool) -> Any:

@@ -101,5 +101,5 @@ def test_the_trainer_export_says_what_its_json_alone_leaves_out(tmp_path, capsys
                                                                  checkpoint_every=2))
     path = pure.save(tmp_path / "pure.json")
     assert main(["export", str(path), "--format", "trainer", "--out", str(tmp_path / "pure")]) == 0
-    assert ("trainer_args.json alone trains without pure bf16 weights, checkpointing=every_k"
+    assert ("trainer_args.json alone trains without precision=pure_bf16, checkpointing=every_k"
             in capsys.readouterr().err)

@@ -1,4 +1,4 @@
-"""CudaBudget in the CUDA test double (tests/probe/cuda_double.py): which fraction it sets, what it
+"""CudaBudget in the CUDA test double (tests/cuda_double.py): which fraction it sets, what it
 charges to this process, and what it restores. The double scripts every reading; nothing is measured."""
 
 import pytest

@@ -208,13 +208,13 @@ def test_lora_on_a_model_given_in_bf16_is_predicted_with_peft_s_fp32_adapters(ch
 
 
 def test_peft_releases_that_made_adapters_in_the_base_dtype_are_simulated_apart():
-    """The calibration simulates PEFT 0.10's bf16 adapters (`simulated_adapters.PEFT_UPCASTS_ADAPTERS`); a step simulated
+    """The calibration simulates PEFT 0.10's bf16 adapters (`autofit.strategies.lora.PEFT_UPCASTS_ADAPTERS`); a step simulated
     so is kept under its own key, never read back for today's fp32 adapters (nor the other way)."""
     from unittest import mock
 
     from transformers import LlamaForCausalLM
 
-    from autofit.estimate.simulation import adapters as simulated_adapters
+    from autofit.strategies import lora
 
     hf = _llama_spec().model.hf_config
     spec = make_spec(lambda: LlamaForCausalLM(hf).to(torch.bfloat16), None, seq_len=128, device="cpu",
@@ -222,7 +222,7 @@ def test_peft_releases_that_made_adapters_in_the_base_dtype_are_simulated_apart(
     estimator = Estimator(spec, target="cpu", strategies=[Lora()])
     config = Config(precision="fp32", attention="sdpa", micro_batch_size=2, lora=16)
     upcast = estimator.activations(config)[0].forward
-    with mock.patch.object(simulated_adapters, "PEFT_UPCASTS_ADAPTERS", False):
+    with mock.patch.object(lora, "PEFT_UPCASTS_ADAPTERS", False):
         same_dtype = estimator.activations(config)[0].forward
     assert same_dtype < upcast  # bf16 copies of each adapted layer's input, not fp32 ones
     assert estimator.activations(config)[0].forward == upcast

@@ -1,14 +1,11 @@
-"""The spec of a CUDA run in the CUDA test double (tests/probe/cuda_double.py): bf16 by the chosen card's
+"""The spec of a CUDA run in the CUDA test double (tests/cuda_double.py): bf16 by the chosen card's
 capability, a user's module already on the card, the dtype a Hugging Face config builds in, and what
 the spec summary says about other processes' memory. Nothing here ran on a GPU."""
 
-import os
-import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "probe"))
 from cuda_double import GiB, FakeCuda, FakeGpu, OnFakeCuda, on_fake_cuda  # noqa: E402
 
 from autofit.config import Precision  # noqa: E402

@@ -1,5 +1,5 @@
 """OOM kinds and sticky CUDA errors in the CUDA test double: the exceptions carry the real message texts
-(tests/probe/cuda_double.py names the upstream file of each); the double decides whether the context
+(tests/cuda_double.py names the upstream file of each); the double decides whether the context
 still works."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Memory a probe leaves behind, in the CUDA test double (tests/probe/cuda_double.py): the double scripts the
+"""Memory a probe leaves behind, in the CUDA test double (tests/cuda_double.py): the double scripts the
 allocator's readings, the tests check what autofit decides from them. Seen on an H100 (torch 2.11,
 bench/results/gpu-tests-h100-2026-11-27.json): after an OOM in the backward every later in-process probe
 ran out of memory in its forward with ~180 MiB more allocated than it needs alone (pytorch/pytorch#82218:

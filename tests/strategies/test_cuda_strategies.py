@@ -1,17 +1,14 @@
-"""Strategies on a CUDA target, in the CUDA test double (tests/probe/cuda_double.py) where a card is
+"""Strategies on a CUDA target, in the CUDA test double (tests/cuda_double.py) where a card is
 needed: where engines build the model, what DeepSpeed is told, which options a card allows. Nothing
 here ran on a GPU; DeepSpeed, torch's FSDP2 and transformers are the real ones."""
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "probe"))
 from cuda_double import GiB, FakeCuda, FakeGpu  # noqa: E402
 
 from autofit.config import Attention as A  # noqa: E402

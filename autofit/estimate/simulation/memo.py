@@ -1,6 +1,6 @@
 """Estimate: simulated steps kept for the life of the process (`SIMULATIONS`), keyed by `workload_key`
-(what a simulated step depends on beside its configuration) and `simulation_key` / `implementation_key`
-(what of the configuration and of the libraries' behaviour it depends on), and on disk for the next process where the
+(what a simulated step depends on beside its configuration) and `simulation_key` (what of the configuration,
+and of the libraries' behaviour the calibration may set, the strategies say it depends on), and on disk for the next process where the
 model is a library's (`shareable`), in the folder `autofit.estimate.simulation.disk_cache` names (`AUTOFIT_CACHE`)."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 
-from autofit.config import Checkpointing, Config, Engine, Quantization
-from autofit.estimate.simulation import adapters as simulated_adapters
+from autofit.config import Config
 from autofit.estimate.simulation.disk_cache import Kept, cache_folder
 from autofit.estimate.simulation.step import ActivationPeak
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.base import Strategy
 
 
 class Simulations(Kept):
@@ -95,32 +95,20 @@ def _code(fn: Any) -> str:
     return name + (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() if code else repr(fn))
 
 
-def simulation_key(config: Config, mb: int) -> tuple:
-    """What a simulated forward + backward depends on: one simulation serves every config with the same
-    key. Weights in 16 bits run without autocast whatever the precision's name (ZeRO's bf16, pure bf16);
-    autocast to fp16 and to bf16 cast the same ops to types of the same size (one list per device,
-    AT_FORALL_LOWER_PRECISION_FP in aten/src/ATen/autocast_mode.h, cast to the autocast dtype read at run
-    time; CPU kernels simulate fp16 as bf16); every fused attention is simulated as SDPA."""
-    attention = "fused" if config.attention.fused else config.attention
-    return (config.half_precision, attention, config.checkpointing, config.checkpoint_every, mb,
-            half_weights(config), config.activation_offload, config.loss)
+def simulated_facts(config: Config, strategies: Sequence["Strategy"]) -> dict[str, Any]:
+    """What `config`'s simulated step depends on, as the strategies shaping it name it (`Strategy.simulated_as`,
+    merged in rung order over `strategies` and every built-in and plug-in one they leave out)."""
+    from autofit.strategies import completed
+
+    facts: dict[str, Any] = {}
+    for strategy in completed(strategies):
+        facts.update(strategy.simulated_as(config, facts))
+    return facts
 
 
-def implementation_key(config: Config) -> tuple:
-    """What a simulation depends on besides the config, in the libraries' behaviour it simulates: whether
-    bitsandbytes keeps each NF4 layer's input and which dtype it dequantizes to, whether checkpointing
-    re-enters, whether peft upcasts LoRA's adapters (all set by the calibration to simulate runs of older
-    releases and other modes)."""
-    from autofit.strategies import checkpointing
-    from autofit.strategies.quantization import SimulatedLinear4bit
-
-    nf4 = config.quantization is Quantization.NF4 and (SimulatedLinear4bit.keeps_input,
-                                                        SimulatedLinear4bit.quantized_from)
-    peft = config.adapters and simulated_adapters.PEFT_UPCASTS_ADAPTERS
-    return nf4, config.checkpointing is not Checkpointing.NONE and checkpointing.REENTRANT, peft
-
-
-def half_weights(config: Config) -> bool:
-    """DeepSpeed (ZeRO) trains 16-bit weights without autocast, FSDP2's MixedPrecisionPolicy computes on
-    16-bit gathered weights without autocast, and pure bf16 trains bf16 weights; torch AMP keeps fp32 weights."""
-    return config.pure_bf16 or (config.half_precision and (config.zero_stage > 0 or config.engine is Engine.FSDP))
+def simulation_key(facts: dict[str, Any], mb: int) -> tuple:
+    """What a simulated forward + backward at micro-batch `mb` depends on of its configuration (`facts`:
+    `simulated_facts`, those named with a leading "_" left to the strategies): one simulation serves every
+    config with the same key."""
+    return (mb, *sorted(((name, value) for name, value in facts.items() if not name.startswith("_")),
+                        key=lambda item: item[0]))

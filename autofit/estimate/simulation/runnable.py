@@ -69,30 +69,6 @@ def without_data_dependent_steps(model: nn.Module, batch: Any, loss_fn: Callable
     return (batch, loss_fn) if found is None else found
 
 
-FUSED_STAND_IN = "autofit_fused_memory"  # SDPA under a name of its own, soft-capping dropped: memory only
-
-
-def fused_stand_in(model: nn.Module) -> str:
-    """The attention implementation a fused kernel (flash-attention, SDPA) is simulated with: SDPA, whose
-    fused kernels keep what flash-attention keeps (the output and its log-sum-exp). A model that refuses
-    SDPA for what only flash-attention's kernels do (Gemma-2's soft-capped attention scores:
-    `_supports_sdpa = False`, and transformers' SDPA raises on `softcap`) gets SDPA registered under
-    `FUSED_STAND_IN`, which drops the soft-capping: the memory is the fused kernel's, the numbers are
-    not (fake tensors hold none)."""
-    if getattr(type(model), "_supports_sdpa", True):
-        return "sdpa"
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def fused(module: nn.Module, *args: Any, softcap: Any = None, **kwargs: Any) -> Any:
-        return sdpa_attention_forward(module, *args, **kwargs)
-
-    AttentionInterface.register(FUSED_STAND_IN, fused)
-    AttentionMaskInterface.register(FUSED_STAND_IN, sdpa_mask)
-    return FUSED_STAND_IN
-
-
 @contextlib.contextmanager
 def fake_friendly_kernels() -> Any:
     """Route mixture-of-experts layers to transformers' own grouped-matmul op while simulating.

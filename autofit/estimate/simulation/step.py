@@ -16,19 +16,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autofit.config import Attention, Checkpointing, Config, Engine, Loss, Precision, Quantization
+from autofit.config import Config
 from autofit.estimate.cuda import attention as cuda_attention
 from autofit.estimate.cuda import autocast as cuda_autocast
 from autofit.estimate.cuda import dropout as cuda_dropout
 from autofit.estimate.simulation import deepen
 from autofit.estimate.simulation import runnable as simulatable
-from autofit.estimate.simulation import adapters as simulated_adapters
 from autofit.estimate.simulation import sized_kernels
 from autofit.estimate.cuda import training_replay
 from autofit.estimate.cuda.allocator import MICRO_STEPS_REPLAYED, Event, Replay
 from autofit.estimate.simulation.healthy_checks import healthy_checks, transformers_checks_off
 from autofit.estimate.simulation.known_values import KnownValues
 from autofit.devices.memory import SPARSE_PARTS, StorageCounter, storages_of
+from autofit.strategies.run import SimulatedRun
 
 ALLOCATOR_ROUNDING = 512  # the CUDA caching allocator rounds every block up to 512 bytes (applied per tensor)
 aten = torch.ops.aten
@@ -237,66 +237,59 @@ def curve(events: Sequence[Event], backward_at: int, rounding: int) -> dict[str,
 
 
 def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], config: Config, *,
-                  device: str, half_weights: bool = False, adapted: frozenset[str] | None = None,
-                  adapter_dropout: float = 0.0, cuda_ampere: bool | None = None,
-                  replay_depth: tuple[int, int] | None = None) -> ActivationPeak:
+                  device: str, adapted: frozenset[str] | None = None, adapter_dropout: float = 0.0,
+                  cuda_ampere: bool | None = None, replay_depth: tuple[int, int] | None = None,
+                  strategies: Sequence[Any] = ()) -> ActivationPeak:
     """Run one forward + backward of `model` (built on the meta device; consumed) on `batch` under fake
-    tensors on `device` ("cpu" or "cuda") with `config`'s precision, attention and checkpointing, and
-    return its `ActivationPeak`. Nothing real is allocated.
+    tensors on `device` ("cpu" or "cuda") as `config` trains it, and return its `ActivationPeak`. Nothing real
+    is allocated.
 
-    `half_weights`: the weights themselves are 16-bit and no autocast runs (DeepSpeed's bf16/fp16 mode,
-    used with ZeRO); otherwise fp32 weights under autocast, which keeps a 16-bit copy of each weight.
-    `adapted` (LoRA): the linear layers named so (`simulated_adapters.is_adapted`) get peft's adapters
-    (`simulated_adapters.add`, with `adapter_dropout`), and every other weight is frozen. NF4 base weights: the linear layers run as
-    bitsandbytes' do (`autofit.strategies.quantization.SimulatedLinear4bit`).
+    Every strategy shapes the step as it shapes a probe's run (`Strategy.apply` on a `SimulatedRun`, in rung
+    order: `strategies`, with every built-in and plug-in one they leave out), before the model is made of
+    fake tensors: its dtypes, the autocast it runs under, its layers (stand-ins where bitsandbytes or a
+    fused kernel cannot run on fake tensors), and contexts around the forward.
+    `adapted`: the layers adapters go on (`autofit.estimate.simulation.adapters`, with `adapter_dropout`)
+    where `config` trains adapters; None: none are added (the model brings its own).
     `cuda_ampere`: CPU kernels stand in for a CUDA GPU, Ampere or later (True) or older (False):
     attention, dropout and autocast keep what CUDA's would (`autofit.estimate.cuda.attention`,
     `autofit.estimate.cuda.dropout`, `autofit.estimate.cuda.autocast`); None: the kernels are the target's own.
     `replay_depth` = (unit, units): `model` holds two units of `unit` blocks, and the step is read as at
     `units` of them (`autofit.estimate.simulation.deepen`: its peaks, kernels and the caching allocator's replay;
-    `whole_depth` says so) where the units are alike, else as simulated."""
+    `whole_depth` says so) where the units are alike and the strategies let them repeat, else as simulated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autofit.batches.batch import call_model, quiet_transformers
-    from autofit.strategies.checkpointing import enable
 
     # the model's config may be the caller's own object: it is set back
     with simulatable.configs_restored(model), quiet_transformers():
-        precision = config.precision
-        _prepare(model, config, device, half_weights, adapted, adapter_dropout)
+        run = _shaped(SimulatedRun(config=config, model=model, device_type=device, adapted=adapted,
+                                   adapter_dropout=adapter_dropout), strategies)
+        model = run.model
         # the whole batch is live through the step, the label fields a stand-in loss drops too (a mask per object)
         batch_bytes = sum(x.nbytes for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         batch, loss_fn = simulatable.without_data_dependent_steps(model, batch, loss_fn)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         # one process without an engine holds a tied weight once; the engines' terms add its lingering
         # gradient themselves (`engines._tied_grad`), measured against steps simulated untied
-        ties = fake_empty(model, fake, device, tie=config.engine is Engine.TORCH and config.num_gpus <= 1)
+        ties = fake_empty(model, fake, device, tie=run.tie_weights)
         model.train()
-        if adapted is not None:
-            simulated_adapters.freeze_all_but_adapters(model)
-        if config.checkpointing is not Checkpointing.NONE:
-            enable(model, config.checkpoint_every, ops=config.checkpointing is Checkpointing.OPS)
-        if config.loss is Loss.CHUNKED:
-            from autofit.strategies.chunked_loss import enable as chunk_loss
-
-            chunk_loss(model)
         tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None)
         tracker.ignore([*model.parameters(), *model.buffers()])
         hooks = [p.register_post_accumulate_grad_hook(tracker.take_grad) for p in model.parameters() if p.requires_grad]
-        deep = _Deep(model, *replay_depth, tracker) if replay_depth else None
+        deep = _Deep(model, *replay_depth, tracker) if replay_depth and run.repeatable else None
         hooks += deep.handles if deep else []
         try:
-            half = torch.float16 if precision is Precision.FP16 else torch.bfloat16
             on_cuda = cuda_ampere is not None
             with fake, simulatable.fake_friendly_kernels(), healthy_checks(), transformers_checks_off(), \
-                    cuda_attention.as_on_cuda(cuda_ampere, half), cuda_dropout.as_on_cuda(on_cuda), \
+                    cuda_attention.as_on_cuda(cuda_ampere, run.attention_dtype), cuda_dropout.as_on_cuda(on_cuda), \
                     cuda_autocast.as_on_cuda(on_cuda and device == "cpu"):
                 fake_batch = as_fake(fake, batch, device)
                 known = KnownValues()
                 known.know(fake_batch, batch)
                 with known, tracker:
-                    with _autocast(Precision.FP32 if half_weights else precision, device), \
-                            _offloading(tracker, config.offloads_activations):
+                    with _autocast(run.autocast_dtype, device), contextlib.ExitStack() as forward:
+                        for context in run.forward_contexts:
+                            forward.enter_context(context(tracker))
                         output = call_model(model, fake_batch)  # held through backward, as the probe's step holds it
                         loss = loss_fn(output, fake_batch)
                     tracker.begin_backward()
@@ -310,35 +303,15 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         return _peak(tracker, model, config, ties, deep, batch_bytes)
 
 
-def _prepare(model: nn.Module, config: Config, device: str, half_weights: bool, adapted: frozenset[str] | None,
-             adapter_dropout: float) -> None:
-    """`model` (on the meta device) as `config` trains it, before it is made of fake tensors: its attention
-    implementation, its weights' dtype, bitsandbytes' layers where quantized, LoRA's adapters
-    (`simulate_step` says which)."""
-    from autofit.strategies.attention import implementations
+def _shaped(run: SimulatedRun, strategies: Sequence[Any]) -> SimulatedRun:
+    """`run` as every strategy shapes it (`strategies` and every built-in and plug-in one they leave out, in
+    rung order), its model in training mode."""
+    from autofit.strategies import completed
 
-    precision, attention = config.precision, config.attention
-    if attention is not Attention.DEFAULT and hasattr(model, "set_attn_implementation"):
-        # flash-attention has no CPU kernel; SDPA's memory is the same O(n)
-        model.set_attn_implementation(implementations(model, simulatable.fused_stand_in(model) if attention.fused
-                                                      else attention.value))
-    if config.pure_bf16:
-        from autofit.strategies.pure_bf16 import enable as pure_bf16
-
-        pure_bf16(model)  # bf16 weights, and the inputs cast as the probe casts them
-    elif half_weights and precision.half:
-        from autofit.strategies.pure_bf16 import cast_floating, cast_inputs
-
-        # and float inputs (pixels, audio features) cast, as DeepSpeed's engine under autofit and FSDP2's
-        # MixedPrecisionPolicy (`cast_forward_inputs`) cast them
-        half = _half_dtype(precision, device)
-        cast_inputs(cast_floating(model, half), half)
-    if config.quantization is not Quantization.NONE:
-        from autofit.strategies.quantization import simulate_quantized
-
-        simulate_quantized(model, config.quantization)
-    if adapted is not None:
-        simulated_adapters.add(model, adapted, config, half_weights, adapter_dropout)
+    run.model.train()
+    for strategy in completed(strategies):
+        strategy.apply(run)
+    return run
 
 
 def _peak(tracker: _Tracker, model: nn.Module, config: Config, ties: dict[int, int], deep: "_Deep | None",
@@ -443,33 +416,6 @@ def as_fake(fake: Any, batch: Any, device: str) -> Any:
     return tree_map(lambda x: fake.from_tensor(x).to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
-def _offloading(tracker: _Tracker, enabled: bool) -> Any:
-    """What `torch.autograd.graph.save_on_cpu` does to device memory: a tensor saved for backward leaves
-    the device (its device storage is freed unless something else holds it) and comes back in backward
-    as a new device tensor. Its host copy is counted in `tracker.offloaded`, not on the device, and each
-    way is one copy kernel (`save_on_cpu`: `packed.copy_(tensor)` out, `tensor.to(device)` back)."""
-    if not enabled:
-        return contextlib.nullcontext()
-
-    def pack(tensor: torch.Tensor) -> tuple:
-        tracker.offloaded += tensor.numel() * tensor.element_size()
-        tracker.kernels += 1
-        return tensor.shape, tensor.dtype, tensor.device
-
-    def unpack(saved: tuple) -> torch.Tensor:
-        shape, dtype, device = saved
-        tracker.kernels += 1
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
-def _autocast(precision: Precision, device: str) -> Any:
-    if not precision.half:
-        return torch.autocast(device, enabled=False)
-    # fp16 and bf16 tensors have the same size; CPU autocast simulates fp16 with bf16.
-    return torch.autocast(device, dtype=_half_dtype(precision, device))
-
-
-def _half_dtype(precision: Precision, device: str) -> torch.dtype:
-    return torch.float16 if precision is Precision.FP16 and device == "cuda" else torch.bfloat16
+def _autocast(dtype: torch.dtype | None, device: str) -> Any:
+    """Autocast to `dtype` for the forward and loss (`SimulatedRun.autocast_dtype`), or none."""
+    return torch.autocast(device, enabled=False) if dtype is None else torch.autocast(device, dtype=dtype)

@@ -1,0 +1,56 @@
+"""The probe, the simulation, prepare, the guard and the exporters loop over strategies and name no technique
+(scripts/technique_names.py), but where a file says below why it still does."""
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "technique_names.py"
+spec = importlib.util.spec_from_file_location("technique_names", SCRIPT)
+technique_names = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(technique_names)
+
+# every consumer of the strategies -> the techniques it may still name, beside the micro-batch and the rank
+# count (every step's shape)
+CONSUMERS = {
+    "autofit/strategies/run.py": set(),  # the probe's run: `build_run`
+    "autofit/probe/run.py": set(),
+    "autofit/estimate/simulation/step.py": set(),
+    "autofit/estimate/simulation/memo.py": set(),
+    "autofit/estimate/estimator.py": {"zero"},  # DeepSpeed's buffer sizes feed the engines' formula
+    "autofit/prepare.py": {"optimizer",  # the optimizer a user passes is checked against the plan's
+                           "fsdp"},  # accelerate's accumulation plugin reduces as FSDP2 was measured
+    "autofit/guard/plan.py": {"precision", "pure_bf16"},  # a framework's own precision is checked, not applied
+    "autofit/export/__init__.py": {"zero"},  # re-exports DeepSpeed's config builder (a documented name)
+    "autofit/export/deepspeed.py": {"zero"},  # the DeepSpeed format is that builder's document
+    "autofit/export/accelerate.py": set(),
+    "autofit/export/torchrun.py": set(),
+    "autofit/export/trainer.py": set(),
+    "autofit/export/model_setup.py": set(),
+    "autofit/export/measured.py": set(),
+    "autofit/report.py": set(),
+}
+
+
+@pytest.mark.parametrize("path", sorted(CONSUMERS))
+def test_a_consumer_names_no_technique_but_those_it_says(path):
+    tree = ast.parse((ROOT / path).read_text())
+    named = {stem for stem, names in technique_names.NAMES.items()
+             if stem not in technique_names.STRUCTURAL and technique_names.hits(tree, names, stem)}
+    assert named <= CONSUMERS[path], {stem: technique_names.hits(tree, technique_names.NAMES[stem], stem)
+                                      for stem in named - CONSUMERS[path]}
+
+
+def test_the_survey_finds_a_technique_however_it_is_named():
+    source = ('from autofit.config import Loss as L\n'
+              'def f(config, run):\n'
+              '    """pure_bf16 in a docstring is prose."""\n'
+              '    return config.loss is L.CHUNKED or run.config.pure_bf16 or "in_backward"\n')
+    tree = ast.parse(source)
+    found = {stem for stem, names in technique_names.NAMES.items() if technique_names.hits(tree, names, stem)}
+    assert found == {"chunked_loss", "pure_bf16", "optimizer_in_backward"}
+    assert not technique_names.hits(ast.parse('"""pure_bf16, Loss.CHUNKED"""\n'), technique_names.NAMES["pure_bf16"],
+                                    "pure_bf16")
