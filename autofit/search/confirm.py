@@ -14,8 +14,9 @@ figures alone. This step runs after the walk:
    `PROBE_WINDOW`: 20%, 2, where a round builds each again: one probe on a loaded machine can be off by
    a third), plus the best fit of each safer class (a lower exactness tier, an arithmetic that moves less:
    bf16 autocast where pure bf16 leads; no allocator retries) however far behind it probed, so a numerics
-   change is chosen over what changes less only on confirmed figures, never on one walk figure, plus the largest fitting micro-batch of each finalist's level (the walk holds a larger
-   micro-batch is never slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
+   change is chosen over what changes less only on confirmed figures, never on one walk figure, plus the
+   largest fitting micro-batch of each finalist's level (the walk holds a larger micro-batch is never
+   slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
    only with each other, never raw with this session's: each source picks its own finalists, and all of
    them are re-measured here.
 3. **Re-measured back to back, interleaved** (`confirm`): live runs when the probes run in this process on
@@ -26,7 +27,8 @@ figures alone. This step runs after the walk:
    the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
    alone (its ratio's interval wider than its margin), one more at a time, up to `most` and within its
    time cap (live runs: 30 s, or three times what the first rounds took): more rounds narrow the interval
-   of the median on a steady machine, and on a busy one the cap ends them and the simpler finalist stays. The choice between them: `autofit.search.decision`.
+   of the median on a steady machine, and on a busy one the cap ends them and the simpler finalist stays.
+   The choice between them: `autofit.search.decision`.
 """
 
 from __future__ import annotations
@@ -153,9 +155,9 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
             exact_margin: float, method: Method, window: Window = PROBE_WINDOW,
             threads: int | None = None) -> Confirmation | None:
     """Re-measure the finalists (`window`: see `finalists`) with `measure(configs, rounds, more)` (samples/s
-    per round, or why it failed; `rounds` a count: exactly that many) and decide; `threads` is recorded (torch's CPU threads of live runs). None
-    when nothing fits. A lone finalist measured in this session needs no rounds, unless its timed steps
-    disagreed by more than `UNSTEADY_SPREAD`."""
+    per round, or why it failed; `rounds` a count: exactly that many) and decide; `threads` is recorded
+    (torch's CPU threads of live runs). None when nothing fits. A lone finalist measured in this session
+    needs no rounds, unless its timed steps disagreed by more than `UNSTEADY_SPREAD`."""
     picked = finalists(space, results, window)
     if not picked:
         return None

@@ -18,8 +18,9 @@ The walk, and its stop rule:
    OOM of another config implies will fail.
 4. Once something fits, every probe gets a deadline: at less than half the best throughput so far of the
    fits that change the arithmetic no more than it does, it cannot win, so it is stopped and recorded as
-   pruned (a numerics change's figure never stops an exact probe: they are compared re-measured). Whatever only adds work to a too-slow config
-   is not probed either (bf16 on a CPU without bf16 units, offload, ...).
+   pruned (a numerics change's figure never stops an exact probe: they are compared re-measured).
+   Whatever only adds work to a too-slow config is not probed either (bf16 on a CPU without bf16 units,
+   offload, ...).
 5. With a predictor (the dry-run estimator), a level starts at the largest micro-batch predicted to
    fit, and a config predicted over the fit limit by more than the estimator's measured error is not
    probed: it is recorded as skipped with its prediction, and bounds the bisection like an OOM.
@@ -377,7 +378,8 @@ def fixed_peak(result: ProbeResult, complete: list[ProbeResult], limit: int) -> 
         small, large = sorted((result, other), key=lambda r: r.config.micro_batch_size)
         if small.config.micro_batch_size == large.config.micro_batch_size:
             continue
-        slope = abs(large.peak_bytes - small.peak_bytes) / (large.config.micro_batch_size - small.config.micro_batch_size)
+        sizes = large.config.micro_batch_size - small.config.micro_batch_size
+        slope = abs(large.peak_bytes - small.peak_bytes) / sizes
         if min(small.peak_bytes, large.peak_bytes) - slope * small.config.micro_batch_size > limit:
             return True
     return False
