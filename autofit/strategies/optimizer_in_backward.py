@@ -78,11 +78,13 @@ class OptimizerInBackward(Strategy):
 
 REFUSED = {  # the formats whose launcher steps after backward, and why
     "deepspeed": "DeepSpeed's engine steps the optimizer after backward; the plan steps each parameter inside "
-                 "backward: export torchrun instead",
+                 "backward (optimizer_step='in_backward'): export torchrun instead",
     "accelerate": "accelerate's optimizer wrapper and clip_grad_norm_ expect whole-model gradients after backward; "
-                  "the plan steps each parameter inside backward: export torchrun instead",
+                  "the plan steps each parameter inside backward (optimizer_step='in_backward'): export torchrun "
+                  "instead",
     "trainer": "the Trainer steps the optimizer after backward and clips the global gradient norm (max_grad_norm); "
-               "the step in backward needs neither: export torchrun and step in your loop",
+               "the step in backward (optimizer_step='in_backward') needs neither: export torchrun and step in your "
+               "loop",
 }
 
 
