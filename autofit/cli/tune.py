@@ -342,6 +342,8 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--max-probes", type=int, default=DEFAULTS.max_probes, show_default=True)
 @click.option("--warmup-steps", type=int, default=DEFAULTS.warmup_steps, show_default=True)
 @click.option("--timed-steps", type=int, default=DEFAULTS.timed_steps, show_default=True)
+@click.option("--probe-timeout", type=float, default=DEFAULTS.probe_timeout, show_default=True,
+              help="Wall seconds one probe may take before it is stopped and recorded as an error (stops a hang).")
 @click.option("--exact-margin", type=float, default=DEFAULTS.exact_margin, show_default=True,
               help="How much faster a numerics change (bf16, 8-bit states, Adafactor) must be than an exact fit.")
 @click.option("--out", default=None, help="Run directory (default runs/<model>).")
@@ -350,7 +352,7 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_batch_size: int | None,
          device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: Any,
          engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int,
-         exact_margin: float, out: str | None, resume: bool, as_json: bool) -> int:
+         probe_timeout: float, exact_margin: float, out: str | None, resume: bool, as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
@@ -364,7 +366,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
         console.print(f"Tuning {description}; run directory {out_dir}")
         try:
             options = SearchOptions(max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
-                                    exact_margin=exact_margin)
+                                    probe_timeout=probe_timeout, exact_margin=exact_margin)
             plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
                                    memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
                                    optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,
