@@ -36,6 +36,7 @@ from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.strategies import EngineChoice
 from autofit.search.options import SearchOptions
+from autofit.search.trials import check_resumable
 from autofit.search.walk import Heartbeat, SkipTally, failure, skip_counts
 from autofit.units import format_size, parse_length
 
@@ -174,6 +175,8 @@ def _check_run_files(path: Path, resume: bool, force: bool) -> None:
     if resume and not exists:
         raise UsageError(f"--resume: {path} holds no {TRIALS} to resume from; run without --resume first "
                          "or point --out at the interrupted run.")
+    if resume:
+        check_resumable(path / TRIALS)
     present = [name for name in RUN_FILES if (path / name).exists()]
     if present and not resume and not force:
         hint = "pass --resume to continue it, " if exists else ""

@@ -70,3 +70,37 @@ def test_the_lock_never_truncates_a_file_it_did_not_make(tmp_path):
     lock = RunLock(out)  # made exclusively; a later run takes the emptied lock again
     lock.release()
     RunLock(out).release()
+
+
+@pytest.mark.parametrize("content, problem", [(b"", "it is empty (0 bytes)"),
+                                              (b"garbage, not a database" * 40, "it is not a SQLite database")])
+def test_resume_from_a_store_autofit_did_not_write_is_one_line_exit_2(tmp_path, model_arg, capsys, content, problem):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "trials.db").write_bytes(content)
+    assert tune(model_arg, out, "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"is not a trial store autofit wrote: {problem}" in err and "Traceback" not in err
+    assert (out / "trials.db").read_bytes() == content  # left as it was
+
+
+def test_a_foreign_sqlite_file_is_refused_and_a_corrupt_store_is_one_line_in_python(tmp_path):
+    import sqlite3
+
+    from models import make_mlp, make_mlp_batch, mlp_loss
+
+    import autofit
+
+    foreign = tmp_path / "trials.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE notes (text TEXT)")
+    from autofit.search.trials import check_resumable
+
+    with pytest.raises(UsageError, match="it holds no optuna studies"):
+        check_resumable(foreign)
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)
+    with pytest.raises(UsageError) as refused:
+        autofit.autofit(make_mlp, make_mlp_batch, global_batch_size=4, device="cpu", memory_budget="64MiB",
+                        loss_fn=mlp_loss, allow=0, max_probes=1, storage=f"sqlite:///{corrupt}")
+    assert "Cannot use the trial store" in str(refused.value) and "\n" not in str(refused.value)
