@@ -3,7 +3,7 @@
 A dry-run given the node's RAM (`host_memory`, per node) rules out the candidates that need more
 (`over_host`); without it, a chosen plan needing more than a typical node of that GPU has is said in the
 summary line (`host_note`), not only in the table's host RAM column. `autofit tune` checks this machine
-before an offload probe (`autofit.pipelines.tune`: `offload_room`).
+before an offload probe (`offload_skip`, which the tuner's prober asks first).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from autofit.units import format_size
 
 if TYPE_CHECKING:
     from autofit.config import Config
+    from autofit.job.train_spec import TrainSpec
+    from autofit.probe.outcome import ProbeResult
     from autofit.devices.gpus import GpuProfile
     from autofit.pipelines.dry_run import Candidate
 
@@ -88,3 +90,23 @@ def offload_room(config: "Config", need_bytes: int | None, nvme_path: str | os.P
         return (f"it needs ~{format_size(need_bytes)} of host RAM for what it offloads, and this machine has "
                 f"{format_size(free)} free")
     return None
+
+
+def offload_skip(spec: "TrainSpec", config: "Config") -> "ProbeResult | None":
+    """A SKIPPED result where this machine cannot hold an offload probe of `config` (`offload_room`, on the
+    estimator's predicted host RAM), else None; None too where the estimator cannot predict it (the probe then
+    decides)."""
+    if not config.offloads:
+        return None
+    from autofit.estimate.estimator import predict_peak
+    from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip
+
+    try:
+        need = predict_peak(spec, config).cpu_bytes
+    except Exception:  # noqa: BLE001 - a prediction only spares a probe that cannot run
+        return None
+    room = offload_room(config, need, spec.nvme_path)
+    if room is None:
+        return None
+    return ProbeResult(config, ProbeStatus.SKIPPED, f"not probed: {room}; free room, or plan for a larger machine "
+                       "with autofit dry-run --host-memory", skip=Skip.EXCLUDED)
