@@ -52,12 +52,19 @@ def test_plan_text_in_a_shell_or_yaml_comment_stays_one_comment_line(tmp_path, p
                 assert "INJECTED" not in line or line.lstrip().startswith("#"), (path.name, line)
 
 
-def test_an_optimizer_class_from_a_plan_is_imported_from_the_allow_list_only(tmp_path, monkeypatch):
+def test_an_optimizer_class_from_a_plan_is_imported_from_the_allow_list_only(tmp_path, monkeypatch, plan_for):
     marker = tmp_path / "ran"
     (tmp_path / "planted_optimizer.py").write_text(
         f"import pathlib, torch\npathlib.Path({str(marker)!r}).write_text('ran')\n"
         "class Evil(torch.optim.SGD):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    plan = dataclasses.replace(plan_for(Config(micro_batch_size=2, grad_accum_steps=2, optimizer="user")),
+                               settings={"optimizer": {"class": "planted_optimizer.Evil", "kwargs": {"lr": 0.1}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        export(plan, "deepspeed", tmp_path / "out")  # names the class; imports nothing
+        with pytest.raises(UsageError, match="your own optimizer"):
+            export(plan, "trainer", tmp_path / "out")
     assert _import_class("planted_optimizer.Evil") is None
     assert not marker.exists() and "planted_optimizer" not in sys.modules
     assert _import_class("torch.optim.sgd.SGD").__name__ == "SGD"
