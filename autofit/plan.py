@@ -3,8 +3,10 @@
 This module owns the plan: the choice among the fits (`autofit.search.decision.choose`), composing why it won
 (`chosen_reason`: the confirmed ratio and its spread, the margin a numerics change cleared, a swapped
 optimizer said plainly) or finding why nothing fits (`nothing_fits`: a `Shortfall`, from recorded results and
-predictions only: no probe runs while it is found), and the value itself. A plan is a value: `save` writes JSON, `Plan.load` reads it back equal (plans written by
-autofit 0.1 too).
+predictions only: no probe runs while it is found), and the value itself. A plan is a value: `save` writes JSON
+(atomically, never over a file that is not a plan: `autofit.files`), `Plan.load` reads it back equal (plans written
+by autofit 0.1 too). A plan file is data from anyone: `load` checks it against the schema (`check_plan_data`:
+`format_version`, each field's type, the invariants between them) before building anything from it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -20,6 +23,8 @@ from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.search.decision import (CLEAR_SHARE, CONFIDENCE, NOISE_MARGIN, Comparison, Confirmation, DecidedBy, Finalist,
                                      MarginKind, Ratio, choose)
 from autofit.search.shortfall import Basis, Remedy, Shortfall
+from autofit.errors import UsageError
+from autofit.files import write_file
 from autofit.units import format_size
 from autofit.version import __version__
 
@@ -90,31 +95,41 @@ class Plan:
         fields["shortfall"] = Shortfall.from_dict(fields["shortfall"]) if fields.get("shortfall") else None
         return cls(**fields)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the plan as JSON to `path` (parent folders are created); returns the path."""
+    def save(self, path: str | Path, *, force: bool = False) -> Path:
+        """Write the plan as JSON to `path` (parent folders are created) and return the path: atomically, never
+        through a link, and over an existing file only when it is a plan or autofit wrote it (`force` replaces
+        any file: `autofit.files`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+        return write_file(path, json.dumps(self.to_dict(), indent=2) + "\n", force=force, ours=is_plan_json,
+                          record=False)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        """Read a plan written by `save`."""
-        from autofit.errors import UsageError
-
+        """Read a plan written by `save`: data, validated against the plan's schema (`check_plan_data`: its
+        format_version, every field's type, the invariants between them) before anything is built from it.
+        `UsageError`, one line naming the file and what is wrong, for anything else."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            why = f"it has no {exc} field" if isinstance(exc, KeyError) else str(exc)
-            raise UsageError(f"Cannot read a plan from {str(path)!r}: {why}. Pass a plan.json written by "
-                             "autofit (plan.save or autofit tune).") from exc
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"Cannot read a plan from {str(path)!r}: {exc}. Pass a plan.json written by autofit "
+                             "(plan.save or autofit tune).") from exc
+        problem = check_plan_data(data)
+        if problem is None:
+            try:
+                return cls.from_dict(data)
+            except (ValueError, KeyError, TypeError) as exc:  # UsageError included: a knob value not known
+                problem = f"it has no {exc} field" if isinstance(exc, KeyError) else " ".join(str(exc).split())
+        raise UsageError(f"Cannot read a plan from {str(path)!r}: {problem}. Pass a plan.json written by autofit "
+                         "(plan.save or autofit tune).")
 
-    def export(self, fmt: str, out_dir: str | Path) -> list[Path]:
+    def export(self, fmt: str, out_dir: str | Path, *, force: bool = False) -> list[Path]:
         """Write the launcher files of `fmt` ("accelerate", "deepspeed", "trainer", "torchrun") into
-        `out_dir`; returns their paths. A plan that does not fit raises `UsageError` saying why."""
+        `out_dir`; returns their paths. A plan that does not fit raises `UsageError` saying why, and so does a
+        file there autofit did not write (`force` replaces it)."""
         from autofit.export import export
 
-        return export(self, fmt, out_dir)
+        return export(self, fmt, out_dir, force=force)
 
     def __repr__(self) -> str:
         """One line a notebook can show: the choice, its figures, the probes counted (the dataclass's
@@ -424,3 +439,99 @@ def _need(result: ProbeResult, predict: Callable[[Config], int | None] | None) -
     if result.peak_bytes:
         return result.peak_bytes, Basis.HELD
     return None, Basis.OVER_BUDGET
+
+
+# -- a plan file is data: its schema ----------------------------------------------------------------------------
+# field -> (the JSON types it may hold, whether it may be missing); `None` in a tuple: null allowed
+_NUMBER = (int, float)
+PLAN_FIELDS: dict[str, tuple[tuple[type | None, ...], bool]] = {
+    "fits": ((bool,), False), "config": ((dict, None), False), "throughput": ((*_NUMBER, None), False),
+    "tokens_per_second": ((*_NUMBER, None), False), "peak_memory": ((int, None), False), "reason": ((str,), False),
+    "probes": ((list,), False), "spec": ((dict,), False), "created": ((str,), True),
+    "autofit_version": ((str,), True), "confirmation": ((dict, None), True), "settings": ((dict,), True),
+    "shortfall": ((dict, None), True), "format_version": ((int,), False)}
+SPEC_FIELDS = {"model": (str,), "model_fingerprint": (str,), "device": (str,), "memory_budget": (int, None),
+               "global_batch_size": (int, None), "num_gpus": (int,), "nvme_path": (str, None)}
+
+
+def is_plan_json(data: bytes) -> bool:
+    """Whether `data` is a plan autofit wrote (a JSON object with a format_version and a fits field): a file
+    `Plan.save` may replace."""
+    try:
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(document, dict) and "format_version" in document and "fits" in document
+
+
+def check_plan_data(data: Any) -> str | None:
+    """What is wrong with `data` as a plan (one phrase), or None: a JSON object of `PLAN_FIELDS` of their types,
+    a `format_version` this autofit reads, sizes and speeds that are not negative, and a configuration exactly
+    when it fits whose micro-batch x accumulation x GPUs is the global batch it was measured for."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {_json_type(data)}, not a plan (a JSON object)"
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            return (f"it has format_version {version}, written by a newer autofit (this one, {__version__}, reads "
+                    f"{FORMAT_VERSION}); upgrade autofit to read it")
+        return f"its format_version is {version!r}, not one autofit writes ({FORMAT_VERSION})"
+    unknown = sorted(set(data) - set(PLAN_FIELDS))
+    if unknown:
+        return f"it has fields no plan has: {', '.join(unknown)}"
+    for name, (kinds, optional) in PLAN_FIELDS.items():
+        if name not in data:
+            if not optional:
+                return f"it has no {name!r} field"
+        elif not _is(data[name], kinds):
+            return f"its {name!r} is {data[name]!r}, not {_kinds_words(kinds)}"
+    for name, kinds in SPEC_FIELDS.items():
+        if name in data["spec"] and not _is(data["spec"][name], kinds):
+            return f"its spec's {name!r} is {data['spec'][name]!r}, not {_kinds_words(kinds)}"
+    return _invariant_problem(data)
+
+
+def _invariant_problem(data: dict[str, Any]) -> str | None:
+    for name in ("throughput", "tokens_per_second", "peak_memory"):
+        value = data[name]
+        if value is not None and (not math.isfinite(value) or value < 0):
+            return f"its {name} is {value!r}; a measured figure is a finite number >= 0"
+    if data["fits"] != (data["config"] is not None):
+        return ("it says fits=true but has no configuration" if data["fits"] else
+                "it says fits=false but has a configuration")
+    if data["fits"] and data["throughput"] is not None and data["peak_memory"] is None:
+        return "it fits with a measured throughput but no peak_memory"
+    if any(not isinstance(p, dict) for p in data["probes"]):
+        return "its probes are not all JSON objects"
+    if any(not isinstance(v, dict) for v in data.get("settings", {}).values()):
+        return "its settings are not all JSON objects (one per knob)"
+    config, spec = data["config"], data["spec"]
+    if config is None or data["throughput"] is None:  # nothing fits; or the OOM guard wrote it back, unmeasured
+        return None
+    sizes = [config.get(k, 1) for k in ("micro_batch_size", "grad_accum_steps", "num_gpus")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return f"its configuration's micro_batch_size, grad_accum_steps and num_gpus are {sizes}, not integers >= 1"
+    wanted = spec.get("global_batch_size")
+    if wanted is not None and math.prod(sizes) != wanted:
+        return (f"its configuration trains {sizes[0]} x {sizes[1]} x {sizes[2]} = {math.prod(sizes)} samples a step "
+                f"(micro-batch x accumulation x GPUs), but it was measured for a global batch of {wanted}")
+    return None
+
+
+def _is(value: Any, kinds: tuple[type | None, ...]) -> bool:
+    if value is None:
+        return None in kinds
+    if isinstance(value, bool):
+        return bool in kinds
+    return any(kind is not None and kind is not bool and isinstance(value, kind) for kind in kinds)
+
+
+def _kinds_words(kinds: tuple[type | None, ...]) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", dict: "a JSON object",
+             list: "a JSON list", None: "null"}
+    return " or ".join(dict.fromkeys(names[k] for k in kinds))
+
+
+def _json_type(value: Any) -> str:
+    return {list: "list", str: "string", type(None): "null", bool: "boolean", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)

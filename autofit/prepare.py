@@ -136,7 +136,7 @@ class Prepared:
 def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: LossFn | None = None,
             device: str | torch.device | None = None, strategies: Sequence[Any] | None = None,
             nvme_path: str | os.PathLike | None = None, engine: bool = True,
-            max_grad_norm: float | None = None) -> Prepared:
+            max_grad_norm: float | None = None, allow_other_model: bool = False) -> Prepared:
     """Apply every knob of `plan` to `model` with the strategies' own code; return what a loop needs.
 
     Args:
@@ -160,8 +160,11 @@ def prepare(plan: Any, model: nn.Module, optimizer: Any = None, *, loss_fn: Loss
         max_grad_norm: the largest global gradient norm `optimizer_step` (and `step`) lets through, clipped
             after fp16's unscaling and over every rank's shard (DeepSpeed clips in its engine, from its
             config); None clips nothing. `prepared.grad_norm` is the last step's norm before clipping.
+        allow_other_model: True applies a plan measured for another model (`check_same_model`: its recorded
+            fingerprint differs from `model`'s); by default that is a `UsageError` naming both.
     """
     config, summary, settings = _config_of(plan)
+    check_same_model(summary, model, allow_other_model, "prepare")
     max_grad_norm = checked_max_grad_norm(max_grad_norm)
     chosen = _strategies(strategies, engine, config, settings, summary)
     where = _device(device, summary, config)
@@ -190,6 +193,30 @@ def apply_in_place(config: Config, model: nn.Module, optimizer: Any = None) -> T
     for strategy in completed():
         strategy.apply(run)
     return run
+
+
+WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")  # hold the user's model as `.module`
+
+
+def check_same_model(summary: dict[str, Any], model: nn.Module, allow_other_model: bool, who: str) -> None:
+    """`UsageError` naming both fingerprints where the plan (its spec `summary`) was measured for another model
+    than `model` (parameter names, shapes, dtypes and which train: `inspect_model`), unless `allow_other_model`.
+    Nothing to compare for a plan without a fingerprint (a `Config`, autofit 0.1's) or a model already carrying
+    PEFT adapters (their names are not the tuned model's); `who` names the caller ("prepare", "OomGuard")."""
+    recorded = summary.get("model_fingerprint")
+    if not recorded or allow_other_model:
+        return
+    base = model
+    while type(base).__name__ in WRAPPERS and isinstance(getattr(base, "module", None), nn.Module):
+        base = base.module
+    if hasattr(base, "peft_config"):
+        return
+    info = inspect_model(base)
+    if info.fingerprint != recorded:
+        raise UsageError(f"{who}: the plan was measured for another model ({summary.get('model', '?')}, fingerprint "
+                         f"{recorded}) than the one given ({info.name}, fingerprint {info.fingerprint}): their "
+                         "parameter names, shapes or dtypes differ, so its measured memory says nothing of this one. "
+                         f"Tune this model, or pass allow_other_model=True to {who} if applying it is intended.")
 
 
 def _config_of(plan: Any) -> tuple[Config, dict[str, Any], dict[str, dict[str, Any]]]:

@@ -226,9 +226,11 @@ def _table(plan: "Plan") -> str:
     return f"<table>{head}{''.join(lines)}</table>"
 
 
-def write_report(plan: "Plan", path: str | Path) -> Path:
-    """Write report.html for `plan` to `path`; returns the path."""
+def write_report(plan: "Plan", path: str | Path, *, force: bool = False) -> Path:
+    """Write report.html for `plan` to `path`; returns the path. Atomically, never through a link, never over a
+    file autofit did not write unless `force` (`autofit.files.write_file`)."""
+    from autofit.files import write_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(plan), encoding="utf-8")
-    return path
+    return write_file(path, render(plan), force=force)

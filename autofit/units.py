@@ -23,7 +23,8 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     """Return `value` in bytes. Accepts a number of bytes or a string such as "20GiB", "1.5 GB", "512MiB".
 
     Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB; Kubernetes' Ki, Mi, Gi,
-    Ti) powers of 1024.
+    Ti) powers of 1024. A unit ending in a small b ("Mb", "gb", "mib") is refused: a b is a bit, and whether bits
+    or bytes were meant is the user's to say (the message spells both byte units).
     A string without a unit counts bytes, and is refused under `MIN_UNITLESS` (a unit left out).
     """
     if isinstance(value, bool):
@@ -36,6 +37,8 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, str):
         match = _SIZE.match(value)
         unit = match.group(2).lower() if match else None
+        if match and unit in _UNITS and len(unit) > 1 and match.group(2).endswith("b"):
+            raise UsageError(_bits_or_bytes(value, match.group(1), match.group(2), what))
         if match and unit in _UNITS:
             size = int(float(match.group(1)) * _UNITS[unit])
             if size > 0:
@@ -43,6 +46,14 @@ def parse_size(value: int | float | str, what: str = "memory_budget") -> int:
     raise UsageError(
         f"{what} must be a size such as '20GiB', '512MB' or a number of bytes, but got {value!r}{_separators(value)}."
     )
+
+
+def _bits_or_bytes(value: str, number: str, unit: str, what: str) -> str:
+    """The refusal of a unit ending in a small b ("16Mb": megabits or megabytes?), with the byte spellings."""
+    prefix = unit[0].upper()
+    return (f"{what}={value!r}: {unit!r} ends in a small b, which is a bit, and autofit takes sizes in bytes: "
+            f"write '{number}{prefix}iB' (x 1024**n) or '{number}{prefix}B' (x 1000**n) for bytes (a size in bits "
+            f"is 8 times fewer bytes).")
 
 
 def parse_length(value: int | str, what: str = "seq_len") -> int:

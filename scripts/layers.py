@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "autofit"
 
 # Bottom to top: a unit may import units of its own layer or below it, never above (docs/design.md).
 LAYERS = (
-    ("errors", "units", "version"),
+    ("errors", "units", "version", "files"),
     ("config",),
     ("devices",),
     ("models",),

@@ -4,8 +4,8 @@ from autofit import UsageError, format_size, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 512 * 2**20), ("64mib", 64 * 2**20),
-    ("1048576", 2**20), (2**30, 2**30), (769_392, 769_392), ("2TiB", 2 * 2**40), ("10kb", 10_000),
+    ("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512MiB", 512 * 2**20), ("64MIB", 64 * 2**20),
+    ("1048576", 2**20), (2**30, 2**30), (769_392, 769_392), ("2TiB", 2 * 2**40), ("10KB", 10_000),
     ("1e9", 10**9), ("2.5E10", 25 * 10**9), ("1e3 MiB", 1000 * 2**20),  # as code writes a number
     ("8Gi", 8 * 2**30), ("512 Mi", 512 * 2**20),  # as Kubernetes writes a size
 ])
@@ -46,3 +46,13 @@ def test_a_length_as_people_type_it_in_code_too():
     for typo in ("2.5k", "4kb", True, 4096.0):
         with pytest.raises(UsageError, match="is not a length: pass a whole number"):
             parse_length(typo)
+
+
+@pytest.mark.parametrize("typed, fixes", [("16Mb", "'16MiB' (x 1024**n) or '16MB'"), ("16mb", "'16MiB'"),
+                                          ("2 Gb", "'2GiB' (x 1024**n) or '2GB'"), ("64mib", "'64MiB'"),
+                                          ("10kb", "'10KiB' (x 1024**n) or '10KB'")])
+def test_a_unit_ending_in_a_small_b_is_refused_asking_bits_or_bytes(typed, fixes):
+    """Issue 54: `--memory-budget 16Mb` (megabits) was taken as 16 MB and a whole tune ran."""
+    with pytest.raises(UsageError) as refused:
+        parse_size(typed)
+    assert fixes in str(refused.value) and "a bit" in str(refused.value) and repr(typed) in str(refused.value)

@@ -172,6 +172,8 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--gpu", default="h100-80gb", show_default=True,
               help="GPU profile (autofit gpus lists them), with the count in front where you like: 8xa100-40gb.")
 @click.option("--gpu-memory", default=None, help="Memory per GPU, e.g. 20GiB: overrides the profile's.")
+@click.option("--host-memory", default=None,
+              help="RAM of each node, e.g. 512GiB: candidates whose offloaded states need more are ruled out.")
 @click.option("--num-gpus", type=click.IntRange(min=1), default=None,
               help="Data-parallel GPUs  [default: the count in --gpu, else 1]")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
@@ -187,7 +189,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
               help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
-                    gpu_memory: str | None, num_gpus: int | None, allow: tuple[str, ...], optimizer: str,
+                    gpu_memory: str | None, host_memory: str | None, num_gpus: int | None, allow: tuple[str, ...], optimizer: str,
                     lora_targets: str | None, deferred_sync: bool, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.pipelines.dry_run import dry_run
@@ -207,7 +209,7 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
         report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
                          gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow),
                          optimizer=resolve_optimizer(optimizer), lora_targets=_targets(lora_targets), deferred_sync=deferred_sync,
-                         progress=progress)
+                         progress=progress, host_memory=host_memory)
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:
         count = split_count(gpu)[0]

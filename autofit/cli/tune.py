@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import socket
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +29,14 @@ from rich.table import Table
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.export import export_all
+from autofit.files import append_line, check_replaceable, make_folder
+from autofit.plan import is_plan_json
 from autofit.models.names import factory_loss_fn, resolve_loss_fn, resolve_model, resolve_optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.strategies import EngineChoice
 from autofit.search.options import SearchOptions
+from autofit.search.trials import check_resumable
 from autofit.search.walk import Heartbeat, SkipTally, failure, skip_counts
 from autofit.units import format_size, parse_length
 
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 EXIT_FITS, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130  # 130: the shell's code for Ctrl-C (128 + SIGINT)
 PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS = "plan.json", "trials.db", "probes.jsonl", "report.html", "launch"
 LOCK = "tune.lock"  # held (flock) by the running tune; names it for a second one
+RUN_FILES = (PLAN, TRIALS, PROBES_LOG, REPORT, LAUNCHERS)  # what a run writes into its folder
 NARROW = 110  # columns under which the probe table leaves each probe's reason to report.html
 DEFAULTS = SearchOptions()  # the defaults --max-probes, --warmup-steps, ... show
 
@@ -107,8 +112,7 @@ class RichProgress:
 
     def _log(self, record: dict[str, Any]) -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        with self.log_path.open("a") as log:
-            log.write(json.dumps({"time": stamp, **record}) + "\n")
+        append_line(self.log_path, json.dumps({"time": stamp, **record}))  # never through a link
 
 
 def nothing_fits_words(reason: str, shortfall: "Shortfall | None") -> str:
@@ -151,36 +155,59 @@ def parse_allow_option(values: tuple[str, ...]) -> Any:
     return set(names)
 
 
-def run_dir(out: str | None, model: str, resume: bool) -> tuple[Path, "RunLock"]:
+def run_dir(out: str | None, model: str, resume: bool, force: bool = False) -> tuple[Path, "RunLock"]:
     """The run directory (--out, or runs/<model>) and its lock: refuses a directory another `tune` is
-    running in (naming it), and refuses to mix a new run into an old one."""
+    running in (naming it), a link planted where a run file goes, and a directory holding another run's files
+    (unless --resume continues that run, or --force replaces its files: the old trial store and probe log are
+    then removed, so nothing of that run mixes into this one)."""
     path = Path(out) if out else Path("runs") / (re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).stem) or "run")
     made = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
+    make_folder(path)
     lock = RunLock(path, made)
     try:
-        exists = (path / TRIALS).exists()
-        if resume and not exists:
-            raise UsageError(f"--resume: {path} holds no {TRIALS} to resume from; run without --resume first "
-                             "or point --out at the interrupted run.")
-        if exists and not resume:
-            raise UsageError(f"{path} already holds a run ({TRIALS}); pass --resume to continue it, or choose "
-                             "another --out.")
+        _check_run_files(path, resume, force)
     except UsageError:
         lock.release()
         raise
     return path, lock
 
 
+def _check_run_files(path: Path, resume: bool, force: bool) -> None:
+    """`UsageError` where `path`'s run files cannot be (re)written by this run (see `run_dir`)."""
+    links = [name for name in RUN_FILES if (path / name).is_symlink()]
+    if links:
+        raise UsageError(f"{path / links[0]} is a link (to {os.readlink(path / links[0])!r}); autofit never writes "
+                         "a run's files through a link. Remove it, or choose another --out.")
+    exists = (path / TRIALS).exists()
+    if resume and not exists:
+        raise UsageError(f"--resume: {path} holds no {TRIALS} to resume from; run without --resume first "
+                         "or point --out at the interrupted run.")
+    if resume:
+        check_resumable(path / TRIALS)
+    present = [name for name in RUN_FILES if (path / name).exists()]
+    if present and not resume and not force:
+        hint = "pass --resume to continue it, " if exists else ""
+        raise UsageError(f"{path} already holds a run ({', '.join(present)}); {hint}pass --force to replace its "
+                         "files, or choose another --out.")
+    if force and not resume:
+        for name in (TRIALS, PROBES_LOG):
+            if (path / name).is_file():
+                (path / name).unlink()
+    for name, ours in ((PLAN, is_plan_json), (REPORT, None)):  # checked now, not after a long search
+        check_replaceable(path / name, force=force, ours=ours)
+
+
 class RunLock:
     """An exclusive lock on a run directory for one `autofit tune`: a second one on the same --out is
     refused with the first's pid, host, start time and command. The operating system releases it when
-    the process ends, however it ends, so a crashed run leaves no stale lock."""
+    the process ends, however it ends, so a crashed run leaves no stale lock. The lock file is made
+    exclusively, never through a link; an existing one is taken only when it is a lock autofit wrote (empty,
+    or naming a holder), and nothing else is ever truncated."""
 
     def __init__(self, folder: Path, made: bool = False):
         self.path = folder / LOCK
         self._made = made  # the folder was made for this run: one that ends with nothing in it takes it away
-        self._file = open(self.path, "a+")
+        self._file = _open_lock(self.path)
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -189,6 +216,13 @@ class RunLock:
             self._file.close()
             raise UsageError(f"{folder} is in use by a running autofit tune ({holder}); wait for it to finish, "
                              "or choose another --out.") from None
+        self._file.seek(0)
+        held = self._file.read()
+        if held and not held.startswith("pid "):
+            self._file.close()
+            raise UsageError(f"{self.path} exists and is not autofit's lock (it holds {held[:40]!r}); it is left as "
+                             "it is. Move it away, or choose another --out.")
+        self._file.seek(0)
         self._file.truncate(0)
         self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
                          f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}: "
@@ -207,6 +241,24 @@ class RunLock:
             self.path.parent.rmdir()
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
+
+
+def _open_lock(path: Path) -> Any:
+    """The lock file at `path`, opened for reading and writing without truncating: made exclusively where
+    missing; `UsageError` where a link or something other than a file is there."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except FileExistsError:
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            fd = -1
+        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd >= 0:
+                os.close(fd)
+            raise UsageError(f"{path} is a link or not a file; autofit never opens its lock through a link. Remove "
+                             "it, or choose another --out.") from None
+    return os.fdopen(fd, "r+")
 
 
 def _command_line() -> list[str]:
@@ -318,13 +370,14 @@ def error_lines(plan: "Plan") -> list[str]:
             for rows in struck.values()]
 
 
-def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
-    """plan.json, report.html and (when it fits) the launcher files of every format; returns the paths."""
-    paths: dict[str, Any] = {"run_dir": str(out), "plan": str(plan.save(out / PLAN)),
+def write_run(plan: "Plan", out: Path, force: bool = False) -> dict[str, Any]:
+    """plan.json, report.html and (when it fits) the launcher files of every format; returns the paths. Each
+    written atomically, never through a link, over a file autofit did not write only with `force`."""
+    paths: dict[str, Any] = {"run_dir": str(out), "plan": str(plan.save(out / PLAN, force=force)),
                              "trials": str(out / TRIALS), "probes_log": str(out / PROBES_LOG),
-                             "report": str(write_report(plan, out / REPORT)), "launchers": []}
+                             "report": str(write_report(plan, out / REPORT, force=force)), "launchers": []}
     if plan.fits:
-        paths["launchers"] = [str(p) for p in export_all(plan, out / LAUNCHERS)]
+        paths["launchers"] = [str(p) for p in export_all(plan, make_folder(out / LAUNCHERS), force=force)]
     return paths
 
 
@@ -349,15 +402,20 @@ def write_run(plan: "Plan", out: Path) -> dict[str, Any]:
 @click.option("--max-probes", type=int, default=DEFAULTS.max_probes, show_default=True)
 @click.option("--warmup-steps", type=int, default=DEFAULTS.warmup_steps, show_default=True)
 @click.option("--timed-steps", type=int, default=DEFAULTS.timed_steps, show_default=True)
+@click.option("--probe-timeout", type=float, default=DEFAULTS.probe_timeout, show_default=True,
+              help="Wall seconds one probe may take before it is stopped and recorded as an error (stops a hang).")
 @click.option("--exact-margin", type=float, default=DEFAULTS.exact_margin, show_default=True,
               help="How much faster a numerics change (bf16, 8-bit states, Adafactor) must be than an exact fit.")
 @click.option("--out", default=None, help="Run directory (default runs/<model>).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its trial store.")
+@click.option("--force", is_flag=True, help="Replace the files of another run in --out (and files autofit did not "
+              "write there) instead of refusing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_batch_size: int | None,
          device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: Any,
          engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int,
-         exact_margin: float, out: str | None, resume: bool, as_json: bool) -> int:
+         probe_timeout: float, exact_margin: float, out: str | None, resume: bool, force: bool,
+         as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
@@ -365,13 +423,13 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
     model_factory, batch_factory, description = resolve_model(model_arg)
     loss_fn = resolve_loss_fn(loss_fn_arg) if loss_fn_arg else factory_loss_fn(model_arg)
     optimizer = resolve_optimizer(optimizer)
-    out_dir, lock = run_dir(out, model_arg, resume)
+    out_dir, lock = run_dir(out, model_arg, resume, force)
     try:
         progress = RichProgress(console, out_dir / PROBES_LOG)
         console.print(f"Tuning {description}; run directory {out_dir}")
         try:
             options = SearchOptions(max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
-                                    exact_margin=exact_margin)
+                                    probe_timeout=probe_timeout, exact_margin=exact_margin)
             plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
                                    memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
                                    optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,
@@ -382,7 +440,7 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
                        f"{out_dir / TRIALS} (and {PROBES_LOG}); the one running was dropped. Resume, re-probing "
                        f"nothing already measured:\n  {resume_command(out_dir)}", err=True)
             return EXIT_INTERRUPTED
-        paths = write_run(plan, out_dir)
+        paths = write_run(plan, out_dir, force)
         console.print(probe_table(plan, console.width))
         if console.width < NARROW:  # the table left the reasons out: an error's is what the user acts on
             for line in error_lines(plan):

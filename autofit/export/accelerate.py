@@ -24,13 +24,13 @@ import yaml
 
 from autofit.export.measured import comment_lines, require_fit, with_launcher_keys
 from autofit.export.model_setup import setup_comments
+from autofit.export.output import PLAN_FILENAME, Output, plan_output
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
 
 FILENAME = "accelerate_config.yaml"
 LAUNCH_FILENAME = "accelerate_launch.sh"
-PLAN_FILENAME = "plan.json"  # read by autofit.prepare in the training script (AUTOFIT_PLAN)
 
 
 def accelerate_config(plan: "Plan") -> dict[str, Any]:
@@ -69,7 +69,7 @@ def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
              "# micro-batch (prepared.micro_batch_size), checkpointing and optimizer; then accelerator.prepare(...).",
              *setup_comments(plan, "accelerate"),
              "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
-    if "deepspeed_config" not in accelerate_config(plan):  # DeepSpeed takes accumulation from its section instead
+    if _accumulation_variable(plan):
         lines.append(f"export ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.config.grad_accum_steps}")
     lines += [f'export {name}="{value}"' if value.startswith("$here") else f"export {name}={shlex.quote(value)}"
               for name, value in environment(plan).items() if name != DEEPSPEED_VARIABLE]
@@ -77,15 +77,23 @@ def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write accelerate_config.yaml, accelerate_launch.sh and plan.json into `out_dir`."""
-    data = accelerate_config(plan)
+def _accumulation_variable(plan: "Plan") -> bool:
+    """Whether the launch script passes the accumulation as accelerate's variable (DeepSpeed takes it from its
+    section instead)."""
+    return "deepspeed_config" not in accelerate_config(plan)
+
+
+def files(plan: "Plan", folder: Path) -> list[Output]:
+    """accelerate_config.yaml, accelerate_launch.sh and plan.json (which the training script reads)."""
     header = "\n".join(comment_lines(plan) + setup_comments(plan, "accelerate")) + (
         f"\n# Gradient accumulation: {plan.config.grad_accum_steps} micro-batches of "
         f"{plan.config.micro_batch_size} per optimizer step (accelerate_launch.sh sets it).\n")
-    config_path = out_dir / FILENAME
-    config_path.write_text(header + yaml.safe_dump(data, sort_keys=False))
-    script_path = out_dir / LAUNCH_FILENAME
-    script_path.write_text(launch_script(plan))
-    script_path.chmod(0o755)
-    return [config_path, script_path, plan.save(out_dir / PLAN_FILENAME)]
+    return [Output(FILENAME, header + yaml.safe_dump(accelerate_config(plan), sort_keys=False)),
+            Output(LAUNCH_FILENAME, launch_script(plan), executable=True), plan_output(plan)]
+
+
+def launched(plan: "Plan") -> dict[str, Any]:
+    """What accelerate reads without your code: the config file, and the accumulation the launch script sets
+    (the rest reaches your train.py through the plan: `autofit.export.notes` names it)."""
+    accumulation = plan.config.grad_accum_steps if _accumulation_variable(plan) else None
+    return {"config": accelerate_config(plan), "accumulation": accumulation}

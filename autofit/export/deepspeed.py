@@ -10,26 +10,37 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autofit.export.measured import measured, require_fit, with_launcher_keys
-from autofit.export.model_setup import setup_lines
+from autofit.export.model_setup import left_out, setup_lines
+from autofit.export.output import Output
 from autofit.strategies.deepspeed_config import FILENAME, plan_config
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
 
-__all__ = ["FILENAME", "export", "file_config"]
+__all__ = ["FILENAME", "file_config", "files", "launched"]
+SECTION = "autofit"  # the measurement and what your script applies: DeepSpeed ignores unknown top-level keys
 
 
 def file_config(plan: "Plan") -> dict[str, Any]:
     """The dict written to deepspeed.json: the plan's DeepSpeed config (`plan_config`), the keys strategies add,
-    and the "autofit" record (with the lines a script applies to the model that no DeepSpeed key says)."""
+    and the "autofit" record: the measurement, the lines a script applies to the model that no DeepSpeed key
+    says, and the knobs no DeepSpeed key says (`left_to_your_script`), which your train.py applies (the lines,
+    or `autofit.prepare(plan, model, engine=False)` with the plan this file came from)."""
     require_fit(plan)
-    document = with_launcher_keys(plan_config(plan.config, plan.settings, plan.spec), plan, "deepspeed")
     setup = setup_lines(plan, "deepspeed")
-    return {**document, "autofit": {**measured(plan), **({"apply_in_script": setup} if setup else {})}}
+    left = left_out(plan, launched)
+    record = {**measured(plan), **({"apply_in_script": setup} if setup else {}),
+              **({"left_to_your_script": left} if left else {})}
+    return {**launched(plan), SECTION: record}
 
 
-def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write deepspeed.json into `out_dir`; returns its path."""
-    path = out_dir / FILENAME
-    path.write_text(json.dumps(file_config(plan), indent=2) + "\n")
-    return [path]
+def launched(plan: "Plan") -> dict[str, Any]:
+    """What DeepSpeed reads of deepspeed.json: the plan's DeepSpeed config and the keys strategies add (the
+    file without its "autofit" record)."""
+    require_fit(plan)
+    return with_launcher_keys(plan_config(plan.config, plan.settings, plan.spec), plan, "deepspeed")
+
+
+def files(plan: "Plan", folder: Path) -> list[Output]:
+    """deepspeed.json."""
+    return [Output(FILENAME, json.dumps(file_config(plan), indent=2) + "\n")]

@@ -1,10 +1,14 @@
 """What every launcher file carries besides its knobs: what was measured, where, and by which autofit.
 
-Also the gate every format goes through: a plan that does not fit has nothing worth launching.
+Also the gate every format goes through: a plan that does not fit has nothing worth launching. A plan's text
+(its reason can quote a probe's error; its model name is whatever the model was called) is data: it reaches a
+comment as one line of printable characters (`one_line`), and a generated Python script only as a literal
+(`python_literal`), never pasted into its source.
 """
 
 from __future__ import annotations
 
+import pprint
 from typing import TYPE_CHECKING, Any
 
 from autofit.errors import UsageError
@@ -64,7 +68,20 @@ def comment_lines(plan: "Plan", prefix: str = "# ") -> list[str]:
         measurement,
         f"Why: {info['reason']}",
     ]
-    return [prefix + " ".join(line.split()) for line in lines]  # one physical line each, whatever the reason holds
+    return [prefix + one_line(line) for line in lines]
+
+
+def one_line(text: object) -> str:
+    """`text` as one line of printable characters: every line break (a shell's, YAML's, Python's: \\n, \\r,
+    \\x85, \\u2028, ...) and control character becomes a space, so a comment holding it cannot end early."""
+    printable = "".join(ch if ch.isprintable() else " " for ch in str(text))
+    return " ".join(printable.split())
+
+
+def python_literal(value: Any) -> str:
+    """`value` (JSON values: what a plan holds) as a Python literal for a generated script (`repr`, wrapped):
+    quotes, backslashes and line breaks in its strings are escaped, so no plan text becomes code."""
+    return pprint.pformat(value, width=110, sort_dicts=False)
 
 
 def _round(value: float | None) -> float | None:

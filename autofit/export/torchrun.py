@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
-from autofit.export.measured import comment_lines, require_fit
+from autofit.export.measured import comment_lines, measured, python_literal, require_fit
 from autofit.export.model_setup import launcher_keys, setup_comments
+from autofit.export.output import PLAN_FILENAME, Output, plan_output
 from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 FILENAME = "torchrun.sh"
 SCRIPT_FILENAME = "train_with_prepare.py"
-PLAN_FILENAME = "plan.json"
 DEEPSPEED_VARIABLE = "AUTOFIT_DEEPSPEED_CONFIG"  # names the DeepSpeed config written beside torchrun.sh
 
 if TYPE_CHECKING:
@@ -66,9 +66,8 @@ def script(plan: "Plan") -> str:
 def training_script(plan: "Plan") -> str:
     """train_with_prepare.py: a plain PyTorch loop over a DataLoader, the plan applied by `autofit.prepare`."""
     return f'''"""Train with the configuration autofit measured, in a plain PyTorch loop: autofit.prepare applies the
-plan (precision, checkpointing, optimizer, LoRA, engine) with the code its probe ran.
-
-{chr(10).join(comment_lines(plan, prefix=""))}
+plan (precision, checkpointing, optimizer, LoRA, engine) with the code its probe ran. What was measured is
+MEASURED below (and plan.json beside this file).
 
     bash {FILENAME} {SCRIPT_FILENAME} --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn]
         [--loss-fn FILE.py:fn] [--optimizer FILE.py:fn] [--max-steps N]
@@ -83,6 +82,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import autofit
+
+MEASURED = {python_literal(measured(plan))}
 
 
 def train(model, dataset, loss_fn=None, optimizer=None, max_steps=None, max_grad_norm={_clipping(plan)!r},
@@ -137,18 +138,15 @@ def _clipping(plan: "Plan") -> float | None:
     return launcher_keys(plan, "torchrun").get("max_grad_norm", DEFAULT_GRADIENT_CLIPPING)
 
 
-def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write torchrun.sh, plan.json and train_with_prepare.py (and deepspeed.json where the environment names
-    it)."""
-    path = out_dir / FILENAME
-    path.write_text(script(plan))
-    path.chmod(0o755)
-    paths = [path, plan.save(out_dir / PLAN_FILENAME)]
-    trainer = out_dir / SCRIPT_FILENAME
-    trainer.write_text(training_script(plan))
-    paths.append(trainer)
+def files(plan: "Plan", folder: Path) -> list[Output]:
+    """torchrun.sh, plan.json and train_with_prepare.py (and deepspeed.json where the environment names it)."""
+    out = [Output(FILENAME, script(plan), executable=True), plan_output(plan),
+           Output(SCRIPT_FILENAME, training_script(plan))]
     if DEEPSPEED_VARIABLE in environment(plan):
-        ds = out_dir / DEEPSPEED_FILENAME
-        ds.write_text(json.dumps(deepspeed_file_config(plan), indent=2) + "\n")
-        paths.append(ds)
-    return paths
+        out.append(Output(DEEPSPEED_FILENAME, json.dumps(deepspeed_file_config(plan), indent=2) + "\n"))
+    return out
+
+
+# What runs without your code, for `autofit.export.notes`: everything (train_with_prepare.py applies every knob
+# with autofit.prepare; torchrun.sh launches the ranks), so no knob is left to your script.
+launched = None

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
-from autofit.export.measured import comment_lines, require_fit, with_launcher_keys
+from autofit.export.measured import measured, python_literal, require_fit, with_launcher_keys
 from autofit.export.model_setup import setup_lines, strategies_of
+from autofit.export.output import Output
 from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 if TYPE_CHECKING:
@@ -65,11 +66,10 @@ def beyond_arguments(plan: "Plan") -> list[str]:
 def script(plan: "Plan") -> str:
     """train_with_trainer.py: `train(model, dataset, **overrides)`, and a command line that calls it."""
     setup = "\n".join(model_setup(plan)) or "# Nothing to change on the model for this plan."
-    return f'''"""Train with the configuration autofit measured, through the Hugging Face Trainer.
+    return f'''"""Train with the configuration autofit measured, through the Hugging Face Trainer. What was measured
+is MEASURED below (and plan.json beside this file, where autofit tune wrote both).
 
-{chr(10).join(comment_lines(plan, prefix=""))}
-
-    python train_with_trainer.py --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn] [--max-steps N]
+    {launch_words(plan)} --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn] [--max-steps N]
 
 MODEL is what `autofit tune --model` took; the dataset's samples are dicts the model takes, with labels
 (a Hugging Face model returns its loss). In Python: `from train_with_trainer import train`, then
@@ -80,6 +80,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from transformers import Trainer, TrainingArguments
+
+MEASURED = {python_literal(measured(plan))}
 
 
 def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
@@ -145,18 +147,29 @@ def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def export(plan: "Plan", out_dir: Path) -> list[Path]:
-    """Write trainer_args.json (the kwargs alone) and train_with_trainer.py (and deepspeed.json where the
-    arguments name one)."""
-    paths = []
-    deepspeed_path = None
+def _usage(plan: "Plan") -> str:
+    """How to launch the script: python, or torchrun on as many processes as the plan has ranks."""
+    ranks = plan.config.num_gpus
+    return f"torchrun --nproc_per_node {ranks}" if ranks > 1 else "python"
+
+
+def launch_words(plan: "Plan") -> str:
+    """The command that launches train_with_trainer.py as the plan was measured."""
+    return f"{_usage(plan)} {SCRIPT_FILENAME}"
+
+
+def files(plan: "Plan", folder: Path) -> list[Output]:
+    """trainer_args.json (the kwargs alone) and train_with_trainer.py (and deepspeed.json where the arguments
+    name one, by its absolute path in `folder`, the export folder)."""
+    deepspeed_path = str((folder / DEEPSPEED_FILENAME).resolve())
+    out = [Output(FILENAME, json.dumps(training_arguments(plan, deepspeed_path), indent=2) + "\n"),
+           Output(SCRIPT_FILENAME, script(plan))]
     if DEEPSPEED_ARGUMENT in training_arguments(plan):
-        ds = out_dir / DEEPSPEED_FILENAME
-        ds.write_text(json.dumps(deepspeed_file_config(plan), indent=2) + "\n")
-        paths.append(ds)
-        deepspeed_path = str(ds.resolve())
-    args_path = out_dir / FILENAME
-    args_path.write_text(json.dumps(training_arguments(plan, deepspeed_path), indent=2) + "\n")
-    script_path = out_dir / SCRIPT_FILENAME
-    script_path.write_text(script(plan))
-    return [args_path, script_path, *paths]
+        out.append(Output(DEEPSPEED_FILENAME, json.dumps(deepspeed_file_config(plan), indent=2) + "\n"))
+    return out
+
+
+def launched(plan: "Plan") -> dict[str, Any]:
+    """What runs without your code: the TrainingArguments and the lines train_with_trainer.py runs on the model
+    (`autofit.export.notes` names the knobs neither says)."""
+    return {"arguments": training_arguments(plan), "script": model_setup(plan)}

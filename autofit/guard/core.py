@@ -38,7 +38,7 @@ from autofit.models.info import batch_normalises, least_micro_batch
 from autofit.config import Checkpointing, Config, Knob, Optimizer
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
-from autofit.prepare import OPTIMIZER_CLASSES
+from autofit.prepare import OPTIMIZER_CLASSES, check_same_model
 from autofit.batches.batch import slice_rows
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows
 from autofit.guard.sync import Round, sync_for, unwrap
@@ -132,7 +132,8 @@ class OomGuard:
     are applied to `model` with the strategies' own code, its optimizer, adapters and engine are checked
     against what the guard is given (a mismatch is a `UsageError` naming the fix), and each change is
     written back to the file (without figures: no probe measured it). `micro_batch_size` beside a plan
-    starts from that size, keeping the plan's samples per step.
+    starts from that size, keeping the plan's samples per step. A plan measured for another model (its recorded
+    fingerprint differs from `model`'s) is refused naming both, unless `allow_other_model=True`.
     `running_precision` is for integrations whose framework runs the forward (checked, not applied).
     `micro_batch_size=None` runs each batch whole until an OOM (`config.micro_batch_size` reads 0 until
     the first step sets it). `loss_fn(output, micro_batch)` defaults to `output.loss` / a scalar output. Under `torch.distributed`
@@ -146,7 +147,7 @@ class OomGuard:
                  plan: str | Path | Plan | None = None, grow_back_after: int | None = None,
                  eval_micro_batch_size: int | None = None, autocast_dtype: torch.dtype | None = None,
                  scaler: Any = None, escalate: bool = True, process_group: Any = None,
-                 running_precision: Any = None, max_grad_norm: float | None = None):
+                 running_precision: Any = None, max_grad_norm: float | None = None, allow_other_model: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn or default_loss
@@ -154,6 +155,8 @@ class OomGuard:
         # whose framework computes a loss of yours (the Trainer's compute_loss_func) set it False
         self.weigh_by_targets = loss_fn is None
         self.plan_path, self._plan = _plan_of(plan)
+        if self._plan is not None:  # a plan measured for another model is refused, naming both (unless intended)
+            check_same_model(self._plan.spec, model, allow_other_model, "OomGuard")
         self._optimizer_kind = _kind(optimizer)  # how logs and recoveries name it
         self.config = _initial_config(self._plan, micro_batch_size, self._optimizer_kind)
         self.grow_back_after = _positive("grow_back_after", grow_back_after)

@@ -33,6 +33,7 @@ from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, Standing, 
 from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.search.space import Space, build_space
 from autofit.job.target import Target
+from autofit.pipelines.host_memory import host_note, host_shortfall, over_host
 from autofit.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -166,7 +167,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
             lora_targets: Sequence[str] | None = None, deferred_sync: bool = False,
-            progress: Callable[[int, int], Any] | bool | None = None) -> DryRunReport:
+            progress: Callable[[int, int], Any] | bool | None = None,
+            host_memory: int | str | None = None) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -194,6 +196,10 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             seconds to minutes; `autofit dry-run` shows it on a terminal); True prints the count on stderr,
             one line rewritten in place (a notebook's cell output too), as `autofit.autofit(progress=True)`.
 
+        host_memory: bytes or "512GiB": the RAM of each node; a candidate whose offloaded states need more is
+            ruled out (`autofit.pipelines.host_memory`). None: none is, and a chosen plan needing more than a
+            typical node of the GPU has says so in its reason.
+
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
     """
@@ -214,7 +220,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     planner = _Planner(space, estimator, profile)
     levels = list(space.levels())
     estimator.prefetch((config for level in levels for config in planner.asks(level)), _listener(progress))
-    allowed = [planner.best_at(level) for level in levels]
+    host = parse_size(host_memory, "host_memory") if host_memory is not None else None
+    allowed, over = over_host([planner.best_at(level) for level in levels], host)
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
@@ -224,6 +231,9 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     if chosen:
         reason, shortfall = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator)
                                                       + _edge_note(chosen, headroom), chosen.config.precision), None
+        reason += host_note(chosen, profile, spec.num_gpus) if host is None else ""
+    elif over and host is not None:
+        reason, shortfall = host_shortfall(over, host), None
     else:
         reason, shortfall = _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed

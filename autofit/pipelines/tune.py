@@ -16,6 +16,7 @@ from autofit.errors import UsageError
 from autofit.probe.launch import check_host_budget, check_ranks, probe_placed
 from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.probe.payload import check_serialisable
+from autofit.pipelines.host_memory import offload_skip
 from autofit.search import confirm as confirmation, decision
 from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
@@ -111,6 +112,9 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     store = TrialStore(space, storage)
 
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
+        skipped = offload_skip(spec, config)  # an offload probe this machine's RAM or NVMe folder cannot hold
+        if skipped is not None:
+            return skipped
         return probe_placed(spec, config, space.strategies, space.placement(config), opts.probe_timeout,
                             step_limit)
 

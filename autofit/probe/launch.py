@@ -96,7 +96,7 @@ def probe_placed(spec: TrainSpec, config: Config, strategies: Sequence["Strategy
     if placement is Placement.IN_PROCESS:
         from autofit.probe.run import run_probe
 
-        return run_probe(spec, config, strategies, step_limit)
+        return run_probe(spec, config, strategies, step_limit, timeout)
     return launch(spec, config, strategies, placement, timeout, step_limit)
 
 

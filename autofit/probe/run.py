@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import math
+import signal
 import statistics
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -38,27 +42,69 @@ MAX_SETTLE_STEPS = 6  # ... or for at most this many extra untimed steps
 
 
 def run_probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
-              step_limit: float | None = None) -> ProbeResult:
+              step_limit: float | None = None, timeout: float | None = None) -> ProbeResult:
     """Train `config` for `spec.warmup_steps + spec.timed_steps` steps under the budget; never raises
     except for bad user input (`UsageError`).
 
     `step_limit` (seconds per optimizer step) stops a probe that cannot win: once its first step is
     done (setup included), it may take the steps it runs plus two more at that pace, and at least
     MIN_ALLOWANCE seconds (timing noise dominates shorter probes), then it is recorded as too slow.
+    `timeout` (wall seconds, setup included) stops a probe that hangs, even inside a forward that blocks: it is
+    recorded as an error (`wall_clock_limit`; on the main thread, where Python delivers the alarm).
     """
     with collecting_new_objects():
-        return _probe(spec, config, strategies, step_limit)
+        return _probe(spec, config, strategies, step_limit, timeout)
+
+
+class ProbeTimedOut(BaseException):
+    """An in-process probe ran past its wall-clock limit (`run_probe(timeout=...)`, `--probe-timeout`). A
+    `BaseException`, as KeyboardInterrupt is: a broad `except Exception` in the user's step does not swallow it."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """A probe's step returned a loss that is NaN or infinite: the configuration diverges; it is no fit."""
+
+
+@contextlib.contextmanager
+def wall_clock_limit(seconds: float | None):
+    """Raise `ProbeTimedOut` in this thread once `seconds` of wall time have passed inside the block (SIGALRM,
+    which also interrupts a blocking sleep or wait); nothing where `seconds` is None or off the main thread."""
+    if seconds is None or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def _expired(signum, frame):
+        raise ProbeTimedOut(f"timed out: the probe ran past its limit of {seconds:g} s (probe_timeout; "
+                            "autofit tune --probe-timeout) and was stopped; something in its step blocks or runs "
+                            "far slower than a training step should; raise the limit if it is only slow")
+
+    previous = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def finite_loss(loss: torch.Tensor, step: int) -> None:
+    """`NonFiniteLoss` naming `step` (1 = the probe's first) where `loss` is NaN or infinite."""
+    value = float(loss.detach().float().sum()) if isinstance(loss, torch.Tensor) else float(loss)
+    if not math.isfinite(value):
+        raise NonFiniteLoss(f"the loss was {value} at step {step} of the probe: the configuration diverges "
+                            "(a NaN or infinite loss trains nothing), so it is no fit; check the learning rate, "
+                            "the model's numerics at this precision, or the data")
 
 
 def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
-           step_limit: float | None) -> ProbeResult:
+           step_limit: float | None, timeout: float | None = None) -> ProbeResult:
     held = _allocated(spec.device)
     budget = budget_for(spec.device, spec.memory_budget, spec.resident_bytes)
     if step_limit is not None:
         allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
         budget.allowance = allowance
     try:
-        with budget:
+        with wall_clock_limit(timeout), budget:
             timed = _train(spec, config, strategies, budget)
     except UsageError:
         raise
@@ -67,6 +113,8 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
                              f"too slow to win: stopped {allowance:.1f} s after its first step, when a config at half "
                              f"the best throughput so far ({step_limit:.2f} s/step) would have finished",
                              budget.peak or None)
+    except ProbeTimedOut as exc:
+        result = failed(config, exc, strategies, budget.peak or None)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - every failure is a result
         _stop_if_broken(exc, config)
         result = failed(config, exc, strategies, budget.peak or None)
@@ -152,11 +200,12 @@ def _steps(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
     # second holds them through its backward. When the warm-up steps counted both, the timed steps
     # repeat the second and run as plain training does.
     with budget.timing() if spec.warmup_steps >= STEADY_STEPS else contextlib.nullcontext():
-        settle(spec.device, lambda: timed_step(run, micro_batches, spec.device), lambda: _clocked(budget))
+        steps = itertools.count(spec.warmup_steps + 1)  # numbered after the warm-up's (as a message names them)
+        settle(spec.device, lambda: timed_step(run, micro_batches, spec.device, next(steps)), lambda: _clocked(budget))
         watch = AllocatorWatch(spec.device)
         seconds = []
         for _ in range(spec.timed_steps):
-            seconds.append(timed_step(run, micro_batches, spec.device))
+            seconds.append(timed_step(run, micro_batches, spec.device, next(steps)))
             _clocked(budget)
     return Timed(tuple(seconds), *watch.stop())
 
@@ -187,7 +236,7 @@ def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -
                                "states never existed; bf16 or fp32 may train this model")
         held = held or stepped
         before = run.scaler.get_scale() if scaled else 0.0
-        run.step(micro_batches)
+        finite_loss(run.step(micro_batches), taken + 1)
         stepped = stepped or not scaled or run.scaler.get_scale() >= before  # a skipped step halves the scale
         taken += 1
         _clocked(budget)
@@ -201,13 +250,17 @@ def fresh_run(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"])
     return run, [micro_batch] * config.grad_accum_steps
 
 
-def timed_step(run: TrainRun, micro_batches: Sequence[Any], device: torch.device) -> float:
-    """Wall seconds of one optimizer step, the device synchronised on both sides."""
+def timed_step(run: TrainRun, micro_batches: Sequence[Any], device: torch.device, step: int | None = None) -> float:
+    """Wall seconds of one optimizer step, the device synchronised on both sides; with `step` (its number in
+    the probe), `NonFiniteLoss` where its loss is NaN or infinite (checked after the clock stops)."""
     _sync(device)
     start = time.perf_counter()
-    run.step(micro_batches)
+    loss = run.step(micro_batches)
     _sync(device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if step is not None:
+        finite_loss(loss, step)
+    return seconds
 
 
 _SETTLED: set[str] = set()  # devices whose one-time process costs this process has paid

@@ -36,8 +36,9 @@ class SearchOptions:
     """Largest micro-batch tried (samples) when no global batch size is given."""
 
     probe_timeout: float = DEFAULT_TIMEOUT
-    """Seconds a probe in a child process (or its ranks) may take before it is killed and recorded as an
-    error; a probe is a few steps, so this only stops a hang."""
+    """Wall seconds a probe may take (setup included) before it is stopped and recorded as an error: a child
+    process (or its ranks) is killed, an in-process probe interrupted (on the main thread); a probe is a few
+    steps, so this only stops a hang."""
 
     safety_margin: float = DEFAULT_SAFETY_MARGIN
     """Fraction of the memory budget a fit must leave free (0.10: a fit peaks under 90% of it)."""
@@ -55,7 +56,7 @@ class SearchOptions:
         _integer("warmup_steps", self.warmup_steps, 0, "untimed steps per probe")
         _integer("timed_steps", self.timed_steps, 1, "timed steps per probe")
         _integer("max_micro_batch", self.max_micro_batch, 1, "the largest micro-batch tried, in samples")
-        _number("probe_timeout", self.probe_timeout, "seconds a probe in a child process may take",
+        _number("probe_timeout", self.probe_timeout, "wall seconds a probe may take",
                 lambda value: value > 0, "> 0")
         _number("safety_margin", self.safety_margin, "the share of the budget a fit leaves free",
                 lambda value: 0 <= value < 1, "in [0, 1)")

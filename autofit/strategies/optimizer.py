@@ -174,7 +174,10 @@ def given_optimizer(optimizer: Any, config: Config, recorded_settings: dict[str,
     if optimizer is None:
         spec = recorded(config, recorded_settings)
         if spec is None and config.optimizer is O.USER:
-            raise UsageError("The plan was tuned with your own optimizer; pass it again: "
+            named = recorded_settings.get("class")
+            outside = (f" (autofit imports a plan's optimizer class only from {', '.join(OPTIMIZER_MODULES)}, not "
+                       f"{named!r})" if isinstance(named, str) and not allowed_class(named) else "")
+            raise UsageError(f"The plan was tuned with your own optimizer{outside}; pass it again: "
                              "prepare(plan, model, optimizer=...) (an instance or a factory params -> optimizer; "
                              "the exported train_with_prepare.py takes --optimizer FILE.py:fn).")
         return GivenOptimizer(optimizer, config, spec or OptimizerSpec(config.optimizer.value))
@@ -307,8 +310,22 @@ def torch_name(settings: dict[str, Any]) -> str | None:
     return cls.__name__ if cls is not None and getattr(torch.optim, cls.__name__, None) is cls else None
 
 
+# The only modules an optimizer class named in a plan is imported from: a plan is data, and importing a module
+# runs it (a plan naming any other class is rebuilt only from the optimizer you pass to autofit.prepare).
+OPTIMIZER_MODULES = ("torch.optim", "bitsandbytes.optim", "transformers.optimization")
+
+
+def allowed_class(path: str | None) -> bool:
+    """Whether the class path `path` ("torch.optim.sgd.SGD") lies in one of `OPTIMIZER_MODULES`."""
+    module = (path or "").rpartition(".")[0]
+    return any(module == allowed or module.startswith(allowed + ".") for allowed in OPTIMIZER_MODULES)
+
+
 def _import_class(path: str | None) -> type | None:
-    module, _, name = (path or "").rpartition(".")
+    """The optimizer class at `path`, imported only from `OPTIMIZER_MODULES`; None for any other path."""
+    if not isinstance(path, str) or not allowed_class(path):
+        return None
+    module, _, name = path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):

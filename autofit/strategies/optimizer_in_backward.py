@@ -16,6 +16,8 @@ the same way).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
@@ -78,11 +80,13 @@ class OptimizerInBackward(Strategy):
 
 REFUSED = {  # the formats whose launcher steps after backward, and why
     "deepspeed": "DeepSpeed's engine steps the optimizer after backward; the plan steps each parameter inside "
-                 "backward: export torchrun instead",
+                 "backward (optimizer_step='in_backward'): export torchrun instead",
     "accelerate": "accelerate's optimizer wrapper and clip_grad_norm_ expect whole-model gradients after backward; "
-                  "the plan steps each parameter inside backward: export torchrun instead",
+                  "the plan steps each parameter inside backward (optimizer_step='in_backward'): export torchrun "
+                  "instead",
     "trainer": "the Trainer steps the optimizer after backward and clips the global gradient norm (max_grad_norm); "
-               "the step in backward needs neither: export torchrun and step in your loop",
+               "the step in backward (optimizer_step='in_backward') needs neither: export torchrun and step in your "
+               "loop",
 }
 
 
@@ -93,8 +97,12 @@ class InBackward:
     def __init__(self, params: Iterable[nn.Parameter], factory: Callable[[list[nn.Parameter]], Any]):
         self.params = [p for p in params if p.requires_grad]
         self.optimizers = [factory([p]) for p in self.params]
-        by_id = {id(p): o for p, o in zip(self.params, self.optimizers)}
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p: _step(by_id[id(p)], p)) for p in self.params]
+        # Each hook reaches this object through a weak reference: a parameter keeps its hooks in autograd's C++
+        # metadata, where the garbage collector cannot see a cycle (parameter -> hook -> optimizer -> parameter),
+        # so a strong one would keep the model, its gradients and states alive after every probe.
+        owner = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hooked, owner, i))
+                       for i, p in enumerate(self.params)]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -130,6 +138,13 @@ class InBackward:
         """Remove the hooks (the parameters then keep their gradients again)."""
         for hook in self._hooks:
             hook.remove()
+
+
+def _hooked(owner: "weakref.ref[InBackward]", index: int, param: nn.Parameter) -> None:
+    """The hook of parameter `index`: step its optimizer, while the `InBackward` that made it lives."""
+    stepper = owner()
+    if stepper is not None:
+        _step(stepper.optimizers[index], param)
 
 
 def _step(optimizer: Any, param: nn.Parameter) -> None:

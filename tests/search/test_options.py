@@ -18,7 +18,7 @@ JOB = dict(global_batch_size=8, device="cpu", memory_budget="2MiB", loss_fn=mlp_
     ("warmup_steps", -1, "warmup_steps must be an integer >= 0 (untimed steps per probe), but got -1."),
     ("timed_steps", True, "timed_steps must be an integer >= 1 (timed steps per probe), but got True."),
     ("max_micro_batch", 0, "max_micro_batch must be an integer >= 1"),
-    ("probe_timeout", 0, "probe_timeout must be a number > 0 (seconds a probe in a child process may take), but "
+    ("probe_timeout", 0, "probe_timeout must be a number > 0 (wall seconds a probe may take), but "
                          "got 0."),
     ("safety_margin", 1.0, "safety_margin must be a number in [0, 1)"),
     ("exact_margin", -0.1, "exact_margin must be a number >= 0 (0.10 = a numerics change must be 10% faster"),
