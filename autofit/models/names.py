@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -211,6 +212,7 @@ def file_factory(text: str, option: str = "--model") -> "FileFactory":
     file, _, name = text.rpartition(":") if ".py:" in text else (text, "", "")
     if not name:
         what, example = {"--loss-fn": ("function", "loss_fn"), "--dataset": ("function", "make_dataset"),
+                         "--batch": ("function", "make_batch"),
                          "--optimizer": ("function", "make_optimizer")}.get(option, ("factory", "make_model"))
         raise UsageError(f"{option} {text!r} names a file but no {what}; write FILE.py:{what}, e.g. {text}:{example}.")
     return FileFactory(str(Path(file).expanduser().resolve()), name, option)
@@ -220,6 +222,24 @@ def resolve_loss_fn(text: str) -> "FileFunction":
     """`--loss-fn FILE.py:fn`: the function `fn(output, batch) -> scalar loss` from a Python file (picklable,
     so probes in child processes load it too); `UsageError` naming the file, the function and the fix."""
     return _file_function(text, "--loss-fn")
+
+
+def resolve_batch(text: str, model_arg: str) -> "FileFunction":
+    """`--batch FILE.py:make_batch`: `make_batch(n)` returning n samples, for a model given without one (a
+    `--model FILE.py:make_model` returning the model alone, or a preset trained on your own batches).
+    `UsageError` when `--model` names a factory that returns its own make_batch too: one of the two must go."""
+    function = _file_function(text, "--batch")
+    try:
+        inspect.signature(function.load()).bind(1)
+    except TypeError:
+        raise UsageError(f"--batch {text}: {function.source.name}{inspect.signature(function.load())} must take the "
+                         "number of samples to make, as make_batch(n) -> a batch of n samples.") from None
+    except ValueError:  # no signature to read (a builtin): calling it says
+        pass
+    if ".py:" in model_arg and isinstance(file_factory(model_arg).probe_call(), tuple):
+        raise UsageError(f"--batch {text} and --model {model_arg}: the model's factory returns its own make_batch "
+                         "too; drop --batch, or have the factory return the model alone.")
+    return function
 
 
 def resolve_optimizer(text: str) -> "str | FileFunction":
