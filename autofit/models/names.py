@@ -89,6 +89,45 @@ def cached_repos(name: str) -> list[str]:
     return sorted(i for i in ids if i.partition("/")[2].lower() == name.lower())
 
 
+VARIANTS = ("-hf", "-instruct", "-chat", "-base", "-it")  # hub names of one architecture's variants
+
+
+def matching_preset(repo_id: str) -> tuple[str, str] | None:
+    """(preset, the spelling that matched) for hub id ORG/NAME whose NAME, or NAME less a variant suffix
+    (`VARIANTS`), is a preset's name or alias (any case): "meta-llama/Llama-3.1-8B" -> ("llama-3-8b",
+    "llama-3.1-8b"); None when none matches."""
+    name = repo_id.partition("/")[2].strip().lower()
+    for spelling in (name, *(name.removesuffix(v) for v in VARIANTS if name.endswith(v))):
+        preset = presets.resolve_name(spelling)
+        if preset is not None:
+            return preset, spelling
+    return None
+
+
+def preset_hint(repo_id: str) -> str:
+    """A sentence naming the preset that matches hub id `repo_id` (`matching_preset`) and where it differs
+    from the model the id names (`presets.alias_differences`: Llama 3.1's maximum length); "" for none."""
+    found = matching_preset(repo_id)
+    if found is None:
+        return ""
+    preset, spelling = found
+    name = repo_id.partition("/")[2].strip()
+    parts = ([f"as {spelling}"] if spelling != preset else []) + \
+        ([f"less its {name[len(spelling):]} suffix"] if len(name) > len(spelling) else [])
+    named = f" ({', '.join(parts)})" if parts else ""
+    hint = f" The preset {preset} matches its name{named}: --model {preset} plans it without the hub"
+    differs = presets.alias_differences(spelling)
+    if not differs:
+        return hint + "."
+    gaps = [f"its maximum length: {ours:,} tokens ({field}) where {repo_id} has {theirs:,}, so plan a --seq-len "
+            f"up to {ours:,} with it" if field in LENGTH_FIELDS else f"{field}: {ours!r} where {repo_id} has {theirs!r}"
+            for field, (ours, theirs) in differs.items()]
+    return f"{hint}, but it differs from {repo_id} in {'; and in '.join(gaps)}."
+
+
+LENGTH_FIELDS = ("max_position_embeddings", "n_positions")  # a config's maximum length, as the families name it
+
+
 def hub_offline() -> bool:
     """Whether `HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) forbids the network, read from the environment now."""
     return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
@@ -112,7 +151,7 @@ def hub_config(repo_id: str) -> tuple[Any, str]:
         raise UsageError(f"--model {repo_id!r} was not found in {looked}, and HF_HUB_OFFLINE is set, so nothing "
                          f"was downloaded. Unset HF_HUB_OFFLINE to download its config.json alone, run "
                          f"`hf download {repo_id} config.json` where the network is reachable, or pass a local "
-                         "config.json.")
+                         "config.json." + preset_hint(repo_id))
     return _downloaded(repo_id, cache, looked), "the Hugging Face hub (config.json only)"
 
 
@@ -126,7 +165,8 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     if unreachable:
         raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {unreachable}. Set HF_HUB_OFFLINE=1 "
                          f"to look in the cache alone, run `hf download {repo_id} config.json` where the network "
-                         "is reachable, or pass a local config.json or a preset (`autofit models` lists them).")
+                         "is reachable, or pass a local config.json or a preset (`autofit models` lists them)."
+                         + preset_hint(repo_id))
     try:
         path = hf_hub_download(repo_id, "config.json", cache_dir=cache, endpoint=endpoint, etag_timeout=10)
     except GatedRepoError as exc:
@@ -138,7 +178,7 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     else:
         return load_config(Path(path), name=repo_id)
     raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {why}. Pass a local config.json or a "
-                     "preset (`autofit models` lists them).")
+                     "preset (`autofit models` lists them)." + preset_hint(repo_id))
 
 
 def _unreachable(repo_id: str, endpoint: str | None) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from autofit.errors import UsageError
 
-_RESERVED = {"model_type", "architecture", "aliases"}
+_RESERVED = {"model_type", "architecture", "aliases", "alias_differs"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,6 +44,19 @@ def list_presets() -> list[str]:
 def preset_aliases(name: str) -> list[str]:
     """The other names preset `name` is accepted by (hub ids, older spellings)."""
     return list(_table()[name].get("aliases", ()))
+
+
+def alias_differences(spelling: str) -> dict[str, tuple[Any, Any]]:
+    """Config fields where the model `spelling` (an alias) names differs from the preset it resolves to,
+    as {field: (the preset's value, the named model's)}: "llama-3.1-8b" is the llama-3-8b preset, whose
+    8,192 positions are Llama 3's, where Llama 3.1 has 131,072. Empty for a preset's own name or an
+    alias of the same model."""
+    name = resolve_name(spelling)
+    if name is None:
+        return {}
+    entry = _table()[name]
+    theirs = entry.get("alias_differs", {}).get(str(spelling).strip().lower(), {})
+    return {field: (entry.get(field), value) for field, value in theirs.items()}
 
 
 def resolve_name(name: str) -> str | None:
