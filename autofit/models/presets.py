@@ -250,8 +250,19 @@ def build_model(config: Any) -> Any:
     cls = model_class(config)
     build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     try:
-        return build(config, dtype=torch.float32)
+        try:
+            model = build(config, dtype=torch.float32)
+        except AttributeError as exc:
+            if "'pad_token_id'" not in str(exc) or hasattr(config, "pad_token_id"):
+                raise
+            # transformers 5.0's PhiConfig (and kin) define no pad_token_id where their model reads one; later
+            # releases define it None, as here
+            config.pad_token_id = None
+            model = build(config, dtype=torch.float32)
     except (AssertionError, AttributeError, ValueError, TypeError, KeyError, IndexError) as exc:  # a field wrong or missing
         raise UsageError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this "
                          f"{type(config).__name__}: {type(exc).__name__}: {exc}. Check the config's fields (e.g. "
                          "pad_token_id below vocab_size).") from exc
+    if hasattr(model, "tie_weights"):  # transformers 5.0 leaves tied embeddings untied when built on the meta device
+        model.tie_weights()
+    return model
