@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The outcome of a search. Memory in bytes, throughput in samples/s and tokens/s."""
+    """The outcome of a search. Memory in bytes, throughput in samples/s, tokens/s and images/s."""
 
     fits: bool  # a configuration fits within the budget and its safety margin
     config: Config | None  # the chosen configuration (None when nothing fits)
@@ -57,6 +57,7 @@ class Plan:
     # Why nothing fits, as fields (`reason` is its Python words; the CLI says it in its own): None when a
     # configuration fits, and in plans written before plans kept it
     shortfall: Shortfall | None = None
+    images_per_second: float | None = None  # measured images/s, where the batch holds images (video: frames/s)
 
     @property
     def probes_run(self) -> int:
@@ -156,7 +157,8 @@ class Plan:
         if self.throughput is None:
             return "not measured (the OOM guard changed the configuration in a run; tune again to measure it)"
         tokens = f", {self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second else ""
-        return f"{self.throughput:,.2f} samples/s{tokens}, peak {format_size(self.peak_memory)}"
+        images = f", {self.images_per_second:,.2f} images/s" if self.images_per_second else ""
+        return f"{self.throughput:,.2f} samples/s{tokens}{images}, peak {format_size(self.peak_memory)}"
 
 
 def chosen_reason(best: ProbeResult, results: Sequence[ProbeResult], confirmation: Confirmation | None = None,
@@ -400,11 +402,12 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
     if best is not None:
         throughput = confirmation.winner.median if confirmation is not None else best.samples_per_s
         tokens = best.tokens_per_s * throughput / best.samples_per_s if best.tokens_per_s else None
+        images = best.images_per_s * throughput / best.samples_per_s if best.images_per_s else None
         settings = {s.field: s.settings(best.config, space.spec) for s in space.strategies}
         return Plan(True, best.config, throughput, tokens, best.peak_bytes,
                     space.spec.model.noting_weights(chosen_reason(best, results, confirmation, space),
                                                     best.config.precision), **common,
-                    settings={field: value for field, value in settings.items() if value})
+                    settings={field: value for field, value in settings.items() if value}, images_per_second=images)
     shortfall = nothing_fits(space, results, predict)
     return Plan(False, None, None, None, None, shortfall.words(), **common, shortfall=shortfall)
 

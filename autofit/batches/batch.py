@@ -220,15 +220,50 @@ def plain(batch: Batch) -> Batch:
 def tokens_per_sample(batch: Batch) -> int | None:
     """Tokens per sample where the batch has a sequence axis (token ids), else None: a multiple-choice
     sample's (choices, tokens) count all. Labels count as tokens only as (samples, tokens): a
-    segmentation's (samples, height, width) are pixels."""
+    segmentation's (samples, height, width) are pixels. A dict without `input_ids` or `labels` reads its
+    first other field of token ids (a plain model's {"idx", "targets"}), as a tuple reads its inputs."""
     if isinstance(batch, dict):
         ids = next((batch[k] for k in ("input_ids", "labels") if isinstance(batch.get(k), torch.Tensor)
                     and (batch[k].dim() == 2 or k == "input_ids" and batch[k].dim() > 2)
                     and not batch[k].is_floating_point()), None)
+        if ids is None:
+            ids = next((value for value in batch.values() if _token_ids(value)), None)
         return int(ids[0].numel()) if ids is not None else None
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         return int(first.shape[1])
+    return None
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether `value` reads as token ids: integers (not a bool mask) as (samples, tokens), more than one
+    token (a (samples, 1) column is a label)."""
+    return (isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] > 1
+            and not value.is_floating_point() and not value.is_complex() and value.dtype is not torch.bool)
+
+
+IMAGE_CHANNELS = (1, 3, 4)  # grey, RGB, RGBA: the channel axis that tells an image tensor from other 4-D floats
+
+
+def images_per_sample(batch: Batch) -> int | None:
+    """Images per sample where the batch holds images, else None: a floating tensor (samples, channels,
+    height, width) with 1, 3 or 4 channels holds one; a video, (samples, frames, channels, height, width)
+    or (samples, channels, frames, height, width), one per frame. A dict's `pixel_values` is read first,
+    then its other fields; a tuple's inputs (its first item)."""
+    if isinstance(batch, dict):
+        fields = [batch["pixel_values"]] if "pixel_values" in batch else []
+        candidates = fields + [value for key, value in batch.items() if key != "pixel_values"]
+    else:
+        candidates = [batch[0] if isinstance(batch, (tuple, list)) and batch else batch]
+    for value in candidates:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if value.dim() == 4 and value.shape[1] in IMAGE_CHANNELS and min(value.shape[2:]) > 1:
+            return 1
+        if value.dim() == 5 and value.shape[2] in IMAGE_CHANNELS:
+            return int(value.shape[1])
+        if value.dim() == 5 and value.shape[1] in IMAGE_CHANNELS:
+            return int(value.shape[2])
     return None
 
 

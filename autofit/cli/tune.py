@@ -2,6 +2,7 @@
 the launcher files and report.html into one run directory.
 
     autofit tune --model gpt2 --seq-len 512 --global-batch-size 32 --device cpu --memory-budget 4GiB --out runs/gpt2
+    autofit tune --model net.py:make_model --batch net.py:make_batch --loss-fn net.py:loss --global-batch-size 64
 
 Progress and tables go to stderr with --json (stdout then carries exactly one JSON document), else to
 stdout. Exit codes: 0 fits, 3 nothing fits, 2 bad usage, 1 other errors.
@@ -31,7 +32,7 @@ from autofit.errors import UsageError
 from autofit.export import export_all
 from autofit.files import append_line, check_replaceable, make_folder
 from autofit.plan import is_plan_json
-from autofit.models.names import factory_loss_fn, resolve_loss_fn, resolve_model, resolve_optimizer
+from autofit.models.names import factory_loss_fn, resolve_batch, resolve_loss_fn, resolve_model, resolve_optimizer
 from autofit.probe.outcome import ProbeResult, ProbeStatus
 from autofit.report import COLORS, label, status_of, write_report
 from autofit.strategies import EngineChoice
@@ -139,7 +140,9 @@ OPTIMIZER_HELP = ("adamw, adafactor, adamw8bit, ...; or FILE.py:fn returning you
                   "given, e.g. torch.optim.SGD(params, lr=0.1).")
 MODEL_HELP = ("Preset name (gpt2, llama-2-7b, ...; autofit models lists them), a Hugging Face hub id (ORG/NAME: its "
               "config.json from the local cache, else downloaded alone), a config.json or model folder, or "
-              "FILE.py:factory.")
+              "FILE.py:make_model (returning the model, with --batch FILE.py:make_batch; or the pair (model, make_batch)).")
+BATCH_HELP = ("FILE.py:make_batch: make_batch(n) returns a batch of n samples (a tensor, a tuple (inputs, targets, "
+              "...) or a dict of the model's arguments), for a model whose batches autofit cannot synthesize.")
 
 
 def parse_allow_option(values: tuple[str, ...]) -> Any:
@@ -383,6 +386,7 @@ def write_run(plan: "Plan", out: Path, force: bool = False) -> dict[str, Any]:
 
 @click.command("tune")
 @click.option("--model", "model_arg", required=True, help=MODEL_HELP)
+@click.option("--batch", "batch_arg", default=None, help=BATCH_HELP)
 @click.option("--loss-fn", "loss_fn_arg", default=None,
               help="FILE.py:fn computing fn(output, batch) -> scalar loss, for a model whose output has no .loss.")
 @click.option("--seq-len", type=LENGTH, default=None, callback=positive_option,
@@ -411,8 +415,8 @@ def write_run(plan: "Plan", out: Path, force: bool = False) -> dict[str, Any]:
 @click.option("--force", is_flag=True, help="Replace the files of another run in --out (and files autofit did not "
               "write there) instead of refusing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
-def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_batch_size: int | None,
-         device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: Any,
+def tune(model_arg: str, batch_arg: str | None, loss_fn_arg: str | None, seq_len: int | None,
+         global_batch_size: int | None, device: str | None, memory_budget: str | None, num_gpus: int, allow: tuple[str, ...], optimizer: Any,
          engine: str, nvme_path: str | None, max_probes: int, warmup_steps: int, timed_steps: int,
          probe_timeout: float, exact_margin: float, out: str | None, resume: bool, force: bool,
          as_json: bool) -> int:
@@ -421,6 +425,8 @@ def tune(model_arg: str, loss_fn_arg: str | None, seq_len: int | None, global_ba
 
     console = make_console(as_json)
     model_factory, batch_factory, description = resolve_model(model_arg)
+    if batch_arg:
+        batch_factory, description = resolve_batch(batch_arg, model_arg), f"{description}, batches from {batch_arg}"
     loss_fn = resolve_loss_fn(loss_fn_arg) if loss_fn_arg else factory_loss_fn(model_arg)
     optimizer = resolve_optimizer(optimizer)
     out_dir, lock = run_dir(out, model_arg, resume, force)

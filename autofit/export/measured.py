@@ -27,13 +27,14 @@ def require_fit(plan: "Plan") -> None:
 
 
 def measured(plan: "Plan") -> dict[str, Any]:
-    """JSON-serialisable record of the measurement behind `plan`: throughput (samples/s, tokens/s),
+    """JSON-serialisable record of the measurement behind `plan`: throughput (samples/s, tokens/s, images/s),
     peak memory (bytes), device, budget (bytes), date and autofit version."""
     spec = plan.spec
     return {
         "configuration": plan.config.describe(),
         "throughput_samples_per_s": _round(plan.throughput),
         "throughput_tokens_per_s": _round(plan.tokens_per_second),
+        "throughput_images_per_s": _round(plan.images_per_second),
         "peak_memory_bytes": plan.peak_memory,
         "peak_memory": format_size(plan.peak_memory),
         "device": spec.get("device"),

@@ -380,7 +380,8 @@ class OomGuard:
         tuned = self._plan
         if new == tuned.config:
             return tuned
-        return dataclasses.replace(tuned, config=new, throughput=None, tokens_per_second=None, peak_memory=None,
+        return dataclasses.replace(tuned, config=new, throughput=None, tokens_per_second=None, images_per_second=None,
+                                   peak_memory=None,
                                    reason=f"OOM guard, {reason}. Tuned: {tuned.config.describe()} at "
                                           f"{tuned.figures()}: {tuned.reason}")
 

@@ -75,6 +75,7 @@ class TrainSpec:
     timed_steps: int = 3  # steps averaged for throughput
     max_micro_batch: int = 1024  # largest micro-batch tried when the global batch is not given
     tokens_per_sample: int | None = None  # length of the sequence axis, for tokens/s
+    images_per_sample: int | None = None  # images (a video's frames) per sample, for images/s; None: no images
     batch_description: str = ""
     # Bytes of the user's own module and batch already on the probe device when the spec was made: they
     # stay there during in-process probes but are no part of the plan, so budgets do not charge them.
@@ -109,6 +110,7 @@ class TrainSpec:
             "optimizer": self.optimizer.describe(),
             "safety_margin": self.safety_margin,
             "tokens_per_sample": self.tokens_per_sample,
+            "images_per_sample": self.images_per_sample,
             "batch": self.batch_description,
             "resident_bytes": self.resident_bytes,
             "foreign_memory": self.foreign_memory,
@@ -161,7 +163,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         warmup_steps=_check_positive("warmup_steps", warmup_steps, minimum=0),
         timed_steps=_check_positive("timed_steps", timed_steps),
         max_micro_batch=_check_positive("max_micro_batch", max_micro_batch),
-        tokens_per_sample=batches.tokens_per_sample(sample), batch_description=description,
+        tokens_per_sample=batches.tokens_per_sample(sample), images_per_sample=batches.images_per_sample(sample),
+        batch_description=description,
         resident_bytes=resident, **memory_report(resolved),
         nvme_path=_checked_nvme_path(nvme_path),
     )
@@ -303,8 +306,8 @@ def _batch_factory(batch: Any, info: ModelInfo, seq_len: int | None) -> tuple[Ca
         if not info.is_hf:
             raise UsageError(f"No batch given and {info.name} is not a Hugging Face model, so none can be "
                              "synthesized; pass a sample batch or a make_batch(batch_size) factory (from the "
-                             "command line, a --model FILE.py:factory returning (model, make_batch) or "
-                             "(model, make_batch, loss_fn)).")
+                             "command line, --batch FILE.py:make_batch beside --model FILE.py:make_model, or a --model "
+                             "FILE.py:factory returning (model, make_batch) or (model, make_batch, loss_fn)).")
         return synthesize_batch(info.hf_config, seq_len, info.name)
     if callable(batch) and not isinstance(batch, torch.Tensor):
         batches.check_factory(batch)

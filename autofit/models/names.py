@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -88,6 +89,45 @@ def cached_repos(name: str) -> list[str]:
     return sorted(i for i in ids if i.partition("/")[2].lower() == name.lower())
 
 
+VARIANTS = ("-hf", "-instruct", "-chat", "-base", "-it")  # hub names of one architecture's variants
+
+
+def matching_preset(repo_id: str) -> tuple[str, str] | None:
+    """(preset, the spelling that matched) for hub id ORG/NAME whose NAME, or NAME less a variant suffix
+    (`VARIANTS`), is a preset's name or alias (any case): "meta-llama/Llama-3.1-8B" -> ("llama-3-8b",
+    "llama-3.1-8b"); None when none matches."""
+    name = repo_id.partition("/")[2].strip().lower()
+    for spelling in (name, *(name.removesuffix(v) for v in VARIANTS if name.endswith(v))):
+        preset = presets.resolve_name(spelling)
+        if preset is not None:
+            return preset, spelling
+    return None
+
+
+def preset_hint(repo_id: str) -> str:
+    """A sentence naming the preset that matches hub id `repo_id` (`matching_preset`) and where it differs
+    from the model the id names (`presets.alias_differences`: Llama 3.1's maximum length); "" for none."""
+    found = matching_preset(repo_id)
+    if found is None:
+        return ""
+    preset, spelling = found
+    name = repo_id.partition("/")[2].strip()
+    parts = ([f"as {spelling}"] if spelling != preset else []) + \
+        ([f"less its {name[len(spelling):]} suffix"] if len(name) > len(spelling) else [])
+    named = f" ({', '.join(parts)})" if parts else ""
+    hint = f" The preset {preset} matches its name{named}: --model {preset} plans it without the hub"
+    differs = presets.alias_differences(spelling)
+    if not differs:
+        return hint + "."
+    gaps = [f"its maximum length: {ours:,} tokens ({field}) where {repo_id} has {theirs:,}, so plan a --seq-len "
+            f"up to {ours:,} with it" if field in LENGTH_FIELDS else f"{field}: {ours!r} where {repo_id} has {theirs!r}"
+            for field, (ours, theirs) in differs.items()]
+    return f"{hint}, but it differs from {repo_id} in {'; and in '.join(gaps)}."
+
+
+LENGTH_FIELDS = ("max_position_embeddings", "n_positions")  # a config's maximum length, as the families name it
+
+
 def hub_offline() -> bool:
     """Whether `HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) forbids the network, read from the environment now."""
     return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
@@ -111,7 +151,7 @@ def hub_config(repo_id: str) -> tuple[Any, str]:
         raise UsageError(f"--model {repo_id!r} was not found in {looked}, and HF_HUB_OFFLINE is set, so nothing "
                          f"was downloaded. Unset HF_HUB_OFFLINE to download its config.json alone, run "
                          f"`hf download {repo_id} config.json` where the network is reachable, or pass a local "
-                         "config.json.")
+                         "config.json." + preset_hint(repo_id))
     return _downloaded(repo_id, cache, looked), "the Hugging Face hub (config.json only)"
 
 
@@ -125,7 +165,8 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     if unreachable:
         raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {unreachable}. Set HF_HUB_OFFLINE=1 "
                          f"to look in the cache alone, run `hf download {repo_id} config.json` where the network "
-                         "is reachable, or pass a local config.json or a preset (`autofit models` lists them).")
+                         "is reachable, or pass a local config.json or a preset (`autofit models` lists them)."
+                         + preset_hint(repo_id))
     try:
         path = hf_hub_download(repo_id, "config.json", cache_dir=cache, endpoint=endpoint, etag_timeout=10)
     except GatedRepoError as exc:
@@ -137,7 +178,7 @@ def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     else:
         return load_config(Path(path), name=repo_id)
     raise UsageError(f"--model {repo_id!r} was not found in {looked}, and {why}. Pass a local config.json or a "
-                     "preset (`autofit models` lists them).")
+                     "preset (`autofit models` lists them)." + preset_hint(repo_id))
 
 
 def _unreachable(repo_id: str, endpoint: str | None) -> str | None:
@@ -211,6 +252,7 @@ def file_factory(text: str, option: str = "--model") -> "FileFactory":
     file, _, name = text.rpartition(":") if ".py:" in text else (text, "", "")
     if not name:
         what, example = {"--loss-fn": ("function", "loss_fn"), "--dataset": ("function", "make_dataset"),
+                         "--batch": ("function", "make_batch"),
                          "--optimizer": ("function", "make_optimizer")}.get(option, ("factory", "make_model"))
         raise UsageError(f"{option} {text!r} names a file but no {what}; write FILE.py:{what}, e.g. {text}:{example}.")
     return FileFactory(str(Path(file).expanduser().resolve()), name, option)
@@ -220,6 +262,24 @@ def resolve_loss_fn(text: str) -> "FileFunction":
     """`--loss-fn FILE.py:fn`: the function `fn(output, batch) -> scalar loss` from a Python file (picklable,
     so probes in child processes load it too); `UsageError` naming the file, the function and the fix."""
     return _file_function(text, "--loss-fn")
+
+
+def resolve_batch(text: str, model_arg: str) -> "FileFunction":
+    """`--batch FILE.py:make_batch`: `make_batch(n)` returning n samples, for a model given without one (a
+    `--model FILE.py:make_model` returning the model alone, or a preset trained on your own batches).
+    `UsageError` when `--model` names a factory that returns its own make_batch too: one of the two must go."""
+    function = _file_function(text, "--batch")
+    try:
+        inspect.signature(function.load()).bind(1)
+    except TypeError:
+        raise UsageError(f"--batch {text}: {function.source.name}{inspect.signature(function.load())} must take the "
+                         "number of samples to make, as make_batch(n) -> a batch of n samples.") from None
+    except ValueError:  # no signature to read (a builtin): calling it says
+        pass
+    if ".py:" in model_arg and isinstance(file_factory(model_arg).probe_call(), tuple):
+        raise UsageError(f"--batch {text} and --model {model_arg}: the model's factory returns its own make_batch "
+                         "too; drop --batch, or have the factory return the model alone.")
+    return function
 
 
 def resolve_optimizer(text: str) -> "str | FileFunction":

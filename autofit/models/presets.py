@@ -16,7 +16,7 @@ from typing import Any
 
 from autofit.errors import UsageError
 
-_RESERVED = {"model_type", "architecture", "aliases"}
+_RESERVED = {"model_type", "architecture", "aliases", "alias_differs"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,6 +44,19 @@ def list_presets() -> list[str]:
 def preset_aliases(name: str) -> list[str]:
     """The other names preset `name` is accepted by (hub ids, older spellings)."""
     return list(_table()[name].get("aliases", ()))
+
+
+def alias_differences(spelling: str) -> dict[str, tuple[Any, Any]]:
+    """Config fields where the model `spelling` (an alias) names differs from the preset it resolves to,
+    as {field: (the preset's value, the named model's)}: "llama-3.1-8b" is the llama-3-8b preset, whose
+    8,192 positions are Llama 3's, where Llama 3.1 has 131,072. Empty for a preset's own name or an
+    alias of the same model."""
+    name = resolve_name(spelling)
+    if name is None:
+        return {}
+    entry = _table()[name]
+    theirs = entry.get("alias_differs", {}).get(str(spelling).strip().lower(), {})
+    return {field: (entry.get(field), value) for field, value in theirs.items()}
 
 
 def resolve_name(name: str) -> str | None:
@@ -237,8 +250,19 @@ def build_model(config: Any) -> Any:
     cls = model_class(config)
     build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     try:
-        return build(config, dtype=torch.float32)
+        try:
+            model = build(config, dtype=torch.float32)
+        except AttributeError as exc:
+            if "'pad_token_id'" not in str(exc) or hasattr(config, "pad_token_id"):
+                raise
+            # transformers 5.0's PhiConfig (and kin) define no pad_token_id where their model reads one; later
+            # releases define it None, as here
+            config.pad_token_id = None
+            model = build(config, dtype=torch.float32)
     except (AssertionError, AttributeError, ValueError, TypeError, KeyError, IndexError) as exc:  # a field wrong or missing
         raise UsageError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this "
                          f"{type(config).__name__}: {type(exc).__name__}: {exc}. Check the config's fields (e.g. "
                          "pad_token_id below vocab_size).") from exc
+    if hasattr(model, "tie_weights"):  # transformers 5.0 leaves tied embeddings untied when built on the meta device
+        model.tie_weights()
+    return model

@@ -280,9 +280,10 @@ def combine(spec: TrainSpec, config: Config, reports: list[ProbeResult]) -> Prob
     seconds = max(r.step_seconds for r in reports)
     samples = config.global_batch_size / seconds
     tokens = samples * spec.tokens_per_sample if spec.tokens_per_sample else None
+    images = samples * spec.images_per_sample if spec.images_per_sample else None
     every = ", ".join(format_size(p) for p in peaks)
     return dataclasses.replace(reports[rank], config=config, step_seconds=seconds, samples_per_s=samples,
-                               tokens_per_s=tokens, rank_peaks=peaks,
+                               tokens_per_s=tokens, images_per_s=images, rank_peaks=peaks,
                                reason=f"{reports[rank].reason} per rank, set by rank {rank} of {len(reports)} "
                                       f"(every rank: {every})")
 

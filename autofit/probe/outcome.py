@@ -76,7 +76,8 @@ class Source(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ProbeResult:
-    """One candidate's outcome. Bytes for memory, seconds for time, samples/s and tokens/s for throughput.
+    """One candidate's outcome. Bytes for memory, seconds for time, samples/s, tokens/s and images/s for
+    throughput.
 
     The record checks itself: a fit carries its peak and throughput, an OOM its kind, a skip its why
     (and only a skip is decided without running)."""
@@ -102,6 +103,7 @@ class ProbeResult:
     # Both None where no exception was caught (a timeout, a probe process that died): its reason is its identity.
     error_type: str | None = None
     error_site: str | None = None
+    images_per_s: float | None = None  # where the batch holds images (a video's frames count each)
 
     @property
     def near_limit(self) -> bool:

@@ -343,8 +343,9 @@ def _measured(spec: TrainSpec, config: Config, peak: int, timed: Timed) -> Probe
     step_seconds = timed.median
     samples = config.global_batch_size / step_seconds
     tokens = samples * spec.tokens_per_sample if spec.tokens_per_sample else None
+    images = samples * spec.images_per_sample if spec.images_per_sample else None
     share = f"{format_size(peak)} of {format_size(spec.memory_budget)} ({peak / spec.memory_budget:.0%})"
-    figures = dict(step_spread=timed.spread, alloc_retries=timed.alloc_retries, fragmentation=timed.fragmentation)
+    figures = dict(images_per_s=images, step_spread=timed.spread, alloc_retries=timed.alloc_retries, fragmentation=timed.fragmentation)
     if peak > spec.fit_limit:
         return ProbeResult(config, ProbeStatus.OOM,
                            f"peak {share} is inside the {spec.safety_margin:.0%} safety margin",

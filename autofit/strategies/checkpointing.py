@@ -127,12 +127,27 @@ def enable(model: nn.Module, k: int, ops: bool = False) -> None:
             and "every_n_layers" in inspect.signature(hf_switch).parameters:
         hf_switch(activation_checkpointing_kwargs=kwargs, every_n_layers=k)
         return
-    if k == 1 and getattr(model, "supports_gradient_checkpointing", False):
+    if getattr(model, "supports_gradient_checkpointing", False) and (k == 1 or _flagged_layers(model)):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        for index, layer in enumerate(_flagged_layers(model)):  # every k-th, as `every_n_layers` switches them
+            layer.gradient_checkpointing = index % k == 0
         return
     for index, block in enumerate(checkpoint_blocks(model)):
         if index % k == 0 and "forward" not in vars(block):
             block.forward = _checkpointed(block, block.forward, kwargs)
+
+
+def _flagged_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers transformers switches one by one (its `GradientCheckpointingLayer`s, in module
+    order), for transformers releases before `activation_checkpointing_enable(every_n_layers=)` (5.0 up to
+    5.2x): switched on all by `gradient_checkpointing_enable`, then off but every k-th, as `every_n_layers`
+    does. Empty where transformers has no such layers (4.x before 4.52: one switch on the whole stack, so
+    every k-th block is checkpointed by its own forward, as a plain model's is)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 def keep_matmuls() -> Any:

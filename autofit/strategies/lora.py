@@ -192,6 +192,12 @@ def _import_peft() -> Any:
     try:
         import peft
     except ImportError as exc:
+        if "HybridCache" in str(exc):  # peft 0.16 and 0.17 import it, and transformers 5.0 removed it
+            from importlib.metadata import version
+
+            raise UsageError(f"peft {version('peft')} cannot be imported beside transformers {version('transformers')} "
+                             f"({exc}): peft 0.16 and 0.17 import transformers' HybridCache, which transformers 5 "
+                             "removed. Install peft 0.18 or later (pip install -U peft), or 0.12-0.15.") from exc
         raise MissingExtraError("peft", "peft", "LoRA adapters") from exc
     return peft
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from autofit import UsageError
-from autofit.batches.batch import (call_model, default_loss, factory_from_sample, forward_names, leading_dim, made,
-                                take_rows, tokens_per_sample)
+from autofit.batches.batch import (call_model, default_loss, factory_from_sample, forward_names, images_per_sample,
+                                leading_dim, made, take_rows, tokens_per_sample)
 
 
 def test_leading_dim_of_a_dict():
@@ -54,6 +54,30 @@ def test_tokens_per_sample():
     assert tokens_per_sample({"input_ids": torch.zeros(2, 128, dtype=torch.long)}) == 128
     assert tokens_per_sample((torch.zeros(2, 7, dtype=torch.long), torch.zeros(2))) == 7
     assert tokens_per_sample(torch.zeros(2, 7)) is None
+
+
+def test_tokens_per_sample_of_a_plain_models_dict():
+    """Any dict with a field of token ids has a sequence axis ({"idx", "targets"} read None before): a bool
+    mask, a (samples, 1) label column, floats and 1-D labels are not tokens."""
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    assert tokens_per_sample({"idx": ids, "targets": ids}) == 64
+    assert tokens_per_sample({"x": torch.zeros(2, 64), "mask": torch.ones(2, 64, dtype=torch.bool)}) is None
+    assert tokens_per_sample({"x": torch.zeros(2, 8), "label": torch.zeros(2, 1, dtype=torch.long)}) is None
+    assert tokens_per_sample({"x": torch.zeros(2, 8), "label": torch.zeros(2, dtype=torch.long)}) is None
+    # input_ids still wins over other fields of another length
+    assert tokens_per_sample({"segments": torch.zeros(2, 5, dtype=torch.long), "input_ids": ids}) == 64
+
+
+def test_images_per_sample():
+    image = torch.zeros(2, 3, 32, 32)
+    assert images_per_sample(image) == 1
+    assert images_per_sample((image, torch.zeros(2, dtype=torch.long))) == 1
+    assert images_per_sample({"pixel_values": torch.zeros(2, 1, 28, 28), "labels": torch.zeros(2)}) == 1
+    assert images_per_sample({"pixel_values": torch.zeros(2, 16, 3, 224, 224)}) == 16  # VideoMAE: frames
+    assert images_per_sample({"video": torch.zeros(2, 3, 8, 112, 112)}) == 8  # (samples, channels, frames, ...)
+    assert images_per_sample({"input_ids": torch.zeros(2, 7, dtype=torch.long)}) is None
+    assert images_per_sample(torch.zeros(2, 16, 32, 32)) is None  # 16 channels: not an image
+    assert images_per_sample(torch.zeros(2, 3, 32, 32, dtype=torch.long)) is None  # integers: not pixels
 
 
 def test_default_loss_explains_what_to_do():

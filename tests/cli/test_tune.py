@@ -178,6 +178,54 @@ def test_a_plain_classifier_tunes_with_its_loss(tmp_path, capsys):
     assert "--loss-fn FILE.py:fn" in capsys.readouterr().err
 
 
+PLAIN_LM = textwrap.dedent("""
+    import torch
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+
+    def make_model():
+        return LM()
+
+    def make_batch(n):
+        return {"idx": torch.randint(0, 64, (n, 24)), "targets": torch.randint(0, 64, (n, 24))}
+
+    def loss(logits, batch):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    def pair():
+        return LM(), make_batch
+
+    def no_count():
+        return make_batch(2)
+""")
+
+
+def test_a_model_and_its_batches_from_two_functions(tmp_path, capsys):
+    """`--model FILE.py:make_model --batch FILE.py:make_batch --loss-fn FILE.py:loss`: no wrapper factory
+    returning (model, make_batch). Its dict of token ids reports tokens/s."""
+    lm = tmp_path / "lm.py"
+    lm.write_text(PLAIN_LM)
+    assert tune(f"{lm}:make_model", tmp_path / "a", "--json", "--batch", f"{lm}:make_batch",
+                "--loss-fn", f"{lm}:loss", budget="64MiB") == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["tokens_per_second"] == pytest.approx(24 * plan["throughput"])
+    assert plan["spec"]["tokens_per_sample"] == 24
+    assert tune(f"{lm}:make_model", tmp_path / "b", "--loss-fn", f"{lm}:loss") == 2  # no batch: says --batch
+    assert "--batch FILE.py:make_batch" in capsys.readouterr().err
+    assert tune(f"{lm}:pair", tmp_path / "c", "--batch", f"{lm}:make_batch", "--loss-fn", f"{lm}:loss") == 2
+    assert "returns its own make_batch too" in capsys.readouterr().err
+    assert tune(f"{lm}:make_model", tmp_path / "d", "--batch", f"{lm}:no_count") == 2
+    assert "must take the number of samples" in capsys.readouterr().err
+    assert tune(f"{lm}:make_model", tmp_path / "e", "--batch", str(lm)) == 2
+    assert f"write FILE.py:function, e.g. {lm}:make_batch" in capsys.readouterr().err
+
+
 OPTIMIZERS = "import torch\ndef sgd(params):\n    return torch.optim.SGD(params, lr=0.05, momentum=0.9)\n"
 
 

@@ -67,7 +67,9 @@ def test_exported_script_trains_two_steps(tmp_path, plan_for):
                            data_collator=collate)
     assert trainer.state.global_step == 2 and collated and set(collated) == {2}
     assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.per_device_train_batch_size == 2
-    assert model.is_gradient_checkpointing  # every 2nd block, switched on by the script
+    # every 2nd block, switched on by the script: transformers' switch, or (before 4.52, one switch for the whole
+    # stack) the block's own forward
+    assert model.is_gradient_checkpointing or "forward" in vars(model.transformer.h[0])
     assert load_kwargs(args_path)["use_cpu"] is True
 
 

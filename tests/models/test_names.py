@@ -281,6 +281,24 @@ def test_hub_id_online_with_the_hub_unreachable(hf_home, monkeypatch):
     assert str(hf_home / "hub") in str(error.value) and "HF_HUB_OFFLINE=1" in str(error.value)
 
 
+LLAMA_31_HINT = (r"The preset llama-3-8b matches its name \(as llama-3.1-8b\): --model llama-3-8b plans it without "
+                 r"the hub, but it differs from meta-llama/Llama-3.1-8B in its maximum length: 8,192 tokens "
+                 r"\(max_position_embeddings\) where meta-llama/Llama-3.1-8B has 131,072")
+
+
+def test_a_hub_id_found_nowhere_names_the_preset_of_its_name_and_how_it_differs(hf_home, monkeypatch):
+    with pytest.raises(UsageError, match=LLAMA_31_HINT):  # offline
+        resolve_model("meta-llama/Llama-3.1-8B")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # online, the hub unreachable
+    with pytest.raises(UsageError, match=LLAMA_31_HINT):
+        resolve_model("meta-llama/Llama-3.1-8B")
+    # a variant suffix is dropped; a preset that is the same model says no difference
+    with pytest.raises(UsageError, match=r"The preset qwen2.5-7b matches its name \(less its -Instruct suffix\): "
+                                         r"--model qwen2.5-7b plans it without the hub\.$"):
+        resolve_model("Qwen/Qwen2.5-7B-Instruct")
+
+
 def test_dry_run_takes_a_cached_hub_id(hf_home):
     import autofit
     from autofit.strategies import MicroBatch, MixedPrecision

@@ -27,6 +27,42 @@ def test_a_fit_has_its_figures():
     assert result.tokens_per_s is None  # float inputs: no sequence axis of token ids
 
 
+class TinyConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 2)
+
+    def forward(self, pixels):
+        return self.head(self.conv(pixels).mean((2, 3)))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+    def forward(self, idx):
+        return self.head(self.embed(idx))
+
+
+def test_a_fit_counts_images_and_tokens_where_its_batch_holds_them():
+    """images/s for a batch of images (samples/s times the images a sample holds), tokens/s for a plain
+    model's dict of token ids {"idx", "targets"}; each None where the batch holds none."""
+    images = make_spec(TinyConv, lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 2, (n,))), global_batch_size=4,
+                       device="cpu", memory_budget="1GiB", warmup_steps=1, timed_steps=1,
+                       loss_fn=lambda out, batch: torch.nn.functional.cross_entropy(out, batch[1]))
+    result = run_probe(images, Config(micro_batch_size=4), STRATEGIES)
+    assert result.fits and result.images_per_s == pytest.approx(result.samples_per_s)
+    assert result.tokens_per_s is None
+    tokens = make_spec(TinyLM, lambda n: {"idx": torch.randint(0, 50, (n, 12)), "targets": torch.randint(0, 50, (n, 12))},
+                       global_batch_size=4, device="cpu", memory_budget="1GiB", warmup_steps=1, timed_steps=1,
+                       loss_fn=lambda out, batch: torch.nn.functional.cross_entropy(out.flatten(0, 1),
+                                                                                    batch["targets"].flatten()))
+    result = run_probe(tokens, Config(micro_batch_size=4), STRATEGIES)
+    assert result.fits and result.tokens_per_s == pytest.approx(12 * result.samples_per_s)
+    assert result.images_per_s is None
+
+
 def test_peak_is_the_same_on_every_run():
     # the CPU budget counts bytes, not time: probes are reproducible to the byte
     assert run_probe(spec(), FULL, STRATEGIES).peak_bytes == run_probe(spec(), FULL, STRATEGIES).peak_bytes

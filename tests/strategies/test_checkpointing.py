@@ -27,8 +27,11 @@ def test_plain_model_blocks_are_checkpointed_every_k():
 def test_hf_model_uses_its_own_switch():
     spec = make_spec(make_gpt2, global_batch_size=2, device="cpu", memory_budget="1GiB", seq_len=16)
     run = build_run(spec, Config(checkpointing="every_k", checkpoint_every=2, micro_batch_size=2), default_strategies())
-    flags = [layer.gradient_checkpointing for layer in run.model.transformer.h]
-    assert flags == [True, False, True, False]
+    blocks = run.model.transformer.h
+    if hasattr(blocks[0], "gradient_checkpointing"):  # transformers 4.52 and later switch layer by layer
+        assert [layer.gradient_checkpointing for layer in blocks] == [True, False, True, False]
+    else:  # one switch for the whole stack: every other block checkpointed by its own forward
+        assert ["forward" in vars(layer) for layer in blocks] == [True, False, True, False]
 
 
 def test_unavailable_without_repeated_blocks():

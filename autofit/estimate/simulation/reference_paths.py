@@ -10,7 +10,9 @@ machine can say what it ran instead of what a GPU machine with the packages runs
 keeps more activations and issues far more kernels, so the prediction errs high on both there.
 Where the `kernels` package is installed (transformers requires it from 5.25), its decorator turns that
 wrapper into an `nn.Module` instance whose `forward` calls it (kernels/_internals/layer/layer.py,
-`_create_func_module`); the wrapper is read from that closure.
+`_create_func_module`); the wrapper is read from that closure. transformers releases without that
+decorator (5.0 loads Mamba's kernels with `lazy_load_kernel`; 5.17 has the decorator) leave nothing to read:
+their predictions err high the same way without saying so.
 """
 
 from __future__ import annotations
