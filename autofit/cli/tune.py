@@ -418,8 +418,8 @@ def write_run(plan: "Plan", out: Path, force: bool = False) -> dict[str, Any]:
 def tune(model_arg: str, batch_arg: str | None, loss_fn_arg: str | None, seq_len: int | None,
          global_batch_size: int | None, device: str | None, memory_budget: str | None, num_gpus: int,
          allow: tuple[str, ...], optimizer: Any, engine: str, nvme_path: str | None, max_probes: int,
-         warmup_steps: int, timed_steps: int, probe_timeout: float, exact_margin: float, out: str | None, resume: bool, force: bool,
-         as_json: bool) -> int:
+         warmup_steps: int, timed_steps: int, probe_timeout: float, exact_margin: float, out: str | None,
+         resume: bool, force: bool, as_json: bool) -> int:
     """Probe the candidates for a model and write the fastest plan that fits, with its launcher files."""
     import autofit
 
