@@ -378,6 +378,8 @@ class Config:
         """Plain JSON-serialisable dict (plug-in knobs flattened beside the fields)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
         data = {k: v.value if isinstance(v, Knob) else v for k, v in data.items()}
+        if self.nodes == 1:  # one node: as plans were written before several could be planned
+            del data["nodes"]
         return {**data, **dict(self.extras)}
 
     @classmethod

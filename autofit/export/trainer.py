@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autofit.export import nodes
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, require_fit, with_launcher_keys
@@ -70,7 +71,7 @@ def script(plan: "Plan") -> str:
 {chr(10).join(comment_lines(plan, prefix=""))}
 
     python train_with_trainer.py --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn] [--max-steps N]
-
+{_nodes_usage(plan)}
 MODEL is what `autofit tune --model` took; the dataset's samples are dicts the model takes, with labels
 (a Hugging Face model returns its loss). In Python: `from train_with_trainer import train`, then
 `train(model, dataset, num_train_epochs=3)` (keyword overrides win).
@@ -139,6 +140,17 @@ if __name__ == "__main__":
     train(load_model(options.model), load_dataset(options.dataset), load_loss(options.model, None),
           data_collator=load_collate(options.collate_fn), **overrides)
 '''
+
+
+def _nodes_usage(plan: "Plan") -> str:
+    """Over several nodes, how the script is launched on each (torchrun's rendezvous); nothing on one."""
+    config = plan.config
+    if config.nodes == 1:
+        return ""
+    words = " ".join(w if "$" not in w else f'"{w}"' for w in nodes.torchrun_arguments(config))
+    return (f"\nOver {config.nodes} nodes x {config.gpus_per_node} GPUs, on every node (MASTER_ADDR: the first node's "
+            f"address,\nMASTER_PORT: {nodes.DEFAULT_PORT} unless set; these files on a path every node reads):\n\n"
+            f"    torchrun {words} train_with_trainer.py --model MODEL --dataset FILE.py:fn\n")
 
 
 def _indent(text: str) -> str:
