@@ -214,13 +214,17 @@ def layout(profile: GpuProfile, count: int | None, nodes: int | None = None, gpu
         return Layout(1, count or 1)
     if nodes is None:
         nodes = max((count or gpus_per_node) // gpus_per_node, 1)
+    if gpus_per_node is None and count is not None and count % nodes:
+        raise UsageError("{count} over {nodes}: every node has as many GPUs, so the count must be a multiple of the "
+                         "nodes; give a multiple, or {per_node} instead of the count.", count=Param("num_gpus", count),
+                         nodes=Param("nodes", nodes), per_node=Param("gpus_per_node"))
     per_node = gpus_per_node or (count // nodes if count else profile.node_gpus)
     if per_node is None:
         raise UsageError("{nodes} of {gpu}, which has no common node type: pass {per_node} (or {count}).",
                          nodes=Param("nodes", nodes), gpu=profile.name, per_node=Param("gpus_per_node"),
                          count=Param("num_gpus"))
     if count is not None and count != nodes * per_node:
-        raise UsageError("{count} does not make {nodes} nodes of {per_node} GPUs ({total}): give two of the three.",
+        raise UsageError("{count} is not {nodes} x {per_node} GPUs ({total}): give two of the three.",
                          count=Param("num_gpus", count), nodes=Param("nodes", nodes),
                          per_node=Param("gpus_per_node", per_node), total=str(nodes * per_node))
     if nodes == 1:
