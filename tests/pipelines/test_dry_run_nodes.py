@@ -85,3 +85,13 @@ def test_the_command_line_names_what_a_layout_is_missing_in_its_words(tmp_path, 
     assert main([*base, "--gpu", "l4", "--nodes", "2"]) == 2
     err = capsys.readouterr().err
     assert "--nodes 2" in err and "--gpus-per-node" in err
+
+
+def test_autofit_gpus_lists_the_networks_the_messages_point_to(capsys):
+    assert main(["gpus", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    networks = {n["name"]: n for n in document["networks"]}
+    assert networks["ib-ndr"]["gbit"] == 400 and networks["ib-ndr"]["per_gpu"]
+    assert {g["name"]: g["node_network"] for g in document["gpus"]}["h100-80gb"] == "ib-ndr"
+    assert main(["gpus"]) == 0
+    assert "efa-p5" in capsys.readouterr().out
