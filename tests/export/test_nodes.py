@@ -148,3 +148,15 @@ def test_the_trainer_takes_the_arguments_and_the_hybrid_mesh(tmp_path, plan_for)
 
 def test_shell_join_leaves_variables_to_bash():
     assert shell_join(["a b", "$X:$Y", "c"]) == "'a b' \"$X:$Y\" c"
+
+
+def test_accelerate_launches_zero_on_every_node_and_refuses_hpz_it_cannot_say(tmp_path, plan_for):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from autofit.errors import UsageError
+
+    config_path, *_ = plan_for(hybrid("zero3"), device="cuda:0").export("accelerate", tmp_path)
+    loaded = load_config_from_file(str(config_path))
+    assert loaded.deepspeed_config["deepspeed_multinode_launcher"] == "standard" and loaded.num_machines == 4
+    with pytest.raises(UsageError, match="no key for ZeRO"):
+        plan_for(hybrid("zero3_hpz"), device="cuda:0").export("accelerate", tmp_path / "hpz")
