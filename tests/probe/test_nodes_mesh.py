@@ -66,3 +66,17 @@ def test_hybrid_on_a_2_by_2_mesh_holds_what_one_node_holds():
     assert hybrid.peak_bytes - every.peak_bytes > 2 * MIB, (hybrid.reason, every.reason)
     assert hybrid.peak_bytes == pytest.approx(one_node.peak_bytes, abs=1.5 * MIB), (hybrid.reason, one_node.reason)
     assert "one node of" not in hybrid.reason  # every rank ran here: nothing left to prediction
+
+
+def test_tune_over_two_nodes_of_two_rehearses_them_and_exports_a_multi_node_launch(tmp_path):
+    import autofit
+
+    plan = autofit.autofit(Blocks, make_batch, device="cpu", num_gpus=4, nodes=2, global_batch_size=4,
+                           memory_budget="1GiB", strategies=[MicroBatch(), Fsdp()], warmup_steps=1, timed_steps=1)
+    assert plan.fits, plan.reason
+    assert plan.config.nodes == 2 and plan.config.num_gpus == 4
+    hybrid = [p for p in plan.probes if p.config.sharding.value == "fsdp_hybrid"]
+    assert hybrid and all(len(p.rank_peaks) == 4 for p in hybrid if p.fits)  # every rank of both nodes ran here
+    script = plan.export("torchrun", tmp_path)[0].read_text()
+    assert "--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d" in script
+    assert autofit.Plan.load(tmp_path / "plan.json").config.nodes == 2
