@@ -151,6 +151,17 @@ class Sharding(Knob):
     ZERO3 = "zero3"  # DeepSpeed: + parameters (gathered per layer in forward and backward)
     FSDP_GRAD_OP = "fsdp_grad_op"  # FSDP2, reshard_after_forward=False: gradients + optimizer states (~ZeRO-2)
     FSDP_FULL = "fsdp_full"  # FSDP2, reshard_after_forward=True: + parameters (~ZeRO-3)
+    # Several nodes (`Config.nodes`): the per-layer gathers stay on a node's own links.
+    # FSDP2 on a 2-D mesh (HSDP): full_shard within each node, replicated across nodes. Buys: no gather
+    # crosses a node; costs: each GPU holds 1/gpus-per-node of the states, not 1/num_gpus.
+    FSDP_HYBRID = "fsdp_hybrid"
+    # DeepSpeed ZeRO++ hpZ: ZeRO-3 over every GPU, plus a secondary copy of the 16-bit weights partitioned
+    # within each node, which the backward gathers from. Buys: the backward's gathers stay in the node;
+    # costs: that copy, 1/gpus-per-node of the 16-bit weights per GPU.
+    ZERO3_HPZ = "zero3_hpz"
+    # ZeRO++ whole (hpZ, qwZ, qgZ): the forward gathers int8 weights and gradients cross nodes as int4,
+    # master weights staying fp32. Buys: a half and a quarter of the cross-node bytes; costs numerics (tier 1).
+    ZERO3_HPZ_QUANTIZED = "zero3_hpz_quantized"
 
     @property
     def engine(self) -> Engine:
@@ -164,9 +175,21 @@ class Sharding(Knob):
         """ZeRO-paper stage of what is sharded: 0 nothing, 1 optimizer states, 2 + gradients, 3 + parameters."""
         return _STAGES[self]
 
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the sharding follows the nodes (a node's GPUs shard, or hold a secondary partition)."""
+        return self in (Sharding.FSDP_HYBRID, Sharding.ZERO3_HPZ, Sharding.ZERO3_HPZ_QUANTIZED)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the parameters gathered for a block's forward are freed after it (gathered again in
+        backward): ZeRO-3 and FSDP2's full and hybrid sharding."""
+        return self.stage >= 3
+
 
 _STAGES = {Sharding.NONE: 0, Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3,
-           Sharding.FSDP_GRAD_OP: 2, Sharding.FSDP_FULL: 3}
+           Sharding.FSDP_GRAD_OP: 2, Sharding.FSDP_FULL: 3, Sharding.FSDP_HYBRID: 3, Sharding.ZERO3_HPZ: 3,
+           Sharding.ZERO3_HPZ_QUANTIZED: 3}
 
 
 class Offload(Knob):
@@ -211,7 +234,8 @@ class Config:
     offload: Offload = Offload.NONE  # model states leave the GPU: PCIe traffic, 2-10x slower
     quantization: Quantization = Quantization.NONE  # 4/8-bit frozen base weights (with LoRA, tier 2)
     lora: int = 0  # LoRA rank (0 = full fine-tuning); trains adapters only (tier 2)
-    num_gpus: int = 1  # data-parallel ranks
+    num_gpus: int = 1  # data-parallel ranks, over every node
+    nodes: int = 1  # machines the ranks span, num_gpus // nodes each; hierarchical sharding shards within one
     activation_offload: ActivationOffload = ActivationOffload.NONE  # saved activations to host: PCIe traffic
     optimizer_step: OptimizerStep = OptimizerStep.AFTER_BACKWARD  # in backward: no whole-model gradients
     loss: Loss = Loss.FULL  # chunked: one chunk of logits live at a time, one more head matmul
@@ -222,7 +246,8 @@ class Config:
         "optimizer": Optimizer, "sharding": Sharding, "offload": Offload, "quantization": Quantization,
         "activation_offload": ActivationOffload, "optimizer_step": OptimizerStep, "loss": Loss}
     _COUNTS: ClassVar[dict[str, int]] = {  # integer knob -> its minimum
-        "checkpoint_every": 1, "micro_batch_size": 1, "grad_accum_steps": 1, "lora": 0, "num_gpus": 1}
+        "checkpoint_every": 1, "micro_batch_size": 1, "grad_accum_steps": 1, "lora": 0, "num_gpus": 1,
+        "nodes": 1}
 
     def __post_init__(self) -> None:
         for name, kind in self._KNOBS.items():
@@ -235,6 +260,9 @@ class Config:
         if (mode is Checkpointing.EVERY_K) != (every >= 2):
             raise UsageError(f"checkpointing={mode.value!r} with checkpoint_every={every}: every_k needs "
                              "checkpoint_every >= 2 (every k-th block), and the other modes take 1.")
+        if self.num_gpus % self.nodes:
+            raise UsageError(f"num_gpus={self.num_gpus} over nodes={self.nodes}: every node runs as many ranks, so "
+                             "num_gpus must be a multiple of nodes (nodes x GPUs per node).")
         object.__setattr__(self, "extras", _checked_extras(self.extras))
 
     # -- derived facts: what code outside a knob's strategy reads --------------------------------------
@@ -257,6 +285,17 @@ class Config:
     def zero_stage(self) -> int:
         """DeepSpeed ZeRO stage (0 when DeepSpeed is not the engine)."""
         return self.sharding.stage if self.engine is Engine.DEEPSPEED else 0
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Ranks on each node."""
+        return self.num_gpus // self.nodes
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks each sharded state is split over: one node's under hybrid FSDP2 (replicated across nodes),
+        every rank otherwise (ZeRO++ hpZ's primary partitions included)."""
+        return self.gpus_per_node if self.sharding is Sharding.FSDP_HYBRID else self.num_gpus
 
     @property
     def shards_optimizer(self) -> bool:
@@ -339,6 +378,8 @@ class Config:
         """Plain JSON-serialisable dict (plug-in knobs flattened beside the fields)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
         data = {k: v.value if isinstance(v, Knob) else v for k, v in data.items()}
+        if self.nodes == 1:  # one node: as plans were written before several could be planned
+            del data["nodes"]
         return {**data, **dict(self.extras)}
 
     @classmethod
@@ -377,7 +418,9 @@ class Config:
         for name, value in self.extras:
             if value != _EXTENSIONS[name][1].value:
                 parts.append(f"{name}={value}")
-        if self.num_gpus > 1:
+        if self.nodes > 1:
+            parts.append(f"gpus={self.nodes}x{self.gpus_per_node}")
+        elif self.num_gpus > 1:
             parts.append(f"gpus={self.num_gpus}")
         return ", ".join(parts)
 

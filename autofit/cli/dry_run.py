@@ -2,6 +2,7 @@
 
     autofit dry-run --model llama-2-7b --seq-len 4096 --global-batch-size 64 --gpu a100-80gb --num-gpus 8
     autofit dry-run --model ./my-model/config.json --seq-len 2048 --global-batch-size 32 --gpu rtx-4090 --json
+    autofit dry-run --model llama-2-70b --seq-len 4096 --global-batch-size 512 --gpu h100 --nodes 4 --gpus-per-node 8
 
 Nothing is trained and nothing real is allocated (fake tensors). Exit codes: 0 a candidate is predicted
 to fit, 3 none is (the message names the closest and what to allow next), 4 a candidate fits by the
@@ -58,7 +59,11 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
     speed (and host RAM where a row offloads), numbers never split; the chosen row's parts follow in
     `breakdown_table`."""
     shown = shown_rows(report, top)
-    title = (f"{report.model} on {report.num_gpus} x {report.gpu.name} ({format_size(report.gpu.memory_bytes)}, "
+    where = report.layout
+    machines = (f"{where.nodes} nodes x {where.per_node} x {report.gpu.name}" if where else
+                f"{report.num_gpus} x {report.gpu.name}")
+    network = f", {where.inter_node_gbps:g} GB/s per GPU across nodes" if where else ""
+    title = (f"{report.model} on {machines} ({format_size(report.gpu.memory_bytes)}{network}, "
              f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates"
              + (f"; per sample: {report.batch}" if report.batch else ""))
     wide, reasons = width >= WIDE, width >= REASONS
@@ -175,7 +180,19 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
 @click.option("--host-memory", default=None,
               help="RAM of each node, e.g. 512GiB: candidates whose offloaded states need more are ruled out.")
 @click.option("--num-gpus", type=click.IntRange(min=1), default=None,
-              help="Data-parallel GPUs  [default: the count in --gpu, else 1]")
+              help="Data-parallel GPUs over every node  [default: the count in --gpu, else nodes x GPUs per node, "
+                   "else 1]")
+@click.option("--nodes", type=click.IntRange(min=1), default=None,
+              help="Machines the GPUs are on: over several, sharding within a node (hybrid FSDP2, ZeRO++) is "
+                   "planned beside sharding over every GPU  [default: 1]")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+              help="GPUs on each node  [default: --num-gpus / --nodes, else the GPU's node type: 8 on HGX boards]")
+@click.option("--node-network", default=None,
+              help="Network between nodes, e.g. ib-ndr, ib-hdr, efa-p5 (autofit gpus lists them)  "
+                   "[default: the GPU's node type's]")
+@click.option("--inter-node-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GB/s each GPU sends across nodes, instead of --node-network (bytes: a 400 Gb/s NIC per GPU "
+                   "is 50).")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
 @click.option("--optimizer", default="adamw", show_default=True, help=OPTIMIZER_HELP)
 @click.option("--lora-targets", default=None,
@@ -189,7 +206,9 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
               help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int | None, gpu: str,
-                    gpu_memory: str | None, host_memory: str | None, num_gpus: int | None, allow: tuple[str, ...], optimizer: str,
+                    gpu_memory: str | None, host_memory: str | None, num_gpus: int | None, nodes: int | None,
+                    gpus_per_node: int | None, node_network: str | None, inter_node_gbps: float | None,
+                    allow: tuple[str, ...], optimizer: str,
                     lora_targets: str | None, deferred_sync: bool, top: int, as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.pipelines.dry_run import dry_run
@@ -207,7 +226,8 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
             status.update(line(f"{done} of {total} training steps simulated"))
 
         report = dry_run(model_arg, seq_len=seq_len, global_batch_size=global_batch_size, gpu=gpu,
-                         gpu_memory=gpu_memory, num_gpus=num_gpus, allow=parse_allow_option(allow),
+                         gpu_memory=gpu_memory, num_gpus=num_gpus, nodes=nodes, gpus_per_node=gpus_per_node,
+                         node_network=node_network, inter_node_gbps=inter_node_gbps, allow=parse_allow_option(allow),
                          optimizer=resolve_optimizer(optimizer), lora_targets=_targets(lora_targets), deferred_sync=deferred_sync,
                          progress=progress, host_memory=host_memory)
     others = other_sizes(gpu) if gpu_memory is None else []

@@ -1,4 +1,5 @@
-"""`autofit gpus`: the GPU profiles dry-run plans against (memory, bf16, peak TFLOP/s, link bandwidths)."""
+"""`autofit gpus`: the GPU profiles dry-run plans against (memory, bf16, peak TFLOP/s, link bandwidths, node
+type), and the networks between nodes (`--node-network`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from autofit.cli.tune import make_console
-from autofit.devices.gpus import list_gpus
+from autofit.devices.gpus import list_gpus, list_networks
 from autofit.units import format_size
 
 
@@ -26,7 +27,8 @@ def gpus_command(as_json: bool) -> None:
     """List the GPU profiles `autofit dry-run --gpu` accepts."""
     profiles = list_gpus()
     if as_json:
-        click.echo(json.dumps({"gpus": [dataclasses.asdict(g) for g in profiles]}, indent=2))
+        click.echo(json.dumps({"gpus": [dataclasses.asdict(g) for g in profiles],
+                               "networks": [dataclasses.asdict(n) for n in list_networks()]}, indent=2))
         return
     console = make_console(False)
     wide = console.width >= WIDE
@@ -45,3 +47,16 @@ def gpus_command(as_json: bool) -> None:
         half = f"{g.bf16_tflops or g.fp16_tflops:g}"  # what autocast runs in: bf16 where native, else fp16
         table.add_row(*(cells if wide else [g.name, cells[2], cells[3], half, cells[6]]))
     console.print(table)
+    console.print(network_table())
+
+
+def network_table() -> Table:
+    """The networks between nodes `autofit dry-run --node-network` takes, with what each GPU sends on 8-GPU
+    nodes."""
+    table = Table(title="Networks between nodes (--node-network; any other: --inter-node-gbps)", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+    for name in ("name", "network", "GB/s per GPU (8 a node)", "aliases"):
+        table.add_column(name, justify="right" if name.startswith("GB/s") else "left", overflow="fold")
+    for n in list_networks():
+        table.add_row(n.name, n.display, f"{n.gbps_per_gpu(8):g}", ", ".join(n.aliases))
+    return table

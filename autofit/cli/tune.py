@@ -397,6 +397,9 @@ def write_run(plan: "Plan", out: Path, force: bool = False) -> dict[str, Any]:
 @click.option("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present).")
 @click.option("--memory-budget", default=None, help="e.g. 4GiB; default the card, or free RAM on the CPU.")
 @click.option("--num-gpus", type=int, default=1, show_default=True, help="Data-parallel ranks to plan for.")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Machines the --num-gpus ranks span: one node's ranks are probed here, and sharding within a "
+                   "node is searched beside sharding over every GPU.")
 @click.option("--allow", multiple=True, help=ALLOW_HELP)
 @click.option("--optimizer", default="adamw", show_default=True, help=OPTIMIZER_HELP)
 @click.option("--engine", type=click.Choice([e.value for e in EngineChoice]), default="auto", show_default=True,
@@ -416,7 +419,7 @@ def write_run(plan: "Plan", out: Path, force: bool = False) -> dict[str, Any]:
               "write there) instead of refusing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
 def tune(model_arg: str, batch_arg: str | None, loss_fn_arg: str | None, seq_len: int | None,
-         global_batch_size: int | None, device: str | None, memory_budget: str | None, num_gpus: int,
+         global_batch_size: int | None, device: str | None, memory_budget: str | None, num_gpus: int, nodes: int,
          allow: tuple[str, ...], optimizer: Any, engine: str, nvme_path: str | None, max_probes: int,
          warmup_steps: int, timed_steps: int, probe_timeout: float, exact_margin: float, out: str | None,
          resume: bool, force: bool, as_json: bool) -> int:
@@ -437,7 +440,8 @@ def tune(model_arg: str, batch_arg: str | None, loss_fn_arg: str | None, seq_len
             options = SearchOptions(max_probes=max_probes, warmup_steps=warmup_steps, timed_steps=timed_steps,
                                     probe_timeout=probe_timeout, exact_margin=exact_margin)
             plan = autofit.autofit(model_factory, batch_factory, global_batch_size=global_batch_size, device=device,
-                                   memory_budget=memory_budget, num_gpus=num_gpus, allow=parse_allow_option(allow),
+                                   memory_budget=memory_budget, num_gpus=num_gpus, nodes=nodes,
+                                   allow=parse_allow_option(allow),
                                    optimizer=optimizer, loss_fn=loss_fn, seq_len=seq_len,
                                    storage=f"sqlite:///{out_dir / TRIALS}", progress=progress, engine=engine,
                                    nvme_path=nvme_path, options=options)

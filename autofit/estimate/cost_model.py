@@ -11,8 +11,13 @@ On one GPU's figures:
   through the decoder;
 - recomputation: full checkpointing adds one forward (+2 FLOPs per parameter-token), every k-th block 1/k of that;
 - quantized base weights: dequantization slows NF4 by `NF4_SLOWDOWN`, LLM.int8 by `INT8_SLOWDOWN`;
-- communication over the GPU interconnect: a ring all-reduce / reduce-scatter of the gradients per step,
-  and the parameter all-gathers of ZeRO-3 / FSDP2 full_shard in every micro-step's forward and backward;
+- communication: a ring all-reduce / reduce-scatter of the gradients per step, and the parameter
+  all-gathers of ZeRO-3 / FSDP2 full_shard in every micro-step's forward and backward, each collective
+  charged to the slowest link it crosses (`collective_seconds`): the GPU interconnect within a node, the
+  network's share of each GPU across nodes (a ring over several nodes runs at the slower of the two).
+  Hybrid FSDP2 gathers within a node and all-reduces only a node's shard of the gradients across nodes;
+  ZeRO++ hpZ gathers across nodes in the forward and within a node in the backward, qwZ halving that
+  forward gather (int8) and qgZ quartering the gradients' bytes (int4);
 - offload over PCIe: gradients down and parameters up per step (ZeRO-3: parameters every micro-step),
   plus CPU Adam at `CPU_ADAM_PARAMS_PER_S`; offloaded activations out and back every micro-step;
 - chunked loss: the head's forward once more (2 * vocabulary * hidden FLOPs per token); op-level
@@ -28,6 +33,7 @@ On one GPU's figures:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantization, Sharding
@@ -45,7 +51,46 @@ CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second
 SECONDS_PER_KERNEL = 10e-6  # host time to issue one op of an eager training step (bench/measurements/host_ops.py)
 # Ops FSDP2 dispatches per unit and micro-step on one rank beside the model's: copies in and out of the
 # gathered and reduced buffers, `chunk_cat`, and its `record_function` markers (bench/measurements/host_ops.py, torch 2.13)
-FSDP_OPS_PER_UNIT = {Sharding.FSDP_FULL: 26, Sharding.FSDP_GRAD_OP: 22}
+# (hybrid: full_shard's, and the all-reduce across nodes is one more transfer per unit: `engine_host_ops`)
+FSDP_OPS_PER_UNIT = {Sharding.FSDP_FULL: 26, Sharding.FSDP_GRAD_OP: 22, Sharding.FSDP_HYBRID: 26}
+QUANTIZED_WEIGHT_BYTES = 1  # ZeRO++ qwZ gathers int8 weights (block scales neglected)
+QUANTIZED_GRAD_SHARE = 0.25  # ZeRO++ qgZ reduces int4 gradients: a quarter of 16-bit ones'
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Predicted seconds of one optimizer step, by what they are spent on."""
+
+    compute: float  # every micro-step's arithmetic, and activation copies to the host and back
+    within_node: float  # collectives over the GPUs' interconnect (NVLink, PCIe) inside a node
+    across_nodes: float  # collectives that cross the network between nodes
+    offload: float  # model states over PCIe and CPU Adam
+    host: float = 0.0  # the host's floor: issuing every op of the step (`host_seconds`)
+
+    @property
+    def seconds(self) -> float:
+        """The step: its parts in sequence, never under the host's floor."""
+        return max(self.compute + self.within_node + self.across_nodes + self.offload, self.host)
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """What a collective may cross, in B/s each GPU sends: its interconnect within a node, and its share of
+    the network across nodes (None on one node)."""
+
+    within: float
+    across: float | None
+    nodes: int = 1
+
+    def ring(self, ranks: int, nbytes: float, spans_nodes: bool) -> tuple[float, float]:
+        """(within-node, across-node) seconds of one ring all-gather or reduce-scatter of `nbytes` over
+        `ranks` GPUs: each sends (ranks - 1) / ranks of it, at the slowest link the ring crosses."""
+        if ranks < 2:
+            return 0.0, 0.0
+        share = (ranks - 1) / ranks * nbytes
+        if spans_nodes and self.nodes > 1:
+            return 0.0, share / min(self.within, self.across or self.within)
+        return share / self.within, 0.0
 # Ops of one optimizer step on the weights' device as CUDA's default runs it (foreach): (fixed, per
 # trainable tensor, a one-tensor step), counted on the CPU with foreach=True (bench/measurements/host_ops.py, torch
 # 2.13). bitsandbytes' 8-bit step loops over the parameters in Python: one fused update and a
@@ -56,11 +101,18 @@ OPTIMIZER_OPS = {Optimizer.ADAMW: (8, 0, 8), Optimizer.USER: (8, 0, 8), Optimize
 
 def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,
                  work: Workload | None = None, offloaded_activations: int = 0, kernels: int = 0) -> float:
-    """Predicted seconds per optimizer step of `config` on `gpu` (the module docstring).
+    """Predicted seconds per optimizer step of `config` on `gpu` (the module docstring; `step_cost` has the
+    parts)."""
+    return step_cost(spec, config, gpu, facts, work, offloaded_activations, kernels).seconds
+
+
+def step_cost(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFacts,
+              work: Workload | None = None, offloaded_activations: int = 0, kernels: int = 0) -> StepCost:
+    """Predicted seconds per optimizer step of `config` on `gpu`, by part (the module docstring).
     `work` is the model's per-sample arithmetic (`autofit.estimate.workload`), found from `spec` when None;
     `offloaded_activations`: bytes of saved tensors copied to the host and back in each micro-step;
     `kernels`: kernels one micro-step launches (`Estimate.kernels`; 0: no launch floor). The compute part
-    never implies more than the card's peak FLOP/s."""
+    never implies more than the card's peak FLOP/s. The network between nodes is `spec.target`'s."""
     work = work or workload(spec, facts.num_params, facts.num_blocks)
     adapters = config.adapters
     per_position = (4 if adapters else 6) + 2 * config.recomputed_share
@@ -76,19 +128,47 @@ def step_seconds(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: Mode
     slowdown = {Quantization.NF4: NF4_SLOWDOWN, Quantization.INT8: INT8_SLOWDOWN}.get(config.quantization, 1.0)
     pcie_copies = 2 * offloaded_activations / (gpu.pcie_gbps * 1e9)  # out and back
     micro = max(flops / rate * slowdown, flops / peak) + pcie_copies
-    n, link, pcie = config.num_gpus, gpu.interconnect_gbps * 1e9, gpu.pcie_gbps * 1e9
+    n, pcie = config.num_gpus, gpu.pcie_gbps * 1e9
+    inter = spec.target.inter_node_gbps
+    links = Links(gpu.interconnect_gbps * 1e9, inter * 1e9 if inter else None, config.nodes)
     trained = (config.lora or 16) * facts.lora_params_per_rank if adapters else facts.trainable_params
     half = 4 if compute == "fp32" else 2
     grad_bytes = (half if config.zero_stage or config.pure_bf16 or spec.model.half_weights else 4) * trained
-    comm = 2 * (n - 1) / n * grad_bytes / link if n > 1 else 0.0
-    if config.shards_parameters:  # parameters all-gathered in forward and backward, every micro-step
-        micro += 2 * (n - 1) / max(n, 1) * half * facts.num_params / link
+    within, across = collective_seconds(config, links, grad_bytes, half * facts.num_params)
     offload = 0.0
     if config.offload is not Offload.NONE:
         offload = 2 * half * trained / n / pcie + trained / n / CPU_ADAM_PARAMS_PER_S
         if config.shards_parameters:
-            micro += 2 * half * facts.num_params / n / pcie
-    return max(config.grad_accum_steps * micro + comm + offload, host_seconds(config, facts, kernels))
+            offload += config.grad_accum_steps * 2 * half * facts.num_params / n / pcie
+    return StepCost(config.grad_accum_steps * micro, within, across, offload, host_seconds(config, facts, kernels))
+
+
+def collective_seconds(config: Config, links: Links, grad_bytes: float, weight_bytes: float) -> tuple[float, float]:
+    """(within-node, across-node) seconds of one optimizer step's collectives: the gradients' all-reduce
+    (reduce-scatter and all-gather) once per step, and with sharded parameters two all-gathers of the
+    16-bit weights (`weight_bytes`) in every micro-step, forward and backward. Over one node everything is
+    within it; over several, a collective of every rank crosses the network, while hybrid FSDP2 keeps its
+    gathers and a first reduce within the node and all-reduces a node's shard across nodes, and ZeRO++
+    hpZ gathers the backward's weights within the node."""
+    n, per_node, micro = config.num_gpus, config.gpus_per_node, config.grad_accum_steps
+    steps: list[tuple[float, float]] = []  # (within, across) seconds of each collective, times its count
+    if config.sharding is Sharding.FSDP_HYBRID:
+        steps += [_times(2, links.ring(per_node, grad_bytes, False)),  # reduce within the node
+                  _times(2, links.ring(config.nodes, grad_bytes / per_node, True)),  # a shard's replicas
+                  _times(2 * micro, links.ring(per_node, weight_bytes, False))]
+    elif n > 1:
+        quantized = config.sharding is Sharding.ZERO3_HPZ_QUANTIZED
+        steps.append(_times(2, links.ring(n, grad_bytes * (QUANTIZED_GRAD_SHARE if quantized else 1), True)))
+        if config.sharding.hierarchical:  # forward over every rank (int8 under qwZ), backward within the node
+            forward = weight_bytes * (QUANTIZED_WEIGHT_BYTES / 2 if quantized else 1)
+            steps += [_times(micro, links.ring(n, forward, True)), _times(micro, links.ring(per_node, weight_bytes, False))]
+        elif config.shards_parameters:
+            steps.append(_times(2 * micro, links.ring(n, weight_bytes, True)))
+    return sum(w for w, _ in steps), sum(a for _, a in steps)
+
+
+def _times(count: float, seconds: tuple[float, float]) -> tuple[float, float]:
+    return count * seconds[0], count * seconds[1]
 
 
 def host_seconds(config: Config, facts: ModelFacts, kernels: int) -> float:
@@ -121,6 +201,7 @@ def engine_host_ops(config: Config, facts: ModelFacts) -> int:
         return (3 if config.offloads else 2) * facts.tensors_trained(config.adapters)
     if config.engine is Engine.FSDP:
         transfers = (2 if config.shards_parameters else 1) + 1  # gathers in forward (and backward), one reduce
-        per_unit = FSDP_OPS_PER_UNIT[config.sharding] + transfers * ((config.num_gpus > 1) + config.offloads)
+        across = config.sharding is Sharding.FSDP_HYBRID and config.nodes > 1  # the replicas' all-reduce
+        per_unit = FSDP_OPS_PER_UNIT[config.sharding] + transfers * ((config.num_gpus > 1) + config.offloads) + across
         return per_unit * (facts.num_blocks + 1)
     return 0

@@ -14,6 +14,10 @@ Adam moments per parameter, each partitioned over N GPUs by its stage. Without Z
 with autocast: the weights as the model stores them (fp32: 4 bytes; a bf16 model: 2), gradients and the
 optimizer's states in the same dtype. FSDP2 shards all three over N and gathers blocks in the
 mixed-precision policy's dtype.
+
+Over several nodes N is every GPU, but for hybrid FSDP2, which shards within a node (N = its GPUs,
+`Config.shard_ranks`) and replicates across nodes; ZeRO++ hpZ adds a secondary partition of the 16-bit
+weights over a node's GPUs beside ZeRO-3's own. Host memory for offload is per node.
 """
 
 from __future__ import annotations
@@ -108,14 +112,14 @@ def _states(facts: ModelFacts, config: Config) -> States:
     half = 2 if config.half_precision else 4
     master = 4 * trainable  # fp32 copies the optimizer updates: a clone even in fp32 (stage_1_and_2.py l.570)
     k_bytes = master + optimizer_bytes(facts, config.optimizer, trainable)
-    params = half * trainable / (n if config.zero_stage >= 3 else 1) + wb * frozen
+    params = half * trainable / (n if config.zero_stage >= 3 else 1) + wb * frozen + secondary_partition(facts, config)
     grads = half * trainable / (n if config.zero_stage >= 2 else 1)
     optimizer = k_bytes / n
     if not config.offloads:
         return States(int(params), int(grads), int(optimizer))
-    # Host RAM over all N ranks: each rank's K-byte partition plus its fp32 gradient partition for CPU Adam.
+    # Host RAM over a node's ranks: each rank's K-byte partition plus its fp32 gradient partition for CPU Adam.
     to_host = config.offload is Offload.CPU
-    cpu = k_bytes + 4 * trainable if to_host else 0
+    cpu = (k_bytes + 4 * trainable) / config.nodes if to_host else 0
     if config.zero_stage == 2:
         # Stage 2 with an offloaded optimizer copies each reduced gradient into the host's fp32 partition and
         # frees it (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`, "clear_grad_attribute(param)  #offload
@@ -123,28 +127,39 @@ def _states(facts: ModelFacts, config: Config) -> States:
         # its gradients whole until the boundary's reduce.
         grads = 0
     if config.zero_stage >= 3:
-        cpu += half * trainable if to_host else 0
+        cpu += half * trainable / config.nodes if to_host else 0
         # Stage 3 with an offloaded optimizer (to the CPU or NVMe) makes its gradient partitions on the host:
         # `grad_partitions_flat_buffer` on `self.device`, which is the CPU then (stage3.py, DeepSpeed 0.19.8),
         # in the accumulation dtype (the model's, `engine.get_data_types`); the GPU holds a partition only
         # while it is copied there (`partition_grads`).
         params, grads = wb * frozen, 0
-        cpu += half * trainable
+        cpu += half * trainable / config.nodes
     return States(int(params), int(grads), 0, int(cpu))
+
+
+def secondary_partition(facts: ModelFacts, config: Config) -> float:
+    """ZeRO++ hpZ's secondary partition: the 16-bit trainable weights partitioned over a node's GPUs
+    (`zero_hpz_partition_size`), on each GPU beside ZeRO-3's primary partition over every GPU, so the
+    backward gathers within the node (deepspeed/runtime/zero/partition_parameters.py `_partition_param_sec`:
+    `tensor_size // num_ranks_in_param_group` elements of the parameter's dtype); 0 for other shardings."""
+    if not (config.sharding.hierarchical and config.engine is Engine.DEEPSPEED):
+        return 0.0
+    return (2 if config.half_precision else 4) * facts.trainable_params / config.gpus_per_node
 
 
 def _fsdp_states(facts: ModelFacts, config: Config) -> States:
     """FSDP2 (`fully_shard` on each block and the root) keeps each parameter as a 1/N shard in its own
     dtype, its gradient shard in the same dtype (the reduce-scatter output) and the optimizer's states on
     the shards: everything over N, at every sharding mode (the modes differ in what is gathered, see
-    `Estimator._gathered`). `CPUOffloadPolicy` keeps all three in host memory. Pure bf16 casts the
-    weights to bf16 before they are sharded."""
-    n = max(config.num_gpus, 1)
+    `Estimator._gathered`). `CPUOffloadPolicy` keeps all three in host memory (a node's ranks' on its
+    host). Pure bf16 casts the weights to bf16 before they are sharded. N: the GPUs sharding (`shard_ranks`:
+    a node's under hybrid sharding)."""
+    n = max(config.shard_ranks, 1)
     wb, trainable = 2.0 if config.pure_bf16 else facts.weight_bytes, facts.trainable_params
     states = States(int(wb * facts.num_params / n), int(wb * trainable / n),
                     int(optimizer_bytes(facts, config.optimizer, trainable, wb) / n))
     if config.offload is Offload.CPU:
-        return States(0, 0, 0, n * (states.params + states.grads + states.optimizer))
+        return States(0, 0, 0, config.gpus_per_node * (states.params + states.grads + states.optimizer))
     return states
 
 
@@ -152,13 +167,14 @@ def _sharded(states: States, config: Config, resident: int = 0) -> States:
     """Adapter states under a sharding engine: FSDP2 shards all three (or keeps them on the host with CPU
     offload); ZeRO by its stage. `states` are one rank's unsharded states, of whose weights `resident`
     bytes are no parameter's data and stay whole on every device (`quantization_constants`)."""
-    n = max(config.num_gpus, 1)
+    n = max(config.shard_ranks, 1)
     fsdp = config.engine is Engine.FSDP
     if fsdp and config.offload is Offload.CPU:  # CPUOffloadPolicy: every state on the host
         return States(resident, 0, 0, states.params - resident + states.grads + states.optimizer)
     if n == 1 or config.sharding.stage == 0:
         return states
-    return States((states.params - resident) // (n if fsdp or config.shards_parameters else 1) + resident,
+    secondary = (states.params - resident) // config.gpus_per_node if config.sharding.hierarchical and not fsdp else 0
+    return States((states.params - resident) // (n if fsdp or config.shards_parameters else 1) + resident + secondary,
                   states.grads // (n if fsdp or config.shards_gradients else 1),
                   states.optimizer // n, states.cpu)
 
@@ -240,7 +256,7 @@ def fsdp_gathered(facts: ModelFacts, config: Config) -> int:
     the model or not) has none."""
     size = 2 if config.half_precision else facts.weight_bytes
     root = facts.num_params - facts.num_blocks * facts.block_params
-    blocks = min(2 if config.sharding is Sharding.FSDP_FULL else facts.num_blocks, facts.num_blocks)
+    blocks = min(2 if config.sharding.reshards_after_forward else facts.num_blocks, facts.num_blocks)
     block = size * facts.block_params
     packed = {Quantization.NF4: NF4_PACKED_BYTES, Quantization.INT8: INT8_BYTES}.get(config.quantization)
     if packed is not None and facts.num_blocks:  # a quantized block gathers its linear layers packed
@@ -278,7 +294,7 @@ def optimizer_temporaries(facts: ModelFacts, config: Config, target: str) -> int
     own = facts.own_optimizer if config.optimizer is Optimizer.USER else None
     if target != "cuda":
         return int((own.single_temporaries if own else 2) * size * min(facts.largest_param, trainable))
-    shards = max(config.num_gpus, 1) if config.shards_optimizer else 1
+    shards = max(config.shard_ranks, 1) if config.shards_optimizer else 1
     return int((own.foreach_temporaries if own else 1) * size * trainable / shards)
 
 
@@ -294,7 +310,11 @@ def state_notes(config: Config, states: States, facts: ModelFacts) -> list[str]:
     elif config.optimizer is not Optimizer.ADAMW:
         notes.append(f"{config.optimizer.value} states by formula")
     if config.zero_stage:
-        notes.append(f"ZeRO-{config.zero_stage} states by formula")
+        notes.append(f"ZeRO-{config.zero_stage} states by formula" +
+                     (f", with ZeRO++'s partition within a node of {config.gpus_per_node}"
+                      if secondary_partition(facts, config) else ""))
+    if config.sharding is Sharding.FSDP_HYBRID:
+        notes.append(f"FSDP2 states sharded over a node's {config.gpus_per_node} GPUs, replicated on {config.nodes} nodes")
     if config.offloads:
         notes.append(f"offload to {config.offload.value}: {format_size(states.cpu)} of host RAM")
     return notes

@@ -11,7 +11,9 @@ micro-batch, the whole model's per rank). The micro-batch, checkpointing, optimi
 accelerate has no key for) reach the script through the plan, written beside the launch script and named
 in AUTOFIT_PLAN: `autofit.prepare(os.environ["AUTOFIT_PLAN"], model, engine=False)` applies them with
 the probe's code, and `prepared.micro_batch_size` sizes the DataLoader (the same AUTOFIT_* variables as
-torchrun.sh are exported too).
+torchrun.sh are exported too). Over several machines the YAML holds their count (`num_machines`) and
+accelerate_launch.sh, run on each, passes its rank and the first machine's address (NODE_RANK,
+MASTER_ADDR: `autofit.export.nodes`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from autofit.export import nodes
 from autofit.export.measured import comment_lines, require_fit, with_launcher_keys
 from autofit.export.model_setup import setup_comments
 from autofit.export.output import PLAN_FILENAME, Output, plan_output
@@ -43,9 +46,9 @@ def accelerate_config(plan: "Plan") -> dict[str, Any]:
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": ("MULTI_CPU" if on_cpu else "MULTI_GPU") if config.num_gpus > 1 else "NO",
-        "num_processes": config.num_gpus,
-        "num_machines": 1,
-        "machine_rank": 0,
+        "num_processes": config.num_gpus,  # over every machine
+        "num_machines": config.nodes,
+        "machine_rank": 0,  # over several machines accelerate_launch.sh passes each its own (NODE_RANK)
         "mixed_precision": "no",
         "use_cpu": on_cpu,
         "gpu_ids": "all",
@@ -55,6 +58,8 @@ def accelerate_config(plan: "Plan") -> dict[str, Any]:
         "downcast_bf16": "no",
         "debug": False,
     }
+    if config.nodes > 1:  # the first machine's address differs per cluster: accelerate_launch.sh passes it
+        out.update({"main_process_ip": None, "main_process_port": nodes.DEFAULT_PORT})
     return with_launcher_keys(out, plan, "accelerate")
 
 
@@ -68,12 +73,14 @@ def launch_script(plan: "Plan", config_file: str = FILENAME) -> str:
              "# In train.py: prepared = autofit.prepare(os.environ[\"AUTOFIT_PLAN\"], model, engine=False) applies the",
              "# micro-batch (prepared.micro_batch_size), checkpointing and optimizer; then accelerator.prepare(...).",
              *setup_comments(plan, "accelerate"),
-             "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+             "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+             *nodes.accelerate_setup_lines(plan.config)]
     if _accumulation_variable(plan):
         lines.append(f"export ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.config.grad_accum_steps}")
     lines += [f'export {name}="{value}"' if value.startswith("$here") else f"export {name}={shlex.quote(value)}"
               for name, value in environment(plan).items() if name != DEEPSPEED_VARIABLE]
-    lines.append(f'exec accelerate launch --config_file "$here/{config_file}" "$@"')
+    launch = ["accelerate", "launch", "--config_file", f"$here/{config_file}", *nodes.accelerate_arguments(plan.config)]
+    lines.append(f'exec {nodes.shell_join(launch)} "$@"')
     return "\n".join(lines) + "\n"
 
 

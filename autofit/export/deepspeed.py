@@ -1,6 +1,10 @@
 """DeepSpeed JSON: the config `deepspeed.initialize` reads, as the ZeRO probes passed it
 (`autofit.strategies.deepspeed_config`, the single source of that dict), plus an "autofit" section with the
 measurement (DeepSpeed ignores unknown top-level keys).
+
+Over several nodes also a hostfile (a line per node, `slots` its GPUs) and deepspeed_launch.sh, which runs
+`deepspeed --hostfile` on the first node (DeepSpeed's runner starts every node's ranks over ssh) with the
+config as `--deepspeed_config` (`deepspeed.add_config_arguments` reads it).
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autofit.export.measured import measured, require_fit, with_launcher_keys
+from autofit.export import nodes
+from autofit.export.measured import comment_lines, measured, require_fit, with_launcher_keys
 from autofit.export.model_setup import left_out, setup_lines
 from autofit.export.output import Output
 from autofit.strategies.deepspeed_config import FILENAME, plan_config
@@ -19,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FILENAME", "file_config", "files", "launched"]
 SECTION = "autofit"  # the measurement and what your script applies: DeepSpeed ignores unknown top-level keys
+
+LAUNCH_FILENAME = "deepspeed_launch.sh"
 
 
 def file_config(plan: "Plan") -> dict[str, Any]:
@@ -41,6 +48,24 @@ def launched(plan: "Plan") -> dict[str, Any]:
     return with_launcher_keys(plan_config(plan.config, plan.settings, plan.spec), plan, "deepspeed")
 
 
+def launch_script(plan: "Plan") -> str:
+    """deepspeed_launch.sh for a plan over several nodes: `deepspeed --hostfile` on the first node, the
+    training script and its arguments, then the config."""
+    command = ["deepspeed", *nodes.deepspeed_arguments(plan.config, f"$here/{nodes.HOSTFILE}")]
+    return "\n".join([
+        "#!/usr/bin/env bash", *comment_lines(plan),
+        f"# Usage, on the first node: bash {LAUNCH_FILENAME} train.py [script args]; train.py reads --deepspeed_config",
+        f"# (deepspeed.add_config_arguments). Name your nodes in {nodes.HOSTFILE} first.",
+        "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+        *nodes.setup_lines(plan.config, every_node=False),
+        f'exec {nodes.shell_join(command)} "$@" --deepspeed --deepspeed_config "$here/{FILENAME}"',
+    ]) + "\n"
+
+
 def files(plan: "Plan", folder: Path) -> list[Output]:
-    """deepspeed.json."""
-    return [Output(FILENAME, json.dumps(file_config(plan), indent=2) + "\n")]
+    """deepspeed.json, and over several nodes the hostfile and deepspeed_launch.sh."""
+    out = [Output(FILENAME, json.dumps(file_config(plan), indent=2) + "\n")]
+    if plan.config.nodes > 1:
+        out += [Output(nodes.HOSTFILE, nodes.hostfile(plan.config)),
+                Output(LAUNCH_FILENAME, launch_script(plan), executable=True)]
+    return out

@@ -5,6 +5,8 @@ applies every knob in the training script with the probe's own code; train_with_
 script (`--model`, `--dataset`, as `autofit tune` reads them). The knobs also travel as AUTOFIT_*
 variables for scripts of your own, with those strategies add (`Strategy.launcher_keys(config, "torchrun")`);
 where one names a DeepSpeed config (AUTOFIT_DEEPSPEED_CONFIG, ZeRO's), it is written beside them.
+Over several nodes torchrun.sh runs on every node and the nodes meet at a c10d rendezvous on the first
+(MASTER_ADDR, MASTER_PORT: `autofit.export.nodes`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
+from autofit.export import nodes
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, measured, python_literal, require_fit
 from autofit.export.model_setup import launcher_keys, setup_comments
@@ -46,9 +49,10 @@ def environment(plan: "Plan") -> dict[str, str]:
 
 
 def command(plan: "Plan") -> list[str]:
-    """The torchrun command line (the training script and its arguments follow it)."""
+    """The torchrun command line (the training script and its arguments follow it); over several nodes its
+    rendezvous names MASTER_ADDR and MASTER_PORT, which the script expands (`autofit.export.nodes`)."""
     require_fit(plan)
-    return ["torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node", str(plan.config.num_gpus)]
+    return ["torchrun", *nodes.torchrun_arguments(plan.config)]
 
 
 def script(plan: "Plan") -> str:
@@ -58,8 +62,8 @@ def script(plan: "Plan") -> str:
     return "\n".join([
         "#!/usr/bin/env bash", *comment_lines(plan), *setup_comments(plan, "torchrun"),
         "# Usage: bash torchrun.sh train.py [script args]", "set -euo pipefail",
-        'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', *exports,
-        f'exec {shlex.join(command(plan))} "$@"',
+        'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', *nodes.setup_lines(plan.config), *exports,
+        f'exec {nodes.shell_join(command(plan))} "$@"',
     ]) + "\n"
 
 

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autofit.export import nodes
 from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import measured, python_literal, require_fit, with_launcher_keys
@@ -70,7 +71,7 @@ def script(plan: "Plan") -> str:
 is MEASURED below (and plan.json beside this file, where autofit tune wrote both).
 
     {launch_words(plan)} --model MODEL --dataset FILE.py:fn [--collate-fn FILE.py:fn] [--max-steps N]
-
+{_nodes_usage(plan)}
 MODEL is what `autofit tune --model` took; the dataset's samples are dicts the model takes, with labels
 (a Hugging Face model returns its loss). In Python: `from train_with_trainer import train`, then
 `train(model, dataset, num_train_epochs=3)` (keyword overrides win).
@@ -143,14 +144,26 @@ if __name__ == "__main__":
 '''
 
 
+def _nodes_usage(plan: "Plan") -> str:
+    """Over several nodes, how the script is launched on each (torchrun's rendezvous); nothing on one."""
+    config = plan.config
+    if config.nodes == 1:
+        return ""
+    words = " ".join(w if "$" not in w else f'"{w}"' for w in nodes.torchrun_arguments(config))
+    return (f"\nOver {config.nodes} nodes x {config.gpus_per_node} GPUs, on every node (MASTER_ADDR: the first node's "
+            f"address,\nMASTER_PORT: {nodes.DEFAULT_PORT} unless set; these files on a path every node reads):\n\n"
+            f"    torchrun {words} train_with_trainer.py --model MODEL --dataset FILE.py:fn\n")
+
+
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
 def _usage(plan: "Plan") -> str:
-    """How to launch the script: python, or torchrun on as many processes as the plan has ranks."""
-    ranks = plan.config.num_gpus
-    return f"torchrun --nproc_per_node {ranks}" if ranks > 1 else "python"
+    """How to launch the script: python, or torchrun on as many processes as the plan has ranks on a node (over
+    several nodes, `_nodes_usage` says how each node joins)."""
+    ranks = plan.config.gpus_per_node
+    return f"torchrun --nproc_per_node {ranks}" if plan.config.num_gpus > 1 else "python"
 
 
 def launch_words(plan: "Plan") -> str:

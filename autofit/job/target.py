@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from autofit.errors import Param, UsageError
+
 if TYPE_CHECKING:
     from autofit.devices.gpus import GpuProfile
 
@@ -27,13 +29,30 @@ class Target:
 
     device_type: str  # "cuda" or "cpu"
     name: str  # "NVIDIA H100 80GB HBM3", "a100-80gb" (a profile) or "cpu (2 cores)"
-    count: int  # data-parallel ranks (devices)
+    count: int  # data-parallel ranks (devices), over every node
     memory_bytes: int  # per device: the budget a plan may use there
     bf16: bool  # whether bf16 runs natively
     bf16_reason: str  # one line, e.g. "CUDA SM 7.5: bf16 not native, fp16 with GradScaler instead"
     extras: frozenset[str]  # optional packages installed (live) or assumed installable (profile)
-    interconnect_gbps: float | None = None  # GPU <-> GPU per GPU; None where unknown
+    interconnect_gbps: float | None = None  # GPU <-> GPU per GPU within a node; None where unknown
     live: bool = True  # built from a device here (probes run) rather than from a profile
+    nodes: int = 1  # machines the `count` devices span, count // nodes each
+    inter_node_gbps: float | None = None  # what each GPU sends across nodes (its share of the network)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.count % self.nodes:
+            raise UsageError("{count} over {nodes}: every node has as many GPUs, so the count must be a multiple of "
+                             "the nodes (nodes x GPUs per node).", count=Param("num_gpus", self.count),
+                             nodes=Param("nodes", self.nodes))
+
+    @property
+    def per_node(self) -> int:
+        """Devices on each node."""
+        return self.count // self.nodes
+
+    def describe_layout(self) -> str:
+        """"4 nodes x 8" over several nodes, else the device count."""
+        return f"{self.nodes} nodes x {self.per_node}" if self.nodes > 1 else str(self.count)
 
     @property
     def cuda(self) -> bool:
@@ -45,20 +64,24 @@ class Target:
         return extra in self.extras
 
     @classmethod
-    def from_device(cls, device: torch.device, count: int, memory_bytes: int) -> "Target":
-        """The target of a live device: what this machine has and has installed."""
+    def from_device(cls, device: torch.device, count: int, memory_bytes: int, nodes: int = 1) -> "Target":
+        """The target of a live device: what this machine has and has installed; over `nodes` machines like
+        it, of which the probes run one (or, where this machine has them all, every rank)."""
         from autofit.devices.device import bf16_support, describe
 
         bf16, why = bf16_support(device)
-        return cls(device.type, describe(device), count, memory_bytes, bf16, why, installed_extras(), None, True)
+        return cls(device.type, describe(device), count, memory_bytes, bf16, why, installed_extras(), None, True,
+                   nodes)
 
     @classmethod
-    def from_profile(cls, profile: "GpuProfile", count: int) -> "Target":
-        """The target of a GPU profile (dry-run): every extra is assumed installable there."""
+    def from_profile(cls, profile: "GpuProfile", count: int, nodes: int = 1,
+                     inter_node_gbps: float | None = None) -> "Target":
+        """The target of a GPU profile (dry-run): every extra is assumed installable there; `count` GPUs over
+        `nodes` nodes whose network gives each GPU `inter_node_gbps` GB/s."""
         why = f"{profile.display} supports bf16" if profile.bf16 else \
             f"{profile.display} has no native bf16: fp16 with GradScaler instead"
         return cls("cuda", profile.name, count, profile.memory_bytes, profile.bf16, why, frozenset(EXTRAS),
-                   profile.interconnect_gbps, False)
+                   profile.interconnect_gbps, False, nodes, inter_node_gbps)
 
 
 def installed_extras() -> frozenset[str]:

@@ -124,7 +124,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
               num_gpus: int = 1, allow: Any = None, optimizer: Any = "adamw",
               loss_fn: LossFn | None = None, seq_len: int | None = None,
               safety_margin: float = DEFAULT_SAFETY_MARGIN, warmup_steps: int = 2, timed_steps: int = 3,
-              max_micro_batch: int = 1024, target: Target | None = None, nvme_path: Any = None) -> TrainSpec:
+              max_micro_batch: int = 1024, target: Target | None = None, nvme_path: Any = None,
+              nodes: int = 1) -> TrainSpec:
     """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning).
 
     `target`: the hardware planned for, when it is not the probe device (the dry-run's GPU profile)."""
@@ -154,7 +155,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
     if global_batch_size is not None:
         _check_global_batch(global_batch_size, num_gpus)
     _check_fraction("safety_margin", safety_margin)
-    target = target or Target.from_device(resolved, num_gpus, budget)
+    _check_positive("nodes", nodes)
+    target = target or Target.from_device(resolved, num_gpus, budget, nodes)  # over `nodes`: a multiple of them
     spec = TrainSpec(
         model_factory=model_factory, batch_factory=batch_factory, model=info, device=resolved, target=target,
         memory_budget=budget, budget_reason=budget_reason, global_batch_size=global_batch_size,

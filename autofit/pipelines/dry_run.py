@@ -4,11 +4,14 @@ would keep on these predicted speeds is chosen (`_decided`: the tuner's margins)
 
     report = autofit.dry_run("llama-2-7b", seq_len=4096, global_batch_size=64, gpu="a100-80gb", num_gpus=8)
     report.chosen.config, report.chosen.peak_bytes, [c.fits for c in report.candidates]
+    autofit.dry_run("llama-2-70b", seq_len=4096, global_batch_size=512, gpu="h100", nodes=4, gpus_per_node=8)
 
 Candidates are the levels of the same space the tuner walks (`autofit.search.space.build_space` for a
 `Target` built from the GPU profile, every extra assumed installable there), each at its largest
 micro-batch predicted to fit (its smallest when none does). The dry-run adds only its report; the
-fitting candidates are ranked by predicted seconds per step (`autofit.estimate.cost_model`).
+fitting candidates are ranked by predicted seconds per step (`autofit.estimate.cost_model`). Over several
+nodes the strategies add their hierarchical sharding beside sharding over every GPU, the cost model charges
+each collective to the link it crosses, and the chosen reason says what crossing nodes costs (`_nodes_note`).
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.errors import Param, UsageError
-from autofit.estimate.cost_model import SECONDS_PER_KERNEL, host_seconds, step_seconds
+from autofit.estimate.cost_model import SECONDS_PER_KERNEL, StepCost, step_cost
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.prediction import Estimate
 from autofit.estimate.tolerance import tolerance_for
-from autofit.devices.gpus import GpuProfile, get_gpu, split_count
+from autofit.devices.gpus import GpuProfile, Layout, get_gpu, layout, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
 from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, Standing, change_order, margin_between
@@ -60,6 +63,7 @@ class Candidate:
     # the estimator's error on the target (relative, `tolerance_for`): a fit whose need at this error reaches
     # past the limit is near the limit (`near_limit`)
     tolerance: float = 0.0
+    cost: StepCost | None = None  # `step_seconds` by part: compute, collectives within and across nodes, ...
 
     @property
     def near_limit(self) -> bool:
@@ -98,7 +102,8 @@ class Candidate:
                 "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
                 "activations": "simulated" if self.estimate.simulated else "formula",
                 "error_bound": self.estimate.error_bound, "near_limit": self.near_limit,
-                "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s}
+                "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s,
+                "step_cost": dataclasses.asdict(self.cost) if self.cost else None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,7 @@ class DryRunReport:
     # where `chosen` is near the limit (`Candidate.near_limit`): the fit `autofit tune` would keep among those
     # that are not (None: the choice has headroom, or no fit has)
     headroom: Candidate | None = None
+    layout: Layout | None = None  # the nodes the GPUs are on, and the network between them (None: one node)
 
     @property
     def fits(self) -> bool:
@@ -153,7 +159,10 @@ class DryRunReport:
         """One JSON document: the candidates, the chosen one, and the target."""
         chosen = self.candidates.index(self.chosen) if self.chosen is not None else None
         return {"model": self.model, "gpu": self.gpu.name, "gpu_memory": self.gpu.memory_bytes,
-                "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
+                "num_gpus": self.num_gpus, "nodes": self.layout.nodes if self.layout else 1,
+                "gpus_per_node": self.layout.per_node if self.layout else self.num_gpus,
+                "inter_node_gbps": self.layout.inter_node_gbps if self.layout else None,
+                "network": self.layout.network if self.layout else "", "global_batch_size": self.global_batch_size,
                 "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
                 "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
@@ -163,7 +172,8 @@ class DryRunReport:
 
 
 def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int | None = None,
-            global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
+            nodes: int | None = None, gpus_per_node: int | None = None, node_network: str | None = None,
+            inter_node_gbps: float | None = None, global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
             allow: Any = None, optimizer: Any = "adamw", loss_fn: Any = None, safety_margin: float = 0.10,
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
             lora_targets: Sequence[str] | None = None, deferred_sync: bool = False,
@@ -177,8 +187,16 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         batch: as `autofit.autofit`; None synthesizes token ids (or pixels) from a Hugging Face config.
         gpu: a profile name from `autofit gpus` (or a `GpuProfile`), with the count in front where you like:
             "8xa100-40gb" is `gpu="a100-40gb", num_gpus=8`.
-        num_gpus: data-parallel GPUs (default: the count in `gpu`, else 1); ZeRO stages and FSDP2 are
-            planned when more than one.
+        num_gpus: data-parallel GPUs over every node (default: the count in `gpu`, else nodes x
+            gpus_per_node, else 1); ZeRO stages and FSDP2 are planned when more than one.
+        nodes: machines the GPUs are on (default 1); over several, hybrid FSDP2 and ZeRO++ (sharding within
+            a node) are planned beside sharding over every GPU, each collective charged to the link it crosses.
+        gpus_per_node: GPUs on each node (default: num_gpus / nodes, else the profile's node type: 8 on
+            HGX boards).
+        node_network: the network between nodes, a profile from `autofit gpus` ("ib-ndr", "efa-p5"; default
+            the node type's).
+        inter_node_gbps: GB/s (10^9 bytes/s) each GPU sends across nodes, instead of a network profile (a
+            400 Gb/s NIC per GPU: 50).
         global_batch_size: samples per optimizer step over all GPUs, kept exactly (micro-batch x
             accumulation x GPUs). None plans micro-batches 1..`max_micro_batch` without accumulation.
         seq_len: sequence length of a synthesized batch (at most the model's maximum).
@@ -206,10 +224,11 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     from autofit.strategies import default_strategies
 
     started = time.perf_counter()
-    profile, num_gpus = _gpus(gpu, num_gpus)
+    profile, count = _gpus(gpu, num_gpus)
     if gpu_memory is not None:
         profile = profile.with_memory(parse_size(gpu_memory, "gpu_memory"))
-    spec, description = _spec(model, batch, profile, num_gpus, global_batch_size, seq_len, allow, optimizer,
+    where = layout(profile, count, nodes, gpus_per_node, node_network, inter_node_gbps)
+    spec, description = _spec(model, batch, profile, where, global_batch_size, seq_len, allow, optimizer,
                               loss_fn, safety_margin, max_micro_batch)
     chosen_strategies = list(strategies) if strategies is not None else default_strategies()
     if lora_targets is not None:
@@ -229,8 +248,9 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     roomy = [c for c in fitting if not c.near_limit]
     headroom = _decided(space, roomy) if chosen is not None and chosen.near_limit and roomy else None
     if chosen:
-        reason, shortfall = spec.model.noting_weights(_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator)
-                                                      + _edge_note(chosen, headroom), chosen.config.precision), None
+        said = (_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) + _nodes_note(chosen, allowed)
+                + _edge_note(chosen, headroom))
+        reason, shortfall = spec.model.noting_weights(said, chosen.config.precision), None
         reason += host_note(chosen, profile, spec.num_gpus) if host is None else ""
     elif over and host is not None:
         reason, shortfall = host_shortfall(over, host), None
@@ -239,7 +259,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
-                        time.perf_counter() - started, spec.batch_description, shortfall, headroom)
+                        time.perf_counter() - started, spec.batch_description, shortfall, headroom,
+                        where if where.nodes > 1 else None)
 
 
 def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
@@ -261,19 +282,20 @@ def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> 
             for s in strategies]
 
 
-def _gpus(gpu: str | GpuProfile, num_gpus: int | None) -> tuple[GpuProfile, int]:
-    """The profile and the GPU count that `gpu` ("a100-40gb", "8xa100-40gb") and `num_gpus` say together."""
+def _gpus(gpu: str | GpuProfile, num_gpus: int | None) -> tuple[GpuProfile, int | None]:
+    """The profile and the GPU count that `gpu` ("a100-40gb", "8xa100-40gb") and `num_gpus` say together
+    (None where neither gives one)."""
     if isinstance(gpu, GpuProfile):
-        return gpu, 1 if num_gpus is None else num_gpus
+        return gpu, num_gpus
     count, name = split_count(gpu)
     if count is not None and num_gpus is not None and count != num_gpus:
         raise UsageError("{given} says {count} GPUs but {ranks}: give the count once ({once}, or {joined}).",
                          given=Param("gpu", gpu), count=str(count), ranks=Param("num_gpus", num_gpus),
                          once=f"--gpu {name} --num-gpus N", joined=f"--gpu {count}x{name}")
-    return get_gpu(name), next(n for n in (count, num_gpus, 1) if n is not None)
+    return get_gpu(name), count if count is not None else num_gpus
 
 
-def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_batch_size: int | None,
+def _spec(model: Any, batch: Any, profile: GpuProfile, where: Layout, global_batch_size: int | None,
           seq_len: int | None, allow: Any, optimizer: Any, loss_fn: Any, safety_margin: float,
           max_micro_batch: int) -> tuple["TrainSpec", str]:
     from autofit.job.train_spec import make_spec
@@ -287,9 +309,9 @@ def _spec(model: Any, batch: Any, profile: GpuProfile, num_gpus: int, global_bat
         batch = batch if batch is not None else file_batch
     # The spec is built on the CPU (nothing is probed) for the profile's Target: its memory is the budget.
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device="cpu",
-                     memory_budget=profile.memory_bytes, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
+                     memory_budget=profile.memory_bytes, num_gpus=where.count, allow=allow, optimizer=optimizer,
                      loss_fn=loss_fn, seq_len=seq_len, safety_margin=safety_margin, max_micro_batch=max_micro_batch,
-                     target=Target.from_profile(profile, num_gpus))
+                     target=Target.from_profile(profile, where.count, where.nodes, where.inter_node_gbps))
     return spec, description or spec.model.name
 
 
@@ -353,15 +375,18 @@ class _Planner:
         """`config` predicted: its estimate, fit, speed and reason."""
         estimate = self.estimator.predict(config)
         fits = self._fits(estimate)
-        seconds = step_seconds(self.spec, config, self.gpu, self.estimator.facts, self.work,
-                               estimate.offloaded_activations, estimate.kernels)
+        cost = step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work, estimate.offloaded_activations,
+                         estimate.kernels)
+        seconds = cost.seconds
         samples = config.global_batch_size / seconds
         head = _verdict(estimate, fits, self.spec.fit_limit)
-        host = host_seconds(config, self.estimator.facts, estimate.kernels)
-        bound = f"; bound by the host issuing {round(host / SECONDS_PER_KERNEL):,} ops a step" if host >= seconds else ""
+        bound = f"; bound by the host issuing {round(cost.host / SECONDS_PER_KERNEL):,} ops a step" \
+            if cost.host >= seconds else ""
+        if config.nodes > 1:
+            bound += f"; {cost.across_nodes:.3g} s of its {seconds:.3g} s step across nodes"
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound})",
                          self.space.tier(config), seconds, samples, self.spec.fit_limit, self.space.numerics(config),
-                         tolerance_for(CUDA, config))
+                         tolerance_for(CUDA, config), cost)
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
@@ -459,6 +484,34 @@ def _edge_note(chosen: Candidate, headroom: Candidate | None) -> str:
         return note + "; no fitting candidate has headroom (probe it with autofit tune on the GPU)"
     return (f"{note}; with headroom: {headroom.config.describe()}, peak {format_size(headroom.peak_bytes)}, "
             f"~{headroom.samples_per_s:,.1f} samples/s")
+
+
+def _nodes_note(chosen: Candidate, allowed: list[Candidate]) -> str:
+    """Over several nodes: what crossing them costs the chosen candidate, against the fastest fit of the
+    other way to shard (within a node or over every GPU), or the closest of it where none fits."""
+    config = chosen.config
+    if config.nodes < 2 or chosen.cost is None:
+        return ""
+    hierarchical = config.sharding.hierarchical
+    others = [c for c in allowed if c.config.sharding.hierarchical != hierarchical and c.config.sharding.stage
+              and c.cost is not None]
+    ways = ("sharding within a node", "sharding over every GPU")
+    own, other_way = ways if hierarchical else ways[::-1]
+    said = (f". Across nodes: {chosen.cost.across_nodes:.3g} s of its {chosen.step_seconds:.3g} s step "
+            f"({config.sharding.value}, {own})" if config.sharding.stage else
+            f". Across nodes: {chosen.cost.across_nodes:.3g} s of its {chosen.step_seconds:.3g} s step")
+    fits = [c for c in others if c.fits]
+    if fits:
+        best = min(fits, key=lambda c: c.step_seconds)
+        saves = chosen.peak_bytes - best.peak_bytes
+        held = f"holds {format_size(saves)} less per GPU" if saves > 0 else f"holds {format_size(-saves)} more per GPU"
+        return (f"{said}; {other_way} ({best.config.describe()}) {held} and spends {best.cost.across_nodes:.3g} s of "
+                f"{best.step_seconds:.3g} s across nodes")
+    if others:
+        closest = min(others, key=lambda c: c.estimate.need_bytes)
+        return (f"{said}; {other_way} fits in none of its candidates (the smallest, {closest.config.describe()}, "
+                f"needs {format_size(closest.estimate.need_bytes)} per GPU)")
+    return said
 
 
 def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate],

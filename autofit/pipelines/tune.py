@@ -43,7 +43,7 @@ def _keeps_rng(function: Callable[..., Plan]) -> Callable[..., Plan]:
 
 @_keeps_rng
 def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = None, device: Any = None,
-            memory_budget: int | str | None = None, num_gpus: int = 1, allow: Any = None,
+            memory_budget: int | str | None = None, num_gpus: int = 1, nodes: int = 1, allow: Any = None,
             optimizer: Any = "adamw", loss_fn: LossFn | None = None, seq_len: int | None = None,
             storage: Any = None, strategies: Sequence[Strategy] | None = None,
             progress: Progress | bool | None = None, engine: EngineChoice | str = EngineChoice.AUTO,
@@ -65,7 +65,10 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         memory_budget: bytes or a string like "20GiB" the plan may use; enforced for real (the CPU
             budget counts every tensor; on CUDA the allocator's per-process fraction). Default: the
             card's memory, or the free host RAM on the CPU.
-        num_gpus: data-parallel ranks.
+        num_gpus: data-parallel ranks, over every node.
+        nodes: machines the ranks span (num_gpus // nodes each): sharding within a node (hybrid FSDP2,
+            ZeRO++) is searched beside sharding over every GPU. On CUDA one node's ranks run here and each
+            probe says which figures it measured; on the CPU every rank runs (a rehearsal of every node).
         allow: exactness tiers beyond the default: None (tiers 0-1), a tier 0-2, or names such as
             {"lora"}; tier 1 = "numerics", tier 2 = "lora"/"quantization".
         optimizer: "adamw" (the optimizer rung may swap it for 8-bit / paged / Adafactor), another name
@@ -99,12 +102,12 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     listener = make_progress(progress)
     chosen = engine_strategies(strategies, engine, nvme_path)
     spec = make_spec(model, batch, global_batch_size=global_batch_size, device=device,
-                     memory_budget=memory_budget, num_gpus=num_gpus, allow=allow, optimizer=optimizer,
+                     memory_budget=memory_budget, num_gpus=num_gpus, nodes=nodes, allow=allow, optimizer=optimizer,
                      loss_fn=loss_fn, seq_len=seq_len, safety_margin=opts.safety_margin,
                      warmup_steps=opts.warmup_steps, timed_steps=opts.timed_steps,
                      max_micro_batch=opts.max_micro_batch,
                      nvme_path=nvme_path if nvme_path is not None else _nvme_path_of(chosen))
-    check_ranks(spec.device, spec.num_gpus)
+    check_ranks(spec.device, spec.num_gpus // spec.target.nodes)  # over several nodes, one node's run here
     check_host_budget(spec)
     space = build_space(spec, chosen)
     if any(space.placement(level) is not Placement.IN_PROCESS for level in space.levels()):

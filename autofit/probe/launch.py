@@ -18,6 +18,7 @@ reports one JSON result; the parent:
 - always kills and reaps every process (and what it started), whatever happens.
 A fit is the slowest rank's step time and the largest rank's peak; every rank's peak is kept
 (`ProbeResult.rank_peaks`), and the reason names the rank that set the maximum.
+A plan over several nodes is probed on one (`ranks_here`): the reason says which figures that measured.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
     """Probe `config` in a child process (CHILD) or in `config.num_gpus` ranks (RANKS); never raises
     but for bad input (a spec that cannot be serialised: `UsageError`)."""
     ranks = placement is Placement.RANKS
-    world = config.num_gpus if ranks else 1
+    world = ranks_here(spec, config) if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
     with tempfile.TemporaryDirectory(prefix=JOB_FOLDER_PREFIX) as folder:
@@ -133,7 +134,27 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
             reports = _collect(processes, config, timeout)
         finally:
             _reap(processes)
-    return combine(spec, config, reports)
+    result = combine(spec, config, reports)
+    if world < config.num_gpus and result.status is ProbeStatus.FIT:
+        result = dataclasses.replace(result, reason=f"{result.reason}; {one_node_note(config)}")
+    return result
+
+
+def ranks_here(spec: TrainSpec, config: Config) -> int:
+    """The ranks a probe of `config` launches here: one node's on CUDA where the plan spans several (the
+    others are like it: probe one node, plan many), else every rank (on the CPU a rehearsal of every node,
+    where hybrid sharding's mesh has all its dimensions)."""
+    if config.nodes > 1 and spec.device.type == "cuda":
+        return config.gpus_per_node
+    return config.num_gpus
+
+
+def one_node_note(config: Config) -> str:
+    """What a probe on one node of a multi-node `config` measured and what it leaves to prediction."""
+    return (f"measured on one node of {config.nodes} ({config.gpus_per_node} ranks): the peak per GPU is what a "
+            "node holds (sharding within a node holds the same across nodes; sharding over every GPU holds less "
+            "there, so the figure is an upper bound), the step time leaves out the collectives across nodes, and "
+            "samples/s over every node is predicted from it (autofit dry-run --nodes charges those collectives)")
 
 
 def make_job(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], world: int, timeout: float,

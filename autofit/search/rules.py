@@ -38,7 +38,7 @@ def _offload_needs_engine(c: Config, t: "Target") -> str | None:
 
 
 def _nvme_needs_zero3(c: Config, t: "Target") -> str | None:
-    if c.offload is Offload.NVME and c.sharding is not Sharding.ZERO3:
+    if c.offload is Offload.NVME and c.zero_stage != 3:
         return (f"NVMe offload needs DeepSpeed ZeRO-3; with {c.sharding.value} DeepSpeed offloads to the CPU "
                 "instead and FSDP2 offloads to the CPU only")
     return None
@@ -129,6 +129,30 @@ def _activation_offload_pairing(c: Config, t: "Target") -> str | None:
     return None
 
 
+def _hierarchy_needs_nodes(c: Config, t: "Target") -> str | None:
+    if c.sharding.hierarchical and c.nodes < 2:
+        return (f"{c.sharding.value} shards or partitions within a node and across the others; on one node it is "
+                "sharding over every GPU, without the hierarchy")
+    return None
+
+
+def _hierarchy_keeps_weights_on_gpu(c: Config, t: "Target") -> str | None:
+    if c.sharding.hierarchical and c.engine is Engine.DEEPSPEED and c.offloads:
+        # DeepSpeed allocates the secondary partition on the parameters' device (partition_parameters.py
+        # `_partition_param_sec`: `device=self.remote_device`), the host under parameter offload
+        return (f"{c.sharding.value}'s secondary partition of the weights is there for the backward's gathers over "
+                f"the node's links; with offload={c.offload.value} DeepSpeed keeps it on the host, so they would "
+                "cross PCIe instead: offload with zero3")
+    return None
+
+
+def _quantized_collectives_half(c: Config, t: "Target") -> str | None:
+    if c.sharding is Sharding.ZERO3_HPZ_QUANTIZED and not c.half_precision:
+        return ("ZeRO++ quantizes the 16-bit weights and gradients DeepSpeed communicates under bf16/fp16; in fp32 "
+                "use zero3_hpz")
+    return None
+
+
 RULES = (
     Rule("offload needs an engine", ("offload", "sharding"), _offload_needs_engine),
     Rule("NVMe needs ZeRO-3", ("offload", "sharding"), _nvme_needs_zero3),
@@ -147,6 +171,9 @@ RULES = (
          _in_backward_global_view),
     Rule("activation offload with none or full checkpointing", ("activation_offload", "checkpointing"),
          _activation_offload_pairing),
+    Rule("hierarchical sharding needs several nodes", ("sharding", "nodes"), _hierarchy_needs_nodes),
+    Rule("ZeRO++'s node partition stays on the GPU", ("sharding", "offload"), _hierarchy_keeps_weights_on_gpu),
+    Rule("ZeRO++ quantizes 16-bit collectives", ("sharding", "precision"), _quantized_collectives_half),
 )
 
 

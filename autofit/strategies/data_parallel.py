@@ -2,7 +2,8 @@
 
 The `num_gpus` knob has one value, the spec's rank count; this strategy wraps the model in
 `DistributedDataParallel` when there are several ranks and no sharding engine. Buys throughput, not
-memory; same math (tier 0).
+memory; same math (tier 0). Over several nodes its option sets `nodes` too, which hierarchical sharding
+reads (`Config.shard_ranks`).
 
 DDP all-reduces gradients through flat buckets; by default they are a second copy of every gradient.
 With `gradient_as_bucket_view=True` the gradients are views into the buckets, so that copy is gone at
@@ -30,7 +31,10 @@ class DataParallel(Strategy):
     rung = 6
 
     def options(self, spec: "TrainSpec") -> list[Option]:
-        count = spec.target.count
+        count, nodes = spec.target.count, spec.target.nodes
+        if nodes > 1:  # the node count travels with the rank count: hierarchical sharding reads it
+            return [Option(count, 0, f"{count} data-parallel ranks on {nodes} nodes of {spec.target.per_node}",
+                           also=(("nodes", nodes),))]
         return [Option(count, 0, f"{count} data-parallel ranks" if count > 1 else "one device")]
 
     def placement(self, config: Config) -> Placement:

@@ -7,6 +7,11 @@ forward (and again in backward for full_shard) and a reduce-scatter of gradients
 math (tier 0). Mixed precision goes through `MixedPrecisionPolicy` (bf16/fp16 compute, fp32 gradient
 reduction); `offload="cpu"` adds `CPUOffloadPolicy` (parameters, gradients and optimizer step on the
 host). The alternative to DeepSpeed ZeRO when DeepSpeed is not installed or not wanted.
+
+Over several nodes, "fsdp_hybrid" (HSDP) shards over a 2-D device mesh: full_shard within each node,
+replicated across nodes, so every gather stays on the node's own links and only the reduced gradient shard
+crosses the network (an all-reduce among a shard's replicas). Each GPU holds 1/gpus-per-node of the states,
+which is why one node measures a hybrid plan's memory: a probe run on one node shards over its GPUs alone.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from autofit.config import Config, Engine, Offload, Sharding
 from autofit.models.info import find_blocks
-from autofit.strategies.sharding import ShardingEngine
+from autofit.strategies.sharding import WHAT, ShardingEngine
 
 if TYPE_CHECKING:
     from autofit.strategies.run import TrainRun
@@ -29,7 +34,12 @@ class Fsdp(ShardingEngine):
 
     engine = Engine.FSDP
     offered = (Sharding.FSDP_GRAD_OP, Sharding.FSDP_FULL)
+    hierarchical = (Sharding.FSDP_HYBRID,)
     label = "FSDP2"
+
+    def across_nodes(self, value: Sharding, nodes: int, per_node: int) -> str:
+        return (f"FSDP2 hybrid ({value.value}): {WHAT[3]} sharded within each node of {per_node} GPUs, replicated "
+                f"across {nodes} nodes (a {nodes} x {per_node} mesh): no gather crosses a node")
 
     def apply(self, run: "TrainRun") -> None:
         if self.shaped_elsewhere(run) or not self.owns(run.config):
@@ -37,14 +47,18 @@ class Fsdp(ShardingEngine):
         # Sharded last, once every strategy has applied (LoRA adapters must exist before sharding),
         # and placed by `shard` itself (with CPU offload the full model never visits the GPU).
         run.placed = True
-        run.engine_factory = functools.partial(shard, reshard_after_forward=run.config.sharding is Sharding.FSDP_FULL)
+        run.engine_factory = functools.partial(shard, reshard_after_forward=run.config.sharding.reshards_after_forward)
 
 
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
         if not self.owns(config):
             return {}
         if fmt == "accelerate":
-            return {"distributed_type": "FSDP", "fsdp_config": accelerate_section(config)}
+            keys = {"distributed_type": "FSDP", "fsdp_config": accelerate_section(config)}
+            if config.sharding is Sharding.FSDP_HYBRID:  # accelerate's 2-D mesh: replicate x shard
+                keys["parallelism_config"] = {"parallelism_config_dp_replicate_size": config.nodes,
+                                              "parallelism_config_dp_shard_size": config.gpus_per_node}
+            return keys
         if fmt != "trainer":
             return {}
         keys: dict[str, Any] = {"fsdp": True, "fsdp_config": {
@@ -55,6 +69,12 @@ class Fsdp(ShardingEngine):
         return keys
 
     def setup_lines(self, config: Config, fmt: str) -> list[str]:
+        if fmt == "trainer" and config.sharding is Sharding.FSDP_HYBRID:
+            # TrainingArguments takes the mesh as an object, which its JSON cannot hold: the script sets it
+            return [f"# FSDP2 hybrid sharding: {config.gpus_per_node} GPUs of a node shard, {config.nodes} nodes replicate",
+                    "from accelerate import ParallelismConfig",
+                    f"args.parallelism_config = ParallelismConfig(dp_replicate_size={config.nodes}, "
+                    f"dp_shard_size={config.gpus_per_node})"]
         if fmt != "accelerate" or not config.needs_sync_each_micro_batch:
             return []
         return ["# FSDP2 with accumulation, measured reducing gradients on every micro-batch: build the accelerator",
@@ -94,7 +114,7 @@ def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
     dtype = run.autocast_dtype  # the precision strategy's 16-bit type, which the policy computes in instead
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if run.config.offload is Offload.CPU else OffloadPolicy()
-    mesh = _mesh(run.device)
+    mesh = mesh_for(run.config, run.device)
     # The model stays on the CPU: `fully_shard` moves each block's states to the mesh's device and
     # shards them (torch/distributed/fsdp/_fully_shard/_fsdp_init.py `_move_states_to_device`), so one
     # block at a time is whole on the GPU, never the model. With CPUOffloadPolicy nothing visits the GPU.
@@ -112,8 +132,23 @@ def shard(run: "TrainRun", reshard_after_forward: bool) -> None:
         run.scaler = ShardedGradScaler(run.device.type)
 
 
-def _mesh(device: torch.device) -> Any:
+def mesh_shape(config: Config, world: int) -> tuple[int, ...]:
+    """The device mesh `config` shards over with `world` ranks running: (replicas, shards) for hybrid
+    sharding where the ranks of several nodes run (every node, or a rehearsal of them on one machine), else
+    one dimension of every rank (a probe on one node of a hybrid plan shards as each node does)."""
+    per_node = config.gpus_per_node
+    if config.sharding is Sharding.FSDP_HYBRID and world > per_node:
+        if world % per_node:
+            raise RuntimeError(f"{world} ranks cannot form nodes of {per_node} ({config.describe()})")
+        return (world // per_node, per_node)
+    return (world,)
+
+
+def mesh_for(config: Config, device: torch.device) -> Any:
+    """The device mesh of `mesh_shape` over the ranks of the running process group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    shape = mesh_shape(config, dist.get_world_size())
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)

@@ -2,7 +2,8 @@
 
 Each engine offers the stages it has, is unavailable where it cannot run (and says why), and applies
 only its own values. Sharding over one rank saves nothing by itself; on one GPU an engine serves the
-offload rung (the rule table says so once).
+offload rung (the rule table says so once). Over several nodes each engine also offers its hierarchical
+values (`hierarchical`), which shard or gather within a node, beside sharding over every GPU.
 """
 
 from __future__ import annotations
@@ -28,14 +29,28 @@ class ShardingEngine(Strategy):
     rung = 6
     engine: ClassVar[Engine]
     offered: ClassVar[tuple[Sharding, ...]]  # least sharded first
+    hierarchical: ClassVar[tuple[Sharding, ...]] = ()  # offered over several nodes (`Target.nodes`)
     label: ClassVar[str]  # how the reason names the engine ("ZeRO", "FSDP2")
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = self.unavailable_reason(spec)
-        ranks = spec.target.count
-        return [Option(Sharding.NONE, 0, "no sharding")] + [
-            Option(value, 0, why_not or f"{self.label} ({value.value}): {WHAT[value.stage]} sharded over {ranks} ranks",
+        target = spec.target
+        where = f"{target.count} ranks" + (f" on {target.nodes} nodes" if target.nodes > 1 else "")
+        options = [Option(Sharding.NONE, 0, "no sharding")] + [
+            Option(value, 0, why_not or f"{self.label} ({value.value}): {WHAT[value.stage]} sharded over {where}",
                    available=why_not is None) for value in self.offered]
+        if target.nodes > 1:
+            options += [Option(value, self.tier(value), why_not or self.across_nodes(value, target.nodes, target.per_node),
+                               available=why_not is None) for value in self.hierarchical]
+        return options
+
+    def tier(self, value: Sharding) -> int:
+        """The exactness tier of `value` (0: same math)."""
+        return 0
+
+    def across_nodes(self, value: Sharding, nodes: int, per_node: int) -> str:
+        """The reason of hierarchical `value` over `nodes` nodes of `per_node` ranks (one line)."""
+        return f"{self.label} ({value.value}): sharded within each node of {per_node}, across {nodes} nodes"
 
     def unavailable_reason(self, spec: "TrainSpec") -> str | None:
         """Why this engine cannot run for `spec`, or None."""
@@ -46,10 +61,16 @@ class ShardingEngine(Strategy):
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
         """Any sharding saves at least what none does; within one engine, a higher stage saves more;
-        across engines nothing is certain (their buffers differ)."""
+        across engines nothing is certain (their buffers differ). Hierarchical values (several nodes) hold
+        more than sharding over every GPU at their stage (a node's share, or a second partition) and are
+        otherwise unordered against the other stages."""
         if a.sharding is b.sharding or b.sharding is Sharding.NONE:
             return True
-        return a.engine is b.engine and a.sharding.stage >= b.sharding.stage
+        if a.engine is not b.engine:
+            return False
+        if a.sharding.hierarchical:
+            return False
+        return a.sharding.stage >= b.sharding.stage
 
     def placement(self, config: Config) -> Placement:
         """Engines keep process-group state: their probes run in launched ranks."""

@@ -7,14 +7,23 @@ that `autofit.strategies.deepspeed_config.deepspeed_config` writes for the launc
 configures them, so what was measured is what runs. On one GPU ZeRO is the base of the offload rung.
 Needs DeepSpeed (`pip install 'autofit[deepspeed]'`); probes run in the ranks `autofit.probe.launch`
 launches, never in the caller's process.
+
+Over several nodes, ZeRO++ (Wang et al. 2023) is offered beside ZeRO-3 over every GPU: "zero3_hpz" keeps a
+secondary partition of the 16-bit weights within each node (`zero_hpz_partition_size`: the node's GPUs),
+which the backward gathers from over the node's own links; "zero3_hpz_quantized" adds its quantized
+collectives (`zero_quantized_weights`: the forward gathers int8 weights; `zero_quantized_gradients`:
+gradients cross nodes as int4), a numerics change (tier 1): the fp32 master weights and the optimizer
+are untouched, only what is communicated is quantized. Those run on CUDA kernels only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import Config, Engine, Sharding
+from autofit.strategies.base import Option, set_nested
 from autofit.strategies.deepspeed_config import FILENAME, accelerate_section
 from autofit.strategies.sharding import ShardingEngine
 
@@ -30,8 +39,26 @@ class Zero(ShardingEngine):
 
     engine = Engine.DEEPSPEED
     offered = (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
+    hierarchical = (Sharding.ZERO3_HPZ, Sharding.ZERO3_HPZ_QUANTIZED)
     label = "ZeRO"
     nvme_path: str | None = None  # the plan's NVMe folder, where this instance is a plan's (`recorded`)
+
+    def options(self, spec: "TrainSpec") -> list[Option]:
+        """ZeRO's stages, and over several nodes ZeRO++; its quantized collectives need CUDA."""
+        if spec.target.cuda:
+            return super().options(spec)
+        return [dataclasses.replace(o, available=False, reason="ZeRO++'s quantized collectives run on DeepSpeed's "
+                                    f"CUDA kernels; {spec.target.name} is not a CUDA device")
+                if o.value is Sharding.ZERO3_HPZ_QUANTIZED and o.available else o for o in super().options(spec)]
+
+    def tier(self, value: Sharding) -> int:
+        return 1 if value is Sharding.ZERO3_HPZ_QUANTIZED else 0
+
+    def across_nodes(self, value: Sharding, nodes: int, per_node: int) -> str:
+        quantized = (": int8 weights gathered, int4 gradients across nodes (numerics)"
+                     if value is Sharding.ZERO3_HPZ_QUANTIZED else "")
+        return (f"ZeRO++ ({value.value}): ZeRO-3 over {nodes * per_node} ranks, the 16-bit weights also partitioned "
+                f"within each node of {per_node} for the backward's gathers{quantized}")
 
     def unavailable_reason(self, spec: "TrainSpec") -> str | None:
         if spec.target.live:
@@ -56,8 +83,20 @@ class Zero(ShardingEngine):
         if fmt == "torchrun":
             return {"AUTOFIT_DEEPSPEED_CONFIG": FILENAME}
         if fmt == "accelerate":
-            return {"distributed_type": "DEEPSPEED", "deepspeed_config": accelerate_section(config, self.nvme_path)}
-        return {}  # "deepspeed": the builder's own document
+            section = accelerate_section(config, self.nvme_path)
+            if config.nodes > 1:  # a torchrun per node, as the other formats launch (not DeepSpeed's pdsh)
+                section["deepspeed_multinode_launcher"] = "standard"
+            return {"distributed_type": "DEEPSPEED", "deepspeed_config": section}
+        if fmt == "deepspeed":  # beside the builder's own document
+            return hierarchy_keys(config)
+        return {}
+
+    def refuses(self, config: Config, fmt: str) -> str | None:
+        if fmt == "accelerate" and config.sharding.hierarchical and self.owns(config):
+            return (f"accelerate's DeepSpeed section has no key for ZeRO++'s partitions within a node "
+                    f"(sharding={config.sharding.value}); export deepspeed, trainer or torchrun, whose "
+                    "deepspeed.json carries them")
+        return None
 
     def apply(self, run: "TrainRun") -> None:
         if self.shaped_elsewhere(run):
@@ -68,6 +107,18 @@ class Zero(ShardingEngine):
             # tensor by tensor (stage 3). Moving the fp32 model first would put all of it on the GPU.
             run.placed = True
             run.engine_factory = build_engine
+
+
+def hierarchy_keys(config: Config) -> dict[str, Any]:
+    """ZeRO++'s keys of the DeepSpeed config for `config` (dotted): the secondary partition within a node
+    (hpZ) and the quantized collectives (qwZ, qgZ); none for the other values."""
+    if not config.sharding.hierarchical or config.engine is not Engine.DEEPSPEED:
+        return {}
+    keys: dict[str, Any] = {"zero_optimization.zero_hpz_partition_size": config.gpus_per_node}
+    if config.sharding is Sharding.ZERO3_HPZ_QUANTIZED:
+        keys.update({"zero_optimization.zero_quantized_weights": True,
+                     "zero_optimization.zero_quantized_gradients": True})
+    return keys
 
 
 def installed_version() -> str | None:
@@ -125,6 +176,8 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
     clipping = {} if run.max_grad_norm is None else {"gradient_clipping": run.max_grad_norm}
     config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()),
                               hyperparameters=hyperparameters(run.config.optimizer, run.spec.optimizer), **clipping)
+    for dotted, value in hierarchy_keys(run.config).items():  # as the export writes them (`launcher_keys`)
+        set_nested(config, dotted, value)
     if run.spec.device.type == "cpu":
         _gloo_collectives(deepspeed)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group

@@ -56,7 +56,7 @@ def test_fsdp_shards_a_model_still_on_the_cpu(monkeypatch):
     # is sharded. A CPU mesh stands in for the card's (this is a CPU build).
     from torch.distributed.device_mesh import init_device_mesh
 
-    monkeypatch.setattr(fsdp_module, "_mesh", lambda device: init_device_mesh("cpu", (1,)))
+    monkeypatch.setattr(fsdp_module, "mesh_for", lambda config, device: init_device_mesh("cpu", (1,)))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     try:
         with FakeCuda():
