@@ -452,7 +452,8 @@ PLAN_FIELDS: dict[str, tuple[tuple[type | None, ...], bool]] = {
     "tokens_per_second": ((*_NUMBER, None), False), "peak_memory": ((int, None), False), "reason": ((str,), False),
     "probes": ((list,), False), "spec": ((dict,), False), "created": ((str,), True),
     "autofit_version": ((str,), True), "confirmation": ((dict, None), True), "settings": ((dict,), True),
-    "shortfall": ((dict, None), True), "format_version": ((int,), False)}
+    "shortfall": ((dict, None), True), "format_version": ((int,), False),
+    "images_per_second": ((*_NUMBER, None), True)}
 SPEC_FIELDS = {"model": (str,), "model_fingerprint": (str,), "device": (str,), "memory_budget": (int, None),
                "global_batch_size": (int, None), "num_gpus": (int,), "nvme_path": (str, None)}
 
@@ -495,8 +496,8 @@ def check_plan_data(data: Any) -> str | None:
 
 
 def _invariant_problem(data: dict[str, Any]) -> str | None:
-    for name in ("throughput", "tokens_per_second", "peak_memory"):
-        value = data[name]
+    for name in ("throughput", "tokens_per_second", "images_per_second", "peak_memory"):
+        value = data.get(name)
         if value is not None and (not math.isfinite(value) or value < 0):
             return f"its {name} is {value!r}; a measured figure is a finite number >= 0"
     if data["fits"] != (data["config"] is not None):
