@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 
 import autofit
 from autofit.estimate.cost_model import step_seconds
+from autofit.devices.gpus import Layout
 from autofit.pipelines.dry_run import _spec, dry_run
 from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Estimator
 from autofit.devices.gpus import get_gpu
@@ -110,7 +111,7 @@ def test_nothing_fits_names_the_smallest_and_what_to_allow():
 def test_the_states_floor_is_under_every_candidates_need(report):
     # a level whose model states alone are over the limit is predicted at one size, and left out of what an
     # allow= would open (`_Planner.states_over`): the floor must bound every prediction from below
-    spec, _ = _spec(tiny_llama(), None, get_gpu("a100-80gb").with_memory(GIB), 2, 16, 256, None, "adamw", None,
+    spec, _ = _spec(tiny_llama(), None, get_gpu("a100-80gb").with_memory(GIB), Layout(1, 2), 16, 256, None, "adamw", None,
                     0.1, 64)
     estimator = Estimator(spec, target="cuda")
     assert all(estimator.states_floor(c.config) <= c.estimate.need_bytes for c in report.candidates)
@@ -144,7 +145,7 @@ def test_gpu_without_bf16_plans_fp16():
     assert {c.config.precision for c in result.candidates} == {"fp32", "fp16"}
     fp16 = next(c for c in result.candidates if c.config.precision == "fp16")
     fp32 = next(c for c in result.candidates if c.config == fp16.config.replace(precision="fp32"))
-    spec, _ = _spec(tiny_llama(), None, get_gpu("v100-16gb"), 1, 4, 128, None, "adamw", None, 0.1, 64)
+    spec, _ = _spec(tiny_llama(), None, get_gpu("v100-16gb"), Layout(1, 1), 4, 128, None, "adamw", None, 0.1, 64)
     facts, v100 = Estimator(spec).facts, get_gpu("v100-16gb")
     # where the arithmetic decides, fp16 runs at 8x the fp32 TFLOP/s; this 2-layer model at 128 tokens is
     # bound by the host issuing its kernels, and autocast's weight casts are kernels too
@@ -167,7 +168,7 @@ def test_cost_model_charges_recompute_and_offload(report):
     full = base.config.replace(checkpointing="full")
     offload = base.config.replace(sharding="zero2", offload="cpu")
     gpu = get_gpu("a100-80gb")
-    spec, _ = _spec(tiny_llama(), None, gpu, 2, 16, 256, None, "adamw", None, 0.1, 64)
+    spec, _ = _spec(tiny_llama(), None, gpu, Layout(1, 2), 16, 256, None, "adamw", None, 0.1, 64)
     facts = Estimator(spec).facts
     assert step_seconds(spec, full, gpu, facts) > step_seconds(spec, base.config, gpu, facts)
     assert step_seconds(spec, offload, gpu, facts) > step_seconds(spec, base.config, gpu, facts)
@@ -222,7 +223,7 @@ def test_a_numerics_change_is_chosen_only_when_predicted_clearly_faster():
     from autofit.strategies import default_strategies
 
     gpu = get_gpu("a100-80gb")
-    spec, _ = _spec(tiny_llama(), None, gpu, 1, 8, 128, None, "adamw", None, 0.1, 64)
+    spec, _ = _spec(tiny_llama(), None, gpu, Layout(1, 1), 8, 128, None, "adamw", None, 0.1, 64)
     space = build_space(spec, default_strategies())
     exact = next(level for level in space.levels() if space.tier(level) == 0)
     numerics = next(level for level in space.levels() if space.tier(level) == 1)
