@@ -41,7 +41,7 @@ from autofit.estimate.simulation import adapters as simulated_adapters
 from autofit.estimate.simulation import memo as simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
 from autofit.estimate.prediction import Estimate
-from autofit.strategies.memory import Breakdown
+from autofit.strategies.memory import SEGMENTS_FACT, Breakdown
 from autofit.estimate.simulation.step import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.cuda.training_replay import replays_training, reserve
 from autofit.estimate.simulation.memo import workload_key
@@ -144,7 +144,8 @@ class Estimator:
         mb = config.micro_batch_size
         if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)
-        key = (self._key(config, 1), mb, replays_training(config))  # the allocator's events differ
+        # the allocator's events differ, or the allocator
+        key = (self._key(config, 1), mb, replays_training(config), self._expandable(config))
         if key not in self._lines:
             self._lines[key] = self._extrapolated(config, mb)
         return self._lines[key]
@@ -246,14 +247,21 @@ class Estimator:
         if key not in self._cache and not self._recalled(config, mb):
             self._keep(config, mb, self.simulate(config, mb))
         peak, how = self._cache[key]
-        replay = peak.replayed_for(config)
-        if replay is None:
+        replay = peak.replayed_for(config) or peak.replay
+        expandable = self._expandable(config)
+        if replay is None or (replay is peak.replay and expandable == replay.expandable):
             return peak, how
-        # one simulation serves every optimizer, engine and accumulation; the allocator replays each's events
-        held = (key, replay.training[-1] if replay.training else 0)
+        # one simulation serves every optimizer, engine, accumulation and allocator setting; the allocator
+        # replays each's events
+        held = (key, replay.training[-1] if replay.training else 0, expandable)
         if held not in self._reserves:
+            replay = dataclasses.replace(replay, expandable=expandable)
             self._reserves[held] = dataclasses.replace(peak, **reserve(replay))
         return self._reserves[held], how
+
+    def _expandable(self, config: Config) -> bool:
+        """Whether `config`'s allocator takes expandable segments (a strategy names it: `SEGMENTS_FACT`)."""
+        return self._facts_of(config).get(SEGMENTS_FACT) == "expandable"
 
     def _shared(self) -> bool:
         """Whether this model's steps go through the cache on disk (`simulations.shareable`); not while a
