@@ -40,7 +40,7 @@ from autofit.estimate.simulation import step as simulate_module
 from autofit.estimate.simulation import adapters as simulated_adapters
 from autofit.estimate.simulation import memo as simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
-from autofit.estimate.prediction import Estimate
+from autofit.estimate.prediction import Estimate, Memory
 from autofit.strategies.memory import SEGMENTS_FACT, Breakdown
 from autofit.estimate.simulation.step import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.cuda.training_replay import replays_training, reserve
@@ -48,7 +48,7 @@ from autofit.estimate.simulation.memo import workload_key
 from autofit.estimate.states import States, cast_peak, gathered as gathered_weights, held_grads, model_states
 from autofit.estimate.states import (optimizer_temporaries, own_adapters, simulated_layer_notes, sparse_grads,
                                      state_notes, step_transient)
-from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
+from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION, bound_for, family_key
 from autofit.errors import UsageError
 from autofit.strategies import completed
 from autofit.batches.synthetic_batches import TokenBatches
@@ -137,6 +137,7 @@ class Estimator:
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
         self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
+        self._families: dict[Any, str] = {}  # attention knob -> "family/kernel" (`tolerance.family_key`)
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -438,11 +439,26 @@ class Estimator:
         if act.offloaded:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
-        bound = 0.0 if simulated else self._peak_bound(breakdown.activations, peak)
+        bound, basis = self._bound(config, simulated, breakdown.activations, peak)
         slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, notes[0], tuple(notes[1:]), tuple(terms),
                         simulated=simulated, error_bound=bound,
-                        offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
+                        offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack,
+                        memory=Memory.RESERVED_CONTEXT if self.target == "cuda" else Memory.ALLOCATED,
+                        bound_basis=basis)
+
+    def _bound(self, config: Config, simulated: bool, activations: int, peak: int) -> tuple[float | None, str]:
+        """The peak's relative error bound and its basis: on CUDA the calibration's for the model's family and
+        kernel (`tolerance.bound_for`), at least the activation formula's where the step was not simulated."""
+        formula = 0.0 if simulated else self._peak_bound(activations, peak)
+        if self.target != "cuda":
+            return formula, "" if simulated else "the activation formula's bound"
+        if config.attention not in self._families:
+            self._families[config.attention] = family_key(self._meta, config)
+        family = bound_for(self._families[config.attention], config)
+        if formula is None or formula > family.value:
+            return formula, "the activation formula's bound"
+        return family.value, family.basis
 
     def _peak_bound(self, activations: int, peak: int) -> float | None:
         """The relative error a peak with `activations` by formula may carry upwards (None: no bound)."""
