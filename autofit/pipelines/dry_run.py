@@ -22,7 +22,7 @@ from autofit.config import Config
 from autofit.errors import Param, UsageError
 from autofit.estimate.cost_model import SECONDS_PER_KERNEL, host_seconds, step_seconds
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.prediction import Estimate
+from autofit.estimate.prediction import Estimate, Fit
 from autofit.devices.gpus import GpuProfile, get_gpu, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
@@ -58,6 +58,17 @@ class Candidate:
         return f"{self.verdict}; {self.estimate.reason}"
 
     @property
+    def fit(self) -> Fit:
+        """Against the limit at the error bound: fits, near the limit (fits only as predicted: a probe
+        decides; `fits` is False), over, or unknown (`Estimate.fit_under`)."""
+        return self.estimate.fit_under(self.limit)
+
+    @property
+    def near_limit(self) -> bool:
+        """Whether the peak fits as predicted but not at its error bound (within its bound of the limit)."""
+        return self.fit is Fit.NEAR_LIMIT
+
+    @property
     def peak_bytes(self) -> int:
         """Predicted peak per GPU (bytes) under the limit (`Estimate.peak_under`)."""
         return self.estimate.peak_under(self.limit) if self.limit else self.estimate.peak_bytes
@@ -65,7 +76,7 @@ class Candidate:
     def __repr__(self) -> str:
         """One line: the knobs, the peak, the verdict and the speed (the dataclass's spelled out the whole
         estimate; `reason` and `estimate` hold it)."""
-        verdict = "fits" if self.fits else "does not fit"
+        verdict = "fits" if self.fits else "near the limit" if self.near_limit else "does not fit"
         return (f"Candidate({self.config.describe()}: peak {format_size(self.peak_bytes)}/GPU, {verdict}, "
                 f"~{self.samples_per_s:,.1f} samples/s)")
 
@@ -76,7 +87,8 @@ class Candidate:
                 "reason": self.reason, "breakdown": self.estimate.breakdown.to_dict(),
                 "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
                 "activations": "simulated" if self.estimate.simulated else "formula",
-                "error_bound": self.estimate.error_bound,
+                "error_bound": self.estimate.error_bound, "bound_basis": self.estimate.bound_basis,
+                "memory": self.estimate.memory.value, "fit": self.fit.value, "near_limit": self.near_limit,
                 "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s}
 
 
@@ -131,6 +143,7 @@ class DryRunReport:
         return {"model": self.model, "gpu": self.gpu.name, "gpu_memory": self.gpu.memory_bytes,
                 "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
                 "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
+                "memory": self.candidates[0].estimate.memory.value if self.candidates else None,
                 "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
@@ -310,8 +323,8 @@ class _Planner:
         return self.candidate(self.space.at(level, sizes[low]))
 
     def _fits(self, estimate: Estimate) -> bool:
-        upper = estimate.upper_bytes  # a formula's peak must fit at its error bound, and have one
-        return upper is not None and upper <= self.spec.fit_limit
+        # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one
+        return estimate.fit_under(self.spec.fit_limit) is Fit.FITS
 
     def candidate(self, config: Config) -> Candidate:
         """`config` predicted: its estimate, fit, speed and reason."""
@@ -334,15 +347,20 @@ def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
     if estimate.upper_bytes is None:
         return (f"unknown: the step could not be simulated and the activation formula does not cover this model; "
                 f"{format_size(need - estimate.breakdown.activations)} without its activations")
-    head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
-        f"over by {format_size(estimate.upper_bytes - limit)}: needs {format_size(need)} of {format_size(limit)}"
+    bound = f"up to {format_size(estimate.upper_bytes)} at its error bound (+{estimate.error_bound:.0%}, {estimate.bound_basis})"
+    if fits:
+        head = f"fits: {format_size(peak)} {estimate.memory.value} of {format_size(limit)} ({peak / limit:.0%})"
+    elif estimate.fit_under(limit) is Fit.NEAR_LIMIT:
+        head = (f"near the limit: needs {format_size(need)} {estimate.memory.value} of {format_size(limit)}, "
+                f"{bound}; a probe decides")
+    else:
+        head = f"over by {format_size(need - limit)}: needs {format_size(need)} {estimate.memory.value} of {format_size(limit)}"
     if fits and peak < estimate.peak_bytes:
         head += (f", the caching allocator releasing its cache to stay under (it needs {format_size(need)}; "
                  f"a roomy card would reserve up to {format_size(estimate.peak_bytes)})")
     if estimate.simulated:
-        return head
-    return (f"{head}, by formula only (not simulated): up to {format_size(estimate.upper_bytes)} at its "
-            f"error bound (+{estimate.error_bound:.0%})")
+        return head if not fits else f"{head}, {bound}"
+    return f"{head}, by formula only (not simulated): {bound}"
 
 
 def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
@@ -373,18 +391,25 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     if not chosen.estimate.simulated:
         return (f"by formula only (the step could not be simulated: {chosen.estimate.method}): "
                 f"{chosen.config.describe()} is predicted to peak at {format_size(chosen.peak_bytes)}, up to "
-                f"{format_size(chosen.estimate.upper_bytes)} at the formula's error bound; run autofit tune "
+                f"{format_size(chosen.estimate.upper_bytes)} at its error bound; run autofit tune "
                 "on the GPU to measure it")
     fastest = fitting[0]
     if fastest is not chosen:
         margin, kind = _margin(chosen, fastest)
         return (f"{chosen.config.describe()}, ~{chosen.samples_per_s:,.1f} samples/s, peak "
-                f"{format_size(chosen.peak_bytes)}, of {len(fitting)} fitting candidate(s): "
+                f"{_peak_words(chosen)}, of {len(fitting)} fitting candidate(s): "
                 f"{fastest.config.describe()} is predicted {chosen.step_seconds / fastest.step_seconds - 1:.1%} "
                 f"faster, under the {margin:.0%} margin {_MARGIN_WORDS[kind]}, as autofit tune decides")
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
-            f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
+            f"~{chosen.samples_per_s:,.1f} samples/s, peak {_peak_words(chosen)}"
             + (f" ({_others(chosen, fitting)})" if others else ""))
+
+
+def _peak_words(chosen: Candidate) -> str:
+    """"21.3 GiB reserved + context (error bound +4%, decoder/fused: 54 calibration rows)"."""
+    estimate = chosen.estimate
+    return (f"{format_size(chosen.peak_bytes)} {estimate.memory.value} (error bound +{estimate.error_bound:.0%}, "
+            f"{estimate.bound_basis})")
 
 
 def _others(chosen: Candidate, fitting: list[Candidate]) -> str:
