@@ -48,7 +48,7 @@ from autofit.estimate.simulation.memo import workload_key
 from autofit.estimate.states import States, cast_peak, gathered as gathered_weights, held_grads, model_states
 from autofit.estimate.states import (optimizer_temporaries, own_adapters, simulated_layer_notes, sparse_grads,
                                      state_notes, step_transient)
-from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION, bound_for, family_key
+from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION, bound_for, family_of
 from autofit.errors import UsageError
 from autofit.strategies import completed
 from autofit.batches.synthetic_batches import TokenBatches
@@ -137,7 +137,7 @@ class Estimator:
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
         self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
-        self._families: dict[Any, str] = {}  # attention knob -> "family/kernel" (`tolerance.family_key`)
+        self._family = family_of(self._meta)  # what the error bound is looked up by (`tolerance.bound_for`)
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -453,9 +453,7 @@ class Estimator:
         formula = 0.0 if simulated else self._peak_bound(activations, peak)
         if self.target != "cuda":
             return formula, "" if simulated else "the activation formula's bound"
-        if config.attention not in self._families:
-            self._families[config.attention] = family_key(self._meta, config)
-        family = bound_for(self._families[config.attention], config)
+        family = bound_for(self._family, config)
         if formula is None or formula > family.value:
             return formula, "the activation formula's bound"
         return family.value, family.basis

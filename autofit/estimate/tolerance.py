@@ -84,27 +84,44 @@ class Bound:
         return f"{self.key}: {self.rows} calibration rows"
 
 
-def bound_for(family: str, config: Config) -> Bound:
-    """The CUDA prediction bound for training a model of `family` ("family/kernel": `family_key`) under
-    `config` (`FAMILY_BOUNDS`)."""
-    key = "engine" if config.engine is not Engine.TORCH else family
-    value, rows = FAMILY_BOUNDS.get(key, (UNCALIBRATED_BOUND, 0))
-    return Bound(key, value, rows)
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model's architecture family, and the attention kernel it runs unless a configuration picks one."""
+
+    name: str  # "decoder" (a causal language model), "encoder", "encoder-decoder", "vision", "audio", "other"
+    kernel: str  # "fused" (SDPA, flash attention), "eager", "own" (a model's own attention), "none"
+    switchable: bool  # a Hugging Face model: its `attn_implementation` follows the configuration
 
 
-def family_key(model: nn.Module, config: Config) -> str:
-    """"family/kernel" of a model: family "decoder" (a causal language model), "encoder", "encoder-decoder",
-    "vision", "audio", "other" (not a Hugging Face model); kernel "fused" (SDPA, flash attention), "eager",
-    "own" (a model's own attention), "none" (no attention module)."""
+def family_of(model: nn.Module) -> Family:
+    """The family of a built model (meta or real)."""
     hf = getattr(model, "config", None)
     if not hasattr(hf, "model_type"):
         own = any(isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
                   for m in model.modules())
-        return f"other/{'own' if own else 'none'}"
-    chosen = config.attention.value if config.attention is not Attention.DEFAULT else \
-        str(getattr(hf, "_attn_implementation", None) or "eager")
-    kernel = "eager" if chosen == "eager" else "fused" if "sdpa" in chosen or "flash" in chosen else "own"
-    return f"{_family(model, hf)}/{kernel}"
+        return Family("other", "own" if own else "none", False)
+    return Family(_family(model, hf), _kernel(str(getattr(hf, "_attn_implementation", None) or "eager")), True)
+
+
+def family_key(family: Family | nn.Module, config: Config) -> str:
+    """"family/kernel" of a model trained under `config` (`Family`'s words)."""
+    family = family if isinstance(family, Family) else family_of(family)
+    chosen = config.attention
+    kernel = _kernel(chosen.value) if family.switchable and chosen is not Attention.DEFAULT else family.kernel
+    return f"{family.name}/{kernel}"
+
+
+def bound_for(family: Family | nn.Module, config: Config) -> Bound:
+    """The CUDA prediction bound for training a model of `family` under `config` (`FAMILY_BOUNDS`)."""
+    key = "engine" if config.engine is not Engine.TORCH else family_key(family, config)
+    value, rows = FAMILY_BOUNDS.get(key, (UNCALIBRATED_BOUND, 0))
+    return Bound(key, value, rows)
+
+
+def _kernel(implementation: str) -> str:
+    if implementation == "eager":
+        return "eager"
+    return "fused" if "sdpa" in implementation or "flash" in implementation else "own"
 
 
 def _family(model: nn.Module, hf: Any) -> str:

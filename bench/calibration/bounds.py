@@ -22,9 +22,12 @@ PyTorch's optimizer-step-in-backward tutorial, Lightning Fabric's FSDP guide) ar
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import pathlib
+import platform
 import statistics
 import sys
 from typing import Any
@@ -98,6 +101,9 @@ def main() -> int:
     published = {part: summary([r for r in found if r["part"] == part and not r["source"].startswith("autofit")],
                                made) for part in ("fitted", "held-out")}
     document = {"what": "error bounds per family/kernel from the fitted sources; fitted and held-out errors apart",
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": f"{platform.machine()} {os.cpu_count()} cores", "load_at_start": os.getloadavg()[0],
+                "inputs": ["calibration/results/calibration.json", *(f"results/{n}" for n in REPLAYS.values())],
                 "held_out_sources": list(HELD_OUT_SOURCES), "bounds": made, "summary": parts,
                 "published_only": published, "rows": found}
     (RESULTS / "bounds.json").write_text(json.dumps(document, indent=1) + "\n")

@@ -4,6 +4,7 @@ and the bound it gives an encoder with each attention kernel, checked on today's
 
     python bench/measurements/bert_large_reserve.py                   # on a GPU: measure, then predict
     python bench/measurements/bert_large_reserve.py --predict FILE    # anywhere: predict a measured file again
+    python bench/measurements/bert_large_reserve.py --predict-only    # anywhere: the grid's predictions alone
 
 Grid: `BertForSequenceClassification` (bert-large-uncased's dimensions: 24 layers, 1,024 wide, 16 heads,
 2 labels) at 512 tokens, micro-batch 4, AdamW, attention eager and SDPA, precision fp32, fp16 autocast (with
@@ -18,7 +19,10 @@ target="cuda", extrapolate_batch=True)` for a v100-16gb profile): its peak is "r
 with the NVML peak, and its error bound (`Estimate.error_bound`, `bound_basis`) says whether the miss is
 inside it. Nothing of this has run on a GPU yet: no card was lent to the session that wrote it.
 
-Results: bench/results/bert-large-reserve-<card>-<date>.json (`bench/gpu_session.sh bert-reserve`).
+Backs: nothing yet; once run, the check of `autofit.estimate.tolerance.UNCALIBRATED_BOUND` for an encoder
+with eager and fused attention, and of the expandable-segments replay (autofit/estimate/cuda/expandable.py).
+Results: bench/results/bert-large-reserve-<card>-<date>.json (`bench/gpu_session.sh bert-reserve`); with
+--predict-only, the predictions a card is to be measured against: bert-large-reserve-predicted-2026-12-06.json.
 """
 
 from __future__ import annotations
@@ -151,6 +155,7 @@ def main() -> int:
     parser.add_argument("--one", nargs=2, metavar=("ATTENTION", "PRECISION"), help=argparse.SUPPRESS)
     parser.add_argument("--small", action="store_true", help="a 2-layer BERT (tests)")
     parser.add_argument("--predict", type=Path, help="a measured results file: predict its points again")
+    parser.add_argument("--predict-only", action="store_true", help="no card: the grid's predictions alone")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(*args.one, large=not args.small)))
@@ -160,6 +165,11 @@ def main() -> int:
     started = time.time()
     if args.predict:
         document = json.loads(args.predict.read_text())
+    elif args.predict_only:
+        document = {"device": "predicted", "torch": torch.__version__, "cap_bytes": CAP,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "rows": [{"allocator": a, "attention": n, "precision": p}
+                             for a in ALLOCATOR for n in ATTENTION for p in PRECISION]}
     else:
         document = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -168,6 +178,7 @@ def main() -> int:
     document["predicted_on"] = {"cuda": torch.cuda.is_available(), "load": os.getloadavg()[0],
                                 "seconds": round(time.time() - started, 1)}
     card = document["device"].lower().replace("nvidia ", "").replace(" ", "-")
+    document["predicted_on"]["machine"] = f"{os.uname().machine} {os.cpu_count()} cores"
     path = args.predict or ROOT / "bench" / "results" / f"bert-large-reserve-{card}-{document['date'][:10]}.json"
     path.write_text(json.dumps(document, indent=1) + "\n")
     print(path)

@@ -10,7 +10,7 @@ from torch import nn
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.prediction import Estimate, Fit, Memory
-from autofit.estimate.tolerance import FAMILY_BOUNDS, UNCALIBRATED_BOUND, bound_for, family_key
+from autofit.estimate.tolerance import FAMILY_BOUNDS, UNCALIBRATED_BOUND, Family, bound_for, family_key
 from autofit.job.train_spec import make_spec
 from autofit.models.info import meta_model
 from autofit.strategies.memory import Breakdown
@@ -39,11 +39,16 @@ def test_a_model_of_ones_own_is_other_with_its_own_attention_or_none():
 
 
 def test_calibrated_keys_get_their_bound_the_rest_the_wider_one_and_an_engine_its_own():
-    assert bound_for("decoder/fused", Config()).value == FAMILY_BOUNDS["decoder/fused"][0] < UNCALIBRATED_BOUND
-    eager = bound_for("encoder/eager", Config())
-    assert (eager.value, eager.rows) == (UNCALIBRATED_BOUND, 0) and "no calibration rows" in eager.basis
-    sharded = bound_for("decoder/fused", Config(sharding="fsdp_full", num_gpus=2))
+    decoder, encoder = Family("decoder", "fused", True), Family("encoder", "fused", True)
+    assert bound_for(decoder, Config()).value == FAMILY_BOUNDS["decoder/fused"][0] < UNCALIBRATED_BOUND
+    eager = bound_for(encoder, Config(attention="eager"))
+    assert (eager.key, eager.value, eager.rows) == ("encoder/eager", UNCALIBRATED_BOUND, 0)
+    assert "no calibration rows" in eager.basis
+    assert bound_for(decoder, Config(attention="eager")).value == UNCALIBRATED_BOUND  # a kernel without rows
+    sharded = bound_for(decoder, Config(sharding="fsdp_full", num_gpus=2))
     assert (sharded.key, sharded.value) == ("engine", FAMILY_BOUNDS["engine"][0])
+    own = Family("other", "own", False)  # a model of one's own keeps its attention whatever the knob says
+    assert family_key(own, Config(attention="sdpa")) == "other/own"
 
 
 def test_a_cuda_prediction_says_it_is_reserved_plus_context_and_carries_its_familys_bound():
