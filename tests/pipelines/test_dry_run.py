@@ -92,6 +92,12 @@ def test_json_document(report):
     assert {"config", "peak_bytes", "fits", "reason", "breakdown", "cpu_bytes"} <= set(first)
     assert set(first["breakdown"]) == {"params", "grads", "optimizer", "activations", "overhead", "gathered"}
     assert data["chosen"] == data["candidates"][data["chosen_index"]]
+    # every row says which memory it predicts, its error bound and what that rests on, and its fit at the bound
+    assert data["memory"] == "reserved + context"
+    for row in data["candidates"]:
+        assert row["memory"] == "reserved + context" and row["error_bound"] > 0 and row["bound_basis"]
+        assert row["fit"] in ("fits", "near the limit", "over", "unknown")
+        assert row["fits"] == (row["fit"] == "fits") and row["near_limit"] == (row["fit"] == "near the limit")
 
 
 def test_nothing_fits_names_the_smallest_and_what_to_allow():
@@ -298,10 +304,13 @@ def test_a_fit_the_allocator_makes_by_releasing_its_cache_is_a_fit():
     estimator = Estimator(spec, target="cuda")
     estimate, (act, _) = estimator.predict(config), estimator.activations(config)
     assert estimate.release_slack == act.fragmentation - act.least_fragmentation > 0
-    limit = (estimate.need_bytes + estimate.peak_bytes) // 2
-    assert estimate.upper_bytes <= limit < estimate.peak_bytes
+    limit = (estimate.upper_bytes + estimate.peak_bytes) // 2  # what it needs fits at its error bound
+    assert estimate.need_bytes < estimate.upper_bytes <= limit < estimate.peak_bytes
     assert estimate.peak_under(limit) == limit and estimate.peak_under(2 * limit) == estimate.peak_bytes
     assert "the caching allocator releasing its cache to stay under" in _verdict(estimate, True, limit)
+    # within its error bound of the limit it is near the limit, not a fit
+    near = (estimate.need_bytes + estimate.upper_bytes) // 2
+    assert "near the limit" in _verdict(estimate, False, near) and "a probe decides" in _verdict(estimate, False, near)
     assert predictor_for(dataclasses.replace(spec, device=torch.device("cuda")))(config) == estimate.need_bytes
 
 
