@@ -213,6 +213,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                                                       chosen.config.precision), None
     else:
         reason, shortfall = _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
+        reason += _near_note(rest)
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
@@ -433,6 +434,15 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
     return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
             f"(sync_each_batch); a loop that waits for the last one (accelerate's accumulate(), the Trainer's "
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
+
+
+def _near_note(rest: list[Candidate]) -> str:
+    """Where nothing fits at its error bound but some fit as predicted: how many, and what decides."""
+    near = [c for c in rest if c.near_limit]
+    if not near:
+        return ""
+    return (f" {len(near)} candidate(s) fit as predicted but not at their error bound (near the limit: "
+            f"{near[0].config.describe()}, {near[0].verdict.split(', ~')[0]}); autofit tune on the card decides.")
 
 
 def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate],

@@ -289,6 +289,7 @@ def test_a_fit_the_allocator_makes_by_releasing_its_cache_is_a_fit():
     from autofit.config import Config
     from autofit.pipelines.dry_run import _verdict
     from autofit.estimate.estimator import predictor_for
+    from autofit.estimate.prediction import Fit
     from autofit.job.train_spec import make_spec
 
     def gpt2():
@@ -304,13 +305,15 @@ def test_a_fit_the_allocator_makes_by_releasing_its_cache_is_a_fit():
     estimator = Estimator(spec, target="cuda")
     estimate, (act, _) = estimator.predict(config), estimator.activations(config)
     assert estimate.release_slack == act.fragmentation - act.least_fragmentation > 0
-    limit = (estimate.upper_bytes + estimate.peak_bytes) // 2  # what it needs fits at its error bound
-    assert estimate.need_bytes < estimate.upper_bytes <= limit < estimate.peak_bytes
+    limit = (estimate.need_bytes + estimate.peak_bytes) // 2
+    assert estimate.need_bytes <= limit < estimate.peak_bytes
     assert estimate.peak_under(limit) == limit and estimate.peak_under(2 * limit) == estimate.peak_bytes
-    assert "the caching allocator releasing its cache to stay under" in _verdict(estimate, True, limit)
-    # within its error bound of the limit it is near the limit, not a fit
-    near = (estimate.need_bytes + estimate.upper_bytes) // 2
-    assert "near the limit" in _verdict(estimate, False, near) and "a probe decides" in _verdict(estimate, False, near)
+    exact = dataclasses.replace(estimate, error_bound=0.0)  # the allocator's release alone, without a bound
+    assert exact.fit_under(limit) is Fit.FITS
+    assert "the caching allocator releasing its cache to stay under" in _verdict(exact, True, limit)
+    # at its family's bound (4%: more than the release gives back here) the same limit is near, not a fit
+    assert estimate.fit_under(limit) is Fit.NEAR_LIMIT
+    assert "near the limit" in _verdict(estimate, False, limit) and "a probe decides" in _verdict(estimate, False, limit)
     assert predictor_for(dataclasses.replace(spec, device=torch.device("cuda")))(config) == estimate.need_bytes
 
 
@@ -348,3 +351,21 @@ def test_progress_true_prints_the_count_on_stderr_and_a_wrong_value_is_refused(c
     assert "\r1 of " in err and err.endswith(" training steps simulated\n")
     with pytest.raises(UsageError, match="progress='yes'"):
         dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", progress="yes")
+
+
+def test_nothing_fitting_at_its_bound_names_the_candidates_that_fit_as_predicted():
+    from autofit.config import Config
+    from autofit.estimate.prediction import Estimate
+    from autofit.pipelines.dry_run import Candidate, _near_note
+    from autofit.strategies.memory import Breakdown
+
+    def row(need: int) -> Candidate:
+        estimate = Estimate(Breakdown(0, 0, 0, need, 0), need, 0, "simulated", error_bound=0.04,
+                            bound_basis="decoder/fused: 54 calibration rows")
+        return Candidate(Config(), estimate, False, f"verdict of {need}, ~1.0 samples/s", 0, 1.0, 1.0, limit=1000)
+
+    near, over = row(970), row(1010)  # 1,008.8 at its bound; over as predicted
+    assert near.near_limit and not near.fits and not over.near_limit
+    note = _near_note([near, over])
+    assert "1 candidate(s) fit as predicted but not at their error bound" in note and "verdict of 970" in note
+    assert _near_note([over]) == ""
