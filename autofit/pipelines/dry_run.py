@@ -342,8 +342,9 @@ class _Planner:
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
-    """"fits: 12 GiB of 20 GiB (60%)", "over by ...", and for a formula's peak its bound; where it fits
-    only with the allocator's cache released at the limit, what a roomy card would reserve."""
+    """"fits: 12 GiB reserved + context of 20 GiB (60%), up to ... at its error bound (+4%, its basis)", "near
+    the limit: ...", "over by ...", and whether it rests on the formula; where it fits only with the
+    allocator's cache released at the limit, what a roomy card would reserve."""
     peak, need = estimate.peak_under(limit), estimate.need_bytes
     if estimate.upper_bytes is None:
         return (f"unknown: the step could not be simulated and the activation formula does not cover this model; "
@@ -359,9 +360,10 @@ def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
     if fits and peak < estimate.peak_bytes:
         head += (f", the caching allocator releasing its cache to stay under (it needs {format_size(need)}; "
                  f"a roomy card would reserve up to {format_size(estimate.peak_bytes)})")
+    near = not fits and estimate.fit_under(limit) is Fit.NEAR_LIMIT  # its bound said already
     if estimate.simulated:
-        return head if not fits else f"{head}, {bound}"
-    return f"{head}, by formula only (not simulated): {bound}"
+        return f"{head}, {bound}" if fits else head
+    return f"{head}, by formula only (not simulated)" + ("" if near else f": {bound}")
 
 
 def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
