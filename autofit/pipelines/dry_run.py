@@ -342,21 +342,21 @@ class _Planner:
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
-    """"fits: 12 GiB reserved + context of 20 GiB (60%), up to ... at its error bound (+4%, its basis)", "near
+    """"fits: 12 GiB of 20 GiB (60%), up to 12.5 GiB at its +4% bound", "near
     the limit: ...", "over by ...", and whether it rests on the formula; where it fits only with the
     allocator's cache released at the limit, what a roomy card would reserve."""
     peak, need = estimate.peak_under(limit), estimate.need_bytes
     if estimate.upper_bytes is None:
         return (f"unknown: the step could not be simulated and the activation formula does not cover this model; "
                 f"{format_size(need - estimate.breakdown.activations)} without its activations")
-    bound = f"up to {format_size(estimate.upper_bytes)} at its error bound (+{estimate.error_bound:.0%}, {estimate.bound_basis})"
+    # which memory and what the bound rests on: the table's note, the summary and the JSON say (`memory`, `bound_basis`)
+    bound = f"up to {format_size(estimate.upper_bytes)} at its +{estimate.error_bound:.0%} bound"
     if fits:
-        head = f"fits: {format_size(peak)} {estimate.memory.value} of {format_size(limit)} ({peak / limit:.0%})"
+        head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})"
     elif estimate.fit_under(limit) is Fit.NEAR_LIMIT:
-        head = (f"near the limit: needs {format_size(need)} {estimate.memory.value} of {format_size(limit)}, "
-                f"{bound}; a probe decides")
+        head = f"near the limit: needs {format_size(need)} of {format_size(limit)}, {bound}; a probe decides"
     else:
-        head = f"over by {format_size(need - limit)}: needs {format_size(need)} {estimate.memory.value} of {format_size(limit)}"
+        head = f"over by {format_size(need - limit)}: needs {format_size(need)} of {format_size(limit)}"
     if fits and peak < estimate.peak_bytes:
         head += (f", the caching allocator releasing its cache to stay under (it needs {format_size(need)}; "
                  f"a roomy card would reserve up to {format_size(estimate.peak_bytes)})")
