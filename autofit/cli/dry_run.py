@@ -185,7 +185,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
         console.print(f"[bold yellow]No verdict.[/] {escape(report.reason)}")
     else:
         console.print(f"[bold red]Nothing fits.[/] {escape(nothing_fits_words(report.reason, report.shortfall))}")
-        near = sum(c.near_limit for c in report.candidates)
+        near = len(report.near_limit)
         if near:
             console.print(f"[yellow]{near} candidate(s) near the limit:[/] they fit as predicted, not at their error "
                           "bound; autofit tune on the card decides.")

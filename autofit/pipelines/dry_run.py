@@ -115,6 +115,12 @@ class DryRunReport:
         return self.chosen is not None
 
     @property
+    def near_limit(self) -> tuple[Candidate, ...]:
+        """The candidates that fit as predicted but not at their error bound (`Candidate.near_limit`): with
+        nothing chosen, the ones `autofit tune` on the card would decide."""
+        return tuple(c for c in self.candidates if c.near_limit)
+
+    @property
     def unknown(self) -> bool:
         """Whether no verdict could be reached: nothing is predicted to fit, and the closest candidate's peak
         has no bound (its step could not be simulated, and the activation formula does not cover the model)."""
@@ -144,6 +150,7 @@ class DryRunReport:
                 "num_gpus": self.num_gpus, "global_batch_size": self.global_batch_size,
                 "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
                 "memory": self.candidates[0].estimate.memory.value if self.candidates else None,
+                "near_limit": len(self.near_limit),
                 "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
@@ -213,7 +220,6 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                                                       chosen.config.precision), None
     else:
         reason, shortfall = _nothing_fits(spec, profile, rest, _beyond(space, estimator, profile, chosen_strategies))
-        reason += _near_note(rest)
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
@@ -436,15 +442,6 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
     return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
             f"(sync_each_batch); a loop that waits for the last one (accelerate's accumulate(), the Trainer's "
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
-
-
-def _near_note(rest: list[Candidate]) -> str:
-    """Where nothing fits at its error bound but some fit as predicted: how many, and what decides."""
-    near = [c for c in rest if c.near_limit]
-    if not near:
-        return ""
-    return (f" {len(near)} candidate(s) fit as predicted but not at their error bound (near the limit: "
-            f"{near[0].config.describe()}, {near[0].verdict.split(', ~')[0]}); autofit tune on the card decides.")
 
 
 def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate],

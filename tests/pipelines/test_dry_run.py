@@ -12,6 +12,7 @@ import autofit
 from autofit.estimate.cost_model import step_seconds
 from autofit.pipelines.dry_run import _spec, dry_run
 from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Estimator
+from autofit.estimate.tolerance import FAMILY_BOUNDS
 from autofit.devices.gpus import get_gpu
 from autofit.errors import UsageError
 from autofit.job.train_spec import DEFAULT_SAFETY_MARGIN
@@ -22,9 +23,11 @@ GIB = 1024**3
 MIB = 1024**2
 
 
-def above_overhead(mib: int) -> str:
-    """A card whose fit limit leaves `mib` MiB beyond the CUDA context and cuBLAS workspace the estimator counts."""
-    return f"{int(((CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES) // MIB + mib) / (1 - DEFAULT_SAFETY_MARGIN))}MiB"
+def above_overhead(mib: int, bound: str = "decoder/fused") -> str:
+    """A card whose fit limit leaves `mib` MiB beyond the CUDA context and cuBLAS workspace the estimator counts,
+    at the error bound of `bound` (`FAMILY_BOUNDS`: a fit is decided at its bound)."""
+    bound = 1 + FAMILY_BOUNDS[bound][0]
+    return f"{int(((CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES) // MIB + mib) * bound / (1 - DEFAULT_SAFETY_MARGIN))}MiB"
 
 
 @pytest.fixture(autouse=True)
@@ -209,14 +212,14 @@ def test_fsdp2_with_accumulation_says_what_a_deferred_reduce_adds_and_plans_for_
 
     wide_vocab = LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, max_position_embeddings=512)  # states decide: DDP is over
-    result = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239),
+    result = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239, "engine"),
                      num_gpus=2, strategies=[MicroBatch(), Fsdp()])
     config = result.chosen.config
     assert config.needs_sync_each_micro_batch
     params = sum(p.numel() for p in LlamaForCausalLM(wide_vocab).parameters())
     assert result.chosen.estimate.breakdown.grads == 4 * params // 2  # fp32 shards, reduced every micro-batch
     assert f"holds every gradient unsharded: {format_size(4 * params - 4 * params // 2)} more per GPU" in result.reason
-    deferred = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239),
+    deferred = dry_run(wide_vocab, seq_len=256, global_batch_size=64, gpu="a100-80gb", gpu_memory=above_overhead(239, "engine"),
                        num_gpus=2, strategies=[MicroBatch(), Fsdp()], deferred_sync=True)
     assert not deferred.fits and "unsharded" not in deferred.reason  # the loop the user runs: over the limit
     assert deferred.candidates[0].estimate.breakdown.grads == 4 * params  # every gradient, unsharded
@@ -353,10 +356,10 @@ def test_progress_true_prints_the_count_on_stderr_and_a_wrong_value_is_refused(c
         dry_run(config, seq_len=64, global_batch_size=4, gpu="a100-80gb", progress="yes")
 
 
-def test_nothing_fitting_at_its_bound_names_the_candidates_that_fit_as_predicted():
+def test_candidates_that_fit_only_as_predicted_are_the_reports_near_limit_ones():
     from autofit.config import Config
     from autofit.estimate.prediction import Estimate
-    from autofit.pipelines.dry_run import Candidate, _near_note
+    from autofit.pipelines.dry_run import Candidate, DryRunReport
     from autofit.strategies.memory import Breakdown
 
     def row(need: int) -> Candidate:
@@ -366,6 +369,5 @@ def test_nothing_fitting_at_its_bound_names_the_candidates_that_fit_as_predicted
 
     near, over = row(970), row(1010)  # 1,008.8 at its bound; over as predicted
     assert near.near_limit and not near.fits and not over.near_limit
-    note = _near_note([near, over])
-    assert "1 candidate(s) fit as predicted but not at their error bound" in note and "verdict of 970" in note
-    assert _near_note([over]) == ""
+    report = DryRunReport("m", get_gpu("t4"), 1, None, 1000, (near, over), None, "nothing fits", 0.0)
+    assert report.near_limit == (near,) and report.to_dict()["near_limit"] == 1
