@@ -96,10 +96,12 @@ class Family:
 def family_of(model: nn.Module) -> Family:
     """The family of a built model (meta or real)."""
     hf = getattr(model, "config", None)
-    if not hasattr(hf, "model_type"):
-        own = any(isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
+    attends = any(isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
                   for m in model.modules())
-        return Family("other", "own" if own else "none", False)
+    if not hasattr(hf, "model_type"):
+        return Family("other", "own" if attends else "none", False)
+    if not attends:  # a convolutional network (ResNet, ConvNeXt): no kernel to pick
+        return Family(_family(model, hf), "none", False)
     return Family(_family(model, hf), _kernel(str(getattr(hf, "_attn_implementation", None) or "eager")), True)
 
 

@@ -33,6 +33,12 @@ def test_a_hugging_face_model_is_keyed_by_its_family_and_the_kernel_its_config_r
     assert family_key(model, Config(attention="eager")) == f"{family}/eager"
 
 
+def test_a_network_without_attention_has_no_kernel_whatever_the_configuration_says():
+    resnet = meta_model(lambda: T.ResNetForImageClassification(T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
+                                                                             depths=[1, 1], num_labels=2)))
+    assert family_key(resnet, Config(attention="sdpa")) == "vision/none"
+
+
 def test_a_model_of_ones_own_is_other_with_its_own_attention_or_none():
     assert family_key(nn.Sequential(nn.Linear(4, 4)), Config()) == "other/none"
     assert family_key(nn.TransformerEncoderLayer(16, 2), Config()) == "other/own"
