@@ -41,16 +41,17 @@ def default_strategies(engine: EngineChoice | str = EngineChoice.AUTO) -> list[S
     (ZeRO), "fsdp" (FSDP2), or "auto" = both searched (ZeRO offered where DeepSpeed is installed)."""
     engine = EngineChoice.parse(engine, "engine")
     engines = [Zero()] * (engine is not EngineChoice.FSDP) + [Fsdp()] * (engine is not EngineChoice.DEEPSPEED)
-    return in_order([ExpandableSegments(), MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(), ActivationCheckpointing(),
-                     ActivationOffloading(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
-                     DataParallel(), QuantizedBase(), Lora(), StateOffloading()])
+    return in_order([ExpandableSegments(), MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(),
+                     ActivationCheckpointing(), ActivationOffloading(), MicroBatch(), OptimizerStates(),
+                     OptimizerInBackward(), *engines, DataParallel(), QuantizedBase(), Lora(), StateOffloading()])
 
 
 # The order strategies apply in: by rung, and within a rung as listed here. QuantizedBase before Lora: the
 # adapters go on the quantized layers. OptimizerStates before OptimizerInBackward: the latter runs the
 # optimizer the former chose, one per parameter. A plug-in comes after these at its rung.
-ORDER = (ExpandableSegments, MixedPrecision, PureBf16, FusedAttention, ChunkedLoss, ActivationCheckpointing, ActivationOffloading, MicroBatch,
-         OptimizerStates, OptimizerInBackward, Zero, Fsdp, DataParallel, QuantizedBase, Lora, StateOffloading)
+ORDER = (ExpandableSegments, MixedPrecision, PureBf16, FusedAttention, ChunkedLoss, ActivationCheckpointing,
+         ActivationOffloading, MicroBatch, OptimizerStates, OptimizerInBackward, Zero, Fsdp, DataParallel,
+         QuantizedBase, Lora, StateOffloading)
 
 
 def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
