@@ -208,6 +208,17 @@ class Quantization(Knob):
     NF4 = "nf4"  # 4-bit NormalFloat, double quantization: ~0.5 byte per weight
 
 
+class Allocator(Knob):
+    """How the CUDA caching allocator takes memory from the driver (`PYTORCH_CUDA_ALLOC_CONF`)."""
+
+    DEFAULT = "default"  # PyTorch's default: one cudaMalloc segment per request size class, kept cached
+    # One segment per pool that grows by mapping pages (2 MiB small pool, 20 MiB large): freed blocks merge
+    # across what would have been separate segments, and before an OOM every free page is unmapped, so the
+    # allocator's reserve stops costing a fit. Same math (tier 0); costs a millisecond mapping when the
+    # segment grows, and CUDA tensors cannot be shared with another process (IPC).
+    EXPANDABLE = "expandable_segments"
+
+
 # Knobs added by strategies outside this module (a plug-in technique): name -> (type, default).
 _EXTENSIONS: dict[str, tuple[type[Knob], Knob]] = {}
 
@@ -239,12 +250,14 @@ class Config:
     activation_offload: ActivationOffload = ActivationOffload.NONE  # saved activations to host: PCIe traffic
     optimizer_step: OptimizerStep = OptimizerStep.AFTER_BACKWARD  # in backward: no whole-model gradients
     loss: Loss = Loss.FULL  # chunked: one chunk of logits live at a time, one more head matmul
+    allocator: Allocator = Allocator.DEFAULT  # expandable segments: little reserve beyond allocated bytes, CUDA only
     extras: tuple[tuple[str, str], ...] = ()  # knobs of plug-in strategies (`register_knob`), sorted by name
 
     _KNOBS: ClassVar[dict[str, type[Knob]]] = {
         "precision": Precision, "attention": Attention, "checkpointing": Checkpointing,
         "optimizer": Optimizer, "sharding": Sharding, "offload": Offload, "quantization": Quantization,
-        "activation_offload": ActivationOffload, "optimizer_step": OptimizerStep, "loss": Loss}
+        "activation_offload": ActivationOffload, "optimizer_step": OptimizerStep, "loss": Loss,
+        "allocator": Allocator}
     _COUNTS: ClassVar[dict[str, int]] = {  # integer knob -> its minimum
         "checkpoint_every": 1, "micro_batch_size": 1, "grad_accum_steps": 1, "lora": 0, "num_gpus": 1,
         "nodes": 1}
@@ -409,7 +422,8 @@ class Config:
             parts.append(f"ckpt={self.checkpointing.value}")
         parts.append(f"mb={self.micro_batch_size}x{self.grad_accum_steps}")
         parts.append(f"opt={self.optimizer.value}")
-        for name in ("sharding", "offload", "quantization", "activation_offload", "optimizer_step", "loss"):
+        for name in ("sharding", "offload", "quantization", "activation_offload", "optimizer_step", "loss",
+                     "allocator"):
             value = getattr(self, name)
             if value is not next(iter(type(value))):  # the first member of a knob is "no change"
                 parts.append(f"{_SHORT[name]}={value.value}")
@@ -426,7 +440,7 @@ class Config:
 
 
 _SHORT = {"sharding": "shard", "offload": "offload", "quantization": "quant", "activation_offload": "act_offload",
-          "optimizer_step": "step", "loss": "loss"}
+          "optimizer_step": "step", "loss": "loss", "allocator": "alloc"}
 
 
 def _checked_extras(extras: Any) -> tuple[tuple[str, str], ...]:

@@ -9,9 +9,11 @@
 #
 #     bash bench/gpu_session.sh [SECONDS [PART...]]   # SECONDS: each part's wall-clock limit (default 330)
 #
-# PART: gpu-tests, estimate, quickstart, threshold, residue, held-out, held-out-threshold (default: all of
-# them, at once; the held-out parts measure the models no calibration used,
-# bench/measurements/estimate_accuracy.py's held_out_models).
+# PART: gpu-tests, estimate, quickstart, threshold, residue, held-out, held-out-threshold, bert-reserve
+# (default: all of them, at once; the held-out parts measure the models no calibration used,
+# bench/measurements/estimate_accuracy.py's held_out_models; bert-reserve is BERT-large's allocated,
+# reserved and nvidia-smi peaks under a 16 GiB cap, with and without expandable segments, beside the
+# dry-run's prediction: bench/measurements/bert_large_reserve.py, issue 55).
 #
 # Everything lands in $OUT (or /tmp/gpu-session): the results files written, machine.txt, and logs.tar.gz
 # (each part's log and the pytest junit file).
@@ -46,6 +48,7 @@ part threshold python3 bench/measurements/fit_threshold.py --only gpt2-124m --st
 part residue python3 bench/measurements/probe_residue.py
 part held-out python3 bench/measurements/estimate_accuracy.py --device cuda --held-out
 part held-out-threshold python3 bench/measurements/fit_threshold.py --held-out --steps 5
+part bert-reserve python3 bench/measurements/bert_large_reserve.py
 wait
 find bench/results -newer "$out/machine.txt" -name '*.json' -exec cp {} "$out/" \;
 nvidia-smi --query-gpu=memory.used --format=csv >> "$out/machine.txt" 2>&1

@@ -88,6 +88,8 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "lora": dict(members=(), fields=("lora", "adapters"), distinct=(), strings=("lora",), classes=("Lora",)),
     "offload": dict(members=("Offload.NONE", "Offload.CPU", "Offload.NVME"), fields=("offload", "offloads"),
                     distinct=("offloads",), strings=("nvme",), classes=("StateOffloading",)),
+    "allocator": dict(members=("Allocator.DEFAULT", "Allocator.EXPANDABLE"), fields=("allocator",), distinct=(),
+                      strings=("expandable_segments",), classes=("ExpandableSegments",)),
 }
 # The strategy modules that are part of a technique without being one: the engines' shared base and the
 # DeepSpeed config builder (both ZeRO's), the run object and the memory record every strategy shares.

@@ -95,7 +95,9 @@ class FakeCuda:
     Scripted state (read and written by tests): `reserved[i]`, `max_reserved[i]`, `allocated[i]`,
     `max_allocated[i]`, `outside[i]` (this process's memory outside the allocator, context excluded), `fraction[i]`,
     `current`, `nvml_sees_pid` (False: a container whose PIDs NVML does not translate), `nvml`
-    (False: nvidia-ml-py not installed), `context_made` (whether this process has a context).
+    (False: nvidia-ml-py not installed), `context_made` (whether this process has a context),
+    `allocator_settings` (what `torch._C._accelerator_setAllocatorSettings` was last given, as
+    PYTORCH_CUDA_ALLOC_CONF would say it).
     `calls` records (name, *args). `fail(name, exc, sticky=False)` makes the next call (every call,
     when sticky) of `name` raise `exc`.
     """
@@ -109,6 +111,7 @@ class FakeCuda:
         self.current = 0
         self.nvml, self.nvml_sees_pid = nvml, nvml_sees_pid
         self.context_made = True
+        self.allocator_settings = ""
         self.calls: list[tuple] = []
         self._failures: dict[str, tuple[BaseException, bool]] = {}
         self._saved: list[tuple[Any, str, Any]] = []
@@ -220,6 +223,10 @@ class FakeCuda:
             "reset_peak_memory_stats": reset_peak,
         }
 
+    def _set_allocator_settings(self, settings: str) -> None:
+        self._call("set_allocator_settings", settings)
+        self.allocator_settings = settings
+
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, getattr(owner, name, _MISSING)))
         setattr(owner, name, value)
@@ -229,6 +236,7 @@ class FakeCuda:
         for name, function in self._functions().items():
             self._patch(torch.cuda, name, function)
         self._patch(torch._C, "_cuda_clearCublasWorkspaces", lambda: self._call("clear_cublas_workspaces"))
+        self._patch(torch._C, "_accelerator_setAllocatorSettings", self._set_allocator_settings)
         self._saved.append((sys.modules, "pynvml", sys.modules.get("pynvml", _MISSING)))
         if self.nvml:
             sys.modules["pynvml"] = _fake_nvml(self)

@@ -55,7 +55,7 @@ def make_console(as_json: bool, width: int) -> Console:
 
 def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
     """One row per candidate, chosen starred and first. From `WIDE` columns: knobs, the predicted peak split
-    into parts, fit, speed, host RAM, and from `REASONS` each row's reason; narrower: knobs, peak, fit,
+    into parts, its error bound, fit, speed, host RAM, and from `REASONS` each row's reason; narrower: knobs, peak, fit,
     speed (and host RAM where a row offloads), numbers never split; the chosen row's parts follow in
     `breakdown_table`."""
     shown = shown_rows(report, top)
@@ -68,7 +68,11 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
              + (f"; per sample: {report.batch}" if report.batch else ""))
     wide, reasons = width >= WIDE, width >= REASONS
     host = any(c.estimate.cpu_bytes for c in shown)
-    columns = ["#", "configuration", *(PARTS if wide else ()), "peak/GPU", "fits", "samples/s",
+    # each row's bound: a column where the table is wide; narrower, each bound and its basis once below it
+    # ("engine" for the rows with a sharding engine, the model's family/kernel for the rest)
+    bounds = wide
+    columns = ["#", "configuration", *(PARTS if wide else ()), "peak/GPU", *(("bound",) if bounds else ()), "fits",
+               "samples/s",
                *(("host RAM",) if wide or host else ()), *(("reason",) if reasons else ())]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for name in columns:
@@ -79,7 +83,7 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
         parts = candidate.estimate.breakdown.to_dict()
         cells = [str(index), ("★ " if candidate is report.chosen else "") + candidate.config.describe(),
                  *(format_size(parts[p]) for p in PARTS if wide), format_size(candidate.peak_bytes),
-                 fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
+                 *((bound_cell(candidate),) if bounds else ()), fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
         if wide or host:
             cells.append(format_size(candidate.estimate.cpu_bytes) if candidate.estimate.cpu_bytes else "-")
         if reasons:
@@ -94,12 +98,34 @@ def shown_rows(report: DryRunReport, top: int) -> tuple[Candidate, ...]:
 
 
 def fit_cell(candidate: Candidate) -> str:
-    """"yes" / "no", with "~" where the verdict rests on the activation formula (not simulated); "?" where
-    the formula has no bound for the model (no verdict)."""
+    """"yes" / "near" (fits as predicted, not at its error bound) / "no", with "~" where the verdict rests
+    on the activation formula (not simulated); "?" where the formula has no bound for the model (no verdict)."""
     if candidate.estimate.upper_bytes is None:
         return "[yellow]?[/]"
     mark = "" if candidate.estimate.simulated else "~"
+    if candidate.near_limit:
+        return f"[yellow]near{mark}[/]"
     return f"[green]yes{mark}[/]" if candidate.fits else f"[red]no{mark}[/]"
+
+
+def bound_cell(candidate: Candidate) -> str:
+    """The peak's error bound upwards, "+4%"; "?" where it has none."""
+    bound = candidate.estimate.error_bound
+    return "?" if bound is None else f"+{bound:.0%}"
+
+
+def memory_note(rows: tuple[Candidate, ...]) -> str:
+    """Which memory the peaks are and what each bound rests on, once under the table."""
+    if not rows:
+        return ""
+    bases = sorted({(c.estimate.error_bound, c.estimate.bound_basis) for c in rows if c.estimate.bound_basis},
+                   key=lambda pair: (pair[0] or 0, pair[1]))
+    return (f"peak/GPU: the predicted {rows[0].estimate.memory.value} per GPU"
+            + (" (the caching allocator's reserved peak plus the CUDA context and workspaces: what decides an "
+               "out-of-memory error)" if rows[0].estimate.memory.value == "reserved + context" else "")
+            + "; bound: how much higher the true peak may be ("
+            + "; ".join(f"+{value:.0%}, {basis}" for value, basis in bases if value is not None)
+            + "); near: fits as predicted, not at its bound.")
 
 
 def breakdown_table(candidate: Candidate) -> Table:
@@ -149,6 +175,8 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     if row is not None and width < WIDE:
         console.print(breakdown_table(row))
     rows = shown_rows(report, top)
+    if rows:
+        console.print(f"[dim]{escape(memory_note(rows))}[/]")
     if any(not c.estimate.simulated and c.estimate.upper_bytes is not None for c in rows):
         console.print("[dim]~ marks a verdict resting on the activation formula (that step could not be simulated).[/]")
     if any(c.estimate.upper_bytes is None for c in rows):
@@ -162,6 +190,10 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
         console.print(f"[bold yellow]No verdict.[/] {escape(report.reason)}")
     else:
         console.print(f"[bold red]Nothing fits.[/] {escape(nothing_fits_words(report.reason, report.shortfall))}")
+        near = len(report.near_limit)
+        if near:
+            console.print(f"[yellow]{near} candidate(s) near the limit:[/] they fit as predicted, not at their error "
+                          "bound; autofit tune on the card decides.")
     console.print(f"[dim]Predicted in {report.seconds:.1f} s ({escape(method_note(report))}); nothing was trained: "
                   "autofit tune measures.[/]")
 

@@ -40,15 +40,15 @@ from autofit.estimate.simulation import step as simulate_module
 from autofit.estimate.simulation import adapters as simulated_adapters
 from autofit.estimate.simulation import memo as simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
-from autofit.estimate.prediction import Estimate
-from autofit.strategies.memory import Breakdown
+from autofit.estimate.prediction import Estimate, Memory
+from autofit.strategies.memory import SEGMENTS_FACT, Breakdown
 from autofit.estimate.simulation.step import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.cuda.training_replay import replays_training, reserve
 from autofit.estimate.simulation.memo import workload_key
 from autofit.estimate.states import States, cast_peak, gathered as gathered_weights, held_grads, model_states
 from autofit.estimate.states import (optimizer_temporaries, own_adapters, simulated_layer_notes, sparse_grads,
                                      state_notes, step_transient)
-from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION
+from autofit.estimate.tolerance import FORMULA_UNDER_PREDICTION, bound_for, family_of
 from autofit.errors import UsageError
 from autofit.strategies import completed
 from autofit.batches.synthetic_batches import TokenBatches
@@ -137,6 +137,7 @@ class Estimator:
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
         self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
+        self._family = family_of(self._meta)  # what the error bound is looked up by (`tolerance.bound_for`)
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -144,7 +145,8 @@ class Estimator:
         mb = config.micro_batch_size
         if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)
-        key = (self._key(config, 1), mb, replays_training(config))  # the allocator's events differ
+        # the allocator's events differ, or the allocator
+        key = (self._key(config, 1), mb, replays_training(config), self._expandable(config))
         if key not in self._lines:
             self._lines[key] = self._extrapolated(config, mb)
         return self._lines[key]
@@ -246,14 +248,21 @@ class Estimator:
         if key not in self._cache and not self._recalled(config, mb):
             self._keep(config, mb, self.simulate(config, mb))
         peak, how = self._cache[key]
-        replay = peak.replayed_for(config)
-        if replay is None:
+        replay = peak.replayed_for(config) or peak.replay
+        expandable = self._expandable(config)
+        if replay is None or (replay is peak.replay and expandable == replay.expandable):
             return peak, how
-        # one simulation serves every optimizer, engine and accumulation; the allocator replays each's events
-        held = (key, replay.training[-1] if replay.training else 0)
+        # one simulation serves every optimizer, engine, accumulation and allocator setting; the allocator
+        # replays each's events
+        held = (key, replay.training[-1] if replay.training else 0, expandable)
         if held not in self._reserves:
+            replay = dataclasses.replace(replay, expandable=expandable)
             self._reserves[held] = dataclasses.replace(peak, **reserve(replay))
         return self._reserves[held], how
+
+    def _expandable(self, config: Config) -> bool:
+        """Whether `config`'s allocator takes expandable segments (a strategy names it: `SEGMENTS_FACT`)."""
+        return self._facts_of(config).get(SEGMENTS_FACT) == "expandable"
 
     def _shared(self) -> bool:
         """Whether this model's steps go through the cache on disk (`simulations.shareable`); not while a
@@ -430,11 +439,24 @@ class Estimator:
         if act.offloaded:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
         simulated = self.simulated(config)
-        bound = 0.0 if simulated else self._peak_bound(breakdown.activations, peak)
+        bound, basis = self._bound(config, simulated, breakdown.activations, peak)
         slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, notes[0], tuple(notes[1:]), tuple(terms),
                         simulated=simulated, error_bound=bound,
-                        offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack)
+                        offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack,
+                        memory=Memory.RESERVED_CONTEXT if self.target == "cuda" else Memory.ALLOCATED,
+                        bound_basis=basis)
+
+    def _bound(self, config: Config, simulated: bool, activations: int, peak: int) -> tuple[float | None, str]:
+        """The peak's relative error bound and its basis: on CUDA the calibration's for the model's family and
+        kernel (`tolerance.bound_for`), at least the activation formula's where the step was not simulated."""
+        formula = 0.0 if simulated else self._peak_bound(activations, peak)
+        if self.target != "cuda":
+            return formula, "" if simulated else "the activation formula's bound"
+        family = bound_for(self._family, config)
+        if formula is None or formula > family.value:
+            return formula, "the activation formula's bound"
+        return family.value, family.basis
 
     def _peak_bound(self, activations: int, peak: int) -> float | None:
         """The relative error a peak with `activations` by formula may carry upwards (None: no bound)."""

@@ -5,9 +5,28 @@ device, its parts by what holds them, and how it was made (simulated or by formu
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from autofit.strategies.memory import Breakdown
+
+
+class Memory(str, enum.Enum):
+    """Which memory a predicted peak is: what decides an out-of-memory error on the target."""
+
+    # the CUDA caching allocator's reserved peak (its segments, the allocated bytes and what its cache holds
+    # beside them) plus the CUDA context and cuBLAS workspaces: what nvidia-smi shows for the process
+    RESERVED_CONTEXT = "reserved + context"
+    ALLOCATED = "allocated"  # bytes of live tensors (the CPU budget counts these)
+
+
+class Fit(str, enum.Enum):
+    """A predicted peak against a limit, at its error bound (`Estimate.fit_under`)."""
+
+    FITS = "fits"  # fits at its error bound
+    NEAR_LIMIT = "near the limit"  # fits as predicted, not at its error bound: a probe decides
+    OVER = "over"  # over the limit as predicted
+    UNKNOWN = "unknown"  # the peak has no bound: no verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,14 +40,18 @@ class Estimate:
     notes: tuple[str, ...] = ()  # one phrase each: what else shaped the peak (formula-only parts, offload, ...)
     terms: tuple[tuple[str, int], ...] = ()  # the overhead, term by term
     simulated: bool = True  # False: the step could not be simulated and activations come from a formula
-    # relative error the peak may carry upwards: the formula's measured bound (0 when simulated); None where
-    # the formula does not cover the model (`formula_covers`): the peak has no bound
+    # relative error the peak may carry upwards: on a CUDA target the calibration's bound for the model's
+    # family and kernel (`tolerance.bound_for`; at least the formula's where the activations come from it),
+    # on the CPU the formula's measured bound (0 when simulated); None where the formula does not cover the
+    # model (`formula_covers`): the peak has no bound
     error_bound: float | None = 0.0
     offloaded_activations: int = 0  # bytes of saved activations copied to the host and back per micro-step
     kernels: int = 0  # kernels one micro-step's forward + backward launches (simulated; 0 from a formula)
     # CUDA: bytes of the peak that the caching allocator holds in cached segments on a roomy card and
     # releases under a tighter limit before it would fail (`training_replay.least_reserve`)
     release_slack: int = 0
+    memory: Memory = Memory.ALLOCATED  # which memory `peak_bytes` is
+    bound_basis: str = ""  # what `error_bound` rests on: "decoder/fused: 54 calibration rows" (`tolerance.Bound`)
 
     @property
     def reason(self) -> str:
@@ -46,6 +69,15 @@ class Estimate:
         None where the peak has no bound (no verdict can rest on it)."""
         return None if self.error_bound is None else int(self.need_bytes * (1 + self.error_bound))
 
+    def fit_under(self, limit: int) -> Fit:
+        """Fits under `limit` (bytes) at the error bound, fits only as predicted (near the limit), is over,
+        or has no bound."""
+        if self.upper_bytes is None:
+            return Fit.UNKNOWN
+        if self.upper_bytes <= limit:
+            return Fit.FITS
+        return Fit.NEAR_LIMIT if self.need_bytes <= limit else Fit.OVER
+
     def peak_under(self, limit: int) -> int:
         """The peak under `limit`: a roomy card's, or the limit where the allocator fills it and then
         releases its cache to fit (`need_bytes` within it)."""
@@ -56,4 +88,5 @@ class Estimate:
         return {"peak_bytes": self.peak_bytes, "need_bytes": self.need_bytes, "cpu_bytes": self.cpu_bytes,
                 "reason": self.reason, "method": self.method, "notes": list(self.notes),
                 "breakdown": self.breakdown.to_dict(), "overhead_terms": dict(self.terms),
-                "activations": "simulated" if self.simulated else "formula", "error_bound": self.error_bound}
+                "activations": "simulated" if self.simulated else "formula", "error_bound": self.error_bound,
+                "memory": self.memory.value, "bound_basis": self.bound_basis}

@@ -43,7 +43,7 @@ def environment(plan: "Plan") -> dict[str, str]:
     env["AUTOFIT_GLOBAL_BATCH_SIZE"] = str(config.global_batch_size)
     env["AUTOFIT_PLAN"] = "$here/" + PLAN_FILENAME
     for name, value in launcher_keys(plan, "torchrun").items():
-        if name.startswith("AUTOFIT_"):
+        if name.isupper():  # an environment variable (AUTOFIT_*, or a library's own such as PYTORCH_CUDA_ALLOC_CONF)
             env[name] = "$here/" + str(value) if name == DEEPSPEED_VARIABLE else str(value)
     return env
 

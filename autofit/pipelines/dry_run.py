@@ -20,15 +20,13 @@ import dataclasses
 import sys
 import time
 
-import torch
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.errors import Param, UsageError
 from autofit.estimate.cost_model import SECONDS_PER_KERNEL, StepCost, step_cost
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.prediction import Estimate
-from autofit.estimate.tolerance import tolerance_for
+from autofit.estimate.prediction import Estimate, Fit
 from autofit.devices.gpus import GpuProfile, Layout, get_gpu, layout, split_count
 from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
@@ -44,7 +42,6 @@ if TYPE_CHECKING:
     from autofit.strategies.base import Strategy
 
 DEFAULT_MAX_MICRO_BATCH = 64  # largest micro-batch planned when no global batch is given
-CUDA = torch.device("cuda")  # the target a dry-run plans for (its estimator's error: `tolerance_for`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +57,7 @@ class Candidate:
     samples_per_s: float  # predicted global samples per second
     limit: int = 0  # the bytes per GPU it was planned under (0: none)
     numerics: tuple[str, ...] = ()  # its numerics changes, "knob=value" (`Space.numerics`)
-    # the estimator's error on the target (relative, `tolerance_for`): a fit whose need at this error reaches
-    # past the limit is near the limit (`near_limit`)
-    tolerance: float = 0.0
     cost: StepCost | None = None  # `step_seconds` by part: compute, collectives within and across nodes, ...
-
-    @property
-    def near_limit(self) -> bool:
-        """Whether it fits only while the estimator's error stays under its measured bound: its need (its
-        upper bound, by formula) at `tolerance` more is over the limit."""
-        upper = self.estimate.upper_bytes
-        return self.fits and bool(self.limit) and upper is not None and upper * (1 + self.tolerance) > self.limit
 
     @property
     def standing(self) -> Standing:
@@ -83,6 +70,17 @@ class Candidate:
         return f"{self.verdict}; {self.estimate.reason}"
 
     @property
+    def fit(self) -> Fit:
+        """Against the limit at the error bound: fits, near the limit (fits only as predicted: a probe
+        decides; `fits` is False), over, or unknown (`Estimate.fit_under`)."""
+        return self.estimate.fit_under(self.limit)
+
+    @property
+    def near_limit(self) -> bool:
+        """Whether the peak fits as predicted but not at its error bound (within its bound of the limit)."""
+        return self.fit is Fit.NEAR_LIMIT
+
+    @property
     def peak_bytes(self) -> int:
         """Predicted peak per GPU (bytes) under the limit (`Estimate.peak_under`)."""
         return self.estimate.peak_under(self.limit) if self.limit else self.estimate.peak_bytes
@@ -90,7 +88,7 @@ class Candidate:
     def __repr__(self) -> str:
         """One line: the knobs, the peak, the verdict and the speed (the dataclass's spelled out the whole
         estimate; `reason` and `estimate` hold it)."""
-        verdict = "fits" if self.fits else "does not fit"
+        verdict = "fits" if self.fits else "near the limit" if self.near_limit else "does not fit"
         return (f"Candidate({self.config.describe()}: peak {format_size(self.peak_bytes)}/GPU, {verdict}, "
                 f"~{self.samples_per_s:,.1f} samples/s)")
 
@@ -101,7 +99,8 @@ class Candidate:
                 "reason": self.reason, "breakdown": self.estimate.breakdown.to_dict(),
                 "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
                 "activations": "simulated" if self.estimate.simulated else "formula",
-                "error_bound": self.estimate.error_bound, "near_limit": self.near_limit,
+                "error_bound": self.estimate.error_bound, "bound_basis": self.estimate.bound_basis,
+                "memory": self.estimate.memory.value, "fit": self.fit.value, "near_limit": self.near_limit,
                 "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s,
                 "step_cost": dataclasses.asdict(self.cost) if self.cost else None}
 
@@ -122,15 +121,21 @@ class DryRunReport:
     seconds: float  # wall time the planning took
     batch: str = ""  # the batch each candidate was predicted for (a synthesized one's shape: its length)
     shortfall: Shortfall | None = None  # why nothing fits, as fields (`reason` is its Python words)
-    # where `chosen` is near the limit (`Candidate.near_limit`): the fit `autofit tune` would keep among those
-    # that are not (None: the choice has headroom, or no fit has)
-    headroom: Candidate | None = None
+    # the candidate the decision would have taken before `chosen` were its need known exactly: near the limit
+    # (`Candidate.near_limit`), so left to a probe on the card (None: no such one)
+    near_choice: Candidate | None = None
     layout: Layout | None = None  # the nodes the GPUs are on, and the network between them (None: one node)
 
     @property
     def fits(self) -> bool:
         """Whether some allowed candidate is predicted to fit."""
         return self.chosen is not None
+
+    @property
+    def near_limit(self) -> tuple[Candidate, ...]:
+        """The candidates that fit as predicted but not at their error bound (`Candidate.near_limit`): with
+        nothing chosen, the ones `autofit tune` on the card would decide."""
+        return tuple(c for c in self.candidates if c.near_limit)
 
     @property
     def unknown(self) -> bool:
@@ -164,10 +169,12 @@ class DryRunReport:
                 "inter_node_gbps": self.layout.inter_node_gbps if self.layout else None,
                 "network": self.layout.network if self.layout else "", "global_batch_size": self.global_batch_size,
                 "batch": self.batch, "fit_limit": self.fit_limit, "fits": self.fits, "reason": self.reason,
+                "memory": self.candidates[0].estimate.memory.value if self.candidates else None,
+                "near_limit": len(self.near_limit),
                 "verdict_basis": "none" if self.unknown else "formula" if self.formula_only else "simulation",
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
-                "headroom": self.headroom.to_dict() if self.headroom else None,
+                "near_choice": self.near_choice.to_dict() if self.near_choice else None,
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
 
@@ -245,11 +252,10 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = _decided(space, fitting) if fitting else None
-    roomy = [c for c in fitting if not c.near_limit]
-    headroom = _decided(space, roomy) if chosen is not None and chosen.near_limit and roomy else None
+    near_choice = _near_choice(space, fitting, allowed, chosen)
     if chosen:
         said = (_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) + _nodes_note(chosen, allowed)
-                + _edge_note(chosen, headroom))
+                + _edge_note(near_choice))
         reason, shortfall = spec.model.noting_weights(said, chosen.config.precision), None
         reason += host_note(chosen, profile, spec.num_gpus) if host is None else ""
     elif over and host is not None:
@@ -259,7 +265,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     first = [chosen] if chosen else []  # the choice heads the table, then the other fits by speed
     return DryRunReport(description, profile, spec.num_gpus, spec.global_batch_size, spec.fit_limit,
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
-                        time.perf_counter() - started, spec.batch_description, shortfall, headroom,
+                        time.perf_counter() - started, spec.batch_description, shortfall, near_choice,
                         where if where.nodes > 1 else None)
 
 
@@ -368,8 +374,8 @@ class _Planner:
         return self.candidate(self.space.at(level, sizes[low]))
 
     def _fits(self, estimate: Estimate) -> bool:
-        upper = estimate.upper_bytes  # a formula's peak must fit at its error bound, and have one
-        return upper is not None and upper <= self.spec.fit_limit
+        # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one
+        return estimate.fit_under(self.spec.fit_limit) is Fit.FITS
 
     def candidate(self, config: Config) -> Candidate:
         """`config` predicted: its estimate, fit, speed and reason."""
@@ -386,25 +392,32 @@ class _Planner:
             bound += f"; {cost.across_nodes:.3g} s of its {seconds:.3g} s step across nodes"
         return Candidate(config, estimate, fits, f"{head}, ~{samples:,.1f} samples/s ({self.work.how}{bound})",
                          self.space.tier(config), seconds, samples, self.spec.fit_limit, self.space.numerics(config),
-                         tolerance_for(CUDA, config), cost)
+                         cost)
 
 
 def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
-    """"fits: 12 GiB of 20 GiB (60%)", "over by ...", and for a formula's peak its bound; where it fits
-    only with the allocator's cache released at the limit, what a roomy card would reserve."""
+    """"fits: 12 GiB of 20 GiB (60%), up to 12.5 GiB at its +4% bound", "near
+    the limit: ...", "over by ...", and whether it rests on the formula; where it fits only with the
+    allocator's cache released at the limit, what a roomy card would reserve."""
     peak, need = estimate.peak_under(limit), estimate.need_bytes
     if estimate.upper_bytes is None:
         return (f"unknown: the step could not be simulated and the activation formula does not cover this model; "
                 f"{format_size(need - estimate.breakdown.activations)} without its activations")
-    head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})" if fits else \
-        f"over by {format_size(estimate.upper_bytes - limit)}: needs {format_size(need)} of {format_size(limit)}"
+    # which memory and what the bound rests on: the table's note, the summary and the JSON say (`memory`, `bound_basis`)
+    bound = f"up to {format_size(estimate.upper_bytes)} at its +{estimate.error_bound:.0%} bound"
+    if fits:
+        head = f"fits: {format_size(peak)} of {format_size(limit)} ({peak / limit:.0%})"
+    elif estimate.fit_under(limit) is Fit.NEAR_LIMIT:
+        head = f"near the limit: needs {format_size(need)} of {format_size(limit)}, {bound}; a probe decides"
+    else:
+        head = f"over by {format_size(need - limit)}: needs {format_size(need)} of {format_size(limit)}"
     if fits and peak < estimate.peak_bytes:
         head += (f", the caching allocator releasing its cache to stay under (it needs {format_size(need)}; "
                  f"a roomy card would reserve up to {format_size(estimate.peak_bytes)})")
+    near = not fits and estimate.fit_under(limit) is Fit.NEAR_LIMIT  # its bound said already
     if estimate.simulated:
-        return head
-    return (f"{head}, by formula only (not simulated): up to {format_size(estimate.upper_bytes)} at its "
-            f"error bound (+{estimate.error_bound:.0%})")
+        return f"{head}, {bound}" if fits else head
+    return f"{head}, by formula only (not simulated)" + ("" if near else f": {bound}")
 
 
 def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
@@ -435,18 +448,25 @@ def _chosen_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     if not chosen.estimate.simulated:
         return (f"by formula only (the step could not be simulated: {chosen.estimate.method}): "
                 f"{chosen.config.describe()} is predicted to peak at {format_size(chosen.peak_bytes)}, up to "
-                f"{format_size(chosen.estimate.upper_bytes)} at the formula's error bound; run autofit tune "
+                f"{format_size(chosen.estimate.upper_bytes)} at its error bound; run autofit tune "
                 "on the GPU to measure it")
     fastest = fitting[0]
     if fastest is not chosen:
         margin, kind = _margin(chosen, fastest)
         return (f"{chosen.config.describe()}, ~{chosen.samples_per_s:,.1f} samples/s, peak "
-                f"{format_size(chosen.peak_bytes)}, of {len(fitting)} fitting candidate(s): "
+                f"{_peak_words(chosen)}, of {len(fitting)} fitting candidate(s): "
                 f"{fastest.config.describe()} is predicted {chosen.step_seconds / fastest.step_seconds - 1:.1%} "
                 f"faster, under the {margin:.0%} margin {_MARGIN_WORDS[kind]}, as autofit tune decides")
     return (f"predicted fastest of {len(fitting)} fitting candidate(s): {chosen.config.describe()}, "
-            f"~{chosen.samples_per_s:,.1f} samples/s, peak {format_size(chosen.peak_bytes)}"
+            f"~{chosen.samples_per_s:,.1f} samples/s, peak {_peak_words(chosen)}"
             + (f" ({_others(chosen, fitting)})" if others else ""))
+
+
+def _peak_words(chosen: Candidate) -> str:
+    """"21.3 GiB reserved + context (error bound +4%, decoder/fused: 54 calibration rows)"."""
+    estimate = chosen.estimate
+    return (f"{format_size(chosen.peak_bytes)} {estimate.memory.value} (error bound +{estimate.error_bound:.0%}, "
+            f"{estimate.bound_basis})")
 
 
 def _others(chosen: Candidate, fitting: list[Candidate]) -> str:
@@ -472,18 +492,28 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
 
 
-def _edge_note(chosen: Candidate, headroom: Candidate | None) -> str:
-    """Where the choice is near the limit: its need against the limit, the error bound that reaches past it,
-    and the fit with headroom `autofit tune` would keep instead (or that none has)."""
-    if not chosen.near_limit:
+def _near_choice(space: Space, fitting: list[Candidate], allowed: list[Candidate],
+                 chosen: Candidate | None) -> Candidate | None:
+    """The candidate the decision takes from the fits and the near-limit ones together, where it is a
+    near-limit one (it would be chosen were its need known exactly); None where the choice stands either way."""
+    near = [c for c in allowed if c.near_limit and c.estimate.simulated]
+    if chosen is None or not near:
+        return None
+    both = sorted([*fitting, *near], key=lambda c: (not c.estimate.simulated, c.step_seconds))
+    decided = _decided(space, both)
+    return decided if decided.near_limit else None
+
+
+def _edge_note(near_choice: Candidate | None) -> str:
+    """Where a candidate near the limit would have been chosen: its speed, its need against the limit, and the
+    error bound that reaches past it (`autofit tune` on the card decides it)."""
+    if near_choice is None:
         return ""
-    need = chosen.estimate.upper_bytes
-    note = (f". Near the limit: it needs {format_size(need)} of {format_size(chosen.limit)} "
-            f"({need / chosen.limit:.0%}), and the estimator's {chosen.tolerance:.0%} error bound reaches past it")
-    if headroom is None:
-        return note + "; no fitting candidate has headroom (probe it with autofit tune on the GPU)"
-    return (f"{note}; with headroom: {headroom.config.describe()}, peak {format_size(headroom.peak_bytes)}, "
-            f"~{headroom.samples_per_s:,.1f} samples/s")
+    estimate, limit = near_choice.estimate, near_choice.limit
+    return (f". Near the limit: {near_choice.config.describe()} would be ~{near_choice.samples_per_s:,.1f} "
+            f"samples/s, but needs {format_size(estimate.need_bytes)} of {format_size(limit)} "
+            f"({estimate.need_bytes / limit:.0%}), up to {format_size(estimate.upper_bytes)} at its "
+            f"+{estimate.error_bound:.0%} error bound; autofit tune on the card decides it")
 
 
 def _nodes_note(chosen: Candidate, allowed: list[Candidate]) -> str:

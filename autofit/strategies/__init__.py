@@ -8,6 +8,7 @@ from typing import Any, Iterable
 from autofit.config import Knob
 from autofit.errors import UsageError, did_you_mean
 from autofit.strategies.activation_offload import ActivationOffloading
+from autofit.strategies.allocator import ExpandableSegments
 from autofit.strategies.attention import FusedAttention
 from autofit.strategies.base import Option, Placement, Strategy, plugins
 from autofit.strategies.checkpointing import ActivationCheckpointing
@@ -40,16 +41,17 @@ def default_strategies(engine: EngineChoice | str = EngineChoice.AUTO) -> list[S
     (ZeRO), "fsdp" (FSDP2), or "auto" = both searched (ZeRO offered where DeepSpeed is installed)."""
     engine = EngineChoice.parse(engine, "engine")
     engines = [Zero()] * (engine is not EngineChoice.FSDP) + [Fsdp()] * (engine is not EngineChoice.DEEPSPEED)
-    return in_order([MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(), ActivationCheckpointing(),
-                     ActivationOffloading(), MicroBatch(), OptimizerStates(), OptimizerInBackward(), *engines,
-                     DataParallel(), QuantizedBase(), Lora(), StateOffloading()])
+    return in_order([ExpandableSegments(), MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(),
+                     ActivationCheckpointing(), ActivationOffloading(), MicroBatch(), OptimizerStates(),
+                     OptimizerInBackward(), *engines, DataParallel(), QuantizedBase(), Lora(), StateOffloading()])
 
 
 # The order strategies apply in: by rung, and within a rung as listed here. QuantizedBase before Lora: the
 # adapters go on the quantized layers. OptimizerStates before OptimizerInBackward: the latter runs the
 # optimizer the former chose, one per parameter. A plug-in comes after these at its rung.
-ORDER = (MixedPrecision, PureBf16, FusedAttention, ChunkedLoss, ActivationCheckpointing, ActivationOffloading, MicroBatch,
-         OptimizerStates, OptimizerInBackward, Zero, Fsdp, DataParallel, QuantizedBase, Lora, StateOffloading)
+ORDER = (ExpandableSegments, MixedPrecision, PureBf16, FusedAttention, ChunkedLoss, ActivationCheckpointing,
+         ActivationOffloading, MicroBatch, OptimizerStates, OptimizerInBackward, Zero, Fsdp, DataParallel,
+         QuantizedBase, Lora, StateOffloading)
 
 
 def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
@@ -116,7 +118,8 @@ def _normal(name: str) -> str:
     return name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
 
 
-__all__ = ["ActivationCheckpointing", "ActivationOffloading", "ChunkedLoss", "DataParallel", "Fsdp", "FusedAttention",
+__all__ = ["ActivationCheckpointing", "ActivationOffloading", "ChunkedLoss", "DataParallel", "ExpandableSegments",
+           "Fsdp", "FusedAttention",
            "Lora", "MicroBatch", "MixedPrecision", "Option", "OptimizerInBackward", "OptimizerStates",
            "Placement", "PureBf16", "QuantizedBase", "StateOffloading", "Strategy", "Zero", "completed",
            "default_strategies", "for_plan", "in_order", "plugins", "resolve_strategies", "with_required"]

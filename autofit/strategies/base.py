@@ -163,8 +163,9 @@ class Strategy(abc.ABC):
         """Keys this knob writes into launcher format `fmt`; dotted names nest. "trainer": keyword arguments
         of `transformers.TrainingArguments`; "accelerate": fields of accelerate's config file; "deepspeed":
         keys of the DeepSpeed config beside those its builder writes (`autofit.strategies.deepspeed_config`);
-        "torchrun": `AUTOFIT_*` environment variables of torchrun.sh, and `max_grad_norm`, the default of
-        train_with_prepare.py's clipping. Nothing for a format whose loader rejects keys it does not know."""
+        "torchrun": environment variables torchrun.sh and accelerate_launch.sh export (upper-case names:
+        `AUTOFIT_*`, or a library's own), and `max_grad_norm`, the default of train_with_prepare.py's
+        clipping. Nothing for a format whose loader rejects keys it does not know."""
         return {}
 
     def setup_lines(self, config: Config, fmt: str) -> list[str]:

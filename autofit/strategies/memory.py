@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# The simulated fact (`Strategy.simulated_as`, left out of the simulation's key by its "_") naming how the CUDA
+# caching allocator takes segments, which the estimator replays the step's events through: "expandable"
+# (expandable segments) or absent (PyTorch's default fixed segments).
+SEGMENTS_FACT = "_segments"
+
 
 @dataclasses.dataclass(frozen=True)
 class Breakdown:

@@ -37,6 +37,10 @@ def test_table_marks_the_chosen_candidate(config_json, capsys):
     # a 2-layer model at 128 tokens is bound by kernel launches: fp32 launches no autocast casts
     assert "★ fp32" in out and "Chosen:" in out and "peak/GPU" in out and "activations" in out
     assert "RAM" in out and "offload" in out  # offload rows show their host RAM (cells may wrap)
+    # which memory the peaks are and what the bounds rest on, once under the table; a bound per row
+    flat = " ".join(out.split())
+    assert "peak/GPU: the predicted reserved + context per GPU" in flat and "decoder/fused" in flat
+    assert "bound" in out and "+4%" in out
 
 
 @pytest.mark.parametrize("gpus, hint", [(("--gpu", "a100", "--num-gpus", "2"), "--gpu a100-80gb"),

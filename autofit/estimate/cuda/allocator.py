@@ -265,10 +265,12 @@ def _micro_step(allocator: Any, events: Sequence[Event], grads: dict, fresh: Ite
 
 class Calls:
     """A replay's calls to the allocator in order, recorded once (`replay(..., allocator=Calls())`) and
-    replayed at any capacity: `key`, and the bytes of a malloc or -1 for a free."""
+    replayed at any capacity: `key`, and the bytes of a malloc or -1 for a free. `kind`: the allocator they
+    are replayed through (`CachingAllocator`, or `expandable.ExpandableAllocator`: the same interface)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: type = CachingAllocator) -> None:
         self.keys, self.sizes = array.array("q"), array.array("q")
+        self.kind = kind
 
     def malloc(self, key: int, nbytes: int) -> None:
         self.keys.append(key)
@@ -278,16 +280,16 @@ class Calls:
         self.keys.append(key)
         self.sizes.append(-1)
 
-    def replayed(self, capacity: int | None = None, stop: bool = False) -> CachingAllocator | None:
+    def replayed(self, capacity: int | None = None, stop: bool = False) -> Any:
         """The calls replayed through an allocator of `capacity` bytes; None where `stop` and it ran out."""
-        return self._fed(CachingAllocator(capacity, stop))
+        return self._fed(self.kind(capacity, stop))
 
-    def until(self, capacity: int) -> tuple[CachingAllocator, int] | None:
+    def until(self, capacity: int) -> tuple[Any, int] | None:
         """The replay paused at its first segment past `capacity` (`CachingAllocator(pause=True)`), and the
         call it paused at: every replay under a capacity of at least `capacity` is the same up to there
         (the roomy replay's reserve only grows, and none of them has released anything yet). None where it
         never passes `capacity`."""
-        allocator = CachingAllocator(capacity, pause=True)
+        allocator = self.kind(capacity, pause=True)
         malloc, free = allocator.malloc, allocator.free
         for index, (key, size) in enumerate(zip(self.keys, self.sizes)):
             try:
@@ -296,13 +298,13 @@ class Calls:
                 return allocator, index
         return None
 
-    def resumed(self, paused: tuple[CachingAllocator, int], capacity: int) -> CachingAllocator | None:
+    def resumed(self, paused: tuple[Any, int], capacity: int) -> Any:
         """The replay under `capacity` (at least the one `paused` was made under) from where it paused;
         None where it runs out of memory."""
         allocator, index = paused
         return self._fed(allocator.copy(capacity, stop=True), index)
 
-    def _fed(self, allocator: CachingAllocator, start: int = 0) -> CachingAllocator | None:
+    def _fed(self, allocator: Any, start: int = 0) -> Any:
         malloc, free = allocator.malloc, allocator.free
         try:
             for key, size in zip(itertools.islice(self.keys, start, None), itertools.islice(self.sizes, start, None)):
@@ -364,6 +366,8 @@ class Replay:
     sizes: array.array  # bytes (a malloc's, a gradient's), 0 for a free
     params: array.array  # a gradient's parameter, -1 elsewhere
     training: tuple | None = None  # (resident, states, temporaries, micro_steps): `replay_training`; None: `replay`
+    # the allocator replays them with expandable segments (`expandable.ExpandableAllocator`), else fixed ones
+    expandable: bool = False
 
     @classmethod
     def of(cls, events: Sequence[Event], training: tuple | None = None) -> "Replay":
@@ -383,6 +387,8 @@ class Replay:
         for values in (self.keys, self.sizes, self.params):
             digest.update(values.tobytes())
         digest.update(repr(self.training).encode())
+        if self.expandable:
+            digest.update(b"expandable segments")
         return digest.hexdigest()
 
     def events(self) -> list[Event]:
@@ -399,10 +405,10 @@ class Replay:
         assert found is not None  # without `stop` a replay goes on
         return found
 
-    def calls(self) -> Calls:
+    def calls(self, kind: type = CachingAllocator) -> Calls:
         """The calls this replay makes of the allocator (`Calls`: replayed at many capacities, resumed
-        where they part), recorded once from the events."""
-        calls, events = Calls(), self.events()
+        where they part, through an allocator of `kind`), recorded once from the events."""
+        calls, events = Calls(kind), self.events()
         if self.training is None:
             replay(events, allocator=calls)
         else:

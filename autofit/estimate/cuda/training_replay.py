@@ -14,17 +14,19 @@ from torch import nn
 from autofit.config import Config, Engine, Optimizer
 from autofit.estimate.simulation import disk_cache as kept
 from autofit.estimate.cuda.allocator import ROUND_LARGE, CachingAllocator, Calls, Replay
+from autofit.estimate.cuda.expandable import ExpandableAllocator
 
 
 def reserve(replay: Replay) -> dict[str, Any]:
     """`ActivationPeak`'s reserve fields from `replay`: beyond its allocated peak, what a roomy card
-    reserves (`fragmentation`) and the least it runs in (`least_fragmentation`: `least_reserve`). Replayed
+    reserves (`fragmentation`) and the least it runs in (`least_fragmentation`: `least_reserve`), through
+    the allocator `replay.expandable` names (expandable segments, or PyTorch's default fixed ones). Replayed
     once for the same events (`kept.RESERVES`, in the process and the cache's folder): a dry-run's AdamW
     rows replay two optimizer steps of training through a bisection, most of a second dry-run's time."""
     digest = replay.digest()
     found = kept.RESERVES.get(digest, shared=True)
     if found is None:
-        calls = replay.calls()
+        calls = replay.calls(ExpandableAllocator if replay.expandable else CachingAllocator)
         roomy = calls.replayed()
         found = {"fragmentation": roomy.peak_reserved - roomy.peak_allocated,
                  "least_fragmentation": least_reserve(calls, roomy) - roomy.peak_allocated}
@@ -32,7 +34,7 @@ def reserve(replay: Replay) -> dict[str, Any]:
     return {**found, "replay": replay}
 
 
-def least_reserve(calls: Calls, roomy: CachingAllocator) -> int:
+def least_reserve(calls: Calls, roomy: Any) -> int:
     """The fewest bytes the caching allocator's segments may total for a replay to run without running out
     of memory (`calls`: `Replay.calls`): found by bisection between the allocated and the reserved peak of
     its `roomy` run (no capacity), to `LEAST_RESERVE_PRECISION` of the reserve, each run resumed where the
