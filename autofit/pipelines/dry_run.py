@@ -244,15 +244,13 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies,
                           deferred_sync=deferred_sync)
     planner = _Planner(space, estimator, profile)
-    levels = list(space.levels())
-    estimator.prefetch((config for level in levels for config in planner.asks(level)), _listener(progress))
     host = parse_size(host_memory, "host_memory") if host_memory is not None else None
-    allowed, over = over_host([planner.best_at(level) for level in levels], host)
+    allowed, over = over_host(_best_levels(space, planner, chosen_strategies, _listener(progress)), host)
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
     chosen = _decided(space, fitting) if fitting else None
-    near_choice = _near_choice(space, fitting, allowed, chosen)
+    near_choice = _near_choice(space, fitting, [*allowed, *planner.near_above], chosen)
     if chosen:
         said = (_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) + _nodes_note(chosen, allowed)
                 + _edge_note(near_choice))
@@ -267,6 +265,35 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                         tuple(first + [c for c in fitting if c is not chosen] + rest), chosen, reason,
                         time.perf_counter() - started, spec.batch_description, shortfall, near_choice,
                         where if where.nodes > 1 else None)
+
+
+def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strategy"],
+                 listener: Callable[[int, int], Any] | None) -> list[Candidate]:
+    """Each level at its best micro-batch (`_Planner.best_at`). A level whose knob only relieves another's
+    memory at the same speed (`Strategy.relieves`: expandable segments) is predicted only where the level it
+    relieves falls short of a clean fit at its largest micro-batch; elsewhere it could not be chosen."""
+    levels = list(space.levels())
+    relieved = {level: _relieved(level, strategies) for level in levels}
+    best: dict[Config, Candidate] = {}
+    for wave in ([lv for lv in levels if relieved[lv] is None], [lv for lv in levels if relieved[lv] is not None]):
+        wave = [lv for lv in wave if relieved[lv] is None or _falls_short(space, relieved[lv], best.get(relieved[lv]))]
+        planner.estimator.prefetch((config for level in wave for config in planner.asks(level)), listener)
+        best.update({level: planner.best_at(level) for level in wave})
+    return [best[level] for level in levels if level in best]
+
+
+def _relieved(level: Config, strategies: Sequence["Strategy"]) -> Config | None:
+    """The level `level` relieves (`Strategy.relieves`, every knob that does set to its default), or None."""
+    relieved = level
+    for strategy in strategies:
+        relieved = strategy.relieves(relieved) or relieved
+    return None if relieved == level else relieved
+
+
+def _falls_short(space: Space, level: Config, best: Candidate | None) -> bool:
+    """Whether `level`'s best candidate leaves room to a knob that only relieves memory: it is not planned,
+    is not a clean fit, or fits only below the level's largest micro-batch."""
+    return best is None or not best.fits or best.config.micro_batch_size < space.sizes_at(level)[-1]
 
 
 def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
@@ -345,6 +372,8 @@ class _Planner:
     def __init__(self, space: Space, estimator: Estimator, gpu: GpuProfile):
         self.space, self.spec, self.estimator, self.gpu = space, space.spec, estimator, gpu
         self.work = workload(self.spec, estimator.facts.num_params, estimator.facts.num_blocks)
+        # each level's next micro-batch above its best fit, where that one is near the limit (`best_at`)
+        self.near_above: list[Candidate] = []
 
     def asks(self, level: Config) -> list[Config]:
         """The configurations `best_at(level)` may predict: the smallest size alone when the model
@@ -371,7 +400,11 @@ class _Planner:
                 low = mid
             else:
                 high = mid - 1
-        return self.candidate(self.space.at(level, sizes[low]))
+        best = self.candidate(self.space.at(level, sizes[low]))
+        if best.fits and low + 1 < len(sizes):
+            above = self.candidate(self.space.at(level, sizes[low + 1]))
+            self.near_above += [above] if above.near_limit else []
+        return best
 
     def _fits(self, estimate: Estimate) -> bool:
         # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one
@@ -492,11 +525,12 @@ def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
             f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
 
 
-def _near_choice(space: Space, fitting: list[Candidate], allowed: list[Candidate],
+def _near_choice(space: Space, fitting: list[Candidate], predicted: list[Candidate],
                  chosen: Candidate | None) -> Candidate | None:
-    """The candidate the decision takes from the fits and the near-limit ones together, where it is a
-    near-limit one (it would be chosen were its need known exactly); None where the choice stands either way."""
-    near = [c for c in allowed if c.near_limit and c.estimate.simulated]
+    """The candidate the decision takes from the fits and the near-limit ones of `predicted` together, where it
+    is a near-limit one (it would be chosen were its need known exactly); None where the choice stands either
+    way."""
+    near = [c for c in predicted if c.near_limit and c.estimate.simulated]
     if chosen is None or not near:
         return None
     both = sorted([*fitting, *near], key=lambda c: (not c.estimate.simulated, c.step_seconds))

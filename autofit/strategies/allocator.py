@@ -66,6 +66,10 @@ class ExpandableSegments(Strategy):
         # the simulated step's events are the same; the estimator replays them through expandable segments
         return {SEGMENTS_FACT: "expandable"} if config.allocator is A.EXPANDABLE else {}
 
+    def relieves(self, config: Config) -> Config | None:
+        # the same step and cost model; only the reserve differs
+        return config.replace(allocator=A.DEFAULT) if config.allocator is A.EXPANDABLE else None
+
     def apply(self, run: "TrainRun") -> None:
         if run.simulated or run.config.allocator is not A.EXPANDABLE or run.device.type != "cuda":
             return

@@ -133,6 +133,13 @@ class Strategy(abc.ABC):
         value = self.value(config)
         return {} if value == Config().knob(self.field) else {self.field: str(value)}
 
+    def relieves(self, config: Config) -> Config | None:
+        """Where this knob's value in `config` only lowers memory, at the same predicted speed: `config` with
+        the knob at its default, which it relieves. A planner predicts `config` only where that one falls
+        short of a clean fit at its largest micro-batch (elsewhere the default is as fast and needs no
+        change). None (the default): the value is predicted everywhere."""
+        return None
+
     def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Strategy":
         """This strategy as a saved plan needs it: rebuilt from what `settings` recorded for its knob
         (`Plan.settings[field]`, what `settings` returned) and the plan's spec `summary` (`Plan.spec`), for

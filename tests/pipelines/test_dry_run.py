@@ -401,3 +401,29 @@ def test_candidates_that_fit_only_as_predicted_are_the_reports_near_limit_ones()
     assert near.near_limit and not near.fits and not over.near_limit
     report = DryRunReport("m", get_gpu("t4"), 1, None, 1000, (near, over), None, "nothing fits", 0.0)
     assert report.near_limit == (near,) and report.to_dict()["near_limit"] == 1
+
+
+def test_expandable_segments_are_predicted_only_where_the_default_allocator_falls_short(monkeypatch):
+    """A knob that only relieves memory at the same speed (`Strategy.relieves`) doubles no row where the
+    default allocator already fits at the largest micro-batch, and the choice is the one every row gives."""
+    import autofit.pipelines.dry_run as module
+    from autofit.config import Allocator
+    from autofit.strategies import ActivationCheckpointing
+    from autofit.strategies.allocator import ExpandableSegments
+
+    rungs = [MicroBatch(), ActivationCheckpointing(), ExpandableSegments()]
+
+    def plan(memory: str) -> "module.DryRunReport":
+        return dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory=memory,
+                       strategies=rungs)
+
+    def expandable(report: "module.DryRunReport") -> int:
+        return sum(c.config.allocator is Allocator.EXPANDABLE for c in report.candidates)
+
+    roomy, tight = plan("4GiB"), plan("1000MiB")
+    assert expandable(roomy) == 0 and expandable(tight) > 0
+    monkeypatch.setattr(module, "_falls_short", lambda *args: True)  # every level predicted, as before
+    for memory, fewer in (("4GiB", roomy), ("1000MiB", tight)):
+        every = plan(memory)
+        assert expandable(every) == len(every.candidates) // 2
+        assert fewer.chosen.config == every.chosen.config
