@@ -161,7 +161,7 @@ def test_seq_len_beside_a_batch_of_yours_is_refused_in_the_command_lines_words(t
     # a size typed with a space and no quotes is read whole: the next check speaks, not click's
     # "unexpected extra argument (GiB)"
     (["--model", "gpt2", "--gpu-memory", "24", "GiB", "--seq-len", "4096"], "exceeds the model's maximum"),
-    (["--model", "gpt2", "--gpu-memory=24", "gb", "--seq-len", "4096"], "exceeds the model's maximum"),
+    (["--model", "gpt2", "--gpu-memory=24", "GB", "--seq-len", "4096"], "exceeds the model's maximum"),
     # a factory of the model alone: no batch can be synthesized for a plain module; the fix is the factory's
     (["--model", f"{EXAMPLES}/classifier.py:make_model", "--gpu", "t4"], "returning (model, make_batch)"),
     # a name typed in a hurry, picked out in the command line's words (was "allow={'numeric'} is not understood")
