@@ -377,6 +377,18 @@ class Replay:
         _order_frees(ops, keys)
         return cls(bytes(ops), keys, sizes, owners, training)
 
+    def valid(self) -> bool:
+        """Whether the arrays hold events as `of` makes them (read back from a file: `memo.decode_peak`): one
+        entry each per event, a malloc and a free of an allocation, a gradient of a parameter, no size
+        below zero."""
+        count = len(self.ops)
+        if not len(self.keys) == len(self.sizes) == len(self.params) == count or any(op > 2 for op in self.ops):
+            return False
+        for op, key, size, param in zip(self.ops, self.keys, self.sizes, self.params):
+            if size < 0 or key < (-1 if op == 2 else 0) or (param < 0 if op == 2 else param != -1):
+                return False
+        return True
+
     def digest(self) -> str:
         """The events and the history beside them, as one hash: two replays of the same digest replay alike."""
         digest = hashlib.sha256(self.ops)
