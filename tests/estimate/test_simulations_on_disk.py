@@ -272,3 +272,38 @@ def test_no_write_goes_through_a_link(tmp_path):
     kept.put(("workload", 1), (peak, "simulated"), shared=True)  # renamed over the link, not written into it
     assert target.read_text() == "theirs" and not path.is_symlink()
     assert simulations.Simulations(folder=folder).get(("workload", 1), shared=True) is not None
+
+
+_WORKLOAD = """
+from transformers import LlamaConfig
+from autofit.estimate.estimator import Estimator
+from autofit.job.train_spec import make_spec
+spec = make_spec(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, max_position_embeddings=256),
+                 None, seq_len=32, device="cpu", global_batch_size=2, memory_budget="4GiB")
+print(Estimator(spec, target="cuda")._workload)
+"""
+
+
+def test_two_processes_file_a_librarys_model_under_one_name():
+    """The key a step is filed under is the same in every process: the default loss's code was keyed by the
+    repr of its comprehension's code object (its address), so no process read another's steps back."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AUTOFIT_CACHE": "off"}
+    keys = {subprocess.run([sys.executable, "-c", _WORKLOAD], env=env, capture_output=True, text=True,
+                           check=True).stdout.strip() for _ in range(2)}
+    assert len(keys) == 1 and len(keys.pop()) == 64
+
+
+def test_a_functions_code_is_keyed_alike_in_every_process_and_apart_from_other_code():
+    def loss(output, batch):
+        return sum(x for x in output if frozenset({"a", "b"}))
+
+    def other(output, batch):
+        return sum(y for y in output if frozenset({"a", "c"}))
+
+    assert simulations._code(loss) != simulations._code(other)
+    assert "0x" not in simulations._constant(loss.__code__.co_consts)  # no address of a nested code object

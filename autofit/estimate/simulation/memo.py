@@ -9,6 +9,7 @@ import array
 import functools
 import hashlib
 import json
+import types
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -161,7 +162,29 @@ def _code(fn: Any) -> str:
         return f"partial({_code(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
     code = getattr(fn, "__code__", None)
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-    return name + (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() if code else repr(fn))
+    return name + (_code_digest(code) if isinstance(code, types.CodeType) else repr(fn))
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A function's code as one hash that is the same in every process: its bytecode, the names it reads and its
+    constants, a nested function's or comprehension's code by its own digest (its repr holds its address, which
+    made every process's key of `default_loss` its own: nothing was ever read back)."""
+    digest = hashlib.sha256(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        digest.update(_constant(const).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def _constant(value: Any) -> str:
+    """A code object's constant as text the same in every process (a frozenset's order follows string hashing,
+    which differs between processes)."""
+    if isinstance(value, types.CodeType):
+        return _code_digest(value)
+    if isinstance(value, (tuple, frozenset)):
+        items = [_constant(item) for item in value]
+        return f"{type(value).__name__}({', '.join(sorted(items) if isinstance(value, frozenset) else items)})"
+    return repr(value)
 
 
 def simulated_facts(config: Config, strategies: Sequence["Strategy"]) -> dict[str, Any]:
