@@ -20,7 +20,8 @@ machine.
 
 Backs: README.md's dry-run timing (llama-2-7b at 4,096 tokens: first use, then asked again for another GPU),
 before and after the simulation cache's key was made the same in every process.
-Results: time-to-answer-2026-12-06-before.json (commit 285f9f0: every process simulated anew)."""
+Results: time-to-answer-2026-12-06-before.json (commit 285f9f0: every process simulated anew),
+time-to-answer-2026-12-06.json (commit 130e9dd: asked again, the steps are read back)."""
 
 from __future__ import annotations
 
