@@ -192,8 +192,14 @@ def simulated_facts(config: Config, strategies: Sequence["Strategy"]) -> dict[st
     merged in rung order over `strategies` and every built-in and plug-in one they leave out)."""
     from autofit.strategies import completed
 
+    return merged_facts(config, completed(strategies))
+
+
+def merged_facts(config: Config, shaping: Sequence["Strategy"]) -> dict[str, Any]:
+    """`simulated_facts` over strategies already `completed` (the estimator's, kept: completing them sorts
+    every built-in and plug-in strategy, and a dry-run keys tens of thousands of steps)."""
     facts: dict[str, Any] = {}
-    for strategy in completed(strategies):
+    for strategy in shaping:
         facts.update(strategy.simulated_as(config, facts))
     return facts
 
