@@ -21,7 +21,8 @@ machine.
 Backs: README.md's dry-run timing (llama-2-7b at 4,096 tokens: first use, then asked again for another GPU),
 before and after the simulation cache's key was made the same in every process.
 Results: time-to-answer-2026-12-06-before.json (commit 285f9f0: every process simulated anew),
-time-to-answer-2026-12-06.json (commit 130e9dd: asked again, the steps are read back)."""
+time-to-answer-2026-12-06-130e9dd.json (the key fixed: asked again, the steps are read back),
+time-to-answer-2026-12-06.json (commit bbdb730: a step's key no longer re-sorts every strategy)."""
 
 from __future__ import annotations
 
