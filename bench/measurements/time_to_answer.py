@@ -22,7 +22,9 @@ Backs: README.md's dry-run timing (llama-2-7b at 4,096 tokens: first use, then a
 before and after the simulation cache's key was made the same in every process.
 Results: time-to-answer-2026-12-06-before.json (commit 285f9f0: every process simulated anew),
 time-to-answer-2026-12-06-130e9dd.json (the key fixed: asked again, the steps are read back),
-time-to-answer-2026-12-06.json (commit bbdb730: a step's key no longer re-sorts every strategy)."""
+time-to-answer-2026-12-06.json (commit bbdb730: a step's key no longer re-sorts every strategy),
+time-to-answer-quickstart-2026-12-06.json (examples/quickstart.py at load 4-11: 1,623 s for 12 probes, where a
+quiet machine took 34-37 s: the search's cost under load, left to issue 57's decision under noise)."""
 
 from __future__ import annotations
 
