@@ -9,7 +9,9 @@ seconds per step, the breakdown (bytes), whether it was simulated, its error bou
 (bytes) and the kernels counted. Give each checkout its own AUTOFIT_CACHE, or the second reads the first's
 simulations. Cases (all by default): gpt2 (GPT-2 small, 256 tokens, global batch 8, A100 40 GB), llama (a
 4-layer Llama-2 at width 512, 128 tokens, batch 4), llama8 (the same on 8 A100s, batch 16), qwen (Qwen2.5-0.5B
-at 3 layers on a T4: fp16); all with allow="lora,numerics".
+at 3 layers on a T4: fp16); all with allow="lora,numerics". Named only (minutes each on 2 cores): gpt2-1024
+(GPT-2 small at 1,024 tokens, global batch 64, one H100), llama-2-7b (4,096 tokens, global batch 64, one H100),
+llama-2-70b (8 A100 80 GB, micro-batches 1..64), as `autofit dry-run` plans them by default.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import autofit
 from autofit.models.presets import get_preset
 
 CASES = ("gpt2", "llama", "llama8", "qwen")
+LARGE = ("gpt2-1024", "llama-2-7b", "llama-2-70b")  # run when named
 
 
 def show(name: str, report: autofit.DryRunReport) -> None:
@@ -41,9 +44,9 @@ def small_llama():
 
 def main(argv: list[str]) -> int:
     which = argv or list(CASES)
-    unknown = sorted(set(which) - set(CASES))
+    unknown = sorted(set(which) - set(CASES) - set(LARGE))
     if unknown:
-        print(f"unknown cases {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
+        print(f"unknown cases {unknown}; choose from {', '.join(CASES + LARGE)}", file=sys.stderr)
         return 2
     allow = "lora,numerics"
     if "gpt2" in which:
@@ -57,6 +60,12 @@ def main(argv: list[str]) -> int:
         cfg = get_preset("qwen2.5-0.5b")
         cfg.num_hidden_layers = 3
         show("qwen", autofit.dry_run(cfg, seq_len=128, global_batch_size=4, gpu="t4-16gb", allow=allow))
+    if "gpt2-1024" in which:
+        show("gpt2-1024", autofit.dry_run("gpt2", seq_len=1024, global_batch_size=64, gpu="h100"))
+    if "llama-2-7b" in which:
+        show("llama-2-7b", autofit.dry_run("llama-2-7b", seq_len=4096, global_batch_size=64, gpu="h100"))
+    if "llama-2-70b" in which:
+        show("llama-2-70b", autofit.dry_run("llama-2-70b", gpu="a100-80gb", num_gpus=8))
     return 0
 
 

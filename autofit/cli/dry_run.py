@@ -23,7 +23,7 @@ from rich.table import Table
 from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, env_columns, nothing_fits_words,
                               parse_allow_option, positive_option)
 from autofit.errors import UsageError
-from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
+from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport, alternative
 from autofit.devices.gpus import other_sizes, split_count
 from autofit.models.names import resolve_optimizer
 from autofit.units import format_size
@@ -54,17 +54,21 @@ def make_console(as_json: bool, width: int) -> Console:
 
 
 def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
-    """One row per candidate, chosen starred and first. From `WIDE` columns: knobs, the predicted peak split
-    into parts, its error bound, fit, speed, host RAM, and from `REASONS` each row's reason; narrower: knobs, peak, fit,
-    speed (and host RAM where a row offloads), numbers never split; the chosen row's parts follow in
+    """One row per candidate, chosen starred and first; candidates predicted alike are one row naming the
+    others ("also attn=flash", `DryRunReport.rows`). From `WIDE` columns: knobs, the predicted peak split
+    into parts, its error bound, fit, speed, host RAM, and from `REASONS` each row's reason; narrower: knobs,
+    peak, fit, speed (and host RAM where a row offloads), numbers never split; the chosen row's parts follow in
     `breakdown_table`."""
-    shown = shown_rows(report, top)
+    rows = shown_rows(report, top)
+    shown = tuple(row[0] for row in rows)
+    count = sum(len(row) for row in rows)
     where = report.layout
     machines = (f"{where.nodes} nodes x {where.per_node} x {report.gpu.name}" if where else
                 f"{report.num_gpus} x {report.gpu.name}")
     network = f", {where.inter_node_gbps:g} GB/s per GPU across nodes" if where else ""
     title = (f"{report.model} on {machines} ({format_size(report.gpu.memory_bytes)}{network}, "
-             f"fit limit {format_size(report.fit_limit)}): {len(shown)} of {len(report.candidates)} candidates"
+             f"fit limit {format_size(report.fit_limit)}): {count} of {len(report.candidates)} candidates"
+             + (f" in {len(rows)} rows" if count > len(rows) else "")
              + (f"; per sample: {report.batch}" if report.batch else ""))
     wide, reasons = width >= WIDE, width >= REASONS
     host = any(c.estimate.cpu_bytes for c in shown)
@@ -79,9 +83,10 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
         text = name in ("configuration", "reason")
         table.add_column(name, justify="left" if text or name == "fits" else "right", overflow="fold",
                          no_wrap=not text, ratio=(3 if name == "reason" else 2) if text else None)
-    for index, candidate in enumerate(shown, 1):
+    for index, (candidate, *others) in enumerate(rows, 1):
         parts = candidate.estimate.breakdown.to_dict()
-        cells = [str(index), ("★ " if candidate is report.chosen else "") + candidate.config.describe(),
+        also = "".join(f"; also {alternative(candidate, other)}" for other in others)
+        cells = [str(index), ("★ " if candidate is report.chosen else "") + escape(candidate.config.describe() + also),
                  *(format_size(parts[p]) for p in PARTS if wide), format_size(candidate.peak_bytes),
                  *((bound_cell(candidate),) if bounds else ()), fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
         if wide or host:
@@ -92,9 +97,10 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
     return table
 
 
-def shown_rows(report: DryRunReport, top: int) -> tuple[Candidate, ...]:
-    """The rows the table shows: the first `top` (all for 0 or less)."""
-    return report.candidates if top <= 0 else report.candidates[:top]
+def shown_rows(report: DryRunReport, top: int) -> tuple[tuple[Candidate, ...], ...]:
+    """The rows the table shows (`DryRunReport.rows`: a candidate and its twins): the first `top` (all for 0
+    or less)."""
+    return report.rows if top <= 0 else report.rows[:top]
 
 
 def fit_cell(candidate: Candidate) -> str:
@@ -174,7 +180,7 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
     row = report.chosen or (report.candidates[0] if report.candidates else None)
     if row is not None and width < WIDE:
         console.print(breakdown_table(row))
-    rows = shown_rows(report, top)
+    rows = [row[0] for row in shown_rows(report, top)]
     if rows:
         console.print(f"[dim]{escape(memory_note(rows))}[/]")
     if any(not c.estimate.simulated and c.estimate.upper_bytes is not None for c in rows):

@@ -241,7 +241,7 @@ class Estimator:
     def _facts_of(self, config: Config) -> dict[str, Any]:
         """What `config`'s simulated step depends on (`simulations.simulated_facts`), read anew each time: the
         calibration sets what some strategies simulate (bitsandbytes' and peft's releases) between calls."""
-        return simulations.simulated_facts(config, self._simulating)
+        return simulations.merged_facts(config, self._simulating)
 
     def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
         key = self._key(config, mb)

@@ -127,6 +127,12 @@ class DryRunReport:
     layout: Layout | None = None  # the nodes the GPUs are on, and the network between them (None: one node)
 
     @property
+    def rows(self) -> tuple[tuple[Candidate, ...], ...]:
+        """The candidates as a table shows them: each with the later ones predicted alike (`twins`), in the
+        order of `candidates` (the chosen row first)."""
+        return twins(self.candidates)
+
+    @property
     def fits(self) -> bool:
         """Whether some allowed candidate is predicted to fit."""
         return self.chosen is not None
@@ -175,7 +181,31 @@ class DryRunReport:
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
                 "near_choice": self.near_choice.to_dict() if self.near_choice else None,
+                "rows": [[self.candidates.index(c) for c in row] for row in self.rows],
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
+
+
+def twins(candidates: Sequence[Candidate]) -> tuple[tuple[Candidate, ...], ...]:
+    """`candidates` grouped where every figure of their predictions is the same (peak and need per GPU, its
+    parts, host bytes, fit, speed, tier: SDPA and flash-attention levels, most often), each group at its first
+    member's place: one row of a table, naming the rest as alternatives (`alternative`)."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for candidate in candidates:
+        groups.setdefault(_figures(candidate), []).append(candidate)
+    return tuple(tuple(group) for group in groups.values())
+
+
+def _figures(candidate: Candidate) -> tuple:
+    estimate = candidate.estimate
+    return (candidate.fits, candidate.peak_bytes, estimate.need_bytes, estimate.upper_bytes, estimate.simulated,
+            tuple(estimate.breakdown.to_dict().items()), estimate.cpu_bytes, candidate.tier,
+            candidate.step_seconds, candidate.samples_per_s)
+
+
+def alternative(head: Candidate, twin: Candidate) -> str:
+    """What `twin` changes from `head` in `Config.describe`'s words ("attn=flash"): how a row names a twin."""
+    own = set(head.config.describe().split(", "))
+    return ", ".join(part for part in twin.config.describe().split(", ") if part not in own) or twin.config.describe()
 
 
 def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int | None = None,

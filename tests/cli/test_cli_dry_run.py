@@ -292,3 +292,36 @@ def test_models_lists_every_preset_by_the_names_model_takes(capsys, monkeypatch,
     assert (llama["layers"], llama["hidden"], llama["vocab"], llama["max len"]) == (32, 4096, 128256, 8192)
     vit = next(r for r in rows if r["name"] == "vit-base")
     assert vit["vocab"] is None and vit["architecture"] == "ViTForImageClassification"
+
+
+def test_candidates_predicted_alike_are_one_row_naming_the_others():
+    """Twins (every figure the same: SDPA and flash attention, most often) are one row at the first one's
+    place; a candidate differing in any figure keeps its own row, and the JSON keeps every candidate."""
+    from rich.console import Console
+
+    from autofit.cli.dry_run import candidate_table
+    from autofit.config import Config
+    from autofit.devices.gpus import get_gpu
+    from autofit.estimate.prediction import Estimate
+    from autofit.pipelines.dry_run import Candidate, DryRunReport
+    from autofit.strategies.memory import Breakdown
+
+    def row(config, peak, seconds=1.0):
+        estimate = Estimate(Breakdown(1, 1, 1, peak, 0), peak + 3, 0, "simulated")
+        return Candidate(config, estimate, True, "fits", 0, seconds, 8 / seconds, 1 << 30)
+
+    sdpa = Config(attention="sdpa", micro_batch_size=2)
+    flash = sdpa.replace(attention="flash_attention_2")
+    candidates = (row(sdpa, 10), row(sdpa.replace(micro_batch_size=1), 10), row(flash, 10),
+                  row(flash.replace(micro_batch_size=1), 10, seconds=2.0), row(sdpa.replace(checkpointing="full"), 9))
+    report = DryRunReport("m", get_gpu("h100-80gb"), 1, 8, 1 << 30, candidates, candidates[0], "why", 1.0)
+    assert [[candidates.index(c) for c in group] for group in report.rows] == [[0, 1, 2], [3], [4]]
+    assert report.to_dict()["rows"] == [[0, 1, 2], [3], [4]] and len(report.to_dict()["candidates"]) == 5
+    console = Console(width=250, record=True)
+    console.print(candidate_table(report, top=0, width=250))
+    text = console.export_text()
+    assert "5 of 5 candidates in 3 rows" in text
+    assert "★ fp32, attn=sdpa, mb=2x1, opt=adamw; also mb=1x1; also attn=flash_attention_2" in text
+    console = Console(width=250, record=True)
+    console.print(candidate_table(report, top=2, width=250))
+    assert "4 of 5 candidates in 2 rows" in console.export_text()

@@ -249,3 +249,41 @@ def test_one_simulation_serves_every_accumulation_its_history_replayed_for_each(
     alone = Estimator(spec, target="cuda").activations(accumulated)[0]
     assert shared.activations(accumulated)[0] == alone
     assert shared.activations(accumulated)[0].replay.training[-1] == 3  # MICRO_STEPS_REPLAYED
+
+
+def _scaled_one_by_one(one, two, at, here, there):
+    """`Replay.scaled` event by event, in Python's float arithmetic and round(): what the array form must match."""
+    sizes = [round(size * at / there) for size in two.sizes]
+    mine, theirs = len(one.ops), len(two.ops)
+    count = min(mine, theirs)
+    start = next((i for i in range(count) if one.ops[i] != two.ops[i]), count)
+    end = next((i for i in range(count - start) if one.ops[mine - 1 - i] != two.ops[theirs - 1 - i]), count - start)
+    for a, b in [*zip(range(start), range(start)), *zip(range(mine - end, mine), range(theirs - end, theirs))]:
+        sizes[b] = max(0, round(one.sizes[a] + (two.sizes[b] - one.sizes[a]) * (at - here) / (there - here)))
+    return sizes
+
+
+def test_scaled_events_are_those_read_one_by_one():
+    """The line read as whole arrays gives every size Python's arithmetic gives: halves rounded to even,
+    sizes that would fall below zero at zero, events aligned from the start and from the end."""
+    import array
+    import random
+
+    rng = random.Random(58)
+    for _ in range(200):
+        count = rng.choice([1, 2, 7, 300])
+        ops = bytearray(rng.choice(b"\x00\x01\x02") for _ in range(count))
+        other = bytearray(ops)
+        for _ in range(rng.choice([0, 1, 3])):
+            other[rng.randrange(count)] = rng.choice(b"\x00\x01\x02")
+        if rng.random() < 0.3:
+            other += b"\x00\x01"
+
+        def replay(codes):
+            sizes = array.array("q", (rng.choice([0, 1, 3, 5, 512, rng.randrange(1 << 40)]) for _ in codes))
+            return Replay(bytes(codes), array.array("q", [0] * len(codes)), sizes,
+                                    array.array("q", [-1] * len(codes)))
+
+        one, two = replay(ops), replay(other)
+        at, here, there = rng.choice([(4, 1, 2), (64, 2, 4), (3, 1, 2), (0.5, 1, 2), (33, 8, 16), (6, 4, 5)])
+        assert list(one.scaled(two, at, here, there).sizes) == _scaled_one_by_one(one, two, at, here, there)

@@ -355,6 +355,23 @@ def _order_frees(ops: bytearray, keys: array.array) -> None:
         start = end
 
 
+def _aligned(mine: bytes, theirs: bytes) -> tuple[int, int]:
+    """How many events two replays' `ops` share from the start, and then from the end (of what is left)."""
+    import torch
+
+    count = min(len(mine), len(theirs))
+    if not count:
+        return 0, 0
+    a, b = (torch.frombuffer(bytearray(ops), dtype=torch.uint8) for ops in (mine, theirs))
+    differ = (a[:count] != b[:count]).nonzero()
+    start = int(differ[0]) if len(differ) else count
+    left = count - start
+    if not left:
+        return start, 0
+    differ = (a[len(mine) - left:].flip(0) != b[len(theirs) - left:].flip(0)).nonzero()
+    return start, int(differ[0]) if len(differ) else left
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Replay:
     """A simulated step's events, kept compact, with what training holds beside them: replayed at any
@@ -380,6 +397,23 @@ class Replay:
             owners.append(params.setdefault(event[3], len(params)) if event[0] == "grad" else -1)
         _order_frees(ops, keys)
         return cls(bytes(ops), keys, sizes, owners, training)
+
+    def valid(self) -> bool:
+        """Whether the arrays hold events as `of` makes them (read back from a file: `memo.decode_peak`): one
+        entry each per event, a malloc and a free of an allocation, a gradient of a parameter, no size
+        below zero."""
+        count = len(self.ops)
+        if not len(self.keys) == len(self.sizes) == len(self.params) == count:
+            return False
+        if not count:
+            return True
+        import torch  # whole arrays at once: a 7B step's events are ~10^4 an entry, ~10^5 a dry-run
+
+        ops = torch.frombuffer(bytearray(self.ops), dtype=torch.uint8)
+        keys, sizes, params = (torch.frombuffer(values, dtype=torch.int64) for values in (self.keys, self.sizes, self.params))
+        grad = ops == _OPS.index("grad")
+        return bool((ops < len(_OPS)).all() and (sizes >= 0).all() and (keys >= torch.where(grad, -1, 0)).all()
+                    and (params[grad] >= 0).all() and (params[~grad] == -1).all())
 
     def digest(self) -> str:
         """The events and the history beside them, as one hash: two replays of the same digest replay alike."""
@@ -423,12 +457,18 @@ class Replay:
         them scaled with the batch; never below zero. None where the two hold different weights or steps."""
         if self.training != other.training:
             return None
-        sizes = array.array("q", (round(size * at / there) for size in other.sizes))
+        import torch  # whole arrays at once, each number as Python's float arithmetic and round() make it
+
+        if not other.ops:
+            return dataclasses.replace(other, sizes=array.array("q"))
+        theirs_sizes = torch.frombuffer(other.sizes, dtype=torch.int64)
+        scaled = torch.round(theirs_sizes.double() * at / there)
         mine, theirs = len(self.ops), len(other.ops)
-        start = next((i for i in range(min(mine, theirs)) if self.ops[i] != other.ops[i]), min(mine, theirs))
-        end = next((i for i in range(min(mine, theirs) - start) if self.ops[mine - 1 - i] != other.ops[theirs - 1 - i]),
-                   min(mine, theirs) - start)
-        pairs = [*zip(range(start), range(start)), *zip(range(mine - end, mine), range(theirs - end, theirs))]
-        for a, b in pairs:
-            sizes[b] = max(0, round(self.sizes[a] + (other.sizes[b] - self.sizes[a]) * (at - here) / (there - here)))
+        start, end = _aligned(self.ops, other.ops)
+        if start or end:
+            own = torch.frombuffer(self.sizes, dtype=torch.int64) if mine else torch.zeros(0, dtype=torch.int64)
+            for a, b in ((slice(0, start), slice(0, start)), (slice(mine - end, mine), slice(theirs - end, theirs))):
+                line = own[a].double() + (theirs_sizes[b] - own[a]).double() * (at - here) / (there - here)
+                scaled[b] = torch.round(line).clamp(min=0)
+        sizes = array.array("q", scaled.to(torch.int64).tolist())
         return dataclasses.replace(other, sizes=sizes)

@@ -1,39 +1,49 @@
 """Estimate: what a dry-run found, kept for the next one: for the life of the process, and in a folder
 for later processes (`AUTOFIT_CACHE` names it, default ~/.cache/autofit/simulations under `XDG_CACHE_HOME`
-when set; `off` keeps none), each value filed under `code_version`. Simulated steps
-(`autofit.estimate.simulation.memo`) and the caching allocator's reserves replayed from their events
-(`RESERVES`, `autofit.estimate.cuda.training_replay.reserve`)."""
+when set; `off` keeps none), each value filed under `code_version` as data (`entry_file`: never code, never a
+pickle; the folder may be shared). Simulated steps (`autofit.estimate.simulation.memo`) and the caching
+allocator's reserves replayed from their events (`RESERVES`, `autofit.estimate.cuda.training_replay.reserve`)."""
 
 from __future__ import annotations
 
+import array
 import collections
 import enum
 import functools
 import hashlib
 import importlib.metadata
 import os
-import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from autofit.estimate.simulation import entry_file
 
 
 class Kept:
     """Values kept for the life of the process, least recently used dropped past `size`, and with a
     `folder`, a `shared` one also written there and read by later processes. Its file is named by the key
     and by `code_version` (autofit's own code and the libraries' versions), so a value found by other code
-    is never read; a value `keeps` refuses is not written (nor read back); the oldest files go past `files`."""
+    is never read; the oldest files go past `files`.
+
+    A file holds data only (`autofit.estimate.simulation.entry_file`: JSON and arrays of integers, never a
+    pickle): the folder may be shared, and what another user wrote there is read as numbers, checked
+    (`decode`), and found again where it does not check out. `encode` says what a value is as data (None: it
+    is not written); `decode` builds it back (None: not whole)."""
 
     def __init__(self, size: int = 20_000, folder: Path | None = None, files: int = 4_000):
         self.size, self.folder, self.files = size, folder, files
         self.kept: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self._written = 0
 
-    def keeps(self, value: Any) -> bool:
-        """Whether `value` is one to write to the folder, and one read back from it is whole."""
-        return True
+    def encode(self, value: Any) -> tuple[dict[str, Any], dict[str, array.array]] | None:
+        """`value` as (JSON values, arrays) for its file; None: not one to write."""
+        return None
+
+    def decode(self, meta: dict[str, Any], arrays: dict[str, array.array]) -> Any | None:
+        """The value a file's (meta, arrays) hold, or None where they are not one `encode` makes."""
+        return None
 
     def get(self, key: Any, shared: bool = False) -> Any | None:
         found = self.kept.get(key)
@@ -50,45 +60,65 @@ class Kept:
         self.kept.move_to_end(key)
         while len(self.kept) > self.size:
             self.kept.popitem(last=False)
-        if shared and self.folder is not None and self.keeps(value):
+        if shared and self.folder is not None:
             self._write(key, value)
 
-    def _path(self, key: Any) -> Path:
-        assert self.folder is not None
-        return self.folder / f"{hashlib.sha256((_canonical(key) + code_version()).encode()).hexdigest()}.pkl"
+    def _name(self, key: Any) -> str:
+        return hashlib.sha256((_canonical(key) + code_version()).encode()).hexdigest()
+
+    def _open(self, create: bool) -> int | None:
+        return entry_file.open_folder(self.folder, create) if self.folder is not None and entry_file.supported() else None
 
     def _read(self, key: Any) -> Any | None:
-        try:
-            with open(self._path(key), "rb") as file:
-                found = pickle.load(file)
-        except Exception:  # noqa: BLE001 - absent, half written by a killed process, unreadable: found again
+        folder = self._open(create=False)
+        if folder is None:
             return None
-        return found if self.keeps(found) else None
+        try:
+            name = self._name(key)
+            data = entry_file.read(folder, name)
+            found = entry_file.decode(name, data) if data is not None else None
+        finally:
+            os.close(folder)
+        if found is None:
+            return None
+        try:
+            return self.decode(*found)
+        except (TypeError, ValueError, KeyError, OverflowError):  # fields of the wrong kinds: found again
+            return None
 
     def _write(self, key: Any, value: Any) -> None:
-        path = self._path(key)
+        encoded = self.encode(value)
+        if encoded is None:
+            return
+        folder = self._open(create=True)
+        if folder is None:
+            return  # a read-only or full disk, a link where the folder should be: the process keeps its own
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as file:
-                pickle.dump(value, file, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(file.name, path)  # whole or not at all, for a process reading it meanwhile
-        except OSError:
-            return  # a read-only or full disk: the process keeps its own
-        self._written += 1
-        if self._written % max(64, self.files // 64) == 1:  # a look over the folder per ~1.5% of its files
-            self._prune()
+            name = self._name(key)
+            if not entry_file.write(folder, name, entry_file.encode(name, *encoded)):
+                return
+            self._written += 1
+            if self._written % max(64, self.files // 64) == 1:  # a look over the folder per ~1.5% of its files
+                self._prune(folder)
+        finally:
+            os.close(folder)
 
-    def _prune(self) -> None:
-        """Drop the oldest files past `files` (and temporaries a killed process left)."""
-        assert self.folder is not None
-        try:
-            found = sorted(self.folder.iterdir(), key=lambda f: f.stat().st_mtime)  # oldest first
-            kept = [f for f in found if f.suffix == ".pkl"]
-            written = [f for f in found if f.suffix == ".tmp"]  # the newest may be other processes' writes
-            for stale in kept[:max(0, len(kept) - self.files)] + written[:max(0, len(written) - 8)]:
-                stale.unlink(missing_ok=True)  # only files of its own kinds: the folder may be shared
-        except OSError:
-            pass
+    def prune(self) -> None:
+        """Drop the oldest files past `files` now (a write does so now and then)."""
+        folder = self._open(create=False)
+        if folder is not None:
+            try:
+                self._prune(folder)
+            finally:
+                os.close(folder)
+
+    def _prune(self, folder: int) -> None:
+        """Drop the oldest files past `files` (and temporaries a killed process left): only files named as
+        autofit names them, the folder may be shared."""
+        kept, written = entry_file.own_files(folder)  # oldest first
+        stale = kept[:max(0, len(kept) - self.files)] + written[:max(0, len(written) - 8)]  # the newest
+        # temporaries may be other processes' writes under way
+        entry_file.remove(folder, [name for _, name in stale])
 
 
 CACHE_ENV = "AUTOFIT_CACHE"  # the folder kept values are shared through; off / 0 / no: none
@@ -138,9 +168,19 @@ class Reserves(Kept):
     replay the same, whichever model, configuration or process they came from, so every one is kept in the
     folder."""
 
-    def keeps(self, value: Any) -> bool:
-        return isinstance(value, dict) and set(value) == {"fragmentation", "least_fragmentation"} \
-            and all(isinstance(v, int) for v in value.values())
+    FIELDS = ("fragmentation", "least_fragmentation")
+
+    def encode(self, value: Any) -> tuple[dict[str, Any], dict[str, array.array]] | None:
+        return ({"reserve": {field: value[field] for field in self.FIELDS}}, {}) if _reserve(value) else None
+
+    def decode(self, meta: dict[str, Any], arrays: dict[str, array.array]) -> Any | None:
+        found = meta.get("reserve")
+        return dict(found) if set(meta) == {"reserve"} and not arrays and _reserve(found) else None
+
+
+def _reserve(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == set(Reserves.FIELDS) \
+        and all(type(v) is int and v >= 0 for v in value.values())
 
 
 def _reserves_folder() -> Path | None:

@@ -5,9 +5,11 @@ model is a library's (`shareable`), in the folder `autofit.estimate.simulation.d
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import json
+import types
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -15,7 +17,8 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.estimate.simulation.disk_cache import Kept, cache_folder
-from autofit.estimate.simulation.step import ActivationPeak
+from autofit.estimate.cuda.allocator import Replay
+from autofit.estimate.simulation.step import PEAK_FIELDS, ActivationPeak
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
@@ -26,10 +29,77 @@ class Simulations(Kept):
     """Simulated steps: a second dry-run or tune of the same model and batch (another GPU, budget or rank
     count, in a notebook or a script planning several) simulates nothing again. Keyed by `workload_key`
     and the simulation key; a `shared` step (`shareable`) is also read by later processes (a dry-run for
-    another card or rank count, the CLI run again); a failed simulation is not written."""
+    another card or rank count, the CLI run again), as data (`encode_peak`); a failed simulation is not written."""
 
-    def keeps(self, value: Any) -> bool:
-        return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], ActivationPeak)
+    def encode(self, value: Any) -> tuple[dict[str, Any], dict[str, array.array]] | None:
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], ActivationPeak)
+                and isinstance(value[1], str)):
+            return None
+        return encode_peak(*value)
+
+    def decode(self, meta: dict[str, Any], arrays: dict[str, array.array]) -> Any | None:
+        return decode_peak(meta, arrays)
+
+
+_HISTORY = ("resident", "states", "temporaries")  # `training_replay.history`'s lists, then its micro-steps
+_EVENTS = ("keys", "sizes", "params")  # `Replay`'s arrays beside `ops`
+
+
+def encode_peak(peak: ActivationPeak, how: str) -> tuple[dict[str, Any], dict[str, array.array]] | None:
+    """A simulated step (its `ActivationPeak` and how it was found) as JSON values and arrays of integers;
+    None where a field is not the kind a simulation makes."""
+    numbers = {name: getattr(peak, name) for name in PEAK_FIELDS}
+    if not all(type(v) is int for v in numbers.values()):
+        return None
+    meta: dict[str, Any] = {"how": how, "peak": numbers, "whole_depth": bool(peak.whole_depth)}
+    arrays: dict[str, array.array] = {}
+    for part, history in (("history", peak.history), ("training", peak.replay and peak.replay.training)):
+        if history is not None:
+            meta[part] = history[-1]
+            arrays.update({f"{part}.{name}": array.array("q", values) for name, values in zip(_HISTORY, history)})
+    if peak.replay is not None:
+        arrays["replay.ops"] = array.array("B", peak.replay.ops)
+        arrays.update({f"replay.{name}": getattr(peak.replay, name) for name in _EVENTS})
+    return meta, arrays
+
+
+def decode_peak(meta: dict[str, Any], arrays: dict[str, array.array]) -> tuple[ActivationPeak, str] | None:
+    """`encode_peak`'s (meta, arrays) as they were, or None where they do not check out: every number an
+    integer of its kind, every event an event (`Replay.valid`)."""
+    numbers = meta.get("peak")
+    if not (isinstance(meta.get("how"), str) and isinstance(numbers, dict) and set(numbers) == set(PEAK_FIELDS)
+            and all(type(v) is int and v >= 0 for v in numbers.values()) and type(meta.get("whole_depth")) is bool):
+        return None
+    histories = {part: _history(meta, arrays, part) for part in ("history", "training")}
+    if any(found is False for found in histories.values()):
+        return None
+    replay = None
+    if "replay.ops" in arrays:
+        events = [arrays.get(f"replay.{name}") for name in _EVENTS]
+        if any(values is None or values.typecode != "q" for values in events) or arrays["replay.ops"].typecode != "B":
+            return None
+        replay = Replay(arrays["replay.ops"].tobytes(), *events, training=histories["training"])
+        if not replay.valid():
+            return None
+    elif histories["training"] is not None:
+        return None
+    expected = {f"{part}.{name}" for part in histories if histories[part] is not None for name in _HISTORY}
+    if set(arrays) - {"replay.ops", *(f"replay.{name}" for name in _EVENTS)} != expected:
+        return None
+    return ActivationPeak(**numbers, replay=replay, history=histories["history"],
+                          whole_depth=meta["whole_depth"]), meta["how"]
+
+
+def _history(meta: dict[str, Any], arrays: dict[str, array.array], part: str) -> tuple | None | bool:
+    """What training holds beside the step (`training_replay.history`: three lists of bytes and the micro-steps)
+    as `encode_peak` wrote it under `part`; None where none was; False where it does not check out."""
+    if part not in meta:
+        return None
+    lists = [arrays.get(f"{part}.{name}") for name in _HISTORY]
+    steps = meta[part]
+    if type(steps) is not int or steps < 1 or any(v is None or v.typecode != "q" or min(v, default=0) < 0 for v in lists):
+        return False
+    return (*(list(values) for values in lists), steps)
 
 
 # modules whose code is fixed by a version in `code_version`: a model built only of their classes is shared
@@ -92,7 +162,29 @@ def _code(fn: Any) -> str:
         return f"partial({_code(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
     code = getattr(fn, "__code__", None)
     name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-    return name + (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest() if code else repr(fn))
+    return name + (_code_digest(code) if isinstance(code, types.CodeType) else repr(fn))
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A function's code as one hash that is the same in every process: its bytecode, the names it reads and its
+    constants, a nested function's or comprehension's code by its own digest (its repr holds its address, which
+    made every process's key of `default_loss` its own: nothing was ever read back)."""
+    digest = hashlib.sha256(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        digest.update(_constant(const).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def _constant(value: Any) -> str:
+    """A code object's constant as text the same in every process (a frozenset's order follows string hashing,
+    which differs between processes)."""
+    if isinstance(value, types.CodeType):
+        return _code_digest(value)
+    if isinstance(value, (tuple, frozenset)):
+        items = [_constant(item) for item in value]
+        return f"{type(value).__name__}({', '.join(sorted(items) if isinstance(value, frozenset) else items)})"
+    return repr(value)
 
 
 def simulated_facts(config: Config, strategies: Sequence["Strategy"]) -> dict[str, Any]:
@@ -100,8 +192,14 @@ def simulated_facts(config: Config, strategies: Sequence["Strategy"]) -> dict[st
     merged in rung order over `strategies` and every built-in and plug-in one they leave out)."""
     from autofit.strategies import completed
 
+    return merged_facts(config, completed(strategies))
+
+
+def merged_facts(config: Config, shaping: Sequence["Strategy"]) -> dict[str, Any]:
+    """`simulated_facts` over strategies already `completed` (the estimator's, kept: completing them sorts
+    every built-in and plug-in strategy, and a dry-run keys tens of thousands of steps)."""
     facts: dict[str, Any] = {}
-    for strategy in completed(strategies):
+    for strategy in shaping:
         facts.update(strategy.simulated_as(config, facts))
     return facts
 

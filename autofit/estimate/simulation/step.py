@@ -122,6 +122,10 @@ class ActivationPeak:
                    grads + self.tail)
 
 
+PEAK_FIELDS = tuple(f.name for f in dataclasses.fields(ActivationPeak) if f.name not in _NOT_LINEAR)  # its bytes
+# and counts: integers, each read on a line (`ActivationPeak.extrapolate`)
+
+
 def free_at_peak(one: ActivationPeak, two: ActivationPeak, line: ActivationPeak, field: str) -> int:
     """What the allocator's cache holds free at the peak of a micro-batch extrapolated from 1 and 2
     (`line`): the smaller share of the transients it was at 1 and 2, of the line's transients, never below

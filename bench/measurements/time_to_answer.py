@@ -1,0 +1,136 @@
+"""Time to answer: how long the commands people wait on take, each a fresh process timed from the outside.
+
+Cases (issue 58's list; `--cases` picks, in this order):
+
+- `dry-run-7b`: `autofit dry-run --model llama-2-7b --seq-len 4096 --global-batch-size 64 --gpu h100`, with a
+  cache folder that starts empty (first use);
+- `dry-run-7b-again`: the same asked again for another GPU (`--gpu a100-80gb`), reading that folder back;
+- `dry-run-70b`: `autofit dry-run --model llama-2-70b --num-gpus 8 --gpu a100-80gb`, a cache of its own;
+- `quickstart`: `python examples/quickstart.py` (a tiny GPT-2 tuned on the CPU; its probes run are counted);
+- `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
+
+Each run records its wall seconds, exit code and, where the command says it, the training steps (probes)
+run; the results file holds the machine, the load (`os.getloadavg`) before and after each run, the commit
+and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
+checkout's, and the ratios (this checkout / REF) are written: prefer them to absolute seconds on a shared
+machine.
+
+    python bench/measurements/time_to_answer.py --cases dry-run-7b,dry-run-7b-again,quickstart \\
+        --out bench/results/time-to-answer-<date>.json
+
+Backs: README.md's dry-run timing (llama-2-7b at 4,096 tokens: first use, then asked again for another GPU),
+before and after the simulation cache's key was made the same in every process.
+Results: time-to-answer-2026-12-06-before.json (commit 285f9f0: every process simulated anew),
+time-to-answer-2026-12-06-130e9dd.json (the key fixed: asked again, the steps are read back),
+time-to-answer-2026-12-06.json (commit bbdb730: a step's key no longer re-sorts every strategy),
+time-to-answer-quickstart-2026-12-06.json (examples/quickstart.py at load 4-11: 1,623 s for 12 probes, where a
+quiet machine took 34-37 s: the search's cost under load, left to issue 57's decision under noise)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout this script is in
+DRY_RUN_7B = ["-m", "autofit.cli.main", "dry-run", "--model", "llama-2-7b", "--seq-len", "4096",
+              "--global-batch-size", "64", "--json"]
+CASES = {  # name: (arguments after `python`, the cache folder it uses: runs sharing one read each other's)
+    "dry-run-7b": ([*DRY_RUN_7B, "--gpu", "h100"], "7b"),
+    "dry-run-7b-again": ([*DRY_RUN_7B, "--gpu", "a100-80gb"], "7b"),
+    "dry-run-70b": (["-m", "autofit.cli.main", "dry-run", "--model", "llama-2-70b", "--num-gpus", "8",
+                     "--gpu", "a100-80gb", "--json"], "70b"),
+    "quickstart": (["{tree}/examples/quickstart.py", "--out", "{work}/quickstart"], "quickstart"),
+    "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider"], "tests"),
+}
+DEFAULT_CASES = ("dry-run-7b", "dry-run-7b-again", "dry-run-70b", "quickstart")
+PROBES = re.compile(r"^(\d+) probes\. Chosen:", re.MULTILINE)  # examples/quickstart.py's summary line
+
+
+def run_case(name: str, tree: Path, work: Path) -> dict:
+    """One case by `tree`'s code in a fresh process (cwd: the tree): wall seconds, exit code, probes run,
+    the load around it, and for a dry-run its report's own seconds and chosen configuration."""
+    arguments, cache = CASES[name]
+    work.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, *(a.format(tree=tree, work=work) for a in arguments)]
+    env = {**os.environ, "PYTHONPATH": str(tree), "AUTOFIT_CACHE": str(work / f"cache-{cache}"),
+           "COLUMNS": "200"}
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    found = {"wall_s": round(wall, 2), "rc": done.returncode, "load_before": load_before,
+             "load_after": os.getloadavg()}
+    probes = PROBES.search(done.stdout)
+    if probes:
+        found["probes_run"] = int(probes.group(1))
+    if arguments[:2] == ["-m", "autofit.cli.main"] and done.returncode in (0, 3, 4):
+        report = json.loads(done.stdout)
+        found.update(report_s=report["seconds"], candidates=len(report["candidates"]),
+                     chosen=report["chosen"]["config"] if report["chosen"] else None)
+    if name == "tests":
+        found["summary"] = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    if done.returncode not in (0, 3, 4):
+        found["stderr_tail"] = done.stderr[-2000:]
+    return found
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """The tree of commit `ref`, extracted into `into` (`git archive`)."""
+    archive = into / "tree.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), ref], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into / "tree", filter="data")
+    return into / "tree"
+
+
+def commit(tree: Path) -> str:
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--against", help="a commit whose tree runs each case too, alternated with this checkout")
+    parser.add_argument("--out", type=Path, help="write the results there (JSON)")
+    parser.add_argument("--work", type=Path, help="a folder to keep the cache folders in (default: a temporary one)")
+    args = parser.parse_args()
+    cases = [name.strip() for name in args.cases.split(",") if name.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        sys.exit(f"--cases names {unknown}: choose from {', '.join(CASES)}")
+    with tempfile.TemporaryDirectory(prefix="autofit-time-to-answer-") as folder:
+        work = args.work or Path(folder)
+        trees = {"this checkout": ROOT}
+        if args.against:
+            trees[args.against] = checkout(args.against, work)
+        times: dict[str, dict[str, dict]] = {name: {} for name in trees}
+        for case in cases:
+            for index, (name, tree) in enumerate(trees.items()):  # alternated: a change of load meets both
+                times[name][case] = run_case(case, tree, work / f"tree-{index}")
+                print(f"{name}: {case} {times[name][case]['wall_s']:.1f} s (rc {times[name][case]['rc']})", flush=True)
+    result = {"date": datetime.date.today().isoformat(), "commit": commit(ROOT),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
+              "python": platform.python_version(), "cases": {case: " ".join(CASES[case][0]) for case in cases},
+              "times": times}
+    if args.against:
+        mine, other = times["this checkout"], times[args.against]
+        result["ratios (this checkout / against)"] = {case: round(mine[case]["wall_s"] / other[case]["wall_s"], 3)
+                                                      for case in cases}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
