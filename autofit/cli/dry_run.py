@@ -23,7 +23,8 @@ from rich.table import Table
 from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, env_columns, nothing_fits_words,
                               parse_allow_option, positive_option)
 from autofit.errors import UsageError
-from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport, alternative
+from autofit.pipelines.candidate import alternative
+from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.devices.gpus import other_sizes, split_count
 from autofit.models.names import resolve_optimizer
 from autofit.units import format_size

@@ -11,7 +11,7 @@ Candidates are the levels of the same space the tuner walks (`autofit.search.spa
 micro-batch predicted to fit (its smallest when none does). The dry-run adds only its report; the
 fitting candidates are ranked by predicted seconds per step (`autofit.estimate.cost_model`). Over several
 nodes the strategies add their hierarchical sharding beside sharding over every GPU, the cost model charges
-each collective to the link it crosses, and the chosen reason says what crossing nodes costs (`_nodes_note`).
+each collective to the link it crosses, and the chosen reason says what crossing nodes costs (`nodes_note`).
 """
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.errors import Param, UsageError
-from autofit.estimate.cost_model import SECONDS_PER_KERNEL, StepCost, step_cost
+from autofit.estimate.cost_model import SECONDS_PER_KERNEL, step_cost
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.prediction import Estimate, Fit
 from autofit.devices.gpus import GpuProfile, Layout, get_gpu, layout, split_count
-from autofit.estimate.states import unsharded_grads
 from autofit.estimate.workload import workload
-from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, Standing, change_order, margin_between
+from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, change_order, margin_between
 from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.search.space import Space, build_space
 from autofit.job.target import Target
+from autofit.pipelines.candidate import Candidate, alternative, twins
 from autofit.pipelines.host_memory import host_note, host_shortfall, over_host
+from autofit.pipelines.notes import edge_note, nodes_note, sync_note
 from autofit.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -42,67 +43,6 @@ if TYPE_CHECKING:
     from autofit.strategies.base import Strategy
 
 DEFAULT_MAX_MICRO_BATCH = 64  # largest micro-batch planned when no global batch is given
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One planned configuration: its predicted peak per GPU, whether it fits, and its predicted speed."""
-
-    config: Config
-    estimate: Estimate
-    fits: bool
-    verdict: str  # one phrase: the fit (or the shortfall) in bytes, and the speed
-    tier: int  # exactness tier (0 same math, 1 numerics, 2 trains adapters)
-    step_seconds: float  # predicted seconds per optimizer step
-    samples_per_s: float  # predicted global samples per second
-    limit: int = 0  # the bytes per GPU it was planned under (0: none)
-    numerics: tuple[str, ...] = ()  # its numerics changes, "knob=value" (`Space.numerics`)
-    cost: StepCost | None = None  # `step_seconds` by part: compute, collectives within and across nodes, ...
-
-    @property
-    def standing(self) -> Standing:
-        """What sets the margin it must clear against another fit (`margin_between`)."""
-        return Standing(self.tier, self.numerics)
-
-    @property
-    def reason(self) -> str:
-        """One line: the verdict and speed, then how the peak was predicted (`Estimate.reason`)."""
-        return f"{self.verdict}; {self.estimate.reason}"
-
-    @property
-    def fit(self) -> Fit:
-        """Against the limit at the error bound: fits, near the limit (fits only as predicted: a probe
-        decides; `fits` is False), over, or unknown (`Estimate.fit_under`)."""
-        return self.estimate.fit_under(self.limit)
-
-    @property
-    def near_limit(self) -> bool:
-        """Whether the peak fits as predicted but not at its error bound (within its bound of the limit)."""
-        return self.fit is Fit.NEAR_LIMIT
-
-    @property
-    def peak_bytes(self) -> int:
-        """Predicted peak per GPU (bytes) under the limit (`Estimate.peak_under`)."""
-        return self.estimate.peak_under(self.limit) if self.limit else self.estimate.peak_bytes
-
-    def __repr__(self) -> str:
-        """One line: the knobs, the peak, the verdict and the speed (the dataclass's spelled out the whole
-        estimate; `reason` and `estimate` hold it)."""
-        verdict = "fits" if self.fits else "near the limit" if self.near_limit else "does not fit"
-        return (f"Candidate({self.config.describe()}: peak {format_size(self.peak_bytes)}/GPU, {verdict}, "
-                f"~{self.samples_per_s:,.1f} samples/s)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form: config, peak_bytes, fits, reason, breakdown (bytes), cpu_bytes, speed."""
-        return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes,
-                "need_bytes": self.estimate.need_bytes, "fits": self.fits,
-                "reason": self.reason, "breakdown": self.estimate.breakdown.to_dict(),
-                "overhead_terms": dict(self.estimate.terms), "cpu_bytes": self.estimate.cpu_bytes,
-                "activations": "simulated" if self.estimate.simulated else "formula",
-                "error_bound": self.estimate.error_bound, "bound_basis": self.estimate.bound_basis,
-                "memory": self.estimate.memory.value, "fit": self.fit.value, "near_limit": self.near_limit,
-                "tier": self.tier, "step_seconds": self.step_seconds, "samples_per_s": self.samples_per_s,
-                "step_cost": dataclasses.asdict(self.cost) if self.cost else None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,29 +125,6 @@ class DryRunReport:
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
 
-def twins(candidates: Sequence[Candidate]) -> tuple[tuple[Candidate, ...], ...]:
-    """`candidates` grouped where every figure of their predictions is the same (peak and need per GPU, its
-    parts, host bytes, fit, speed, tier: SDPA and flash-attention levels, most often), each group at its first
-    member's place: one row of a table, naming the rest as alternatives (`alternative`)."""
-    groups: dict[tuple, list[Candidate]] = {}
-    for candidate in candidates:
-        groups.setdefault(_figures(candidate), []).append(candidate)
-    return tuple(tuple(group) for group in groups.values())
-
-
-def _figures(candidate: Candidate) -> tuple:
-    estimate = candidate.estimate
-    return (candidate.fits, candidate.peak_bytes, estimate.need_bytes, estimate.upper_bytes, estimate.simulated,
-            tuple(estimate.breakdown.to_dict().items()), estimate.cpu_bytes, candidate.tier,
-            candidate.step_seconds, candidate.samples_per_s)
-
-
-def alternative(head: Candidate, twin: Candidate) -> str:
-    """What `twin` changes from `head` in `Config.describe`'s words ("attn=flash"): how a row names a twin."""
-    own = set(head.config.describe().split(", "))
-    return ", ".join(part for part in twin.config.describe().split(", ") if part not in own) or twin.config.describe()
-
-
 def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb", num_gpus: int | None = None,
             nodes: int | None = None, gpus_per_node: int | None = None, node_network: str | None = None,
             inter_node_gbps: float | None = None, global_batch_size: int | None = None, seq_len: int | None = None, gpu_memory: int | str | None = None,
@@ -282,8 +199,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     chosen = _decided(space, fitting) if fitting else None
     near_choice = _near_choice(space, fitting, [*allowed, *planner.near_above], chosen)
     if chosen:
-        said = (_chosen_reason(chosen, fitting) + _sync_note(chosen, estimator) + _nodes_note(chosen, allowed)
-                + _edge_note(near_choice))
+        said = (_chosen_reason(chosen, fitting) + sync_note(chosen, estimator) + nodes_note(chosen, allowed)
+                + edge_note(near_choice))
         reason, shortfall = spec.model.noting_weights(said, chosen.config.precision), None
         reason += host_note(chosen, profile, spec.num_gpus) if host is None else ""
     elif over and host is not None:
@@ -543,18 +460,6 @@ def _others(chosen: Candidate, fitting: list[Candidate]) -> str:
             + (f", {slower} slower" if slower else ""))
 
 
-def _sync_note(chosen: Candidate, estimator: Estimator) -> str:
-    """For FSDP2 with accumulation: the prediction reduces gradients after every micro-batch, and what a
-    loop that defers the reduce would add."""
-    config = chosen.config
-    if not config.needs_sync_each_micro_batch or estimator.deferred_sync:
-        return ""
-    more = unsharded_grads(estimator.facts, config) - chosen.estimate.breakdown.grads
-    return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
-            f"(sync_each_batch); a loop that waits for the last one (accelerate's accumulate(), the Trainer's "
-            f"default) holds every gradient unsharded: {format_size(more)} more per GPU")
-
-
 def _near_choice(space: Space, fitting: list[Candidate], predicted: list[Candidate],
                  chosen: Candidate | None) -> Candidate | None:
     """The candidate the decision takes from the fits and the near-limit ones of `predicted` together, where it
@@ -566,46 +471,6 @@ def _near_choice(space: Space, fitting: list[Candidate], predicted: list[Candida
     both = sorted([*fitting, *near], key=lambda c: (not c.estimate.simulated, c.step_seconds))
     decided = _decided(space, both)
     return decided if decided.near_limit else None
-
-
-def _edge_note(near_choice: Candidate | None) -> str:
-    """Where a candidate near the limit would have been chosen: its speed, its need against the limit, and the
-    error bound that reaches past it (`autofit tune` on the card decides it)."""
-    if near_choice is None:
-        return ""
-    estimate, limit = near_choice.estimate, near_choice.limit
-    return (f". Near the limit: {near_choice.config.describe()} would be ~{near_choice.samples_per_s:,.1f} "
-            f"samples/s, but needs {format_size(estimate.need_bytes)} of {format_size(limit)} "
-            f"({estimate.need_bytes / limit:.0%}), up to {format_size(estimate.upper_bytes)} at its "
-            f"+{estimate.error_bound:.0%} error bound; autofit tune on the card decides it")
-
-
-def _nodes_note(chosen: Candidate, allowed: list[Candidate]) -> str:
-    """Over several nodes: what crossing them costs the chosen candidate, against the fastest fit of the
-    other way to shard (within a node or over every GPU), or the closest of it where none fits."""
-    config = chosen.config
-    if config.nodes < 2 or chosen.cost is None:
-        return ""
-    hierarchical = config.sharding.hierarchical
-    others = [c for c in allowed if c.config.sharding.hierarchical != hierarchical and c.config.sharding.stage
-              and c.cost is not None]
-    ways = ("sharding within a node", "sharding over every GPU")
-    own, other_way = ways if hierarchical else ways[::-1]
-    said = (f". Across nodes: {chosen.cost.across_nodes:.3g} s of its {chosen.step_seconds:.3g} s step "
-            f"({config.sharding.value}, {own})" if config.sharding.stage else
-            f". Across nodes: {chosen.cost.across_nodes:.3g} s of its {chosen.step_seconds:.3g} s step")
-    fits = [c for c in others if c.fits]
-    if fits:
-        best = min(fits, key=lambda c: c.step_seconds)
-        saves = chosen.peak_bytes - best.peak_bytes
-        held = f"holds {format_size(saves)} less per GPU" if saves > 0 else f"holds {format_size(-saves)} more per GPU"
-        return (f"{said}; {other_way} ({best.config.describe()}) {held} and spends {best.cost.across_nodes:.3g} s of "
-                f"{best.step_seconds:.3g} s across nodes")
-    if others:
-        closest = min(others, key=lambda c: c.estimate.need_bytes)
-        return (f"{said}; {other_way} fits in none of its candidates (the smallest, {closest.config.describe()}, "
-                f"needs {format_size(closest.estimate.need_bytes)} per GPU)")
-    return said
 
 
 def _nothing_fits(spec: "TrainSpec", gpu: GpuProfile, rest: list[Candidate],
