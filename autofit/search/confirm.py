@@ -12,8 +12,9 @@ figures alone. This step runs after the walk:
 2. **Finalists** (`finalists`): every fit within the window's margin of the best probed throughput, at
    most its limit of them (`LIVE_WINDOW`: 50%, 5, where a round is one optimizer step of each;
    `PROBE_WINDOW`: 20%, 2, where a round builds each again: one probe on a loaded machine can be off by
-   a third), plus the best fit of each safer class (a lower exactness tier, an arithmetic that moves less:
-   bf16 autocast where pure bf16 leads; no allocator retries) however far behind it probed, so a numerics
+   a third), plus the best fits of each safer class (a lower exactness tier, an arithmetic that moves less:
+   bf16 autocast where pure bf16 leads; no allocator retries: its fastest however far behind it probed, and
+   on live runs up to 3 within the window's margin of that one) so a numerics
    change is chosen over what changes less only on confirmed figures, never on one walk figure, plus the
    largest fitting micro-batch of each finalist's level (the walk holds a larger micro-batch is never
    slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
@@ -133,9 +134,9 @@ def finalists(space: "Space", results: Sequence[ProbeResult], window: Window = P
         best = group[0]
         picked = [r for r in group if r.samples_per_s * (1 + window.margin) >= best.samples_per_s][:window.limit]
         for safer in {risk(space, r) for r in group if risk(space, r) < risk(space, best)}:
-            top = next(r for r in group if risk(space, r) == safer)
-            if top not in picked:
-                picked.append(top)
+            same = [r for r in group if risk(space, r) == safer]  # by probed throughput, fastest first
+            near = [r for r in same if r.samples_per_s * (1 + window.margin) >= same[0].samples_per_s]
+            picked += [r for r in near[:window.safer] if r not in picked]
         for largest in {_largest_oflevel_of(group, r) for r in picked} - set(picked):
             picked.append(largest)
         chosen += picked

@@ -69,15 +69,17 @@ class Method(Knob):
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """Which fits are re-measured: those within `margin` of the best as probed, at most `limit` of them
-    (the best of each safer class and each finalist's largest micro-batch come on top)."""
+    """Which fits are re-measured: those within `margin` of the best as probed, at most `limit` of them; on
+    top, each safer class's fits within `margin` of its best as probed, at most `safer` of them (one walk
+    figure must not keep a class's fastest fit out), and each finalist's largest micro-batch."""
 
     margin: float
     limit: int
+    safer: int = 1
 
 
-LIVE_WINDOW = Window(0.50, 5)  # live runs: a round is one optimizer step of each finalist
-PROBE_WINDOW = Window(0.20, 2)  # whole probes: a round builds every finalist again
+LIVE_WINDOW = Window(0.50, 5, 3)  # live runs: a round is one optimizer step of each finalist
+PROBE_WINDOW = Window(0.20, 2, 1)  # whole probes: a round builds every finalist again
 
 
 @dataclasses.dataclass(frozen=True)
