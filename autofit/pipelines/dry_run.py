@@ -396,7 +396,7 @@ def _verdict(estimate: Estimate, fits: bool, limit: int) -> str:
                  f"a roomy card would reserve up to {format_size(estimate.peak_bytes)})")
     near = not fits and estimate.fit_under(limit) is Fit.NEAR_LIMIT  # its bound said already
     if estimate.simulated:
-        return f"{head}, {bound}" if fits else head
+        return head  # a simulated fit's bound is its row's own field (the table's column, the JSON)
     return f"{head}, by formula only (not simulated)" + ("" if near else f": {bound}")
 
 

@@ -32,6 +32,9 @@ import statistics
 import sys
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from bench.cli import no_options  # noqa: E402
+
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MEASURED = HERE.parent / "results"
@@ -95,6 +98,7 @@ def summary(members: list[dict[str, Any]], made: dict[str, dict[str, Any]]) -> d
 
 
 def main() -> int:
+    no_options(__doc__)
     found = rows()
     made = bounds(found)
     parts = {part: summary([r for r in found if r["part"] == part], made) for part in ("fitted", "held-out")}

@@ -56,7 +56,7 @@ def replays(monkeypatch):
     """The caching allocator's replays run (`Replay.calls`)."""
     runs = []
     real = allocator.Replay.calls
-    monkeypatch.setattr(allocator.Replay, "calls", lambda self: runs.append(1) or real(self))
+    monkeypatch.setattr(allocator.Replay, "calls", lambda self, *args: runs.append(1) or real(self, *args))
     return runs
 
 

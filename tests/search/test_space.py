@@ -42,7 +42,14 @@ def gpu_space():
 def test_the_dry_run_plans_the_levels_the_tuner_walks(gpu_space):
     report = autofit.dry_run(two_block_gpt2, seq_len=16, global_batch_size=4, gpu="a100-80gb", num_gpus=2,
                              allow={"lora"})
-    assert {level_of(c.config) for c in report.candidates} == {level_of(c) for c in gpu_space.levels()}
+    planned = {level_of(c.config): c for c in report.candidates}
+    walked = {level_of(c) for c in gpu_space.levels()}
+    assert set(planned) <= walked
+    # left out only: a level whose knob just relieves memory (expandable segments) where the level it relieves
+    # fits at its largest micro-batch (`Strategy.relieves`: the default is as fast there)
+    for level in walked - set(planned):
+        relieved = level.replace(allocator="default")
+        assert level.allocator.value == "expandable_segments" and planned[relieved].fits, level.describe()
 
 
 def test_no_level_breaks_a_rule(gpu_space):
