@@ -36,12 +36,13 @@ import platform
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout this script is in
+sys.path.insert(0, str(ROOT))
+from bench.measurements.dry_run_time import checkout  # noqa: E402  (a commit's tree, as that script takes it)
 DRY_RUN_7B = ["-m", "autofit.cli.main", "dry-run", "--model", "llama-2-7b", "--seq-len", "4096",
               "--global-batch-size", "64", "--json"]
 CASES = {  # name: (arguments after `python`, the cache folder it uses: runs sharing one read each other's)
@@ -82,15 +83,6 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     if done.returncode not in (0, 3, 4):
         found["stderr_tail"] = done.stderr[-2000:]
     return found
-
-
-def checkout(ref: str, into: Path) -> Path:
-    """The tree of commit `ref`, extracted into `into` (`git archive`)."""
-    archive = into / "tree.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), ref], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into / "tree", filter="data")
-    return into / "tree"
 
 
 def commit(tree: Path) -> str:
