@@ -236,9 +236,10 @@ def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -
                                "states never existed; bf16 or fp32 may train this model")
         held = held or stepped
         before = run.scaler.get_scale() if scaled else 0.0
-        loss = run.step(micro_batches)
-        if not scaled:  # under a GradScaler an overflowing step is skipped, and overflow on every step is said above
-            finite_loss(loss, taken + 1)
+        if scaled:  # an overflowing step is the GradScaler's to skip; overflow on every step is said above
+            run.step(micro_batches)
+        else:
+            finite_loss(run.step(micro_batches), taken + 1)  # the loss is not held into the next step
         stepped = stepped or not scaled or run.scaler.get_scale() >= before  # a skipped step halves the scale
         taken += 1
         _clocked(budget)
