@@ -1,29 +1,35 @@
 """Step 2 of the flow (docs/design.md): the decision tree's techniques, one module each, in rung order.
 
-Each offers its options for a spec's `Target`; `autofit.search.space` lays them out as candidates.
+Each offers its options for a spec's `Target`; `autofit.search.space` lays them out as candidates. The
+built-in strategies are found, not listed: every `Strategy` class of a module of this package that declares
+its `order` (its place among its rung's) is one (`BUILT_IN`), and each is importable from here by its class
+name (`from autofit.strategies import MicroBatch`).
 """
 
+import importlib
+import pkgutil
 from typing import Any, Iterable
 
 from autofit.config import Knob
 from autofit.errors import UsageError, did_you_mean
-from autofit.strategies.activation_offload import ActivationOffloading
-from autofit.strategies.allocator import ExpandableSegments
-from autofit.strategies.attention import FusedAttention
 from autofit.strategies.base import Option, Placement, Strategy, plugins
-from autofit.strategies.checkpointing import ActivationCheckpointing
-from autofit.strategies.chunked_loss import ChunkedLoss
-from autofit.strategies.data_parallel import DataParallel
-from autofit.strategies.fsdp import Fsdp
-from autofit.strategies.lora import Lora
-from autofit.strategies.micro_batch import MicroBatch
-from autofit.strategies.offload import StateOffloading
-from autofit.strategies.optimizer import OptimizerStates
-from autofit.strategies.optimizer_in_backward import OptimizerInBackward
-from autofit.strategies.precision import MixedPrecision
-from autofit.strategies.pure_bf16 import PureBf16
-from autofit.strategies.quantization import QuantizedBase
-from autofit.strategies.zero import Zero
+
+
+def _built_in() -> tuple[type[Strategy], ...]:
+    """Every strategy class a module of this package defines with its own `order`, by rung and `order`."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found += [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, Strategy)
+                  and cls.__module__ == module.__name__ and "order" in cls.__dict__]
+    return tuple(sorted(found, key=lambda cls: (cls.rung, cls.order)))
+
+
+# The built-ins in the order they apply: by rung, and within a rung by `order` (the quantized base before
+# LoRA: the adapters go on the quantized layers; the optimizer before its step in backward, which runs the
+# optimizer the former chose, one per parameter). A plug-in comes after these at its rung.
+BUILT_IN = _built_in()
+globals().update({cls.__name__: cls for cls in BUILT_IN})
 
 class EngineChoice(Knob):
     """Which sharding engines a search over several ranks tries (`autofit.autofit(engine=...)`)."""
@@ -37,31 +43,22 @@ ENGINES = tuple(EngineChoice)  # str-enums: each equals its name ("auto" in ENGI
 
 
 def default_strategies(engine: EngineChoice | str = EngineChoice.AUTO) -> list[Strategy]:
-    """One instance of every strategy, in rung order. `engine` pins the sharding rung: "deepspeed"
-    (ZeRO), "fsdp" (FSDP2), or "auto" = both searched (ZeRO offered where DeepSpeed is installed)."""
+    """One instance of every built-in strategy, in rung order. `engine` pins the sharding rung: "deepspeed"
+    (ZeRO), "fsdp" (FSDP2), or "auto" = both searched (ZeRO offered where DeepSpeed is installed); an engine's
+    strategy is one whose class names its `engine`."""
     engine = EngineChoice.parse(engine, "engine")
-    engines = [Zero()] * (engine is not EngineChoice.FSDP) + [Fsdp()] * (engine is not EngineChoice.DEEPSPEED)
-    return in_order([ExpandableSegments(), MixedPrecision(), PureBf16(), FusedAttention(), ChunkedLoss(),
-                     ActivationCheckpointing(), ActivationOffloading(), MicroBatch(), OptimizerStates(),
-                     OptimizerInBackward(), *engines, DataParallel(), QuantizedBase(), Lora(), StateOffloading()])
-
-
-# The order strategies apply in: by rung, and within a rung as listed here. QuantizedBase before Lora: the
-# adapters go on the quantized layers. OptimizerStates before OptimizerInBackward: the latter runs the
-# optimizer the former chose, one per parameter. A plug-in comes after these at its rung.
-ORDER = (ExpandableSegments, MixedPrecision, PureBf16, FusedAttention, ChunkedLoss, ActivationCheckpointing,
-         ActivationOffloading, MicroBatch, OptimizerStates, OptimizerInBackward, Zero, Fsdp, DataParallel,
-         QuantizedBase, Lora, StateOffloading)
+    return [cls() for cls in BUILT_IN
+            if engine is EngineChoice.AUTO or getattr(cls, "engine", None) in (None, engine.value)]
 
 
 def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
-    """`strategies` in order (`in_order`), with those every run needs where none given sets their knob: the
-    micro-batch's, the rank count's, and the optimizer's offering the user's optimizer alone (strategies
-    that leave that rung out do not search it, yet the job trains with the optimizer given, not the
-    Config's default AdamW)."""
+    """`strategies` in order (`in_order`), with those every run needs where none given sets their knob
+    (`Strategy.required`): the micro-batch's, the rank count's, and the optimizer's offering the user's
+    optimizer alone (strategies that leave that rung out do not search it, yet the job trains with the
+    optimizer given, not the Config's default AdamW)."""
     strategies = list(strategies)
     given = {s.field for s in strategies}
-    required = [s for s in (MicroBatch(), DataParallel(), OptimizerStates(explore=False)) if s.field not in given]
+    required = [r for r in (cls.required() for cls in BUILT_IN) if r is not None and r.field not in given]
     return in_order([*strategies, *required])
 
 
@@ -81,9 +78,9 @@ def for_plan(settings: dict[str, Any], summary: dict[str, Any], strategies: Iter
 
 
 def in_order(strategies: Iterable[Strategy]) -> list[Strategy]:
-    """`strategies` in the order they apply (`ORDER`), whatever order they were given in."""
-    return sorted(strategies, key=lambda s: (s.rung, next((i for i, cls in enumerate(ORDER) if type(s) is cls),
-                                                           len(ORDER))))
+    """`strategies` in the order they apply (`BUILT_IN`'s, a plug-in after the built-ins of its rung),
+    whatever order they were given in."""
+    return sorted(strategies, key=lambda s: (s.rung, 0, type(s).order) if type(s) in BUILT_IN else (s.rung, 1, 0))
 
 
 def resolve_strategies(given: Any) -> list[Strategy]:
@@ -118,8 +115,5 @@ def _normal(name: str) -> str:
     return name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
 
 
-__all__ = ["ActivationCheckpointing", "ActivationOffloading", "ChunkedLoss", "DataParallel", "ExpandableSegments",
-           "Fsdp", "FusedAttention",
-           "Lora", "MicroBatch", "MixedPrecision", "Option", "OptimizerInBackward", "OptimizerStates",
-           "Placement", "PureBf16", "QuantizedBase", "StateOffloading", "Strategy", "Zero", "completed",
-           "default_strategies", "for_plan", "in_order", "plugins", "resolve_strategies", "with_required"]
+__all__ = sorted([*(cls.__name__ for cls in BUILT_IN), "BUILT_IN", "Option", "Placement", "Strategy", "completed",
+                  "default_strategies", "for_plan", "in_order", "plugins", "resolve_strategies", "with_required"])

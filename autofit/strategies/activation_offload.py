@@ -32,6 +32,7 @@ class ActivationOffloading(Strategy):
 
     field = "activation_offload"
     rung = 3  # with checkpointing: both trade a cost for activation memory
+    order = 1
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         target = spec.target

@@ -46,6 +46,7 @@ class ExpandableSegments(Strategy):
 
     field = "allocator"
     rung = 0
+    order = 0
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         target = spec.target

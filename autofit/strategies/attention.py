@@ -27,6 +27,7 @@ class FusedAttention(Strategy):
 
     field = "attention"
     rung = 2
+    order = 0
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         if not spec.model.is_hf:

@@ -85,6 +85,7 @@ class Strategy(abc.ABC):
 
     field: ClassVar[str]  # the Config knob this strategy sets
     rung: ClassVar[int]  # position in docs/design.md's decision tree (cheapest first)
+    order: ClassVar[int]  # a built-in's place among its rung's (`autofit.strategies.BUILT_IN`); a plug-in has none
     knob_type: ClassVar[type[Knob] | None] = None  # a plug-in strategy's own knob (its first member: off)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -92,6 +93,12 @@ class Strategy(abc.ABC):
         if cls.__dict__.get("knob_type") is not None:
             register_knob(cls.field, cls.knob_type, next(iter(cls.knob_type)))
             _PLUGINS.append(cls)
+
+    @classmethod
+    def required(cls) -> "Strategy | None":
+        """The instance every run needs where no strategy given sets this knob (`autofit.strategies.with_required`:
+        the micro-batch's, the rank count's, the optimizer's offering the user's optimizer alone), or None."""
+        return None
 
     @abc.abstractmethod
     def options(self, spec: "TrainSpec") -> list[Option]:

@@ -55,6 +55,7 @@ class ActivationCheckpointing(Strategy):
 
     field = "checkpointing"
     rung = 3
+    order = 0
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         blocks = spec.model.num_blocks

@@ -41,6 +41,7 @@ class ChunkedLoss(Strategy):
 
     field = "loss"
     rung = 2
+    order = 1
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = _why_not(spec)

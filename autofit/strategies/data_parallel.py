@@ -29,6 +29,12 @@ class DataParallel(Strategy):
 
     field = "num_gpus"
     rung = 6
+    order = 2
+
+    @classmethod
+    def required(cls) -> "DataParallel":
+        """Every run has a rank count."""
+        return cls()
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         count, nodes = spec.target.count, spec.target.nodes

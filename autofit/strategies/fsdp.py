@@ -36,6 +36,7 @@ class Fsdp(ShardingEngine):
     offered = (Sharding.FSDP_GRAD_OP, Sharding.FSDP_FULL)
     hierarchical = (Sharding.FSDP_HYBRID,)
     label = "FSDP2"
+    order = 1  # rung 6: ZeRO, FSDP2, then the rank count
 
     def across_nodes(self, value: Sharding, nodes: int, per_node: int) -> str:
         return (f"FSDP2 hybrid ({value.value}): {WHAT[3]} sharded within each node of {per_node} GPUs, replicated "

@@ -37,6 +37,7 @@ class Lora(Strategy):
 
     field = "lora"
     rung = 7
+    order = 1
 
     def __init__(self, ranks: Sequence[int] = (DEFAULT_RANK,), target_modules: Sequence[str] | None = None,
                  alpha: int | None = None, dropout: float = 0.0):

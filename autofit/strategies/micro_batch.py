@@ -25,6 +25,12 @@ class MicroBatch(Strategy):
 
     field = "micro_batch_size"
     rung = 4
+    order = 0
+
+    @classmethod
+    def required(cls) -> "MicroBatch":
+        """Every run has a micro-batch size."""
+        return cls()
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         """Sizes from the largest down to the model's least (`ModelInfo.smallest_micro_batch`: 2 with batch

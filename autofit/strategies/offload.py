@@ -30,6 +30,7 @@ class StateOffloading(Ladder):
 
     field = "offload"
     rung = 8
+    order = 0
     values = (O.NONE, O.CPU, O.NVME)  # least GPU memory saved first
 
     def __init__(self, nvme_path: str | os.PathLike | None = None):

@@ -37,12 +37,18 @@ class OptimizerStates(Strategy):
 
     field = "optimizer"
     rung = 5
+    order = 0
 
     def __init__(self, explore: bool = True):
         # False: the user's optimizer alone, where this rung joins a space whose strategies left it out
         # (`autofit.search.space.build_space`): not searched, but still the optimizer the job trains with
         self.explore = explore
         self.trained: dict[str, Any] = {}  # what `settings` recorded, where this instance is a plan's (`recorded`)
+
+    @classmethod
+    def required(cls) -> "OptimizerStates":
+        """Every run trains with an optimizer: the user's alone where this rung is not searched."""
+        return cls(explore=False)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         chosen = O(spec.optimizer.name)

@@ -38,6 +38,7 @@ class OptimizerInBackward(Strategy):
 
     field = "optimizer_step"
     rung = 5  # after the optimizer strategy, whose optimizer it runs per parameter
+    order = 1
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         return [Option(S.AFTER_BACKWARD, 0, "one optimizer step after backward"),

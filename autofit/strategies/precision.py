@@ -26,6 +26,7 @@ class MixedPrecision(Strategy):
 
     field = "precision"
     rung = 1
+    order = 0
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         target = spec.target

@@ -38,6 +38,7 @@ class PureBf16(Strategy):
 
     field = "precision"
     rung = 1
+    order = 1
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         target = spec.target

@@ -35,6 +35,7 @@ class QuantizedBase(Ladder):
 
     field = "quantization"
     rung = 7
+    order = 0
     values = (Q.NONE, Q.INT8, Q.NF4)  # least base-weight memory saved first
 
     def options(self, spec: "TrainSpec") -> list[Option]:

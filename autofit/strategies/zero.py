@@ -41,6 +41,7 @@ class Zero(ShardingEngine):
     offered = (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
     hierarchical = (Sharding.ZERO3_HPZ, Sharding.ZERO3_HPZ_QUANTIZED)
     label = "ZeRO"
+    order = 0  # rung 6: ZeRO, FSDP2, then the rank count
     nvme_path: str | None = None  # the plan's NVMe folder, where this instance is a plan's (`recorded`)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
