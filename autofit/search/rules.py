@@ -1,6 +1,6 @@
-"""The rules between knobs: which combinations cannot run, and why. One table, applied once where the
-space is built (`autofit.search.space`); every combination a rule excludes is recorded with its reason
-and never probed.
+"""The rules between knobs: which combinations cannot run, and why. One table (`rules()`: the joint rules
+below and those each strategy contributes, `Strategy.rules`), applied once where the space is built
+(`autofit.search.space`); every combination a rule excludes is recorded with its reason and never probed.
 
 A rule looks at a candidate's knobs and its `Target` and returns the reason it cannot run, or None.
 Most rules read level knobs; a rule that reads the accumulation (the optimizer step in backward) is
@@ -11,23 +11,15 @@ distinct value of those fields, not once per level.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Callable
+import functools
+from typing import TYPE_CHECKING
 
-from autofit.config import (Attention, Checkpointing, Config, Engine, Offload, Optimizer, Precision, Quantization,
-                            Sharding)
+from autofit.config import Checkpointing, Config, Engine, Offload, Optimizer, Precision, Quantization, Sharding
+from autofit.strategies import completed, plugins
+from autofit.strategies.base import Rule
 
 if TYPE_CHECKING:
     from autofit.job.target import Target
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """A combination that cannot run: `check(config, target)` returns why, or None when it can."""
-
-    name: str
-    knobs: tuple[str, ...]  # the fields the rule reads
-    check: Callable[[Config, "Target"], str | None]
 
 
 def _offload_needs_engine(c: Config, t: "Target") -> str | None:
@@ -76,12 +68,6 @@ def _quantization_unsharded(c: Config, t: "Target") -> str | None:
     if c.quantization is not Quantization.NONE and c.sharding is not Sharding.NONE:
         return (f"bitsandbytes {c.quantization.value} base weights are not sharded by ZeRO/FSDP2 here: "
                 "QLoRA runs on one rank, or as plain data parallelism")
-    return None
-
-
-def _flash_needs_half(c: Config, t: "Target") -> str | None:
-    if c.attention is Attention.FLASH_ATTENTION_2 and c.precision is Precision.FP32:
-        return "flash-attention kernels run in fp16/bf16 only, not fp32"
     return None
 
 
@@ -153,7 +139,7 @@ def _quantized_collectives_half(c: Config, t: "Target") -> str | None:
     return None
 
 
-RULES = (
+JOINT = (
     Rule("offload needs an engine", ("offload", "sharding"), _offload_needs_engine),
     Rule("NVMe needs ZeRO-3", ("offload", "sharding"), _nvme_needs_zero3),
     Rule("ZeRO-Offload steps with CPU Adam", ("offload", "sharding", "optimizer"), _zero_offload_optimizer),
@@ -161,7 +147,6 @@ RULES = (
     Rule("Adafactor cannot step FSDP2 shards", ("sharding", "optimizer"), _fsdp_adafactor),
     Rule("quantization needs LoRA", ("quantization", "lora"), _quantization_needs_lora),
     Rule("quantized weights are not sharded", ("quantization", "sharding"), _quantization_unsharded),
-    Rule("flash-attention needs half precision", ("attention", "precision"), _flash_needs_half),
     Rule("one rank shards nothing", ("sharding", "num_gpus", "offload"), _one_rank_shards_nothing),
     Rule("pure bf16 trains with torch", ("precision", "sharding"), _pure_bf16_needs_torch),
     Rule("step in backward on one torch rank", ("optimizer_step", "sharding", "num_gpus"),
@@ -177,9 +162,32 @@ RULES = (
 )
 
 
+# The order the rules are checked in, by name (the first a combination breaks gives its reason): the
+# joint ones and the strategies' own; a rule not listed (a plug-in's) after these, in rung order.
+ORDER = ("offload needs an engine", "NVMe needs ZeRO-3", "ZeRO-Offload steps with CPU Adam",
+         "8-bit states cannot step on the host", "Adafactor cannot step FSDP2 shards", "quantization needs LoRA",
+         "quantized weights are not sharded", "flash-attention needs half precision", "one rank shards nothing",
+         "pure bf16 trains with torch", "step in backward on one torch rank", "step in backward at accumulation 1",
+         "step in backward needs no global view", "activation offload with none or full checkpointing",
+         "hierarchical sharding needs several nodes", "ZeRO++'s node partition stays on the GPU",
+         "ZeRO++ quantizes 16-bit collectives")
+
+
+def rules() -> tuple[Rule, ...]:
+    """Every rule between knobs, in `ORDER`: the joint ones (`JOINT`) and those of every built-in and plug-in
+    strategy (`Strategy.rules`)."""
+    return _rules(tuple(type(s) for s in plugins()))
+
+
+@functools.lru_cache(maxsize=8)
+def _rules(plugin_classes: tuple[type, ...]) -> tuple[Rule, ...]:
+    found = [*JOINT, *(rule for strategy in completed() for rule in strategy.rules())]
+    return tuple(sorted(found, key=lambda r: ORDER.index(r.name) if r.name in ORDER else len(ORDER)))
+
+
 def violation(config: Config, target: "Target") -> tuple[Rule, str] | None:
     """The first rule `config` breaks on `target`, with its reason; None when it can run."""
-    for rule in RULES:
+    for rule in rules():
         reason = rule.check(config, target)
         if reason:
             return rule, reason

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.probe.outcome import ProbeResult, Skip, decided
-from autofit.search.rules import RULES, Rule
+from autofit.search.rules import Rule, rules
 from autofit.search.shortfall import TIERS, tier_words
 from autofit.strategies.base import Option, Placement, Strategy
 
@@ -32,7 +32,7 @@ class Excluded:
     config: Config
     reason: str
     tier: int | None = None  # the tier an allow= would open, when the tier alone excluded it
-    rule: str | None = None  # the rule between knobs that excluded it (`autofit.search.rules.RULES`)
+    rule: str | None = None  # the rule between knobs that excluded it (`autofit.search.rules.rules`)
     micro_batch: int | None = None  # the size excluded, where the micro-batch option itself was
 
     def result(self) -> ProbeResult:
@@ -163,7 +163,7 @@ SIZE_FIELDS = ("micro_batch_size", "grad_accum_steps")
 def _size_violation(config: Config, target: Any) -> tuple[Rule, str] | None:
     """The first rule reading the micro-batch or the accumulation that `config` breaks (a level passed the
     others already), with its reason."""
-    for rule in RULES:
+    for rule in rules():
         if any(k in SIZE_FIELDS for k in rule.knobs):
             reason = rule.check(config, target)
             if reason:
@@ -201,11 +201,12 @@ def _levels(spec: "TrainSpec", base: Config, choices: dict[str, tuple[Option, ..
     fields = list(choices)
     # Knobs that rules read most are set first, so forbidden prefixes are cut early; the levels are
     # ordered afterwards by their indices in `fields` (the decision tree's order).
-    reads = {f: sum(any(k in o.knobs(f) for o in choices[f] for k in r.knobs) for r in RULES) for f in fields}
+    table = rules()
+    reads = {f: sum(any(k in o.knobs(f) for o in choices[f] for k in r.knobs) for r in table) for f in fields}
     order = sorted(fields, key=lambda f: -reads[f])
     setter = {name: depth for depth, field in enumerate(order) for o in choices[field] for name in o.knobs(field)}
     checks: list[list[Rule]] = [[] for _ in order]
-    for rule in RULES:
+    for rule in table:
         checks[max((setter.get(k, 0) for k in rule.knobs), default=0)].append(rule)
     allowed: list[tuple[tuple[int, ...], Config]] = []
     pruned: list[tuple[tuple[int, ...], Rule, str, Config]] = []

@@ -15,9 +15,10 @@ from torch import nn
 from autofit.config import Attention as A
 from autofit.config import Config
 from autofit.errors import UsageError
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Option, Rule, Strategy
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.job.train_spec import TrainSpec
     from autofit.strategies.run import TrainRun
 
@@ -43,6 +44,9 @@ class FusedAttention(Strategy):
             Option(A.EAGER, 0, "eager attention: the model supports nothing fused" if not sdpa
                    else "not needed: SDPA is supported", available=not sdpa),
         ]
+
+    def rules(self) -> tuple[Rule, ...]:
+        return (Rule("flash-attention needs half precision", ("attention", "precision"), _flash_needs_half),)
 
     def apply(self, run: "TrainRun") -> None:
         value = run.config.attention
@@ -118,6 +122,15 @@ def own_config(model: Any) -> None:
         config = getattr(module, "config", None)
         if config is not None and id(config) in copies:
             module.config = copies[id(config)]
+
+
+def _flash_needs_half(c: Config, t: "Target") -> str | None:
+    """The rule: flash-attention where no strategy makes the forward compute in 16 bits (`compute_dtype`)."""
+    from autofit.strategies import completed
+
+    if c.attention is A.FLASH_ATTENTION_2 and all(s.compute_dtype(c) is None for s in completed()):
+        return "flash-attention kernels run in fp16/bf16 only, not fp32"
+    return None
 
 
 def _flash_available(spec: "TrainSpec") -> tuple[bool, str]:

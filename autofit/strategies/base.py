@@ -20,6 +20,8 @@ every exporter loop over without naming a technique:
   saved plan recorded it (`settings`) for the exports and `prepare`.
 - `compute_dtype(config)`: the 16-bit dtype its value makes the forward compute in, which the search reads
   an error naming that dtype against.
+- `rules()`: the combinations with its values that cannot run, and why (`Rule`s, which
+  `autofit.search.rules` checks with the joint ones where the space is built).
 
 Several strategies may offer values of one knob (ZeRO and FSDP2 both offer `sharding`): each applies only
 the values it offers. A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob`
@@ -33,7 +35,7 @@ import abc
 import dataclasses
 import enum
 import re
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from autofit.config import Config, Knob, register_knob
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
     from autofit.strategies.memory import Breakdown
     from autofit.strategies.run import TrainRun
+    from autofit.job.target import Target
     from autofit.job.train_spec import TrainSpec
 
 
@@ -80,6 +83,16 @@ class Option:
 _PLUGINS: list[type["Strategy"]] = []
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A combination that cannot run: `check(config, target)` returns why, or None when it can
+    (`autofit.search.rules`)."""
+
+    name: str
+    knobs: tuple[str, ...]  # the fields the rule reads
+    check: Callable[[Config, "Target"], str | None]
+
+
 class Strategy(abc.ABC):
     """One technique. Subclasses set `field` and `rung` and implement `options` and `apply`."""
 
@@ -99,6 +112,11 @@ class Strategy(abc.ABC):
         """The instance every run needs where no strategy given sets this knob (`autofit.strategies.with_required`:
         the micro-batch's, the rank count's, the optimizer's offering the user's optimizer alone), or None."""
         return None
+
+    def rules(self) -> tuple[Rule, ...]:
+        """The combinations with this knob's values that cannot run (none by default): `autofit.search.rules`
+        checks them beside the joint ones, each once where the search space is built."""
+        return ()
 
     @abc.abstractmethod
     def options(self, spec: "TrainSpec") -> list[Option]:

@@ -10,7 +10,7 @@ import autofit
 from autofit.config import Config
 from autofit.devices.gpus import get_gpu
 from autofit.probe.outcome import Skip
-from autofit.search.rules import RULES, violation
+from autofit.search.rules import rules, violation
 from autofit.search.space import build_space
 from autofit.job.target import Target
 from autofit.job.train_spec import make_spec
@@ -59,7 +59,7 @@ def test_no_level_breaks_a_rule(gpu_space):
 
 def test_each_rule_excludes_its_combinations_once_with_its_reason(gpu_space):
     ruled = [e for e in gpu_space.excluded if e.rule is not None]
-    for rule in RULES:
+    for rule in rules():
         mine = [e for e in ruled if e.rule == rule.name]
         keys = [tuple(e.config.knob(k) for k in rule.knobs) for e in mine]
         assert len(keys) == len(set(keys)), rule.name  # once per distinct value of the knobs it reads
