@@ -39,7 +39,7 @@ CONSUMERS = {
 # joint formula module (issue 53's goal: 3 for every technique; the micro-batch and the rank count are
 # structural and not held)
 CEILINGS = {"precision": 16, "zero": 14, "fsdp": 11, "pure_bf16": 9, "optimizer": 9, "lora": 8, "offload": 8,
-            "checkpointing": 6, "quantization": 6, "attention": 3, "optimizer_in_backward": 3, "chunked_loss": 3,
+            "checkpointing": 3, "quantization": 6, "attention": 3, "optimizer_in_backward": 3, "chunked_loss": 3,
             "activation_offload": 3, "allocator": 3}
 
 

@@ -40,6 +40,7 @@ from autofit.config import Config, Engine, Loss, Offload, Optimizer, Quantizatio
 from autofit.estimate.facts import ModelFacts
 from autofit.devices.gpus import GpuProfile
 from autofit.estimate.workload import Workload, workload
+from autofit.strategies import completed
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
@@ -115,8 +116,9 @@ def step_cost(spec: "TrainSpec", config: Config, gpu: GpuProfile, facts: ModelFa
     never implies more than the card's peak FLOP/s. The network between nodes is `spec.target`'s."""
     work = work or workload(spec, facts.num_params, facts.num_blocks)
     adapters = config.adapters
-    per_position = (4 if adapters else 6) + 2 * config.recomputed_share
-    flops = config.micro_batch_size * work.flops(per_position, config.recomputed_share)
+    recomputed = sum(strategy.recomputes(config) for strategy in completed())  # share of the forward run again
+    per_position = (4 if adapters else 6) + 2 * recomputed
+    flops = config.micro_batch_size * work.flops(per_position, recomputed)
     hf = spec.model.hf_config
     if config.loss is Loss.CHUNKED and hf is not None:  # the head's forward again, chunk by chunk
         tokens = spec.tokens_per_sample or 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from autofit.config import Checkpointing, Config, Engine, Offload, Optimizer, Precision, Quantization, Sharding
+from autofit.config import Config, Engine, Offload, Optimizer, Precision, Quantization, Sharding
 from autofit.strategies import completed, plugins
 from autofit.strategies.base import Rule
 
@@ -107,14 +107,6 @@ def _in_backward_global_view(c: Config, t: "Target") -> str | None:
     return None
 
 
-def _activation_offload_pairing(c: Config, t: "Target") -> str | None:
-    if c.offloads_activations and c.checkpointing in (Checkpointing.EVERY_K, Checkpointing.OPS):
-        return (f"activation offloading is searched alone (every saved tensor moves) and on top of full "
-                f"checkpointing (the block inputs move), not with checkpointing={c.checkpointing.value}, which "
-                "keeps on the device some of what offloading moves")
-    return None
-
-
 def _hierarchy_needs_nodes(c: Config, t: "Target") -> str | None:
     if c.sharding.hierarchical and c.nodes < 2:
         return (f"{c.sharding.value} shards or partitions within a node and across the others; on one node it is "
@@ -154,8 +146,6 @@ JOINT = (
     Rule("step in backward at accumulation 1", ("optimizer_step", "grad_accum_steps"), _in_backward_accumulation),
     Rule("step in backward needs no global view", ("optimizer_step", "precision", "optimizer"),
          _in_backward_global_view),
-    Rule("activation offload with none or full checkpointing", ("activation_offload", "checkpointing"),
-         _activation_offload_pairing),
     Rule("hierarchical sharding needs several nodes", ("sharding", "nodes"), _hierarchy_needs_nodes),
     Rule("ZeRO++'s node partition stays on the GPU", ("sharding", "offload"), _hierarchy_keeps_weights_on_gpu),
     Rule("ZeRO++ quantizes 16-bit collectives", ("sharding", "precision"), _quantized_collectives_half),

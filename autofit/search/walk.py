@@ -55,6 +55,7 @@ from autofit.search.progress import (QUIET_SKIPS, SKIP_WORDS, Heartbeat, Printed
                                      SkipTally, make_progress, skip_counts)
 from autofit.search.space import Space
 from autofit.search.trials import TrialStore
+from autofit.strategies import completed
 from autofit.strategies.base import Strategy
 from autofit.units import format_size
 
@@ -65,8 +66,14 @@ WIN_FRACTION = 0.5  # a probe slower than this fraction of the best throughput s
 # what one configuration's error may differ from its neighbours' (the estimator's errors on one model go
 # together: -2.0% .. +4.2% over the 2-rank scenario's 14 probed peaks, bench/results/sharded-cpu-*.json)
 LEARNED_SLACK = 0.03
-# The knobs that change only activation memory: an OOM where no activation was live bounds every value of them.
-ACTIVATION_KNOBS = ("micro_batch_size", "grad_accum_steps", "checkpointing", "checkpoint_every", "attention")
+
+
+def activation_knobs() -> tuple[str, ...]:
+    """The knobs that change only activation memory (`Strategy.activation_knobs` of every strategy): an OOM
+    where no activation was live bounds every value of them."""
+    return tuple(name for strategy in completed() for name in strategy.activation_knobs)
+
+
 # 16-bit dtypes as torch names them in its errors (`"addmm" not implemented for 'Half'`)
 DTYPE_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half"}
 
@@ -221,10 +228,11 @@ class Search:
     def _holds_no_less(self, config: Config, failed: Config) -> bool:
         """Whether `config` holds at least what `failed` held where no activation is live (model states,
         engine buffers): the same engine and stage, and state knobs that save no more. Micro-batch,
-        checkpointing and attention only change activations, so they are set to `failed`'s to compare."""
+        checkpointing and attention only change activations (`activation_knobs`), so they are set to `failed`'s
+        to compare."""
         if config.sharding is not failed.sharding or config.num_gpus != failed.num_gpus:
             return False
-        aligned = config.replace(**{name: getattr(failed, name) for name in ACTIVATION_KNOBS})
+        aligned = config.replace(**{name: getattr(failed, name) for name in activation_knobs()})
         return self.space.saves_at_least(failed, aligned)
 
     def _step_limit(self, config: Config) -> float | None:

@@ -29,6 +29,7 @@ class FusedAttention(Strategy):
     field = "attention"
     rung = 2
     order = 0
+    activation_knobs = ("attention",)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         if not spec.model.is_hf:

@@ -20,6 +20,8 @@ every exporter loop over without naming a technique:
   saved plan recorded it (`settings`) for the exports and `prepare`.
 - `compute_dtype(config)`: the 16-bit dtype its value makes the forward compute in, which the search reads
   an error naming that dtype against.
+- `recomputes(config)`, `activation_knobs`: the share of the forward its value runs again in backward (the
+  dry-run's step time), and the fields whose values change activation memory only (the walk's comparisons).
 - `rules()`: the combinations with its values that cannot run, and why (`Rule`s, which
   `autofit.search.rules` checks with the joint ones where the space is built).
 
@@ -99,6 +101,9 @@ class Strategy(abc.ABC):
     field: ClassVar[str]  # the Config knob this strategy sets
     rung: ClassVar[int]  # position in docs/design.md's decision tree (cheapest first)
     order: ClassVar[int]  # a built-in's place among its rung's (`autofit.strategies.BUILT_IN`); a plug-in has none
+    # the Config fields it sets whose values change activation memory only: the walk sets them alike to
+    # compare what two configs hold where no activation is live
+    activation_knobs: ClassVar[tuple[str, ...]] = ()
     knob_type: ClassVar[type[Knob] | None] = None  # a plug-in strategy's own knob (its first member: off)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -112,6 +117,11 @@ class Strategy(abc.ABC):
         """The instance every run needs where no strategy given sets this knob (`autofit.strategies.with_required`:
         the micro-batch's, the rank count's, the optimizer's offering the user's optimizer alone), or None."""
         return None
+
+    def recomputes(self, config: Config) -> float:
+        """The share (0..1) of the forward's matmul FLOPs `config`'s value runs again in backward (the dry-run's
+        step time, `autofit.estimate.cost_model`); 0 by default."""
+        return 0.0
 
     def rules(self) -> tuple[Rule, ...]:
         """The combinations with this knob's values that cannot run (none by default): `autofit.search.rules`

@@ -26,9 +26,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from autofit.config import Checkpointing as C
 from autofit.config import Config
 from autofit.models.info import checkpoint_blocks
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Option, Rule, Strategy
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.job.train_spec import TrainSpec
     from autofit.strategies.run import TrainRun
 
@@ -56,6 +57,14 @@ class ActivationCheckpointing(Strategy):
     field = "checkpointing"
     rung = 3
     order = 0
+    activation_knobs = ("checkpointing", "checkpoint_every")
+
+    def recomputes(self, config: Config) -> float:
+        return config.recomputed_share
+
+    def rules(self) -> tuple[Rule, ...]:
+        return (Rule("activation offload with none or full checkpointing", ("activation_offload", "checkpointing"),
+                     _activation_offload_pairing),)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         blocks = spec.model.num_blocks
@@ -225,3 +234,12 @@ def _ordinal(k: int) -> str:
     """2 -> "2nd", 4 -> "4th" (the every-k options' wording)."""
     suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
     return f"{k}{suffix}"
+
+
+def _activation_offload_pairing(c: Config, t: "Target") -> str | None:
+    """The rule: activation offloading with none or full checkpointing only."""
+    if c.offloads_activations and c.checkpointing in (C.EVERY_K, C.OPS):
+        return (f"activation offloading is searched alone (every saved tensor moves) and on top of full "
+                f"checkpointing (the block inputs move), not with checkpointing={c.checkpointing.value}, which "
+                "keeps on the device some of what offloading moves")
+    return None

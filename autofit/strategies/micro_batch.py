@@ -26,6 +26,7 @@ class MicroBatch(Strategy):
     field = "micro_batch_size"
     rung = 4
     order = 0
+    activation_knobs = ("micro_batch_size", "grad_accum_steps")
 
     @classmethod
     def required(cls) -> "MicroBatch":
