@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -85,3 +86,29 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
                          "user can write, e.g. /local_nvme/autofit.", given=Param("nvme_path", str(path)),
                          why=str(exc.strerror or exc)) from exc
     return folder.resolve()
+
+
+def spare_threads(requested: int, cores: int | None = None, load: float | None = None) -> int:
+    """Torch CPU threads for the probes of a search: `requested`, fewer where other processes keep the cores
+    busy (`load`: runnable processes, the 1-minute load average by default, one of them taken as this one).
+    OpenMP's threads wait for each other at every parallel operation, so a thread that another process holds
+    off its core stalls the rest: on 2 cores at a load of 8 a step ran 4-12 s at 2 threads and ~1 s at 1."""
+    cores = cores or os.cpu_count() or 1
+    load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
+    others = max(0, round(load) - 1)
+    return max(1, min(requested, cores - others))
+
+
+@contextlib.contextmanager
+def search_threads(device: torch.device) -> Iterator[int | None]:
+    """On the CPU, torch's thread count held at `spare_threads` for a search (probes and their re-measurement),
+    the caller's restored after; elsewhere nothing (None)."""
+    if device.type != "cpu":
+        yield None
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(spare_threads(before))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

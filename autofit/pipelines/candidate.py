@@ -31,7 +31,7 @@ class Candidate:
     @property
     def standing(self) -> Standing:
         """What sets the margin it must clear against another fit (`margin_between`)."""
-        return Standing(self.tier, self.numerics)
+        return Standing(self.tier, self.numerics, micro_batch=self.config.micro_batch_size)
 
     @property
     def reason(self) -> str:

@@ -22,7 +22,7 @@ from autofit.search.space import Space, build_space
 from autofit.search.trials import TrialStore
 from autofit.search.options import SearchOptions
 from autofit.search.walk import Progress, Search, make_progress
-from autofit.devices.device import device_memory
+from autofit.devices.device import device_memory, search_threads
 from autofit.job.train_spec import LossFn, TrainSpec, make_spec
 from autofit.strategies import EngineChoice, Placement, Strategy, default_strategies, resolve_strategies
 from autofit.strategies.sharding import ShardingEngine
@@ -124,12 +124,13 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     predictor = _timed(predictor_for(spec, space.strategies), listener) if opts.predict else None
     tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
     search = Search(space, store, prober, opts.max_probes, listener, predictor, tolerance)
-    results = search.run()
-    probe = functools.partial(_follow_up, search, prober)
-    results = confirmation.follow_near_limit(space, results, probe)
-    results = confirmation.follow_numerics(space, results, probe)
-    measure, rounds, method, window, threads = _measurer(spec, space, results, prober)
-    confirmed = confirmation.confirm(space, results, measure, rounds, opts.exact_margin, method, window, threads)
+    with search_threads(spec.device):  # fewer CPU threads on a busy machine, for every probe and round alike
+        results = search.run()
+        probe = functools.partial(_follow_up, search, prober)
+        results = confirmation.follow_near_limit(space, results, probe)
+        results = confirmation.follow_numerics(space, results, probe)
+        measure, rounds, method, window, threads = _measurer(spec, space, results, prober)
+        confirmed = confirmation.confirm(space, results, measure, rounds, opts.exact_margin, method, window, threads)
     if callable(getattr(listener, "flush", None)):
         listener.flush()  # what it held back (the skips it counts), before the caller prints the plan
     return make_plan(space, results, predictor, confirmed)

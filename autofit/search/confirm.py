@@ -26,7 +26,7 @@ figures alone. This step runs after the walk:
    processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round
    (paired: both measured within the same seconds, so a load that comes and goes cancels out) and keeps
    the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
-   alone (its ratio's interval wider than its margin), one more at a time, up to `most` and within its
+   alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, up to `most` and within its
    time cap (live runs: 30 s, or three times what the first rounds took): more rounds narrow the interval
    of the median on a steady machine, and on a busy one the cap ends them and the simpler finalist stays.
    The choice between them: `autofit.search.decision`.
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, Skip, Source
-from autofit.search.decision import (PROBE_WINDOW, Confirmation, DecidedBy, Finalist, Method, Window, decide,
-                                     level_of, risk, simplicity)
+from autofit.search.decision import (PROBE_WINDOW, Confirmation, Finalist, Method, Window, decide, level_of, risk,
+                                     simplicity, unsettled)
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
@@ -169,7 +169,7 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
     if measure is not None and (len(picked) > 1 or stored or unsteady):
         def more(so_far: dict[Config, tuple[float, ...] | str]) -> bool:
             _, comparisons = decide(_pool(space, picked, so_far), exact_margin)
-            return any(c.decided_by is DecidedBy.NOISE for c in comparisons)
+            return any(unsettled(c) for c in comparisons)
 
         measured = measure([r.config for r in picked], rounds, more)
     else:

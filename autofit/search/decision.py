@@ -7,13 +7,15 @@ Starting from the first, one that changes more replaces the choice only when cle
 comparison records the test that decided it (`DecidedBy`):
 
 1. its median paired ratio is at least 1 + its margin (else MARGIN): `exact_margin` (default 10%) where
-   its arithmetic differs from the holder's at all (a higher tier, or another numerics change: pure bf16
-   against bf16 autocast must clear it too), NEAR_LIMIT_MARGIN for a fit whose allocator retried,
-   NOISE_MARGIN otherwise;
+   its arithmetic changes more than the holder's (`steps_up`: a higher tier, or another numerics change:
+   pure bf16 against bf16 autocast must clear it too; a larger micro-batch where batch norm couples the
+   samples changes less, not more), NEAR_LIMIT_MARGIN for a fit whose allocator retried, NOISE_MARGIN
+   otherwise;
 2. it was faster in at least CLEAR_SHARE of the rounds (else SHARE);
 3. the ratio's interval (where its median lies, at CONFIDENCE, from the rounds' order statistics) is no
-   wider than the margin (else NOISE): on a machine whose paired ratios spread 0.6-2.6 no 10% gain can be
-   shown, whatever the median says, and the simpler finalist stays.
+   wider than the margin, or lies above the margin by at least its own width (else NOISE): on a machine
+   whose paired ratios spread 0.6-2.6 no 10% gain can be shown, whatever the median says, and the simpler
+   finalist stays; an interval of 1.07-1.12 shows a 3% gain, though it is wider than 3%.
 
 `choose` picks the plan's result from the search's: the confirmed choice where there is a confirmation,
 else the fastest fit (what the walk's deadlines compare against).
@@ -98,7 +100,7 @@ class Finalist:
     @property
     def standing(self) -> "Standing":
         """What sets the margins it must clear, or others must clear against it."""
-        return Standing(self.tier, self.numerics, self.near_limit)
+        return Standing(self.tier, self.numerics, self.near_limit, self.config.micro_batch_size)
 
     @property
     def median(self) -> float:
@@ -124,6 +126,7 @@ class Standing:
     tier: int  # exactness tier
     numerics: tuple[str, ...] = ()  # the numerics changes, "knob=value" (`Space.numerics`)
     near_limit: bool = False  # its allocator retried while timed
+    micro_batch: int = 0  # samples a rank's statistics are taken over where the micro-batch is a numerics change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,18 +269,42 @@ def risk(space: "Space", result: ProbeResult) -> tuple[int, int, bool]:
 
 def standing(space: "Space", config: Config, near_limit: bool = False) -> Standing:
     """`config`'s `Standing` in `space`."""
-    return Standing(space.tier(config), space.numerics(config), near_limit)
+    return Standing(space.tier(config), space.numerics(config), near_limit, config.micro_batch_size)
 
 
 def margin_between(holder: Standing, challenger: Standing, exact_margin: float) -> tuple[float, MarginKind]:
-    """What `challenger` must clear against `holder`, and why: any change of the arithmetic (a higher tier,
-    or numerics other than the holder's) `exact_margin`; allocator retries the holder had not
-    NEAR_LIMIT_MARGIN; anything else NOISE_MARGIN."""
-    if challenger.tier > holder.tier or challenger.numerics != holder.numerics:
+    """What `challenger` must clear against `holder`, and why: a change of the arithmetic beyond the holder's
+    (`steps_up`) `exact_margin`; allocator retries the holder had not NEAR_LIMIT_MARGIN; anything else
+    NOISE_MARGIN."""
+    if steps_up(holder, challenger):
         return exact_margin, MarginKind.EXACTNESS
     if challenger.near_limit and not holder.near_limit:
         return NEAR_LIMIT_MARGIN, MarginKind.NEAR_LIMIT
     return NOISE_MARGIN, MarginKind.NOISE
+
+
+_COUPLED = "micro_batch_size="  # `Space.numerics`' entry of a micro-batch that batch norm or the loss couples
+
+
+def steps_up(holder: Standing, challenger: Standing) -> bool:
+    """Whether `challenger` changes the arithmetic more than `holder`: a higher tier, or numerics changes other
+    than the holder's (pure bf16 against bf16 autocast, Adafactor against 8-bit states), or statistics over
+    fewer samples where the micro-batch is a numerics change (batch norm over 2 samples moves further from the
+    rank's batch than over 4: the larger micro-batch changes less, not more)."""
+    if challenger.tier > holder.tier:
+        return True
+    others = [[n for n in s.numerics if not n.startswith(_COUPLED)] for s in (holder, challenger)]
+    if others[0] != others[1]:
+        return True
+    coupled = [any(n.startswith(_COUPLED) for n in s.numerics) for s in (holder, challenger)]
+    return coupled[1] and (not coupled[0] or challenger.micro_batch < holder.micro_batch)
+
+
+def unsettled(comparison: Comparison) -> bool:
+    """Whether more rounds could turn `comparison`: its interval is wider than the margin allows (NOISE), or
+    holds the margin's edge, so the median may yet land on either side of it."""
+    ratio, edge = comparison.ratio, 1 + comparison.margin
+    return comparison.decided_by is DecidedBy.NOISE or (ratio.rounds > 1 and ratio.low < edge <= ratio.high)
 
 
 def judge(ratio: Ratio, margin: float, noise: bool = True) -> DecidedBy:
@@ -287,9 +314,15 @@ def judge(ratio: Ratio, margin: float, noise: bool = True) -> DecidedBy:
         return DecidedBy.MARGIN
     if ratio.wins < CLEAR_SHARE:
         return DecidedBy.SHARE
-    if noise and ratio.rounds > 1 and ratio.spread > max(margin, NOISE_MARGIN):
+    if noise and ratio.rounds > 1 and ratio.spread > max(margin, NOISE_MARGIN) and not _clear_of_noise(ratio, margin):
         return DecidedBy.NOISE
     return DecidedBy.CLEARED
+
+
+def _clear_of_noise(ratio: Ratio, margin: float) -> bool:
+    """Whether the interval lies above the margin by at least its own width: the gain its low end shows is
+    larger than the disagreement between the rounds (1.07-1.12 shows a 3% gain; 1.30-2.00 shows no 10% one)."""
+    return ratio.low >= 1 + margin and ratio.low - 1 >= ratio.spread
 
 
 def decide(pool: Sequence[Finalist], exact_margin: float) -> tuple[int, list[Comparison]]:

@@ -20,7 +20,8 @@ The walk, and its stop rule:
    fits that change the arithmetic no more than it does, it cannot win, so it is stopped and recorded as
    pruned (a numerics change's figure never stops an exact probe: they are compared re-measured).
    Whatever only adds work to a too-slow config is not probed either (bf16 on a CPU without bf16 units,
-   offload, ...).
+   offload, ...), at up to twice its micro-batch too: a micro-step of more samples takes no less time, so
+   doubling the micro-batch at most doubles samples/s, which leaves it under the best.
 5. With a predictor (the dry-run estimator), a level starts at the largest micro-batch predicted to
    fit, and a config predicted over the fit limit by more than the estimator's measured error is not
    probed: it is recorded as skipped with its prediction, and bounds the bisection like an OOM.
@@ -182,6 +183,9 @@ class Search:
             config = self.space.at(level, int(size)) if size not in (0, math.inf) else None
             if config is not None and not any(r.config == config for r in self.results):
                 cause = self._cause(config, verdict)
+                if verdict is Verdict.SLOW and cause.micro_batch_size < config.micro_batch_size:
+                    template = ("cannot win: {} was too slow, and this adds work to it at no more than "
+                                f"{1 / WIN_FRACTION:g}x its micro-batch (at most {1 / WIN_FRACTION:g}x its samples/s)")
                 self._add(decided(config, Skip.IMPLIED, template.format(cause.describe())))
 
     def _cause(self, config: Config, verdict: Verdict) -> Config | None:
@@ -197,7 +201,20 @@ class Search:
             elif result.measured and result.status is _IMPLIES[verdict] \
                     and self.space.saves_at_least(config, result.config):
                 return result.config
+            elif verdict is Verdict.SLOW and result.measured and result.status is ProbeStatus.PRUNED \
+                    and self._outrun(config, result.config):
+                return result.config
         return None
+
+    def _outrun(self, config: Config, pruned: Config) -> bool:
+        """Whether `config` cannot win because `pruned` (stopped at under WIN_FRACTION of the best throughput)
+        was too slow: at `pruned`'s micro-batch it only adds work, and its own micro-batch is at most
+        1 / WIN_FRACTION times larger. A micro-step of more samples takes no less time, so samples/s grow at
+        most as the micro-batch does: under WIN_FRACTION of the best, times at most 1 / WIN_FRACTION."""
+        size = config.micro_batch_size
+        aligned = config.replace(micro_batch_size=pruned.micro_batch_size, grad_accum_steps=pruned.grad_accum_steps)
+        return size > pruned.micro_batch_size and size * WIN_FRACTION <= pruned.micro_batch_size \
+            and self.space.saves_at_least(aligned, pruned)
 
     def _same_error(self, level: Config) -> "Lesson | None":
         """The lesson that `level` is certain to fail as earlier levels did (`lessons`): `level` has every

@@ -335,3 +335,33 @@ def test_the_estimators_error_measured_here_narrows_what_is_probed_over_the_limi
     ops = next(r for r in results if r.config.checkpointing.value == "ops" and r.skip is Skip.PREDICTED)
     assert "by 4.0%, more than the estimator's error (3.5%, as it over-predicted" in ops.reason
     assert ops.reason.endswith("here; 5% in general)")
+
+
+def test_what_adds_work_to_a_too_slow_config_at_up_to_twice_its_micro_batch_is_not_probed():
+    """bf16 on a CPU without bf16 units, as the quickstart met it: bf16 at micro-batch 8 is stopped as too
+    slow; bf16 with checkpointing at 16 could at most double its samples/s, still under the best, so it is
+    decided without a probe (and said why)."""
+    probed = []
+
+    def prober(config, step_limit):
+        probed.append(config)
+        bf16, checkpointed = config.precision.value == "bf16", config.checkpointing.value != "none"
+        if not checkpointed and config.micro_batch_size >= 16:
+            return ProbeResult(config, ProbeStatus.OOM, "CPU budget exceeded", 2**31, oom_kind="cpu-budget",
+                               phase="forward")
+        if bf16 and step_limit is not None:
+            return ProbeResult(config, ProbeStatus.PRUNED, "too slow to win", 2**20)
+        speed = 80.0 if checkpointed else 100.0
+        return ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 16 / speed, speed)
+
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch(), MixedPrecision(), ActivationCheckpointing()])
+    def predictor(config):  # no checkpointing at 16 over the limit: each level starts at 8
+        return 2**40 if config.checkpointing.value == "none" and config.micro_batch_size >= 16 else 2**20
+
+    results = Search(space, TrialStore(space), prober, predictor=predictor).run()
+    pruned = [c for c in probed if c.precision.value == "bf16" and c.micro_batch_size == 8]
+    assert pruned and not any(c.precision.value == "bf16" and c.micro_batch_size == 16 for c in probed)
+    implied = [r for r in results if r.config.precision.value == "bf16" and r.config.micro_batch_size == 16
+               and r.config.checkpointing.value != "none"]
+    assert implied and all(r.skip is Skip.IMPLIED and "at no more than 2x its micro-batch" in r.reason for r in implied)
