@@ -445,7 +445,7 @@ class Estimator:
                         simulated=simulated, error_bound=bound,
                         offloaded_activations=act.offloaded, kernels=act.kernels, release_slack=slack,
                         memory=Memory.RESERVED_CONTEXT if self.target == "cuda" else Memory.ALLOCATED,
-                        bound_basis=basis)
+                        bound_basis=basis, unbounded_bytes=CUDA_CONTEXT_BYTES if self.target == "cuda" else 0)
 
     def _bound(self, config: Config, simulated: bool, activations: int, peak: int) -> tuple[float | None, str]:
         """The peak's relative error bound and its basis: on CUDA the calibration's for the model's family and

@@ -52,6 +52,9 @@ class Estimate:
     release_slack: int = 0
     memory: Memory = Memory.ALLOCATED  # which memory `peak_bytes` is
     bound_basis: str = ""  # what `error_bound` rests on: "decoder/fused: 54 calibration rows" (`tolerance.Bound`)
+    # bytes of the need that `error_bound` does not multiply: on CUDA the context, which the calibration's
+    # errors leave out (its figures are the allocator's, taken without the context: bench/calibration/)
+    unbounded_bytes: int = 0
 
     @property
     def reason(self) -> str:
@@ -66,8 +69,11 @@ class Estimate:
     @property
     def upper_bytes(self) -> int | None:
         """What it needs at its error bound (bytes): what a verdict, one resting on a formula too, must fit;
-        None where the peak has no bound (no verdict can rest on it)."""
-        return None if self.error_bound is None else int(self.need_bytes * (1 + self.error_bound))
+        the bound multiplies the need less `unbounded_bytes` (the part the calibration measured). None where
+        the peak has no bound (no verdict can rest on it)."""
+        if self.error_bound is None:
+            return None
+        return self.need_bytes + int(max(self.need_bytes - self.unbounded_bytes, 0) * self.error_bound)
 
     def fit_under(self, limit: int) -> Fit:
         """Fits under `limit` (bytes) at the error bound, fits only as predicted (near the limit), is over,

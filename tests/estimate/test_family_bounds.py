@@ -8,7 +8,7 @@ import transformers as T
 from torch import nn
 
 from autofit.config import Config
-from autofit.estimate.estimator import Estimator
+from autofit.estimate.estimator import CUDA_CONTEXT_BYTES, Estimator
 from autofit.estimate.prediction import Estimate, Fit, Memory
 from autofit.estimate.tolerance import FAMILY_BOUNDS, UNCALIBRATED_BOUND, Family, bound_for, family_key
 from autofit.job.train_spec import make_spec
@@ -72,6 +72,22 @@ def test_a_cuda_prediction_says_it_is_reserved_plus_context_and_carries_its_fami
 
 def _estimate(need: int, bound: float | None) -> Estimate:
     return Estimate(Breakdown(0, 0, 0, need, 0), need, 0, "simulated", error_bound=bound)
+
+
+def test_the_bound_multiplies_what_the_calibration_measured_not_the_cuda_context():
+    """The calibration's errors are those of the allocator's figures, taken without the CUDA context: the
+    bound widens the rest of the need only. On a tiny model, mostly context, 4% of the whole is ~35 MiB."""
+    assert Estimate(Breakdown(0, 0, 0, 1000, 0), 1000, 0, "simulated", error_bound=0.04,
+                    unbounded_bytes=800).upper_bytes == 1008
+    assert _estimate(1000, 0.04).upper_bytes == 1040  # nothing unbounded: the whole need
+    spec = make_spec(T.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64), seq_len=16, device="cpu",
+                     memory_budget="1TiB")
+    config = Config(attention="sdpa", micro_batch_size=2)
+    cuda = Estimator(spec, target="cuda").predict(config)
+    assert cuda.unbounded_bytes == CUDA_CONTEXT_BYTES
+    assert cuda.upper_bytes == cuda.need_bytes + int((cuda.need_bytes - CUDA_CONTEXT_BYTES) * cuda.error_bound)
+    assert cuda.upper_bytes - cuda.need_bytes < CUDA_CONTEXT_BYTES * cuda.error_bound  # a tiny model's room
+    assert Estimator(spec, target="cpu").predict(config).unbounded_bytes == 0
 
 
 def test_within_its_bound_of_the_limit_a_peak_is_near_the_limit_not_fits():

@@ -55,10 +55,8 @@ def test_paired_with_none_or_full_checkpointing():
 def test_the_planner_chooses_it_where_only_it_fits():
     wide = autofit.dry_run(long_gpt2, gpu="a100-80gb", seq_len=4096, global_batch_size=1, strategies=STRATEGIES)
     # what each needs at its error bound (a fit is decided there, `Estimate.fit_under`: within it, near the limit)
-    offloaded = [c.estimate.need_bytes * (1 + c.estimate.error_bound) for c in wide.candidates
-                 if c.config.offloads_activations]
-    kept = [c.estimate.need_bytes * (1 + c.estimate.error_bound) for c in wide.candidates
-            if not c.config.offloads_activations]
+    offloaded = [c.estimate.upper_bytes for c in wide.candidates if c.config.offloads_activations]
+    kept = [c.estimate.upper_bytes for c in wide.candidates if not c.config.offloads_activations]
     assert min(offloaded) < min(kept)
     memory = int((min(offloaded) + min(kept)) / 2 / 0.9)  # a fit limit between the two
     report = autofit.dry_run(long_gpt2, gpu="a100-80gb", gpu_memory=memory, seq_len=4096, global_batch_size=1,
