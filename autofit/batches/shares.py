@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,9 @@ from autofit.batches.batch import default_loss, leading_dim, wrapped_module
 
 IGNORE_INDEX = -100
 TOKEN_LOSSES = ("ForMaskedLMLoss", "ForTokenClassification")  # in transformers' LOSS_MAPPING, beside causal LMs
+# Loss types transformers 4.46's LOSS_MAPPING lacks, whose models compute that mean in their own forward: the
+# functions later releases map them to
+LATER_LOSSES = {"ForConditionalGeneration": "ForCausalLMLoss", "ForMaskedLM": "ForMaskedLMLoss"}
 
 
 def divides_by_count(loss_at: Callable[[int], float], count: int) -> bool:
@@ -96,9 +100,24 @@ def _token_loss(model: nn.Module) -> str | None:
     own. A causal LM is told as the Trainer tells it for label smoothing (its class among the causal LMs)
     or by its loss type; `loss_type` alone is None for some (GPT2LMHeadModel)."""
     model = _innermost(model)
-    if not hasattr(model, "loss_type"):
-        return None
-    return _loss_kind(type(model), model.loss_type)
+    if hasattr(model, "loss_type"):
+        return _loss_kind(type(model), model.loss_type)
+    if hasattr(type(model), "loss_function"):  # transformers 4.46 keeps none: its class name says
+        return _loss_kind(type(model), getattr(_config(model), "loss_type", None) or _loss_type_of(type(model)))
+    return None
+
+
+def _loss_type_of(model_class: type) -> str | None:
+    """The loss type transformers reads from a class name (its LOSS_MAPPING key, or the first key in the
+    name: `BertForTokenClassification` -> "ForTokenClassification"), as its `loss_function` does in releases
+    whose models keep no `loss_type` (4.46)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    name, known = model_class.__name__, [*LOSS_MAPPING, *LATER_LOSSES]
+    if name in known:
+        return name
+    found = re.findall(f"({'|'.join(known)})", name)
+    return found[0] if found else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -106,7 +125,7 @@ def _loss_kind(model_class: type, loss_type: str | None) -> str | None:
     from transformers.loss.loss_utils import LOSS_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    function = getattr(LOSS_MAPPING.get(loss_type), "__name__", None)
+    function = getattr(LOSS_MAPPING.get(loss_type), "__name__", None) or LATER_LOSSES.get(loss_type)
     causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # FSDP2 subclasses the model's class
     if function == "ForCausalLMLoss" or any(cls.__name__ in causal_classes for cls in model_class.__mro__):
         return "causal"

@@ -44,7 +44,7 @@ def synthesize_batch(config: Any, seq_len: int | None, model_class: str | None =
     if "input_values" in params:
         return _audio(config, seq_len, name)
     if "pixel_values" in params and "input_ids" in params:
-        if getattr(config, "image_token_id", None) is not None:
+        if image_token(config) is not None:
             return _image_text_to_text(config, seq_len, name, params)
         if "return_loss" in params:
             return _image_text(config, seq_len)
@@ -368,6 +368,13 @@ def image_tokens(config: Any) -> int | None:
     return None
 
 
+def image_token(config: Any) -> int | None:
+    """The id of the placeholder token an image's features replace: `image_token_id`, which transformers 4.x
+    names `image_token_index` on LLaVA, LLaVA-NeXT and kin (4.46); None for a config without one."""
+    found = getattr(config, "image_token_id", None)
+    return found if found is not None else getattr(config, "image_token_index", None)
+
+
 def _image_text_to_text(config: Any, seq_len: int | None, name: str,
                         params: frozenset[str]) -> tuple[BatchFactory, str]:
     """Vision-language models trained as a language model over an image's tokens (LLaVA, PaliGemma,
@@ -383,7 +390,7 @@ def _image_text_to_text(config: Any, seq_len: int | None, name: str,
     length = _length(text, seq_len)
     _room_for_text(length, count, name)
     pixels, _ = _pixels(config.vision_config)
-    batches = VisionLanguageBatches(pixels, int(config.image_token_id), count, length, int(text.vocab_size),
+    batches = VisionLanguageBatches(pixels, int(image_token(config)), count, length, int(text.vocab_size),
                                     "token_type_ids" in params)
     return batches, (f"input_ids of {length} tokens ({count} image tokens, {length - count} of text, labels on the "
                      f"text) and pixel_values {_shape(pixels)}")
@@ -405,7 +412,7 @@ def _packed_image_text(config: Any, seq_len: int | None, name: str) -> tuple[Bat
     side per sample."""
     vision, text = config.vision_config, getattr(config, "text_config", config)
     patch, frames = int(vision.patch_size), int(vision.temporal_patch_size)
-    batches = PackedImageBatches(int(config.image_token_id), (1, PACKED_IMAGE_SIDE, PACKED_IMAGE_SIDE),
+    batches = PackedImageBatches(int(image_token(config)), (1, PACKED_IMAGE_SIDE, PACKED_IMAGE_SIDE),
                                  int(vision.spatial_merge_size) ** 2, int(vision.in_channels) * frames * patch * patch,
                                  _length(text, seq_len), int(text.vocab_size))
     count, length = batches.image_tokens, batches.length

@@ -337,7 +337,7 @@ class Estimator:
         PyTorch path here (a CPU runs that path wherever it is planned for)."""
         if self.target != "cuda":
             return "CPU"
-        reference = reference_paths.describe(reference_paths.reference_paths(self._meta))
+        reference = reference_paths.clause(self._meta)
         if self.sim_device == "cuda":
             return f"CUDA ({reference.removeprefix('; ')})" if reference else "CUDA"
         return (f"CPU kernels standing in for CUDA (this torch build has no CUDA"

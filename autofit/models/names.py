@@ -158,7 +158,8 @@ def hub_config(repo_id: str) -> tuple[Any, str]:
 def _downloaded(repo_id: str, cache: Path, looked: str) -> Any:
     """config.json of `repo_id`, downloaded alone into `cache`."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    # huggingface_hub.utils holds them in every release transformers 4.46 takes (0.23.2 on); .errors from 0.25
+    from huggingface_hub.utils import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     endpoint = os.environ.get("HF_ENDPOINT") or None
     unreachable = _unreachable(repo_id, endpoint)
@@ -186,10 +187,13 @@ def _unreachable(repo_id: str, endpoint: str | None) -> str | None:
     `hf_hub_download` retries an unreachable hub five times with backoff: offline, a mistyped id took
     half a minute of "Retrying in 8s" before its error."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import HfHubHTTPError
 
+    # the URL names the endpoint; later releases also take it apart (for Xet storage), 0.23-0.26 do not
+    takes_endpoint = "endpoint" in inspect.signature(get_hf_file_metadata).parameters
     try:
-        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", endpoint=endpoint), timeout=10, endpoint=endpoint)
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json", endpoint=endpoint), timeout=10,
+                             **({"endpoint": endpoint} if takes_endpoint else {}))
     except HfHubHTTPError:
         return None  # it answered: the download says what is wrong (gated, missing, ...)
     except Exception as exc:  # noqa: BLE001 - the HTTP client's transport errors (httpx's, under any name)

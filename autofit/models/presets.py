@@ -118,7 +118,7 @@ def model_class(config: Any) -> Any:
             return cls
     for auto in auto_classes(config):
         built = _built_by(auto, config)
-        if built is not None:
+        if built is not None and not _deprecated(built):
             return built
     model_type = getattr(config, "model_type", "?")
     raise UsageError(f"No transformers Auto class builds a model to train from a {type(config).__name__} "
@@ -188,6 +188,15 @@ def _refuses_training(cls: type) -> bool:
     return _forward_says(cls, "Training is not implemented yet")
 
 
+def _deprecated(cls: type) -> bool:
+    """Whether transformers builds `cls` only to warn it is deprecated (4.x's `Wav2Vec2ForMaskedLM`, mapped as
+    wav2vec2's masked LM, computes no loss: "Please use `Wav2Vec2ForCTC` instead"), read from its __init__."""
+    try:
+        return f"`{cls.__name__}` is deprecated" in inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
+
+
 def _forward_says(cls: type, text: str) -> bool:
     """Whether `text` is in the source of transformers class `cls`'s forward (False where it has none to read)."""
     try:
@@ -248,17 +257,18 @@ def build_model(config: Any) -> Any:
     import torch
 
     cls = model_class(config)
-    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    build = functools.partial(cls.from_config if hasattr(cls, "from_config") else cls._from_config,
+                              **{_dtype_keyword(): torch.float32})
     try:
         try:
-            model = build(config, dtype=torch.float32)
+            model = build(config)
         except AttributeError as exc:
             if "'pad_token_id'" not in str(exc) or hasattr(config, "pad_token_id"):
                 raise
             # transformers 5.0's PhiConfig (and kin) define no pad_token_id where their model reads one; later
             # releases define it None, as here
             config.pad_token_id = None
-            model = build(config, dtype=torch.float32)
+            model = build(config)
     except (AssertionError, AttributeError, ValueError, TypeError, KeyError, IndexError) as exc:  # a field wrong or missing
         raise UsageError(f"transformers cannot build {getattr(cls, '__name__', cls)} from this "
                          f"{type(config).__name__}: {type(exc).__name__}: {exc}. Check the config's fields (e.g. "
@@ -266,3 +276,12 @@ def build_model(config: Any) -> Any:
     if hasattr(model, "tie_weights"):  # transformers 5.0 leaves tied embeddings untied when built on the meta device
         model.tie_weights()
     return model
+
+
+def _dtype_keyword() -> str:
+    """The keyword transformers' `_from_config` takes for the dtype to build in: `dtype` from 4.56, where it
+    renamed `torch_dtype` (4.46-4.55 pass an unknown `dtype` on to the model's __init__, a TypeError)."""
+    import transformers
+
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if release >= (4, 56) else "torch_dtype"

@@ -58,7 +58,10 @@ class FusedAttention(Strategy):
                                                                   if value.fused else value.value))
             return
         if value is not A.DEFAULT:
+            if _runs_already(run.model, value.value):
+                return
             if not hasattr(run.model, "set_attn_implementation"):
+                _no_switch(run.model, value.value)
                 raise UsageError(f"The plan runs attn_implementation={value.value!r}, a Hugging Face model's switch, "
                                  f"but {type(run.model).__name__} is not a Hugging Face model: apply the plan to the "
                                  "model it was tuned for, or tune this one.")
@@ -76,6 +79,25 @@ class FusedAttention(Strategy):
             return []
         return [f'# Build the model with attn_implementation="{value}" '
                 f'(e.g. AutoModelForCausalLM.from_config(config, attn_implementation="{value}")).']
+
+
+def _runs_already(model: Any, value: str) -> bool:
+    """Whether a transformers model without `set_attn_implementation` (4.46 has none) already runs `value`:
+    it picked it when built (SDPA, where supported), so there is nothing to switch."""
+    config = getattr(model, "config", None)
+    return not hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) == value
+
+
+def _no_switch(model: Any, value: str) -> None:
+    """The one-line refusal where a transformers model built with another attention cannot be switched."""
+    import transformers
+
+    built = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if built is not None:
+        raise UsageError(f"The plan runs attn_implementation={value!r} but {type(model).__name__} was built with "
+                         f"{built!r}, and transformers {transformers.__version__} cannot switch a built model "
+                         "(set_attn_implementation: 4.57 has it): build it with "
+                         f"attn_implementation={value!r}, or upgrade transformers.")
 
 
 SUPPORT_FLAGS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2")}

@@ -27,3 +27,16 @@ def make_plan(config: Config | None = None, *, device: str = "cpu", fits: bool =
 @pytest.fixture
 def plan_for():
     return make_plan
+
+
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """The process environment restored after each test: transformers 4.x's `TrainingArguments(fsdp=...)` sets
+    ACCELERATE_USE_FSDP and FSDP_* in os.environ, which made every later Trainer in the process (and the
+    scripts it starts) build an FSDP plugin, refused on a CPU ("no available devices found")."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

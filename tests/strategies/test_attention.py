@@ -83,3 +83,22 @@ def test_a_sub_model_without_the_implementation_keeps_its_own():
     backbone_model = next(m for m in run.model.modules() if type(m).__name__ == "ResNetBackbone")
     assert backbone_model.config is run.model.config.backbone_config  # paired in the private copy too
     assert (shared._attn_implementation, shared.backbone_config._attn_implementation) == before
+
+
+def test_a_transformers_that_cannot_switch_a_built_model_keeps_what_it_runs_and_says_so_for_another():
+    """transformers 4.46 has no set_attn_implementation: a model built with SDPA probes SDPA as it is, and a
+    plan asking for eager says, in one line, that this release cannot switch it and how to get it."""
+    import pytest
+    from transformers import GPT2LMHeadModel
+
+    from autofit.errors import UsageError
+
+    spec = make_spec(make_gpt2, global_batch_size=2, device="cpu", memory_budget="1GiB", seq_len=16)
+    run = build_run(spec, Config(attention="sdpa", micro_batch_size=2), default_strategies())
+    assert run.model.config._attn_implementation == "sdpa"
+    if hasattr(GPT2LMHeadModel, "set_attn_implementation"):
+        return  # the switch itself: test_hf_model_gets_sdpa_and_says_why_not_the_others
+    with pytest.raises(UsageError, match=r"^The plan runs attn_implementation='eager' but GPT2LMHeadModel was built "
+                                         r"with 'sdpa', and transformers \S+ cannot switch a built model "
+                                         r"\(set_attn_implementation: 4.57 has it\)"):
+        build_run(spec, Config(attention="eager", micro_batch_size=2), default_strategies())

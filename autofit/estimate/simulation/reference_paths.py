@@ -11,13 +11,16 @@ keeps more activations and issues far more kernels, so the prediction errs high 
 Where the `kernels` package is installed (transformers requires it from 5.25), its decorator turns that
 wrapper into an `nn.Module` instance whose `forward` calls it (kernels/_internals/layer/layer.py,
 `_create_func_module`); the wrapper is read from that closure. transformers releases without that
-decorator (5.0 loads Mamba's kernels with `lazy_load_kernel`; 5.17 has the decorator) leave nothing to read:
-their predictions err high the same way without saying so.
+decorator (4.x imports them at module level; 5.0 loads them with `lazy_load_kernel`; 5.17 has the decorator)
+leave nothing to read: there the method says which packages the model's code names that do not import here,
+and that this transformers cannot say which functions fell back (`unread`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import re
 import sys
 from typing import Any
 
@@ -34,6 +37,43 @@ def reference_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
             if package is not None:
                 found.setdefault(_distribution(package), []).append(name)
     return {distribution: tuple(sorted(names)) for distribution, names in sorted(found.items())}
+
+
+def clause(model: nn.Module) -> str:
+    """The clause for a prediction's method on `model`: the functions that fell back (`describe`), else,
+    where this transformers has no wrapper to read, the kernel packages its code names (`unread`)."""
+    return describe(reference_paths(model)) or unread(model)
+
+
+# import name -> pip name of the fused-kernel packages transformers' modeling code falls back from
+KERNEL_PACKAGES = {"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention"}
+
+
+def unread(model: nn.Module) -> str:
+    """One clause ("" where there is nothing to say) where this transformers has no fallback wrapper to read
+    (before 5.17) and `model`'s modeling code names kernel packages that do not import here."""
+    try:
+        from transformers.integrations import hub_kernels
+    except ImportError:  # transformers 4.x
+        hub_kernels = None
+    if hasattr(hub_kernels, "use_kernel_func_from_hub_with_fallback"):
+        return ""
+    sources = []
+    for module_name in sorted({type(module).__module__ for module in model.modules()}):
+        try:
+            sources.append(inspect.getsource(sys.modules[module_name]))
+        except (KeyError, OSError, TypeError):
+            continue
+    named = sorted(pip for package, pip in KERNEL_PACKAGES.items() if importlib.util.find_spec(package) is None
+                   and any(re.search(rf"\b(from|import)\s+{package}\b|is_{package}_available|\"{pip}\"", text)
+                           for text in sources))
+    if not named:
+        return ""
+    import transformers
+
+    return (f"; {' and '.join(named)} not installed here and transformers {transformers.__version__} cannot say "
+            "which functions ran on its reference PyTorch path instead (5.17 and later can): a GPU machine with "
+            f"{'them' if len(named) > 1 else 'it'} may peak lower and step faster than predicted")
 
 
 def describe(paths: dict[str, tuple[str, ...]]) -> str:
