@@ -15,7 +15,9 @@ figures alone. This step runs after the walk:
    a third), plus the best fits of each safer class (a lower exactness tier, an arithmetic that moves less:
    bf16 autocast where pure bf16 leads; no allocator retries: its fastest however far behind it probed, and
    on live runs up to 3 within the window's margin of that one) so a numerics
-   change is chosen over what changes less only on confirmed figures, never on one walk figure, plus the
+   change is chosen over what changes less only on confirmed figures, never on one walk figure; as many of
+   each other class within the window's margin of the best (on live runs the fastest Adafactor fit once
+   probed under two slower Adafactor fits and five fits outran it: it was left out), plus the
    largest fitting micro-batch of each finalist's level (the walk holds a larger micro-batch is never
    slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
    only with each other, never raw with this session's: each source picks its own finalists, and all of
@@ -133,9 +135,12 @@ def finalists(space: "Space", results: Sequence[ProbeResult], window: Window = P
             continue
         best = group[0]
         picked = [r for r in group if r.samples_per_s * (1 + window.margin) >= best.samples_per_s][:window.limit]
-        for safer in {risk(space, r) for r in group if risk(space, r) < risk(space, best)}:
-            same = [r for r in group if risk(space, r) == safer]  # by probed throughput, fastest first
-            near = [r for r in same if r.samples_per_s * (1 + window.margin) >= same[0].samples_per_s]
+        for cls in {risk(space, r) for r in group}:
+            same = [r for r in group if risk(space, r) == cls]  # by probed throughput, fastest first
+            # a safer class's fits within the margin of its own fastest, however far behind that one probed;
+            # another class's within the margin of the best: one noisy walk figure must not keep either out
+            lead = same[0] if cls < risk(space, best) else best
+            near = [r for r in same if r.samples_per_s * (1 + window.margin) >= lead.samples_per_s]
             picked += [r for r in near[:window.safer] if r not in picked]
         for largest in {_largest_oflevel_of(group, r) for r in picked} - set(picked):
             picked.append(largest)

@@ -72,8 +72,9 @@ class Method(Knob):
 @dataclasses.dataclass(frozen=True)
 class Window:
     """Which fits are re-measured: those within `margin` of the best as probed, at most `limit` of them; on
-    top, each safer class's fits within `margin` of its best as probed, at most `safer` of them (one walk
-    figure must not keep a class's fastest fit out), and each finalist's largest micro-batch."""
+    top, each safer class's fits within `margin` of its best as probed and each other class's within `margin`
+    of the best, at most `safer` of each (one walk figure must not keep a class's fastest fit out), and each
+    finalist's largest micro-batch."""
 
     margin: float
     limit: int
