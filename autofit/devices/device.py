@@ -92,7 +92,7 @@ def spare_threads(requested: int, cores: int | None = None, load: float | None =
     """Torch CPU threads for the probes of a search: `requested`, fewer where other processes keep the cores
     busy (`load`: runnable processes, the 1-minute load average by default, one of them taken as this one).
     OpenMP's threads wait for each other at every parallel operation, so a thread that another process holds
-    off its core stalls the rest: on 2 cores at a load of 8 a step ran 4-12 s at 2 threads and ~1 s at 1."""
+    off its core stalls the rest (docs/search.md: "A busy machine's cores")."""
     cores = cores or os.cpu_count() or 1
     load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
     others = max(0, round(load) - 1)

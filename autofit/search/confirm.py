@@ -16,8 +16,8 @@ figures alone. This step runs after the walk:
    bf16 autocast where pure bf16 leads; no allocator retries: its fastest however far behind it probed, and
    on live runs up to 3 within the window's margin of that one) so a numerics
    change is chosen over what changes less only on confirmed figures, never on one walk figure; as many of
-   each other class within the window's margin of the best (on live runs the fastest Adafactor fit once
-   probed under two slower Adafactor fits and five fits outran it: it was left out), plus the
+   each other class within the window's margin of the best (one noisy probe must not keep a class's fastest
+   fit out where other fits fill the window's limit), plus the
    largest fitting micro-batch of each finalist's level (the walk holds a larger micro-batch is never
    slower: a smaller one that probed faster must show it). Figures from a resumed trial store are compared
    only with each other, never raw with this session's: each source picks its own finalists, and all of
@@ -28,9 +28,10 @@ figures alone. This step runs after the walk:
    processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round
    (paired: both measured within the same seconds, so a load that comes and goes cancels out) and keeps
    the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
-   alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, up to `most` and within its
-   time cap (live runs: 30 s, or three times what the first rounds took): more rounds narrow the interval
-   of the median on a steady machine, and on a busy one the cap ends them and the simpler finalist stays.
+   alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, up
+   to `most` and within its time cap (live runs: 30 s, or three times what the first rounds took): more
+   rounds narrow the interval of the median on a steady machine, and on a busy one the cap ends them and
+   the simpler finalist stays.
    The choice between them: `autofit.search.decision`.
 """
 
