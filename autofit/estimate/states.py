@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sharding
 from autofit.estimate.facts import ModelFacts
-from autofit.strategies.quantization import nf4_bytes
+from autofit.strategies.quantization import INT8_BYTES, nf4_bytes
 from autofit.units import format_size
 
 if TYPE_CHECKING:
     from autofit.estimate.simulation.step import ActivationPeak
 
-INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
 NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
 
 

@@ -44,6 +44,7 @@ from autofit.config import Config, Knob, register_knob
 if TYPE_CHECKING:
     import torch
 
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.memory import Breakdown
     from autofit.strategies.run import TrainRun
     from autofit.job.target import Target
@@ -158,6 +159,68 @@ class Strategy(abc.ABC):
         (the simulated step, and the joint model-states formulas of `autofit.estimate.states`, which cover
         the built-in knobs they combine); a plug-in technique says here what it does to memory."""
         return parts
+
+    # -- the dry-run's step time: `autofit.estimate.cost_model` combines these over `completed()` strategies
+    def trains(self, config: Config, facts: Any) -> tuple[int, int] | None:
+        """(parameters, tensors) that train under `config`'s value instead of the model's own trainable ones,
+        its base frozen (no weight gradients: 4 FLOPs per parameter and position, not 6; LoRA's adapters), from
+        `facts` (`autofit.estimate.facts.ModelFacts`); None where it trains the model's own (the default)."""
+        return None
+
+    def extra_flops(self, config: Config, step: "StepFacts") -> float:
+        """FLOPs per sample `config`'s value adds to each micro-step beyond the forward, the backward and
+        recomputation (`recomputes`): a chunked loss runs the head's forward again. 0 by default."""
+        return 0.0
+
+    def compute_slowdown(self, config: Config) -> float:
+        """How much slower `config`'s value makes the step's arithmetic (1.0 by default; NF4 base weights
+        are dequantized in every matmul)."""
+        return 1.0
+
+    def half_gradients(self, config: Config) -> bool:
+        """Whether `config`'s value makes the gradients the step reduces 16-bit under a 16-bit compute dtype
+        (weights trained in 16 bits: pure bf16, DeepSpeed's bf16/fp16 mode); False by default."""
+        return False
+
+    def collective_seconds(self, config: Config, step: "StepFacts") -> tuple[float, float] | None:
+        """(within-node, across-node) seconds of one optimizer step's collectives where `config`'s value runs
+        them (a sharding engine's reduce-scatters and gathers over `step.links`); None where it does not (the
+        default: the cost model charges data parallelism's all-reduce of the gradients)."""
+        return None
+
+    def offload_seconds(self, config: Config, step: "StepFacts") -> float:
+        """Seconds per optimizer step `config`'s value spends moving model states over PCIe and stepping
+        them on the host; 0 by default."""
+        return 0.0
+
+    def host_ops(self, config: Config, step: "StepFacts") -> int:
+        """Operations the host issues per micro-step for `config`'s value beside the model's simulated
+        kernels (a sharding engine's per-parameter or per-unit work; the host's floor of the step time); 0 by
+        default."""
+        return 0
+
+    def step_ops(self, config: Config, step: "StepFacts") -> int:
+        """Operations the host issues for one optimizer step under `config`'s value (the optimizer's); 0 by
+        default."""
+        return 0
+
+    # -- the estimator's trust in its prediction, and the allocator's replay ----------------------------
+    def runs_engine(self, config: Config) -> bool:
+        """Whether `config`'s value trains through an engine of its own (DeepSpeed, FSDP2): 16-bit weights
+        without autocast's copies, buffers of its own, and the wider error bound calibrated for engines
+        (`autofit.estimate.tolerance`). False by default."""
+        return False
+
+    def replays_training(self, config: Config) -> bool:
+        """Whether the estimator's allocator replay of training around the simulated step (the weights, torch
+        AdamW's states and step on the card, every micro-step) holds under `config`'s value; True by default
+        (an engine's flat buffers, offloaded, 8-bit or in-backward states do not)."""
+        return True
+
+    def resident_bytes(self, module: "torch.nn.Module") -> int | None:
+        """Bytes of `module`'s weight as training holds it on the card, where this strategy's simulated stand-in
+        holds another (a quantized layer's packed weight); None for any other module (the default)."""
+        return None
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         """What of `config`'s value of this knob the estimator's simulated step depends on, as named facts

@@ -28,6 +28,7 @@ from autofit.batches import batch as batches
 from autofit.strategies.base import Option, Strategy
 
 if TYPE_CHECKING:
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
     from autofit.job.train_spec import TrainSpec
 
@@ -58,6 +59,13 @@ class ChunkedLoss(Strategy):
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         return {"loss": config.loss.value}
+
+    def extra_flops(self, config: Config, step: "StepFacts") -> float:
+        """The head's forward again, chunk by chunk, in the backward: 2 * vocabulary * hidden FLOPs per
+        token (a model without a Hugging Face config: none known)."""
+        if config.loss is not L.CHUNKED or step.hf is None:
+            return 0
+        return 2 * getattr(step.hf, "vocab_size", 0) * getattr(step.hf, "hidden_size", 0) * step.tokens
 
     def setup_lines(self, config: Config, fmt: str) -> list[str]:
         if config.loss is not L.CHUNKED:

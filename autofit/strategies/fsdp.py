@@ -23,10 +23,17 @@ import torch
 
 from autofit.config import Config, Engine, Offload, Sharding
 from autofit.models.info import find_blocks
+from autofit.strategies.costs import summed, times
 from autofit.strategies.sharding import WHAT, ShardingEngine
 
 if TYPE_CHECKING:
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
+
+# Ops FSDP2 dispatches per unit and micro-step on one rank beside the model's: copies in and out of the
+# gathered and reduced buffers, `chunk_cat`, and its `record_function` markers (bench/measurements/host_ops.py, torch 2.13)
+# (hybrid: full_shard's, and the all-reduce across nodes is one more transfer per unit: `Fsdp.host_ops`)
+FSDP_OPS_PER_UNIT = {Sharding.FSDP_FULL: 26, Sharding.FSDP_GRAD_OP: 22, Sharding.FSDP_HYBRID: 26}
 
 
 class Fsdp(ShardingEngine):
@@ -41,6 +48,27 @@ class Fsdp(ShardingEngine):
     def across_nodes(self, value: Sharding, nodes: int, per_node: int) -> str:
         return (f"FSDP2 hybrid ({value.value}): {WHAT[3]} sharded within each node of {per_node} GPUs, replicated "
                 f"across {nodes} nodes (a {nodes} x {per_node} mesh): no gather crosses a node")
+
+    def collective_seconds(self, config: Config, step: "StepFacts") -> tuple[float, float] | None:
+        """Hybrid: the gradients reduced within the node, a node's shard all-reduced across the nodes (each
+        shard's replicas), and the gathers within the node; other stages as every engine."""
+        if config.sharding is not Sharding.FSDP_HYBRID:
+            return super().collective_seconds(config, step)
+        per_node, links = config.gpus_per_node, step.links
+        return summed([times(2, links.ring(per_node, step.grad_bytes, False)),
+                       times(2, links.ring(config.nodes, step.grad_bytes / per_node, True)),
+                       times(2 * config.grad_accum_steps, links.ring(per_node, step.weight_bytes, False))])
+
+    def host_ops(self, config: Config, step: "StepFacts") -> int:
+        """FSDP2 works per unit (each block and the root): `FSDP_OPS_PER_UNIT` as counted on one rank, plus
+        an all-gather per gather and a reduce-scatter over several GPUs, as many copies across PCIe with CPU
+        offload, and the replicas' all-reduce across nodes under hybrid sharding."""
+        if not self.owns(config):
+            return 0
+        transfers = (2 if config.shards_parameters else 1) + 1  # gathers in forward (and backward), one reduce
+        across = config.sharding is Sharding.FSDP_HYBRID and config.nodes > 1  # the replicas' all-reduce
+        per_unit = FSDP_OPS_PER_UNIT[config.sharding] + transfers * ((config.num_gpus > 1) + config.offloads) + across
+        return per_unit * (step.facts.num_blocks + 1)
 
     def apply(self, run: "TrainRun") -> None:
         if self.shaped_elsewhere(run) or not self.owns(run.config):

@@ -113,6 +113,13 @@ class Lora(Strategy):
             return {}
         return {"adapters": (config.lora, PEFT_UPCASTS_ADAPTERS, facts.get("_cast_whole", False))}
 
+    def trains(self, config: Config, facts: Any) -> tuple[int, int] | None:
+        """The adapters (rank r adds r * `facts.lora_params_per_rank`; the usual rank where a quantized base
+        trains them without one given), two tensors per adapted layer; the base frozen."""
+        if not config.adapters:
+            return None
+        return (config.lora or DEFAULT_RANK) * facts.lora_params_per_rank, 2 * facts.adapted_layers
+
     def setup_lines(self, config: Config, fmt: str) -> list[str]:
         if not config.lora or fmt != "trainer":  # autofit.prepare adds them for the other formats
             return []

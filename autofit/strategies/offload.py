@@ -20,8 +20,11 @@ from autofit.config import Offload as O
 from autofit.errors import UsageError
 from autofit.strategies.base import Ladder, Option, Placement
 
+CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank (the cost model)
+
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
 
 
@@ -71,6 +74,21 @@ class StateOffloading(Ladder):
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         return {}
+
+    def offload_seconds(self, config: Config, step: "StepFacts") -> float:
+        """Gradients down and parameters up over PCIe once per step, the trained parameters stepped by CPU
+        Adam at `CPU_ADAM_PARAMS_PER_S`; with the parameters sharded (ZeRO-3's `offload_param`, FSDP2's
+        policy) the whole model's 16-bit weights up and down in every micro-step too. Per rank."""
+        if not config.offloads:
+            return 0.0
+        n = config.num_gpus
+        seconds = 2 * step.half * step.trained / n / step.pcie + step.trained / n / CPU_ADAM_PARAMS_PER_S
+        if config.shards_parameters:
+            seconds += config.grad_accum_steps * 2 * step.half * step.facts.num_params / n / step.pcie
+        return seconds
+
+    def replays_training(self, config: Config) -> bool:
+        return not config.offloads
 
 
 def _probed_here(spec: "TrainSpec") -> bool:

@@ -22,6 +22,7 @@ from autofit.strategies.base import Option, Placement, Strategy
 from autofit.units import format_size
 
 if TYPE_CHECKING:
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
     from autofit.job.train_spec import TrainSpec
     from autofit.job.train_spec import OptimizerSpec
@@ -30,6 +31,12 @@ logger = logging.getLogger("autofit.prepare")
 
 BNB = {O.ADAMW8BIT: "AdamW8bit", O.PAGED_ADAMW8BIT: "PagedAdamW8bit"}
 TORCH_CLASSES = {O.ADAMW: torch.optim.AdamW, O.ADAFACTOR: torch.optim.Adafactor}
+# Ops of one optimizer step on the weights' device as CUDA's default runs it (foreach): (fixed, per
+# trainable tensor, a one-tensor step), counted on the CPU with foreach=True (bench/measurements/host_ops.py, torch
+# 2.13). bitsandbytes' 8-bit step loops over the parameters in Python: one fused update and a
+# `torch.cuda.synchronize()` each (bitsandbytes/optim/optimizer.py `Optimizer8bit.step`, @ 51294d90).
+OPTIMIZER_OPS = {O.ADAMW: (8, 0, 8), O.USER: (8, 0, 8), O.ADAFACTOR: (23, 4, 20),
+                 O.ADAMW8BIT: (0, 2, 2), O.PAGED_ADAMW8BIT: (0, 2, 2)}
 
 
 class OptimizerStates(Strategy):
@@ -94,6 +101,16 @@ class OptimizerStates(Strategy):
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         return {}
+
+    def step_ops(self, config: Config, step: "StepFacts") -> int:
+        """Ops of one optimizer step (`OPTIMIZER_OPS`): the whole model's foreach step, or with the step in
+        backward one single-tensor step per trainable tensor."""
+        fixed, per_tensor, single = OPTIMIZER_OPS[config.optimizer]
+        return step.tensors * single if config.steps_in_backward else fixed + per_tensor * step.tensors
+
+    def replays_training(self, config: Config) -> bool:
+        """The replay holds torch AdamW's states and step."""
+        return config.optimizer is O.ADAMW
 
     def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "OptimizerStates":
         """This rung with the optimizer the plan's probes trained (`settings`), for the exports."""

@@ -62,6 +62,10 @@ class OptimizerInBackward(Strategy):
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         return {}
 
+    def replays_training(self, config: Config) -> bool:
+        """No whole-model step to replay: each parameter steps in the backward."""
+        return not config.steps_in_backward
+
     def setup_lines(self, config: Config, fmt: str) -> list[str]:
         if not config.steps_in_backward:
             return []

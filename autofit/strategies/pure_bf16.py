@@ -55,6 +55,9 @@ class PureBf16(Strategy):
     def compute_dtype(self, config: Config) -> torch.dtype | None:
         return torch.bfloat16 if config.pure_bf16 else None
 
+    def half_gradients(self, config: Config) -> bool:
+        return config.pure_bf16
+
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         # 16-bit weights without autocast: the step an engine's bf16 mode simulates too
         return {"weights16": True} if config.pure_bf16 else {}

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
     from autofit.job.target import Target
 INT8_THRESHOLD = 6.0  # LLM.int8 outlier threshold: features above it stay in fp16
+INT8_BYTES = 1.0  # LLM.int8 weights; the fp32 per-row scales are counted per output row
+# how much slower the step's arithmetic runs with the base weights dequantized in every matmul (the cost model)
+SLOWDOWN = {Q.NF4: 1.25, Q.INT8: 2.0}
 
 
 class QuantizedBase(Ladder):
@@ -72,6 +75,18 @@ class QuantizedBase(Ladder):
             return {}
         nf4 = value is Q.NF4 and (SimulatedLinear4bit.keeps_input, SimulatedLinear4bit.quantized_from)
         return {"quantization": (value.value, nf4)}
+
+    def compute_slowdown(self, config: Config) -> float:
+        return SLOWDOWN.get(config.quantization, 1.0)
+
+    def resident_bytes(self, module: nn.Module) -> int | None:
+        """A simulated quantized layer's packed weight and constants (NF4's; or int8 and an fp32 scale a row),
+        where the stand-in holds the original."""
+        if not isinstance(module, SimulatedLinear4bit):
+            return None
+        w = module.weight
+        return int(INT8_BYTES * w.numel()) + 4 * w.shape[0] if isinstance(module, SimulatedLinear8bit) \
+            else int(nf4_bytes() * w.numel())
 
     def setup_lines(self, config: Config, fmt: str) -> list[str]:
         if config.quantization is Q.NONE or fmt != "trainer":  # autofit.prepare quantizes for the other formats

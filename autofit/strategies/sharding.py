@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from autofit.config import Config, Engine, Sharding
 from autofit.errors import UsageError
 from autofit.strategies.base import Option, Placement, Strategy
+from autofit.strategies.costs import summed, times
 from autofit.strategies.run import cast_floating, cast_inputs
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
 
 WHAT = {1: "optimizer states", 2: "gradients and optimizer states", 3: "parameters, gradients and optimizer states"}
@@ -79,6 +81,27 @@ class ShardingEngine(Strategy):
     def owns(self, config: Config) -> bool:
         """Whether `config` shards with this engine."""
         return config.engine is self.engine
+
+    def runs_engine(self, config: Config) -> bool:
+        return self.owns(config)
+
+    def replays_training(self, config: Config) -> bool:
+        """An engine's flat buffers and sharded states are not torch AdamW's replayed training."""
+        return not self.owns(config)
+
+    def collective_seconds(self, config: Config, step: "StepFacts") -> tuple[float, float] | None:
+        """Over several ranks: the gradients' reduce-scatter and all-gather once per step over every rank,
+        and with sharded parameters two all-gathers of the 16-bit weights (`step.weight_bytes`) in every
+        micro-step, forward and backward, each charged to the slowest link it crosses."""
+        if not self.owns(config):
+            return None
+        n, links = config.num_gpus, step.links
+        if n < 2:
+            return summed([])
+        steps = [times(2, links.ring(n, step.grad_bytes, True))]
+        if config.shards_parameters:
+            steps.append(times(2 * config.grad_accum_steps, links.ring(n, step.weight_bytes, True)))
+        return summed(steps)
 
     def shaped_elsewhere(self, run: "TrainRun") -> bool:
         """Shape a simulated or live `run` as this engine would, where it owns the config, and say whether

@@ -24,14 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.config import Config, Engine, Sharding
 from autofit.strategies.base import Option, set_nested
+from autofit.strategies.costs import summed, times
 from autofit.strategies.deepspeed_config import FILENAME, accelerate_section
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
+    from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
 
 MIN_VERSION = "0.14"  # the `deepspeed` extra's floor (pyproject); the probes were run with 0.19.8 only
+QUANTIZED_WEIGHT_BYTES = 1  # ZeRO++ qwZ gathers int8 weights (block scales neglected)
+QUANTIZED_GRAD_SHARE = 0.25  # ZeRO++ qgZ reduces int4 gradients: a quarter of 16-bit ones'
 
 
 class Zero(ShardingEngine):
@@ -75,6 +79,31 @@ class Zero(ShardingEngine):
         rebuilt = Zero()
         rebuilt.nvme_path = summary.get("nvme_path")
         return rebuilt
+
+    def half_gradients(self, config: Config) -> bool:
+        """DeepSpeed's bf16/fp16 mode trains 16-bit weights and reduces 16-bit gradients."""
+        return self.owns(config)
+
+    def collective_seconds(self, config: Config, step: "StepFacts") -> tuple[float, float] | None:
+        """ZeRO++ hpZ (several nodes): the gradients over every rank (int4 under qgZ), the forward's weights
+        gathered over every rank (int8 under qwZ) and the backward's within the node, from its secondary
+        partition; other stages as every engine (`ShardingEngine.collective_seconds`)."""
+        if not self.owns(config) or not config.sharding.hierarchical:
+            return super().collective_seconds(config, step)
+        n, micro, links = config.num_gpus, config.grad_accum_steps, step.links
+        if n < 2:
+            return summed([])
+        quantized = config.sharding is Sharding.ZERO3_HPZ_QUANTIZED
+        forward = step.weight_bytes * (QUANTIZED_WEIGHT_BYTES / 2 if quantized else 1)
+        return summed([times(2, links.ring(n, step.grad_bytes * (QUANTIZED_GRAD_SHARE if quantized else 1), True)),
+                       times(micro, links.ring(n, forward, True)),
+                       times(micro, links.ring(config.gpus_per_node, step.weight_bytes, False))])
+
+    def host_ops(self, config: Config, step: "StepFacts") -> int:
+        """A Python hook per trainable parameter copies its gradient into the reduce bucket
+        (deepspeed/runtime/zero/stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`:
+        `new_grad_tensor.copy_(...)`; stage 3 likewise), and with CPU offload to the host as well."""
+        return (3 if config.offloads else 2) * step.tensors if self.owns(config) else 0
 
     def launcher_keys(self, config: Config, fmt: str) -> dict[str, Any]:
         if not self.owns(config):

@@ -17,8 +17,8 @@ hand (no GPU needed):
    two depths: a fixed part and a part per trainable tensor, and a step over one tensor (the step in
    backward runs one per tensor) (`OPTIMIZER_OPS`).
 
-Backs: `SECONDS_PER_KERNEL`, `FSDP_OPS_PER_UNIT` and `OPTIMIZER_OPS` in autofit/estimate/cost_model.py,
-and docs/dry-run.md's per-op host time; the results file records the constants beside what was measured.
+Backs: `SECONDS_PER_KERNEL` in autofit/estimate/cost_model.py, `FSDP_OPS_PER_UNIT` in
+autofit/strategies/fsdp.py and `OPTIMIZER_OPS` in autofit/strategies/optimizer.py, and docs/dry-run.md's per-op host time; the results file records the constants beside what was measured.
 Results: bench/results/host-ops-<date>.json: host-ops-2026-11-23.json."""
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autofit.config import Optimizer  # noqa: E402
-from autofit.estimate.cost_model import FSDP_OPS_PER_UNIT, OPTIMIZER_OPS, SECONDS_PER_KERNEL  # noqa: E402
+from autofit.estimate.cost_model import SECONDS_PER_KERNEL  # noqa: E402
+from autofit.strategies.fsdp import FSDP_OPS_PER_UNIT  # noqa: E402
+from autofit.strategies.optimizer import OPTIMIZER_OPS  # noqa: E402
 from autofit.estimate.simulation.step import launches_kernel  # noqa: E402
 from examples import classifier  # noqa: E402
 from bench import RESULTS  # noqa: E402

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.config import Config, Engine, Optimizer
+from autofit.config import Config
 from autofit.estimate.simulation import disk_cache as kept
 from autofit.estimate.cuda.allocator import ROUND_LARGE, CachingAllocator, Calls, Replay
 from autofit.estimate.cuda.expandable import ExpandableAllocator
+from autofit.strategies import completed
 
 
 def reserve(replay: Replay) -> dict[str, Any]:
@@ -63,10 +64,9 @@ LEAST_RESERVE_PRECISION = 0.005  # of the reserve: 5 MiB of 1 GiB, 40 MiB of 8 G
 def replays_training(config: Config) -> bool:
     """Whether the caching allocator replays `config`'s step as training runs it, weights, gradients and
     AdamW's states included (`allocator.replay_training`): where torch's AdamW steps whole gradients on the
-    card. Else (engines' flat buffers, offloaded or 8-bit states, a step in backward) the step's own events
-    are replayed alone."""
-    return (config.optimizer is Optimizer.ADAMW and config.engine is Engine.TORCH and not config.offloads
-            and not config.steps_in_backward)
+    card, as every strategy says (`Strategy.replays_training`). Else (engines' flat buffers, offloaded or
+    8-bit states, a step in backward) the step's own events are replayed alone."""
+    return all(strategy.replays_training(config) for strategy in completed())
 
 
 def history(model: nn.Module, config: Config, ties: dict[int, int], deep: Any = None) -> tuple:
@@ -86,16 +86,13 @@ def history(model: nn.Module, config: Config, ties: dict[int, int], deep: Any = 
 
 
 def resident(model: nn.Module, weights: list[torch.Tensor]) -> list[int]:
-    """Bytes of each weight as training holds it on the card: a quantized layer's packed weight and constants
-    (NF4's, or int8 and an fp32 scale a row), where the simulated layer holds the original
-    (`SimulatedLinear4bit`, `SimulatedLinear8bit`)."""
-    from autofit.estimate.states import INT8_BYTES
-    from autofit.strategies.quantization import SimulatedLinear4bit, SimulatedLinear8bit, nf4_bytes
+    """Bytes of each weight as training holds it on the card: where a strategy's simulated stand-in holds
+    another weight than training does (a quantized layer's packed weight and constants), as that strategy
+    says (`Strategy.resident_bytes`); else the weight's own storage."""
+    strategies = completed()
 
-    def held(module: nn.Module) -> int:
-        w = module.weight
-        return int(INT8_BYTES * w.numel()) + 4 * w.shape[0] if isinstance(module, SimulatedLinear8bit) \
-            else int(nf4_bytes() * w.numel())
+    def held(module: nn.Module) -> int | None:
+        return next((b for s in strategies if (b := s.resident_bytes(module)) is not None), None)
 
-    packed = {id(m.weight): held(m) for m in model.modules() if isinstance(m, SimulatedLinear4bit)}
+    packed = {id(m.weight): b for m in model.modules() if (b := held(m)) is not None}
     return [packed.get(id(w), w.untyped_storage().nbytes()) for w in weights]
