@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 
 from autofit.config import Config
-from autofit.strategies.deepspeed_config import buffers_for, deepspeed_elements
 from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers,  # noqa: F401
                                     model_facts)  # ModelFacts and formula_activations are re-exported
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
@@ -109,7 +108,7 @@ class Estimator:
         self.full_depth = full_depth
         self.deferred_sync = deferred_sync
         self.strategies = tuple(strategies)
-        self.buffers = buffers_for(spec.summary())  # DeepSpeed's buffer sizes, as the probe and the export set them
+        self.summary = spec.summary()  # what an engine sizes its buffers by, as the probe and the export do
         self.target = target or spec.device.type
         # True: simulate micro-batches 1 and 2 only and extrapolate linearly (fast, for planning many
         # sizes; checkpointed runs come out a few percent low). False: simulate each micro-batch.
@@ -416,7 +415,7 @@ class Estimator:
         gathered, gathered_note = gathered_weights(self.facts, config)
         temp = optimizer_temporaries(self.facts, config, self.target)
         # DeepSpeed's buffers, ZeRO-3's gathered weights and a tied weight's gradient, by phase (engines.py)
-        engine = engine_memory(self.facts, config, deepspeed_elements(config, self.buffers))
+        engine = engine_memory(self.facts, config, self.summary)
         held, held_note = held_grads(self.facts, config, states.grads, self.deferred_sync)
         states, held, temp, transient, step_note = step_transient(self.facts, config, states, held, temp, act, engine,
                                                                   self.target)

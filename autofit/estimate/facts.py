@@ -9,9 +9,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from autofit.config import Config, Engine
+from autofit.config import Config
 from autofit.batches.synthetic import image_sides
 from autofit.job.optimizer_costs import OptimizerCosts
+from autofit.strategies import completed
 
 
 # -- model facts ---------------------------------------------------------------------------------------
@@ -132,14 +133,16 @@ def formula_activations(hf: Any, facts: ModelFacts, tokens: int | None, mb: int,
     inter = config_int(hf, "intermediate_size", "n_inner", "d_ff", default=4 * hidden)
     gated = getattr(hf, "hidden_act", "") in ("silu", "swiglu") or bool(getattr(hf, "is_gated_act", False))
     mlp = 2 * hidden + (6 if gated else 4) * inter + inter // 4  # input + intermediates (+ a dropout mask)
-    attention = 0 if config.attention.fused else 5 * heads * s
+    strategies = completed()
+    attention = 0 if any(strategy.fuses_attention(config) for strategy in strategies) else 5 * heads * s
     layer = s * b * (15 * hidden + mlp + attention)  # 34 s*b*h when the MLP is GPT's
-    share = config.checkpointed_share
+    share = sum(strategy.recomputed_blocks(config) for strategy in strategies)
     kept = (1 - share) * blocks * layer + share * blocks * 2 * s * b * hidden + (layer if share else 0)
     logits = 10 * s * b * int(getattr(hf, "vocab_size", 0) or 0)
-    scale = 1 if config.half_precision else 2
-    half_weights = config.zero_stage > 0 or config.engine is Engine.FSDP  # 16-bit weights, no autocast copies
-    copies = 2 * facts.linear_params if config.half_precision and not half_weights and facts.weight_bytes > 2 else 0
+    half = any(strategy.compute_dtype(config) is not None for strategy in strategies)  # 16-bit compute
+    scale = 1 if half else 2
+    half_weights = any(strategy.runs_engine(config) for strategy in strategies)  # 16-bit weights, no autocast copies
+    copies = 2 * facts.linear_params if half and not half_weights and facts.weight_bytes > 2 else 0
     return int(scale * kept + logits + copies)
 
 

@@ -346,7 +346,7 @@ def held_grads(facts: ModelFacts, config: Config, grads: int, deferred_sync: boo
 def gathered(facts: ModelFacts, config: Config) -> tuple[int, str | None]:
     """Full weights gathered from their shards while in use (`Breakdown.gathered`, apart from the partitioned
     model states), and a note: FSDP2's by `fsdp_gathered`. ZeRO-3's are live in the backward only
-    (`autofit.estimate.engines.zero3_gathered`): 0 here."""
+    (`autofit.strategies.zero.zero3_gathered`): 0 here."""
     if config.engine is Engine.FSDP:
         return fsdp_gathered(facts, config), "FSDP2 gathered weights by formula"
     return 0, None
@@ -359,7 +359,7 @@ def step_transient(facts: ModelFacts, config: Config, states: States, held: int,
     parameter's gradient and step live at a time; where earlier micro-batches' gradients (or DDP's buckets:
     `gradient_as_bucket_view=True` makes the gradients views into buckets allocated up front, or an engine's
     held gradients) are live throughout, they add to the activations; else gradients appear as activations
-    are freed (`ActivationPeak.with_grads`). `engine`: `autofit.estimate.engines.EngineMemory`."""
+    are freed (`ActivationPeak.with_grads`). `engine`: `autofit.strategies.memory.EngineMemory`."""
     note = None
     if config.steps_in_backward:
         states, held, temp = dataclasses.replace(states, grads=0), 0, step_in_backward(facts, config, target)

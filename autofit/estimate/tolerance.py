@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.config import Attention, Config, Engine
+from autofit.config import Attention, Config
+from autofit.strategies import completed
 
 
 # Relative error allowed to a predicted peak before it prunes a candidate: the estimator's measured
@@ -50,7 +51,7 @@ ENGINE_TOLERANCE = {"cpu": 0.10, "cuda": 0.25}
 def tolerance_for(device: torch.device, config: Config | None = None) -> float:
     """The estimator's measured relative error on `device`'s kind (see PREDICTION_TOLERANCE), for
     `config` when given: configs with a sharding engine have their own (ENGINE_TOLERANCE)."""
-    if config is not None and config.engine is not Engine.TORCH:
+    if config is not None and runs_engine(config):
         return ENGINE_TOLERANCE.get(device.type, 0.25)
     return PREDICTION_TOLERANCE.get(device.type, 0.25)
 
@@ -117,9 +118,15 @@ def family_key(family: Family | nn.Module, config: Config) -> str:
 
 def bound_for(family: Family | nn.Module, config: Config) -> Bound:
     """The CUDA prediction bound for training a model of `family` under `config` (`FAMILY_BOUNDS`)."""
-    key = "engine" if config.engine is not Engine.TORCH else family_key(family, config)
+    key = "engine" if runs_engine(config) else family_key(family, config)
     value, rows = FAMILY_BOUNDS.get(key, (UNCALIBRATED_BOUND, 0))
     return Bound(key, value, rows)
+
+
+def runs_engine(config: Config) -> bool:
+    """Whether `config` trains through an engine of its own (DeepSpeed, FSDP2), as its strategies say
+    (`Strategy.runs_engine`): a prediction with the engines' tolerance and bound."""
+    return any(strategy.runs_engine(config) for strategy in completed())
 
 
 def _kernel(implementation: str) -> str:

@@ -69,6 +69,9 @@ class FusedAttention(Strategy):
             run.model.set_attn_implementation(implementations(run.model, value.value))
 
 
+    def fuses_attention(self, config: Config) -> bool:
+        return config.attention.fused
+
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         # every fused attention is simulated as SDPA (`fused_stand_in`)
         return {"attention": "fused" if config.attention.fused else config.attention.value}

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from autofit.strategies.costs import StepFacts
-    from autofit.strategies.memory import Breakdown
+    from autofit.strategies.memory import Breakdown, EngineFacts, EngineMemory
     from autofit.strategies.run import TrainRun
     from autofit.job.target import Target
     from autofit.job.train_spec import TrainSpec
@@ -203,6 +203,25 @@ class Strategy(abc.ABC):
         """Operations the host issues for one optimizer step under `config`'s value (the optimizer's); 0 by
         default."""
         return 0
+
+    # -- the estimator's memory beyond the simulated step and the state formulas ---------------------------
+    def engine_memory(self, config: Config, engine: "EngineFacts") -> "EngineMemory | None":
+        """What the engine `config`'s value trains through holds beyond the model states, by phase (DeepSpeed's
+        buffers, ZeRO-3's gathered weights, a tied weight's gradient kept through a checkpointed backward),
+        from `engine` (`autofit.strategies.memory.EngineFacts`); None where its value runs no engine (the
+        default: `autofit.estimate.engines` counts plain torch and DDP)."""
+        return None
+
+    def recomputed_blocks(self, config: Config) -> float:
+        """The share (0..1) of the blocks whose activations `config`'s value recomputes in the backward,
+        wholly or op by op, each keeping only its input (the activation formula; an engine's tied gradient);
+        0 by default. Unlike `recomputes`, op-level recomputation counts."""
+        return 0.0
+
+    def fuses_attention(self, config: Config) -> bool:
+        """Whether `config`'s value runs a fused attention kernel, which keeps no sequence x sequence matrix
+        (the activation formula); False by default."""
+        return False
 
     # -- the estimator's trust in its prediction, and the allocator's replay ----------------------------
     def runs_engine(self, config: Config) -> bool:

@@ -62,6 +62,9 @@ class ActivationCheckpointing(Strategy):
     def recomputes(self, config: Config) -> float:
         return config.recomputed_share
 
+    def recomputed_blocks(self, config: Config) -> float:
+        return config.checkpointed_share
+
     def rules(self) -> tuple[Rule, ...]:
         return (Rule("activation offload with none or full checkpointing", ("activation_offload", "checkpointing"),
                      _activation_offload_pairing),)

@@ -24,6 +24,7 @@ import torch
 from autofit.config import Config, Engine, Offload, Sharding
 from autofit.models.info import find_blocks
 from autofit.strategies.costs import summed, times
+from autofit.strategies.memory import EngineFacts, EngineMemory
 from autofit.strategies.sharding import WHAT, ShardingEngine
 
 if TYPE_CHECKING:
@@ -58,6 +59,14 @@ class Fsdp(ShardingEngine):
         return summed([times(2, links.ring(per_node, step.grad_bytes, False)),
                        times(2, links.ring(config.nodes, step.grad_bytes / per_node, True)),
                        times(2 * config.grad_accum_steps, links.ring(per_node, step.weight_bytes, False))])
+
+    def engine_memory(self, config: Config, engine: EngineFacts) -> EngineMemory | None:
+        """A tied weight's gradient through a checkpointed backward: the root's gradients are reduced at the
+        end of the backward (the estimator models FSDP2's shards and gathered blocks itself)."""
+        if not self.owns(config):
+            return None
+        tied = engine.tied_grad(4)
+        return EngineMemory(backward=tied, terms=(("tied_grad_in_recompute", tied),))
 
     def host_ops(self, config: Config, step: "StepFacts") -> int:
         """FSDP2 works per unit (each block and the root): `FSDP_OPS_PER_UNIT` as counted on one rank, plus

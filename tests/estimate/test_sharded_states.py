@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
-from autofit.estimate.engines import zero_partition_elements
+from autofit.strategies.zero import zero_partition_elements
 from autofit.estimate.estimator import Estimator, ModelFacts, predictor_for
 from autofit.estimate.states import model_states, optimizer_temporaries, quantization_constants
 from autofit.strategies.quantization import nf4_bytes

@@ -274,7 +274,7 @@ def simulate_step(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], to
         batch, loss_fn = simulatable.without_data_dependent_steps(model, batch, loss_fn)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         # one process without an engine holds a tied weight once; the engines' terms add its lingering
-        # gradient themselves (`engines._tied_grad`), measured against steps simulated untied
+        # gradient themselves (`EngineFacts.tied_grad`), measured against steps simulated untied
         ties = fake_empty(model, fake, device, tie=run.tie_weights)
         model.train()
         tracker = _Tracker(ALLOCATOR_ROUNDING if device == "cuda" else 1, ties, cuda=cuda_ampere is not None)
