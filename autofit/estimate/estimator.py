@@ -122,7 +122,7 @@ class Estimator:
         targets = simulated_adapters.planned_targets(self._meta, self.strategies)
         self.facts = dataclasses.replace(model_facts(self._meta, targets), own_optimizer=spec.optimizer.costs)
         # LoRA's adapters go on these layers in the simulation (their paths inside a block:
-        # `simulated_adapters.is_adapted`)
+        # `autofit.strategies.lora.is_adapted`)
         layers = targets or simulated_adapters.block_linears(self._meta)
         self._adapted = frozenset(simulated_adapters.within_block(name) for name in layers)
         self._adapter_dropout = simulated_adapters.planned_dropout(self.strategies)

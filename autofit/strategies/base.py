@@ -223,6 +223,16 @@ class Strategy(abc.ABC):
         (the activation formula); False by default."""
         return False
 
+    def adapted_layers(self, model: "torch.nn.Module") -> list[str] | None:
+        """Full names of the layers of `model` (a meta build) this strategy trains adapters on, which the
+        simulated step adds and the model's facts count (LoRA's targets); None where it adds none (the default)."""
+        return None
+
+    def adapter_dropout(self) -> float | None:
+        """The dropout probability on the input of the adapters this strategy adds (`adapted_layers`); None
+        where it adds none (the default)."""
+        return None
+
     # -- the estimator's trust in its prediction, and the allocator's replay ----------------------------
     def runs_engine(self, config: Config) -> bool:
         """Whether `config`'s value trains through an engine of its own (DeepSpeed, FSDP2): 16-bit weights

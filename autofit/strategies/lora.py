@@ -150,6 +150,12 @@ class Lora(Strategy):
                                  fan_in_fan_out=conv1d)  # GPT-2 stores W transposed
         run.model = peft.get_peft_model(run.model, config)
 
+    def adapted_layers(self, model: nn.Module) -> list[str] | None:
+        return self.targets(model)
+
+    def adapter_dropout(self) -> float | None:
+        return self.dropout
+
     def targets(self, model: nn.Module) -> list[str]:
         """Full names of the linear layers of `model` to adapt; `UsageError` when a given target matches none."""
         linear = linear_layer_names(model)

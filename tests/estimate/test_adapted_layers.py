@@ -8,7 +8,8 @@ from torch import nn
 
 from autofit.config import Config
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.simulation.adapters import is_adapted, within_block
+from autofit.estimate.simulation.adapters import within_block
+from autofit.strategies.lora import is_adapted
 from autofit.job.train_spec import make_spec
 from autofit.strategies import Lora
 
