@@ -22,6 +22,13 @@ every exporter loop over without naming a technique:
   an error naming that dtype against.
 - `recomputes(config)`, `activation_knobs`: the share of the forward its value runs again in backward (the
   dry-run's step time), and the fields whose values change activation memory only (the walk's comparisons).
+- the dry-run's step time, which `autofit.estimate.cost_model` combines over the strategies with the step's
+  figures as a record (`autofit.strategies.costs.StepFacts`): `trains`, `extra_flops`, `compute_slowdown`,
+  `half_gradients`, `collective_seconds`, `offload_seconds`, `host_ops`, `step_ops`.
+- the estimator's other terms: `engine_memory` (an engine's bytes by phase), `recomputed_blocks` and
+  `fuses_attention` (the activation formula), `adapted_layers` and `adapter_dropout` (the simulated
+  adapters), `runs_engine` (the engines' error bound), `replays_training` and `resident_bytes` (the
+  allocator replay). Each defaults to "nothing": a technique implements the ones its value changes.
 - `rules()`: the combinations with its values that cannot run, and why (`Rule`s, which
   `autofit.search.rules` checks with the joint ones where the space is built).
 
