@@ -37,7 +37,7 @@ import abc
 import dataclasses
 import enum
 import re
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from autofit.config import Config, Knob, register_knob
 
@@ -220,6 +220,18 @@ class Strategy(abc.ABC):
         """Why launcher format `fmt` cannot run `config`'s value of this knob, naming the knob and the format
         that can (`autofit.export` refuses the export with it); None where it can (the default)."""
         return None
+
+    def replaces(self, config: Config, spec: "TrainSpec") -> str:
+        """What `config`'s value of this knob replaces of the job `spec` describes, as a plan says it when the
+        choice changes numerics ("your optimizer adamw is replaced by adafactor (...)"); "" where it keeps the
+        job as given (the default)."""
+        return ""
+
+    def adapting(self, modules: Sequence[str]) -> "Strategy":
+        """This strategy adapting the modules named `modules` (names or name suffixes, `dry_run(lora_targets=...)`)
+        where it adds adapters to chosen modules, its other settings kept; itself where it adapts none (the
+        default)."""
+        return self
 
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
