@@ -233,6 +233,17 @@ class Strategy(abc.ABC):
         default)."""
         return self
 
+    def writing_to(self, nvme_path: str) -> "Strategy":
+        """This strategy writing what it moves off the GPU to the folder `nvme_path` (a search's `nvme_path`),
+        its other settings kept; itself where it writes to no disk (the default)."""
+        return self
+
+    def not_installed(self) -> str | None:
+        """Why this machine cannot run this strategy at all (a library it needs is missing), as a message that
+        names the install and the alternative; a search whose engine choice names this strategy's `engine`
+        raises it. None where it can run (the default)."""
+        return None
+
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
 # type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".

@@ -39,6 +39,9 @@ class StateOffloading(Ladder):
         one the plan keeps and the exports write."""
         self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
 
+    def writing_to(self, nvme_path: str) -> "StateOffloading":
+        return StateOffloading(nvme_path)
+
     def folder(self, spec: "TrainSpec") -> str | None:
         """The NVMe folder for `spec`: the spec's, else this strategy's own."""
         return getattr(spec, "nvme_path", None) or self.nvme_path

@@ -44,6 +44,12 @@ class Zero(ShardingEngine):
     order = 0  # rung 6: ZeRO, FSDP2, then the rank count
     nvme_path: str | None = None  # the plan's NVMe folder, where this instance is a plan's (`recorded`)
 
+    def not_installed(self) -> str | None:
+        if installed_version() is None:
+            return ("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
+                    "or use engine='fsdp' (torch's own FSDP2).")
+        return None
+
     def options(self, spec: "TrainSpec") -> list[Option]:
         """ZeRO's stages, and over several nodes ZeRO++; its quantized collectives need CUDA."""
         if spec.target.cuda:
