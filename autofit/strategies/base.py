@@ -244,6 +244,13 @@ class Strategy(abc.ABC):
         raises it. None where it can run (the default)."""
         return None
 
+    def host_room(self, config: Config, need: Callable[[], int | None], nvme_path: str | None) -> str | None:
+        """Why this machine cannot hold a probe of `config`'s value of this knob (None where it can, the
+        default): what it moves off the GPU against the host RAM free now or the free space of `nvme_path`.
+        `need()` predicts the probe's host bytes (None where it cannot); call it only where the value moves
+        something (a prediction costs a simulation). `autofit tune` skips such a probe with the reason."""
+        return None
+
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
 # type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".
