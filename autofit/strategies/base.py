@@ -251,6 +251,16 @@ class Strategy(abc.ABC):
         something (a prediction costs a simulation). `autofit tune` skips such a probe with the reason."""
         return None
 
+    def observed(self, model: "torch.nn.Module", optimizer: Any) -> dict[str, Any]:
+        """This knob's value as a live `model` and `optimizer` show it (field -> value), for the configuration
+        the OOM guard runs without a plan; nothing where the live objects do not say it (the default)."""
+        return {}
+
+    def accumulation_kwargs(self, config: Config) -> dict[str, Any]:
+        """Keyword arguments of accelerate's `GradientAccumulationPlugin` that `config`'s value of this knob
+        was measured with (`Prepared.gradient_accumulation_plugin`); none by default."""
+        return {}
+
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
 # type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".

@@ -122,6 +122,9 @@ class OptimizerStates(Strategy):
                     "(autofit.prepare builds it), or pass Trainer(optimizers=(optimizer, None)) yourself")
         return None
 
+    def observed(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return {"optimizer": knob_of(optimizer)}  # a class autofit does not search is the user's own
+
     def replaces(self, config: Config, spec: "TrainSpec") -> str:
         asked = spec.optimizer
         if asked.explore and config.optimizer is not O(asked.name):
