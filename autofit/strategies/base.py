@@ -261,6 +261,15 @@ class Strategy(abc.ABC):
         was measured with (`Prepared.gradient_accumulation_plugin`); none by default."""
         return {}
 
+    def running_differs(self, config: Config, running_precision: Any, autocast_dtype: "torch.dtype | None",
+                        planned_dtype: "torch.dtype | None") -> str | None:
+        """Why the OOM guard's model would not run `config` as it was measured, naming the fix; None where it
+        would (the default). `running_precision`: the precision a framework that runs the forward itself
+        (accelerate, the Trainer) uses by its own settings ("bf16", "fp16", "fp32"; None without one);
+        `autocast_dtype`: the dtype a caller gave the guard, against `planned_dtype`, the plan's. The guard
+        refuses to start with it."""
+        return None
+
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
 # type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".
