@@ -450,6 +450,13 @@ def _plan_of(plan: Any) -> tuple[Path | None, Plan | None]:
                      "save the plan (plan.save('plan.json')) and pass its path, so the guard writes its changes back.")
 
 
+def framework_precision(accelerator: Any) -> str:
+    """The precision an accelerate `Accelerator` (the Trainer's own, too) runs the forward in, as
+    `OomGuard(running_precision=...)` takes it: its `mixed_precision`, "no" read as fp32."""
+    mixed = str(accelerator.mixed_precision)
+    return {"no": "fp32"}.get(mixed, mixed)
+
+
 def _initial_config(plan: Plan | None, micro_batch_size: int | None, observed: dict[str, Any]) -> Config | None:
     """The configuration to start from; None (no plan, no size): the whole batch, sized at the first step.
     Without a plan, the knobs the live objects show (`observed`) at their values."""
