@@ -247,7 +247,7 @@ class Search:
         engine buffers): the same engine and stage, and state knobs that save no more. Micro-batch,
         checkpointing and attention only change activations (`activation_knobs`), so they are set to `failed`'s
         to compare."""
-        if config.sharding is not failed.sharding or config.num_gpus != failed.num_gpus:
+        if config.num_gpus != failed.num_gpus or not all(s.holds_alike(config, failed) for s in self.space.strategies):
             return False
         aligned = config.replace(**{name: getattr(failed, name) for name in activation_knobs()})
         return self.space.saves_at_least(failed, aligned)

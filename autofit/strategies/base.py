@@ -270,6 +270,12 @@ class Strategy(abc.ABC):
         refuses to start with it."""
         return None
 
+    def holds_alike(self, a: Config, b: Config) -> bool:
+        """Whether `a` and `b` hold their model states alike for this knob (the same engine and stage), so that
+        what one held where no activation is live bounds the other's through `saves_at_least`; True by
+        default (a knob that only changes how much is held)."""
+        return True
+
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
 # type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".
