@@ -276,6 +276,12 @@ class Strategy(abc.ABC):
         default (a knob that only changes how much is held)."""
         return True
 
+    def spread(self, config: Config) -> tuple[str, bool] | None:
+        """How `config`'s value of this knob spreads model states over the GPUs: the value's name and whether it
+        shards within a node (replicating across nodes) rather than over every GPU; None where it shards
+        nothing (the default). A dry-run over several nodes weighs the two ways against each other."""
+        return None
+
 
 # A dtype mismatch between a 16-bit and an fp32 tensor as torch words it: "got Float and BFloat16", "Input
 # type (float) and bias type (c10::BFloat16)", "self (Float) and source (Half) must have the same scalar type".
