@@ -24,6 +24,9 @@ every exporter loop over without naming a technique:
   dry-run's step time), and the fields whose values change activation memory only (the walk's comparisons).
 - `rules()`: the combinations with its values that cannot run, and why (`Rule`s, which
   `autofit.search.rules` checks with the joint ones where the space is built).
+- What the search, the plan, the dry-run, `prepare` and the guard ask of every strategy (no-ops by default):
+  `replaces`, `adapting`, `writing_to`, `not_installed`, `host_room`, `observed`, `accumulation_kwargs`,
+  `running_differs`, `holds_alike`, `spread` (each docstring says who asks; docs/new-rungs.md lists them).
 
 Several strategies may offer values of one knob (ZeRO and FSDP2 both offer `sharding`): each applies only
 the values it offers. A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob`
