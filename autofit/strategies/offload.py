@@ -112,7 +112,7 @@ def _nvme_reason(nvme_path: str | None, probed_here: bool) -> str | None:
     if nvme_path is None:
         return ("NVMe offload needs a folder on a fast local disk: autofit.autofit(nvme_path=...) or "
                 "autofit tune --nvme-path DIR")
-    from autofit.strategies.zero import installed_version, version_problem
+    from autofit.strategies.deepspeed_install import installed_version, version_problem
 
     return version_problem(installed_version(), "NVMe offload") or (aio_problem() if probed_here else None)
 

@@ -19,19 +19,18 @@ are untouched, only what is communicated is quantized. Those run on CUDA kernels
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from autofit.config import Config, Engine, Sharding
 from autofit.strategies.base import Option, set_nested
 from autofit.strategies.deepspeed_config import FILENAME, accelerate_section
+from autofit.strategies.deepspeed_install import installed_version, version_problem
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
     from autofit.strategies.run import TrainRun
 
-MIN_VERSION = "0.14"  # the `deepspeed` extra's floor (pyproject); the probes were run with 0.19.8 only
 
 
 class Zero(ShardingEngine):
@@ -126,26 +125,6 @@ def hierarchy_keys(config: Config) -> dict[str, Any]:
         keys.update({"zero_optimization.zero_quantized_weights": True,
                      "zero_optimization.zero_quantized_gradients": True})
     return keys
-
-
-def installed_version() -> str | None:
-    """DeepSpeed's installed version, or None."""
-    try:
-        return importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def version_problem(version: str | None, feature: str, minimum: str = MIN_VERSION) -> str | None:
-    """Why DeepSpeed `version` cannot serve `feature`: not installed, or older than `minimum`; else None."""
-    from packaging.version import Version
-
-    if version is None:
-        return f"{feature} needs DeepSpeed, which is not installed: pip install 'autofit[deepspeed]'"
-    if Version(version) < Version(minimum):
-        return (f"DeepSpeed {version} is too old for {feature} (autofit needs >= {minimum}); "
-                f"pip install -U 'deepspeed>={minimum}'")
-    return None
 
 
 class DeepSpeedEngine:
