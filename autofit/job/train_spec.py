@@ -372,7 +372,8 @@ def parse_allow(allow: Any) -> int:
             " is not understood"
         raise UsageError("{given}" + which + "; give a tier 0-2 or names from {names} (e.g. {example} to train LoRA "
                          "adapters).", given=Param("allow", allow), name=repr(unknown[0]),
-                         names=str(sorted(ALLOW_NAMES)), example=Param("allow", {tier_name(2)}), every=Param("allow", 2))
+                         names=str(sorted(ALLOW_NAMES)), example=Param("allow", {tier_name(2)}),
+                         every=Param("allow", 2))
     return max([ALLOW_NAMES[name] for name in names], default=0)
 
 

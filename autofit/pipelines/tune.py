@@ -114,7 +114,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     store = TrialStore(space, storage)
 
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
-        skipped = offload_skip(spec, config, space.strategies)  # an offload probe this machine's RAM or NVMe folder cannot hold
+        # an offload probe this machine's RAM or NVMe folder cannot hold
+        skipped = offload_skip(spec, config, space.strategies)
         if skipped is not None:
             return skipped
         return probe_placed(spec, config, space.strategies, space.placement(config), opts.probe_timeout,
