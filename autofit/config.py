@@ -219,6 +219,18 @@ class Allocator(Knob):
     EXPANDABLE = "expandable_segments"
 
 
+# The names `allow=` (and `--allow`) takes for the knobs' exactness tiers -> the tier each opens; tier 0 (same
+# math) is always open. The first name of a tier is the one messages suggest (`allow={'numerics'}`).
+ALLOW_NAMES = {"numerics": 1, "lora": 2, "quantization": 2, "qlora": 2}  # qlora: LoRA over quantized weights
+# What people type for a tier-1 knob's value, which `allow` does not take: its error says "numerics" opens them.
+NUMERICS_WORDS = frozenset({"bf16", "fp16", "half", "mixed", "amp", "pure_bf16", "8bit", "adamw8bit", "adafactor"})
+
+
+def tier_name(tier: int) -> str:
+    """The name `allow` takes for exactness tier `tier` (1 or 2) in messages: "numerics", "lora"."""
+    return next(name for name, opens in ALLOW_NAMES.items() if opens == tier)
+
+
 # Knobs added by strategies outside this module (a plug-in technique): name -> (type, default).
 _EXTENSIONS: dict[str, tuple[type[Knob], Knob]] = {}
 

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from autofit.config import Config, Optimizer
+from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.search.decision import (CLEAR_SHARE, CONFIDENCE, NOISE_MARGIN, Comparison, Confirmation, DecidedBy, Finalist,
                                      MarginKind, Ratio, choose)
@@ -298,7 +298,8 @@ def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequen
     winner = confirmation.winner
     if winner.tier == 0:
         return ""
-    swap = _optimizer_swap(space, winner)
+    swaps = _swaps(space, winner)
+    swap = "; ".join(swaps.values())
     exact = [r for r in results if r.fits and space.tier(r.config) < winner.tier]
     errors = [r for r in results if r.status is ProbeStatus.ERROR and space.tier(r.config) < winner.tier]
     won = _won_on(confirmation)
@@ -317,7 +318,7 @@ def _exactness_words(space: "Space", confirmation: Confirmation, results: Sequen
         evidence = (f"no exact configuration could be re-measured beside it ({why}); "
                     f"as probed it is {winner.probed / fastest.samples_per_s:.2f}x the fastest exact one "
                     f"({fastest.config.describe()})")
-    others = [reason for field, reason in space.changes(winner.config) if not (swap and field == "optimizer")]
+    others = [reason for field, reason in space.changes(winner.config) if field not in swaps]
     change = "; ".join([swap, *others]) if swap else \
         f"a numerics change is taken (tier {winner.tier}: {winner.config.describe()}: {'; '.join(others)})"
     return f"{change}, because {evidence}"
@@ -381,12 +382,10 @@ def near_limit_note(plan: "Plan") -> str:
             f"samples/s, peak {format_size(roomy.peak_bytes)}")
 
 
-def _optimizer_swap(space: "Space", winner: Finalist) -> str:
-    asked = space.spec.optimizer
-    if asked.explore and winner.config.optimizer is not Optimizer(asked.name):
-        return (f"your optimizer {asked.name} is replaced by {winner.config.optimizer.value} "
-                "(different numerics, same hyperparameters where they apply)")
-    return ""
+def _swaps(space: "Space", winner: Finalist) -> dict[str, str]:
+    """Knob field -> what the winner's value replaces of the job as given (`Strategy.replaces`), where it does."""
+    said = {s.field: s.replaces(winner.config, space.spec) for s in space.strategies}
+    return {field: words for field, words in said.items() if words}
 
 
 def make_plan(space: "Space", results: Sequence[ProbeResult],
@@ -406,7 +405,7 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
         settings = {s.field: s.settings(best.config, space.spec) for s in space.strategies}
         return Plan(True, best.config, throughput, tokens, best.peak_bytes,
                     space.spec.model.noting_weights(chosen_reason(best, results, confirmation, space),
-                                                    best.config.precision), **common,
+                                                    best.config), **common,
                     settings={field: value for field, value in settings.items() if value}, images_per_second=images)
     shortfall = nothing_fits(space, results, predict)
     return Plan(False, None, None, None, None, shortfall.words(), **common, shortfall=shortfall)

@@ -81,12 +81,14 @@ class Prepared:
     def gradient_accumulation_plugin(self) -> Any:
         """accelerate's `GradientAccumulationPlugin` for the plan, for `Accelerator(gradient_accumulation_plugin=
         ...)`: its accumulation, with the gradients reduced on every micro-batch where the plan measured
-        that (`Config.needs_sync_each_micro_batch`, FSDP2): `accumulate()` otherwise skips the reduce-scatter
+        that (`Strategy.accumulation_kwargs`, FSDP2's): `accumulate()` otherwise skips the reduce-scatter
         until the last micro-batch, and every rank holds the whole model's unsharded gradients."""
         from accelerate.utils import GradientAccumulationPlugin
 
-        return GradientAccumulationPlugin(num_steps=self.grad_accum_steps,
-                                          sync_each_batch=self.config.needs_sync_each_micro_batch)
+        kwargs = {"sync_each_batch": False}
+        for strategy in completed():
+            kwargs.update(strategy.accumulation_kwargs(self.config))
+        return GradientAccumulationPlugin(num_steps=self.grad_accum_steps, **kwargs)
 
     def autocast(self) -> Any:
         """The plan's autocast context for forward and loss (a no-op in fp32 or where an engine casts)."""

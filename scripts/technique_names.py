@@ -16,6 +16,11 @@ Not counted: the technique's own file, `autofit/config.py` (where knobs are decl
 formula module, `autofit/estimate/states.py` (ZeRO x offload x quantization model states). The micro-batch
 and the rank count (`micro_batch.py`, `data_parallel.py`) shape every step and every launcher by
 definition: they are listed, and not held to `--max`.
+
+Device facts (`DEVICE_FACTS`): in the GPU catalogue (`autofit/devices/gpus.py`, a card's peak TFLOP/s per
+compute dtype) and `autofit gpus` (its "bf16" column: whether the card computes in bf16) the strings "bf16"
+and "fp16" name a card's dtypes, not the mixed-precision technique, and are not counted there; anything else
+naming the technique in those files (the `Precision` knob, `config.precision`) still is.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "allocator": dict(members=("Allocator.DEFAULT", "Allocator.EXPANDABLE"), fields=("allocator",), distinct=(),
                       strings=("expandable_segments",), classes=("ExpandableSegments",)),
 }
+# files -> string literals that are a GPU's own facts there (its dtypes), not the technique (see the docstring)
+DEVICE_FACTS = {"autofit/devices/gpus.py": ("bf16", "fp16"), "autofit/cli/gpus.py": ("bf16", "fp16")}
+
 # The strategy modules that are part of a technique without being one: the engines' shared base and the
 # DeepSpeed config builder (both ZeRO's), the run object and the memory record every strategy shares.
 PART_OF = {"sharding": ("zero", "fsdp"), "deepspeed_config": ("zero",)}
@@ -129,9 +137,9 @@ def _config_like(node: ast.AST) -> bool:
     return text.endswith("config") or text in ("cfg", "old", "new")
 
 
-def hits(tree: ast.AST, names: dict[str, tuple[str, ...]], stem: str) -> list[str]:
+def hits(tree: ast.AST, names: dict[str, tuple[str, ...]], stem: str, facts: tuple[str, ...] = ()) -> list[str]:
     """How a module (`tree`) names the technique `stem` described by `names`: one entry per kind of mention,
-    with its line."""
+    with its line. `facts`: string literals that are a device's facts in this module (`DEVICE_FACTS`)."""
     aliases, docs = _aliases(tree), _docstrings(tree)
     members = {tuple(m.split(".")) for m in names["members"]}
     knobs = {knob for knob, _ in members}
@@ -158,7 +166,7 @@ def hits(tree: ast.AST, names: dict[str, tuple[str, ...]], stem: str) -> list[st
                 if keyword.arg in names["fields"]:
                     note(f"{keyword.arg}=", node)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            if node.value in names["strings"]:
+            if node.value in names["strings"] and node.value not in facts:
                 note(repr(node.value), node)
             elif any(f"{m} " in node.value or node.value.startswith(f"{m}") for m in module_names):
                 note(f"generated import of {stem}", node)
@@ -181,7 +189,7 @@ def survey() -> dict[str, dict[str, list[str]]]:
         for relative, tree in files.items():
             if relative in own or relative in EXCLUDED:
                 continue
-            found = hits(tree, names, stem)
+            found = hits(tree, names, stem, DEVICE_FACTS.get(relative, ()))
             if found:
                 named[relative] = found
         out[stem] = named

@@ -27,9 +27,19 @@ CONSUMERS = {
     "autofit/estimate/tolerance.py": {"attention"},  # the calibration's kernel classes read the model's implementation
     "autofit/estimate/cuda/training_replay.py": set(),
     "autofit/estimate/simulation/adapters.py": set(),
-    "autofit/prepare.py": {"optimizer",  # the optimizer a user passes is checked against the plan's
-                           "fsdp"},  # accelerate's accumulation plugin reduces as FSDP2 was measured
-    "autofit/guard/plan.py": {"precision", "pure_bf16"},  # a framework's own precision is checked, not applied
+    "autofit/prepare.py": {"optimizer"},  # the optimizer a user passes is checked against the plan's
+    "autofit/guard/plan.py": set(),
+    "autofit/guard/trainer.py": set(),
+    "autofit/guard/accelerate.py": set(),
+    "autofit/plan.py": set(),
+    "autofit/search/walk.py": set(),
+    "autofit/search/shortfall.py": set(),
+    "autofit/pipelines/tune.py": set(),
+    "autofit/pipelines/notes.py": set(),
+    "autofit/pipelines/host_memory.py": set(),
+    "autofit/pipelines/dry_run.py": set(),
+    "autofit/devices/gpus.py": set(),  # its "bf16"/"fp16" are a card's dtypes (DEVICE_FACTS)
+    "autofit/cli/gpus.py": set(),
     "autofit/export/__init__.py": {"zero"},  # re-exports DeepSpeed's config builder (a documented name)
     "autofit/export/deepspeed.py": {"zero"},  # the DeepSpeed format is that builder's document
     "autofit/export/accelerate.py": set(),
@@ -44,7 +54,7 @@ CONSUMERS = {
 # technique -> the most package files that may name it outside its own strategy file, `config.py` and the
 # joint formula module (issue 53's goal: 3 for every technique; the micro-batch and the rank count are
 # structural and not held)
-CEILINGS = {"precision": 14, "zero": 8, "fsdp": 7, "pure_bf16": 8, "optimizer": 7, "lora": 5, "offload": 6,
+CEILINGS = {"precision": 7, "zero": 5, "fsdp": 3, "pure_bf16": 4, "optimizer": 5, "lora": 3, "offload": 4,
             "checkpointing": 3, "quantization": 3, "attention": 3, "optimizer_in_backward": 3, "chunked_loss": 3,
             "activation_offload": 3, "allocator": 3}
 
@@ -64,8 +74,9 @@ def test_the_registry_names_no_technique():
 @pytest.mark.parametrize("path", sorted(CONSUMERS))
 def test_a_consumer_names_no_technique_but_those_it_says(path):
     tree = ast.parse((ROOT / path).read_text())
+    facts = technique_names.DEVICE_FACTS.get(path, ())
     named = {stem for stem, names in technique_names.NAMES.items()
-             if stem not in technique_names.STRUCTURAL and technique_names.hits(tree, names, stem)}
+             if stem not in technique_names.STRUCTURAL and technique_names.hits(tree, names, stem, facts)}
     assert named <= CONSUMERS[path], {stem: technique_names.hits(tree, technique_names.NAMES[stem], stem)
                                       for stem in named - CONSUMERS[path]}
 
@@ -80,3 +91,13 @@ def test_the_survey_finds_a_technique_however_it_is_named():
     assert found == {"chunked_loss", "pure_bf16", "optimizer_in_backward"}
     assert not technique_names.hits(ast.parse('"""pure_bf16, Loss.CHUNKED"""\n'), technique_names.NAMES["pure_bf16"],
                                     "pure_bf16")
+
+
+def test_a_cards_dtypes_are_device_facts_but_the_knob_still_counts_there():
+    names = technique_names.NAMES["precision"]
+    facts = technique_names.DEVICE_FACTS["autofit/devices/gpus.py"]
+    catalogue = ast.parse('def tflops(self, precision):\n    return self.bf16 if precision == "bf16" else self.fp16\n')
+    assert not technique_names.hits(catalogue, names, "precision", facts)
+    assert technique_names.hits(catalogue, names, "precision")  # the same strings elsewhere count
+    knob = ast.parse("from autofit.config import Precision\nBEST = Precision.BF16\n")
+    assert technique_names.hits(knob, names, "precision", facts)

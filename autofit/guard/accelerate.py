@@ -22,7 +22,7 @@ from torch import nn
 
 from autofit.batches.batch import call_model
 from autofit.errors import UsageError
-from autofit.guard.core import LossFn, OomGuard, StepReport
+from autofit.guard.core import LossFn, OomGuard, StepReport, framework_precision
 
 
 class AccelerateGuard:
@@ -38,8 +38,7 @@ class AccelerateGuard:
         self.accelerator = accelerator
         self.guard = OomGuard(model, optimizer, micro_batch_size=micro_batch_size, loss_fn=loss_fn, plan=plan,
                               grow_back_after=grow_back_after, eval_micro_batch_size=eval_micro_batch_size,
-                              escalate=escalate, running_precision={"no": "fp32"}.get(
-                                  str(accelerator.mixed_precision), str(accelerator.mixed_precision)))
+                              escalate=escalate, running_precision=framework_precision(accelerator))
         self.guard.accumulation_multiplier = accelerator.gradient_accumulation_steps
         self.last_report: StepReport | None = None
 

@@ -35,10 +35,10 @@ from autofit.batches.batch import call_model, default_loss, leading_dim
 from autofit.batches.sample_axis import check_first_batch
 from autofit.batches.shares import share, target_counts, weighted_sum
 from autofit.models.info import batch_normalises, least_micro_batch
-from autofit.config import Checkpointing, Config, Knob, Optimizer
+from autofit.config import Checkpointing, Config, Knob
 from autofit.errors import AutofitError, UsageError
 from autofit.guard.plan import apply_plan
-from autofit.prepare import OPTIMIZER_CLASSES, check_same_model
+from autofit.prepare import check_same_model
 from autofit.batches.batch import slice_rows
 from autofit.guard.parts import GradLedger, concat_rows, detach, held, peak_bytes, rows
 from autofit.guard.sync import Round, sync_for, unwrap
@@ -46,7 +46,7 @@ from autofit.probe.oom import classify_oom, first_line, release_memory
 from autofit.probe.outcome import OomKind
 from autofit.strategies.run import checked_max_grad_norm, clip_gradients
 from autofit.plan import Plan
-from autofit.strategies import checkpointing
+from autofit.strategies import checkpointing, completed
 from autofit.units import format_size
 
 logger = logging.getLogger("autofit.guard.core")
@@ -157,8 +157,9 @@ class OomGuard:
         self.plan_path, self._plan = _plan_of(plan)
         if self._plan is not None:  # a plan measured for another model is refused, naming both (unless intended)
             check_same_model(self._plan.spec, model, allow_other_model, "OomGuard")
-        self._optimizer_kind = _kind(optimizer)  # how logs and recoveries name it
-        self.config = _initial_config(self._plan, micro_batch_size, self._optimizer_kind)
+        # the knobs the live model and optimizer show (`Strategy.observed`): a configuration without a plan
+        self._observed = {field: value for s in completed() for field, value in s.observed(model, optimizer).items()}
+        self.config = _initial_config(self._plan, micro_batch_size, self._observed)
         self.grow_back_after = _positive("grow_back_after", grow_back_after)
         self.eval_micro_batch_size = _positive("eval_micro_batch_size", eval_micro_batch_size)
         self.max_grad_norm = checked_max_grad_norm(max_grad_norm)  # `step` clips the gradients' global norm
@@ -204,7 +205,7 @@ class OomGuard:
         first_recovery = len(self.recoveries)
         self._maybe_grow_back()
         if self.config is None:  # no size given: the whole batch at once
-            self.config = Config(micro_batch_size=total, optimizer=self._optimizer_kind)
+            self.config = Config(micro_batch_size=total, **self._observed)
             self._tried.append(self.config.describe())
         done, losses, sizes, holds = 0, [], [], []
         counts = functools.cache(lambda: _on_host(target_counts(self.model, batch) if self.weigh_by_targets else None))
@@ -449,24 +450,26 @@ def _plan_of(plan: Any) -> tuple[Path | None, Plan | None]:
                      "save the plan (plan.save('plan.json')) and pass its path, so the guard writes its changes back.")
 
 
-def _initial_config(plan: Plan | None, micro_batch_size: int | None, optimizer: Optimizer) -> Config | None:
-    """The configuration to start from; None (no plan, no size): the whole batch, sized at the first step."""
+def framework_precision(accelerator: Any) -> str:
+    """The precision an accelerate `Accelerator` (the Trainer's own, too) runs the forward in, as
+    `OomGuard(running_precision=...)` takes it: its `mixed_precision`, "no" read as fp32."""
+    mixed = str(accelerator.mixed_precision)
+    return {"no": "fp32"}.get(mixed, mixed)
+
+
+def _initial_config(plan: Plan | None, micro_batch_size: int | None, observed: dict[str, Any]) -> Config | None:
+    """The configuration to start from; None (no plan, no size): the whole batch, sized at the first step.
+    Without a plan, the knobs the live objects show (`observed`) at their values."""
     if plan is not None and plan.config is None:
         raise UsageError("The plan given to the OOM guard has no configuration (nothing fitted when it was "
                          "tuned); tune again with a larger budget or pass micro_batch_size= instead.")
     size = _positive("micro_batch_size", micro_batch_size)
     if plan is None:
-        return Config(micro_batch_size=size, optimizer=optimizer) if size is not None else None
+        return Config(micro_batch_size=size, **observed) if size is not None else None
     if size is None:
         return plan.config
     per_rank = plan.config.micro_batch_size * plan.config.grad_accum_steps  # the samples per step it was tuned for
     return plan.config.replace(micro_batch_size=size, grad_accum_steps=max(1, math.ceil(per_rank / size)))
-
-
-def _kind(optimizer: Any) -> Optimizer:
-    """The optimizer knob naming `optimizer`'s class (a class autofit does not search is the user's own)."""
-    name = type(optimizer).__name__
-    return next((kind for kind, cls in OPTIMIZER_CLASSES.items() if cls == name), Optimizer.USER)
 
 
 def _on_host(counts: torch.Tensor | None) -> torch.Tensor | None:

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autofit.config import Config, Precision
+from autofit.config import Config
 from autofit.errors import UsageError
 from autofit.guard.sync import unwrap
 from autofit.prepare import apply_in_place
+from autofit.strategies import completed
 
 
 def apply_plan(config: Config, model: nn.Module, optimizer: Any, autocast_dtype: torch.dtype | None, scaler: Any,
@@ -27,14 +28,10 @@ def apply_plan(config: Config, model: nn.Module, optimizer: Any, autocast_dtype:
     and scaler. `running_precision`: the precision a framework that runs the forward itself uses
     (accelerate, the Trainer), checked against the plan's instead of applied."""
     run = apply_in_place(config, unwrap(model), optimizer)
+    for strategy in completed():  # `Strategy.running_differs`: a framework's own precision is checked, not applied
+        differs = strategy.running_differs(config, running_precision, autocast_dtype, run.autocast_dtype)
+        if differs:
+            raise UsageError(differs)
     if running_precision is not None:
-        running = Precision.parse(running_precision, "precision")
-        if running is not config.precision:
-            raise UsageError(f"The plan was measured in {config.precision.value} but this job runs "
-                             f"{running.value}; launch with the plan's mixed precision (accelerate's "
-                             f"mixed_precision / the Trainer's bf16/fp16) or tune again for {running.value}.")
         return autocast_dtype, scaler
-    if autocast_dtype is not None and autocast_dtype != run.autocast_dtype:
-        raise UsageError(f"autocast_dtype={autocast_dtype} disagrees with the plan's precision "
-                         f"{config.precision.value}; leave autocast_dtype out (the plan sets it) or tune again.")
     return run.autocast_dtype, scaler if scaler is not None else run.scaler

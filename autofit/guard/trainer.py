@@ -22,7 +22,7 @@ from torch import nn
 from transformers import Trainer
 
 from autofit.errors import UsageError
-from autofit.guard.core import GuardGaveUp, OomGuard, optimizer_oom
+from autofit.guard.core import GuardGaveUp, OomGuard, framework_precision, optimizer_oom
 from autofit.guard.parts import concat_rows
 from autofit.probe.oom import classify_oom
 from autofit.batches.shares import divides_by_count, target_counts, weighted_sum
@@ -65,7 +65,7 @@ class GuardedTrainer(Trainer):
             eval_size = self.oom_guard.eval_micro_batch_size if self.oom_guard else None
             options = dict(self._guard_options)
             options["eval_micro_batch_size"] = eval_size or options["eval_micro_batch_size"]
-            running = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
+            running = framework_precision(self.accelerator)  # what the Trainer's arguments set (bf16, fp16)
             self.oom_guard = OomGuard(model, self.optimizer, running_precision=running, **options)
             self.oom_guard.weigh_by_targets = getattr(self, "compute_loss_func", None) is None  # else yours
         return self.oom_guard

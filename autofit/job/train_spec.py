@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from autofit.batches import batch as batches
+from autofit.config import ALLOW_NAMES, NUMERICS_WORDS, tier_name
 from autofit.models import presets
 from autofit.batches.synthetic import synthesize_batch
 from autofit.batches.coupling import sample_coupling
@@ -28,8 +29,6 @@ from autofit.units import format_size, parse_length, parse_size
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
-# allow= names -> the exactness tier they open. Tier 0 (same math) is always allowed.
-ALLOW_NAMES = {"numerics": 1, "lora": 2, "quantization": 2, "qlora": 2}  # qlora: LoRA over quantized weights
 DEFAULT_MAX_TIER = 1  # tier 1 (mixed precision, 8-bit optimizers) is standard practice; tier 2 changes what is trained
 DEFAULT_SAFETY_MARGIN = 0.10  # see TrainSpec.safety_margin
 ADAM_NAMES = {"adamw", "adam"}
@@ -349,10 +348,6 @@ def _budget(memory_budget: int | str | None, device: torch.device, num_gpus: int
     return budget, "given"
 
 
-# what people type for a numerics change (tier 1), and for every tier
-NUMERICS_WORDS = frozenset({"bf16", "fp16", "half", "mixed", "amp", "pure_bf16", "8bit", "adamw8bit", "adafactor"})
-
-
 def parse_allow(allow: Any) -> int:
     """The highest exactness tier `allow` opens: None -> 1, an int tier, or names such as {"lora"}; a string
     as `--allow` takes it too: names separated by commas ("lora,numerics"), or a tier ("2")."""
@@ -365,7 +360,7 @@ def parse_allow(allow: Any) -> int:
             return allow
         raise UsageError("{given}: the tiers are 0 (exact), 1 (numerics changes) and 2 (LoRA, quantization); give "
                          "one of them, or names such as {example}.", given=Param("allow", allow),
-                         example=Param("allow", {"lora"}))
+                         example=Param("allow", {tier_name(2)}))
     names = [part for part in allow.split(",") if part.strip()] if isinstance(allow, str) else allow
     try:
         names = [name.strip().lower() if isinstance(name, str) else name for name in names]  # "LoRA" too
@@ -377,7 +372,8 @@ def parse_allow(allow: Any) -> int:
             " is not understood"
         raise UsageError("{given}" + which + "; give a tier 0-2 or names from {names} (e.g. {example} to train LoRA "
                          "adapters).", given=Param("allow", allow), name=repr(unknown[0]),
-                         names=str(sorted(ALLOW_NAMES)), example=Param("allow", {"lora"}), every=Param("allow", 2))
+                         names=str(sorted(ALLOW_NAMES)), example=Param("allow", {tier_name(2)}),
+                         every=Param("allow", 2))
     return max([ALLOW_NAMES[name] for name in names], default=0)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.config import Precision
+from autofit.config import Config, Precision
 from autofit.errors import UsageError
 
 
@@ -64,10 +64,10 @@ class ModelInfo:
             return "bf16" if self.weights_dtype == "bfloat16" else "fp16"
         return precision.value
 
-    def noting_weights(self, reason: str, precision: Precision) -> str:
-        """`reason`, saying what fp32 (`precision`) means for a model whose weights are 16-bit already: no
-        autocast, the step in the weights' own dtype (probes train the model as given)."""
-        if precision is not Precision.FP32 or not self.half_weights:
+    def noting_weights(self, reason: str, config: Config) -> str:
+        """`reason`, saying what fp32 (`config`'s precision) means for a model whose weights are 16-bit already:
+        no autocast, the step in the weights' own dtype (probes train the model as given)."""
+        if config.precision is not Precision.FP32 or not self.half_weights:
             return reason
         return (f"{reason.rstrip('.')}. The model's weights are {self.weights_dtype}: fp32 here means no "
                 f"autocast, so the step runs in {self.weights_dtype}, as the model was given (model.float() "

@@ -186,7 +186,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                               loss_fn, safety_margin, max_micro_batch)
     chosen_strategies = list(strategies) if strategies is not None else default_strategies()
     if lora_targets is not None:
-        chosen_strategies = _with_lora_targets(chosen_strategies, lora_targets)
+        chosen_strategies = [s.adapting(lora_targets) for s in chosen_strategies]  # `Strategy.adapting`
     space = build_space(spec, chosen_strategies)
     estimator = Estimator(spec, target="cuda", extrapolate_batch=True, strategies=chosen_strategies,
                           deferred_sync=deferred_sync)
@@ -201,7 +201,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     if chosen:
         said = (_chosen_reason(chosen, fitting) + sync_note(chosen, estimator) + nodes_note(chosen, allowed)
                 + edge_note(near_choice))
-        reason, shortfall = spec.model.noting_weights(said, chosen.config.precision), None
+        reason, shortfall = spec.model.noting_weights(said, chosen.config), None
         reason += host_note(chosen, profile, spec.num_gpus) if host is None else ""
     elif over and host is not None:
         reason, shortfall = host_shortfall(over, host), None
@@ -252,14 +252,6 @@ def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[in
         raise UsageError(f"progress={progress!r}: pass True (the count on stderr), False, or a function "
                          "progress(done, total).")
     return progress or None
-
-
-def _with_lora_targets(strategies: list["Strategy"], targets: Sequence[str]) -> list["Strategy"]:
-    """`strategies` with the LoRA strategy adapting `targets` (its ranks kept)."""
-    from autofit.strategies.lora import Lora
-
-    return [Lora(s.ranks, target_modules=targets, alpha=s.alpha, dropout=s.dropout) if isinstance(s, Lora) else s
-            for s in strategies]
 
 
 def _gpus(gpu: str | GpuProfile, num_gpus: int | None) -> tuple[GpuProfile, int | None]:

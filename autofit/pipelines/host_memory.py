@@ -9,9 +9,8 @@ before an offload probe (`offload_skip`, which the tuner's prober asks first).
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Sequence
 
 from autofit.units import format_size
 
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from autofit.config import Config
     from autofit.job.train_spec import TrainSpec
     from autofit.probe.outcome import ProbeResult
+    from autofit.strategies.base import Strategy
     from autofit.devices.gpus import GpuProfile
     from autofit.pipelines.dry_run import Candidate
 
@@ -70,42 +70,23 @@ def host_note(chosen: "Candidate", gpu: "GpuProfile", num_gpus: int) -> str:
             "RAM (host_memory / --host-memory) to plan within it")
 
 
-def offload_room(config: "Config", need_bytes: int | None, nvme_path: str | os.PathLike | None) -> str | None:
-    """Why an offload probe of `config` cannot run on this machine (None where it can): its predicted host RAM
-    (`need_bytes`) over what is free now, or its NVMe folder missing or with less free space than that."""
-    import psutil
-
-    if not config.offloads or not need_bytes:
-        return None
-    if config.offload.value == "nvme":
-        if nvme_path is None or not os.path.isdir(nvme_path):
-            return f"its NVMe folder {str(nvme_path)!r} does not exist (nvme_path)"
-        free = shutil.disk_usage(nvme_path).free
-        if need_bytes > free:
-            return (f"it would write ~{format_size(need_bytes)} to {str(nvme_path)!r}, which has "
-                    f"{format_size(free)} free")
-        return None
-    free = psutil.virtual_memory().available
-    if need_bytes > free:
-        return (f"it needs ~{format_size(need_bytes)} of host RAM for what it offloads, and this machine has "
-                f"{format_size(free)} free")
-    return None
-
-
-def offload_skip(spec: "TrainSpec", config: "Config") -> "ProbeResult | None":
-    """A SKIPPED result where this machine cannot hold an offload probe of `config` (`offload_room`, on the
-    estimator's predicted host RAM), else None; None too where the estimator cannot predict it (the probe then
-    decides)."""
-    if not config.offloads:
-        return None
+def offload_skip(spec: "TrainSpec", config: "Config",
+                 strategies: Sequence["Strategy"] = ()) -> "ProbeResult | None":
+    """A SKIPPED result where this machine cannot hold an offload probe of `config` (`Strategy.host_room` of
+    `strategies` and every other, on the estimator's predicted host RAM), else None; None too where the
+    estimator cannot predict it (the probe then decides)."""
     from autofit.estimate.estimator import predict_peak
     from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip
+    from autofit.strategies import completed
 
-    try:
-        need = predict_peak(spec, config).cpu_bytes
-    except Exception:  # noqa: BLE001 - a prediction only spares a probe that cannot run
-        return None
-    room = offload_room(config, need, spec.nvme_path)
+    @functools.cache
+    def need() -> int | None:
+        try:
+            return predict_peak(spec, config).cpu_bytes
+        except Exception:  # noqa: BLE001 - a prediction only spares a probe that cannot run
+            return None
+
+    room = next(filter(None, (s.host_room(config, need, spec.nvme_path) for s in completed(strategies))), None)
     if room is None:
         return None
     return ProbeResult(config, ProbeStatus.SKIPPED, f"not probed: {room}; free room, or plan for a larger machine "

@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+from autofit.config import Config
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.states import unsharded_grads
 from autofit.pipelines.candidate import Candidate
+from autofit.strategies import completed
 from autofit.units import format_size
 
 
@@ -14,7 +16,8 @@ def sync_note(chosen: Candidate, estimator: Estimator) -> str:
     """For FSDP2 with accumulation: the prediction reduces gradients after every micro-batch, and what a
     loop that defers the reduce would add."""
     config = chosen.config
-    if not config.needs_sync_each_micro_batch or estimator.deferred_sync:
+    synced = any(s.accumulation_kwargs(config).get("sync_each_batch") for s in completed())
+    if not synced or estimator.deferred_sync:
         return ""
     more = unsharded_grads(estimator.facts, config) - chosen.estimate.breakdown.grads
     return (f". Its peak has the gradients reduced after every micro-batch, as autofit's loop and exports do "
@@ -40,13 +43,19 @@ def nodes_note(chosen: Candidate, allowed: list[Candidate]) -> str:
     config = chosen.config
     if config.nodes < 2 or chosen.cost is None:
         return ""
-    hierarchical = config.sharding.hierarchical
-    others = [c for c in allowed if c.config.sharding.hierarchical != hierarchical and c.config.sharding.stage
+    strategies = completed()
+
+    def spread(c: Config) -> tuple[str, bool] | None:  # `Strategy.spread`: (its name, within a node), or None
+        return next(filter(None, (s.spread(c) for s in strategies)), None)
+
+    layout = spread(config)
+    hierarchical = layout is not None and layout[1]
+    others = [c for c in allowed if (way := spread(c.config)) is not None and way[1] != hierarchical
               and c.cost is not None]
     ways = ("sharding within a node", "sharding over every GPU")
     own, other_way = ways if hierarchical else ways[::-1]
     said = (f". Across nodes: {chosen.cost.across_nodes:.3g} s of its {chosen.step_seconds:.3g} s step "
-            f"({config.sharding.value}, {own})" if config.sharding.stage else
+            f"({layout[0]}, {own})" if layout is not None else
             f". Across nodes: {chosen.cost.across_nodes:.3g} s of its {chosen.step_seconds:.3g} s step")
     fits = [c for c in others if c.fits]
     if fits:

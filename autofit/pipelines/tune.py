@@ -25,7 +25,6 @@ from autofit.search.walk import Progress, Search, make_progress
 from autofit.devices.device import device_memory, search_threads
 from autofit.job.train_spec import LossFn, TrainSpec, make_spec
 from autofit.strategies import EngineChoice, Placement, Strategy, default_strategies, resolve_strategies
-from autofit.strategies.sharding import ShardingEngine
 
 LIVE_SHARE = 0.5  # live confirmation runs may hold at most this share of the free host memory together
 
@@ -115,7 +114,8 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     store = TrialStore(space, storage)
 
     def prober(config: Config, step_limit: float | None) -> ProbeResult:
-        skipped = offload_skip(spec, config)  # an offload probe this machine's RAM or NVMe folder cannot hold
+        # an offload probe this machine's RAM or NVMe folder cannot hold
+        skipped = offload_skip(spec, config, space.strategies)
         if skipped is not None:
             return skipped
         return probe_placed(spec, config, space.strategies, space.placement(config), opts.probe_timeout,
@@ -197,18 +197,16 @@ def engine_strategies(strategies: Sequence[Strategy] | None, engine: EngineChoic
                       nvme_path: Any = None) -> list[Strategy]:
     """The strategies searched: the given ones or every rung, with the sharding engines narrowed to
     `engine` ("auto", "deepspeed", "fsdp"); `nvme_path` goes to the offload rung."""
-    from autofit.strategies import StateOffloading
-    from autofit.strategies.zero import installed_version
-
     engine = EngineChoice.parse(engine, "engine")
-    if engine is EngineChoice.DEEPSPEED and installed_version() is None:
-        raise UsageError("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
-                         "or use engine='fsdp' (torch's own FSDP2).")
+    for named in (s for s in default_strategies(engine) if getattr(s, "engine", None) == engine.value):
+        missing = named.not_installed()  # `Strategy.not_installed`: the engine asked for cannot run here
+        if missing:
+            raise UsageError(missing)
     chosen = resolve_strategies(strategies) if strategies is not None else default_strategies(engine)
-    chosen = [s for s in chosen if not isinstance(s, ShardingEngine)
-              or engine in (EngineChoice.AUTO, s.engine.value)]
+    # an engine's strategy is one that names its `engine` (as `default_strategies` reads it)
+    chosen = [s for s in chosen if engine is EngineChoice.AUTO or getattr(s, "engine", None) in (None, engine.value)]
     if nvme_path is not None:
-        chosen = [StateOffloading(nvme_path) if isinstance(s, StateOffloading) else s for s in chosen]
+        chosen = [s.writing_to(nvme_path) for s in chosen]  # `Strategy.writing_to`: the offload rung's folder
     return chosen
 
 

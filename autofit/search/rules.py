@@ -57,13 +57,6 @@ def _fsdp_adafactor(c: Config, t: "Target") -> str | None:
     return None
 
 
-def _quantization_needs_lora(c: Config, t: "Target") -> str | None:
-    if c.quantization is not Quantization.NONE and not c.lora:
-        return (f"quantization={c.quantization.value} freezes the base weights: without LoRA adapters "
-                "nothing is trained")
-    return None
-
-
 def _quantization_unsharded(c: Config, t: "Target") -> str | None:
     if c.quantization is not Quantization.NONE and c.sharding is not Sharding.NONE:
         return (f"bitsandbytes {c.quantization.value} base weights are not sharded by ZeRO/FSDP2 here: "
@@ -137,7 +130,6 @@ JOINT = (
     Rule("ZeRO-Offload steps with CPU Adam", ("offload", "sharding", "optimizer"), _zero_offload_optimizer),
     Rule("8-bit states cannot step on the host", ("offload", "optimizer"), _offload_eight_bit),
     Rule("Adafactor cannot step FSDP2 shards", ("sharding", "optimizer"), _fsdp_adafactor),
-    Rule("quantization needs LoRA", ("quantization", "lora"), _quantization_needs_lora),
     Rule("quantized weights are not sharded", ("quantization", "sharding"), _quantization_unsharded),
     Rule("one rank shards nothing", ("sharding", "num_gpus", "offload"), _one_rank_shards_nothing),
     Rule("pure bf16 trains with torch", ("precision", "sharding"), _pure_bf16_needs_torch),

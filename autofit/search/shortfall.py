@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autofit.config import Config, Knob
+from autofit.config import Config, Knob, tier_name
 from autofit.errors import Param
 from autofit.units import format_size
 
 # What allowing each exactness tier opens: the name `allow` takes for it, and what it brings
-TIERS = {1: ("numerics", "mixed precision, 8-bit optimizers"), 2: ("lora", "LoRA adapters, quantized base weights")}
+TIERS = {1: (tier_name(1), "mixed precision, 8-bit optimizers"),
+         2: (tier_name(2), "LoRA adapters, quantized base weights")}
 MICRO_BATCHES = "micro-batches smaller than the rank's batch"  # what a tier opens where a coupled loss held them
 
 

@@ -247,7 +247,7 @@ class Search:
         engine buffers): the same engine and stage, and state knobs that save no more. Micro-batch,
         checkpointing and attention only change activations (`activation_knobs`), so they are set to `failed`'s
         to compare."""
-        if config.sharding is not failed.sharding or config.num_gpus != failed.num_gpus:
+        if config.num_gpus != failed.num_gpus or not all(s.holds_alike(config, failed) for s in self.space.strategies):
             return False
         aligned = config.replace(**{name: getattr(failed, name) for name in activation_knobs()})
         return self.space.saves_at_least(failed, aligned)
@@ -291,8 +291,8 @@ class Search:
         general = self.tolerance(config) if callable(self.tolerance) else self.tolerance
         over = [self._predicted.get(r.config) / r.peak_bytes - 1 for r in self.results
                 if r.measured and r.peak_bytes and (r.fits or r.oom_kind is OomKind.MARGIN)
-                and r.config.sharding is config.sharding and r.config.num_gpus == config.num_gpus
-                and self._predicted.get(r.config)]
+                and r.config.num_gpus == config.num_gpus and self._predicted.get(r.config)
+                and all(s.holds_alike(r.config, config) for s in self.space.strategies)]
         learned = max([*over, 0.0]) + LEARNED_SLACK
         if not over or learned >= general:
             return general, ""

@@ -31,6 +31,9 @@ every exporter loop over without naming a technique:
   allocator replay). Each defaults to "nothing": a technique implements the ones its value changes.
 - `rules()`: the combinations with its values that cannot run, and why (`Rule`s, which
   `autofit.search.rules` checks with the joint ones where the space is built).
+- What the search, the plan, the dry-run, `prepare` and the guard ask of every strategy (no-ops by default):
+  `replaces`, `adapting`, `writing_to`, `not_installed`, `host_room`, `observed`, `accumulation_kwargs`,
+  `running_differs`, `holds_alike`, `spread` (each docstring says who asks; docs/new-rungs.md lists them).
 
 Several strategies may offer values of one knob (ZeRO and FSDP2 both offer `sharding`): each applies only
 the values it offers. A strategy outside autofit's own adds its knob by declaring `knob_type` (a `Knob`
@@ -44,7 +47,7 @@ import abc
 import dataclasses
 import enum
 import re
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from autofit.config import Config, Knob, register_knob
 
@@ -318,6 +321,67 @@ class Strategy(abc.ABC):
     def refuses(self, config: Config, fmt: str) -> str | None:
         """Why launcher format `fmt` cannot run `config`'s value of this knob, naming the knob and the format
         that can (`autofit.export` refuses the export with it); None where it can (the default)."""
+        return None
+
+    def replaces(self, config: Config, spec: "TrainSpec") -> str:
+        """What `config`'s value of this knob replaces of the job `spec` describes, as a plan says it when the
+        choice changes numerics ("your optimizer adamw is replaced by adafactor (...)"); "" where it keeps the
+        job as given (the default)."""
+        return ""
+
+    def adapting(self, modules: Sequence[str]) -> "Strategy":
+        """This strategy adapting the modules named `modules` (names or name suffixes, `dry_run(lora_targets=...)`)
+        where it adds adapters to chosen modules, its other settings kept; itself where it adapts none (the
+        default)."""
+        return self
+
+    def writing_to(self, nvme_path: str) -> "Strategy":
+        """This strategy writing what it moves off the GPU to the folder `nvme_path` (a search's `nvme_path`),
+        its other settings kept; itself where it writes to no disk (the default)."""
+        return self
+
+    def not_installed(self) -> str | None:
+        """Why this machine cannot run this strategy at all (a library it needs is missing), as a message that
+        names the install and the alternative; a search whose engine choice names this strategy's `engine`
+        raises it. None where it can run (the default)."""
+        return None
+
+    def host_room(self, config: Config, need: Callable[[], int | None], nvme_path: str | None) -> str | None:
+        """Why this machine cannot hold a probe of `config`'s value of this knob (None where it can, the
+        default): what it moves off the GPU against the host RAM free now or the free space of `nvme_path`.
+        `need()` predicts the probe's host bytes (None where it cannot); call it only where the value moves
+        something (a prediction costs a simulation). `autofit tune` skips such a probe with the reason."""
+        return None
+
+    def observed(self, model: "torch.nn.Module", optimizer: Any) -> dict[str, Any]:
+        """This knob's value as a live `model` and `optimizer` show it (field -> value), for the configuration
+        the OOM guard runs without a plan; nothing where the live objects do not say it (the default)."""
+        return {}
+
+    def accumulation_kwargs(self, config: Config) -> dict[str, Any]:
+        """Keyword arguments of accelerate's `GradientAccumulationPlugin` that `config`'s value of this knob
+        was measured with (`Prepared.gradient_accumulation_plugin`); none by default."""
+        return {}
+
+    def running_differs(self, config: Config, running_precision: Any, autocast_dtype: "torch.dtype | None",
+                        planned_dtype: "torch.dtype | None") -> str | None:
+        """Why the OOM guard's model would not run `config` as it was measured, naming the fix; None where it
+        would (the default). `running_precision`: the precision a framework that runs the forward itself
+        (accelerate, the Trainer) uses by its own settings ("bf16", "fp16", "fp32"; None without one);
+        `autocast_dtype`: the dtype a caller gave the guard, against `planned_dtype`, the plan's. The guard
+        refuses to start with it."""
+        return None
+
+    def holds_alike(self, a: Config, b: Config) -> bool:
+        """Whether `a` and `b` hold their model states alike for this knob (the same engine and stage), so that
+        what one held where no activation is live bounds the other's through `saves_at_least`; True by
+        default (a knob that only changes how much is held)."""
+        return True
+
+    def spread(self, config: Config) -> tuple[str, bool] | None:
+        """How `config`'s value of this knob spreads model states over the GPUs: the value's name and whether it
+        shards within a node (replicating across nodes) rather than over every GPU; None where it shards
+        nothing (the default). A dry-run over several nodes weighs the two ways against each other."""
         return None
 
 

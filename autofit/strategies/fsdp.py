@@ -120,6 +120,10 @@ class Fsdp(ShardingEngine):
                 "# Accelerator() defers the reduce to the last micro-batch and holds every gradient unsharded "
                 "until then."]
 
+    def accumulation_kwargs(self, config: Config) -> dict[str, Any]:
+        # measured reducing gradients on every micro-batch: accumulate() otherwise defers the reduce-scatter
+        return {"sync_each_batch": True} if config.needs_sync_each_micro_batch else {}
+
     def refuses(self, config: Config, fmt: str) -> str | None:
         if fmt == "deepspeed" and self.owns(config):
             return (f"the plan shards with FSDP2 ({config.sharding.value}), not DeepSpeed; export accelerate, "

@@ -107,6 +107,9 @@ class Lora(Strategy):
         return Lora(self.ranks, target_modules=settings.get("target_modules"), alpha=settings.get("alpha"),
                     dropout=settings.get("dropout", 0.0))
 
+    def adapting(self, modules: Sequence[str]) -> "Lora":
+        return Lora(self.ranks, target_modules=modules, alpha=self.alpha, dropout=self.dropout)
+
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         # the rank sizes the adapters; peft makes them fp32 beside a 16-bit base unless an engine casts it all
         if not config.adapters:

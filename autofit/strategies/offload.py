@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+import shutil
+from typing import TYPE_CHECKING, Any, Callable
 
 from autofit.devices.device import check_nvme_path
 from autofit.config import Config
 from autofit.config import Offload as O
 from autofit.errors import UsageError
 from autofit.strategies.base import Ladder, Option, Placement
+from autofit.units import format_size
 
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank (the cost model)
 
@@ -41,6 +43,33 @@ class StateOffloading(Ladder):
         `nvme_path` (`autofit.autofit(nvme_path=...)`, `autofit tune --nvme-path`) comes first: it is the
         one the plan keeps and the exports write."""
         self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
+
+    def writing_to(self, nvme_path: str) -> "StateOffloading":
+        return StateOffloading(nvme_path)
+
+    def host_room(self, config: Config, need: Callable[[], int | None], nvme_path: str | None) -> str | None:
+        """Its predicted host RAM (`need()`) over what is free now, or its NVMe folder missing or with less
+        free space than that."""
+        import psutil
+
+        if not config.offloads:
+            return None
+        need_bytes = need()
+        if not need_bytes:
+            return None
+        if config.offload is O.NVME:
+            if nvme_path is None or not os.path.isdir(nvme_path):
+                return f"its NVMe folder {str(nvme_path)!r} does not exist (nvme_path)"
+            free = shutil.disk_usage(nvme_path).free
+            if need_bytes > free:
+                return (f"it would write ~{format_size(need_bytes)} to {str(nvme_path)!r}, which has "
+                        f"{format_size(free)} free")
+            return None
+        free = psutil.virtual_memory().available
+        if need_bytes > free:
+            return (f"it needs ~{format_size(need_bytes)} of host RAM for what it offloads, and this machine has "
+                    f"{format_size(free)} free")
+        return None
 
     def folder(self, spec: "TrainSpec") -> str | None:
         """The NVMe folder for `spec`: the spec's, else this strategy's own."""
@@ -101,7 +130,7 @@ def _nvme_reason(nvme_path: str | None, probed_here: bool) -> str | None:
     if nvme_path is None:
         return ("NVMe offload needs a folder on a fast local disk: autofit.autofit(nvme_path=...) or "
                 "autofit tune --nvme-path DIR")
-    from autofit.strategies.zero import installed_version, version_problem
+    from autofit.strategies.deepspeed_install import installed_version, version_problem
 
     return version_problem(installed_version(), "NVMe offload") or (aio_problem() if probed_here else None)
 

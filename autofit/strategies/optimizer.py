@@ -139,6 +139,16 @@ class OptimizerStates(Strategy):
                     "(autofit.prepare builds it), or pass Trainer(optimizers=(optimizer, None)) yourself")
         return None
 
+    def observed(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return {"optimizer": knob_of(optimizer)}  # a class autofit does not search is the user's own
+
+    def replaces(self, config: Config, spec: "TrainSpec") -> str:
+        asked = spec.optimizer
+        if asked.explore and config.optimizer is not O(asked.name):
+            return (f"your optimizer {asked.name} is replaced by {config.optimizer.value} "
+                    "(different numerics, same hyperparameters where they apply)")
+        return ""
+
 
 # The optimizer knob -> the class name its factory builds (a USER optimizer is whatever was given).
 CLASS_NAMES = {O.ADAMW: "AdamW", O.ADAFACTOR: "Adafactor"}  # bitsandbytes' are added below (`BNB`)

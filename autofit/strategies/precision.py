@@ -51,6 +51,20 @@ class MixedPrecision(Strategy):
         if precision is P.FP16:
             run.scaler = torch.amp.GradScaler(run.device.type)
 
+    def running_differs(self, config: Config, running_precision: Any, autocast_dtype: torch.dtype | None,
+                        planned_dtype: torch.dtype | None) -> str | None:
+        if running_precision is not None:  # the framework's autocast runs, not the guard's
+            running = P.parse(running_precision, "precision")
+            if running is config.precision:
+                return None
+            return (f"The plan was measured in {config.precision.value} but this job runs {running.value}; launch "
+                    "with the plan's mixed precision (accelerate's mixed_precision / the Trainer's bf16/fp16) or "
+                    f"tune again for {running.value}.")
+        if autocast_dtype is not None and autocast_dtype != planned_dtype:
+            return (f"autocast_dtype={autocast_dtype} disagrees with the plan's precision {config.precision.value}; "
+                    "leave autocast_dtype out (the plan sets it) or tune again.")
+        return None
+
     def compute_dtype(self, config: Config) -> torch.dtype | None:
         return DTYPES.get(config.precision)
 

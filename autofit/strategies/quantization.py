@@ -19,7 +19,7 @@ from torch import nn
 from autofit.config import Config
 from autofit.config import Quantization as Q
 from autofit.errors import MissingExtraError, UsageError
-from autofit.strategies.base import Ladder, Option, Placement
+from autofit.strategies.base import Ladder, Option, Placement, Rule
 from autofit.models.info import partly_trainable
 from autofit.strategies.lora import output_head
 
@@ -40,6 +40,9 @@ class QuantizedBase(Ladder):
     rung = 7
     order = 0
     values = (Q.NONE, Q.INT8, Q.NF4)  # least base-weight memory saved first
+
+    def rules(self) -> tuple[Rule, ...]:
+        return (Rule("quantization needs LoRA", ("quantization", "lora"), _needs_lora),)
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = unavailable_reason(spec.target) or _trains_part(spec) or _nothing_to_quantize(spec)
@@ -244,6 +247,13 @@ def simulate_quantized(model: nn.Module, value: Q) -> None:
     layer = {Q.NF4: SimulatedLinear4bit, Q.INT8: SimulatedLinear8bit}[value]
     for name in quantizable_layers(model):
         _replace(model, name, layer(as_linear(model.get_submodule(name))))
+
+
+def _needs_lora(c: Config, t: "Target") -> str | None:
+    if c.quantization is not Q.NONE and not c.lora:
+        return (f"quantization={c.quantization.value} freezes the base weights: without LoRA adapters "
+                "nothing is trained")
+    return None
 
 
 class SimulatedLinear4bit(nn.Module):

@@ -74,6 +74,14 @@ class ShardingEngine(Strategy):
             return False
         return a.sharding.stage >= b.sharding.stage
 
+    def holds_alike(self, a: Config, b: Config) -> bool:
+        return a.sharding is b.sharding
+
+    def spread(self, config: Config) -> tuple[str, bool] | None:
+        if not config.sharding.stage or not self.owns(config):
+            return None
+        return config.sharding.value, config.sharding.hierarchical
+
     def placement(self, config: Config) -> Placement:
         """Engines keep process-group state: their probes run in launched ranks."""
         return Placement.RANKS if config.engine is self.engine else Placement.IN_PROCESS

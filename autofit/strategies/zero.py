@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import itertools
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +27,7 @@ from autofit.config import Config, Engine, Sharding
 from autofit.strategies.base import Option, set_nested
 from autofit.strategies.costs import summed, times
 from autofit.strategies.deepspeed_config import FILENAME, accelerate_section, buffers_for, deepspeed_elements
+from autofit.strategies.deepspeed_install import installed_version, version_problem
 from autofit.strategies.memory import EngineFacts, EngineMemory
 from autofit.strategies.sharding import ShardingEngine
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
 
-MIN_VERSION = "0.14"  # the `deepspeed` extra's floor (pyproject); the probes were run with 0.19.8 only
 QUANTIZED_WEIGHT_BYTES = 1  # ZeRO++ qwZ gathers int8 weights (block scales neglected)
 QUANTIZED_GRAD_SHARE = 0.25  # ZeRO++ qgZ reduces int4 gradients: a quarter of 16-bit ones'
 
@@ -50,6 +49,12 @@ class Zero(ShardingEngine):
     label = "ZeRO"
     order = 0  # rung 6: ZeRO, FSDP2, then the rank count
     nvme_path: str | None = None  # the plan's NVMe folder, where this instance is a plan's (`recorded`)
+
+    def not_installed(self) -> str | None:
+        if installed_version() is None:
+            return ("engine='deepspeed' but DeepSpeed is not installed: pip install 'autofit[deepspeed]', "
+                    "or use engine='fsdp' (torch's own FSDP2).")
+        return None
 
     def options(self, spec: "TrainSpec") -> list[Option]:
         """ZeRO's stages, and over several nodes ZeRO++; its quantized collectives need CUDA."""
@@ -159,26 +164,6 @@ def hierarchy_keys(config: Config) -> dict[str, Any]:
         keys.update({"zero_optimization.zero_quantized_weights": True,
                      "zero_optimization.zero_quantized_gradients": True})
     return keys
-
-
-def installed_version() -> str | None:
-    """DeepSpeed's installed version, or None."""
-    try:
-        return importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def version_problem(version: str | None, feature: str, minimum: str = MIN_VERSION) -> str | None:
-    """Why DeepSpeed `version` cannot serve `feature`: not installed, or older than `minimum`; else None."""
-    from packaging.version import Version
-
-    if version is None:
-        return f"{feature} needs DeepSpeed, which is not installed: pip install 'autofit[deepspeed]'"
-    if Version(version) < Version(minimum):
-        return (f"DeepSpeed {version} is too old for {feature} (autofit needs >= {minimum}); "
-                f"pip install -U 'deepspeed>={minimum}'")
-    return None
 
 
 class DeepSpeedEngine:

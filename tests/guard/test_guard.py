@@ -246,3 +246,12 @@ def test_a_clean_guarded_step_holds_no_more_memory_than_the_bare_loop():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         assert guarded_between == budget.current  # nothing (no gradient, no snapshot) kept between steps
+
+
+def test_without_a_plan_the_guard_names_the_optimizer_it_is_given():
+    model, _ = fresh()
+    kinds = {type(opt).__name__: OomGuard(model, opt, micro_batch_size=2).config.optimizer.value
+             for opt in (torch.optim.AdamW(model.parameters()), torch.optim.Adafactor(model.parameters()),
+                         torch.optim.SGD(model.parameters(), lr=0.1))}
+    assert kinds == {"AdamW": "adamw", "Adafactor": "adafactor", "SGD": "user"}  # not searched: your own
+    assert OomGuard(model, torch.optim.Adafactor(model.parameters())).config is None  # sized at the first step

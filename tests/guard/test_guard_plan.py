@@ -88,3 +88,16 @@ def test_a_plan_object_is_taken_and_anything_else_named():
     assert guard.config == plan.config and guard.plan_path is None  # nothing to write back to
     with pytest.raises(UsageError, match="plan= takes a path to a plan.json or an autofit.Plan, but got Config"):
         OomGuard(model, optimizer, plan=Config(), loss_fn=loss_fn)
+
+
+def test_a_framework_or_an_autocast_in_another_precision_than_the_plans_is_refused(tmp_path):
+    path = saved(tmp_path, Config(precision="bf16", micro_batch_size=4))
+    model, optimizer = fresh()
+    with pytest.raises(UsageError, match=r"The plan was measured in bf16 but this job runs fp16; launch with the "
+                                         r"plan's mixed precision .* or tune again for fp16\."):
+        OomGuard(model, optimizer, plan=path, loss_fn=loss_fn, running_precision="fp16")
+    with pytest.raises(UsageError, match=r"autocast_dtype=torch.float16 disagrees with the plan's precision bf16; "
+                                         r"leave autocast_dtype out"):
+        OomGuard(fresh()[0], optimizer, plan=path, loss_fn=loss_fn, autocast_dtype=torch.float16)
+    guard = OomGuard(fresh()[0], optimizer, plan=path, loss_fn=loss_fn, running_precision="bf16")  # the same: runs
+    assert guard.config.precision.value == "bf16"

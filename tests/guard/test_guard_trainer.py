@@ -159,3 +159,16 @@ def test_an_oom_in_the_trainers_optimizer_step_names_what_needs_a_restart(tmp_pa
         with pytest.raises(GuardGaveUp, match=r"Out of memory in the optimizer step at step 0 .*8-bit optimizer"):
             trainer.train()
     assert trainer.oom_guard.recoveries == []  # the forward and backward never ran out
+
+
+@pytest.mark.parametrize("flag, running", [("bf16", "bf16"), ("fp16", "fp16")])
+def test_a_trainer_in_another_precision_than_the_plans_is_refused(tmp_path, flag, running):
+    from autofit import Config, Plan, UsageError
+
+    plan = Plan(fits=True, config=Config(micro_batch_size=4), throughput=1.0, tokens_per_second=None, peak_memory=1,
+                reason="tuned", probes=(), spec={}).save(tmp_path / "plan.json")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=32, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", dataloader_num_workers=0, **{flag: True})
+    trainer = GuardedTrainer(model=_model("mean"), args=args, eval_dataset=Records(32, 2), guard_plan=plan)
+    with pytest.raises(UsageError, match=f"The plan was measured in fp32 but this job runs {running};"):
+        trainer.evaluate()

@@ -301,3 +301,13 @@ def test_cpu_ranks_share_the_free_ram_when_no_budget_is_given():
     import psutil
 
     assert 2 * spec.memory_budget <= psutil.virtual_memory().total
+
+
+def test_each_tier_is_suggested_by_its_first_allow_name():
+    from autofit.config import ALLOW_NAMES, tier_name
+    from autofit.search.shortfall import tier_words
+
+    assert (tier_name(1), tier_name(2)) == ("numerics", "lora")
+    assert all(ALLOW_NAMES[tier_name(tier)] == tier for tier in (1, 2))
+    assert tier_words(2) == "allow={'lora'} (LoRA adapters, quantized base weights)"
+    assert tier_words(1, cli=True) == "--allow numerics (mixed precision, 8-bit optimizers)"

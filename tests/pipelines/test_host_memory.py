@@ -9,8 +9,7 @@ from autofit import Config
 from autofit.devices.gpus import get_gpu
 from autofit.estimate.prediction import Estimate
 from autofit.pipelines.dry_run import Candidate
-from autofit.pipelines.host_memory import (host_note, host_shortfall, offload_room, over_host,
-                                           typical_host_bytes)
+from autofit.pipelines.host_memory import host_note, host_shortfall, over_host, typical_host_bytes
 from autofit.strategies.memory import Breakdown
 
 TIB = 2**40
@@ -42,12 +41,18 @@ def test_a_chosen_plan_needing_an_unusual_node_says_so_in_its_summary():
 
 
 def test_an_offload_probe_this_machine_cannot_hold_is_skipped_with_the_reason(tmp_path):
-    assert "of host RAM for what it offloads, and this machine has" in offload_room(OFFLOADED, 2**60, None)
-    assert offload_room(OFFLOADED, 2**20, None) is None
-    assert offload_room(ON_CARD, 2**60, None) is None  # nothing offloaded: nothing to check
+    from autofit.strategies import MicroBatch, StateOffloading
+
+    def room(config, need_bytes, nvme_path):
+        return StateOffloading().host_room(config, lambda: need_bytes, nvme_path)
+
+    assert "of host RAM for what it offloads, and this machine has" in room(OFFLOADED, 2**60, None)
+    assert room(OFFLOADED, 2**20, None) is None
+    assert room(ON_CARD, 2**60, None) is None  # nothing offloaded: nothing to check
     nvme = OFFLOADED.replace(offload="nvme")
-    assert "does not exist" in offload_room(nvme, 2**20, tmp_path / "missing")
-    assert "free" in offload_room(nvme, 2**62, tmp_path)
+    assert "does not exist" in room(nvme, 2**20, str(tmp_path / "missing"))
+    assert "free" in room(nvme, 2**62, str(tmp_path))
+    assert MicroBatch().host_room(OFFLOADED, lambda: 2**60, None) is None  # moves nothing off the GPU
 
 
 def test_the_tuner_asks_before_an_offload_probe_only():

@@ -318,3 +318,15 @@ def test_the_engine_is_a_closed_choice():
     with pytest.raises(UsageError, match="engine='megatron' is not known"):
         autofit.autofit(make_mlp, make_mlp_batch, device="cpu", memory_budget="1GiB", loss_fn=mlp_loss,
                         engine="megatron")
+
+
+def test_a_strategy_writes_offloads_where_the_search_says_and_runs_where_installed(tmp_path):
+    from autofit.strategies import Fsdp, MicroBatch, StateOffloading, Zero
+    from autofit.strategies.zero import installed_version
+
+    moved = StateOffloading().writing_to(str(tmp_path))
+    assert isinstance(moved, StateOffloading) and moved.nvme_path == str(tmp_path.resolve())
+    micro = MicroBatch()
+    assert micro.writing_to(str(tmp_path)) is micro  # writes to no disk: itself
+    assert Fsdp().not_installed() is None  # torch's own
+    assert (Zero().not_installed() is None) == (installed_version() is not None)

@@ -365,3 +365,13 @@ def test_what_adds_work_to_a_too_slow_config_at_up_to_twice_its_micro_batch_is_n
     implied = [r for r in results if r.config.precision.value == "bf16" and r.config.micro_batch_size == 16
                and r.config.checkpointing.value != "none"]
     assert implied and all(r.skip is Skip.IMPLIED and "at no more than 2x its micro-batch" in r.reason for r in implied)
+
+
+def test_only_configurations_holding_states_alike_bound_each_other():
+    from autofit.config import Config
+    from autofit.strategies import Fsdp, MicroBatch, Zero
+
+    zero2, zero3 = Config(num_gpus=2, sharding="zero2"), Config(num_gpus=2, sharding="zero3")
+    assert Zero().holds_alike(zero2, zero2.replace(micro_batch_size=4))
+    assert not Zero().holds_alike(zero2, zero3) and not Fsdp().holds_alike(zero2, Config(num_gpus=2, sharding="fsdp_full"))
+    assert MicroBatch().holds_alike(zero2, zero3)  # a knob that only changes how much is held

@@ -191,3 +191,19 @@ def test_a_dry_run_of_a_peft_model_plans_its_own_adapters():
     trainable = sum(p.numel() for p in peft_llama().parameters() if p.requires_grad)
     fp32 = next(c for c in report.candidates if c.config.precision.value == "fp32")
     assert fp32.estimate.breakdown.grads == 4 * trainable  # the adapters' gradients only
+
+
+def test_adapting_other_modules_keeps_ranks_alpha_and_dropout():
+    lora = Lora(ranks=(8, 4), alpha=16, dropout=0.1).adapting(("blocks.0",))
+    assert (lora.ranks, lora.target_modules, lora.alpha, lora.dropout) == ((8, 4), ("blocks.0",), 16, 0.1)
+    micro = MicroBatch()
+    assert micro.adapting(("blocks.0",)) is micro  # a strategy that adapts no modules is itself
+
+
+def test_dry_run_adapts_the_lora_targets_it_is_given():
+    kwargs = dict(global_batch_size=4, gpu="a100-40gb", allow={"lora"}, strategies=[MicroBatch(), Lora(ranks=(4,))])
+    every = autofit.dry_run(Mlp, make_batch, **kwargs)
+    two = autofit.dry_run(Mlp, make_batch, lora_targets=("blocks.0", "blocks.1"), **kwargs)
+    every_states, two_states = ([c.estimate.breakdown.optimizer for c in report.candidates if c.config.lora == 4]
+                                for report in (every, two))
+    assert every_states and two_states and max(two_states) < min(every_states)  # adapters on 2 of 4 layers

@@ -60,3 +60,13 @@ def test_forced_by_a_budget_only_adafactor_meets():
     plan = tune(make_mlp, make_mlp_batch, [OptimizerStates(), MicroBatch()], budget_between(adafactor, adamw), 1,
                 loss_fn=mlp_loss)
     assert plan.fits and plan.config.optimizer == "adafactor"
+
+
+def test_a_swapped_optimizer_says_what_it_replaces_and_a_kept_one_nothing():
+    strategy, chosen = OptimizerStates(), spec(optimizer="adamw")
+    assert strategy.replaces(Config(optimizer="adafactor"), chosen) == (
+        "your optimizer adamw is replaced by adafactor (different numerics, same hyperparameters where they apply)")
+    assert strategy.replaces(Config(optimizer="adamw"), chosen) == ""
+    given = spec(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))  # not explored
+    assert strategy.replaces(Config(optimizer="user"), given) == ""
+    assert MicroBatch().replaces(Config(micro_batch_size=2), chosen) == ""  # the default: keeps the job as given

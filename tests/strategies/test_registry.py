@@ -34,7 +34,8 @@ def test_every_run_gets_the_micro_batch_the_rank_count_and_the_users_optimizer()
 def test_every_rule_is_checked_in_the_tables_order_the_strategies_own_among_them():
     assert [rule.name for rule in rules()] == list(ORDER)
     assert {rule.name for s in default_strategies() for rule in s.rules()} == {
-        "flash-attention needs half precision", "activation offload with none or full checkpointing"}
+        "flash-attention needs half precision", "activation offload with none or full checkpointing",
+        "quantization needs LoRA"}
 
 
 @pytest.mark.parametrize("precision, refused", [("fp32", True), ("bf16", False), ("fp16", False), ("pure_bf16", False)])
