@@ -23,10 +23,28 @@ def _quiet_transformers():
     transformers.logging.set_verbosity_error()
 
 
+README_TEST = "tests/test_readme.py"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(items):
-    """The README test first: its blocks run in page order on one worker (`--dist loadfile`) and take the
-    longest, so starting it first keeps the other worker from waiting on it at the end."""
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_readme.py"))
+    """What runs together on one worker (`--dist loadgroup` in pyproject.toml): each test file, so a
+    module-scoped fixture (a dry-run several tests read) is made once; and the README test's blocks by page,
+    in page order (a page's blocks share one copy of the repository, block after block), so its pages spread
+    over the workers instead of holding one worker for all of them. The README test's pages first: each of
+    their blocks starts a process, and the longest groups started first leave the shortest for the end."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: not item.nodeid.startswith(README_TEST))
+
+
+def _group(item) -> str:
+    """The README test's page of a block (`Block.page`), else the test's file."""
+    path = item.nodeid.split("::")[0]
+    block = item.callspec.params.get("block") if hasattr(item, "callspec") else None
+    name = getattr(block, "name", None)  # "docs/tune.md:70-bash"
+    return f"{path}:{name.rsplit(':', 1)[0]}" if path == README_TEST and name else path
 
 
 def pytest_unconfigure(config):
