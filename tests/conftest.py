@@ -24,6 +24,9 @@ def _quiet_transformers():
 
 
 README_TEST = "tests/test_readme.py"
+# Files whose tests take the longest (a dry-run of every level, searches over spawned ranks), started first
+# after the README test's pages; the list only orders the run, it selects nothing
+LONGEST = ()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`--dist loadgroup`)
@@ -31,12 +34,14 @@ def pytest_collection_modifyitems(items):
     """What runs together on one worker (`--dist loadgroup` in pyproject.toml): each test file, so a
     module-scoped fixture (a dry-run several tests read) is made once; and the README test's blocks by page,
     in page order (a page's blocks share one copy of the repository, block after block), so its pages spread
-    over the workers instead of holding one worker for all of them. The README test's pages first: each of
-    their blocks starts a process, and the longest groups started first leave the shortest for the end."""
+    over the workers instead of holding one worker for all of them. The longest groups first (the README
+    test's pages, each block a process of its own, then `LONGEST`; `--no-loadscope-reorder` keeps this
+    order): a long group started last would leave the other worker idle at the end."""
     for item in items:
         if not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: not item.nodeid.startswith(README_TEST))
+    first = (README_TEST, *LONGEST)
+    items.sort(key=lambda item: next((i for i, path in enumerate(first) if item.nodeid.startswith(path)), len(first)))
 
 
 def _group(item) -> str:
