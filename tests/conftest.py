@@ -25,8 +25,12 @@ def _quiet_transformers():
 
 README_TEST = "tests/test_readme.py"
 # Files whose tests take the longest (a dry-run of every level, searches over spawned ranks), started first
-# after the README test's pages; the list only orders the run, it selects nothing
-LONGEST = ()
+# after the README test's pages, longest first (as `--durations` of a whole run ranks them;
+# the list only orders the run, it selects nothing, and a file missing from it still runs)
+LONGEST = ("tests/search/test_space.py", "tests/pipelines/test_dry_run.py", "tests/estimate/test_adapted_layers.py",
+           "tests/estimate/test_workers.py", "tests/search/test_every_option.py", "tests/probe/test_launch.py",
+           "tests/search/test_tuner.py", "tests/estimate/test_estimator.py", "tests/export/test_torchrun.py",
+           "tests/export/test_trainer.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`--dist loadgroup`)
