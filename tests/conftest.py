@@ -45,11 +45,13 @@ def pytest_collection_modifyitems(items):
         if not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(_group(item)))
     first = (README_TEST, *LONGEST)
-    items.sort(key=lambda item: next((i for i, path in enumerate(first) if item.nodeid.startswith(path)), len(first)))
+    items.sort(key=lambda item: next((i for i, path in enumerate(first) if item.nodeid.startswith(path)),
+                                     len(first)))
 
 
 def _group(item) -> str:
-    """The README test's page of a block (`Block.page`), else the test's file."""
+    """The README test's page of a block (its name up to the line: "tests/test_readme.py:docs/tune.md"),
+    else the test's file."""
     path = item.nodeid.split("::")[0]
     block = item.callspec.params.get("block") if hasattr(item, "callspec") else None
     name = getattr(block, "name", None)  # "docs/tune.md:70-bash"
