@@ -40,7 +40,9 @@ def gpu_space():
 
 
 def test_the_dry_run_plans_the_levels_the_tuner_walks(gpu_space):
-    report = autofit.dry_run(two_block_gpt2, seq_len=16, global_batch_size=4, gpu="a100-80gb", num_gpus=2,
+    # one sample per rank: every level at one micro-batch (at global batch 4, each at two: twice the simulated
+    # steps); the levels are the same at any batch (only `Space.sizes` differs), so the fixture's are walked
+    report = autofit.dry_run(two_block_gpt2, seq_len=16, global_batch_size=2, gpu="a100-80gb", num_gpus=2,
                              allow={"lora"})
     planned = {level_of(c.config): c for c in report.candidates}
     walked = {level_of(c) for c in gpu_space.levels()}
