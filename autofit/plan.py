@@ -23,6 +23,7 @@ from autofit.probe.outcome import ProbeResult, ProbeStatus, Skip, Source
 from autofit.search.decision import (CLEAR_SHARE, CONFIDENCE, NOISE_MARGIN, Comparison, Confirmation, DecidedBy, Finalist,
                                      MarginKind, Ratio, choose)
 from autofit.search.shortfall import Basis, Remedy, Shortfall
+from autofit.strategies import compute_dtype
 from autofit.errors import UsageError
 from autofit.files import write_file
 from autofit.units import format_size
@@ -405,7 +406,7 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
         settings = {s.field: s.settings(best.config, space.spec) for s in space.strategies}
         return Plan(True, best.config, throughput, tokens, best.peak_bytes,
                     space.spec.model.noting_weights(chosen_reason(best, results, confirmation, space),
-                                                    best.config), **common,
+                                                    compute_dtype(best.config) is not None), **common,
                     settings={field: value for field, value in settings.items() if value}, images_per_second=images)
     shortfall = nothing_fits(space, results, predict)
     return Plan(False, None, None, None, None, shortfall.words(), **common, shortfall=shortfall)

@@ -20,6 +20,10 @@ from autofit.errors import UsageError
 MIB = 1024**2
 
 
+# A torch dtype's name -> the rate `GpuProfile.tflops` reads for compute in it (fp32: the rest).
+DTYPE_RATES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuProfile:
     """One GPU model. Memory in bytes, compute in TFLOP/s (10^12 FLOP/s), bandwidths in GB/s (10^9 B/s)."""

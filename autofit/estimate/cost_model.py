@@ -39,7 +39,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
 from autofit.config import Config
-from autofit.devices.gpus import GpuProfile
+from autofit.devices.gpus import DTYPE_RATES, GpuProfile
 from autofit.estimate.facts import ModelFacts
 from autofit.estimate.workload import Workload, workload
 from autofit.strategies import completed
@@ -57,7 +57,7 @@ __all__ = ["Links", "StepCost", "collective_seconds", "engine_host_ops", "host_s
 MFU = 0.5  # achievable share of peak tensor-core TFLOP/s in training
 HALF_SATURATION_TOKENS = 512  # tokens per micro-batch at which a GPU reaches half its utilisation
 SECONDS_PER_KERNEL = 10e-6  # host time to issue one op of an eager training step (bench/measurements/host_ops.py)
-DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}  # a dtype as `GpuProfile.tflops` names its rate
+DTYPE_NAMES = DTYPE_RATES  # a dtype as `GpuProfile.tflops` names its rate (the GPU catalogue's fact)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,14 @@ import dataclasses
 
 from typing import TYPE_CHECKING, Any
 
-from autofit.config import Config, Engine, Offload, Optimizer, Quantization, Sharding
+from autofit.config import Config, Engine, Offload, Optimizer, Precision, Quantization, Sharding
 from autofit.estimate.facts import ModelFacts
+from autofit.strategies.base import Rule
 from autofit.strategies.quantization import INT8_BYTES, nf4_bytes
 from autofit.units import format_size
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.estimate.simulation.step import ActivationPeak
 
 NF4_PACKED_BYTES = 0.5  # two 4-bit weights a byte: the parameter's data (`quant_storage` is only its dtype)
@@ -420,3 +422,61 @@ def usual_states(config: Config, num_params: int) -> tuple[float, float, float]:
         states = 0.0
         weights = 0.0 if config.zero_stage >= 3 else weights
     return weights, grads, states
+
+
+# -- the rules between knobs that belong to no one technique (`autofit.search.rules` checks them with the
+# strategies' own, `Strategy.rules`): an engine's limits on the knobs it shares with others, and the step in
+# backward's with precision and the optimizer.
+def _quantization_unsharded(c: Config, t: "Target") -> str | None:
+    if c.quantization is not Quantization.NONE and c.sharding is not Sharding.NONE:
+        return (f"bitsandbytes {c.quantization.value} base weights are not sharded by ZeRO/FSDP2 here: "
+                "QLoRA runs on one rank, or as plain data parallelism")
+    return None
+
+
+def _one_rank_shards_nothing(c: Config, t: "Target") -> str | None:
+    if c.sharding is not Sharding.NONE and c.num_gpus < 2 and not c.offloads:
+        return (f"{c.sharding.value} over one rank shards nothing; on one GPU an engine only serves the "
+                "offload rung")
+    return None
+
+
+def _pure_bf16_needs_torch(c: Config, t: "Target") -> str | None:
+    if c.pure_bf16 and c.engine is not Engine.TORCH:
+        return (f"{c.sharding.value} keeps fp32 master weights under its own bf16 mode (that is precision=bf16); "
+                "pure bf16 trains bf16 weights with torch's optimizer")
+    return None
+
+
+def _in_backward_needs_one_torch_rank(c: Config, t: "Target") -> str | None:
+    if c.steps_in_backward and (c.engine is not Engine.TORCH or c.num_gpus > 1):
+        return ("the optimizer step in backward needs each parameter's final gradient in its hook; an engine or "
+                "several ranks reduce gradients after the hook has fired")
+    return None
+
+
+def _in_backward_global_view(c: Config, t: "Target") -> str | None:
+    if c.steps_in_backward and c.precision is Precision.FP16:
+        return "fp16's GradScaler checks every gradient for inf/NaN before any step; in backward none is whole"
+    if c.steps_in_backward and c.optimizer is Optimizer.USER:
+        return "your own optimizer may couple parameters; the step in backward runs one optimizer per parameter"
+    return None
+
+
+def _hierarchy_needs_nodes(c: Config, t: "Target") -> str | None:
+    if c.sharding.hierarchical and c.nodes < 2:
+        return (f"{c.sharding.value} shards or partitions within a node and across the others; on one node it is "
+                "sharding over every GPU, without the hierarchy")
+    return None
+
+
+JOINT_RULES = (
+    Rule("quantized weights are not sharded", ("quantization", "sharding"), _quantization_unsharded),
+    Rule("one rank shards nothing", ("sharding", "num_gpus", "offload"), _one_rank_shards_nothing),
+    Rule("pure bf16 trains with torch", ("precision", "sharding"), _pure_bf16_needs_torch),
+    Rule("step in backward on one torch rank", ("optimizer_step", "sharding", "num_gpus"),
+         _in_backward_needs_one_torch_rank),
+    Rule("step in backward needs no global view", ("optimizer_step", "precision", "optimizer"),
+         _in_backward_global_view),
+    Rule("hierarchical sharding needs several nodes", ("sharding", "nodes"), _hierarchy_needs_nodes),
+)

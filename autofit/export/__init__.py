@@ -25,7 +25,6 @@ from autofit.export import accelerate, deepspeed, torchrun, trainer
 from autofit.export.measured import require_fit
 from autofit.export.model_setup import left_out, refusal
 from autofit.files import check_replaceable
-from autofit.strategies.deepspeed_config import deepspeed_config
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
@@ -103,4 +102,4 @@ def export_all(plan: "Plan", out_dir: str | Path, *, force: bool = False) -> lis
     return paths
 
 
-__all__ = ["FORMATS", "ExportWarning", "applicable", "deepspeed_config", "export", "export_all", "notes"]
+__all__ = ["FORMATS", "ExportWarning", "applicable", "export", "export_all", "notes"]

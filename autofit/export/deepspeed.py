@@ -1,6 +1,6 @@
-"""DeepSpeed JSON: the config `deepspeed.initialize` reads, as the ZeRO probes passed it
-(`autofit.strategies.deepspeed_config`, the single source of that dict), plus an "autofit" section with the
-measurement (DeepSpeed ignores unknown top-level keys).
+"""DeepSpeed JSON: the config `deepspeed.initialize` reads, as the ZeRO probes passed it (the engine
+strategy's file, `Strategy.launcher_files`: the single source of that dict), plus an "autofit" section with
+the measurement (DeepSpeed ignores unknown top-level keys).
 
 Over several nodes also a hostfile (a line per node, `slots` its GPUs) and deepspeed_launch.sh, which runs
 `deepspeed --hostfile` on the first node (DeepSpeed's runner starts every node's ranks over ssh) with the
@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from autofit.export import nodes
 from autofit.export.measured import comment_lines, measured, require_fit, with_launcher_keys
-from autofit.export.model_setup import left_out, setup_lines
+from autofit.export.model_setup import left_out, setup_lines, strategies_of
 from autofit.export.output import Output
-from autofit.strategies.deepspeed_config import FILENAME, plan_config
 
 if TYPE_CHECKING:
     from autofit.plan import Plan
 
-__all__ = ["FILENAME", "file_config", "files", "launched"]
+__all__ = ["engine_file", "file_config", "files", "launched"]
 SECTION = "autofit"  # the measurement and what your script applies: DeepSpeed ignores unknown top-level keys
 
 LAUNCH_FILENAME = "deepspeed_launch.sh"
@@ -41,14 +40,25 @@ def file_config(plan: "Plan") -> dict[str, Any]:
     return {**launched(plan), SECTION: record}
 
 
+def engine_file(plan: "Plan") -> tuple[str, dict[str, Any]]:
+    """The DeepSpeed config file of `plan` (its name, its dict) as the engine strategy builds it from the
+    plan's strategies (`Strategy.launcher_files`): what its ZeRO probes passed to `deepspeed.initialize`."""
+    strategies = strategies_of(plan)
+    found = {name: document for s in strategies for name, document in
+             s.launcher_files(plan.config, "deepspeed", strategies).items()}
+    if len(found) != 1:
+        raise RuntimeError(f"the deepspeed format writes one engine file; the strategies gave {sorted(found)}")
+    return next(iter(found.items()))
+
+
 def launched(plan: "Plan") -> dict[str, Any]:
     """What DeepSpeed reads of deepspeed.json: the plan's DeepSpeed config and the keys strategies add (the
     file without its "autofit" record)."""
     require_fit(plan)
-    return with_launcher_keys(plan_config(plan.config, plan.settings, plan.spec), plan, "deepspeed")
+    return with_launcher_keys(engine_file(plan)[1], plan, "deepspeed")
 
 
-def launch_script(plan: "Plan") -> str:
+def launch_script(plan: "Plan", filename: str) -> str:
     """deepspeed_launch.sh for a plan over several nodes: `deepspeed --hostfile` on the first node, the
     training script and its arguments, then the config."""
     command = ["deepspeed", *nodes.deepspeed_arguments(plan.config, f"$here/{nodes.HOSTFILE}")]
@@ -58,14 +68,15 @@ def launch_script(plan: "Plan") -> str:
         f"# (deepspeed.add_config_arguments). Name your nodes in {nodes.HOSTFILE} first.",
         "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         *nodes.setup_lines(plan.config, every_node=False),
-        f'exec {nodes.shell_join(command)} "$@" --deepspeed --deepspeed_config "$here/{FILENAME}"',
+        f'exec {nodes.shell_join(command)} "$@" --deepspeed --deepspeed_config "$here/{filename}"',
     ]) + "\n"
 
 
 def files(plan: "Plan", folder: Path) -> list[Output]:
     """deepspeed.json, and over several nodes the hostfile and deepspeed_launch.sh."""
-    out = [Output(FILENAME, json.dumps(file_config(plan), indent=2) + "\n")]
+    filename = engine_file(plan)[0]
+    out = [Output(filename, json.dumps(file_config(plan), indent=2) + "\n")]
     if plan.config.nodes > 1:
         out += [Output(nodes.HOSTFILE, nodes.hostfile(plan.config)),
-                Output(LAUNCH_FILENAME, launch_script(plan), executable=True)]
+                Output(LAUNCH_FILENAME, launch_script(plan, filename), executable=True)]
     return out

@@ -16,7 +16,6 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export import nodes
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import comment_lines, measured, python_literal, require_fit
@@ -146,8 +145,9 @@ def files(plan: "Plan", folder: Path) -> list[Output]:
     """torchrun.sh, plan.json and train_with_prepare.py (and deepspeed.json where the environment names it)."""
     out = [Output(FILENAME, script(plan), executable=True), plan_output(plan),
            Output(SCRIPT_FILENAME, training_script(plan))]
-    if DEEPSPEED_VARIABLE in environment(plan):
-        out.append(Output(DEEPSPEED_FILENAME, json.dumps(deepspeed_file_config(plan), indent=2) + "\n"))
+    deepspeed_name = launcher_keys(plan, "torchrun").get(DEEPSPEED_VARIABLE)  # the engine's file, as its strategy names it
+    if deepspeed_name:
+        out.append(Output(deepspeed_name, json.dumps(deepspeed_file_config(plan), indent=2) + "\n"))
     return out
 
 

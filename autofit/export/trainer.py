@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autofit.export import nodes
-from autofit.export.deepspeed import FILENAME as DEEPSPEED_FILENAME
 from autofit.export.deepspeed import file_config as deepspeed_file_config
 from autofit.export.measured import measured, python_literal, require_fit, with_launcher_keys
 from autofit.export.model_setup import setup_lines, strategies_of
@@ -174,11 +173,12 @@ def launch_words(plan: "Plan") -> str:
 def files(plan: "Plan", folder: Path) -> list[Output]:
     """trainer_args.json (the kwargs alone) and train_with_trainer.py (and deepspeed.json where the arguments
     name one, by its absolute path in `folder`, the export folder)."""
-    deepspeed_path = str((folder / DEEPSPEED_FILENAME).resolve())
+    deepspeed_name = training_arguments(plan).get(DEEPSPEED_ARGUMENT)  # the engine's file, as its strategy names it
+    deepspeed_path = str((folder / deepspeed_name).resolve()) if deepspeed_name else None
     out = [Output(FILENAME, json.dumps(training_arguments(plan, deepspeed_path), indent=2) + "\n"),
            Output(SCRIPT_FILENAME, script(plan))]
-    if DEEPSPEED_ARGUMENT in training_arguments(plan):
-        out.append(Output(DEEPSPEED_FILENAME, json.dumps(deepspeed_file_config(plan), indent=2) + "\n"))
+    if deepspeed_name:
+        out.append(Output(deepspeed_name, json.dumps(deepspeed_file_config(plan), indent=2) + "\n"))
     return out
 
 

@@ -12,7 +12,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from autofit.config import Config, Precision
 from autofit.errors import UsageError
 
 
@@ -55,19 +54,11 @@ class ModelInfo:
         """Whether the model was given in a 16-bit dtype (bf16 or fp16 weights)."""
         return self.weights_dtype in ("bfloat16", "float16")
 
-    def computes_in(self, precision: Precision) -> str:
-        """The dtype a step at `precision` computes in ("fp32", "bf16", "fp16"): fp32 means no autocast, so
-        a model given in bf16 or fp16 computes in its own dtype."""
-        if precision is Precision.PURE_BF16:
-            return "bf16"
-        if precision is Precision.FP32 and self.half_weights:
-            return "bf16" if self.weights_dtype == "bfloat16" else "fp16"
-        return precision.value
-
-    def noting_weights(self, reason: str, config: Config) -> str:
-        """`reason`, saying what fp32 (`config`'s precision) means for a model whose weights are 16-bit already:
-        no autocast, the step in the weights' own dtype (probes train the model as given)."""
-        if config.precision is not Precision.FP32 or not self.half_weights:
+    def noting_weights(self, reason: str, casts: bool) -> str:
+        """`reason`, saying what fp32 means for a model whose weights are 16-bit already: no autocast, the step
+        in the weights' own dtype (probes train the model as given). `casts`: whether the chosen config's step
+        computes in a dtype a strategy names (`autofit.strategies.compute_dtype`), which leaves nothing to say."""
+        if casts or not self.half_weights:
             return reason
         return (f"{reason.rstrip('.')}. The model's weights are {self.weights_dtype}: fp32 here means no "
                 f"autocast, so the step runs in {self.weights_dtype}, as the model was given (model.float() "

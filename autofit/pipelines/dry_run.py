@@ -32,6 +32,7 @@ from autofit.estimate.workload import workload
 from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, change_order, margin_between
 from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.search.space import Space, build_space
+from autofit.strategies import compute_dtype
 from autofit.job.target import Target
 from autofit.pipelines.candidate import Candidate, alternative, twins
 from autofit.pipelines.host_memory import host_note, host_shortfall, over_host
@@ -201,7 +202,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     if chosen:
         said = (_chosen_reason(chosen, fitting) + sync_note(chosen, estimator) + nodes_note(chosen, allowed)
                 + edge_note(near_choice))
-        reason, shortfall = spec.model.noting_weights(said, chosen.config), None
+        reason, shortfall = spec.model.noting_weights(said, compute_dtype(chosen.config) is not None), None
         reason += host_note(chosen, profile, spec.num_gpus) if host is None else ""
     elif over and host is not None:
         reason, shortfall = host_shortfall(over, host), None

@@ -71,6 +71,12 @@ def completed(strategies: Iterable[Strategy] = ()) -> list[Strategy]:
     return in_order([*strategies, *(s for s in [*default_strategies(), *plugins()] if type(s) not in given)])
 
 
+def compute_dtype(config: Any) -> Any:
+    """The 16-bit `torch.dtype` `config`'s step computes in: the first a strategy names
+    (`Strategy.compute_dtype`: an autocast's, 16-bit weights'); None where none casts (the model's own)."""
+    return next((dtype for s in completed() if (dtype := s.compute_dtype(config)) is not None), None)
+
+
 def for_plan(settings: dict[str, Any], summary: dict[str, Any], strategies: Iterable[Strategy] = ()) -> list[Strategy]:
     """The strategies a saved plan runs with (`completed`), each as the plan recorded it (`Strategy.recorded`:
     `settings` are `Plan.settings`, by knob; `summary` is `Plan.spec`)."""
@@ -115,5 +121,5 @@ def _normal(name: str) -> str:
     return name.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
 
 
-__all__ = sorted([*(cls.__name__ for cls in BUILT_IN), "BUILT_IN", "Option", "Placement", "Strategy", "completed",
+__all__ = sorted([*(cls.__name__ for cls in BUILT_IN), "BUILT_IN", "Option", "Placement", "Strategy", "completed", "compute_dtype",
                   "default_strategies", "for_plan", "in_order", "plugins", "resolve_strategies", "with_required"])

@@ -17,7 +17,10 @@ every exporter loop over without naming a technique:
 - `launcher_keys(config, fmt)`, `setup_lines(config, fmt)`, `refuses(config, fmt)`: the keys it writes into
   each launcher format, the Python lines an exported script runs on `model`, and why a format cannot say
   its value (naming the knob and the format that can). `recorded(settings, summary)` rebuilds it as a
-  saved plan recorded it (`settings`) for the exports and `prepare`.
+  saved plan recorded it (`settings`) for the exports and `prepare`. `deepspeed_keys(config, inputs)`: its
+  sections of DeepSpeed's config (`autofit.strategies.deepspeed_config` assembles them for the ZeRO probe,
+  the estimator's buffers and every export alike; `EngineInputs` carries what is not on `Config`), and
+  `launcher_files(config, fmt, strategies)`: the engine's own files a format writes (deepspeed.json).
 - `compute_dtype(config)`: the 16-bit dtype its value makes the forward compute in, which the search reads
   an error naming that dtype against.
 - `recomputes(config)`, `activation_knobs`: the share of the forward its value runs again in backward (the
@@ -67,6 +70,15 @@ class Placement(enum.IntEnum):
     IN_PROCESS = 0  # the caller's process
     CHILD = 1  # a child process: the knob touches process-global state (bitsandbytes paging, kernels)
     RANKS = 2  # launched ranks with a process group: an engine (DeepSpeed, FSDP2) or several ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInputs:
+    """What an engine's config needs beyond `Config` (`Strategy.deepspeed_keys`): the same for the probe that
+    trains with it and the exports that write it."""
+
+    nvme_path: str | None = None  # folder on a fast local disk for NVMe offload; None where none was given
+    hyperparameters: dict[str, Any] | None = None  # the optimizer's (lr, betas, eps, ...); None: a plan's or defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +322,20 @@ class Strategy(abc.ABC):
         "torchrun": environment variables torchrun.sh and accelerate_launch.sh export (upper-case names:
         `AUTOFIT_*`, or a library's own), and `max_grad_norm`, the default of train_with_prepare.py's
         clipping. Nothing for a format whose loader rejects keys it does not know."""
+        return {}
+
+    def deepspeed_keys(self, config: Config, inputs: EngineInputs) -> dict[str, Any]:
+        """This knob's keys of DeepSpeed's config for `config` (dotted names nest; the precision's bf16/fp16
+        section, the optimizer's, the offload targets), which `autofit.strategies.deepspeed_config` merges
+        into its skeleton (batch sizes, ZeRO stage, clipping, buffers): one dict for the ZeRO probe, the
+        estimator and every export. `inputs`: what the keys need beyond `config`; a plan's instance
+        (`recorded`) adds what the plan recorded. None by default."""
+        return {}
+
+    def launcher_files(self, config: Config, fmt: str, strategies: Sequence["Strategy"]) -> dict[str, dict[str, Any]]:
+        """The engine's own files launcher format `fmt` writes for `config` beside its own (file name ->
+        document; DeepSpeed's JSON), built with every strategy of the plan as it recorded them (`strategies`,
+        `autofit.strategies.for_plan`). None by default."""
         return {}
 
     def setup_lines(self, config: Config, fmt: str) -> list[str]:

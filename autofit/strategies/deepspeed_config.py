@@ -2,6 +2,9 @@
 
 `deepspeed_config(config, buffers=...)` is the single source of that dict: the ZeRO probe trains with it,
 the export writes it and the estimator counts its buffers, so the launched job runs what was measured.
+It writes the skeleton (batch sizes, ZeRO stage, clipping, buffers) and merges the sections each strategy
+owns (`Strategy.deepspeed_keys`: the precision's bf16/fp16, the optimizer's, the offload targets), naming
+no technique of its own.
 The buffers are sized for the model and the budget (`Buffers`), the way the Hugging Face integration
 fills its "auto" values; DeepSpeed's own defaults (5e8-element buckets, 2 GB at fp32) are sized for
 billions of parameters and would dwarf a small model's states.
@@ -10,13 +13,10 @@ billions of parameters and would dwarf a small model's states.
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
+from typing import Any, Sequence
 
-from autofit.config import Config, Optimizer, Precision
-from autofit.errors import UsageError
-from autofit.strategies.base import set_nested
-from autofit.strategies.optimizer import DEFAULTS, torch_name
+from autofit.config import Config
+from autofit.strategies.base import EngineInputs, Strategy, set_nested
 from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 
 FILENAME = "deepspeed.json"  # the file the exports write this config to, beside their own
@@ -27,8 +27,6 @@ KEYS = {
     "grad_accum_steps": "gradient_accumulation_steps",
     "global_batch_size": "train_batch_size",
     "zero_stage": "zero_optimization.stage",
-    "offload_optimizer": "zero_optimization.offload_optimizer",
-    "offload_param": "zero_optimization.offload_param",
     "gradient_clipping": "gradient_clipping",
     "reduce_bucket_size": "zero_optimization.reduce_bucket_size",
     "allgather_bucket_size": "zero_optimization.allgather_bucket_size",
@@ -70,7 +68,7 @@ class Buffers:
         if config.zero_stage == 3:
             live = DEEPSPEED_DEFAULTS["max_live_parameters"]
             if self.memory_budget:
-                live = min(live, int(LIVE_SHARE * self.memory_budget) // (2 if config.half_precision else 4))
+                live = min(live, int(LIVE_SHARE * self.memory_budget) // half_bytes(config))
             prefetch = _even(int(0.9 * square))
             out.update(prefetch_bucket_size=prefetch, param_persistence_threshold=10 * self.hidden_size,
                        max_live_parameters=live, max_reuse_distance=prefetch)
@@ -86,6 +84,14 @@ def deepspeed_elements(config: Config, buffers: Buffers | None) -> dict[str, int
     return {k: sized.get(k, DEEPSPEED_DEFAULTS[k]) for k in keys}
 
 
+def half_bytes(config: Config) -> int:
+    """Bytes of a parameter as DeepSpeed trains it: 2 where a strategy makes the step compute in a 16-bit
+    dtype (`Strategy.compute_dtype`: DeepSpeed's bf16/fp16 mode), else 4 (fp32)."""
+    from autofit.strategies import compute_dtype
+
+    return 4 if compute_dtype(config) is None else 2
+
+
 def buffers_for(summary: dict[str, Any]) -> Buffers | None:
     """The `Buffers` of a spec summary (a plan's `spec`): None for plans that predate them (no hidden size)."""
     hidden = summary.get("hidden_size")
@@ -97,123 +103,50 @@ def _even(elements: int) -> int:
     return max(2, elements + elements % 2)
 
 
-# precision -> DeepSpeed's section. fp16 uses dynamic loss scaling (loss_scale 0), as GradScaler does.
-PRECISION = {
-    Precision.FP32.value: {},
-    Precision.BF16.value: {"bf16": {"enabled": True}},
-    Precision.FP16.value: {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}},
-}
-
-# The optimizers DeepSpeed builds itself from its config (with ZeRO-Offload it swaps in its CPU Adam), with
-# the hyperparameters the probe used (`hyperparameters`: the user's, else torch's defaults). A type
-# DeepSpeed does not know by name is looked up in torch.optim (deepspeed/runtime/engine.py,
-# _configure_basic_optimizer: `getattr(torch.optim, self.optimizer_name())`), which is how Adafactor is named. bitsandbytes' 8-bit optimizers have no name
-# there: the `deepspeed` format refuses them (`OptimizerStates.refuses`); a user's own optimizer is passed to
-# deepspeed.initialize(optimizer=...) by the script.
-DEEPSPEED_OPTIMIZERS = {
-    # torch_adam: torch's AdamW, not DeepSpeed's FusedAdam, which is compiled with nvcc on first use
-    # (deepspeed/runtime/engine.py, get_optimizer_configuration: `torch_adam` is read before the offload
-    # check, so it is only set without offload, where DeepSpeed's CPU Adam steps on the host).
-    Optimizer.ADAMW.value: "AdamW",
-    Optimizer.ADAFACTOR.value: "Adafactor",  # torch.optim.Adafactor
-}
-
-# torch optimizers a plan tuned with your own may name: DeepSpeed looks a type it does not know up in
-# torch.optim (see above); Adagrad is left out, as DeepSpeed reads "adagrad" as its own CPU Adagrad.
-TORCH_BY_NAME = ("SGD", "RMSprop")
-
-# offload value -> where (optimizer states, parameters) go. Parameters can only leave the GPU at ZeRO-3.
-OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "nvme"}
-
-
-
 def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: Buffers | None = None,
                      gradient_clipping: float = DEFAULT_GRADIENT_CLIPPING,
-                     hyperparameters: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The DeepSpeed config dict for `config` (what `deepspeed.initialize(config=...)` takes).
+                     hyperparameters: dict[str, Any] | None = None,
+                     strategies: Sequence[Strategy] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict for `config` (what `deepspeed.initialize(config=...)` takes): the skeleton
+    (batch sizes, ZeRO stage, clipping, buffers) with every strategy's sections merged in, in rung order
+    (`Strategy.deepspeed_keys`: the precision's, the optimizer's, the offload targets).
 
     Args:
         config: the autofit configuration (micro-batch, accumulation, precision, ZeRO stage, offload).
-        nvme_path: folder for NVMe offload; required when `config.offload == "nvme"`.
+        nvme_path: folder for NVMe offload; required when `config` offloads to NVMe.
         buffers: bucket sizes for the model and budget; None leaves DeepSpeed's defaults.
         gradient_clipping: max global gradient norm (0 disables clipping).
-        hyperparameters: the optimizer's (lr, betas, eps, weight_decay); None: the optimizer's defaults.
+        hyperparameters: the optimizer's (lr, betas, eps, weight_decay); None: the plan's (`strategies`) or
+            the optimizer's defaults.
+        strategies: the strategies whose keys are merged, a saved plan's as it recorded them (`for_plan`);
+            None: every built-in and plug-in one (`completed`).
     """
+    from autofit.strategies import completed
+
     flat: dict[str, Any] = {
         "micro_batch_size": config.micro_batch_size,
         "grad_accum_steps": config.grad_accum_steps,
         "global_batch_size": config.global_batch_size,
         "zero_stage": config.zero_stage,
         "gradient_clipping": gradient_clipping,
-        **_offload(config, nvme_path),
-        **(buffers.elements(config) if buffers is not None else {}),
     }
     out: dict[str, Any] = {}
     for name, value in flat.items():
         set_nested(out, KEYS[name], value)
-    out.update(PRECISION[config.precision])
-    name = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
-    if name is not None:
-        params = {**DEFAULTS[config.optimizer], **(hyperparameters or {})}
-        out["optimizer"] = {"type": name, "params": json.loads(json.dumps(params))}  # a copy: callers may edit theirs
-        if config.optimizer is Optimizer.ADAMW and not config.offloads:
-            # torch's fused AdamW: one kernel over the flat fp32 partition, no temporaries (the
-            # single-tensor path makes two of the partition's size, the foreach path one); the
-            # keys DeepSpeed does not read go to the constructor (engine.py, _configure_basic_optimizer)
-            out["optimizer"]["params"].update(torch_adam=True, fused=True)
-    if config.zero_stage and config.optimizer is not Optimizer.ADAMW:
-        out["zero_allow_untested_optimizer"] = True  # ZeRO tests its own Adam types; others run as they are
+    inputs = EngineInputs(nvme_path, hyperparameters)
+    for strategy in completed() if strategies is None else strategies:
+        for dotted, value in strategy.deepspeed_keys(config, inputs).items():
+            set_nested(out, dotted, value)
+    for name, value in (buffers.elements(config) if buffers is not None else {}).items():
+        set_nested(out, KEYS[name], value)
     return out
-
-
-def _offload(config: Config, nvme_path: str | None) -> dict[str, Any]:
-    device = OFFLOAD[config.offload]
-    if device is None:
-        return {}
-    if config.zero_stage == 0:
-        raise UsageError(f"offload={config.offload!r} needs ZeRO (zero_stage 1-3) but zero_stage is 0; "
-                         "set zero_stage, e.g. 2 for optimizer offload or 3 to offload parameters too.")
-    target: dict[str, Any] = {"device": device, "pin_memory": True}
-    if device == "nvme":
-        if not nvme_path:
-            raise UsageError("offload='nvme' needs a folder on a fast local disk: pass nvme_path=... "
-                             "(autofit.autofit(nvme_path=...), autofit tune --nvme-path DIR).")
-        target["nvme_path"] = str(nvme_path)
-    flat = {"offload_optimizer": dict(target)}
-    if config.zero_stage == 3:
-        flat["offload_param"] = dict(target)
-    return flat
-
-
 
 
 def plan_config(config: Config, settings: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """`deepspeed_config` of a saved plan: its NVMe folder and buffers from its spec `summary` (`Plan.spec`),
-    the hyperparameters its probes' optimizer was built with from its `settings` (`Plan.settings`), and your
-    own torch optimizer by name where DeepSpeed builds it so (`TORCH_BY_NAME`)."""
-    recorded = settings.get("optimizer", {})
-    out = deepspeed_config(config, nvme_path=summary.get("nvme_path"), buffers=buffers_for(summary),
-                           hyperparameters=recorded.get("kwargs"))
-    if torch_name(recorded) in TORCH_BY_NAME:  # your own torch optimizer, which DeepSpeed builds by name
-        out["optimizer"] = {"type": torch_name(recorded), "params": dict(recorded["kwargs"])}
-    return out
+    and its strategies as it recorded them (`settings`: `Plan.settings`; the hyperparameters its probes'
+    optimizer was built with, your own torch optimizer by name)."""
+    from autofit.strategies import for_plan
 
-
-def accelerate_section(config: Config, nvme_path: str | None) -> dict[str, Any]:
-    """accelerate's flat DeepSpeed keys for `config` (it maps them to DeepSpeed's nested ones itself)."""
-    device = OFFLOAD.get(config.offload) or "none"
-    section: dict[str, Any] = {
-        "zero_stage": config.zero_stage,
-        "gradient_accumulation_steps": config.grad_accum_steps,
-        "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
-        "offload_optimizer_device": device,
-        "offload_param_device": device if config.zero_stage == 3 else "none",
-        "zero3_init_flag": config.zero_stage == 3,
-    }
-    if device == "nvme" and nvme_path:
-        section["offload_optimizer_nvme_path"] = str(nvme_path)
-        if config.zero_stage == 3:
-            section["offload_param_nvme_path"] = str(nvme_path)
-    if config.zero_stage == 3:
-        section["zero3_save_16bit_model"] = True
-    return section
+    return deepspeed_config(config, nvme_path=summary.get("nvme_path"), buffers=buffers_for(summary),
+                            strategies=for_plan(settings, summary))

@@ -16,15 +16,16 @@ import shutil
 from typing import TYPE_CHECKING, Any, Callable
 
 from autofit.devices.device import check_nvme_path
-from autofit.config import Config
+from autofit.config import Config, Engine
 from autofit.config import Offload as O
 from autofit.errors import UsageError
-from autofit.strategies.base import Ladder, Option, Placement
+from autofit.strategies.base import EngineInputs, Ladder, Option, Placement, Rule
 from autofit.units import format_size
 
 CPU_ADAM_PARAMS_PER_S = 1e9  # DeepSpeed CPU Adam, parameters updated per second per rank (the cost model)
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.job.train_spec import TrainSpec
     from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
@@ -119,6 +120,30 @@ class StateOffloading(Ladder):
     def replays_training(self, config: Config) -> bool:
         return not config.offloads
 
+    def rules(self) -> tuple[Rule, ...]:
+        """Offload moves states through an engine, and only ZeRO-3 writes them to NVMe."""
+        return (Rule("offload needs an engine", ("offload", "sharding"), _offload_needs_engine),
+                Rule("NVMe needs ZeRO-3", ("offload", "sharding"), _nvme_needs_zero3))
+
+    def deepspeed_keys(self, config: Config, inputs: EngineInputs) -> dict[str, Any]:
+        """ZeRO-Offload's targets: the optimizer states to the host or NVMe (`inputs.nvme_path`), the
+        parameters too at ZeRO-3 (the only stage whose parameters can leave the GPU)."""
+        if not config.offloads:
+            return {}
+        if config.zero_stage == 0:
+            raise UsageError(f"offload={config.offload.value!r} needs ZeRO (zero_stage 1-3) but zero_stage is 0; "
+                             "set zero_stage, e.g. 2 for optimizer offload or 3 to offload parameters too.")
+        target: dict[str, Any] = {"device": config.offload.value, "pin_memory": True}
+        if config.offload is O.NVME:
+            if not inputs.nvme_path:
+                raise UsageError("offload='nvme' needs a folder on a fast local disk: pass nvme_path=... "
+                                 "(autofit.autofit(nvme_path=...), autofit tune --nvme-path DIR).")
+            target["nvme_path"] = str(inputs.nvme_path)
+        keys = {"zero_optimization.offload_optimizer": dict(target)}
+        if config.zero_stage == 3:
+            keys["zero_optimization.offload_param"] = dict(target)
+        return keys
+
 
 def _probed_here(spec: "TrainSpec") -> bool:
     """Whether `spec` probes on a card of this machine (not a dry-run's plan for another one)."""
@@ -147,3 +172,17 @@ def aio_problem() -> str | None:
         return None
     return ("NVMe offload needs DeepSpeed's async_io op, which cannot build here (libaio is missing): "
             "apt install libaio-dev (or yum install libaio-devel), then check with ds_report")
+
+
+def _offload_needs_engine(c: Config, t: "Target") -> str | None:
+    if c.offloads and c.engine is Engine.TORCH:
+        return (f"offload={c.offload.value} moves states through an engine: it needs ZeRO or FSDP2 sharding "
+                "(on one GPU too)")
+    return None
+
+
+def _nvme_needs_zero3(c: Config, t: "Target") -> str | None:
+    if c.offload is O.NVME and c.zero_stage != 3:
+        return (f"NVMe offload needs DeepSpeed ZeRO-3; with {c.sharding.value} DeepSpeed offloads to the CPU "
+                "instead and FSDP2 offloads to the CPU only")
+    return None

@@ -10,18 +10,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autofit.config import Config
+from autofit.config import Config, Engine
 from autofit.config import Optimizer as O
 from autofit.errors import MissingExtraError, UsageError
-from autofit.strategies.base import Option, Placement, Strategy
+from autofit.strategies.base import EngineInputs, Option, Placement, Rule, Strategy
 from autofit.units import format_size
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
     from autofit.job.train_spec import TrainSpec
@@ -78,6 +80,11 @@ class OptimizerStates(Strategy):
         """Paged optimizers allocate unified memory outside the allocator: probe them in a child process."""
         return Placement.CHILD if config.optimizer is O.PAGED_ADAMW8BIT else Placement.IN_PROCESS
 
+    def rules(self) -> tuple[Rule, ...]:
+        """8-bit states step on the GPU only; torch's Adafactor cannot step FSDP2's sharded parameters."""
+        return (Rule("8-bit states cannot step on the host", ("offload", "optimizer"), _offload_eight_bit),
+                Rule("Adafactor cannot step FSDP2 shards", ("sharding", "optimizer"), _fsdp_adafactor))
+
     def settings(self, config: Config, spec: "TrainSpec") -> dict[str, Any]:
         """The optimizer the probe built: its class (a user's own where it was given as an instance), the
         hyperparameters it was built with, defaults filled in (an instance's as its groups hold them, the
@@ -98,6 +105,7 @@ class OptimizerStates(Strategy):
             check_class(run.config, run.optimizer, "the guard was given")
             return
         run.optimizer_factory = make_factory(run.config.optimizer, run.spec.optimizer)
+        run.hyperparameters = hyperparameters(run.config.optimizer, run.spec.optimizer)  # an engine's own optimizer
 
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         return {}
@@ -138,6 +146,29 @@ class OptimizerStates(Strategy):
                     f"(it names {', '.join(TRAINER_TORCH_OPTIM)} and the Adam types): export torchrun "
                     "(autofit.prepare builds it), or pass Trainer(optimizers=(optimizer, None)) yourself")
         return None
+
+    def deepspeed_keys(self, config: Config, inputs: EngineInputs) -> dict[str, Any]:
+        """The optimizer DeepSpeed builds from its config (`DEEPSPEED_OPTIMIZERS`) with the probe's
+        hyperparameters (`inputs`: the probe's, else the plan's, else the defaults), or your own torch optimizer
+        by name (`TORCH_BY_NAME`); none for another, which the script hands to `deepspeed.initialize`."""
+        out: dict[str, Any] = {}
+        recorded_settings = self.trained  # a plan's (`recorded`); nothing for a probe's
+        name = DEEPSPEED_OPTIMIZERS.get(config.optimizer)
+        if name is not None:
+            given = inputs.hyperparameters if inputs.hyperparameters is not None else recorded_settings.get("kwargs")
+            params = {**DEFAULTS[config.optimizer], **(given or {})}
+            out["optimizer"] = {"type": name, "params": json.loads(json.dumps(params))}  # a copy: callers may edit theirs
+            if config.optimizer is O.ADAMW and not config.offloads:
+                # torch's fused AdamW: one kernel over the flat fp32 partition, no temporaries (the
+                # single-tensor path makes two of the partition's size, the foreach path one); the
+                # keys DeepSpeed does not read go to the constructor (engine.py, _configure_basic_optimizer)
+                out["optimizer"]["params"].update(torch_adam=True, fused=True)
+        if config.zero_stage and config.optimizer is not O.ADAMW:
+            out["zero_allow_untested_optimizer"] = True  # ZeRO tests its own Adam types; others run as they are
+        own = torch_name(recorded_settings)
+        if own in TORCH_BY_NAME:  # your own torch optimizer, which DeepSpeed builds by name
+            out["optimizer"] = {"type": own, "params": dict(recorded_settings["kwargs"])}
+        return out
 
     def observed(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
         return {"optimizer": knob_of(optimizer)}  # a class autofit does not search is the user's own
@@ -304,6 +335,22 @@ def _kwargs_for(name: O, chosen: "OptimizerSpec") -> dict[str, Any]:
 DEFAULTS = {O.ADAMW: {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2},
             O.ADAFACTOR: {"lr": 1e-2, "weight_decay": 0.0}}
 CLASS_NAMES.update(BNB)
+
+# The optimizers DeepSpeed builds itself from its config (with ZeRO-Offload it swaps in its CPU Adam). A type
+# DeepSpeed does not know by name is looked up in torch.optim (deepspeed/runtime/engine.py,
+# _configure_basic_optimizer: `getattr(torch.optim, self.optimizer_name())`), which is how Adafactor is named.
+# bitsandbytes' 8-bit optimizers have no name there: the `deepspeed` format refuses them (`refuses`); a
+# user's own optimizer is passed to deepspeed.initialize(optimizer=...) by the script.
+DEEPSPEED_OPTIMIZERS = {
+    # torch_adam: torch's AdamW, not DeepSpeed's FusedAdam, which is compiled with nvcc on first use
+    # (deepspeed/runtime/engine.py, get_optimizer_configuration: `torch_adam` is read before the offload
+    # check, so it is only set without offload, where DeepSpeed's CPU Adam steps on the host).
+    O.ADAMW: "AdamW",
+    O.ADAFACTOR: "Adafactor",  # torch.optim.Adafactor
+}
+# torch optimizers a plan tuned with your own may name: DeepSpeed looks a type it does not know up in
+# torch.optim (see above); Adagrad is left out, as DeepSpeed reads "adagrad" as its own CPU Adagrad.
+TORCH_BY_NAME = ("SGD", "RMSprop")
 CLASSES = {**{name: f"torch.optim.{cls.__name__}" for name, cls in TORCH_CLASSES.items()},
            **{name: f"bitsandbytes.optim.{cls}" for name, cls in BNB.items()}}
 
@@ -414,3 +461,17 @@ def _import_bnb() -> Any:
     except ImportError as exc:
         raise MissingExtraError("bitsandbytes", "bnb", "8-bit optimizers") from exc
     return bitsandbytes
+
+
+def _offload_eight_bit(c: Config, t: "Target") -> str | None:
+    if c.offloads and c.optimizer.eight_bit:
+        return f"{c.optimizer.value} steps on the GPU; offloaded states step on the host"
+    return None
+
+
+def _fsdp_adafactor(c: Config, t: "Target") -> str | None:
+    if c.engine is Engine.FSDP and c.optimizer is O.ADAFACTOR:
+        # measured on 2 CPU ranks (torch 2.13): "aten.pow_.Scalar: in-place operations that require
+        # placement changes are not supported" in torch.optim.Adafactor's factored row/column norms
+        return "torch's Adafactor cannot step FSDP2's sharded (DTensor) parameters: its in-place norms fail"
+    return None

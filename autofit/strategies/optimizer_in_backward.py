@@ -6,7 +6,7 @@ one being applied (4 bytes per parameter in fp32, 2 in pure bf16). It is the sam
 backward only where every update reads its own parameter alone: accumulation 1 (otherwise the step would
 run once per micro-batch), no clipping of the global gradient norm, no fp16 loss scaler (which checks
 every gradient first), one torch rank (an engine or DDP reduces gradients after the hook) -- the rules
-in `autofit.search.rules` keep it there, so it is tier 0. Costs the optimizer's multi-tensor (foreach)
+(`autofit.search.rules`) keep it there, so it is tier 0. Costs the optimizer's multi-tensor (foreach)
 kernels: one small step per parameter.
 
 In your own loop: `optimizer = InBackward(model.parameters(), torch.optim.AdamW)`, then `loss.backward()`
@@ -26,11 +26,19 @@ from torch import nn
 from autofit.config import Config
 from autofit.config import OptimizerStep as S
 from autofit.errors import UsageError
-from autofit.strategies.base import Option, Strategy
+from autofit.strategies.base import Option, Rule, Strategy
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.strategies.run import TrainRun
     from autofit.job.train_spec import TrainSpec
+
+
+def _in_backward_accumulation(c: Config, t: "Target") -> str | None:
+    if c.steps_in_backward and c.grad_accum_steps > 1:
+        return (f"the optimizer step in backward is exact only at accumulation 1: at {c.grad_accum_steps} it "
+                "would step once per micro-batch")
+    return None
 
 
 class OptimizerInBackward(Strategy):
@@ -44,6 +52,11 @@ class OptimizerInBackward(Strategy):
         return [Option(S.AFTER_BACKWARD, 0, "one optimizer step after backward"),
                 Option(S.IN_BACKWARD, 0, "optimizer step per parameter inside backward: no whole-model gradients "
                        "(accumulation 1, no global clipping)")]
+
+    def rules(self) -> tuple[Rule, ...]:
+        """The step in backward is exact at accumulation 1 only (its other limits are joint ones,
+        `autofit.estimate.states.JOINT_RULES`)."""
+        return (Rule("step in backward at accumulation 1", ("optimizer_step", "grad_accum_steps"), _in_backward_accumulation),)
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
         return a.steps_in_backward or not b.steps_in_backward

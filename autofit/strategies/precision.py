@@ -6,12 +6,13 @@ states stay fp32.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofit.config import Config, Precision as P
-from autofit.strategies.base import Option, Strategy, mixes_dtypes
+from autofit.strategies.base import EngineInputs, Option, Strategy, mixes_dtypes
 
 if TYPE_CHECKING:
     from autofit.job.train_spec import TrainSpec
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 
 DTYPES = {P.BF16: torch.bfloat16, P.FP16: torch.float16}
 ACCELERATE = {P.FP32: "no", P.BF16: "bf16", P.FP16: "fp16"}  # accelerate's `mixed_precision`
+# precision -> DeepSpeed's section. fp16 uses dynamic loss scaling (loss_scale 0), as GradScaler does.
+DEEPSPEED = {P.BF16: {"bf16": {"enabled": True}},
+             P.FP16: {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}}
 
 
 class MixedPrecision(Strategy):
@@ -79,6 +83,11 @@ class MixedPrecision(Strategy):
         if fmt == "accelerate":  # pure bf16 casts in the script: no mixed precision
             return {"mixed_precision": ACCELERATE.get(config.precision, "no")}
         return {}
+
+    def deepspeed_keys(self, config: Config, inputs: EngineInputs) -> dict[str, Any]:
+        """DeepSpeed's bf16 or fp16 mode (16-bit weights and gradients, fp32 master weights); none in fp32.
+        A copy: callers may edit theirs."""
+        return copy.deepcopy(DEEPSPEED.get(config.precision, {}))
 
     def explain(self, config: Config, exc: BaseException) -> str:
         if config.precision not in DTYPES or not mixes_dtypes(exc):

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from autofit.config import Config, Precision as P
-from autofit.strategies.base import Option, Strategy, mixes_dtypes
+from autofit.errors import UsageError
+from autofit.strategies.base import EngineInputs, Option, Strategy, mixes_dtypes
 from autofit.strategies.run import cast_floating, cast_inputs  # noqa: F401 (the casts live with the run)
 
 if TYPE_CHECKING:
@@ -73,6 +74,14 @@ class PureBf16(Strategy):
             return ("DeepSpeed's bf16 mode keeps fp32 master weights; the plan trains pure bf16 weights with "
                     "torch's optimizer: export trainer or torchrun instead")
         return None
+
+    def deepspeed_keys(self, config: Config, inputs: EngineInputs) -> dict[str, Any]:
+        """None: DeepSpeed has no pure bf16 mode (its bf16 keeps fp32 master weights); refused, as the
+        search's rule and the deepspeed format refuse it."""
+        if config.pure_bf16:
+            raise UsageError("precision='pure_bf16' trains bf16 weights with torch's optimizer; DeepSpeed's bf16 mode "
+                             "keeps fp32 master weights: use precision='bf16' with ZeRO, or pure bf16 without it.")
+        return {}
 
     def explain(self, config: Config, exc: BaseException) -> str:
         if not (config.pure_bf16 and mixes_dtypes(exc)):

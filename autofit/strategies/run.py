@@ -79,6 +79,9 @@ class TrainRun:
     engine_factory: Callable[["TrainRun"], "Engine | None"] | None = None
     engine: "Engine | None" = None
     nvme_path: str | None = None  # folder for NVMe offload, set by the offload strategy for the engine
+    # The optimizer's hyperparameters (lr, betas, ...; defaults filled in), set by the optimizer strategy for an
+    # engine that builds the optimizer from its config (DeepSpeed); None: the optimizer's defaults.
+    hyperparameters: dict[str, Any] | None = None
     phase: str = "build"  # what the run is doing (`autofit.probe.outcome.PHASES`): an OOM records it
     # The largest global gradient norm before the step (`autofit.prepare`'s `max_grad_norm`); 0 clips nothing.
     # None (probes): as the exports run, DeepSpeed's config clipping at 1.0, torch's steps unclipped.

@@ -135,5 +135,7 @@ class ShardingEngine(Strategy):
     def simulated_as(self, config: Config, facts: dict[str, Any]) -> dict[str, Any]:
         if not self.owns(config):
             return {}
-        half = {"weights16": True, "_cast_whole": True} if config.half_precision else {}
+        from autofit.strategies import compute_dtype
+
+        half = {"weights16": True, "_cast_whole": True} if compute_dtype(config) is not None else {}
         return {"_untied": True, **half}

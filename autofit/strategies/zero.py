@@ -21,17 +21,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from autofit.config import Config, Engine, Sharding
-from autofit.strategies.base import Option, set_nested
+from autofit.config import Config, Engine, Optimizer, Sharding
+from autofit.strategies.base import Option, Rule, Strategy, set_nested
+from autofit.strategies.run import DEFAULT_GRADIENT_CLIPPING
 from autofit.strategies.costs import summed, times
-from autofit.strategies.deepspeed_config import FILENAME, accelerate_section, buffers_for, deepspeed_elements
+from autofit.strategies.deepspeed_config import (FILENAME, Buffers, buffers_for, deepspeed_config, deepspeed_elements,
+                                                 half_bytes)
 from autofit.strategies.deepspeed_install import installed_version, version_problem
 from autofit.strategies.memory import EngineFacts, EngineMemory
 from autofit.strategies.sharding import ShardingEngine
 
 if TYPE_CHECKING:
+    from autofit.job.target import Target
     from autofit.job.train_spec import TrainSpec
     from autofit.strategies.costs import StepFacts
     from autofit.strategies.run import TrainRun
@@ -49,6 +52,7 @@ class Zero(ShardingEngine):
     label = "ZeRO"
     order = 0  # rung 6: ZeRO, FSDP2, then the rank count
     nvme_path: str | None = None  # the plan's NVMe folder, where this instance is a plan's (`recorded`)
+    buffers: Buffers | None = None  # DeepSpeed's buffers sized for the plan's model and budget (`recorded`)
 
     def not_installed(self) -> str | None:
         if installed_version() is None:
@@ -63,6 +67,12 @@ class Zero(ShardingEngine):
         return [dataclasses.replace(o, available=False, reason="ZeRO++'s quantized collectives run on DeepSpeed's "
                                     f"CUDA kernels; {spec.target.name} is not a CUDA device")
                 if o.value is Sharding.ZERO3_HPZ_QUANTIZED and o.available else o for o in super().options(spec)]
+
+    def rules(self) -> tuple[Rule, ...]:
+        """ZeRO-Offload's optimizer, and ZeRO++'s partition and quantized collectives."""
+        return (Rule("ZeRO-Offload steps with CPU Adam", ("offload", "sharding", "optimizer"), _zero_offload_optimizer),
+                Rule("ZeRO++'s node partition stays on the GPU", ("sharding", "offload"), _hierarchy_keeps_weights_on_gpu),
+                Rule("ZeRO++ quantizes 16-bit collectives", ("sharding", "precision"), _quantized_collectives_half))
 
     def tier(self, value: Sharding) -> int:
         return 1 if value is Sharding.ZERO3_HPZ_QUANTIZED else 0
@@ -83,9 +93,10 @@ class Zero(ShardingEngine):
         return super().unavailable_reason(spec)
 
     def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Zero":
-        """ZeRO as the plan's exports need it: its NVMe folder (`Plan.spec`)."""
+        """ZeRO as the plan's exports need it: its NVMe folder and buffers (`Plan.spec`)."""
         rebuilt = Zero()
         rebuilt.nvme_path = summary.get("nvme_path")
+        rebuilt.buffers = buffers_for(summary)
         return rebuilt
 
     def half_gradients(self, config: Config) -> bool:
@@ -136,6 +147,14 @@ class Zero(ShardingEngine):
             return hierarchy_keys(config)
         return {}
 
+    def launcher_files(self, config: Config, fmt: str, strategies: Sequence[Strategy]) -> dict[str, dict[str, Any]]:
+        """The deepspeed format's deepspeed.json (`FILENAME`): `deepspeed_config` with the plan's NVMe folder,
+        buffers and strategies (every config: ZeRO stage 0 is DeepSpeed's data parallelism)."""
+        if fmt != "deepspeed":
+            return {}
+        return {FILENAME: deepspeed_config(config, nvme_path=self.nvme_path, buffers=self.buffers,
+                                           strategies=strategies)}
+
     def refuses(self, config: Config, fmt: str) -> str | None:
         if fmt == "accelerate" and config.sharding.hierarchical and self.owns(config):
             return (f"accelerate's DeepSpeed section has no key for ZeRO++'s partitions within a node "
@@ -154,6 +173,30 @@ class Zero(ShardingEngine):
             run.engine_factory = build_engine
 
 
+def _zero_offload_optimizer(c: Config, t: "Target") -> str | None:
+    if c.offloads and c.engine is Engine.DEEPSPEED and c.optimizer is not Optimizer.ADAMW:
+        return (f"ZeRO-Offload steps on the host with DeepSpeed's CPU Adam; DeepSpeed refuses "
+                f"optimizer={c.optimizer.value} there")
+    return None
+
+
+def _hierarchy_keeps_weights_on_gpu(c: Config, t: "Target") -> str | None:
+    if c.sharding.hierarchical and c.engine is Engine.DEEPSPEED and c.offloads:
+        # DeepSpeed allocates the secondary partition on the parameters' device (partition_parameters.py
+        # `_partition_param_sec`: `device=self.remote_device`), the host under parameter offload
+        return (f"{c.sharding.value}'s secondary partition of the weights is there for the backward's gathers over "
+                f"the node's links; with offload={c.offload.value} DeepSpeed keeps it on the host, so they would "
+                "cross PCIe instead: offload with zero3")
+    return None
+
+
+def _quantized_collectives_half(c: Config, t: "Target") -> str | None:
+    if c.sharding is Sharding.ZERO3_HPZ_QUANTIZED and half_bytes(c) == 4:
+        return ("ZeRO++ quantizes the 16-bit weights and gradients DeepSpeed communicates under bf16/fp16; in fp32 "
+                "use zero3_hpz")
+    return None
+
+
 def hierarchy_keys(config: Config) -> dict[str, Any]:
     """ZeRO++'s keys of the DeepSpeed config for `config` (dotted): the secondary partition within a node
     (hpZ) and the quantized collectives (qwZ, qgZ); none for the other values."""
@@ -164,6 +207,26 @@ def hierarchy_keys(config: Config) -> dict[str, Any]:
         keys.update({"zero_optimization.zero_quantized_weights": True,
                      "zero_optimization.zero_quantized_gradients": True})
     return keys
+
+
+def accelerate_section(config: Config, nvme_path: str | None) -> dict[str, Any]:
+    """accelerate's flat DeepSpeed keys for `config` (it maps them to DeepSpeed's nested ones itself)."""
+    device = config.offload.value if config.offloads else "none"
+    section: dict[str, Any] = {
+        "zero_stage": config.zero_stage,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
+        "offload_optimizer_device": device,
+        "offload_param_device": device if config.zero_stage == 3 else "none",
+        "zero3_init_flag": config.zero_stage == 3,
+    }
+    if device == "nvme" and nvme_path:
+        section["offload_optimizer_nvme_path"] = str(nvme_path)
+        if config.zero_stage == 3:
+            section["offload_param_nvme_path"] = str(nvme_path)
+    if config.zero_stage == 3:
+        section["zero3_save_16bit_model"] = True
+    return section
 
 
 class DeepSpeedEngine:
@@ -195,24 +258,23 @@ def build_engine(run: "TrainRun") -> DeepSpeedEngine:
                            "no process group here")
     import deepspeed
 
-    from autofit.strategies.deepspeed_config import buffers_for, deepspeed_config
-    from autofit.strategies.optimizer import hyperparameters
+    from autofit.strategies import compute_dtype
 
     clipping = {} if run.max_grad_norm is None else {"gradient_clipping": run.max_grad_norm}
     config = deepspeed_config(run.config, nvme_path=run.nvme_path, buffers=buffers_for(run.spec.summary()),
-                              hyperparameters=hyperparameters(run.config.optimizer, run.spec.optimizer), **clipping)
+                              hyperparameters=run.hyperparameters, **clipping)
     for dotted, value in hierarchy_keys(run.config).items():  # as the export writes them (`launcher_keys`)
         set_nested(config, dotted, value)
     if run.spec.device.type == "cpu":
         _gloo_collectives(deepspeed)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
+    dtype = compute_dtype(run.config)  # DeepSpeed's bf16/fp16 mode: the precision's section of `config`
     if run.config.shards_parameters:
-        partition(run.model, config)
+        partition(run.model, config, dtype)
     params = [p for p in run.model.parameters() if p.requires_grad]
     optimizer = None if "optimizer" in config else _factory(run)(params)
     engine, optimizer, _, _ = deepspeed.initialize(model=run.model, model_parameters=params, optimizer=optimizer,
                                                    config=config)
-    dtype = _half_dtype(config)
     if dtype is not None:
         from autofit.strategies.run import cast_inputs
 
@@ -237,7 +299,7 @@ def _gloo_collectives(deepspeed: Any) -> None:
         compatible["deepspeed_shm_comm"] = False  # ShareMemCommBuilder.NAME (deepspeed/ops/op_builder/cpu/comm.py)
 
 
-def partition(model: Any, config: dict[str, Any]) -> None:
+def partition(model: Any, config: dict[str, Any], dtype: Any) -> None:
     """ZeRO-3: partition `model`'s parameters over the ranks from the CPU, one tensor at a time, so the
     whole model never sits on the GPU (with parameter offload, the partitions stay on the host).
 
@@ -250,20 +312,11 @@ def partition(model: Any, config: dict[str, Any]) -> None:
     """
     import deepspeed
 
-    dtype = _half_dtype(config)
     if dtype is not None:
         for param in model.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(dtype)
     deepspeed.zero.Init(module=model, config_dict_or_path=config, mem_efficient_linear=False)
-
-
-def _half_dtype(config: dict[str, Any]) -> Any:
-    """The 16-bit dtype DeepSpeed trains the weights in under `config` (bf16 or fp16 section), or None."""
-    import torch
-
-    return torch.bfloat16 if config.get("bf16", {}).get("enabled") else \
-        torch.float16 if config.get("fp16", {}).get("enabled") else None
 
 
 def _factory(run: "TrainRun") -> Any:
@@ -374,4 +427,4 @@ def zero3_gathered(facts: Any, config: Config, elements: dict[str, int]) -> int:
 
 def _half(config: Config) -> int:
     """Bytes of a parameter as DeepSpeed trains it: 16-bit under bf16/fp16, else fp32."""
-    return 2 if config.half_precision else 4
+    return half_bytes(config)
