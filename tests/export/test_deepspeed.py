@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from autofit import Config, UsageError
-from autofit.export import applicable, deepspeed_config, export
+from autofit.export import applicable, export
+from autofit.strategies.deepspeed_config import deepspeed_config
 
 ds_config = pytest.importorskip("deepspeed.runtime.config", reason="deepspeed is not installed (pip install deepspeed)")
 
@@ -103,6 +104,30 @@ def test_dict_is_a_fresh_copy():
 def test_offload_needs_zero():
     with pytest.raises(UsageError, match="offload='cpu' needs ZeRO"):
         deepspeed_config(Config(offload="cpu"))
+
+
+def test_each_section_is_its_strategy_s():
+    """The builder writes the skeleton; the precision, optimizer and offload sections are the strategies'
+    (`Strategy.deepspeed_keys`), and a fresh copy each time (the precision's too)."""
+    from autofit.strategies import MixedPrecision, OptimizerStates, StateOffloading
+    from autofit.strategies.base import EngineInputs
+
+    config = Config(precision="fp16", sharding="zero3", num_gpus=2, offload="nvme", optimizer="adafactor")
+    built = deepspeed_config(config, nvme_path="/scratch", hyperparameters={"lr": 0.5})
+    inputs = EngineInputs("/scratch", {"lr": 0.5})
+    assert built["fp16"] == MixedPrecision().deepspeed_keys(config, inputs)["fp16"]
+    assert built["optimizer"] == OptimizerStates().deepspeed_keys(config, inputs)["optimizer"]
+    assert built["optimizer"]["params"]["lr"] == 0.5 and built["zero_allow_untested_optimizer"] is True
+    offload = StateOffloading().deepspeed_keys(config, inputs)
+    assert built["zero_optimization"]["offload_param"] == offload["zero_optimization.offload_param"]
+    assert built["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/scratch"
+    built["fp16"]["loss_scale"] = 7
+    assert deepspeed_config(config, nvme_path="/scratch")["fp16"]["loss_scale"] == 0
+
+
+def test_pure_bf16_has_no_deepspeed_mode():
+    with pytest.raises(UsageError, match="pure_bf16.*precision='bf16'"):
+        deepspeed_config(Config(precision="pure_bf16"))
 
 
 def test_nvme_needs_a_path():

@@ -35,7 +35,10 @@ def test_every_rule_is_checked_in_the_tables_order_the_strategies_own_among_them
     assert [rule.name for rule in rules()] == list(ORDER)
     assert {rule.name for s in default_strategies() for rule in s.rules()} == {
         "flash-attention needs half precision", "activation offload with none or full checkpointing",
-        "quantization needs LoRA"}
+        "quantization needs LoRA", "offload needs an engine", "NVMe needs ZeRO-3", "ZeRO-Offload steps with CPU Adam",
+        "8-bit states cannot step on the host", "Adafactor cannot step FSDP2 shards",
+        "step in backward at accumulation 1", "ZeRO++'s node partition stays on the GPU",
+        "ZeRO++ quantizes 16-bit collectives"}
 
 
 @pytest.mark.parametrize("precision, refused", [("fp32", True), ("bf16", False), ("fp16", False), ("pure_bf16", False)])
