@@ -13,7 +13,8 @@ and imports of its strategy module or class (code generated as strings included:
 autofit.strategies.pure_bf16 import ..."). Comments and docstrings do not count.
 
 Not counted: the technique's own file, `autofit/config.py` (where knobs are declared) and the one joint
-formula module, `autofit/estimate/states.py` (ZeRO x offload x quantization model states). The micro-batch
+module, `autofit/estimate/states.py` (ZeRO x offload x quantization model states, and the rules between
+knobs that belong to no one technique, `JOINT_RULES`). The micro-batch
 and the rank count (`micro_batch.py`, `data_parallel.py`) shape every step and every launcher by
 definition: they are listed, and not held to `--max`.
 

@@ -3,10 +3,13 @@ configuration, and the other terms that follow from the model's facts alone (FSD
 gradients held unsharded, the optimizer step's temporaries), all by formula, without a simulation; and how
 they join a simulated step's activations into the step's transient bytes (`step_transient`).
 
-This is the one joint formula module (DESIGN.md): precision, ZeRO and FSDP2 sharding, offload, 8-bit and
+This is the one joint module (DESIGN.md): precision, ZeRO and FSDP2 sharding, offload, 8-bit and
 factored optimizer states, quantized base weights, LoRA and the step in backward each change what the
 others' bytes are, so their model-state formulas live here together rather than in each strategy's `memory`
 hook. Everything else a technique does to memory the simulated step measures (`Strategy.apply` shapes it).
+The rules between knobs that belong to no one technique live here too (`JOINT_RULES`, which
+`autofit.search.rules` checks beside each strategy's own `Strategy.rules`): an engine's limits on knobs it
+shares with the others, and the step in backward's with fp16 and your own optimizer.
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3): with mixed precision
 under DeepSpeed, 2 bytes of fp16/bf16 parameters, 2 of gradients and K = 12 of fp32 master weights and

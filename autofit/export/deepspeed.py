@@ -28,7 +28,7 @@ LAUNCH_FILENAME = "deepspeed_launch.sh"
 
 
 def file_config(plan: "Plan") -> dict[str, Any]:
-    """The dict written to deepspeed.json: the plan's DeepSpeed config (`plan_config`), the keys strategies add,
+    """The dict written to deepspeed.json: the plan's DeepSpeed config (`engine_file`), the keys strategies add,
     and the "autofit" record: the measurement, the lines a script applies to the model that no DeepSpeed key
     says, and the knobs no DeepSpeed key says (`left_to_your_script`), which your train.py applies (the lines,
     or `autofit.prepare(plan, model, engine=False)` with the plan this file came from)."""

@@ -140,13 +140,3 @@ def deepspeed_config(config: Config, *, nvme_path: str | None = None, buffers: B
     for name, value in (buffers.elements(config) if buffers is not None else {}).items():
         set_nested(out, KEYS[name], value)
     return out
-
-
-def plan_config(config: Config, settings: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    """`deepspeed_config` of a saved plan: its NVMe folder and buffers from its spec `summary` (`Plan.spec`),
-    and its strategies as it recorded them (`settings`: `Plan.settings`; the hyperparameters its probes'
-    optimizer was built with, your own torch optimizer by name)."""
-    from autofit.strategies import for_plan
-
-    return deepspeed_config(config, nvme_path=summary.get("nvme_path"), buffers=buffers_for(summary),
-                            strategies=for_plan(settings, summary))
