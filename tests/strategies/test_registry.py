@@ -63,3 +63,13 @@ def test_the_activation_only_knobs_are_the_strategies():
                                           ({"checkpointing": "every_k", "checkpoint_every": 4}, 0.25)])
 def test_the_recomputed_share_is_the_strategies(knobs, share):
     assert sum(s.recomputes(Config(**knobs)) for s in default_strategies()) == share
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", "bfloat16"), ("fp16", "float16"),
+                                              ("pure_bf16", "bfloat16")])
+def test_the_compute_dtype_is_the_strategies(precision, dtype):
+    """What DeepSpeed's buffers, ZeRO's bytes per parameter and a plan's note on 16-bit weights read."""
+    from autofit.strategies import compute_dtype
+
+    found = compute_dtype(Config(precision=precision))
+    assert (None if found is None else str(found).removeprefix("torch.")) == dtype
