@@ -9,24 +9,24 @@ only where it is large enough (best fit: the smallest cached block of at least t
 
 Which history to replay follows from those rules. Steps from longest to shortest reserve no more than
 the longest step alone: each later request of a shorter step finds a cached block at least its size.
-Steps from shortest to longest reserve the most a history of those lengths leaves: each step's large
-transients (above 1 MiB: the large pool, segments of the request rounded up to 2 MiB from 10 MiB on) are
-larger than the blocks the step before cached for the same tensors, so they take new segments and the
-earlier ones stay behind, reused only by smaller requests. So the replay is `RUNGS - 1` optimizer steps at
-1/`RUNGS`, 2/`RUNGS`, ... of the length, ascending, then the training history at the full length
-(`allocator.replay_training`'s two optimizer steps; the step alone where training is not replayed).
+Steps from shortest to longest make each step's large transients (the large pool above 1 MiB: segments
+of the request rounded up to 2 MiB from 10 MiB on) larger than the blocks the step before cached for the
+same tensors, so they take new segments and the earlier ones stay, reused only by smaller requests. The
+replay is that ascending history: `rungs_for` optimizer steps at 1/n, 2/n, ... of the length (n - 1 of
+them), then the training history at the full length (`allocator.replay_training`'s two optimizer steps;
+the step alone where training is not replayed); the prediction keeps the larger of its reserve and the
+one-length one (the longest batch first). It is not a bound: other orders split and merge blocks
+across steps in ways the ascending one does not, and shuffled orders of the same lengths reserved up to
+a few points more on the calibration's rows (bench/calibration/README.md, "Varied lengths", measured with
+`bench/calibration/varied_lengths.py`); a run that sorts its batches from long to short reserves less.
 
 The shorter steps' events are read on the line through two simulated micro-batches at the full length
 (`Replay.scaled`, as the dry-run extrapolates micro-batches), at the micro-batch holding as many tokens:
 a tensor linear in the tokens (every activation of a fused-attention transformer, its logits, its
 dropout masks) has the size it has at the shorter length; a weight's copy, a gradient or an optimizer
 state does not scale, and stays. Eager attention's scores grow with the square of the length: read so,
-they are `RUNGS / k` times as large as at rung k, so the replay caches larger blocks than a real history
-would and can reserve less than such a history (bench/calibration/README.md, "Varied lengths").
-
-How far it is from a real run: `bench/calibration/varied_lengths.py` replays finer ladders (more rungs)
-and shuffled histories of the same lengths; the ladder's reserve is at least every shuffled one's and
-within a few tenths of a percent of the finer ladders' on the rows measured (bench/calibration/README.md).
+they are n / k times as large as at step k, so the replay caches larger blocks than a real history
+would and can reserve less than it.
 """
 
 from __future__ import annotations
