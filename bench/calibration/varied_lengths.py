@@ -54,7 +54,7 @@ def predict(row: dict) -> dict:
         estimate = estimator.predict(config)
         peak = estimator.activations(config)[0]
         low, high = estimator._line_points(config)  # noqa: SLF001 - the two steps the product reads its line from
-        one, two = estimator._at_batch(config, low)[0].replay, estimator._at_batch(config, high)[0].replay  # noqa: SLF001
+        one, two = (estimator._at_batch(config, mb)[0].replay for mb in (low, high))  # noqa: SLF001
     mb, base = config.micro_batch_size, estimate.peak_bytes - CUDA_CONTEXT_BYTES - peak.fragmentation
     product = varied_lengths.rungs_for(one, two, mb, low, high)
 
