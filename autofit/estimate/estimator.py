@@ -149,15 +149,8 @@ class Estimator:
         key = peak.replay.digest()
         if key not in self._varied:
             low, high = self._line_points(config)
-            one, two = self._at_batch(config, low)[0], self._at_batch(config, high)[0]
-            shorter = varied_lengths.shorter_steps(one.replay, two.replay, config.micro_batch_size, low, high) \
-                if one.replay and two.replay else None
-            after = {} if shorter is None else reserve(varied_lengths.after_shorter(peak.replay, shorter))
-            # the longest batch first leaves the one-length reserve: the larger of the two orders stands
-            self._varied[key] = {field: max(getattr(peak, field), after.get(field, 0))
-                                 for field in ("fragmentation", "least_fragmentation")}, \
-                f"; the allocator's reserve after {len(shorter)} shorter batches" if shorter else \
-                "; one length replayed (the shorter batches' steps could not be read on the micro-batch line)"
+            line = [self._at_batch(config, mb)[0].replay for mb in (low, high)]
+            self._varied[key] = varied_lengths.reserve_after_shorter(peak, *line, config.micro_batch_size, low, high)
         fields, said = self._varied[key]
         return dataclasses.replace(peak, **fields), how + said
 

@@ -32,8 +32,10 @@ would and can reserve less than it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from autofit.estimate.cuda.allocator import ROUND_LARGE, Replay
+from autofit.estimate.cuda.training_replay import reserve
 
 MOST_RUNGS = 64  # the most steps of the ascending history replayed (each a training step replayed: time)
 
@@ -79,3 +81,19 @@ def after_shorter(final: Replay, shorter: tuple[Replay, ...]) -> Replay:
     """`final`'s replay with the `shorter` steps replayed first, each as one optimizer step of `final`'s
     training (its micro-steps; the weights and the optimizer's states made once, before and at the first)."""
     return dataclasses.replace(final, before=shorter)
+
+
+def reserve_after_shorter(peak: Any, low: Replay | None, high: Replay | None, micro_batch: int, at_low: int,
+                          at_high: int) -> tuple[dict[str, int], str]:
+    """`peak`'s (`ActivationPeak`) reserve fields (`fragmentation`, `least_fragmentation`, bytes) for batches of
+    varied length, and a phrase saying how they were replayed: the larger of `peak`'s own (the longest
+    batch first leaves the one-length reserve) and those of its replay after the shorter steps read on the
+    line through `low` and `high` (`shorter_steps`); `peak`'s own where they cannot be read."""
+    shorter = shorter_steps(low, high, micro_batch, at_low, at_high) if low and high else None
+    fields = ("fragmentation", "least_fragmentation")
+    if shorter is None:
+        return ({field: getattr(peak, field) for field in fields},
+                "; one length replayed (the shorter batches' steps could not be read on the micro-batch line)")
+    after = reserve(after_shorter(peak.replay, shorter))
+    return ({field: max(getattr(peak, field), after[field]) for field in fields},
+            f"; the allocator's reserve after {len(shorter)} shorter batches")
