@@ -241,6 +241,10 @@ def render(report: DryRunReport, console: Console, top: int, width: int) -> None
               help="Your loop reduces gradients on an optimizer step's last micro-batch only (accelerate's "
                    "accumulate(), the Trainer without sync_each_batch): FSDP2 with accumulation holds every "
                    "gradient unsharded. Default: reduced after every micro-batch, as autofit's exports run.")
+@click.option("--varied-lengths", is_flag=True,
+              help="Each batch is padded to its own longest sample, up to --seq-len (no packing): predict the "
+                   "reserved memory after a run of shorter batches, which the caching allocator keeps. Default: "
+                   "every batch is --seq-len long.")
 @click.option("--top", type=click.IntRange(min=0), default=20, show_default=True,
               help="Rows shown in the table (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, logs on stderr.")
@@ -248,7 +252,8 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
                     gpu_memory: str | None, host_memory: str | None, num_gpus: int | None, nodes: int | None,
                     gpus_per_node: int | None, node_network: str | None, inter_node_gbps: float | None,
                     allow: tuple[str, ...], optimizer: str,
-                    lora_targets: str | None, deferred_sync: bool, top: int, as_json: bool) -> int:
+                    lora_targets: str | None, deferred_sync: bool, varied_lengths: bool, top: int,
+                    as_json: bool) -> int:
     """Predict, without a GPU, which training configuration fits the GPU and which is fastest."""
     from autofit.pipelines.dry_run import dry_run
 
@@ -268,7 +273,7 @@ def dry_run_command(model_arg: str, seq_len: int | None, global_batch_size: int 
                          gpu_memory=gpu_memory, num_gpus=num_gpus, nodes=nodes, gpus_per_node=gpus_per_node,
                          node_network=node_network, inter_node_gbps=inter_node_gbps, allow=parse_allow_option(allow),
                          optimizer=resolve_optimizer(optimizer), lora_targets=_targets(lora_targets), deferred_sync=deferred_sync,
-                         progress=progress, host_memory=host_memory)
+                         progress=progress, host_memory=host_memory, varied_lengths=varied_lengths)
     others = other_sizes(gpu) if gpu_memory is None else []
     if others:
         count = split_count(gpu)[0]

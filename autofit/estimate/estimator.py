@@ -33,7 +33,7 @@ from autofit.estimate.facts import (ModelFacts, formula_activations, formula_cov
                                     model_facts)  # ModelFacts and formula_activations are re-exported
 from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
 from autofit.models.info import meta_model
-from autofit.estimate.cuda import attention as cuda_attention
+from autofit.estimate.cuda import attention as cuda_attention, varied_lengths
 from autofit.estimate.simulation import reference_paths
 from autofit.estimate.simulation import step as simulate_module
 from autofit.estimate.simulation import adapters as simulated_adapters
@@ -131,6 +131,7 @@ class Estimator:
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
         self._lines: dict[tuple, tuple[ActivationPeak, str]] = {}  # extrapolated micro-batches (`_extrapolated`)
         self._reserves: dict[tuple, ActivationPeak] = {}  # a simulation replayed for another optimizer or accumulation
+        self._varied: dict[str, tuple[dict, str]] = {}  # a replay's reserve after shorter batches (`activations`)
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
@@ -140,7 +141,20 @@ class Estimator:
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
-        """The `ActivationPeak` at `config`'s micro-batch and how it was obtained (one phrase)."""
+        """The `ActivationPeak` at `config`'s micro-batch and how it was obtained (one phrase); on CUDA for
+        batches of varied length (`TrainSpec.varied_lengths`), the reserve after shorter steps."""
+        peak, how = self._activations(config)
+        if not (self.spec.varied_lengths and self.target == "cuda" and peak.replay is not None):
+            return peak, how
+        key = peak.replay.digest()
+        if key not in self._varied:
+            low, high = self._line_points(config)
+            line = [self._at_batch(config, mb)[0].replay for mb in (low, high)]
+            self._varied[key] = varied_lengths.reserve_after_shorter(peak, *line, config.micro_batch_size, low, high)
+        fields, said = self._varied[key]
+        return dataclasses.replace(peak, **fields), how + said
+
+    def _activations(self, config: Config) -> tuple[ActivationPeak, str]:
         mb = config.micro_batch_size
         if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)

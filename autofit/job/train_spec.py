@@ -87,6 +87,9 @@ class TrainSpec:
     # What couples the samples of the loss (a contrastive loss's negatives), so that a micro-batch smaller than
     # the rank's batch changes it; None: one term per sample, or not found out (`autofit.batches.coupling`)
     sample_coupling: str | None = None
+    # Each batch padded to its own longest sample, up to the length given: the dry-run predicts the caching
+    # allocator's reserve after shorter batches (`autofit.estimate.cuda.varied_lengths`); probes are unaffected
+    varied_lengths: bool = False
 
     @property
     def fit_limit(self) -> int:
@@ -124,7 +127,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
               loss_fn: LossFn | None = None, seq_len: int | None = None,
               safety_margin: float = DEFAULT_SAFETY_MARGIN, warmup_steps: int = 2, timed_steps: int = 3,
               max_micro_batch: int = 1024, target: Target | None = None, nvme_path: Any = None,
-              nodes: int = 1) -> TrainSpec:
+              nodes: int = 1, varied_lengths: bool = False) -> TrainSpec:
     """Validate the user's arguments and build a `TrainSpec` (see `autofit.autofit` for their meaning).
 
     `target`: the hardware planned for, when it is not the probe device (the dry-run's GPU profile)."""
@@ -167,7 +170,7 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         tokens_per_sample=batches.tokens_per_sample(sample), images_per_sample=batches.images_per_sample(sample),
         batch_description=description,
         resident_bytes=resident, **memory_report(resolved),
-        nvme_path=_checked_nvme_path(nvme_path),
+        nvme_path=_checked_nvme_path(nvme_path), varied_lengths=bool(varied_lengths),
     )
     called = model if isinstance(model, nn.Module) else meta_model
     if called is not None:

@@ -133,7 +133,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
             max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH, strategies: Sequence["Strategy"] | None = None,
             lora_targets: Sequence[str] | None = None, deferred_sync: bool = False,
             progress: Callable[[int, int], Any] | bool | None = None,
-            host_memory: int | str | None = None) -> DryRunReport:
+            host_memory: int | str | None = None, varied_lengths: bool = False) -> DryRunReport:
     """Predict, without a GPU, which training configuration of `model` fits `gpu` and which is fastest.
 
     Args:
@@ -172,6 +172,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
         host_memory: bytes or "512GiB": the RAM of each node; a candidate whose offloaded states need more is
             ruled out (`autofit.pipelines.host_memory`). None: none is, and a chosen plan needing more than a
             typical node of the GPU has says so in its reason.
+        varied_lengths: each batch is padded to its own longest sample, up to `seq_len`: the reserved peak
+            is predicted after a run of shorter batches (docs/dry-run.md, "Batches of varied length").
 
     Returns:
         A `DryRunReport` (values only; `autofit dry-run` renders it).
@@ -185,6 +187,7 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
     where = layout(profile, count, nodes, gpus_per_node, node_network, inter_node_gbps)
     spec, description = _spec(model, batch, profile, where, global_batch_size, seq_len, allow, optimizer,
                               loss_fn, safety_margin, max_micro_batch)
+    spec = dataclasses.replace(spec, varied_lengths=bool(varied_lengths))
     chosen_strategies = list(strategies) if strategies is not None else default_strategies()
     if lora_targets is not None:
         chosen_strategies = [s.adapting(lora_targets) for s in chosen_strategies]  # `Strategy.adapting`

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -190,9 +191,17 @@ def architecture(row: dict) -> tuple[str, dict]:
     return class_name, fields
 
 
-def setup(row: dict, previous_step: bool = False) -> tuple:
+def varied_lengths(row: dict) -> bool:
+    """Whether `row`'s source pads each batch to its own longest sample (its dataset's notes say so): predicted
+    as `autofit dry-run --varied-lengths` predicts, the reserve after shorter batches."""
+    return bool(re.search(r"padded to (the )?longest", (row.get("other_flags") or {}).get("dataset", "")))
+
+
+def setup(row: dict, previous_step: bool = False, one_length: bool = False) -> tuple:
     """(spec, Config, strategies) expressing `row`, with the code `model_code(row)` names; `previous_step`:
-    litgpt's model holds its previous iteration through the forward (`PREVIOUS_STEP`)."""
+    litgpt's model holds its previous iteration through the forward (`PREVIOUS_STEP`); `one_length`: every
+    batch as long as the row's length, even where its source varied them (`varied_lengths`)."""
+    varied = varied_lengths(row) and not one_length
     m = row["model"]
     class_name, fields = architecture(row)
     lora = row["lora"] if isinstance(row["lora"], dict) else None
@@ -205,7 +214,8 @@ def setup(row: dict, previous_step: bool = False) -> tuple:
         factory = functools.partial(measured_code.build_litgpt, m["hf_id"].split("/")[-1], row["seq_len"], lora,
                                     fsdp1=litgpt_fsdp1(row, config), previous_step=previous_step)
         spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], True), device="cpu", memory_budget="1TiB",
-                         loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss)
+                         loss_fn=measured_code.litgpt_lora_loss if lora else measured_code.litgpt_full_loss,
+                         varied_lengths=varied)
         return spec, config, []
     # bf16 adapters built into the model (PEFT 0.10, torchtune) where the base is not quantized
     in_model = lora if lora and code in ("fsdp_qlora", "torchtune") and row["quantization"] == "none" else None
@@ -215,7 +225,7 @@ def setup(row: dict, previous_step: bool = False) -> tuple:
                                 lora=in_model, lora_targets=tuple(targets(row, class_name)) if in_model else (),
                                 torchtune=code == "torchtune")
     spec = make_spec(factory, Batches(m["vocab"], row["seq_len"], loss is not None), device="cpu",
-                     memory_budget="1TiB", loss_fn=loss)
+                     memory_budget="1TiB", loss_fn=loss, varied_lengths=varied)
     strategies = [Lora(target_modules=targets(row, class_name), dropout=lora.get("dropout") or 0.0)] \
         if lora and not in_model else []
     return spec, _config(row, lora["rank"] if lora and not in_model else 0), strategies
@@ -327,9 +337,9 @@ def holds_previous_step(row: dict) -> bool:
 
 
 def prediction(row: dict, extrapolate_batch: bool = False, full_depth: bool = False,
-               previous_step: bool = False) -> tuple:
-    """(predicted bytes, what was subtracted, Config, strategies) for `row`."""
-    spec, config, strategies = setup(row, previous_step)
+               previous_step: bool = False, one_length: bool = False) -> tuple:
+    """(predicted bytes, what was subtracted, Config, strategies) for `row` (`one_length`: as `setup`)."""
+    spec, config, strategies = setup(row, previous_step, one_length)
     estimator = Estimator(spec, target="cuda", strategies=strategies, deferred_sync=defers_sync(row, config),
                           extrapolate_batch=extrapolate_batch, full_depth=full_depth)
     with libraries_as_measured(row):
@@ -347,13 +357,17 @@ def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False
               + ("; re-entrant checkpointing" if reentrant(row) else "")
               + ("; gradients reduced on the last micro-batch" if defers_sync(row, config) else "")
               + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else "")
-              + ("; the previous iteration held through the forward" if previous else ""),
+              + ("; the previous iteration held through the forward" if previous else "")
+              + ("; batches of varied length (the reserve after shorter ones)" if varied_lengths(row) else ""),
               "lora_targets": strategies[0].target_modules if strategies else None,
               "measured_bytes": row["value_bytes"], "predicted_bytes": int(value), "compared": basis,
               "error": round(value / row["value_bytes"] - 1, 4)}
     if previous:
         without = prediction(row, extrapolate_batch, full_depth)[0]
         result["error_without_previous_step"] = round(without / row["value_bytes"] - 1, 4)
+    if varied_lengths(row) and row["metric"] == "reserved":  # an allocated figure holds no reserve
+        one = prediction(row, extrapolate_batch, full_depth, previous, one_length=True)[0]
+        result["error_one_length"] = round(one / row["value_bytes"] - 1, 4)
     return result
 
 
@@ -364,12 +378,32 @@ def summary(rows: list[dict]) -> dict:
             "largest_under": round(min(min(errors), 0.0), 4)} if rows else {"rows": 0}
 
 
+def merge(path: Path, done: list[dict], seconds: int, load: float) -> None:
+    """`done` (results of some rows) written into the results file at `path` in place of those rows' old
+    results, its summary recomputed and the run noted in its "merged" list."""
+    found = json.loads(path.read_text())
+    new = {r["id"]: r for r in done}
+    rows = [new.pop(r["id"], r) for r in found["rows"]] + list(new.values())
+    found["summary"] = {"headline (good + caveat rows)": summary([r for r in rows if r["quality"] != "suspect"]),
+                        "good rows": summary([r for r in rows if r["quality"] == "good"]),
+                        "suspect rows (figure inconsistent with its own setup)":
+                            summary([r for r in rows if r["quality"] == "suspect"])}
+    found["rows"] = rows
+    found.setdefault("merged", []).append({"date": datetime.date.today().isoformat(), "rows": sorted(r["id"] for r in done),
+                                           "load_at_start": load, "seconds": seconds})
+    path.write_text(json.dumps(found, indent=1) + "\n")
+    print(f"-> {path} ({len(done)} rows merged)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="row ids to predict (default: all)")
     parser.add_argument("--extrapolate-batch", action="store_true",
                         help="predict as `autofit dry-run` does: micro-batches above 2 extrapolated from "
                              "simulations at 1 and 2 (default: each row's micro-batch simulated)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only: write those rows into the results file in place of their old results "
+                             "(the others kept as they are) and recompute its summary")
     parser.add_argument("--full-depth", action="store_true",
                         help="simulate every block of each model instead of two, extrapolated (what the "
                              "depth extrapolation misses; slower)")
@@ -403,8 +437,6 @@ def main() -> None:
                   f"largest under-prediction {s['largest_under']:.1%}")
     for row in apart:
         print(f"not expressible: {row['id']}: {row['missing']}")
-    if args.only:
-        return
     what = "estimator (target cuda) vs published measured GPU training peaks"
     out = RESULT
     if args.extrapolate_batch:
@@ -413,6 +445,10 @@ def main() -> None:
     if args.full_depth:
         what += ", every block simulated (no extrapolation in depth)"
         out = out.with_name(out.stem + "-full-depth.json")
+    if args.only and args.merge:
+        merge(out, done, round(time.time() - started), load)
+    if args.only:
+        return
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({
         "what": what, "date": datetime.date.today().isoformat(),

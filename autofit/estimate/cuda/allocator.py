@@ -196,10 +196,22 @@ HISTORY_STEPS = 2  # optimizer steps replayed; the reserve stops growing after t
 MICRO_STEPS_REPLAYED = 3  # micro-steps after the second meet the cache the second left: the same blocks again
 
 
-def replay(events: Sequence[Event], allocator: Any = None) -> Any:
-    """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache).
-    `allocator`: one to replay into (a `CachingAllocator`, or `Calls` to record the calls), else a roomy one."""
+def replay(events: Sequence[Event], allocator: Any = None, before: Sequence[Sequence[Event]] = ()) -> Any:
+    """One step's allocations and frees alone, gradients dropped as they come (the activations' own cache),
+    after the steps `before` (shorter batches' events: `varied_lengths`). `allocator`: one to replay into (a
+    `CachingAllocator`, or `Calls` to record the calls), else a roomy one."""
     allocator = CachingAllocator() if allocator is None else allocator
+    earlier = itertools.count(-1, -1)  # the earlier steps' allocations: keys apart from the step's own
+    for made in before:
+        keys: dict[Any, int] = {}
+        for event in made:
+            if event[0] == "malloc":
+                keys[event[1]] = key = next(earlier)
+                allocator.malloc(key, event[2])
+            elif event[0] == "free" and event[1] in keys:
+                allocator.free(keys.pop(event[1]))
+        for key in keys.values():  # what the step left is gone before the next one
+            allocator.free(key)
     for event in events:
         if event[0] == "malloc":
             allocator.malloc(event[1], event[2])
@@ -210,22 +222,23 @@ def replay(events: Sequence[Event], allocator: Any = None) -> Any:
 
 def replay_training(events: Sequence[Event], resident: Sequence[int], states: Sequence[int],
                     temporaries: Sequence[int], micro_steps: int, steps: int = HISTORY_STEPS,
-                    allocator: Any = None) -> Any:
+                    allocator: Any = None, before: Sequence[Sequence[Event]] = ()) -> Any:
     """`steps` optimizer steps of `micro_steps` micro-steps each, replayed as a training process allocates
     them: `resident` first (the weights and buffers, moved to the card one by one), then every micro-step's
     `events` with each gradient kept (the first micro-step's; later ones add into it and are freed), the
     optimizer's `states` made at its first step, its `temporaries` made and freed at every step, and the
     gradients freed after it (`zero_grad`). On an H100 this history, not one step's activations, is what
     sets the reserved bytes above the allocated ones: the weights and states take cached blocks the next
-    step's activations wanted (bench/README.md#allocator-history). `allocator`: as `replay`'s."""
+    step's activations wanted (bench/README.md#allocator-history). `before`: optimizer steps of other
+    events replayed first, alike (shorter batches: `varied_lengths`). `allocator`: as `replay`'s."""
     allocator = CachingAllocator() if allocator is None else allocator
     fresh = itertools.count()
     for nbytes in resident:
         allocator.malloc(next(fresh), nbytes)
-    for step in range(steps):
+    for step, made in enumerate((*before, *[events] * steps)):
         grads: dict[Any, Any] = {}
         for _ in range(min(micro_steps, MICRO_STEPS_REPLAYED)):
-            _micro_step(allocator, events, grads, fresh)
+            _micro_step(allocator, made, grads, fresh)
         for nbytes in states if step == 0 else ():
             allocator.malloc(next(fresh), nbytes)
         made = [next(fresh) for _ in temporaries]
@@ -385,6 +398,7 @@ class Replay:
     training: tuple | None = None  # (resident, states, temporaries, micro_steps): `replay_training`; None: `replay`
     # the allocator replays them with expandable segments (`expandable.ExpandableAllocator`), else fixed ones
     expandable: bool = False
+    before: tuple["Replay", ...] = ()  # steps of shorter batches replayed first (`varied_lengths.after_shorter`)
 
     @classmethod
     def of(cls, events: Sequence[Event], training: tuple | None = None) -> "Replay":
@@ -423,6 +437,8 @@ class Replay:
         digest.update(repr(self.training).encode())
         if self.expandable:
             digest.update(b"expandable segments")
+        for earlier in self.before:
+            digest.update(earlier.digest().encode())
         return digest.hexdigest()
 
     def events(self) -> list[Event]:
@@ -442,12 +458,12 @@ class Replay:
     def calls(self, kind: type = CachingAllocator) -> Calls:
         """The calls this replay makes of the allocator (`Calls`: replayed at many capacities, resumed
         where they part, through an allocator of `kind`), recorded once from the events."""
-        calls, events = Calls(kind), self.events()
+        calls, events, before = Calls(kind), self.events(), [earlier.events() for earlier in self.before]
         if self.training is None:
-            replay(events, allocator=calls)
+            replay(events, allocator=calls, before=before)
         else:
             resident, states, temporaries, micro_steps = self.training
-            replay_training(events, resident, states, temporaries, micro_steps, allocator=calls)
+            replay_training(events, resident, states, temporaries, micro_steps, allocator=calls, before=before)
         return calls
 
     def scaled(self, other: "Replay", at: float, here: float, there: float) -> "Replay | None":
