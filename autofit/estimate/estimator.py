@@ -154,12 +154,16 @@ class Estimator:
         """The activations at micro-batch `mb` read on the line through 1 and 2 (`_line_points`), the
         allocator replayed there."""
         for simulated in (1, 2):  # which line holds depends on how these went
-            self._at_batch(config, simulated)
+            self._at_batch(config, simulated, reserved=False)
         low, high = self._line_points(config)
-        (one, how_low), (two, how_high) = self._at_batch(config, low), self._at_batch(config, high)
+        # the points' events, not their reserves: the line's is replayed from events read on it
+        (one, how_low), (two, how_high) = (self._at_batch(config, low, reserved=False),
+                                           self._at_batch(config, high, reserved=False))
         how = how_high if self._key(config, high) in self._failed else how_low  # a failed point says why
         line = one.replayed_at(two, mb, low, high)  # the allocator replayed from events read on the line
-        if line.replay is None:  # the two steps differ beyond their sizes
+        if line.replay is None:  # the two steps differ beyond their sizes: the line's reserve from theirs
+            (one, _), (two, _) = self._at_batch(config, low), self._at_batch(config, high)
+            line = one.replayed_at(two, mb, low, high)
             free = {field: simulate_module.free_at_peak(one, two, line, field)
                     for field in ("fragmentation", "least_fragmentation")}
             line = dataclasses.replace(line, **free)
@@ -203,7 +207,7 @@ class Estimator:
 
         tell = progress or (lambda done, total: None)
         started = time.perf_counter()
-        self._at_batch(*todo[0])
+        self._at_batch(*todo[0], reserved=False)
         tell(1, len(todo))
         rest = todo[1:]
         cheap = len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S
@@ -215,7 +219,7 @@ class Estimator:
                                     [rest[i::helpers + 1] for i in range(1, helpers + 1)], self.full_depth)
         try:
             for done, (config, mb) in enumerate(rest[::helpers + 1] if running else rest, start=2):
-                self._at_batch(config, mb)
+                self._at_batch(config, mb, reserved=False)  # simulated now, replayed when predicted
                 tell(done, len(todo))
         except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for
             if running:
@@ -242,7 +246,12 @@ class Estimator:
         calibration sets what some strategies simulate (bitsandbytes' and peft's releases) between calls."""
         return simulations.merged_facts(config, self._simulating)
 
-    def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
+    def _at_batch(self, config: Config, mb: int, reserved: bool = True) -> tuple[ActivationPeak, str]:
+        """The simulated step at micro-batch `mb` as `config` replays it through the caching allocator (its
+        optimizer, accumulation and allocator: `ActivationPeak.replayed_for`). `reserved=False`: the events
+        `config` replays, not replayed (its `fragmentation` fields are the simulated step's own): what a
+        line through two micro-batches reads before replaying its own events (`_extrapolated`), each
+        replay a bisection of whole training histories through the allocator."""
         key = self._key(config, mb)
         if key not in self._cache and not self._recalled(config, mb):
             self._keep(config, mb, self.simulate(config, mb))
@@ -251,6 +260,8 @@ class Estimator:
         expandable = self._expandable(config)
         if replay is None or (replay is peak.replay and expandable == replay.expandable):
             return peak, how
+        if not reserved:
+            return dataclasses.replace(peak, replay=dataclasses.replace(replay, expandable=expandable)), how
         # one simulation serves every optimizer, engine, accumulation and allocator setting; the allocator
         # replays each's events
         held = (key, replay.training[-1] if replay.training else 0, expandable)
