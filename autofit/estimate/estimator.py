@@ -416,8 +416,37 @@ class Estimator:
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
-        states = model_states(self.facts, config)
         act, how = self.activations(config)
+        return self._assembled(config, act, how, self.simulated(config))
+
+    def floor(self, config: Config) -> Estimate | None:
+        """`predict(config)` before the caching allocator's replay, where that is what predicting it waits on
+        (a micro-batch read on the line through 1 and 2 whose line is not replayed yet): its allocator
+        reserving nothing beyond its allocated bytes. Its `need_bytes` is then at most the prediction's, and
+        its error bound the same, so where it does not fit (`Estimate.fit_under`) the prediction does not
+        either, and where it is over the prediction is. None where it is not that cheaper: on a CPU target, a
+        micro-batch simulated as it is, a line replayed already or not replayed at all, a step a strategy's
+        own `memory` changes (a plug-in's: not known to grow with the reserve), or a bf16 cast's peak."""
+        from autofit.strategies.base import Strategy
+
+        mb = config.micro_batch_size
+        if (self.target != "cuda" or self._sizes(config) == (mb,)
+                or (self._key(config, 1), mb, replays_training(config), self._expandable(config)) in self._lines
+                or any(type(s).memory is not Strategy.memory for s in self.strategies)):
+            return None
+        for simulated in (1, 2):
+            self._at_batch(config, simulated, reserved=False)
+        low, high = self._line_points(config)
+        (one, how), (two, _) = self._at_batch(config, low, reserved=False), self._at_batch(config, high, reserved=False)
+        if one.replay is None or two.replay is None or {self._key(config, low), self._key(config, high)} & self._failed:
+            return None
+        line = dataclasses.replace(one.extrapolate(two, mb, low, high), fragmentation=0, least_fragmentation=0)
+        floor = self._assembled(config, line, how, True)
+        return floor if floor.peak_bytes > cast_peak(self.facts, config, self.target) else None
+
+    def _assembled(self, config: Config, act: ActivationPeak, how: str, simulated: bool) -> Estimate:
+        """The peak per device of `config` with activations `act` (obtained as `how` says)."""
+        states = model_states(self.facts, config)
         notes = [how, *simulated_layer_notes(self.facts, config, self._adapter_dropout)]
         sparse = sparse_grads(config, act.sparse_grads) if self.facts.sparse_params else None
         if sparse is not None:  # the rows a micro-batch looks up, kept over the accumulation
@@ -431,7 +460,7 @@ class Estimator:
         states, held, temp, transient, step_note = step_transient(self.facts, config, states, held, temp, act, engine,
                                                                   self.target)
         notes += [note for note in (gathered_note, held_note, step_note) if note]
-        terms = self._overhead(config, act, temp)
+        terms = self._overhead(act, temp, simulated)
         overhead = sum(b for _, b in terms) + engine.held
         terms += [t for t in engine.terms if t[1] and t[0] != GATHERED_TERM]  # that one is `Breakdown.gathered`
         notes += [engine.note] if engine.note else []
@@ -448,7 +477,6 @@ class Estimator:
         notes += state_notes(config, states, self.facts)
         if act.offloaded:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
-        simulated = self.simulated(config)
         bound, basis = self._bound(config, simulated, breakdown.activations, peak)
         slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, notes[0], tuple(notes[1:]), tuple(terms),
@@ -473,14 +501,14 @@ class Estimator:
         bound = self.formula_bound
         return None if bound is None else round((bound - 1) * activations / max(peak, 1), 4)
 
-    def _overhead(self, config: Config, act: ActivationPeak, temp: int) -> list[tuple[str, int]]:
+    def _overhead(self, act: ActivationPeak, temp: int, simulated: bool) -> list[tuple[str, int]]:
         """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only). Fragmentation:
         what the caching allocator reserves beyond its most allocated bytes when the simulated step is
         replayed through it (`autofit.estimate.cuda.allocator`; the optimizer step's temporaries reuse the
         blocks the backward freed), else `FRAGMENTATION` of the transient bytes."""
         if self.target != "cuda":
             return []
-        fragmentation = act.fragmentation if self.simulated(config) else int(FRAGMENTATION * (act.largest + temp))
+        fragmentation = act.fragmentation if simulated else int(FRAGMENTATION * (act.largest + temp))
         terms = [("cuda_context", CUDA_CONTEXT_BYTES), ("cublas_workspace", CUBLAS_WORKSPACE_BYTES),
                  ("fragmentation", fragmentation)]
         return terms  # DeepSpeed's buffers: `autofit.estimate.engines`, on every device

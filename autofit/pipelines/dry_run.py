@@ -335,15 +335,28 @@ class _Planner:
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2
-            if self._fits(self.estimator.predict(self.space.at(level, sizes[mid]))):
+            if self._fits_at(self.space.at(level, sizes[mid])):
                 low = mid
             else:
                 high = mid - 1
         best = self.candidate(self.space.at(level, sizes[low]))
-        if best.fits and low + 1 < len(sizes):
+        if best.fits and low + 1 < len(sizes) and not self._over(self.space.at(level, sizes[low + 1])):
             above = self.candidate(self.space.at(level, sizes[low + 1]))
             self.near_above += [above] if above.near_limit else []
         return best
+
+    def _fits_at(self, config: Config) -> bool:
+        """Whether `config` is predicted to fit (`_fits`); told without replaying its allocator where its
+        floor (`Estimator.floor`, the need with no reserve beyond the allocated bytes) does not fit already."""
+        floor = self.estimator.floor(config)
+        if floor is not None and not self._fits(floor):
+            return False
+        return self._fits(self.estimator.predict(config))
+
+    def _over(self, config: Config) -> bool:
+        """Whether `config` is surely over the limit, not near it, by its floor alone (`Estimator.floor`)."""
+        floor = self.estimator.floor(config)
+        return floor is not None and floor.fit_under(self.spec.fit_limit) is Fit.OVER
 
     def _fits(self, estimate: Estimate) -> bool:
         # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one
