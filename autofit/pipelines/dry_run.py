@@ -340,23 +340,17 @@ class _Planner:
             else:
                 high = mid - 1
         best = self.candidate(self.space.at(level, sizes[low]))
-        if best.fits and low + 1 < len(sizes) and not self._over(self.space.at(level, sizes[low + 1])):
-            above = self.candidate(self.space.at(level, sizes[low + 1]))
-            self.near_above += [above] if above.near_limit else []
+        if best.fits and low + 1 < len(sizes):
+            floor = self.estimator.floor(self.space.at(level, sizes[low + 1]))  # over by it: not near the limit
+            if floor is None or floor.fit_under(self.spec.fit_limit) is not Fit.OVER:
+                above = self.candidate(self.space.at(level, sizes[low + 1]))
+                self.near_above += [above] if above.near_limit else []
         return best
 
     def _fits_at(self, config: Config) -> bool:
-        """Whether `config` is predicted to fit (`_fits`); told without replaying its allocator where its
-        floor (`Estimator.floor`, the need with no reserve beyond the allocated bytes) does not fit already."""
+        """`_fits`, told without an allocator replay where `config`'s floor (`Estimator.floor`) does not fit."""
         floor = self.estimator.floor(config)
-        if floor is not None and not self._fits(floor):
-            return False
-        return self._fits(self.estimator.predict(config))
-
-    def _over(self, config: Config) -> bool:
-        """Whether `config` is surely over the limit, not near it, by its floor alone (`Estimator.floor`)."""
-        floor = self.estimator.floor(config)
-        return floor is not None and floor.fit_under(self.spec.fit_limit) is Fit.OVER
+        return (floor is None or self._fits(floor)) and self._fits(self.estimator.predict(config))
 
     def _fits(self, estimate: Estimate) -> bool:
         # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one
