@@ -168,12 +168,16 @@ class Estimator:
         """The activations at micro-batch `mb` read on the line through 1 and 2 (`_line_points`), the
         allocator replayed there."""
         for simulated in (1, 2):  # which line holds depends on how these went
-            self._at_batch(config, simulated)
+            self._at_batch(config, simulated, reserved=False)
         low, high = self._line_points(config)
-        (one, how_low), (two, how_high) = self._at_batch(config, low), self._at_batch(config, high)
+        # the points' events, not their reserves: the line's is replayed from events read on it
+        (one, how_low), (two, how_high) = (self._at_batch(config, low, reserved=False),
+                                           self._at_batch(config, high, reserved=False))
         how = how_high if self._key(config, high) in self._failed else how_low  # a failed point says why
         line = one.replayed_at(two, mb, low, high)  # the allocator replayed from events read on the line
-        if line.replay is None:  # the two steps differ beyond their sizes
+        if line.replay is None:  # the two steps differ beyond their sizes: the line's reserve from theirs
+            (one, _), (two, _) = self._at_batch(config, low), self._at_batch(config, high)
+            line = one.replayed_at(two, mb, low, high)
             free = {field: simulate_module.free_at_peak(one, two, line, field)
                     for field in ("fragmentation", "least_fragmentation")}
             line = dataclasses.replace(line, **free)
@@ -217,7 +221,7 @@ class Estimator:
 
         tell = progress or (lambda done, total: None)
         started = time.perf_counter()
-        self._at_batch(*todo[0])
+        self._at_batch(*todo[0], reserved=False)
         tell(1, len(todo))
         rest = todo[1:]
         cheap = len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S
@@ -229,7 +233,7 @@ class Estimator:
                                     [rest[i::helpers + 1] for i in range(1, helpers + 1)], self.full_depth)
         try:
             for done, (config, mb) in enumerate(rest[::helpers + 1] if running else rest, start=2):
-                self._at_batch(config, mb)
+                self._at_batch(config, mb, reserved=False)  # simulated now, replayed when predicted
                 tell(done, len(todo))
         except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for
             if running:
@@ -256,7 +260,12 @@ class Estimator:
         calibration sets what some strategies simulate (bitsandbytes' and peft's releases) between calls."""
         return simulations.merged_facts(config, self._simulating)
 
-    def _at_batch(self, config: Config, mb: int) -> tuple[ActivationPeak, str]:
+    def _at_batch(self, config: Config, mb: int, reserved: bool = True) -> tuple[ActivationPeak, str]:
+        """The simulated step at micro-batch `mb` as `config` replays it through the caching allocator (its
+        optimizer, accumulation and allocator: `ActivationPeak.replayed_for`). `reserved=False`: the events
+        `config` replays, not replayed (its `fragmentation` fields are the simulated step's own): what a
+        line through two micro-batches reads before replaying its own events (`_extrapolated`), each
+        replay a bisection of whole training histories through the allocator."""
         key = self._key(config, mb)
         if key not in self._cache and not self._recalled(config, mb):
             self._keep(config, mb, self.simulate(config, mb))
@@ -265,6 +274,8 @@ class Estimator:
         expandable = self._expandable(config)
         if replay is None or (replay is peak.replay and expandable == replay.expandable):
             return peak, how
+        if not reserved:
+            return dataclasses.replace(peak, replay=dataclasses.replace(replay, expandable=expandable)), how
         # one simulation serves every optimizer, engine, accumulation and allocator setting; the allocator
         # replays each's events
         held = (key, replay.training[-1] if replay.training else 0, expandable)
@@ -419,8 +430,37 @@ class Estimator:
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
-        states = model_states(self.facts, config)
         act, how = self.activations(config)
+        return self._assembled(config, act, how, self.simulated(config))
+
+    def floor(self, config: Config) -> Estimate | None:
+        """`predict(config)` before the caching allocator's replay, where that is what predicting it waits on
+        (a micro-batch read on the line through 1 and 2 whose line is not replayed yet): its allocator
+        reserving nothing beyond its allocated bytes. Its `need_bytes` is then at most the prediction's, and
+        its error bound the same, so where it does not fit (`Estimate.fit_under`) the prediction does not
+        either, and where it is over the prediction is. None where it is not that cheaper: on a CPU target, a
+        micro-batch simulated as it is, a line replayed already or not replayed at all, a step a strategy's
+        own `memory` changes (a plug-in's: not known to grow with the reserve), or a bf16 cast's peak."""
+        from autofit.strategies.base import Strategy
+
+        mb = config.micro_batch_size
+        if (self.target != "cuda" or self._sizes(config) == (mb,)
+                or (self._key(config, 1), mb, replays_training(config), self._expandable(config)) in self._lines
+                or any(type(s).memory is not Strategy.memory for s in self.strategies)):
+            return None
+        for simulated in (1, 2):
+            self._at_batch(config, simulated, reserved=False)
+        low, high = self._line_points(config)
+        (one, how), (two, _) = self._at_batch(config, low, reserved=False), self._at_batch(config, high, reserved=False)
+        if one.replay is None or two.replay is None or {self._key(config, low), self._key(config, high)} & self._failed:
+            return None
+        line = dataclasses.replace(one.extrapolate(two, mb, low, high), fragmentation=0, least_fragmentation=0)
+        floor = self._assembled(config, line, how, True)
+        return floor if floor.peak_bytes > cast_peak(self.facts, config, self.target) else None
+
+    def _assembled(self, config: Config, act: ActivationPeak, how: str, simulated: bool) -> Estimate:
+        """The peak per device of `config` with activations `act` (obtained as `how` says)."""
+        states = model_states(self.facts, config)
         notes = [how, *simulated_layer_notes(self.facts, config, self._adapter_dropout)]
         sparse = sparse_grads(config, act.sparse_grads) if self.facts.sparse_params else None
         if sparse is not None:  # the rows a micro-batch looks up, kept over the accumulation
@@ -434,7 +474,7 @@ class Estimator:
         states, held, temp, transient, step_note = step_transient(self.facts, config, states, held, temp, act, engine,
                                                                   self.target)
         notes += [note for note in (gathered_note, held_note, step_note) if note]
-        terms = self._overhead(config, act, temp)
+        terms = self._overhead(act, temp, simulated)
         overhead = sum(b for _, b in terms) + engine.held
         terms += [t for t in engine.terms if t[1] and t[0] != GATHERED_TERM]  # that one is `Breakdown.gathered`
         notes += [engine.note] if engine.note else []
@@ -451,7 +491,6 @@ class Estimator:
         notes += state_notes(config, states, self.facts)
         if act.offloaded:
             notes.append(f"activation offload: {_size(act.offloaded)} of saved tensors in pinned host memory")
-        simulated = self.simulated(config)
         bound, basis = self._bound(config, simulated, breakdown.activations, peak)
         slack = act.fragmentation - act.least_fragmentation if self.target == "cuda" and simulated else 0
         return Estimate(breakdown, int(peak), states.cpu + act.offloaded, notes[0], tuple(notes[1:]), tuple(terms),
@@ -476,14 +515,14 @@ class Estimator:
         bound = self.formula_bound
         return None if bound is None else round((bound - 1) * activations / max(peak, 1), 4)
 
-    def _overhead(self, config: Config, act: ActivationPeak, temp: int) -> list[tuple[str, int]]:
+    def _overhead(self, act: ActivationPeak, temp: int, simulated: bool) -> list[tuple[str, int]]:
         """Overhead terms on CUDA (none on the CPU, where the budget counts tensors only). Fragmentation:
         what the caching allocator reserves beyond its most allocated bytes when the simulated step is
         replayed through it (`autofit.estimate.cuda.allocator`; the optimizer step's temporaries reuse the
         blocks the backward freed), else `FRAGMENTATION` of the transient bytes."""
         if self.target != "cuda":
             return []
-        fragmentation = act.fragmentation if self.simulated(config) else int(FRAGMENTATION * (act.largest + temp))
+        fragmentation = act.fragmentation if simulated else int(FRAGMENTATION * (act.largest + temp))
         terms = [("cuda_context", CUDA_CONTEXT_BYTES), ("cublas_workspace", CUBLAS_WORKSPACE_BYTES),
                  ("fragmentation", fragmentation)]
         return terms  # DeepSpeed's buffers: `autofit.estimate.engines`, on every device

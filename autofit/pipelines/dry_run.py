@@ -339,15 +339,22 @@ class _Planner:
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2
-            if self._fits(self.estimator.predict(self.space.at(level, sizes[mid]))):
+            if self._fits_at(self.space.at(level, sizes[mid])):
                 low = mid
             else:
                 high = mid - 1
         best = self.candidate(self.space.at(level, sizes[low]))
         if best.fits and low + 1 < len(sizes):
-            above = self.candidate(self.space.at(level, sizes[low + 1]))
-            self.near_above += [above] if above.near_limit else []
+            floor = self.estimator.floor(self.space.at(level, sizes[low + 1]))  # over by it: not near the limit
+            if floor is None or floor.fit_under(self.spec.fit_limit) is not Fit.OVER:
+                above = self.candidate(self.space.at(level, sizes[low + 1]))
+                self.near_above += [above] if above.near_limit else []
         return best
+
+    def _fits_at(self, config: Config) -> bool:
+        """`_fits`, told without an allocator replay where `config`'s floor (`Estimator.floor`) does not fit."""
+        floor = self.estimator.floor(config)
+        return (floor is None or self._fits(floor)) and self._fits(self.estimator.predict(config))
 
     def _fits(self, estimate: Estimate) -> bool:
         # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one

@@ -24,7 +24,9 @@ Results: time-to-answer-2026-12-06-before.json (commit 285f9f0: every process si
 time-to-answer-2026-12-06-130e9dd.json (the key fixed: asked again, the steps are read back),
 time-to-answer-2026-12-06.json (commit bbdb730: a step's key no longer re-sorts every strategy),
 time-to-answer-quickstart-2026-12-06.json (examples/quickstart.py at load 4-11: 1,623 s for 12 probes, where a
-quiet machine took 34-37 s: the search's cost under load, left to issue 57's decision under noise)."""
+quiet machine took 34-37 s: the search's cost under load, left to issue 57's decision under noise),
+time-to-answer-2026-12-06-5f56558-vs-f65526e.json (`--against f65526e` at load ~10: a line's reserve replayed
+from its own events only, and the bisection's floors: 0.948 first use, 0.844 asked again)."""
 
 from __future__ import annotations
 

@@ -307,3 +307,23 @@ def test_a_functions_code_is_keyed_alike_in_every_process_and_apart_from_other_c
 
     assert simulations._code(loss) != simulations._code(other)
     assert "0x" not in simulations._constant(loss.__code__.co_consts)  # no address of a nested code object
+
+
+def test_a_line_past_two_replays_its_own_events_not_its_points(process, replays):
+    # micro-batch 8 is read on the line through 1 and 2 (a dry-run's plan): its reserve is replayed from the
+    # events on that line, so the points are not replayed for its accumulation (each a bisection of training
+    # histories through the allocator); its prediction is what it is with them replayed first
+    spec = make_spec(llama(), None, seq_len=32, device="cpu", global_batch_size=24, memory_budget="4GiB")
+    process()
+    estimator = Estimator(spec, target="cuda", extrapolate_batch=True)
+    for mb in (1, 2):  # simulated at 1 and 2 for one micro-step a step
+        estimator.predict(CONFIG.replace(micro_batch_size=mb, grad_accum_steps=1))
+    replays.clear()
+    line = estimator.predict(CONFIG.replace(micro_batch_size=8, grad_accum_steps=3))
+    assert len(replays) == 1  # the line's events alone
+    process()
+    eager = Estimator(spec, target="cuda", extrapolate_batch=True)
+    for mb in (1, 2):  # the points replayed for micro-batch 8's accumulation first, as before
+        eager._at_batch(CONFIG.replace(micro_batch_size=8, grad_accum_steps=3), mb)
+    again = eager.predict(CONFIG.replace(micro_batch_size=8, grad_accum_steps=3))
+    assert (again.peak_bytes, again.need_bytes, again.reason) == (line.peak_bytes, line.need_bytes, line.reason)
