@@ -28,10 +28,12 @@ figures alone. This step runs after the walk:
    processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round
    (paired: both measured within the same seconds, so a load that comes and goes cancels out) and keeps
    the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
-   alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, up
-   to `most` and within its time cap (live runs: 30 s, or three times what the first rounds took): more
-   rounds narrow the interval of the median on a steady machine, and on a busy one the cap ends them and
-   the simpler finalist stays.
+   alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, of
+   the finalists those comparisons pair alone (`needed`: a finalist whose comparisons are all settled is
+   retired, its rounds so far kept, so the cap buys rounds for what is still open), up to `most` and within
+   a time cap sized from the finalists' own step times (live runs: 30 s, or four times what the first
+   rounds took): more rounds narrow the interval of the median, and where the cap ends them first the
+   simpler finalist stays.
    The choice between them: `autofit.search.decision`.
 """
 
@@ -39,12 +41,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, Skip, Source
-from autofit.search.decision import (PROBE_WINDOW, Confirmation, Finalist, Method, Window, decide, level_of, risk,
-                                     simplicity, unsettled)
+from autofit.search.decision import (PROBE_WINDOW, Comparison, Confirmation, Finalist, Method, Window, decide,
+                                     level_of, risk, simplicity, unsettled)
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
@@ -54,7 +56,9 @@ if TYPE_CHECKING:
 class Rounds:
     """How many confirmation rounds: at least `least`; more, one at a time, while a comparison is undecided
     for noise alone, up to `most` rounds and while the rounds so far took under `seconds`, or under `growth`
-    times what the first `least` took (a busy machine's slower rounds get their share of extra rounds too)."""
+    times what the first `least` took (the cap sized from the finalists' own step times: a busy machine's
+    slower rounds get their share of extra rounds too). `most` is a backstop, not the usual stop: the time
+    cap is, once retired finalists leave each extra round to the comparisons still open."""
 
     least: int
     most: int
@@ -66,7 +70,7 @@ class Rounds:
         return max(self.seconds, self.growth * first)
 
 
-LIVE_ROUNDS = Rounds(7, 21, 30.0, 3.0)  # one optimizer step per finalist a round, live runs
+LIVE_ROUNDS = Rounds(7, 99, 30.0, 4.0)  # one optimizer step per finalist a round, live runs
 PROBE_ROUNDS = Rounds(2, 4, 300.0)  # one whole probe per finalist a round, when runs cannot stay alive side by side
 # A lone finalist whose timed steps disagreed by more than this (slowest - fastest over the median) is
 # re-measured too: a probe that ran while the machine was busy (or before the process warmed up) would
@@ -74,8 +78,9 @@ PROBE_ROUNDS = Rounds(2, 4, 300.0)  # one whole probe per finalist a round, when
 UNSTEADY_SPREAD = 0.30
 
 # measure(configs, rounds, more): samples/s of each config per round (or why it failed); `more(figures so far)`
-# says whether a round past `rounds.least` is worth running
-More = Callable[["dict[Config, tuple[float, ...] | str]"], bool]
+# says whether a round past `rounds.least` is worth running: False/empty to stop, True for every config, or the
+# configs still needed (the others are retired for the rest of the measurement, their rounds so far kept)
+More = Callable[["dict[Config, tuple[float, ...] | str]"], "bool | Collection[Config]"]
 Measure = Callable[[Sequence[Config], Rounds, More], "dict[Config, tuple[float, ...] | str]"]
 Probe = Callable[[Config, str], ProbeResult]
 
@@ -173,9 +178,9 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
     unsteady = any((r.step_spread or 0.0) > UNSTEADY_SPREAD for r in picked)
     measured: dict[Config, tuple[float, ...] | str] = {}
     if measure is not None and (len(picked) > 1 or stored or unsteady):
-        def more(so_far: dict[Config, tuple[float, ...] | str]) -> bool:
-            _, comparisons = decide(_pool(space, picked, so_far), exact_margin)
-            return any(unsettled(c) for c in comparisons)
+        def more(so_far: dict[Config, tuple[float, ...] | str]) -> frozenset[Config]:
+            pool = _pool(space, picked, so_far)
+            return needed(pool, decide(pool, exact_margin)[1])
 
         measured = measure([r.config for r in picked], rounds, more)
     else:
@@ -184,6 +189,13 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
     pool = _pool(space, picked, measured)
     chosen, comparisons = decide(pool, exact_margin)
     return Confirmation(pool, chosen, tuple(comparisons), method, exact_margin, dropped, window.margin, threads)
+
+
+def needed(pool: Sequence[Finalist], comparisons: Sequence[Comparison]) -> frozenset[Config]:
+    """The finalists more rounds are worth measuring: both sides of every comparison still undecided for
+    noise alone (`unsettled`); empty when all are settled. Pairs are positional (round i of one against
+    round i of the other), so a finalist retired once stays retired: `interleaved` keeps it so."""
+    return frozenset(pool[i].config for c in comparisons if unsettled(c) for i in (c.challenger, c.holder))
 
 
 def _pool(space: "Space", picked: Sequence[ProbeResult],
@@ -199,21 +211,31 @@ def _pool(space: "Space", picked: Sequence[ProbeResult],
 
 def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:
     """A `Measure` from one measurement per call: each round measures every config once, the order
-    rotating between rounds, for as many rounds as `Rounds` and `more` say; a config whose measurement
-    fails is dropped with the reason."""
+    rotating between rounds, for as many rounds as `Rounds` and `more` say (past `rounds.least`, only the
+    configs `more` still needs, two or more of them; one it leaves out is retired for good, so round i of
+    every config was measured in the same seconds); a config whose measurement fails is dropped with the
+    reason."""
 
     def measure(configs: Sequence[Config], rounds: Rounds,
                 more: More = lambda figures: False) -> dict[Config, tuple[float, ...] | str]:
         samples: dict[Config, list[float]] = {c: [] for c in configs}
         failed: dict[Config, str] = {}
+        retired: set[Config] = set()
 
         def figures() -> dict[Config, tuple[float, ...] | str]:
             return {c: failed.get(c) or tuple(samples[c]) for c in configs}
 
+        def go_on() -> bool:
+            wanted = more(figures())
+            if wanted is True or wanted is False:
+                return wanted
+            retired.update(c for c in configs if c not in wanted)
+            return sum(c not in retired and c not in failed for c in configs) > 1  # a pair or more to compare
+
         started, index, first = time.perf_counter(), 0, 0.0
         while index < rounds.least or (index < rounds.most and time.perf_counter() - started < rounds.cap(first)
-                                       and more(figures())):
-            live = [c for c in configs if c not in failed]
+                                       and go_on()):
+            live = [c for c in configs if c not in failed and c not in retired]
             shift = index % max(len(live), 1)
             for config in live[shift:] + live[:shift]:
                 value = measure_one(config)
@@ -235,6 +257,7 @@ def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = Non
     and the median over the rounds shrugs off a slower first round), then each round takes one timed
     optimizer step of each, the order rotating, all at `threads` torch CPU threads (default: the current
     count), held for the whole measurement: a finalist's build must not change what the others run at.
+    At one thread a step's figure is samples per second of the measuring thread's own CPU time (`step_seconds`).
     Outside the CPU budget (each already fits it; its bookkeeping is off during timed steps anyway), so
     all runs stay in host memory at once: the caller checks they fit there."""
     import torch
@@ -263,7 +286,8 @@ def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = Non
                 if config in failed:
                     return failed[config]
                 try:
-                    return config.global_batch_size / timed_step(*runs[config], spec.device)
+                    return config.global_batch_size / step_seconds(lambda: timed_step(*runs[config], spec.device),
+                                                                   threads or before)
                 except Exception as exc:  # noqa: BLE001
                     return first_line(exc)
 
@@ -274,6 +298,17 @@ def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = Non
             release_memory()
 
     return measure
+
+
+def step_seconds(step: Callable[[], float], threads: int) -> float:
+    """Seconds of one timed step (`step()` returns its wall seconds). At one torch thread on the CPU every op
+    of the step runs on the calling thread, so its own CPU time is the step's work, without the seconds it
+    waited for a core: on a machine other jobs keep busy, the wall figure of two steps a second apart differs
+    by how many jobs ran beside each, the CPU figure hardly at all, and on a quiet machine the two agree.
+    With more threads the step's work is spread over a pool: the wall figure."""
+    started = time.thread_time()
+    wall = step()
+    return max(time.thread_time() - started, 1e-9) if threads == 1 else wall
 
 
 def probe_measure(prober: Callable[[Config, float | None], ProbeResult]) -> Measure:

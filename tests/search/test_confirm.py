@@ -528,3 +528,75 @@ def test_a_riskier_class_s_close_fit_is_re_measured_though_five_fits_outran_it(p
     pure, adafactor = fit(PURE, 95), fit(ADAFACTOR, 60)  # one class (degree 2); 60 is outside 50% of 100
     picked = [r.config for r in finalists(pure_space, [*exact, fit(BF16, 96), pure, adafactor], LIVE_WINDOW)]
     assert PURE in picked and ADAFACTOR not in picked
+
+
+# -- the stopping rule: rounds for what is still open, within a cap sized from the steps ----------------
+def test_interleaved_retires_what_more_leaves_out_for_good():
+    a, b, c = (Config(micro_batch_size=m) for m in (8, 4, 2))
+    calls, asks = [], iter([frozenset({a, b, c}), frozenset({a, b}), frozenset({a, b, c}), frozenset()])
+    measure = confirm.interleaved(lambda config: calls.append(config) or 1.0)
+    out = measure([a, b, c], confirm.Rounds(2, 50, 60.0), lambda figures: next(asks))
+    # 2 rounds of all, one more of all, then c is retired; wanted again, it stays out (pairs are positional)
+    assert [len(out[x]) for x in (a, b, c)] == [5, 5, 3]
+    assert calls.count(c) == 3
+
+
+def test_interleaved_stops_when_fewer_than_two_are_still_needed():
+    a, b = Config(micro_batch_size=8), Config(micro_batch_size=4)
+    measure = confirm.interleaved(lambda config: 1.0)
+    out = measure([a, b], confirm.Rounds(3, 50, 60.0), lambda figures: frozenset({a}))
+    assert len(out[a]) == len(out[b]) == 3
+
+
+class Sequenced:
+    """A per-call measurement double: each config's samples/s come from its own list, in order."""
+
+    def __init__(self, figures):
+        self.figures = {c: iter(v) for c, v in figures.items()}
+
+    def __call__(self, config):
+        return next(self.figures[config])
+
+
+def test_a_settled_loser_is_retired_and_the_open_pair_gets_the_rounds(space):
+    """Three finalists: a slower exact micro-batch is settled after 7 rounds and measured no more; Adafactor's
+    first rounds hold the 10% margin's edge (0.97-1.25), so it and the exact fit go on until the interval
+    clears it."""
+    four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
+    results = [fit(EXACT, 100), fit(four, 70), fit(ADAFACTOR, 120)]
+    first = [97, 125, 108, 130, 95, 109, 118]
+    measure = confirm.interleaved(Sequenced({EXACT: [100] * 99, four: [70] * 99, ADAFACTOR: first + [120] * 92}))
+    confirmation = run_confirm(space, results, measure, confirm.Rounds(7, 99, 60.0), 0.10, "live runs",
+                               LIVE_WINDOW)
+    rounds = {f.config: len(f.rounds) for f in confirmation.finalists}
+    assert rounds[four] == 7 and rounds[EXACT] == rounds[ADAFACTOR] > 7
+    assert confirmation.winner.config == ADAFACTOR and confirmation.comparisons[-1].decided_by == "cleared"
+
+
+def test_on_a_quiet_machine_every_finalist_ends_at_the_first_rounds(space):
+    four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
+    results = [fit(EXACT, 100), fit(four, 90), fit(ADAFACTOR, 125)]
+    measure = confirm.interleaved(Sequenced({EXACT: [100] * 99, four: [90] * 99, ADAFACTOR: [125] * 99}))
+    confirmation = run_confirm(space, results, measure, confirm.LIVE_ROUNDS, 0.10, "live runs", LIVE_WINDOW)
+    assert {len(f.rounds) for f in confirmation.finalists} == {confirm.LIVE_ROUNDS.least}
+    assert confirmation.winner.config == ADAFACTOR
+
+
+def test_a_machine_that_cannot_rank_stops_at_the_cap_and_keeps_the_exact_fit(space):
+    noisy = [60, 260, 130, 200, 150] * 20
+    measure = confirm.interleaved(Sequenced({EXACT: [100] * 99, ADAFACTOR: noisy}))
+    confirmation = run_confirm(space, [fit(EXACT, 100), fit(ADAFACTOR, 140)], measure, confirm.Rounds(7, 40, 60.0),
+                               0.10, "live runs")
+    assert confirmation.winner.config == EXACT and confirmation.comparisons[0].decided_by == "noise"
+    assert len(confirmation.winner.rounds) == 40  # went on to the cap, then "too noisy"
+
+
+def test_at_one_thread_a_step_counts_its_own_cpu_time_not_the_wait_for_a_core():
+    import time
+
+    def waited():  # a step that spends its wall time waiting, as one does while other jobs hold the cores
+        time.sleep(0.05)
+        return 0.05
+
+    assert confirm.step_seconds(waited, threads=1) < 0.02
+    assert confirm.step_seconds(waited, threads=2) == 0.05
