@@ -197,14 +197,14 @@ def _confirmed_head(confirmation: Confirmation, fits: int, said: Sequence[Compar
     where = f"{fits} fitting configuration{'s' if fits != 1 else ''}"
     if runner is None:
         return (f"the only finalist of {where} (no other within {confirmation.window:.0%} of it as probed): "
-                f"{winner.median:,.2f} samples/s" + (", re-measured in this session" if winner.rounds else ""))
+                f"{winner.median:,.2f} {confirmation.unit}" + (", re-measured in this session" if winner.rounds else ""))
     ratio = Ratio.of(winner, runner)
     rounds = len(winner.rounds)
     threads = f" at {confirmation.threads} torch thread{'s' if confirmation.threads != 1 else ''}" \
         if confirmation.threads else ""
     how = f"{rounds} interleaved rounds ({confirmation.method}){threads}" if rounds else "as probed"
     head = (f"chosen of {len(confirmation.finalists)} finalists ({where}) re-measured back to back, {how}: "
-            f"{winner.median:,.2f} samples/s")
+            f"{winner.median:,.2f} {confirmation.unit}")
     index = confirmation.finalists.index(runner)
     if any(index in (c.challenger, c.holder) for c in said):
         return head
@@ -373,7 +373,8 @@ def near_limit_note(plan: "Plan") -> str:
     chosen = next((p for p in plan.probes if p.fits and p.config == plan.config), None)
     if chosen is None or not chosen.near_limit:
         return ""
-    confirmed = {f.config: f.median for f in plan.confirmation.finalists} if plan.confirmation else {}
+    confirmed = {f.config: f.median for f in plan.confirmation.finalists} \
+        if plan.confirmation and not plan.confirmation.on_cpu_clock else {}  # the probes' wall figures otherwise
     calm = [p for p in plan.probes if p.fits and not p.near_limit and p.config != plan.config]
     note = f"near the limit ({chosen.alloc_retries} allocator retries while timed)"
     if not calm:
@@ -395,12 +396,14 @@ def make_plan(space: "Space", results: Sequence[ProbeResult],
     """The plan for a finished search: the confirmed choice (or the fastest fit), or why nothing fits and
     what to allow next. `plan.probes` holds the search's results, then every option and combination the
     space excluded. `predict(config)` (predicted peak bytes) names what the smallest candidate needs when
-    nothing fits. The plan's throughput is the confirmed median where the finalists were re-measured."""
+    nothing fits. The plan's throughput is the confirmed median where the finalists were re-measured on the wall
+    clock; where the rounds counted CPU time (one torch thread), the chosen probe's measured figure."""
     common = dict(probes=tuple(results) + tuple(space.excluded_results()), spec=space.spec.summary(),
                   autofit_version=__version__, confirmation=confirmation)
     best = choose(results, confirmation)
     if best is not None:
-        throughput = confirmation.winner.median if confirmation is not None else best.samples_per_s
+        wall = confirmation is not None and not confirmation.on_cpu_clock
+        throughput = confirmation.winner.median if wall else best.samples_per_s
         tokens = best.tokens_per_s * throughput / best.samples_per_s if best.tokens_per_s else None
         images = best.images_per_s * throughput / best.samples_per_s if best.images_per_s else None
         settings = {s.field: s.settings(best.config, space.spec) for s in space.strategies}

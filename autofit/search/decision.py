@@ -212,6 +212,18 @@ class Confirmation:
         object.__setattr__(self, "method", Method.parse(self.method, "method"))
 
     @property
+    def on_cpu_clock(self) -> bool:
+        """Whether the rounds' figures are samples per second of the measuring thread's own CPU time (live runs
+        at one torch thread, `autofit.search.confirm.step_seconds`) rather than of the wall clock: they rank
+        the finalists, but a busy machine's wall throughput is lower."""
+        return self.method is Method.LIVE_RUNS and self.threads == 1
+
+    @property
+    def unit(self) -> str:
+        """What the rounds' figures count, for a sentence."""
+        return "samples per CPU second" if self.on_cpu_clock else "samples/s"
+
+    @property
     def winner(self) -> Finalist:
         """The chosen finalist."""
         return self.finalists[self.chosen]

@@ -198,6 +198,21 @@ def test_the_reason_says_plainly_that_the_optimizer_is_swapped_and_by_what_margi
     assert "7 interleaved rounds (live runs)" in plan.reason
 
 
+def test_cpu_clock_rounds_rank_the_finalists_but_the_plan_keeps_the_probes_wall_figure(space):
+    # At one torch thread the live rounds count the measuring thread's CPU time (`step_seconds`): on a busy
+    # machine that is well above the wall throughput the job gets, so it ranks, and is named as what it is.
+    results = [fit(EXACT, 40), fit(ADAFACTOR, 50)]
+    measure = GivenRounds({EXACT: [100] * 7, ADAFACTOR: [125] * 7})
+    at_one = run_confirm(space, results, measure, 7, 0.10, "live runs", threads=1)
+    plan = make_plan(space, results, None, at_one)
+    assert at_one.on_cpu_clock and plan.config == ADAFACTOR and plan.throughput == 50
+    assert "125.00 samples per CPU second" in plan.reason and "1.25x" in plan.reason
+    at_two = run_confirm(space, results, GivenRounds({EXACT: [100] * 7, ADAFACTOR: [125] * 7}), 7, 0.10,
+                         "live runs", threads=2)
+    plan = make_plan(space, results, None, at_two)
+    assert not at_two.on_cpu_clock and plan.throughput == 125 and "125.00 samples/s" in plan.reason
+
+
 def test_the_reason_says_why_a_faster_numerics_change_was_not_taken(space):
     results = [fit(EXACT, 100), fit(ADAFACTOR, 104)]
     measure = GivenRounds({EXACT: [100] * 7, ADAFACTOR: [104] * 7})
