@@ -358,7 +358,8 @@ def run_row(row: dict, extrapolate_batch: bool = False, full_depth: bool = False
               + ("; gradients reduced on the last micro-batch" if defers_sync(row, config) else "")
               + ("; FSDP1's root unit as one flat parameter" if litgpt_fsdp1(row, config) else "")
               + ("; the previous iteration held through the forward" if previous else "")
-              + ("; batches of varied length (the reserve after shorter ones)" if varied_lengths(row) else ""),
+              + ("; batches of varied length (the reserve after shorter ones)"
+                 if varied_lengths(row) and row["metric"] == "reserved" else ""),
               "lora_targets": strategies[0].target_modules if strategies else None,
               "measured_bytes": row["value_bytes"], "predicted_bytes": int(value), "compared": basis,
               "error": round(value / row["value_bytes"] - 1, 4)}

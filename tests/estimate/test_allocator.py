@@ -138,7 +138,7 @@ def test_fragmentation_is_the_share_of_the_transients_where_the_steps_differ():
     share = min(one.fragmentation / one.largest, two.fragmentation / two.largest)
     assert share > 0 and one.fragmentation != two.fragmentation  # the rule below is exercised
     simulated = {1: one, 2: two}
-    estimator._at_batch = lambda config, mb: (simulated[mb], "simulated")
+    estimator._at_batch = lambda config, mb, reserved=True: (simulated[mb], "simulated")
     for mb in (4, 64):
         line = one.extrapolate(two, mb, 1, 2)
         at = estimator.activations(Config(micro_batch_size=mb))[0]
