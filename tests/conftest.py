@@ -33,3 +33,14 @@ def pytest_unconfigure(config):
     """The run's cache folder goes when the process that made it ends (the workers inherit it)."""
     if _CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """The caching allocator's replays run (`Replay.calls`): one entry each."""
+    from autofit.estimate.cuda import allocator
+
+    runs = []
+    real = allocator.Replay.calls
+    monkeypatch.setattr(allocator.Replay, "calls", lambda self, *args: runs.append(1) or real(self, *args))
+    return runs

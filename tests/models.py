@@ -49,6 +49,18 @@ def mlp_loss(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     return nn.functional.cross_entropy(output.flatten(0, 1), batch[1].flatten())
 
 
+class WideMlp(nn.Module):
+    """Two linear layers 512 -> 2048 -> 512 with a GELU: transients large beside its weights, for the
+    allocator tests (batches of `torch.randn(n, 300, 512)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
 def make_gpt2():
     """A ~0.2M-parameter GPT-2 with random weights."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -4,6 +4,7 @@ c10/cuda/CUDACachingAllocator.cpp in its default configuration, and the estimate
 import dataclasses
 
 import torch
+from models import WideMlp
 from torch import nn
 
 from autofit.config import Config
@@ -86,17 +87,8 @@ def test_later_micro_steps_add_into_the_kept_gradient_and_free_their_own():
     assert trained.allocated == 0  # freed after the step (zero_grad)
 
 
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def test_the_cuda_estimate_counts_the_replayed_fragmentation():
-    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+    spec = make_spec(WideMlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
                      loss_fn=lambda output, batch: output.square().mean())
     estimator = Estimator(spec, target="cuda")
     config = Config(micro_batch_size=4)
@@ -111,7 +103,7 @@ def test_an_extrapolated_micro_batch_replays_the_events_read_on_the_line():
     # replayed so, 1,430 simulated there, 3,207 by the share of the transients).
     from autofit.estimate.cuda.training_replay import reserve
 
-    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+    spec = make_spec(WideMlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
                      loss_fn=lambda output, batch: output.square().mean())
     extrapolated, simulated = (Estimator(spec, target="cuda", extrapolate_batch=flag) for flag in (True, False))
     one, two = (extrapolated.activations(Config(micro_batch_size=mb))[0] for mb in (1, 2))
@@ -130,7 +122,7 @@ def test_fragmentation_is_the_share_of_the_transients_where_the_steps_differ():
     # simulated value. Small and uneven at micro-batches 1 and 2, a line through those values is wrong by
     # gigabytes far out (ResNet-50 at 256: 0.02 GiB read, 1.37 simulated); their share of the transients
     # holds. A real-size Whisper's fell from 213 to 45 MiB (and were 217 MiB at 8): the larger stands.
-    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+    spec = make_spec(WideMlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
                      loss_fn=lambda output, batch: output.square().mean())
     estimator = Estimator(spec, target="cuda", extrapolate_batch=True)
     one, two = (dataclasses.replace(estimator.activations(Config(micro_batch_size=mb))[0], replay=None)
@@ -241,7 +233,7 @@ def test_one_simulation_serves_every_accumulation_its_history_replayed_for_each(
     # The simulation is shared by configurations that differ in accumulation only; the replayed history is
     # not (each micro-step keeps its gradients to the step): GPT-2 small at micro-batch 1 with 4 micro-steps
     # had come out +9.5% on the H200 when planned after the same step without accumulation.
-    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+    spec = make_spec(WideMlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
                      loss_fn=lambda output, batch: output.square().mean())
     shared = Estimator(spec, target="cuda")
     shared.activations(Config(micro_batch_size=1))

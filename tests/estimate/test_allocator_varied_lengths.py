@@ -3,7 +3,7 @@ shorter steps, ascending, as docs/dry-run.md ("Batches of varied length") says."
 
 import torch
 from click.testing import CliRunner
-from torch import nn
+from models import WideMlp
 
 from autofit.cli.dry_run import dry_run_command
 from autofit.config import Config
@@ -53,17 +53,8 @@ def test_the_history_steps_are_read_on_the_micro_batch_line_at_as_many_tokens():
     assert varied_lengths.rungs_for(big, bigger, 1, 1, 2) == varied_lengths.MOST_RUNGS  # not 500
 
 
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def estimator(varied: bool, target: str = "cuda") -> Estimator:
-    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
+    spec = make_spec(WideMlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="1TiB",
                      loss_fn=lambda output, batch: output.square().mean(), varied_lengths=varied)
     return Estimator(spec, target=target)
 

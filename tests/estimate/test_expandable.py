@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 import torch
-from torch import nn
+from models import WideMlp
 
 from autofit.config import Config
 from autofit.estimate.cuda.allocator import CachingAllocator, Replay
@@ -131,20 +131,11 @@ def test_the_reserve_is_kept_apart_per_allocator():
     assert fixed["fragmentation"] != grown["fragmentation"]
 
 
-class Mlp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def test_the_estimate_replays_the_step_through_the_allocator_its_config_sets():
     from autofit.devices.gpus import get_gpu
     from autofit.job.target import Target
 
-    spec = make_spec(Mlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="80GiB",
+    spec = make_spec(WideMlp, lambda n: torch.randn(n, 300, 512), device="cpu", memory_budget="80GiB",
                      loss_fn=lambda output, batch: output.square().mean(),
                      target=Target.from_profile(get_gpu("a100-80gb"), 1))
     estimator = Estimator(spec, target="cuda", strategies=default_strategies())

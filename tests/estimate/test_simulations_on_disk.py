@@ -51,15 +51,6 @@ def process(monkeypatch, tmp_path):
     return start
 
 
-@pytest.fixture
-def replays(monkeypatch):
-    """The caching allocator's replays run (`Replay.calls`)."""
-    runs = []
-    real = allocator.Replay.calls
-    monkeypatch.setattr(allocator.Replay, "calls", lambda self, *args: runs.append(1) or real(self, *args))
-    return runs
-
-
 def predict(model, batch=None, config=CONFIG):
     spec = make_spec(model, batch, seq_len=32 if batch is None else None, device="cpu",
                      global_batch_size=2 * config.grad_accum_steps,

@@ -6,7 +6,6 @@ import torch
 from transformers import LlamaConfig
 
 from autofit.config import Config
-from autofit.estimate.cuda import allocator
 from autofit.estimate.estimator import Estimator
 from autofit.estimate.simulation import disk_cache as kept
 from autofit.estimate.simulation import memo as simulations
@@ -27,15 +26,6 @@ def _fresh(monkeypatch):
 def tiny_llama() -> LlamaConfig:
     return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, max_position_embeddings=512)
-
-
-@pytest.fixture
-def replays(monkeypatch):
-    """The caching allocator's replays run (`Replay.calls`)."""
-    runs = []
-    real = allocator.Replay.calls
-    monkeypatch.setattr(allocator.Replay, "calls", lambda self, *args: runs.append(1) or real(self, *args))
-    return runs
 
 
 def test_a_floor_is_at_most_its_prediction_at_the_same_bound():
