@@ -76,6 +76,13 @@ class FreezeEmbeddings(Strategy):
         return {"AUTOFIT_FROZEN_EMBEDDINGS": "1"} if fmt == "torchrun" else {}  # accelerate's and the Trainer's
         # loaders reject keys they do not know: the lines above say it there
 
+    def deepspeed_keys(self, config: Config, inputs: Any) -> dict[str, Any]:
+        """Its sections of DeepSpeed's engine config (the ZeRO probe's and deepspeed.json's alike): frozen
+        embeddings need none of the engine, but the hook is asked as the built-ins' are."""
+        if self.value(config) is Frozen.ON:
+            SEEN.append(("deepspeed_keys", ""))
+        return {}
+
     def refuses(self, config: Config, fmt: str) -> str | None:
         if self.value(config) is Frozen.ON:
             SEEN.append(("refuses", fmt))

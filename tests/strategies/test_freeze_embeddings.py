@@ -109,6 +109,7 @@ def test_every_export_carries_it_and_each_file_loads(plan_on, tmp_path):
     assert ds_json["autofit_plugins"] == {"freeze_embeddings": "on"}
     assert "freeze(model)  # input embeddings frozen, as probed" in ds_json["autofit"]["apply_in_script"]
     DeepSpeedConfig(ds_json)  # DeepSpeed's own parser reads it
+    assert ("deepspeed_keys", "") in SEEN  # the engine config is assembled from every strategy, plug-ins too
 
     accelerate_path = plan_on.export("accelerate", tmp_path / "a")[0]
     assert "#   freeze(model)" in accelerate_path.read_text()
