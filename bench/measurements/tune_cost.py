@@ -11,8 +11,8 @@ ratio of the medians (this checkout / against) per scenario.
         --out bench/results/tune-cost-<date>-<commit>-vs-5e3c735.json
 
 Backs: issue 57's check that the confirmation's stopping rule (rounds until a comparison's interval is narrow
-enough, within a time cap) costs no more than the fixed rounds before it. Results:
-tune-cost-2026-12-06-busy-0fc8652-vs-5e3c735.json."""
+enough, within a time cap) costs no more than the fixed rounds before it.
+Results: tune-cost-2026-12-06-busy-0fc8652-vs-5e3c735.json (load 5-6)."""
 
 from __future__ import annotations
 
