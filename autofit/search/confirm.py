@@ -30,7 +30,9 @@ figures alone. This step runs after the walk:
    the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
    alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, of
    the finalists those comparisons pair alone (`needed`: a finalist whose comparisons are all settled is
-   retired, its rounds so far kept, so the cap buys rounds for what is still open), up to `most` and within
+   retired, its rounds so far kept, so the cap buys rounds for what is still open), and none once what is
+   still open cannot change the choice (`possible_winners`: a third finalist beats either side of an
+   undecided pair), up to `most` and within
    a time cap sized from the finalists' own step times (live runs: 30 s, or four times what the first
    rounds took): more rounds narrow the interval of the median, and where the cap ends them first the
    simpler finalist stays.
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, Skip, Source
 from autofit.search.decision import (PROBE_WINDOW, Comparison, Confirmation, Finalist, Method, Window, decide,
-                                     level_of, risk, simplicity, unsettled)
+                                     level_of, possible_winners, risk, simplicity, unsettled)
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
@@ -180,6 +182,8 @@ def confirm(space: "Space", results: Sequence[ProbeResult], measure: Measure | N
     if measure is not None and (len(picked) > 1 or stored or unsteady):
         def more(so_far: dict[Config, tuple[float, ...] | str]) -> frozenset[Config]:
             pool = _pool(space, picked, so_far)
+            if len(possible_winners(pool, exact_margin)) == 1:
+                return frozenset()  # what is still open cannot change the choice
             return needed(pool, decide(pool, exact_margin)[1])
 
         measured = measure([r.config for r in picked], rounds, more)

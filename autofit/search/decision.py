@@ -24,6 +24,7 @@ else the fastest fit (what the walk's deadlines compare against).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 from typing import TYPE_CHECKING, Any, Sequence
@@ -343,14 +344,36 @@ def decide(pool: Sequence[Finalist], exact_margin: float) -> tuple[int, list[Com
     comparisons that decided it (see the module doc)."""
     holder, comparisons = 0, []
     for index in range(1, len(pool)):
-        challenger, current = pool[index], pool[holder]
-        margin, kind = margin_between(current.standing, challenger.standing, exact_margin)
-        ratio = Ratio.of(challenger, current)
-        decided = judge(ratio, margin)
-        comparisons.append(Comparison(index, holder, ratio, margin, kind, decided is DecidedBy.CLEARED, decided))
-        if decided is DecidedBy.CLEARED:
+        comparisons.append(_compare(pool, index, holder, exact_margin))
+        if comparisons[-1].won:
             holder = index
     return holder, comparisons
+
+
+def possible_winners(pool: Sequence[Finalist], exact_margin: float) -> frozenset[int]:
+    """Every finalist that more rounds could still make the choice: `decide`'s walk, taking both turns at
+    each comparison still undecided for noise alone (`unsettled`). One index when no comparison left open
+    can change the choice (an undecided pair that a third finalist beats either way): the rounds stop there."""
+
+    @functools.lru_cache(maxsize=None)
+    def walk(index: int, holder: int) -> frozenset[int]:
+        if index == len(pool):
+            return frozenset({holder})
+        comparison = _compare(pool, index, holder, exact_margin)
+        if unsettled(comparison):
+            return walk(index + 1, holder) | walk(index + 1, index)
+        return walk(index + 1, index if comparison.won else holder)
+
+    return walk(1, 0)
+
+
+def _compare(pool: Sequence[Finalist], index: int, holder: int, exact_margin: float) -> Comparison:
+    """`pool[index]` judged against `pool[holder]`, the choice so far."""
+    challenger, current = pool[index], pool[holder]
+    margin, kind = margin_between(current.standing, challenger.standing, exact_margin)
+    ratio = Ratio.of(challenger, current)
+    decided = judge(ratio, margin)
+    return Comparison(index, holder, ratio, margin, kind, decided is DecidedBy.CLEARED, decided)
 
 
 def choose(results: Sequence[ProbeResult], confirmation: Confirmation | None = None) -> ProbeResult | None:

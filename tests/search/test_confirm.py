@@ -15,7 +15,7 @@ from autofit.plan import make_plan
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Source, decided, Skip
 from autofit.search import confirm
 from autofit.search.confirm import confirm as run_confirm, finalists, follow_near_limit, follow_numerics
-from autofit.search.decision import LIVE_WINDOW, PROBE_WINDOW, Finalist, decide
+from autofit.search.decision import LIVE_WINDOW, PROBE_WINDOW, Finalist, decide, possible_winners, unsettled
 from autofit.search.space import build_space
 from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, OptimizerStates, MixedPrecision as PrecisionStrategy
@@ -615,3 +615,31 @@ def test_at_one_thread_a_step_counts_its_own_cpu_time_not_the_wait_for_a_core():
 
     assert confirm.step_seconds(waited, threads=1) < 0.02
     assert confirm.step_seconds(waited, threads=2) == 0.05
+
+
+def test_rounds_stop_once_what_is_still_open_cannot_change_the_choice(space):
+    """Two exact micro-batches whose rounds cannot rank them at 3% (ratios 0.8-1.25), and Adafactor twice as
+    fast as either, steadily: whichever of the two holds, Adafactor replaces it, so the first 7 rounds decide."""
+    four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
+    results = [fit(EXACT, 100), fit(four, 100), fit(ADAFACTOR, 200)]
+    measure = confirm.interleaved(Sequenced({EXACT: [100] * 99, four: [80, 125, 95, 110, 85, 120, 100] * 14,
+                                             ADAFACTOR: [200] * 99}))
+    confirmation = run_confirm(space, results, measure, confirm.Rounds(7, 99, 60.0), 0.10, "live runs",
+                               LIVE_WINDOW)
+    pool = confirmation.finalists
+    assert [f.config for f in pool] == [EXACT, four, ADAFACTOR]
+    assert {len(f.rounds) for f in pool} == {7}
+    assert confirmation.winner.config == ADAFACTOR
+    open_pair = confirmation.comparisons[0]
+    assert unsettled(open_pair) and (open_pair.challenger, open_pair.holder) == (1, 0)
+
+
+def test_possible_winners_takes_both_turns_of_an_open_comparison():
+    four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
+    noisy = (80, 125, 95, 110, 85, 120, 100)
+    pool = (finalist(EXACT, (100,) * 7), finalist(four, noisy), finalist(ADAFACTOR, (200,) * 7, tier=1))
+    assert possible_winners(pool, 0.10) == {2}
+    # Adafactor only 10% ahead of the exact fit's steady rounds but behind the noisy one in some: either may hold
+    close = (finalist(EXACT, (100,) * 7), finalist(four, (80, 140, 95, 130, 85, 135, 100)),
+             finalist(ADAFACTOR, (112,) * 7, tier=1))
+    assert len(possible_winners(close, 0.10)) > 1
