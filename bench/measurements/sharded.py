@@ -21,7 +21,8 @@ fraction of that, so only sharding (ZeRO or FSDP2, both searched) can fit. Repor
 Backs: `ENGINE_TOLERANCE` in autofit/estimate/tolerance.py (the estimator's per-rank error on CPU ranks
 with ZeRO and FSDP2, bench/README.md#engine-tolerance).
 Results: bench/results/sharded-cpu-<date>.json: sharded-cpu-2026-12-06.json; --autofit-only:
-sharded-autofit-cpu-2026-12-06.json."""
+sharded-autofit-cpu-2026-12-06.json,
+sharded-autofit-cpu-2026-12-06-4622c96.json."""
 
 from __future__ import annotations
 
