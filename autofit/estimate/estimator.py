@@ -140,7 +140,7 @@ class Estimator:
         self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
         self._family = family_of(self._meta)  # what the error bound is looked up by (`tolerance.bound_for`)
-        self._steadied: dict[tuple, Any] | None = None  # `_once`'s, within `_steady`
+        self._steadied: dict[tuple, Any] | None = None  # `_once`'s, within `steady`
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -216,7 +216,7 @@ class Estimator:
         is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
         predictions are the same either way. `progress(done, total)` hears of each simulation done here
         (the workers' shares count when they are collected)."""
-        with self._steady():
+        with self.steady():
             todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
             todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
         if not todo:
@@ -264,16 +264,16 @@ class Estimator:
 
     def _facts_of(self, config: Config) -> dict[str, Any]:
         """What `config`'s simulated step depends on (`simulations.simulated_facts`), read anew for each call
-        of `predict`, `floor` or `prefetch` (`_steady`): the calibration sets what some strategies simulate
+        of `predict`, `floor` or `prefetch` (`steady`): the calibration sets what some strategies simulate
         (bitsandbytes' and peft's releases) between calls, not within one."""
         return self._once("facts", config, lambda: simulations.merged_facts(config, self._simulating))
 
     def _replays_training(self, config: Config) -> bool:
-        """`training_replay.replays_training(config)`, once within `_steady`."""
+        """`training_replay.replays_training(config)`, once within `steady`."""
         return self._once("training", config, lambda: replays_training(config))
 
     def _once(self, what: str, arg: Any, make: Callable[[], Any]) -> Any:
-        """`make()`, made once for (`what`, `arg`) within `_steady` (every time outside it)."""
+        """`make()`, made once for (`what`, `arg`) within `steady` (every time outside it)."""
         if self._steadied is None:
             return make()
         found = self._steadied.get((what, arg), _MISSING)
@@ -282,9 +282,11 @@ class Estimator:
         return found
 
     @contextlib.contextmanager
-    def _steady(self) -> Iterator[None]:
+    def steady(self) -> Iterator[None]:
         """Within: each configuration's facts, keys and history (`_once`) found once (a prediction keys its
-        steps a dozen times over); the outermost call forgets them when it returns."""
+        steps a dozen times over; a dry-run predicts thousands of configurations, and is steady throughout);
+        the outermost call forgets them when it returns. Not across a change of what a strategy simulates
+        (the calibration's patches between runs)."""
         outermost = self._steadied is None
         if outermost:
             self._steadied = {}
@@ -464,7 +466,7 @@ class Estimator:
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
-        with self._steady():
+        with self.steady():
             act, how = self.activations(config)
             return self._assembled(config, act, how, self.simulated(config))
 
@@ -476,7 +478,7 @@ class Estimator:
         either, and where it is over the prediction is. None where it is not that cheaper: on a CPU target, a
         micro-batch simulated as it is, a line replayed already or not replayed at all, a step a strategy's
         own `memory` changes (a plug-in's: not known to grow with the reserve), or a bf16 cast's peak."""
-        with self._steady():
+        with self.steady():
             return self._floor(config)
 
     def _floor(self, config: Config) -> Estimate | None:

@@ -197,7 +197,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                           deferred_sync=deferred_sync)
     planner = _Planner(space, estimator, profile)
     host = parse_size(host_memory, "host_memory") if host_memory is not None else None
-    allowed, over = over_host(_best_levels(space, planner, chosen_strategies, _listener(progress)), host)
+    with estimator.steady():  # nothing changes what a strategy simulates meanwhile: facts found once a configuration
+        allowed, over = over_host(_best_levels(space, planner, chosen_strategies, _listener(progress)), host)
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)

@@ -1,5 +1,5 @@
 """A dry-run's per-candidate work done once: each configuration predicted once per plan (a bisection's fit is
-its row), each configuration's simulated facts found once per prediction (`Estimator._steady`) and read anew
+its row), each configuration's simulated facts found once per prediction (`Estimator.steady`, a dry-run's planning throughout) and read anew
 by the next one, the change order's level index made once per decision."""
 
 import collections
@@ -55,6 +55,10 @@ def test_a_prediction_finds_each_configurations_facts_once_and_the_next_finds_th
     found.clear()
     estimator._key(config, 1), estimator._key(config, 1)
     assert found[config] == 2  # outside a prediction, every time
+    found.clear()
+    with estimator.steady():  # as a dry-run plans: once for all its predictions
+        estimator.predict(config), estimator.floor(config), estimator.predict(config)
+    assert found[config] == 1
 
 
 def test_the_change_order_is_the_same_with_the_level_index_made_once():
