@@ -38,6 +38,9 @@ def test_each_configuration_is_predicted_once_per_plan(monkeypatch):
     assert report.chosen is not None and predicted
     assert max(predicted.values()) == 1, [c.describe() for c, n in predicted.items() if n > 1][:3]
     assert {c.config for c in report.candidates} <= set(predicted)  # every row was predicted, once
+    document = report.to_dict()  # its rows and choice by index, as `index` finds them
+    assert document["rows"] == [[report.candidates.index(c) for c in row] for row in report.rows]
+    assert document["chosen_index"] == report.candidates.index(report.chosen)
 
 
 def test_a_prediction_finds_each_configurations_facts_once_and_the_next_finds_them_anew(monkeypatch):
@@ -70,9 +73,3 @@ def test_the_change_order_is_the_same_with_the_level_index_made_once():
     assert [change_order(space, c, order=order) for c in configs] == [change_order(space, c) for c in configs]
     assert [order[level] for level in space.levels()] == list(range(len(order)))
 
-
-def test_the_json_rows_point_at_their_candidates():
-    report = dry_run(tiny_llama(), **PLAN, strategies=[MixedPrecision(), FusedAttention(), MicroBatch()])
-    document = report.to_dict()
-    assert document["rows"] == [[report.candidates.index(c) for c in row] for row in report.rows]
-    assert document["chosen_index"] == report.candidates.index(report.chosen)
