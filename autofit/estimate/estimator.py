@@ -20,11 +20,12 @@ in depth); micro-batches past 2 at 1 and 2, extrapolated linearly in the micro-b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 MIB = 1024**2
 # The engine's term shown as `Breakdown.gathered`, not in the overhead: ZeRO-3's gathered working set.
 GATHERED_TERM = "zero3_gathered"
+_MISSING = object()  # `Estimator._once`: not made yet
 # Overhead terms on a CUDA device, each documented where the peak is assembled (`_overhead`).
 # The CUDA context of a training process: the driver context plus every kernel module the step loads
 # lazily (cuBLAS, attention, the optimizer's foreach kernels). Measured in a probe on one H100, torch
@@ -138,6 +140,7 @@ class Estimator:
         self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
         self._family = family_of(self._meta)  # what the error bound is looked up by (`tolerance.bound_for`)
+        self._steadied: dict[tuple, Any] | None = None  # `_once`'s, within `steady`
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -159,7 +162,7 @@ class Estimator:
         if self._sizes(config) == (mb,):
             return self._at_batch(config, mb)
         # the allocator's events differ, or the allocator
-        key = (self._key(config, 1), mb, replays_training(config), self._expandable(config))
+        key = (self._key(config, 1), mb, self._replays_training(config), self._expandable(config))
         if key not in self._lines:
             self._lines[key] = self._extrapolated(config, mb)
         return self._lines[key]
@@ -213,8 +216,9 @@ class Estimator:
         is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
         predictions are the same either way. `progress(done, total)` hears of each simulation done here
         (the workers' shares count when they are collected)."""
-        todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
-        todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
+        with self.steady():
+            todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
+            todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
         if not todo:
             return
         from autofit.estimate.simulation import workers  # here: `python -m autofit.estimate.simulation.workers` imports this module
@@ -250,15 +254,47 @@ class Estimator:
         return (mb,) if mb <= 2 or not self.extrapolate_batch else self._line_points(config)
 
     def _key(self, config: Config, mb: int) -> tuple:
+        return self._once("key", (config, mb), lambda: self._made_key(config, mb))
+
+    def _made_key(self, config: Config, mb: int) -> tuple:
         # a tied weight is one in a process without an engine, two under one (`simulate.fake_empty`)
         facts = self._facts_of(config)
         tied = self._tied and not facts.get("_untied")
         return (*simulations.simulation_key(facts, mb), own_adapters(self.facts, config), tied)
 
     def _facts_of(self, config: Config) -> dict[str, Any]:
-        """What `config`'s simulated step depends on (`simulations.simulated_facts`), read anew each time: the
-        calibration sets what some strategies simulate (bitsandbytes' and peft's releases) between calls."""
-        return simulations.merged_facts(config, self._simulating)
+        """What `config`'s simulated step depends on (`simulations.simulated_facts`), read anew for each call
+        of `predict`, `floor` or `prefetch` (`steady`): the calibration sets what some strategies simulate
+        (bitsandbytes' and peft's releases) between calls, not within one."""
+        return self._once("facts", config, lambda: simulations.merged_facts(config, self._simulating))
+
+    def _replays_training(self, config: Config) -> bool:
+        """`training_replay.replays_training(config)`, once within `steady`."""
+        return self._once("training", config, lambda: replays_training(config))
+
+    def _once(self, what: str, arg: Any, make: Callable[[], Any]) -> Any:
+        """`make()`, made once for (`what`, `arg`) within `steady` (every time outside it)."""
+        if self._steadied is None:
+            return make()
+        found = self._steadied.get((what, arg), _MISSING)
+        if found is _MISSING:
+            found = self._steadied[what, arg] = make()
+        return found
+
+    @contextlib.contextmanager
+    def steady(self) -> Iterator[None]:
+        """Within: each configuration's facts, keys and history (`_once`) found once (a prediction keys its
+        steps a dozen times over; a dry-run predicts thousands of configurations, and is steady throughout);
+        the outermost call forgets them when it returns. Not across a change of what a strategy simulates
+        (the calibration's patches between runs)."""
+        outermost = self._steadied is None
+        if outermost:
+            self._steadied = {}
+        try:
+            yield
+        finally:
+            if outermost:
+                self._steadied = None
 
     def _at_batch(self, config: Config, mb: int, reserved: bool = True) -> tuple[ActivationPeak, str]:
         """The simulated step at micro-batch `mb` as `config` replays it through the caching allocator (its
@@ -270,7 +306,7 @@ class Estimator:
         if key not in self._cache and not self._recalled(config, mb):
             self._keep(config, mb, self.simulate(config, mb))
         peak, how = self._cache[key]
-        replay = peak.replayed_for(config) or peak.replay
+        replay = peak.replayed_for(config, self._replays_training(config)) or peak.replay
         expandable = self._expandable(config)
         if replay is None or (replay is peak.replay and expandable == replay.expandable):
             return peak, how
@@ -430,8 +466,9 @@ class Estimator:
     # -- the peak -------------------------------------------------------------------------------------
     def predict(self, config: Config) -> Estimate:
         """The predicted peak per device of training `config` (bytes), its breakdown and its reason."""
-        act, how = self.activations(config)
-        return self._assembled(config, act, how, self.simulated(config))
+        with self.steady():
+            act, how = self.activations(config)
+            return self._assembled(config, act, how, self.simulated(config))
 
     def floor(self, config: Config) -> Estimate | None:
         """`predict(config)` before the caching allocator's replay, where that is what predicting it waits on
@@ -441,11 +478,15 @@ class Estimator:
         either, and where it is over the prediction is. None where it is not that cheaper: on a CPU target, a
         micro-batch simulated as it is, a line replayed already or not replayed at all, a step a strategy's
         own `memory` changes (a plug-in's: not known to grow with the reserve), or a bf16 cast's peak."""
+        with self.steady():
+            return self._floor(config)
+
+    def _floor(self, config: Config) -> Estimate | None:
         from autofit.strategies.base import Strategy
 
         mb = config.micro_batch_size
         if (self.target != "cuda" or self._sizes(config) == (mb,)
-                or (self._key(config, 1), mb, replays_training(config), self._expandable(config)) in self._lines
+                or (self._key(config, 1), mb, self._replays_training(config), self._expandable(config)) in self._lines
                 or any(type(s).memory is not Strategy.memory for s in self.strategies)):
             return None
         for simulated in (1, 2):

@@ -29,7 +29,7 @@ from autofit.estimate.estimator import Estimator
 from autofit.estimate.prediction import Estimate, Fit
 from autofit.devices.gpus import GpuProfile, Layout, get_gpu, layout, split_count
 from autofit.estimate.workload import workload
-from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, change_order, margin_between
+from autofit.search.decision import DEFAULT_EXACT_MARGIN, MarginKind, change_order, level_order, margin_between
 from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.search.space import Space, build_space
 from autofit.strategies import compute_dtype
@@ -109,7 +109,8 @@ class DryRunReport:
 
     def to_dict(self) -> dict[str, Any]:
         """One JSON document: the candidates, the chosen one, and the target."""
-        chosen = self.candidates.index(self.chosen) if self.chosen is not None else None
+        index = {id(c): i for i, c in reversed(list(enumerate(self.candidates)))}  # the first of each, as `index`
+        chosen = index[id(self.chosen)] if self.chosen is not None else None
         return {"model": self.model, "gpu": self.gpu.name, "gpu_memory": self.gpu.memory_bytes,
                 "num_gpus": self.num_gpus, "nodes": self.layout.nodes if self.layout else 1,
                 "gpus_per_node": self.layout.per_node if self.layout else self.num_gpus,
@@ -122,7 +123,7 @@ class DryRunReport:
                 "shortfall": self.shortfall.to_dict() if self.shortfall else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None, "chosen_index": chosen,
                 "near_choice": self.near_choice.to_dict() if self.near_choice else None,
-                "rows": [[self.candidates.index(c) for c in row] for row in self.rows],
+                "rows": [[index[id(c)] for c in row] for row in self.rows],
                 "candidates": [c.to_dict() for c in self.candidates], "seconds": round(self.seconds, 2)}
 
 
@@ -196,7 +197,8 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
                           deferred_sync=deferred_sync)
     planner = _Planner(space, estimator, profile)
     host = parse_size(host_memory, "host_memory") if host_memory is not None else None
-    allowed, over = over_host(_best_levels(space, planner, chosen_strategies, _listener(progress)), host)
+    with estimator.steady():  # nothing changes what a strategy simulates meanwhile: facts found once a configuration
+        allowed, over = over_host(_best_levels(space, planner, chosen_strategies, _listener(progress)), host)
     # A fit resting on a simulation ranks before one resting on the activation formula alone.
     fitting = sorted((c for c in allowed if c.fits), key=lambda c: (not c.estimate.simulated, c.step_seconds))
     rest = sorted((c for c in allowed if not c.fits), key=lambda c: c.peak_bytes)
@@ -317,14 +319,30 @@ class _Planner:
         self.work = workload(self.spec, estimator.facts.num_params, estimator.facts.num_blocks)
         # each level's next micro-batch above its best fit, where that one is near the limit (`best_at`)
         self.near_above: list[Candidate] = []
+        self._predicted: dict[Config, Estimate] = {}  # `predict`'s: a bisection's fit is predicted again as its row
+        self._configs: dict[tuple[Config, int], Config] = {}  # `_at`'s
+
+    def _at(self, level: Config, size: int) -> Config:
+        """`Space.at(level, size)`, once per (level, size) of this plan."""
+        found = self._configs.get((level, size))
+        if found is None:
+            found = self._configs[level, size] = self.space.at(level, size)
+        return found
+
+    def predict(self, config: Config) -> Estimate:
+        """`Estimator.predict(config)`, once per configuration of this plan."""
+        found = self._predicted.get(config)
+        if found is None:
+            found = self._predicted[config] = self.estimator.predict(config)
+        return found
 
     def asks(self, level: Config) -> list[Config]:
         """The configurations `best_at(level)` may predict: the smallest size alone when the model
         states alone are over the limit (no size fits), else every size."""
         sizes = self.space.sizes_at(level)
-        if self.states_over(self.space.at(level, sizes[0])):
+        if self.states_over(self._at(level, sizes[0])):
             sizes = sizes[:1]
-        return [self.space.at(level, size) for size in sizes]
+        return [self._at(level, size) for size in sizes]
 
     def states_over(self, config: Config) -> bool:
         """Whether `config`'s model states alone (`Estimator.states_floor`, a lower bound of its peak) are
@@ -334,27 +352,27 @@ class _Planner:
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
         sizes = self.space.sizes_at(level)
-        if self.states_over(self.space.at(level, sizes[0])):
-            return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
+        if self.states_over(self._at(level, sizes[0])):
+            return self.candidate(self._at(level, sizes[0]))  # model states alone are over: no size fits
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2
-            if self._fits_at(self.space.at(level, sizes[mid])):
+            if self._fits_at(self._at(level, sizes[mid])):
                 low = mid
             else:
                 high = mid - 1
-        best = self.candidate(self.space.at(level, sizes[low]))
+        best = self.candidate(self._at(level, sizes[low]))
         if best.fits and low + 1 < len(sizes):
-            floor = self.estimator.floor(self.space.at(level, sizes[low + 1]))  # over by it: not near the limit
+            floor = self.estimator.floor(self._at(level, sizes[low + 1]))  # over by it: not near the limit
             if floor is None or floor.fit_under(self.spec.fit_limit) is not Fit.OVER:
-                above = self.candidate(self.space.at(level, sizes[low + 1]))
+                above = self.candidate(self._at(level, sizes[low + 1]))
                 self.near_above += [above] if above.near_limit else []
         return best
 
     def _fits_at(self, config: Config) -> bool:
         """`_fits`, told without an allocator replay where `config`'s floor (`Estimator.floor`) does not fit."""
         floor = self.estimator.floor(config)
-        return (floor is None or self._fits(floor)) and self._fits(self.estimator.predict(config))
+        return (floor is None or self._fits(floor)) and self._fits(self.predict(config))
 
     def _fits(self, estimate: Estimate) -> bool:
         # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one
@@ -362,7 +380,7 @@ class _Planner:
 
     def candidate(self, config: Config) -> Candidate:
         """`config` predicted: its estimate, fit, speed and reason."""
-        estimate = self.estimator.predict(config)
+        estimate = self.predict(config)
         fits = self._fits(estimate)
         cost = step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work, estimate.offloaded_activations,
                          estimate.kernels)
@@ -410,7 +428,8 @@ def _decided(space: Space, fitting: list[Candidate]) -> Candidate:
     (`DEFAULT_EXACT_MARGIN` for a numerics change, `NOISE_MARGIN` otherwise), so the dry-run names what
     `autofit tune` would keep. Fits resting on a simulation are chosen before formula-only ones."""
     basis = [c for c in fitting if c.estimate.simulated] or fitting
-    holder, *others = sorted(basis, key=lambda c: change_order(space, c.config))
+    order = level_order(space)
+    holder, *others = sorted(basis, key=lambda c: change_order(space, c.config, order=order))
     for challenger in others:
         if holder.step_seconds >= challenger.step_seconds * (1 + _margin(holder, challenger)[0]):
             holder = challenger

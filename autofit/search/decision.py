@@ -269,11 +269,18 @@ def simplicity(space: "Space", result: ProbeResult) -> tuple:
     return change_order(space, result.config, result.near_limit)
 
 
-def change_order(space: "Space", config: Config, near_limit: bool = False) -> tuple:
-    """`simplicity` of a configuration (a prediction has no allocator retries: `near_limit` False)."""
-    order = {level: i for i, level in enumerate(space.levels())}
+def change_order(space: "Space", config: Config, near_limit: bool = False,
+                 order: dict[Config, int] | None = None) -> tuple:
+    """`simplicity` of a configuration (a prediction has no allocator retries: `near_limit` False). `order`:
+    `level_order(space)` made once, where many configurations of one space are ordered."""
+    order = level_order(space) if order is None else order
     return (space.tier(config), space.degree(config), near_limit, order.get(level_of(config), len(order)),
             -config.micro_batch_size)
+
+
+def level_order(space: "Space") -> dict[Config, int]:
+    """Each level of `space` by its place among `space.levels()` (fewer knobs changed first)."""
+    return {level: i for i, level in enumerate(space.levels())}
 
 
 def risk(space: "Space", result: ProbeResult) -> tuple[int, int, bool]:

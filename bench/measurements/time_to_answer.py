@@ -26,7 +26,10 @@ time-to-answer-2026-12-06.json (commit bbdb730: a step's key no longer re-sorts 
 time-to-answer-quickstart-2026-12-06.json (examples/quickstart.py at load 4-11: 1,623 s for 12 probes, where a
 quiet machine took 34-37 s: the search's cost under load, left to issue 57's decision under noise),
 time-to-answer-2026-12-06-5f56558-vs-f65526e.json (`--against f65526e` at load ~10: a line's reserve replayed
-from its own events only, and the bisection's floors: 0.948 first use, 0.844 asked again)."""
+from its own events only, and the bisection's floors: 0.948 first use, 0.844 asked again),
+time-to-answer-2026-12-06-9e5913c-vs-0fc8652.json (`--against 0fc8652` at load 5-7, one run each: each configuration's planning work
+done once; asked again 0.575, first use 1.29 within that load's noise), time-to-answer-2026-12-06-76475d2-vs-0fc8652.json (the same at load
+3.1-3.6: asked again 0.69, first use 0.73)."""
 
 from __future__ import annotations
 

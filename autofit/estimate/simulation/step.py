@@ -100,14 +100,16 @@ class ActivationPeak:
                                    least_fragmentation=other.least_fragmentation, replay=other.replay,
                                    history=other.history)
 
-    def replayed_for(self, config: Config) -> Replay | None:
+    def replayed_for(self, config: Config, training: bool | None = None) -> Replay | None:
         """The events `config` replays through the caching allocator where they are not those this peak's
         reserve was replayed from: with its training history and micro-steps where it replays one
         (`training_replay.replays_training`), else the step alone. None where they are the same (or nothing
-        was replayed). One simulation serves every optimizer, engine and accumulation of its key."""
+        was replayed). One simulation serves every optimizer, engine and accumulation of its key. `training`:
+        `replays_training(config)` where the caller knows it."""
         if self.replay is None:
             return None
-        history = self.history if training_replay.replays_training(config) else None
+        training = training_replay.replays_training(config) if training is None else training
+        history = self.history if training else None
         if history is not None:
             history = (*history[:-1], min(config.grad_accum_steps, MICRO_STEPS_REPLAYED))
         if _micro_steps(history) == _micro_steps(self.replay.training):
