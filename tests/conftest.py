@@ -8,6 +8,9 @@ import tempfile
 # nothing of an earlier run or another checkout is read
 _CACHE = None if "AUTOFIT_CACHE" in os.environ else tempfile.mkdtemp(prefix="autofit-test-cache-")
 os.environ.setdefault("AUTOFIT_CACHE", _CACHE or "")
+# One thread in every process tests start (probe children and ranks, CLI runs, README blocks), as in this one
+# (below): two workers on a small machine, each with children spinning several threads, wait on each other
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -115,12 +115,17 @@ def test_lora_dropout_is_a_probability():
             Lora(dropout=bad)
 
 
+LLAMA_TOKENS = 128
+
+
 def _llama_spec():
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                         vocab_size=8000, max_position_embeddings=512)
-    return make_spec(config, None, device="cpu", memory_budget="4GiB", seq_len=256, global_batch_size=4,
+    # four blocks (simulated shallow and deep, extrapolated) as narrow and short as the figures allow: each CPU
+    # probe of it in bf16 costs seconds per step
+    config = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                         vocab_size=1024, max_position_embeddings=512)
+    return make_spec(config, None, device="cpu", memory_budget="4GiB", seq_len=LLAMA_TOKENS, global_batch_size=4,
                      warmup_steps=1, timed_steps=1, allow={"lora"})
 
 
@@ -197,7 +202,7 @@ def test_lora_on_a_model_given_in_bf16_is_predicted_with_peft_s_fp32_adapters(ch
     hf = _llama_spec().model.hf_config
 
     def batch(n):
-        ids = torch.randint(0, hf.vocab_size, (n, 256))
+        ids = torch.randint(0, hf.vocab_size, (n, LLAMA_TOKENS))
         return {"input_ids": ids, "labels": ids}
 
     spec = make_spec(lambda: LlamaForCausalLM(hf).to(torch.bfloat16), batch, device="cpu", memory_budget="4GiB",
