@@ -15,12 +15,12 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure
-
 from autofit.probe.outcome import ProbeResult, ProbeStatus, Source
 from autofit.units import format_size
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from autofit.plan import Plan
     from autofit.config import Config
 
@@ -80,6 +80,8 @@ def report_data(plan: "Plan") -> list[Row]:
 
 def memory_figure(rows: list[Row], budget: int, fit_limit: int) -> Figure:
     """Stacked horizontal bars of each candidate's peak against the budget and the fit limit."""
+    from matplotlib.figure import Figure  # on first use: every CLI command imports this module
+
     fig = Figure(figsize=(9, 0.45 * len(rows) + 2.2), layout="constrained")
     ax = fig.add_subplot()
     unit = 2**20
@@ -106,6 +108,8 @@ def memory_figure(rows: list[Row], budget: int, fit_limit: int) -> Figure:
 
 def throughput_figure(rows: list[Row], budget: int) -> Figure:
     """Throughput (samples/s) against peak memory for the candidates that finished their steps."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(9, 4.6), layout="constrained")
     ax = fig.add_subplot()
     unit = 2**20
