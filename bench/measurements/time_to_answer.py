@@ -29,7 +29,9 @@ time-to-answer-2026-12-06-5f56558-vs-f65526e.json (`--against f65526e` at load ~
 from its own events only, and the bisection's floors: 0.948 first use, 0.844 asked again),
 time-to-answer-2026-12-06-9e5913c-vs-0fc8652.json (`--against 0fc8652` at load 5-7, one run each: each configuration's planning work
 done once; asked again 0.575, first use 1.29 within that load's noise), time-to-answer-2026-12-06-76475d2-vs-0fc8652.json (the same at load
-3.1-3.6: asked again 0.69, first use 0.73)."""
+3.1-3.6: asked again 0.69, first use 0.73), time-to-answer-2026-12-06-quiet-e0862db-vs-0fc8652.json (the same and
+the quickstart on a quiet machine after the merge: 0.895 first use, 0.669 asked again, 0.955 quickstart),
+time-to-answer-tests-2026-12-06-e0862db.json (the README's test command on a quiet machine: 777 s)."""
 
 from __future__ import annotations
 
