@@ -10,10 +10,8 @@ decision, trials) -> `pipelines` (`tune`, `dry_run`) with `plan`, `export`, `rep
 (keeps a running job alive) -> `cli`.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from autofit.config import (ActivationOffload, Attention, Checkpointing, Config, Engine, Loss, Offload, Optimizer,
                             OptimizerStep, Precision, Quantization, Sharding)
@@ -25,7 +23,7 @@ from autofit.job.train_spec import TrainSpec, make_spec
 from autofit.units import format_size, parse_size
 from autofit.version import __version__
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from autofit.guard import GuardGaveUp, OomGuard
     from autofit.pipelines.dry_run import DryRunReport, dry_run
     from autofit.pipelines.tune import autofit
@@ -39,11 +37,11 @@ _LAZY = {"DryRunReport": "autofit.pipelines.dry_run", "dry_run": "autofit.pipeli
          "autofit": "autofit.pipelines.tune", "SearchOptions": "autofit.search.options"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """The public names of `_LAZY`, imported from their module on first use."""
     if name not in _LAZY:
         raise AttributeError(f"module 'autofit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    value = getattr(_importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 
