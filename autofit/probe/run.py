@@ -103,9 +103,10 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     if step_limit is not None:
         allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
         budget.allowance = allowance
+    built: list[TrainRun] = []
     try:
         with wall_clock_limit(timeout), budget:
-            timed = _train(spec, config, strategies, budget)
+            timed = _train(spec, config, strategies, budget, built)
     except UsageError:
         raise
     except DeadlinePassed:
@@ -120,6 +121,7 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         result = failed(config, exc, strategies, budget.peak or None)
     else:
         result = _measured(spec, config, budget.peak, timed)
+    result = dataclasses.replace(result, steps=built[0].steps_taken if built else 0)
     try:
         release_memory()
     except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
@@ -180,10 +182,11 @@ def _stop_if_broken(exc: BaseException, config: Config) -> None:
         raise CudaContextBroken(config.describe(), cause) from exc
 
 
-def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> "Timed":
-    """Build the run, take the warm-up steps (more on the first probe of the process: `settle`), then
-    time each timed step. An exception leaves carrying the phase it struck in (`autofit_phase`)."""
-    built: list[TrainRun] = []
+def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget,
+           built: list[TrainRun]) -> "Timed":
+    """Build the run (into `built`: the caller reads the steps it took), take the warm-up steps (more on the
+    first probe of the process: `settle`), then time each timed step. An exception leaves carrying the phase
+    it struck in (`autofit_phase`)."""
     try:
         return _steps(spec, config, strategies, budget, built)
     except BaseException as exc:
