@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from models import make_mlp, make_mlp_batch, mlp_loss
@@ -180,3 +182,29 @@ def test_steps_are_a_count(steps):
         ProbeResult(FULL, ProbeStatus.ERROR, "failed", steps=steps)
     with pytest.raises(ValueError, match="steps"):
         Confirmation((), 0, (), "none", 0.1, steps=steps)
+
+
+class SlowMlp(torch.nn.Module):
+    """Half a second a step, whatever the machine does."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = make_mlp()
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.5)
+        return self.inner(x)
+
+
+def test_a_probe_that_cannot_finish_in_time_is_stopped_before_its_deadline(monkeypatch):
+    """5 steps of 0.5 s against 1.5 s from the end of the first: after the second, 3 steps left need 1.5 s
+    more, past the deadline, so it stops there and then rather than at its fourth step."""
+    monkeypatch.setattr("autofit.probe.run.MIN_ALLOWANCE", 0.0)
+    slow = make_spec(SlowMlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=mlp_loss, warmup_steps=2, timed_steps=3)
+    result = run_probe(slow, FULL, STRATEGIES, step_limit=1.5 / 7)  # allowance: (2 + 3 + 2) x step_limit
+    assert result.status is ProbeStatus.PRUNED and result.steps == 2, result.reason
+    assert re.search(r"stopped before its deadline \(1\.5 s after its first step\): at \d+\.\d\d s a step, its 3 steps "
+                     r"left would end \d+\.\d s past it", result.reason), result.reason
