@@ -233,6 +233,7 @@ def tier_name(tier: int) -> str:
 
 # Knobs added by strategies outside this module (a plug-in technique): name -> (type, default).
 _EXTENSIONS: dict[str, tuple[type[Knob], Knob]] = {}
+_SIZES = frozenset({"micro_batch_size", "grad_accum_steps"})  # `Config.replace`'s quick copy
 
 
 def register_knob(name: str, kind: type[Knob], default: Knob) -> None:
@@ -392,12 +393,22 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         """A copy with `changes` applied (fields or plug-in knobs)."""
+        if changes.keys() <= _SIZES and all(type(v) is int and v >= 1 for v in changes.values()):
+            return self._sized(changes)  # a micro-batch and its accumulation: nothing else to check
         plugin = {k: v for k, v in changes.items() if k in _EXTENSIONS}
         if plugin:
             merged = {**dict(self.extras), **{k: str(_EXTENSIONS[k][0].parse(v, k)) for k, v in plugin.items()}}
             changes = {k: v for k, v in changes.items() if k not in plugin}
             changes["extras"] = tuple(sorted(merged.items()))
         return dataclasses.replace(self, **changes)
+
+    def _sized(self, sizes: dict[str, int]) -> "Config":
+        """A copy at other `sizes` (`_SIZES`, checked positive integers): what `__post_init__` checks of the
+        rest holds already, and a plan makes thousands of these."""
+        copy = object.__new__(Config)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(sizes)
+        return copy
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable dict (plug-in knobs flattened beside the fields)."""

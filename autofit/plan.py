@@ -66,6 +66,13 @@ class Plan:
         return sum(1 for p in self.probes if p.source is Source.PROBED)
 
     @property
+    def steps_spent(self) -> int:
+        """Optimizer steps this search trained to decide: its probes' (`ProbeResult.steps`; a probe process that
+        died before reporting counts none) and its confirmation's (`Confirmation.steps`)."""
+        probes = sum(p.steps or 0 for p in self.probes if p.source is Source.PROBED)
+        return probes + ((self.confirmation.steps or 0) if self.confirmation is not None else 0)
+
+    @property
     def probes_saved(self) -> int:
         """How many candidates were not run because the estimator predicted they would not fit."""
         return sum(1 for p in self.probes if p.skip is Skip.PREDICTED)

@@ -45,6 +45,22 @@ def test_counts_are_checked(field, value):
         Config(**{field: value})
 
 
+@pytest.mark.parametrize("field, value", [("micro_batch_size", 0), ("grad_accum_steps", -1),
+                                          ("micro_batch_size", True), ("grad_accum_steps", 2.0)])
+def test_a_replaced_size_is_checked_as_a_new_one_is(field, value):
+    with pytest.raises(UsageError, match=field):
+        Config(precision="bf16").replace(**{field: value})
+
+
+def test_a_replaced_size_is_the_config_built_with_it():
+    level = Config(precision="bf16", checkpointing="every_k", checkpoint_every=2, num_gpus=2)
+    sized = level.replace(micro_batch_size=4, grad_accum_steps=3)
+    built = Config(precision="bf16", checkpointing="every_k", checkpoint_every=2, num_gpus=2, micro_batch_size=4,
+                   grad_accum_steps=3)
+    assert sized == built and hash(sized) == hash(built) and sized.to_dict() == built.to_dict()
+    assert (level.micro_batch_size, level.grad_accum_steps) == (1, 1)  # the level itself is unchanged
+
+
 def test_checkpointing_mode_and_frequency_agree():
     with pytest.raises(UsageError, match="every_k needs checkpoint_every >= 2"):
         Config(checkpointing="every_k")

@@ -320,14 +320,6 @@ class _Planner:
         # each level's next micro-batch above its best fit, where that one is near the limit (`best_at`)
         self.near_above: list[Candidate] = []
         self._predicted: dict[Config, Estimate] = {}  # `predict`'s: a bisection's fit is predicted again as its row
-        self._configs: dict[tuple[Config, int], Config] = {}  # `_at`'s
-
-    def _at(self, level: Config, size: int) -> Config:
-        """`Space.at(level, size)`, once per (level, size) of this plan."""
-        found = self._configs.get((level, size))
-        if found is None:
-            found = self._configs[level, size] = self.space.at(level, size)
-        return found
 
     def predict(self, config: Config) -> Estimate:
         """`Estimator.predict(config)`, once per configuration of this plan."""
@@ -340,9 +332,9 @@ class _Planner:
         """The configurations `best_at(level)` may predict: the smallest size alone when the model
         states alone are over the limit (no size fits), else every size."""
         sizes = self.space.sizes_at(level)
-        if self.states_over(self._at(level, sizes[0])):
+        if self.states_over(self.space.at(level, sizes[0])):
             sizes = sizes[:1]
-        return [self._at(level, size) for size in sizes]
+        return [self.space.at(level, size) for size in sizes]
 
     def states_over(self, config: Config) -> bool:
         """Whether `config`'s model states alone (`Estimator.states_floor`, a lower bound of its peak) are
@@ -352,20 +344,20 @@ class _Planner:
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest."""
         sizes = self.space.sizes_at(level)
-        if self.states_over(self._at(level, sizes[0])):
-            return self.candidate(self._at(level, sizes[0]))  # model states alone are over: no size fits
+        if self.states_over(self.space.at(level, sizes[0])):
+            return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
         low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
         while low < high:
             mid = (low + high + 1) // 2
-            if self._fits_at(self._at(level, sizes[mid])):
+            if self._fits_at(self.space.at(level, sizes[mid])):
                 low = mid
             else:
                 high = mid - 1
-        best = self.candidate(self._at(level, sizes[low]))
+        best = self.candidate(self.space.at(level, sizes[low]))
         if best.fits and low + 1 < len(sizes):
-            floor = self.estimator.floor(self._at(level, sizes[low + 1]))  # over by it: not near the limit
+            floor = self.estimator.floor(self.space.at(level, sizes[low + 1]))  # over by it: not near the limit
             if floor is None or floor.fit_under(self.spec.fit_limit) is not Fit.OVER:
-                above = self.candidate(self._at(level, sizes[low + 1]))
+                above = self.candidate(self.space.at(level, sizes[low + 1]))
                 self.near_above += [above] if above.near_limit else []
         return best
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Sequence
@@ -129,8 +130,11 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
         probe = functools.partial(_follow_up, search, prober)
         results = confirmation.follow_near_limit(space, results, probe)
         results = confirmation.follow_numerics(space, results, probe)
-        measure, rounds, method, window, threads = _measurer(spec, space, results, prober)
+        spent = confirmation.Spent()
+        measure, rounds, method, window, threads = _measurer(spec, space, results, prober, spent)
         confirmed = confirmation.confirm(space, results, measure, rounds, opts.exact_margin, method, window, threads)
+        if confirmed is not None:
+            confirmed = dataclasses.replace(confirmed, steps=spent.steps)
     if callable(getattr(listener, "flush", None)):
         listener.flush()  # what it held back (the skips it counts), before the caller prints the plan
     return make_plan(space, results, predictor, confirmed)
@@ -176,20 +180,21 @@ def _follow_up(search: Search, prober: Any, config: Config, why: str) -> ProbeRe
     return result
 
 
-def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult], prober: Any) \
+def _measurer(spec: TrainSpec, space: Space, results: Sequence[ProbeResult], prober: Any,
+              spent: confirmation.Spent) \
         -> tuple[confirmation.Measure, confirmation.Rounds, decision.Method, decision.Window, int | None]:
     """How the finalists are re-measured (measure, rounds, its name, the window they are taken in, torch's
-    CPU threads for all of them): live runs side by side when they all run in this process on the CPU and fit
-    in host memory together, at the thread count the probes ran at, else whole probes (child processes,
-    ranks, CUDA)."""
+    CPU threads for all of them), counting the steps it takes in `spent`: live runs side by side when they
+    all run in this process on the CPU and fit in host memory together, at the thread count the probes ran
+    at, else whole probes (child processes, ranks, CUDA)."""
     fits = [r for r in results if r.fits]
     in_process = all(space.placement(r.config) is Placement.IN_PROCESS for r in fits)
     held = sum(sorted((r.peak_bytes for r in fits), reverse=True)[:2 * decision.LIVE_WINDOW.limit])
     if spec.device.type == "cpu" and in_process and held <= LIVE_SHARE * device_memory(spec.device):
         threads = torch.get_num_threads()
-        return (confirmation.live_measure(spec, space.strategies, threads), confirmation.LIVE_ROUNDS,
+        return (confirmation.live_measure(spec, space.strategies, threads, spent), confirmation.LIVE_ROUNDS,
                 decision.Method.LIVE_RUNS, decision.LIVE_WINDOW, threads)
-    return (confirmation.probe_measure(prober), confirmation.PROBE_ROUNDS, decision.Method.PROBES,
+    return (confirmation.probe_measure(prober, spent), confirmation.PROBE_ROUNDS, decision.Method.PROBES,
             decision.PROBE_WINDOW, None)
 
 

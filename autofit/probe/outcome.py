@@ -104,6 +104,10 @@ class ProbeResult:
     error_type: str | None = None
     error_site: str | None = None
     images_per_s: float | None = None  # where the batch holds images (a video's frames count each)
+    # optimizer steps the probe started (settling, warm-up, timed; one that ran out or was stopped counts), a
+    # rank's where several ran (they step together); None where nothing ran (a decision), none was counted (older
+    # records), or the probe process died before it could report
+    steps: int | None = None
 
     @property
     def near_limit(self) -> bool:
@@ -136,6 +140,8 @@ class ProbeResult:
             return "a skip, and only a skip, is decided without running"
         if self.status is not ProbeStatus.ERROR and (self.error_type or self.error_site):
             return "only an error has an error's type and site"
+        if self.steps is not None and (type(self.steps) is not int or self.steps < 0 or self.source is Source.DECIDED):
+            return "steps are a count (>= 0) of a probe that ran"
         return None
 
     @property

@@ -103,16 +103,14 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
     if step_limit is not None:
         allowance = max((spec.warmup_steps + spec.timed_steps + 2) * step_limit, MIN_ALLOWANCE)
         budget.allowance = allowance
+    built: list[TrainRun] = []
     try:
         with wall_clock_limit(timeout), budget:
-            timed = _train(spec, config, strategies, budget)
+            timed = _train(spec, config, strategies, budget, built)
     except UsageError:
         raise
-    except DeadlinePassed:
-        result = ProbeResult(config, ProbeStatus.PRUNED,
-                             f"too slow to win: stopped {allowance:.1f} s after its first step, when a config at half "
-                             f"the best throughput so far ({step_limit:.2f} s/step) would have finished",
-                             budget.peak or None)
+    except DeadlinePassed as exc:
+        result = ProbeResult(config, ProbeStatus.PRUNED, _too_slow(exc, allowance, step_limit), budget.peak or None)
     except ProbeTimedOut as exc:
         result = failed(config, exc, strategies, budget.peak or None)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - every failure is a result
@@ -120,12 +118,23 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         result = failed(config, exc, strategies, budget.peak or None)
     else:
         result = _measured(spec, config, budget.peak, timed)
+    result = dataclasses.replace(result, steps=built[0].steps_taken if built else 0)
     try:
         release_memory()
     except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
         _stop_if_broken(exc, config)
         raise
     return _left_behind(result, spec.device, held)
+
+
+def _too_slow(stopped: DeadlinePassed, allowance: float, step_limit: float) -> str:
+    """A pruned probe's reason: stopped at its deadline, or before it where its pace could not meet it (`_Pace`)."""
+    finished = f"a config at half the best throughput so far ({step_limit:.2f} s/step) would have finished"
+    if isinstance(stopped, OutPaced):
+        return (f"too slow to win: stopped before its deadline ({allowance:.1f} s after its first step): at "
+                f"{stopped.step:.2f} s a step, its {stopped.left} steps left would end {stopped.over:.1f} s past it, "
+                f"by when {finished}")
+    return f"too slow to win: stopped {allowance:.1f} s after its first step, when {finished}"
 
 
 def failed(config: Config, exc: Exception, strategies: Sequence["Strategy"] = (), peak: int | None = None,
@@ -180,10 +189,11 @@ def _stop_if_broken(exc: BaseException, config: Config) -> None:
         raise CudaContextBroken(config.describe(), cause) from exc
 
 
-def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget) -> "Timed":
-    """Build the run, take the warm-up steps (more on the first probe of the process: `settle`), then
-    time each timed step. An exception leaves carrying the phase it struck in (`autofit_phase`)."""
-    built: list[TrainRun] = []
+def _train(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], budget: Budget,
+           built: list[TrainRun]) -> "Timed":
+    """Build the run (into `built`: the caller reads the steps it took), take the warm-up steps (more on the
+    first probe of the process: `settle`), then time each timed step. An exception leaves carrying the phase
+    it struck in (`autofit_phase`)."""
     try:
         return _steps(spec, config, strategies, budget, built)
     except BaseException as exc:
@@ -195,31 +205,55 @@ def _steps(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], bu
            built: list[TrainRun]) -> "Timed":
     run, micro_batches = fresh_run(spec, config, strategies)
     built.append(run)
-    _warm_up(run, micro_batches, spec.warmup_steps, budget)
+    pace = _Pace(budget, spec.warmup_steps + spec.timed_steps)
+    _warm_up(run, micro_batches, spec.warmup_steps, pace)
     # Two steps reach the steady-state peak: the first ends by creating the optimizer states, the
     # second holds them through its backward. When the warm-up steps counted both, the timed steps
     # repeat the second and run as plain training does.
     with budget.timing() if spec.warmup_steps >= STEADY_STEPS else contextlib.nullcontext():
         steps = itertools.count(spec.warmup_steps + 1)  # numbered after the warm-up's (as a message names them)
-        settle(spec.device, lambda: timed_step(run, micro_batches, spec.device, next(steps)), lambda: _clocked(budget))
+        settle(spec.device, lambda: timed_step(run, micro_batches, spec.device, next(steps)), pace.clocked)
         watch = AllocatorWatch(spec.device)
         seconds = []
         for _ in range(spec.timed_steps):
             seconds.append(timed_step(run, micro_batches, spec.device, next(steps)))
-            _clocked(budget)
+            pace.clocked()
     return Timed(tuple(seconds), *watch.stop())
 
 
-def _clocked(budget: Budget) -> None:
-    """After a step: the budget re-reads the process (`after_step`); the deadline's clock runs from the
-    first step (setup excluded); stop if it passed."""
-    budget.after_step()
-    budget.start_clock()
-    budget.check_deadline()
+class OutPaced(DeadlinePassed):
+    """A probe stopped before its deadline: its steps left, each as long as its last, would end past it."""
+
+    def __init__(self, step: float, left: int, over: float):
+        super().__init__(f"at {step:.2f} s a step, its {left} steps left end {over:.1f} s past the deadline")
+        self.step, self.left, self.over = step, left, over  # seconds, steps, seconds
 
 
-def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -> None:
-    """Take `steps` untimed steps; the deadline's clock starts after the first.
+@dataclasses.dataclass
+class _Pace:
+    """A probe's steps against its deadline (`Budget.allowance`, counted from the end of its first step).
+    After a step: the budget re-reads the process (`after_step`); the clock starts after the first step
+    (setup excluded); and the probe stops once the deadline has passed, or once the steps `left`, each as
+    long as the last, would end past it: a probe that cannot finish in time is stopped at once, not when
+    its time is up."""
+
+    budget: Budget
+    left: int  # steps still to take: the warm-up and timed ones (settling steps only add to them)
+    last: float | None = None  # when the last step ended (perf_counter seconds)
+
+    def clocked(self) -> None:
+        self.budget.after_step()
+        self.budget.start_clock()
+        self.budget.check_deadline()
+        now, self.left = time.perf_counter(), self.left - 1
+        deadline = self.budget.deadline
+        if self.last is not None and deadline is not None and now + (now - self.last) * self.left > deadline:
+            raise OutPaced(now - self.last, self.left, now + (now - self.last) * self.left - deadline)
+        self.last = now
+
+
+def _warm_up(run: "TrainRun", micro_batches: list, steps: int, pace: _Pace) -> None:
+    """Take `steps` untimed steps; the deadline's clock starts after the first (`pace`).
 
     With a GradScaler (fp16) a step whose gradients overflow skips `optimizer.step()`
     (torch/amp/grad_scaler.py `_maybe_opt_step`), so the optimizer states may not exist yet; the first
@@ -242,7 +276,7 @@ def _warm_up(run: "TrainRun", micro_batches: list, steps: int, budget: Budget) -
             finite_loss(run.step(micro_batches), taken + 1)  # the loss is not held into the next step
         stepped = stepped or not scaled or run.scaler.get_scale() >= before  # a skipped step halves the scale
         taken += 1
-        _clocked(budget)
+        pace.clocked()
 
 
 def fresh_run(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"]) -> tuple[TrainRun, list[Any]]:

@@ -256,14 +256,23 @@ def interleaved(measure_one: Callable[[Config], float | str]) -> Measure:
 
 
 # -- the two ways of measuring ----------------------------------------------------------------------------
-def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = None) -> Measure:
+@dataclasses.dataclass
+class Spent:
+    """Optimizer steps a measurement has started, counted as it runs (`Confirmation.steps`): its live runs'
+    warm-up step and rounds, or its probes' (`ProbeResult.steps`)."""
+
+    steps: int = 0
+
+
+def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = None,
+                 spent: Spent | None = None) -> Measure:
     """A `Measure` on live runs: every finalist built once and warmed up (one step: the process is warm,
     and the median over the rounds shrugs off a slower first round), then each round takes one timed
     optimizer step of each, the order rotating, all at `threads` torch CPU threads (default: the current
     count), held for the whole measurement: a finalist's build must not change what the others run at.
     At one thread a step's figure is samples per second of the measuring thread's own CPU time (`step_seconds`).
     Outside the CPU budget (each already fits it; its bookkeeping is off during timed steps anyway), so
-    all runs stay in host memory at once: the caller checks they fit there."""
+    all runs stay in host memory at once: the caller checks they fit there. `spent` counts the steps taken."""
     import torch
 
     from autofit.probe.oom import collecting_new_objects, first_line, release_memory
@@ -278,12 +287,16 @@ def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = Non
         try:
             for config in configs:
                 torch.set_num_threads(threads or before)
+                built: list[Any] = []
                 try:
                     run, batches = fresh_run(spec, config, strategies)
+                    built.append(run)
                     run.step(batches)
                     runs[config] = (run, batches)
                 except Exception as exc:  # noqa: BLE001 - a finalist that cannot run is dropped, with why
                     failed[config] = first_line(exc)
+                    if spent is not None and built:
+                        spent.steps += built[0].steps_taken
             torch.set_num_threads(threads or before)
 
             def one(config: Config) -> float | str:
@@ -298,6 +311,8 @@ def live_measure(spec: Any, strategies: Sequence[Any], threads: int | None = Non
             return interleaved(one)(list(configs), rounds, more)
         finally:
             torch.set_num_threads(before)
+            if spent is not None:
+                spent.steps += sum(run.steps_taken for run, _ in runs.values())
             runs.clear()
             release_memory()
 
@@ -315,12 +330,15 @@ def step_seconds(step: Callable[[], float], threads: int) -> float:
     return max(time.thread_time() - started, 1e-9) if threads == 1 else wall
 
 
-def probe_measure(prober: Callable[[Config, float | None], ProbeResult]) -> Measure:
+def probe_measure(prober: Callable[[Config, float | None], ProbeResult], spent: Spent | None = None) -> Measure:
     """A `Measure` of whole probes (one build, warm-up and timed steps per round): for configs that run in
-    a child process or ranks, and on CUDA, where one run at a time is what fits."""
+    a child process or ranks, and on CUDA, where one run at a time is what fits. `spent` counts the steps
+    the probes took."""
 
     def one(config: Config) -> float | str:
         result = prober(config, None)
+        if spent is not None:
+            spent.steps += result.steps or 0
         return result.samples_per_s if result.fits else f"{result.status.value} when re-measured: {result.reason}"
 
     return interleaved(one)

@@ -208,9 +208,12 @@ class Confirmation:
     dropped: tuple[tuple[str, str], ...] = ()  # (config described, why) of finalists a re-measurement lost
     window: float = PROBE_WINDOW.margin  # the window's margin the finalists were taken within
     threads: int | None = None  # torch's CPU threads every finalist was re-measured at (live runs)
+    steps: int | None = None  # optimizer steps the re-measurement started (None: not counted, as in older plans)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method.parse(self.method, "method"))
+        if self.steps is not None and (type(self.steps) is not int or self.steps < 0):
+            raise ValueError(f"steps={self.steps!r}: the steps a re-measurement started are a count (>= 0)")
 
     @property
     def on_cpu_clock(self) -> bool:
@@ -239,7 +242,7 @@ class Confirmation:
         return {"finalists": [f.to_dict() for f in self.finalists], "chosen": self.chosen,
                 "comparisons": [c.to_dict() for c in self.comparisons], "method": self.method.value,
                 "exact_margin": self.exact_margin, "dropped": [list(d) for d in self.dropped], "window": self.window,
-                "threads": self.threads}
+                "threads": self.threads, "steps": self.steps}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Confirmation":
@@ -247,7 +250,7 @@ class Confirmation:
         return cls(tuple(Finalist.from_dict(f) for f in data["finalists"]), data["chosen"],
                    tuple(Comparison.from_dict(c) for c in data["comparisons"]), data["method"],
                    data["exact_margin"], tuple(tuple(d) for d in data.get("dropped", ())),
-                   data.get("window", PROBE_WINDOW.margin), data.get("threads"))
+                   data.get("window", PROBE_WINDOW.margin), data.get("threads"), data.get("steps"))
 
 
 def check_margin(exact_margin: Any) -> float:

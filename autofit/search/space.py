@@ -52,6 +52,9 @@ class Space:
     excluded: tuple[Excluded, ...]
     level_sizes: dict[Config, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # see sizes_at
     size_options: tuple[Option, ...] = ()  # the micro-batch's options, whose tiers count as the others' do
+    # what `at` and `_used` found, per argument: a plan asks the same ones thousands of times (a copy made
+    # by `dataclasses.replace` starts empty: `init=False`)
+    _found: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def levels(self) -> list[Config]:
         """Every allowed combination of the level knobs, cheapest first: fewer and earlier changes first."""
@@ -59,8 +62,12 @@ class Space:
 
     def at(self, level: Config, micro_batch: int) -> Config:
         """`level` at `micro_batch`, with the accumulation that keeps the global batch."""
-        per_rank = (self.spec.global_batch_size or micro_batch * self.spec.num_gpus) // self.spec.num_gpus
-        return level.replace(micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
+        found = self._found.get(("at", level, micro_batch))
+        if found is None:
+            per_rank = (self.spec.global_batch_size or micro_batch * self.spec.num_gpus) // self.spec.num_gpus
+            found = level.replace(micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
+            self._found["at", level, micro_batch] = found
+        return found
 
     def sizes_at(self, level: Config) -> tuple[int, ...]:
         """The micro-batch sizes `level` may run at, ascending: those at whose accumulation no rule
@@ -97,10 +104,14 @@ class Space:
         """The numerics changes `config` makes, as (knob, the option's reason): its options of tier 1 and up."""
         return [(field, o.reason) for field, o in self._used(config) if o.tier]
 
-    def _used(self, config: Config) -> list[tuple[str, Option]]:
-        options = [*self.choices.items(), ("micro_batch_size", self.size_options)]
-        return [(field, o) for field, kept in options for o in kept
-                if all(config.knob(k) == v for k, v in o.knobs(field).items())]
+    def _used(self, config: Config) -> tuple[tuple[str, Option], ...]:
+        found = self._found.get(("used", config))
+        if found is None:
+            options = [*self.choices.items(), ("micro_batch_size", self.size_options)]
+            found = self._found["used", config] = tuple(
+                (field, o) for field, kept in options for o in kept
+                if all(config.knob(k) == v for k, v in o.knobs(field).items()))
+        return found
 
     def saves_at_least(self, a: Config, b: Config) -> bool:
         """Whether config `a` needs no more memory than `b`: every knob of `a` saves at least as much."""

@@ -17,8 +17,9 @@ The walk, and its stop rule:
    recorded as skipped with that reason; so is the smallest size above a level's largest fit that an
    OOM of another config implies will fail.
 4. Once something fits, every probe gets a deadline: at less than half the best throughput so far of the
-   fits that change the arithmetic no more than it does, it cannot win, so it is stopped and recorded as
-   pruned (a numerics change's figure never stops an exact probe: they are compared re-measured).
+   fits that change the arithmetic no more than it does, it cannot win, so it is stopped (at its deadline,
+   or as soon as its pace shows it cannot meet it) and recorded as pruned (a numerics change's figure
+   never stops an exact probe: they are compared re-measured).
    Whatever only adds work to a too-slow config is not probed either (bf16 on a CPU without bf16 units,
    offload, ...), at up to twice its micro-batch too: a micro-step of more samples takes no less time, so
    doubling the micro-batch at most doubles samples/s, which leaves it under the best.

@@ -91,6 +91,7 @@ class TrainRun:
     # model cannot take in place is checked instead (`Strategy.apply`).
     live: bool = False
     simulated: ClassVar[bool] = False  # True for the estimator's `SimulatedRun`
+    steps_taken: int = 0  # optimizer steps `step` has started: what a probe or a re-measurement spent
 
     @property
     def device(self) -> torch.device:
@@ -151,6 +152,7 @@ class TrainRun:
         """One optimizer step over `micro_batches`; each loss is weighted by its share of the samples (of
         the targets, for a Hugging Face model's own token-level loss: `autofit.batches.shares`), so the
         gradient is the whole step's however the samples are split."""
+        self.steps_taken += 1
         loss = torch.zeros((), device=self.device)
         for micro_batch, weight in zip(micro_batches, micro_batch_shares(self.model, micro_batches,
                                                                          self.spec.loss_fn)):

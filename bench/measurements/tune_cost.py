@@ -3,8 +3,9 @@
 Each run is a fresh process at one torch thread (the suite's `--threads 1`) that measures the scenario's
 baseline peak, sets its budget and calls `autofit.autofit` as `bench/run.py` does; the two trees alternate,
 `--pairs` times, so a load that comes and goes meets both. A run records its wall seconds, the process's CPU
-seconds (steadier than wall on a shared machine), the probes run, the confirmation's rounds per finalist,
-the choice, and the load before and after. The results file holds the machine, the date, both commits and the
+seconds (steadier than wall on a shared machine), the probes run, the confirmation's rounds per finalist, the
+training steps the search spent (`plan.steps_spent`, where the tree counts them), the choice, and the load
+before and after. The results file holds the machine, the date, both commits and the
 ratio of the medians (this checkout / against) per scenario.
 
     python bench/measurements/tune_cost.py --against 5e3c735 --pairs 3 \\
@@ -49,6 +50,7 @@ plan = autofit.autofit(scenario.model_factory, scenario.batch_factory, strategie
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 rounds = [len(f.rounds) for f in plan.confirmation.finalists] if plan.confirmation else []
 print(json.dumps(dict(wall_s=round(wall, 2), cpu_s=round(cpu, 2), probes=plan.probes_run, rounds=rounds,
+                      steps=getattr(plan, "steps_spent", None),  # counted since steps were recorded
                       choice=plan.config.describe() if plan.fits else None, load_before=round(load, 2),
                       load_after=round(os.getloadavg()[0], 2))))
 """
@@ -69,7 +71,8 @@ def summary(runs: list[dict]) -> dict:
     good = [r for r in runs if "wall_s" in r]
     return {"median_wall_s": statistics.median(r["wall_s"] for r in good) if good else None,
             "median_cpu_s": statistics.median(r["cpu_s"] for r in good) if good else None,
-            "probes": sorted({r["probes"] for r in good}), "choices": sorted({r["choice"] or "" for r in good})}
+            "probes": sorted({r["probes"] for r in good}), "choices": sorted({r["choice"] or "" for r in good}),
+            "steps": sorted({r["steps"] for r in good if r.get("steps") is not None})}
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ def render(doc: dict[str, Any], source: Any = "") -> str:
 
 
 def _main_table(scenarios: list[dict[str, Any]]) -> list[str]:
-    rows = ["| scenario | params | budget | autofit's choice | probes | tuning s | exhaustive s (candidates) | cost | "
+    rows = ["| scenario | params | budget | autofit's choice | probes (training steps) | tuning s | exhaustive s (candidates) | cost | "
             "fastest re-measured | quality | the exactness rule's pick | quality, rule | tuned again | robustness |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in scenarios:
@@ -48,7 +48,7 @@ def _main_table(scenarios: list[dict[str, Any]]) -> list[str]:
                    _q(plain.get("decision_quality"), plain.get("same_config")))
         rule = (plain.get("policy_oracle", "-"), _q(plain.get("decision_quality_policy"), plain.get("policy_same_config")))
         rows.append(f"| {s['name']} | {s['num_params'] / 1e6:.1f}M | {budget} | {a['describe'] or 'nothing fits'} | "
-                    f"{a['probes_run']} | {a['wall_s']:.1f} | {ex['wall_s']:.1f} ({ex['candidates']}) | "
+                    f"{a['probes_run']}{_steps(a)} | {a['wall_s']:.1f} | {ex['wall_s']:.1f} ({ex['candidates']}) | "
                     f"{_ratio(s.get('cost_ratio'))} | {fastest[0]} | {fastest[1]} | {rule[0]} | {rule[1]} | "
                     f"{_repeat(plain.get('repeat'))} | {robust} |")
     measured = [(s.get("remeasured") or {}).get("plain") for s in scenarios]
@@ -167,3 +167,10 @@ def results_path(kind: str, device: Any) -> Path:
         name = "cuda-" + re.sub(r"[^a-z0-9]+", "-", card).strip("-")
     day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     return RESULTS / f"{kind}-{name}-{day}.json"
+
+
+def _steps(autofit_part: dict) -> str:
+    """The optimizer steps the search spent (probes and confirmation) as " (N)"; "" for results made before
+    they were counted."""
+    steps = autofit_part.get("steps_spent")
+    return f" ({steps})" if steps is not None else ""

@@ -102,7 +102,9 @@ def _autofit_part(plan: Any, wall: float) -> dict[str, Any]:
     confirmed = plan.confirmation
     return dict(fits=plan.fits, config=plan.config.to_dict() if plan.config else None,
                 describe=plan.config.describe() if plan.config else None, probes_run=plan.probes_run,
-                probes_decided=len(plan.probes), wall_s=wall, probe_samples_per_s=plan.throughput,
+                probes_decided=len(plan.probes), steps_spent=plan.steps_spent,
+                confirmation_steps=confirmed.steps if confirmed is not None else 0,
+                wall_s=wall, probe_samples_per_s=plan.throughput,
                 peak_bytes=plan.peak_memory, reason=plan.reason,
                 confirmation=confirmed.to_dict() if confirmed is not None else None,
                 noise=_confirmed_noise(confirmed))

@@ -1,12 +1,15 @@
+import re
+
 import pytest
 import torch
 from models import make_mlp, make_mlp_batch, mlp_loss
 
-from autofit import Config, ProbeStatus
+from autofit import Config, ProbeResult, ProbeStatus
 from autofit.probe.launch import launch
 from autofit.strategies import Placement
 from autofit.devices.memory import CpuBudget
 from autofit.probe.run import run_probe
+from autofit.search.decision import Confirmation
 from autofit.job.train_spec import make_spec
 from autofit.strategies import default_strategies
 
@@ -157,3 +160,51 @@ def test_an_error_records_its_type_and_the_site_it_was_raised_at():
     assert result.phase == "forward"
     child = launch(spec, Config(micro_batch_size=2), default_strategies(), Placement.CHILD, timeout=120)
     assert (child.error_type, child.error_site, child.phase) == ("KeyError", result.error_site, "forward")
+
+
+def test_a_probe_records_the_steps_it_trained(monkeypatch):
+    """What a search spends is steps: a probe's warm-up and timed steps (and the settling steps of the first
+    probe of a process), one that was stopped or ran out the steps it started."""
+    run_probe(spec(), FULL, STRATEGIES)  # this process has settled: later probes take warm-up + timed steps
+    longer = make_spec(make_mlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                       loss_fn=mlp_loss, warmup_steps=2, timed_steps=3)
+    assert run_probe(longer, FULL, STRATEGIES).steps == 5
+    assert run_probe(spec(), FULL, STRATEGIES).steps == 2
+    assert run_probe(spec("200KiB"), FULL, STRATEGIES).steps <= 1  # out of memory building or in its first step
+    monkeypatch.setattr("autofit.probe.run.MIN_ALLOWANCE", 0.0)
+    pruned = run_probe(longer, FULL, STRATEGIES, step_limit=1e-6)
+    assert pruned.status is ProbeStatus.PRUNED and 1 <= pruned.steps < 5  # stopped before its last step
+
+
+@pytest.mark.parametrize("steps", [-1, 1.5, "2"])
+def test_steps_are_a_count(steps):
+    with pytest.raises(ValueError, match="steps"):
+        ProbeResult(FULL, ProbeStatus.ERROR, "failed", steps=steps)
+    with pytest.raises(ValueError, match="steps"):
+        Confirmation((), 0, (), "none", 0.1, steps=steps)
+
+
+class SlowMlp(torch.nn.Module):
+    """Half a second a step, whatever the machine does."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = make_mlp()
+
+    def forward(self, x):
+        import time
+
+        time.sleep(0.5)
+        return self.inner(x)
+
+
+def test_a_probe_that_cannot_finish_in_time_is_stopped_before_its_deadline(monkeypatch):
+    """5 steps of 0.5 s against 1.5 s from the end of the first: after the second, 3 steps left need 1.5 s
+    more, past the deadline, so it stops there and then rather than at its fourth step."""
+    monkeypatch.setattr("autofit.probe.run.MIN_ALLOWANCE", 0.0)
+    slow = make_spec(SlowMlp, make_mlp_batch, global_batch_size=8, device="cpu", memory_budget="1GiB",
+                     loss_fn=mlp_loss, warmup_steps=2, timed_steps=3)
+    result = run_probe(slow, FULL, STRATEGIES, step_limit=1.5 / 7)  # allowance: (2 + 3 + 2) x step_limit
+    assert result.status is ProbeStatus.PRUNED and result.steps == 2, result.reason
+    assert re.search(r"stopped before its deadline \(1\.5 s after its first step\): at \d+\.\d\d s a step, its 3 steps "
+                     r"left would end \d+\.\d s past it", result.reason), result.reason

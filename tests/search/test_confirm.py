@@ -643,3 +643,32 @@ def test_possible_winners_takes_both_turns_of_an_open_comparison():
     close = (finalist(EXACT, (100,) * 7), finalist(four, (80, 140, 95, 130, 85, 135, 100)),
              finalist(ADAFACTOR, (112,) * 7, tier=1))
     assert len(possible_winners(close, 0.10)) > 1
+
+
+# -- what it spends ---------------------------------------------------------------------------------------
+def test_live_runs_count_each_finalists_warm_up_step_and_its_rounds(space):
+    spent = confirm.Spent()
+    measure = confirm.live_measure(space.spec, space.strategies, threads=1, spent=spent)
+    figures = measure([EXACT, ADAFACTOR], confirm.Rounds(3, 3, 0.0))
+    assert all(len(figures[c]) == 3 for c in (EXACT, ADAFACTOR))
+    assert spent.steps == 2 * (1 + 3)  # one warm-up step each, then one step per round
+
+
+def test_whole_probes_count_the_steps_each_probe_took():
+    spent = confirm.Spent()
+    measure = confirm.probe_measure(lambda config, limit: dataclasses.replace(fit(config, 100), steps=5), spent)
+    measure([EXACT, ADAFACTOR], confirm.Rounds(2, 2, 0.0))
+    assert spent.steps == 2 * 2 * 5
+
+
+def test_a_plan_says_the_training_steps_its_search_spent(tmp_path):
+    plan = autofit.autofit(make_mlp, make_mlp_batch, loss_fn=mlp_loss, global_batch_size=8, device="cpu",
+                           memory_budget="1GiB", strategies=[PrecisionStrategy(), OptimizerStates(), MicroBatch()],
+                           warmup_steps=1, timed_steps=1, max_probes=4)
+    probed = [p for p in plan.probes if p.source is Source.PROBED]
+    assert probed and all(p.steps >= 2 for p in probed)  # warm-up and timed, the first probe settling too
+    measured = plan.confirmation.method.value != "none"  # a lone finalist probed here is not re-measured
+    assert (plan.confirmation.steps > 0) == measured
+    assert plan.steps_spent == sum(p.steps for p in probed) + plan.confirmation.steps
+    plan.save(tmp_path / "plan.json")
+    assert autofit.Plan.load(tmp_path / "plan.json").steps_spent == plan.steps_spent
