@@ -82,7 +82,7 @@ class CachingAllocator:
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def malloc(self, key: Any, nbytes: int) -> None:
-        # `round_size`, `_cached` and `_cache` written out: a dry-run makes ~10^8 of these calls
+        # `round_size`, the best-fit cached block and the split written out: a dry-run makes ~10^7 of these calls
         size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._free[small]
@@ -111,7 +111,7 @@ class CachingAllocator:
         block.free = True
         pool, at = self._free[block.small], self._at
         before, after = block.prev, block.next
-        if before is not None and before.free:  # `_uncache` and `_merged`, written out
+        if before is not None and before.free:  # uncached and merged with its free neighbours, written out
             del pool[bisect.bisect_left(pool, (before.size, before.address))]
             del at[before.address]
             before.size += block.size
@@ -128,14 +128,6 @@ class CachingAllocator:
                 after.next.prev = block
         bisect.insort(pool, (block.size, block.address))
         at[block.address] = block
-
-    def _cached(self, small: bool, size: int) -> _Block | None:
-        pool = self._free[small]
-        index = bisect.bisect_left(pool, (size, -1))
-        if index == len(pool):
-            return None
-        address = pool.pop(index)[1]
-        return self._at.pop(address)
 
     def _segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_size(size)
@@ -175,10 +167,6 @@ class CachingAllocator:
             self._uncache(block)
             self.reserved -= block.size
 
-    def _cache(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.address))
-        self._at[block.address] = block
-
     def _uncache(self, block: _Block) -> None:
         pool = self._free[block.small]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
@@ -191,16 +179,6 @@ class OutOfMemory(Exception):
 
 class Paused(Exception):
     """A replay reached a segment past its capacity, and nothing was released (`CachingAllocator(pause=True)`)."""
-
-
-def _merged(block: _Block, neighbour: _Block) -> _Block:
-    """`block` and the free `neighbour` beside it in its segment as one free block."""
-    first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
-    first.size += second.size
-    first.next = second.next
-    if second.next is not None:
-        second.next.prev = first
-    return first
 
 
 # -- a step's events, replayed alone or as training replays them ------------------------------------------
