@@ -34,7 +34,8 @@ the quickstart on a quiet machine after the merge: 0.895 first use, 0.669 asked 
 time-to-answer-tests-2026-12-06-e0862db.json (the README's test command on a quiet machine: 777 s),
 time-to-answer-2026-12-07-618f88d-vs-2e5a4b4.json (`--cases dry-run-7b,dry-run-70b --against 2e5a4b4` at load
 2.9-4.7, one run each: the reserve's pause kept from the roomy replay, the expandable replay written out, the
-workers' jobs claimed; 0.81 and 0.97)."""
+workers' jobs claimed; 0.81 and 0.97), time-to-answer-2026-12-07-3721282-vs-2e5a4b4.json (the 7B again at
+load 0.3-2.2: 0.90)."""
 
 from __future__ import annotations
 
