@@ -230,13 +230,10 @@ class Estimator:
         rest = todo[1:]
         cheap = len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S
         helpers = 0 if cheap else min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
-        if helpers < 1:
-            running = None  # cheap, or no CPU to spare: all here
-        else:
-            running = workers.start(self.spec, self.strategies, self.target,
-                                    [rest[i::helpers + 1] for i in range(1, helpers + 1)], self.full_depth)
-        try:
-            for done, (config, mb) in enumerate(rest[::helpers + 1] if running else rest, start=2):
+        running = workers.start(self.spec, self.strategies, self.target, rest, helpers, self.full_depth) \
+            if helpers >= 1 else None  # else cheap, or no CPU to spare: all here
+        try:  # the workers claim jobs from the back, this process from the front (`Workers.mine`)
+            for done, (config, mb) in enumerate(running.mine() if running else rest, start=2):
                 self._at_batch(config, mb, reserved=False)  # simulated now, replayed when predicted
                 tell(done, len(todo))
         except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for

@@ -31,7 +31,11 @@ time-to-answer-2026-12-06-9e5913c-vs-0fc8652.json (`--against 0fc8652` at load 5
 done once; asked again 0.575, first use 1.29 within that load's noise), time-to-answer-2026-12-06-76475d2-vs-0fc8652.json (the same at load
 3.1-3.6: asked again 0.69, first use 0.73), time-to-answer-2026-12-06-quiet-e0862db-vs-0fc8652.json (the same and
 the quickstart on a quiet machine after the merge: 0.895 first use, 0.669 asked again, 0.955 quickstart),
-time-to-answer-tests-2026-12-06-e0862db.json (the README's test command on a quiet machine: 777 s)."""
+time-to-answer-tests-2026-12-06-e0862db.json (the README's test command on a quiet machine: 777 s),
+time-to-answer-2026-12-07-618f88d-vs-2e5a4b4.json (`--cases dry-run-7b,dry-run-70b --against 2e5a4b4` at load
+2.9-4.7, one run each: the reserve's pause kept from the roomy replay, the expandable replay written out, the
+workers' jobs claimed; 0.81 and 0.97), time-to-answer-2026-12-07-3721282-vs-2e5a4b4.json (the 7B again at
+load 0.3-2.2: 0.90)."""
 
 from __future__ import annotations
 

@@ -73,6 +73,20 @@ def test_at_capacity_free_pages_are_unmapped_where_a_split_segment_could_not_be_
     assert allocator.out_of_memory
 
 
+def test_a_free_block_that_could_only_grow_the_segment_is_passed_over_for_a_larger_one():
+    # get_free_block: a free block followed by unmapped pages counts with them; the next larger free block,
+    # smaller so counted, serves the request (`malloc` looks past the best fit only for such a block)
+    allocator = ExpandableAllocator()
+    allocator.malloc("a", 20 * MIB)  # [0, 20)
+    allocator.malloc("h", 16 * MIB)  # [20, 36) of the pages [20, 40)
+    allocator.malloc("b", 6 * MIB)  # [36, 42): one more page; [42, 60) free, unmapped pages behind it
+    allocator.free("a")  # [0, 20) free, between nothing and h
+    allocator.malloc("c", 17 * MIB)  # the 18 MiB at the end is passed over for the 20 MiB at the start
+    assert (allocator._used["c"].address - allocator._used["h"].address, allocator.reserved) == (-20 * MIB, 60 * MIB)
+    allocator.malloc("d", 19 * MIB + MIB // 2)  # only the end's 18 MiB and a new page hold it
+    assert allocator.reserved == 80 * MIB
+
+
 def test_a_request_is_refused_at_the_limit_by_the_segment_the_default_allocator_would_take():
     # alloc_block checks `total_allocated_memory + p.alloc_size` (get_allocation_size: 20 MiB for 1-10 MiB)
     allocator = ExpandableAllocator(capacity=30 * MIB, stop=True)

@@ -1,12 +1,14 @@
 """Simulations shared with worker processes (`autofit.estimate.simulation.workers`) predict exactly what the caller
 alone predicts; what a worker does not deliver, the caller simulates itself."""
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,11 +65,36 @@ def test_workers_predict_what_the_caller_alone_predicts(monkeypatch, simulations
     want = expected(monkeypatch, full_depth)
     keys = len(simulations)  # 3 simulation keys x micro-batches 1 and 2
     simulations.clear()
+    mine = workers.Workers.mine  # the caller claims one job of the rest: these quick ones it would take all
+    monkeypatch.setattr(workers.Workers, "mine", lambda self: itertools.islice(mine(self), 1))
     shared = fresh_estimator(monkeypatch, full_depth=full_depth)
     shared.prefetch(CONFIGS)
     assert 0 < len(simulations) < keys  # the caller ran its share; the workers delivered the rest
     assert [shared.predict(c) for c in CONFIGS] == want
     assert len(simulations) < keys  # nothing was simulated again to predict
+
+
+def test_a_job_is_claimed_once_the_caller_from_the_front_the_workers_from_the_back(tmp_path):
+    import tempfile
+
+    jobs = [(config, 1) for config in CONFIGS]
+    shared = workers.Workers(jobs, [], [], tempfile.TemporaryDirectory(dir=tmp_path))
+    folder = Path(shared.folder.name)
+    assert [workers.claim(folder, index) for index in (5, 4, 4)] == [True, True, False]  # a worker's two
+    assert list(shared.mine()) == jobs[:4]  # the caller's: up to the first a worker holds
+    assert not any(workers.claim(folder, index) for index in range(6))  # each held by one process
+    shared.close()
+
+
+def test_workers_that_start_late_leave_the_quick_jobs_to_the_caller(monkeypatch, simulations):
+    want = expected(monkeypatch)
+    keys = len(simulations)
+    simulations.clear()
+    shared = fresh_estimator(monkeypatch)
+    shared.prefetch(CONFIGS)  # each a fraction of a second; a worker first imports torch and transformers
+    assert len(simulations) >= keys - 1  # all here, or all but the last (a worker in time for it); a fixed
+    # share would have left the caller the first and every third of the rest: 3 of 6
+    assert [shared.predict(c) for c in CONFIGS] == want
 
 
 def test_a_model_that_cannot_travel_is_simulated_by_the_caller(monkeypatch, simulations):
@@ -149,7 +176,7 @@ from autofit.job.train_spec import make_spec
 from test_workers import Sleeper
 spec = make_spec(Sleeper, torch.randn(2, 4), device="cpu", memory_budget="1GiB")
 os.environ["SLEEP"] = "1"  # in the worker, not in the checks above
-workers.start(spec, [], "cuda", [[(Config(micro_batch_size=2), 2)]]).collect()
+workers.start(spec, [], "cuda", [(Config(micro_batch_size=2), 2)]).collect()
 """
 
 

@@ -82,7 +82,7 @@ class CachingAllocator:
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def malloc(self, key: Any, nbytes: int) -> None:
-        # `round_size`, `_cached` and `_cache` written out: a dry-run makes ~10^8 of these calls
+        # `round_size`, the best-fit cached block and the split written out: a dry-run makes ~10^7 of these calls
         size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self._free[small]
@@ -111,7 +111,7 @@ class CachingAllocator:
         block.free = True
         pool, at = self._free[block.small], self._at
         before, after = block.prev, block.next
-        if before is not None and before.free:  # `_uncache` and `_merged`, written out
+        if before is not None and before.free:  # uncached and merged with its free neighbours, written out
             del pool[bisect.bisect_left(pool, (before.size, before.address))]
             del at[before.address]
             before.size += block.size
@@ -128,14 +128,6 @@ class CachingAllocator:
                 after.next.prev = block
         bisect.insort(pool, (block.size, block.address))
         at[block.address] = block
-
-    def _cached(self, small: bool, size: int) -> _Block | None:
-        pool = self._free[small]
-        index = bisect.bisect_left(pool, (size, -1))
-        if index == len(pool):
-            return None
-        address = pool.pop(index)[1]
-        return self._at.pop(address)
 
     def _segment(self, small: bool, size: int) -> _Block:
         nbytes = segment_size(size)
@@ -175,10 +167,6 @@ class CachingAllocator:
             self._uncache(block)
             self.reserved -= block.size
 
-    def _cache(self, block: _Block) -> None:
-        bisect.insort(self._free[block.small], (block.size, block.address))
-        self._at[block.address] = block
-
     def _uncache(self, block: _Block) -> None:
         pool = self._free[block.small]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
@@ -191,16 +179,6 @@ class OutOfMemory(Exception):
 
 class Paused(Exception):
     """A replay reached a segment past its capacity, and nothing was released (`CachingAllocator(pause=True)`)."""
-
-
-def _merged(block: _Block, neighbour: _Block) -> _Block:
-    """`block` and the free `neighbour` beside it in its segment as one free block."""
-    first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
-    first.size += second.size
-    first.next = second.next
-    if second.next is not None:
-        second.next.prev = first
-    return first
 
 
 # -- a step's events, replayed alone or as training replays them ------------------------------------------
@@ -315,19 +293,51 @@ class Calls:
         """The calls replayed through an allocator of `capacity` bytes; None where `stop` and it ran out."""
         return self._fed(self.kind(capacity, stop))
 
-    def until(self, capacity: int) -> tuple[Any, int] | None:
+    def until(self, capacity: int, start: tuple[Any, int] | None = None) -> tuple[Any, int] | None:
         """The replay paused at its first segment past `capacity` (`CachingAllocator(pause=True)`), and the
         call it paused at: every replay under a capacity of at least `capacity` is the same up to there
         (the roomy replay's reserve only grows, and none of them has released anything yet). None where it
-        never passes `capacity`."""
-        allocator = self.kind(capacity, pause=True)
+        never passes `capacity`. `start`: a replay paused at a capacity of at most `capacity` (`replayed_past`),
+        gone on from (copied) instead of from the first call: it stands as this one stands there."""
+        allocator, first = (self.kind(capacity), 0) if start is None else (start[0].copy(capacity), start[1])
+        allocator.pause = True
         malloc, free = allocator.malloc, allocator.free
-        for index, (key, size) in enumerate(zip(self.keys, self.sizes)):
+        for index, key, size in zip(itertools.count(first), itertools.islice(self.keys, first, None),
+                                    itertools.islice(self.sizes, first, None)):
             try:
                 free(key) if size < 0 else malloc(key, size)
             except Paused:
                 return allocator, index
         return None
+
+    def replayed_past(self, floor: int) -> tuple[Any, tuple[Any, int] | None]:
+        """The roomy replay (`replayed()`), and the replay as it stood at its first segment past `floor` bytes
+        (a copy, with the index of the call it paused at: `until`), None where it never passed `floor`. With
+        `floor` at most the roomy replay's allocated peak (`floor()`), `until` at that peak goes on from
+        there: the calls before it are replayed once."""
+        passed = self.until(floor)
+        if passed is None:
+            return self.replayed(), None
+        allocator, index = passed
+        kept = allocator.copy(floor)
+        allocator.capacity, allocator.pause = None, False
+        return self._fed(allocator, index), (kept, index)
+
+    def floor(self) -> int:
+        """The most bytes live at once in these calls, each allocation rounded as the allocator rounds it
+        (`round_size`), a key allocated again before it is freed kept as the allocator keeps it: at most any
+        replay's allocated peak (a block holds at least its rounded request)."""
+        live: dict[int, int] = {}
+        current = most = 0
+        for key, nbytes in zip(self.keys, self.sizes):
+            if nbytes < 0:
+                current -= live.pop(key, 0)
+                continue
+            live[key] = size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK
+            current += size
+            if current > most:
+                most = current
+        return most
 
     def resumed(self, paused: tuple[Any, int], capacity: int) -> Any:
         """The replay under `capacity` (at least the one `paused` was made under) from where it paused;

@@ -71,18 +71,38 @@ class ExpandableAllocator:
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def malloc(self, key: Any, nbytes: int) -> None:
-        size = round_size(nbytes)
+        # `round_size`, the best-fit free block (`get_free_block`), `_take`, `_link` and `_keep` written out:
+        # a dry-run makes millions of these calls
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > MIN_BLOCK else MIN_BLOCK
         small = size <= SMALL_SIZE
-        block = self._cached(small, size) or self._grown(small, size)
-        if block.size - size >= MIN_BLOCK:
-            rest = _Block(block.address + size, block.size - size, small)
-            _link(rest, block, block.next)
+        pool, at = self._free[small], self._at
+        index = bisect.bisect_left(pool, (size, -1))
+        if index < len(pool):
+            block = at[pool[index][1]]
+            after = block.next
+            if after is not None and not after.mapped:  # only a block with an unmapped tail may be passed over
+                while index + 1 < len(pool) and self._growable(pool[index + 1][1]) < self._growable(pool[index][1]):
+                    index += 1
+                block = at[pool[index][1]]
+            del pool[index]
+            del at[block.address]
+        else:
+            block = self._grown(small, size)
+        remaining = block.size - size
+        if remaining >= MIN_BLOCK:
+            after = block.next
+            rest = _Block(block.address + size, remaining, small)
+            rest.prev, rest.next, block.next = block, after, rest
+            if after is not None:
+                after.prev = rest
             block.size = size
-            self._keep(rest)
+            bisect.insort(pool, (remaining, rest.address))
+            at[rest.address] = rest
         block.free = False
         self._used[key] = block
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
 
     def free(self, key: Any) -> None:
         block = self._used.pop(key, None)
@@ -90,19 +110,27 @@ class ExpandableAllocator:
             return
         self.allocated -= block.size
         block.free = True
-        self._keep(self._merged(block))
+        pool, at = self._free[block.small], self._at
+        before, after = block.prev, block.next
+        if before is not None and before.free and before.mapped:  # `_merged` and `_keep`, written out
+            del pool[bisect.bisect_left(pool, (before.size, before.address))]
+            del at[before.address]
+            before.size += block.size
+            before.next = after
+            if after is not None:
+                after.prev = before
+            block = before
+        if after is not None and after.free and after.mapped:
+            del pool[bisect.bisect_left(pool, (after.size, after.address))]
+            del at[after.address]
+            block.size += after.size
+            block.next = following = after.next
+            if following is not None:
+                following.prev = block
+        bisect.insort(pool, (block.size, block.address))
+        at[block.address] = block
 
     # -- finding room ------------------------------------------------------------------------------------
-    def _cached(self, small: bool, size: int) -> _Block | None:
-        """The best-fit free mapped block, a block that could grow the segment counted with its unmapped tail."""
-        pool = self._free[small]
-        index = bisect.bisect_left(pool, (size, -1))
-        if index == len(pool):
-            return None
-        while index + 1 < len(pool) and self._growable(pool[index + 1][1]) < self._growable(pool[index][1]):
-            index += 1
-        return self._take(self._at[pool[index][1]])
-
     def _growable(self, address: int) -> int:
         block = self._at[address]
         after = block.next

@@ -28,14 +28,14 @@ def reserve(replay: Replay) -> dict[str, Any]:
     found = kept.RESERVES.get(digest, shared=True)
     if found is None:
         calls = replay.calls(ExpandableAllocator if replay.expandable else CachingAllocator)
-        roomy = calls.replayed()
+        roomy, passed = calls.replayed_past(calls.floor())  # where `least_reserve`'s pause is sought from
         found = {"fragmentation": roomy.peak_reserved - roomy.peak_allocated,
-                 "least_fragmentation": least_reserve(calls, roomy) - roomy.peak_allocated}
+                 "least_fragmentation": least_reserve(calls, roomy, passed) - roomy.peak_allocated}
         kept.RESERVES.put(digest, found, shared=True)
     return {**found, "replay": replay}
 
 
-def least_reserve(calls: Calls, roomy: Any) -> int:
+def least_reserve(calls: Calls, roomy: Any, passed: tuple[Any, int] | None = None) -> int:
     """The fewest bytes the caching allocator's segments may total for a replay to run without running out
     of memory (`calls`: `Replay.calls`): found by bisection between the allocated and the reserved peak of
     its `roomy` run (no capacity), to `LEAST_RESERVE_PRECISION` of the reserve, each run resumed where the
@@ -45,10 +45,11 @@ def least_reserve(calls: Calls, roomy: Any) -> int:
     (bench/README.md#fit-threshold), GPT-2 small's full-checkpointing step in
     fp32 at micro-batch 1 trained with its segments capped between 3,125 and 3,188 MiB (the process's
     budget less the 760 MiB outside the allocator), under the 3,314 it reserved on the roomy card; in bf16
-    at micro-batch 4 between 5,389 and 5,518."""
+    at micro-batch 4 between 5,389 and 5,518. `passed`: the roomy run as it stood short of its allocated
+    peak (`Calls.replayed_past`), where the pause is sought from (the same pause, fewer calls replayed)."""
     low, high = roomy.peak_allocated, roomy.peak_reserved
     step = max(ROUND_LARGE, int(LEAST_RESERVE_PRECISION * high))
-    paused = calls.until(low) if high - low > step else None
+    paused = calls.until(low, passed) if high - low > step else None
     if paused is None or calls.resumed(paused, high - step) is None:
         return high  # most steps need about what they reserve: one replay says so
     high -= step

@@ -5,9 +5,12 @@ process (the GIL), so they are shared between the caller and a worker process pe
 Each worker is `python -m autofit.estimate.simulation.workers JOB RESULT`, an autofit entry point (nothing of the
 user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input
 work); the spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`).
-A worker builds its own `Estimator` and writes what each of its simulations found, pickled. Whatever a
-worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so spreading
-changes how long a dry-run takes, never what it predicts.
+A worker builds its own `Estimator` and writes what each of its simulations found, pickled. The jobs are
+not dealt out in advance: the caller takes them from the front and the workers from the back, each job
+claimed by whoever first makes its claim file (`Workers.claim`), so a worker that starts late (its imports
+take seconds) or a slow job leaves no one waiting on a fixed share. Whatever a worker does not deliver (it
+failed, the spec cannot travel) the caller simulates itself, so spreading changes how long a dry-run takes,
+never what it predicts.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from autofit.config import Config
 from autofit.estimate.simulation.step import ActivationPeak
@@ -49,20 +52,33 @@ def spare_cpus(window: float = 0.2) -> int:
 
 @dataclasses.dataclass
 class Workers:
-    """Started worker processes, each with its share of the jobs and the file its results arrive in."""
+    """Started worker processes sharing `jobs` (each claimed once: `claim`), and the files their results
+    arrive in."""
 
-    shares: list[list[Job]]
+    jobs: list[Job]
     processes: list[subprocess.Popen]
     results: list[Path]
     folder: tempfile.TemporaryDirectory
+
+    def claim(self, index: int) -> bool:
+        """Whether the caller now holds job `index` (False: a worker took it first)."""
+        return claim(Path(self.folder.name), index)
+
+    def mine(self) -> Iterator[Job]:
+        """The jobs the caller claims, from the front, until it meets one a worker claimed (the workers
+        claim from the back: every job after it is theirs)."""
+        for index, job in enumerate(self.jobs):
+            if not self.claim(index):
+                return
+            yield job
 
     def collect(self) -> list[tuple[Job, Found]]:
         """Wait for every worker and return what each delivered (a failed worker delivers nothing)."""
         found = []
         try:
-            for share, process, path in zip(self.shares, self.processes, self.results):
+            for process, path in zip(self.processes, self.results):
                 if _finished(process) and path.exists():
-                    found += zip(share, pickle.loads(path.read_bytes()))
+                    found += [(self.jobs[index], result) for index, result in pickle.loads(path.read_bytes())]
         finally:
             self.close()
         return found
@@ -76,10 +92,22 @@ class Workers:
         self.folder.cleanup()
 
 
-def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shares: list[list[Job]],
+def claim(folder: Path, index: int) -> bool:
+    """Claim job `index` of the jobs shared in `folder`: True for the one process that first makes its
+    claim file (created exclusively, never through a link), False for every other."""
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        os.close(os.open(folder / f"claim-{index}", flags))
+    except FileExistsError:
+        return False
+    return True
+
+
+def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, jobs: list[Job], count: int = 1,
           full_depth: bool = False) -> Workers | None:
-    """Start one worker per share (each simulates its jobs for `spec` on `target`, every block with
-    `full_depth`); None when the spec cannot travel to another process (the caller then simulates
+    """Start `count` workers sharing `jobs` with the caller (each claims and simulates jobs for `spec` on
+    `target` from the back, every block with `full_depth`; the caller takes its own from the front:
+    `Workers.mine`); None when the spec cannot travel to another process (the caller then simulates
     everything itself)."""
     from autofit.errors import UsageError
     from autofit.probe.payload import payload
@@ -89,12 +117,12 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, shar
     except UsageError:
         return None
     folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
-    workers = Workers(shares, [], [], folder)
-    for index, share in enumerate(shares):
+    workers = Workers(list(jobs), [], [], folder)
+    for index in range(count):
         job, result = Path(folder.name) / f"job-{index}.pkl", Path(folder.name) / f"result-{index}.pkl"
         job.write_bytes(pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data,
                                       "target": target, "full_depth": full_depth,
-                                      "jobs": [(c.to_dict(), mb) for c, mb in share]}))
+                                      "jobs": [(c.to_dict(), mb) for c, mb in workers.jobs]}))
         workers.processes.append(subprocess.Popen(
             [sys.executable, "-m", "autofit.estimate.simulation.workers", str(job), str(result)],
             env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
@@ -111,8 +139,9 @@ def _finished(process: subprocess.Popen) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Simulate the jobs in `argv[0]` and write what each found to `argv[1]` (pickled: each peak keeps its
-    replay's events, `ActivationPeak.replay`); exit 0 when written."""
+    """Simulate the jobs in `argv[0]` this worker claims (from the back: `claim`, in the job file's folder)
+    and write what each found, with its index, to `argv[1]` (pickled: each peak keeps its replay's events,
+    `ActivationPeak.replay`); exit 0 when written."""
     job_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
     leave_with_parent(job_path, FOLDER_PREFIX)
     job = pickle.loads(Path(job_path).read_bytes())
@@ -124,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # fake tensors compute nothing; the caller's other workers share the CPUs
     spec, strategies = pickle.loads(job["payload"])
     estimator = Estimator(spec, target=job["target"], strategies=strategies, full_depth=job["full_depth"])
-    found = [estimator.simulate(Config.from_dict(config), mb) for config, mb in job["jobs"]]
+    folder, jobs = Path(job_path).parent, job["jobs"]
+    found = [(index, estimator.simulate(Config.from_dict(jobs[index][0]), jobs[index][1]))
+             for index in reversed(range(len(jobs))) if claim(folder, index)]
     Path(result_path).write_bytes(pickle.dumps(found))
     return 0
 
