@@ -56,6 +56,10 @@ class Unavailable(Exception):
     """The warm process cannot start this probe; the reason is the message."""
 
 
+class Lost(Unavailable):
+    """The warm process ended (killed from outside, or it could not start)."""
+
+
 @dataclasses.dataclass(eq=False)
 class WarmProcess:
     """A probe process forked by the warm process, as the launcher sees it (the parts of `subprocess.Popen`
@@ -134,11 +138,15 @@ class Zygote:
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
         except OSError as exc:
             self._lose()
-            raise Unavailable(f"the warm process is gone ({exc})") from exc
+            raise Lost(f"the warm process is gone ({exc})") from exc
         deadline = time.monotonic() + timeout
         while request["id"] not in self.replies:
             if self.lost:
-                raise Unavailable(f"the warm process ended (exit code {self.popen.poll()})")
+                try:
+                    code = self.popen.wait(5)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise Lost(f"the warm process ended (exit code {code})")
             if time.monotonic() > deadline:
                 self.close()
                 raise Unavailable(f"the warm process did not answer within {timeout:.0f} s")
@@ -228,22 +236,27 @@ def start(job_path: str, result_fd: int, env: dict[str, str], streams: tuple[int
     global _current, _off, _losses
     if off_reason():
         return None
-    if _current is not None and not _current.usable_for(env):
-        _losses += _current.lost or _current.popen.poll() is not None
-        _current.close()
-        _current = None
-    if _losses > MAX_LOSSES:
-        _off = f"the warm process was lost {_losses} times"
-        return None
-    try:
-        if _current is None:
-            _current = Zygote(env, streams[0])
-        return _current.fork(job_path, result_fd, env, streams, warm_list(payload))
-    except (Unavailable, OSError) as exc:
-        _off = str(exc)
-        log.info("probes start as fresh processes from now on: %s", exc)
-        stop()
-        return None
+    why = None
+    for _ in range(2):  # a warm process lost since the last probe is replaced once
+        if _current is not None and not _current.usable_for(env):
+            _losses += _current.lost or _current.popen.poll() is not None
+            stop()
+        if _losses > MAX_LOSSES:
+            why = f"the warm process was lost {_losses} times ({why})"
+            break
+        try:
+            if _current is None:
+                _current = Zygote(env, streams[0])
+            return _current.fork(job_path, result_fd, env, streams, warm_list(payload))
+        except Lost as exc:
+            why = str(exc)  # the reason where its replacement is lost too
+        except (Unavailable, OSError) as exc:
+            why = str(exc)
+            break
+    _off = why
+    log.info("probes start as fresh processes from now on: %s", why)
+    stop()
+    return None
 
 
 def current() -> Zygote | None:
