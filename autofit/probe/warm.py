@@ -98,7 +98,7 @@ class Zygote:
         self.env, self.owner = _shared(env), os.getpid()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.popen = subprocess.Popen([sys.executable, *COMMAND, str(theirs.fileno())], env=env,
+            self.popen = subprocess.Popen([sys.executable, *COMMAND, str(theirs.fileno())], env=self.env,
                                           pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=stdout,
                                           start_new_session=True)
         finally:
