@@ -181,12 +181,13 @@ def _start(job_path: Path, world: int, ranks: bool, device: torch.device, job_pa
     """One process per rank: forked by the warm process (`autofit.probe.warm`) or, where it cannot, fresh."""
     port = _free_port() if ranks else None
     streams = (sys.__stderr__.fileno() if sys.__stderr__ else 1, 2)  # stdout stays the caller's (--json)
+    modules = warm.warm_list(job_payload) if warm.off_reason() is None else []
     processes = []
     for rank in range(world):
         read_fd, write_fd = os.pipe()
         try:
             env = _environment(rank, world, port, device)
-            popen = warm.start(str(job_path), write_fd, env, streams, job_payload) or subprocess.Popen(
+            popen = warm.start(str(job_path), write_fd, env, streams, modules) or subprocess.Popen(
                 [sys.executable, "-m", "autofit.probe.child", str(job_path), str(write_fd)], env=env,
                 pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=streams[0],
                 start_new_session=True)  # its own process group: a kill reaches what it started too

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -230,9 +231,10 @@ def off_reason() -> str | None:
 
 
 def start(job_path: str, result_fd: int, env: dict[str, str], streams: tuple[int, int],
-          payload: bytes) -> WarmProcess | None:
-    """A probe process forked warm for `job_path` (`result_fd`, `env`, `streams`: stdout, stderr), or None
-    where it must start fresh (`off_reason`; a warm process that refuses turns them off for this process)."""
+          modules: list[tuple[str, str | None]]) -> WarmProcess | None:
+    """A probe process forked warm for `job_path` (`result_fd`, `env`, `streams`: stdout, stderr; `modules`
+    imported first: `warm_list`), or None where it must start fresh (`off_reason`; a warm process that
+    refuses turns them off for this process)."""
     global _current, _off, _losses
     if off_reason():
         return None
@@ -247,7 +249,7 @@ def start(job_path: str, result_fd: int, env: dict[str, str], streams: tuple[int
         try:
             if _current is None:
                 _current = Zygote(env, streams[0])
-            return _current.fork(job_path, result_fd, env, streams, warm_list(payload))
+            return _current.fork(job_path, result_fd, env, streams, modules)
         except Lost as exc:
             why = str(exc)  # the reason where its replacement is lost too
         except (Unavailable, OSError) as exc:
@@ -315,21 +317,40 @@ def modules_named(payload: bytes) -> list[str]:
     names: list[str] = []
     memo: dict[int, Any] = {}
     recent: list[Any] = []  # the values pushed last: STACK_GLOBAL takes the module and name from there
-    for op, arg, _ in pickletools.genops(payload):
-        if op.name == "GLOBAL":
+    for op, arg in _opcodes(payload):
+        if op == "GLOBAL":
             names.append(str(arg).split(" ", 1)[0])
-        elif op.name == "STACK_GLOBAL" and len(recent) >= 2 and isinstance(recent[-2], str):
+        elif op == "STACK_GLOBAL" and len(recent) >= 2 and isinstance(recent[-2], str):
             names.append(recent[-2])
-        if op.name == "MEMOIZE":
+        if op == "MEMOIZE":
             memo[len(memo)] = recent[-1] if recent else None
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+        elif op in ("PUT", "BINPUT", "LONG_BINPUT"):
             memo[int(arg)] = recent[-1] if recent else None
-        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+        elif op in ("GET", "BINGET", "LONG_BINGET"):
             recent.append(memo.get(int(arg)))
         else:
-            recent.append(arg if isinstance(arg, str) and "UNICODE" in op.name else None)
+            recent.append(arg if isinstance(arg, str) and "UNICODE" in op else None)
         del recent[:-2]
     return list(dict.fromkeys(names))
+
+
+# Arguments stepped over rather than read (their width of length): the bytes of tensors and buffers, which
+# name no module (a model given as an instance travels with its weights: `pickletools.genops` would copy them)
+_STEPPED_OVER = {pickletools.bytes1: 1, pickletools.bytes4: 4, pickletools.bytes8: 8, pickletools.bytearray8: 8}
+
+
+def _opcodes(payload: bytes) -> Iterable[tuple[str, Any]]:
+    """Each opcode's name and argument, as `pickletools.genops` gives them (None for stepped-over bytes)."""
+    stream = io.BytesIO(payload)
+    while code := stream.read(1):
+        op = pickletools.code2op[code.decode("latin-1")]
+        if op.arg in _STEPPED_OVER:
+            stream.seek(int.from_bytes(stream.read(_STEPPED_OVER[op.arg]), "little"), io.SEEK_CUR)
+            yield op.name, None
+        else:
+            yield op.name, None if op.arg is None else op.arg.reader(stream)
+        if op.name == "STOP":
+            return
 
 
 __all__ = ["SWITCH", "WarmProcess", "Zygote", "current", "modules_named", "off_reason", "start", "stop",

@@ -201,3 +201,23 @@ def test_the_modules_a_job_names_are_warmed_and_the_users_are_not():
     assert "models" not in warmed and "torch" in warmed and "autofit.probe.child" in warmed
     assert warmed["torch"] == torch.__file__
     assert not [name for name in warmed if name.split(".")[0] in ("deepspeed", "bitsandbytes")]
+
+
+def test_the_modules_of_a_pickle_are_read_without_copying_its_weights():
+    import pickletools
+
+    import cloudpickle
+
+    model = make_gpt2()  # an instance: its weights travel in the pickle
+    data = cloudpickle.dumps((model, {"extra": torch.randn(64, 64)}))
+    expected, strings = [], []
+    for op, arg, _ in pickletools.genops(data):  # the reference: every opcode read, weights copied
+        if op.name == "STACK_GLOBAL":
+            expected.append(strings[-2])
+        if isinstance(arg, str) and "UNICODE" in op.name:
+            strings.append(arg)
+        elif op.name in ("BINGET", "LONG_BINGET"):
+            strings.append(None)  # a memo fetch: the module named again (its first mention counted already)
+    named = warm.modules_named(data)
+    assert set(named) >= {m for m in expected if m is not None}
+    assert "transformers.models.gpt2.modeling_gpt2" in named and "torch._utils" in named
