@@ -30,7 +30,7 @@ import socket
 import sys
 from typing import Any
 
-from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID, _remove_job_folder
+from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID, remove_job_folder
 
 # Imported but unsafe to fork from: where one of these is in this process, probes start fresh instead.
 # DeepSpeed picks its accelerator when imported (DS_ACCELERATOR, which a rank's environment sets);
@@ -130,7 +130,7 @@ class Zygote:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            _remove_job_folder(job, JOB_FOLDER_PREFIX)
+            remove_job_folder(job, JOB_FOLDER_PREFIX)
         for pid in self.probes:
             _reap(pid)
 
@@ -145,7 +145,8 @@ def warm(modules: list[list[Any]]) -> str | None:
     """Import `modules` ([name, the file the launcher has it from]); the reason this process is no longer
     safe to fork probes from (`unsafe`, or a module found at another file than the launcher's), or None."""
     for name, origin in modules:
-        if name not in sys.modules:
+        new = name not in sys.modules
+        if new:
             try:
                 importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - the probe process will meet (and report) it itself
@@ -153,7 +154,7 @@ def warm(modules: list[list[Any]]) -> str | None:
         found = getattr(sys.modules[name], "__file__", None)
         if origin is not None and found is not None and os.path.realpath(found) != os.path.realpath(origin):
             return f"{name} imported from {found}, the launcher's from {origin}"
-        why = unsafe(sys.modules, _mapped())
+        why = unsafe(sys.modules, _mapped()) if new else None
         if why:
             return f"{why} (imported with {name})"
     return None
