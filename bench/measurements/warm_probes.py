@@ -15,7 +15,8 @@ Cases (`--cases` picks):
     python bench/measurements/warm_probes.py --pairs 3 --out bench/results/warm-probes-<date>.json
 
 Backs: docs/search.md's sentence on warm probe processes.
-Results: warm-probes-2026-12-07.json (commit 99941fe, 3 pairs at load 1.7-6.1).
+Results: warm-probes-2026-12-07.json (commit 99941fe, 3 pairs at load 1.7-6.1),
+warm-probes-2026-12-07-quiet.json (commit 44e78e6, `--cases ranks,test-every-option --pairs 1`, load 1.7-2.1).
 """
 
 from __future__ import annotations
