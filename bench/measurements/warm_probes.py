@@ -57,7 +57,8 @@ print("RESULT " + json.dumps({{"probe_seconds": seconds, "rank_peaks": peaks, "w
 CASES = {
     "ranks": [sys.executable, "-c", RANKS],
     "quickstart": [sys.executable, "examples/quickstart.py", "--out", "{work}/quickstart"],
-    "test-launch": [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", "tests/probe/test_launch.py"],
+    "test-launch": [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider",
+                    "tests/probe/test_launch.py"],
     "test-every-option": [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider",
                           "tests/search/test_every_option.py"],
 }
@@ -102,8 +103,8 @@ def main() -> None:
                 for name in order:
                     found = run(case, "1" if name == "warm" else "0", Path(folder), args.probes)
                     runs[case][name].append(found)
-                    print(f"{case} {name}: {found['wall_s']:.1f} s (rc {found['rc']}, load {found['load_before'][0]:.2f})",
-                          flush=True)
+                    print(f"{case} {name}: {found['wall_s']:.1f} s (rc {found['rc']}, "
+                          f"load {found['load_before'][0]:.2f})", flush=True)
     ratios = {case: [round(w["wall_s"] / f["wall_s"], 3) for w, f in zip(runs[case]["warm"], runs[case]["fresh"])]
               for case in cases}
     result = {"date": datetime.date.today().isoformat(), "commit": _commit(),

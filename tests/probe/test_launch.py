@@ -226,8 +226,6 @@ def test_ranks_leave_when_their_launcher_is_killed(tmp_path, warm):
     import signal
     import subprocess
 
-    import psutil
-
     here = os.path.dirname(__file__)
     parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT.format(path=[here, os.path.dirname(here), *sys.path])],
                               env=dict(os.environ, TMPDIR=str(tmp_path), AUTOFIT_WARM_PROBES=warm))
