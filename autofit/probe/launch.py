@@ -43,7 +43,9 @@ from autofit.config import Config
 from autofit.version import PACKAGE
 from autofit.errors import Param, UsageError
 from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID
+from autofit.probe import warm
 from autofit.probe.handover import parent_state
+from autofit.probe.payload import payload
 from autofit.probe.outcome import OomKind, ProbeResult, ProbeStatus
 from autofit.job.train_spec import TrainSpec
 from autofit.strategies.base import Placement
@@ -130,7 +132,7 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
         job_path.write_bytes(pickle.dumps(make_job(spec, config, strategies, world, timeout, step_limit)))
         processes: list[_Process] = []
         try:
-            processes = _start(job_path, world, ranks, spec.device)
+            processes = _start(job_path, world, ranks, spec.device, payload(spec, strategies))
             reports = _collect(processes, config, timeout)
         finally:
             _reap(processes)
@@ -161,8 +163,6 @@ def make_job(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], 
              step_limit: float | None) -> dict:
     """What each probe process reads (`autofit.probe.child.run_job`): the serialised spec and strategies,
     the config, the parent's import path, and its cards and TF32/cuDNN flags (`autofit.probe.handover`)."""
-    from autofit.probe.payload import payload
-
     return {"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": payload(spec, strategies),
             "config": config.to_dict(), "step_limit": step_limit, "timeout": timeout,
             "state": parent_state(spec.device, world)}
@@ -170,23 +170,26 @@ def make_job(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], 
 
 @dataclasses.dataclass
 class _Process:
-    """One probe process and the read end of the pipe its result arrives on."""
+    """One probe process (fresh, or forked by the warm process) and the read end of its result pipe."""
 
-    popen: subprocess.Popen
+    popen: subprocess.Popen | warm.WarmProcess
     result_fd: int
     data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-def _start(job_path: Path, world: int, ranks: bool, device: torch.device) -> list[_Process]:
+def _start(job_path: Path, world: int, ranks: bool, device: torch.device, job_payload: bytes) -> list[_Process]:
+    """One process per rank: forked by the warm process (`autofit.probe.warm`) or, where it cannot, fresh."""
     port = _free_port() if ranks else None
+    streams = (sys.__stderr__.fileno() if sys.__stderr__ else 1, 2)  # stdout stays the caller's (--json)
+    modules = warm.warm_list(job_payload) if warm.off_reason() is None else []
     processes = []
     for rank in range(world):
         read_fd, write_fd = os.pipe()
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "autofit.probe.child", str(job_path), str(write_fd)],
-                env=_environment(rank, world, port, device), pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                stdout=sys.__stderr__.fileno() if sys.__stderr__ else None,  # stdout stays the caller's (--json)
+            env = _environment(rank, world, port, device)
+            popen = warm.start(str(job_path), write_fd, env, streams, modules) or subprocess.Popen(
+                [sys.executable, "-m", "autofit.probe.child", str(job_path), str(write_fd)], env=env,
+                pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=streams[0],
                 start_new_session=True)  # its own process group: a kill reaches what it started too
         except BaseException:
             os.close(read_fd)
@@ -250,7 +253,11 @@ def _receive(process: _Process, config: Config, index: int, world: int) -> Probe
 
 def died(config: Config, exitcode: int | None, who: str) -> ProbeResult:
     """The result of a probe process that died without reporting: SIGKILL (-9, the kernel's OOM killer
-    most likely) is an OOM of the host; anything else an error."""
+    most likely) is an OOM of the host; anything else an error. No exit status (None): the process was
+    still running `_GRACE` seconds after it closed its pipe, or the warm process that forked it was lost."""
+    if exitcode is None:
+        return ProbeResult(config, ProbeStatus.ERROR, f"{who} ended its result pipe without reporting; its exit "
+                                                      "status is unknown")
     if exitcode == -9:
         return ProbeResult(config, ProbeStatus.OOM, f"{who} killed (SIGKILL), likely out of host memory",
                            oom_kind=OomKind.HOST_KILLED)

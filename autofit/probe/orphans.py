@@ -19,7 +19,9 @@ def leave_with_parent(job_path: str, folder_prefix: str, poll: float = 1.0) -> N
     reap this one: a probe runs in its own session so that the launcher's kill reaches what it starts, so
     no signal would reach it. The launcher's job folder (named `folder_prefix...`) goes too, as its own
     exit would have removed it: the job holds the serialised model (a module given as an instance travels
-    with its weights). Simulation workers (`autofit.estimate.simulation.workers`) leave the same way."""
+    with its weights). Simulation workers (`autofit.estimate.simulation.workers`) leave the same way. A probe
+    forked by the warm process (`autofit.probe.zygote`) has that process as its launcher here; the warm
+    process watches the real one, and kills its probes and removes their folders when it is gone."""
     import threading
     import time
 
@@ -28,13 +30,13 @@ def leave_with_parent(job_path: str, folder_prefix: str, poll: float = 1.0) -> N
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll)
-        _remove_job_folder(job_path, folder_prefix)
+        remove_job_folder(job_path, folder_prefix)
         os._exit(1)
 
     threading.Thread(target=watch, name="autofit-parent-watch", daemon=True).start()
 
 
-def _remove_job_folder(job_path: str, folder_prefix: str) -> None:
+def remove_job_folder(job_path: str, folder_prefix: str) -> None:
     """Remove the temporary folder the launcher made for this job (each rank or worker may try: the first
     wins); a job file elsewhere, as one run by hand, is left alone."""
     import shutil

@@ -218,31 +218,56 @@ run_ranks(_spec(hanging), Config(num_gpus=2, micro_batch_size=2), [MicroBatch()]
 """
 
 
-def test_ranks_leave_when_their_launcher_is_killed(tmp_path):
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_ranks_leave_when_their_launcher_is_killed(tmp_path, warm):
+    """Fresh ranks watch their launcher; forked ones watch the warm process, which watches the launcher:
+    either way nothing is left once the launcher is killed, the warm process included."""
     import os
     import signal
     import subprocess
 
     here = os.path.dirname(__file__)
     parent = subprocess.Popen([sys.executable, "-c", KILLED_PARENT.format(path=[here, os.path.dirname(here), *sys.path])],
-                              env=dict(os.environ, TMPDIR=str(tmp_path)))
-    children = []
+                              env=dict(os.environ, TMPDIR=str(tmp_path), AUTOFIT_WARM_PROBES=warm))
+    probes, everything = [], []
     deadline = time.monotonic() + 120
-    while len(children) < 2 and time.monotonic() < deadline:  # wait until both ranks run
+    while len(probes) < 2 and time.monotonic() < deadline:  # wait until both ranks run
         time.sleep(1)
-        listing = subprocess.run(["ps", "-eo", "pid,ppid,cmd"], capture_output=True, text=True).stdout.splitlines()
-        children = [int(line.split()[0]) for line in listing
-                    if "autofit.probe.child" in line and int(line.split()[1]) == parent.pid]
-    assert len(children) == 2
+        everything = _descendants(parent.pid)
+        probes = [p for p in everything if _is_probe(p)]
+    assert len(probes) == 2
+    assert (warm == "1") == any("autofit.probe.zygote" in " ".join(p.cmdline()) for p in everything)
     parent.send_signal(signal.SIGKILL)  # no finally runs in the launcher: the ranks must notice by themselves
     parent.wait()
     deadline = time.monotonic() + 30
-    alive = children
+    alive = [p.pid for p in everything]
     while alive and time.monotonic() < deadline:
         time.sleep(0.5)
-        alive = [pid for pid in children if _running(pid)]
+        alive = [pid for pid in alive if _running(pid)]
     assert not alive
     assert not list(tmp_path.glob("autofit-probe-*"))  # the job (the pickled model) went with them
+
+
+def _descendants(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _is_probe(process):
+    """A probe process: a fresh `python -m autofit.probe.child`, or one the warm process forked."""
+    import psutil
+
+    try:
+        if "autofit.probe.child" in " ".join(process.cmdline()):
+            return True
+        parent = process.parent()
+        return parent is not None and "autofit.probe.zygote" in " ".join(parent.cmdline())
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _running(pid):
@@ -296,13 +321,14 @@ def test_a_probe_process_leaves_out_transformers_notice_of_a_default_loss(tmp_pa
 
 
 def test_the_probe_entry_point_is_not_imported_before_it_runs():
-    """`python -m autofit.probe.child` imports autofit first; were the child module imported on the way
-    (the launcher importing a name from it), runpy would warn on every rank's stderr that it was found in
-    sys.modules before its execution."""
+    """`python -m autofit.probe.child` (and the warm process, `python -m autofit.probe.zygote`) import
+    autofit first; were the module imported on the way (the launcher importing a name from it), runpy
+    would warn on every rank's stderr that it was found in sys.modules before its execution."""
     import subprocess
 
     done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
                            "import sys, autofit, autofit.probe.launch, autofit.estimate.simulation.workers\n"
-                           "assert 'autofit.probe.child' not in sys.modules, 'imported'"],
+                           "assert 'autofit.probe.child' not in sys.modules, 'imported'\n"
+                           "assert 'autofit.probe.zygote' not in sys.modules, 'imported'"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
