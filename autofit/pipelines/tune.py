@@ -14,6 +14,7 @@ from autofit.estimate.estimator import predictor_for
 from autofit.estimate.tolerance import tolerance_for
 from autofit.plan import Plan, make_plan
 from autofit.errors import UsageError
+from autofit.probe import warm
 from autofit.probe.launch import check_host_budget, check_ranks, probe_placed
 from autofit.probe.outcome import ProbeResult, Skip, decided
 from autofit.probe.payload import check_serialisable
@@ -125,7 +126,9 @@ def autofit(model: Any, batch: Any = None, *, global_batch_size: int | None = No
     predictor = _timed(predictor_for(spec, space.strategies), listener) if opts.predict else None
     tolerance = lambda config: tolerance_for(spec.device, config)  # noqa: E731 - sharded engines err more
     search = Search(space, store, prober, opts.max_probes, listener, predictor, tolerance)
-    with search_threads(spec.device):  # fewer CPU threads on a busy machine, for every probe and round alike
+    # fewer CPU threads on a busy machine, for every probe and round alike; the warm process launched probes fork
+    # from ends with the search (`warm.stop`): a notebook does not keep its memory once the plan is made
+    with search_threads(spec.device), warm.ending():
         results = search.run()
         probe = functools.partial(_follow_up, search, prober)
         results = confirmation.follow_near_limit(space, results, probe)

@@ -19,6 +19,7 @@ warm process, as what was imported may have read it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib.util
 import io
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from autofit.probe.orphans import LAUNCHER_PID
 
@@ -272,6 +273,16 @@ def stop() -> None:
     if _current is not None:
         _current.close()
         _current = None
+
+
+@contextlib.contextmanager
+def ending() -> Iterator[None]:
+    """Probes launched inside fork from one warm process, which ends with the block (`stop`): a search's, so
+    that a notebook does not keep the warm process's memory once its plan is made."""
+    try:
+        yield
+    finally:
+        stop()
 
 
 def _forget_after_fork() -> None:

@@ -221,3 +221,19 @@ def test_the_modules_of_a_pickle_are_read_without_copying_its_weights():
     named = warm.modules_named(data)
     assert set(named) >= {m for m in expected if m is not None}
     assert "transformers.models.gpt2.modeling_gpt2" in named and "torch._utils" in named
+
+
+def test_a_search_ends_the_warm_process_its_probes_forked_from(monkeypatch):
+    """A notebook keeps no warm process once its plan is made: the search's probes forked from one, which
+    ends with the search."""
+    import autofit
+
+    warm.stop()
+    forks = []
+    started = warm.start
+    monkeypatch.setattr(warm, "start", lambda *a, **k: forks.append(started(*a, **k)) or forks[-1])
+    plan = autofit.autofit(functools.partial(Misbehaving), make_batch, device="cpu", global_batch_size=2, num_gpus=2,
+                           memory_budget="256MiB", warmup_steps=1, timed_steps=1, max_probes=1,
+                           strategies=[MicroBatch(), DataParallel()])
+    assert plan.fits and any(f is not None for f in forks)  # its ranks were forked warm
+    assert warm.current() is None
