@@ -118,7 +118,9 @@ def _probe(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"],
         result = failed(config, exc, strategies, budget.peak or None)
     else:
         result = _measured(spec, config, budget.peak, timed)
-    result = dataclasses.replace(result, steps=built[0].steps_taken if built else 0)
+    steps = built[0].steps_taken if built else 0
+    built.clear()  # the run goes now, as when it was the training's alone: memory is released below
+    result = dataclasses.replace(result, steps=steps)
     try:
         release_memory()
     except Exception as exc:  # noqa: BLE001 - a sticky error surfaces at the next synchronize
