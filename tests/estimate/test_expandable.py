@@ -99,7 +99,8 @@ def test_a_request_is_refused_at_the_limit_by_the_segment_the_default_allocator_
         raise AssertionError("the request should have been refused")
 
 
-def _random_events(seed: int, count: int = 400) -> list:
+def random_events(seed: int, count: int = 400) -> list:
+    """A random run of mallocs and frees (`Replay.of` events), the same for a seed."""
     rng, live, events = random.Random(seed), [], []
     for key in range(count):
         if live and rng.random() < 0.45:
@@ -112,7 +113,7 @@ def _random_events(seed: int, count: int = 400) -> list:
 
 def test_a_replay_resumed_where_it_paused_is_the_replay_run_whole_with_expandable_segments():
     for seed in range(3):
-        calls = Replay.of(_random_events(seed)).calls(ExpandableAllocator)
+        calls = Replay.of(random_events(seed)).calls(ExpandableAllocator)
         roomy = calls.replayed()
         paused = calls.until(roomy.peak_allocated)
         if paused is None:
@@ -129,7 +130,7 @@ def test_expandable_segments_need_no_more_than_fixed_ones_on_random_steps():
     # what a fit needs (the least reserve the replay runs in) is at most the default allocator's: its free
     # pages are unmapped before an OOM, where fixed segments are released only whole
     for seed in range(6):
-        replay = Replay.of(_random_events(seed))
+        replay = Replay.of(random_events(seed))
         needs = []
         for expandable in (False, True):
             calls = dataclasses.replace(replay, expandable=expandable).calls(
@@ -139,7 +140,7 @@ def test_expandable_segments_need_no_more_than_fixed_ones_on_random_steps():
 
 
 def test_the_reserve_is_kept_apart_per_allocator():
-    replay = Replay.of(_random_events(1))
+    replay = Replay.of(random_events(1))
     fixed, grown = reserve(replay), reserve(dataclasses.replace(replay, expandable=True))
     assert replay.digest() != dataclasses.replace(replay, expandable=True).digest()
     assert fixed["fragmentation"] != grown["fragmentation"]

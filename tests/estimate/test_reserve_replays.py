@@ -3,9 +3,9 @@ allocator.py's `Calls`): the roomy replay, then `least_reserve`'s bisection from
 that pause replayed once, and the same figures as a bisection paused from the first call."""
 
 import dataclasses
-import random
 
 import pytest
+from test_expandable import random_events
 
 from autofit.estimate.cuda import training_replay
 from autofit.estimate.cuda.allocator import CachingAllocator, Replay
@@ -17,13 +17,7 @@ KINDS = (CachingAllocator, ExpandableAllocator)
 
 
 def _training_replay(seed: int, count: int = 300) -> Replay:
-    rng, live, events = random.Random(seed), [], []
-    for key in range(count):
-        if live and rng.random() < 0.45:
-            events.append(("free", live.pop(rng.randrange(len(live)))))
-        else:
-            events.append(("malloc", key, rng.choice([3000, 600_000, 3 * MIB, 12 * MIB, 33 * MIB + 7])))
-            live.append(key)
+    events = random_events(seed, count)
     history = ((200 * MIB, 90 * MIB, 5 * MIB), (80 * MIB, 80 * MIB), (40 * MIB,), 3)
     return Replay.of(events, history)
 
