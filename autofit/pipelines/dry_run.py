@@ -222,11 +222,13 @@ def dry_run(model: Any, batch: Any = None, *, gpu: str | GpuProfile = "h100-80gb
 
 def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strategy"],
                  listener: Callable[[int, int], Any] | None) -> list[Candidate]:
-    """Each level at its best micro-batch (`_Planner.best_at`). A level whose knob only relieves another's
-    memory at the same speed (`Strategy.relieves`: expandable segments) is predicted only where the level it
-    relieves falls short of a clean fit at its largest micro-batch; elsewhere it could not be chosen."""
+    """Each level at its best micro-batch (`_Planner.best_at`). A level whose knobs only relieve memory, never
+    faster at the same micro-batch (`Strategy.relieves`: checkpointing, a chunked loss, offloading, expandable
+    segments), is predicted only where the level they relieve falls short of a clean fit at its largest
+    micro-batch; elsewhere it could not be chosen."""
     levels = list(space.levels())
-    relieved = {level: _relieved(level, strategies) for level in levels}
+    planned = set(levels)
+    relieved = {level: _relieved(level, strategies, planned) for level in levels}
     best: dict[Config, Candidate] = {}
     for wave in ([lv for lv in levels if relieved[lv] is None], [lv for lv in levels if relieved[lv] is not None]):
         wave = [lv for lv in wave if relieved[lv] is None or _falls_short(space, relieved[lv], best.get(relieved[lv]))]
@@ -235,12 +237,18 @@ def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strate
     return [best[level] for level in levels if level in best]
 
 
-def _relieved(level: Config, strategies: Sequence["Strategy"]) -> Config | None:
-    """The level `level` relieves (`Strategy.relieves`, every knob that does set to its default), or None."""
-    relieved = level
-    for strategy in strategies:
-        relieved = strategy.relieves(relieved) or relieved
-    return None if relieved == level else relieved
+def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> Config | None:
+    """The planned level `level` relieves (`Strategy.relieves`): every knob that does at its default, else (not
+    planned: state offloading on one GPU, which is its engine's reason to be there) every one but one, kept as
+    `level` has it, each costing the same either way; None where `level` relieves no planned level."""
+    reliefs = [strategy for strategy in strategies if strategy.relieves(level) is not None]
+    for kept in (None, *reliefs):
+        relieved = level
+        for strategy in reliefs:
+            relieved = relieved if strategy is kept else strategy.relieves(relieved) or relieved
+        if relieved != level and relieved in planned:
+            return relieved
+    return None
 
 
 def _falls_short(space: Space, level: Config, best: Candidate | None) -> bool:

@@ -34,6 +34,10 @@ class ActivationOffloading(Strategy):
     rung = 3  # with checkpointing: both trade a cost for activation memory
     order = 1
 
+    def relieves(self, config: Config) -> Config | None:
+        # the copies out and back only add time at the same micro-batch
+        return config.replace(activation_offload=A.NONE) if config.activation_offload is not A.NONE else None
+
     def options(self, spec: "TrainSpec") -> list[Option]:
         target = spec.target
         why_not = None if target.cuda else \

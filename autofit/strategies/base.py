@@ -283,10 +283,11 @@ class Strategy(abc.ABC):
         return {} if value == Config().knob(self.field) else {self.field: str(value)}
 
     def relieves(self, config: Config) -> Config | None:
-        """Where this knob's value in `config` only lowers memory, at the same predicted speed: `config` with
-        the knob at its default, which it relieves. A planner predicts `config` only where that one falls
-        short of a clean fit at its largest micro-batch (elsewhere the default is as fast and needs no
-        change). None (the default): the value is predicted everywhere."""
+        """Where this knob's value in `config` only lowers memory and is never predicted faster at the same
+        micro-batch (the same step, or more FLOPs, kernels or copies): `config` with the knob at its default,
+        which it relieves. A planner predicts `config` only where the level with every such knob at its default
+        falls short of a clean fit at its largest micro-batch (elsewhere that level is as fast or faster and
+        changes less: `config` could not be chosen). None (the default): the value is predicted everywhere."""
         return None
 
     def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Strategy":

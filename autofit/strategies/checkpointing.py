@@ -65,6 +65,10 @@ class ActivationCheckpointing(Strategy):
     def recomputed_blocks(self, config: Config) -> float:
         return config.checkpointed_share
 
+    def relieves(self, config: Config) -> Config | None:
+        # recomputation only adds FLOPs and kernels at the same micro-batch
+        return config.replace(checkpointing=C.NONE, checkpoint_every=1) if config.checkpointing is not C.NONE else None
+
     def rules(self) -> tuple[Rule, ...]:
         return (Rule("activation offload with none or full checkpointing", ("activation_offload", "checkpointing"),
                      _activation_offload_pairing),)

@@ -44,6 +44,10 @@ class ChunkedLoss(Strategy):
     rung = 2
     order = 1
 
+    def relieves(self, config: Config) -> Config | None:
+        # the head's forward runs once more: more FLOPs and kernels at the same micro-batch
+        return config.replace(loss=L.FULL) if config.loss is L.CHUNKED else None
+
     def options(self, spec: "TrainSpec") -> list[Option]:
         why_not = _why_not(spec)
         return [Option(L.FULL, 0, "the model's own loss over all logits at once"),

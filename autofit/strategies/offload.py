@@ -45,6 +45,10 @@ class StateOffloading(Ladder):
         one the plan keeps and the exports write."""
         self.nvme_path = str(check_nvme_path(nvme_path)) if nvme_path is not None else None
 
+    def relieves(self, config: Config) -> Config | None:
+        # the states' copies and the host's optimizer step only add time at the same micro-batch
+        return config.replace(offload=O.NONE) if config.offload is not O.NONE else None
+
     def writing_to(self, nvme_path: str) -> "StateOffloading":
         return StateOffloading(nvme_path)
 

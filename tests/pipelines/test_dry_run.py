@@ -406,27 +406,32 @@ def test_candidates_that_fit_only_as_predicted_are_the_reports_near_limit_ones()
     assert report.near_limit == (near,) and report.to_dict()["near_limit"] == 1
 
 
-def test_expandable_segments_are_predicted_only_where_the_default_allocator_falls_short(monkeypatch):
-    """A knob that only relieves memory at the same speed (`Strategy.relieves`) doubles no row where the
-    default allocator already fits at the largest micro-batch, and the choice is the one every row gives."""
+def test_knobs_that_only_relieve_memory_are_predicted_only_where_the_level_they_relieve_falls_short(monkeypatch):
+    """Checkpointing, a chunked loss, activation offloading and expandable segments only lower memory, never
+    faster at the same micro-batch (`Strategy.relieves`): they double no row where the level without them
+    already fits at the largest micro-batch, and the choice is the one predicting every level gives. On one GPU
+    state offloading is its engine's reason to be there: its level is predicted, and checkpointing it relieves
+    that level."""
     import autofit.pipelines.dry_run as module
-    from autofit.config import Allocator
-    from autofit.strategies import ActivationCheckpointing
+    from autofit.strategies import ActivationCheckpointing, StateOffloading, Zero
     from autofit.strategies.allocator import ExpandableSegments
 
-    rungs = [MicroBatch(), ActivationCheckpointing(), ExpandableSegments()]
+    rungs = [MicroBatch(), ActivationCheckpointing(), ChunkedLoss(), ActivationOffloading(), ExpandableSegments(),
+             Zero(), StateOffloading()]
 
     def plan(memory: str) -> "module.DryRunReport":
         return dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory=memory,
                        strategies=rungs)
 
-    def expandable(report: "module.DryRunReport") -> int:
-        return sum(c.config.allocator is Allocator.EXPANDABLE for c in report.candidates)
+    def relieving(report: "module.DryRunReport") -> int:
+        return sum(any(s.relieves(c.config) is not None for s in rungs if not isinstance(s, StateOffloading))
+                   for c in report.candidates)
 
     roomy, tight = plan("4GiB"), plan("1000MiB")
-    assert expandable(roomy) == 0 and expandable(tight) > 0
+    assert relieving(roomy) == 0 and relieving(tight) > 0
+    assert any(c.config.offloads and c.fits for c in roomy.candidates)  # the engine's level, fitting at 16
     monkeypatch.setattr(module, "_falls_short", lambda *args: True)  # every level predicted, as before
-    for memory, fewer in (("4GiB", roomy), ("1000MiB", tight)):
-        every = plan(memory)
-        assert expandable(every) == len(every.candidates) // 2
-        assert fewer.chosen.config == every.chosen.config
+    every = plan("4GiB")
+    assert relieving(every) > 0 and {c.config for c in roomy.candidates} < {c.config for c in every.candidates}
+    assert roomy.chosen.config == every.chosen.config
+    assert tight.chosen.config == plan("1000MiB").chosen.config  # where every level falls short: the same plan
