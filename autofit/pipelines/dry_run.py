@@ -224,14 +224,13 @@ def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strate
                  listener: Callable[[int, int], Any] | None) -> list[Candidate]:
     """Each level at its best micro-batch (`_Planner.best_at`). A level whose knobs only relieve memory, never
     faster at the same micro-batch (`Strategy.relieves`: checkpointing, a chunked loss, offloading, expandable
-    segments), is predicted only where the level they relieve falls short of a clean fit at its largest
-    micro-batch; elsewhere it could not be chosen."""
+    segments), is predicted only where it could be chosen over the level they relieve (`_may_win`)."""
     levels = list(space.levels())
     planned = set(levels)
     relieved = {level: _relieved(level, strategies, planned) for level in levels}
     best: dict[Config, Candidate] = {}
     for wave in ([lv for lv in levels if relieved[lv] is None], [lv for lv in levels if relieved[lv] is not None]):
-        wave = [lv for lv in wave if relieved[lv] is None or _falls_short(space, relieved[lv], best.get(relieved[lv]))]
+        wave = [lv for lv in wave if relieved[lv] is None or _may_win(planner, lv, relieved[lv], best.get(relieved[lv]))]
         planner.estimator.prefetch((config for level in wave for config in planner.asks(level)), listener)
         best.update({level: planner.best_at(level) for level in wave})
     return [best[level] for level in levels if level in best]
@@ -251,10 +250,17 @@ def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Conf
     return None
 
 
-def _falls_short(space: Space, level: Config, best: Candidate | None) -> bool:
-    """Whether `level`'s best candidate leaves room to a knob that only relieves memory: it is not planned,
-    is not a clean fit, or fits only below the level's largest micro-batch."""
-    return best is None or not best.fits or best.config.micro_batch_size < space.sizes_at(level)[-1]
+def _may_win(planner: "_Planner", level: Config, relieved: Config, best: Candidate | None) -> bool:
+    """Whether `level`, whose knobs only relieve memory, could be chosen over the level they relieve (`relieved`,
+    whose best candidate is `best`; None: not predicted): that one does not fit cleanly, or fits only below its
+    largest micro-batch and is slower than `level` could be at any size (`_Planner.fastest`, with as many kernels
+    a micro-step: `level`'s knobs add kernels, never remove them). Elsewhere it is
+    as fast or faster with fewer changes, and the tuner's rule keeps it."""
+    if best is None or not best.fits:
+        return True
+    if best.config.micro_batch_size >= planner.space.sizes_at(relieved)[-1]:
+        return False
+    return planner.fastest(level, best.estimate.kernels) < best.step_seconds
 
 
 def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
@@ -343,6 +349,13 @@ class _Planner:
         if self.states_over(self.space.at(level, sizes[0])):
             sizes = sizes[:1]
         return [self.space.at(level, size) for size in sizes]
+
+    def fastest(self, level: Config, kernels: int = 0) -> float:
+        """A lower bound of `level`'s predicted step seconds at any micro-batch, where a micro-step launches at
+        least `kernels`: at its largest (the fewest micro-steps, each the most utilised), without the activations
+        a simulation finds copied to the host."""
+        config = self.space.at(level, self.space.sizes_at(level)[-1])
+        return step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work, kernels=kernels).seconds
 
     def states_over(self, config: Config) -> bool:
         """Whether `config`'s model states alone (`Estimator.states_floor`, a lower bound of its peak) are

@@ -12,6 +12,7 @@ import autofit
 from autofit.estimate.cost_model import step_seconds
 from autofit.devices.gpus import Layout
 from autofit.pipelines.dry_run import _spec, dry_run
+from autofit.search.decision import level_of
 from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Estimator
 from autofit.estimate.tolerance import FAMILY_BOUNDS
 from autofit.devices.gpus import get_gpu
@@ -430,8 +431,36 @@ def test_knobs_that_only_relieve_memory_are_predicted_only_where_the_level_they_
     roomy, tight = plan("4GiB"), plan("1000MiB")
     assert relieving(roomy) == 0 and relieving(tight) > 0
     assert any(c.config.offloads and c.fits for c in roomy.candidates)  # the engine's level, fitting at 16
-    monkeypatch.setattr(module, "_falls_short", lambda *args: True)  # every level predicted, as before
-    every = plan("4GiB")
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "_may_win", lambda *args: True)  # every level predicted, as before
+        every = plan("4GiB")
     assert relieving(every) > 0 and {c.config for c in roomy.candidates} < {c.config for c in every.candidates}
     assert roomy.chosen.config == every.chosen.config
-    assert tight.chosen.config == plan("1000MiB").chosen.config  # where every level falls short: the same plan
+
+
+def test_a_level_of_memory_only_knobs_slower_at_any_size_than_the_fit_it_relieves_is_left_out(monkeypatch):
+    """Where the level they relieve fits only below its largest micro-batch, a level of memory-only knobs is
+    predicted only where it could be faster at some size (`_Planner.fastest`, a lower bound): predicted anyway,
+    each one left out is slower than that fit, and the choice is the same. Compute-bound: a larger micro-batch
+    there gains little, and checkpointing's recomputation costs more."""
+    import autofit.pipelines.dry_run as module
+    from autofit.strategies import ActivationCheckpointing
+
+    rungs = [MicroBatch(), ActivationCheckpointing(), ChunkedLoss(), ActivationOffloading()]
+    model = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                        num_attention_heads=8, max_position_embeddings=512)
+
+    def plan() -> "module.DryRunReport":
+        return dry_run(model, seq_len=512, global_batch_size=16, gpu="t4", gpu_memory="3GiB", strategies=rungs)
+
+    fewer = plan()
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "_may_win", lambda *args: True)
+        every = plan()
+    assert fewer.chosen.config == every.chosen.config
+    levels = {level_of(c.config): c for c in every.candidates}
+    left_out = {c.config for c in every.candidates} - {c.config for c in fewer.candidates}
+    assert left_out
+    for config in left_out:
+        relieved = levels[module._relieved(level_of(config), rungs, set(levels))]
+        assert relieved.fits and levels[level_of(config)].step_seconds >= relieved.step_seconds, config

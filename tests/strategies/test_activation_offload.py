@@ -56,7 +56,7 @@ def test_the_planner_chooses_it_where_only_it_fits(monkeypatch):
     import autofit.pipelines.dry_run as module
 
     with monkeypatch.context() as patched:  # every level predicted: where the plain one fits, offloading is not
-        patched.setattr(module, "_falls_short", lambda *args: True)
+        patched.setattr(module, "_may_win", lambda *args: True)
         wide = autofit.dry_run(long_gpt2, gpu="a100-80gb", seq_len=4096, global_batch_size=1, strategies=STRATEGIES)
     # what each needs at its error bound (a fit is decided there, `Estimate.fit_under`: within it, near the limit)
     offloaded = [c.estimate.upper_bytes for c in wide.candidates if c.config.offloads_activations]
