@@ -224,16 +224,44 @@ def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strate
                  listener: Callable[[int, int], Any] | None) -> list[Candidate]:
     """Each level at its best micro-batch (`_Planner.best_at`). A level whose knobs only relieve memory, never
     faster at the same micro-batch (`Strategy.relieves`: checkpointing, a chunked loss, offloading, expandable
-    segments), is predicted only where it could be chosen over the level they relieve (`_may_win`)."""
+    segments), is predicted only where it could be chosen over the level they relieve (`_may_win`); one whose
+    model states alone are over the limit, only where it could be the closest to fitting (`_closest_over`)."""
     levels = list(space.levels())
     planned = set(levels)
     relieved = {level: _relieved(level, strategies, planned) for level in levels}
     best: dict[Config, Candidate] = {}
+    over: list[Config] = []
     for wave in ([lv for lv in levels if relieved[lv] is None], [lv for lv in levels if relieved[lv] is not None]):
         wave = [lv for lv in wave if relieved[lv] is None or _may_win(planner, lv, relieved[lv], best.get(relieved[lv]))]
+        over += [level for level in wave if planner.states_over(planner.smallest(level))]
+        wave = [level for level in wave if not planner.states_over(planner.smallest(level))]
         planner.estimator.prefetch((config for level in wave for config in planner.asks(level)), listener)
         best.update({level: planner.best_at(level) for level in wave})
+    best.update(_closest_over(planner, over, best, listener))
     return [best[level] for level in levels if level in best]
+
+
+def _closest_over(planner: "_Planner", over: list[Config], best: dict[Config, Candidate],
+                  listener: Callable[[int, int], Any] | None) -> dict[Config, Candidate]:
+    """The levels of `over` (model states alone over the limit: no size fits) at their smallest micro-batch, each
+    predicted only where its states (`Estimator.states_floor`, a lower bound of its need) are under the least
+    need of those predicted (`best`'s, and theirs as they come, least states first): the rest could be neither
+    chosen nor the closest to fitting."""
+    floors = {level: planner.estimator.states_floor(planner.smallest(level)) for level in over}
+    found: dict[Config, Candidate] = {}
+
+    def least() -> float:
+        return min((c.estimate.need_bytes for c in (*best.values(), *found.values())), default=float("inf"))
+
+    ordered = sorted(over, key=floors.__getitem__)
+    for batch in (ordered[:1], ordered[1:]):  # the first one's need bounds which others are simulated
+        batch = [level for level in batch if floors[level] < least()]
+        planner.estimator.prefetch((planner.smallest(level) for level in batch), listener)
+        for level in batch:
+            if floors[level] >= least():
+                break
+            found[level] = planner.best_at(level)
+    return found
 
 
 def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> Config | None:
@@ -341,6 +369,10 @@ class _Planner:
         if found is None:
             found = self._predicted[config] = self.estimator.predict(config)
         return found
+
+    def smallest(self, level: Config) -> Config:
+        """`level` at its smallest micro-batch."""
+        return self.space.at(level, self.space.sizes_at(level)[0])
 
     def asks(self, level: Config) -> list[Config]:
         """The configurations `best_at(level)` may predict: the smallest size alone when the model

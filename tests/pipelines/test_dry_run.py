@@ -39,6 +39,11 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+# ~40 M parameters: compute-bound on a T4 at 512 tokens, its states per optimizer hundreds of MiB apart
+WIDE_LLAMA = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, max_position_embeddings=512)
+
+
 def tiny_llama() -> LlamaConfig:
     return LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                        num_attention_heads=4, max_position_embeddings=512)
@@ -59,8 +64,9 @@ def test_70b_preset_plans_with_nothing_allocated():
     assert psutil.Process().memory_info().rss - rss < 4 * GIB  # 70B fp32 weights alone would be 280 GB
     assert result.fits and result.chosen.config.shards_parameters  # 70B needs every state sharded on 8 GPUs
     assert result.chosen.peak_bytes <= result.fit_limit
-    unsharded = [c for c in result.candidates if not c.config.shards_optimizer and not c.config.lora]
-    assert unsharded and not any(c.fits for c in unsharded)  # 16 bytes/param cannot fit 80 GB
+    # 16 bytes/param cannot fit 80 GB: the unsharded levels' states alone are over, and once a level fits they
+    # could be neither chosen nor the closest to fitting: none is predicted (`_closest_over`)
+    assert not any(not c.config.shards_optimizer and not c.config.lora for c in result.candidates)
     fsdp = [c for c in result.candidates if c.config.sharding.value == "fsdp_full" and not c.config.offloads]
     assert fsdp and all(c.estimate.breakdown.gathered > 0 for c in fsdp)  # FSDP2 is modelled, not deferred
 
@@ -447,11 +453,9 @@ def test_a_level_of_memory_only_knobs_slower_at_any_size_than_the_fit_it_relieve
     from autofit.strategies import ActivationCheckpointing
 
     rungs = [MicroBatch(), ActivationCheckpointing(), ChunkedLoss(), ActivationOffloading()]
-    model = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                        num_attention_heads=8, max_position_embeddings=512)
 
     def plan() -> "module.DryRunReport":
-        return dry_run(model, seq_len=512, global_batch_size=16, gpu="t4", gpu_memory="3GiB", strategies=rungs)
+        return dry_run(WIDE_LLAMA, seq_len=512, global_batch_size=16, gpu="t4", gpu_memory="3GiB", strategies=rungs)
 
     fewer = plan()
     with monkeypatch.context() as patched:
@@ -464,3 +468,33 @@ def test_a_level_of_memory_only_knobs_slower_at_any_size_than_the_fit_it_relieve
     for config in left_out:
         relieved = levels[module._relieved(level_of(config), rungs, set(levels))]
         assert relieved.fits and levels[level_of(config)].step_seconds >= relieved.step_seconds, config
+
+
+def test_levels_whose_states_alone_are_over_are_predicted_only_where_one_could_be_the_closest(monkeypatch):
+    """With nothing fitting (the CUDA context alone over the limit; ~200 M parameters, whose states per optimizer
+    differ by hundreds of MiB), the shortfall names the same closest candidate and need as predicting every
+    level does; a level whose states alone need more than a need already predicted is left out."""
+    import autofit.pipelines.dry_run as module
+    from autofit.strategies import ActivationCheckpointing, OptimizerStates
+
+    wider = LlamaConfig(**{**WIDE_LLAMA.to_dict(), "hidden_size": 2048, "intermediate_size": 4096})
+    rungs = [MicroBatch(), MixedPrecision(), ActivationCheckpointing(), OptimizerStates()]
+
+    def plan() -> "module.DryRunReport":
+        return dry_run(wider, seq_len=64, global_batch_size=4, gpu="a100-80gb", gpu_memory="850MiB",
+                       strategies=rungs)
+
+    fewer = plan()
+    with monkeypatch.context() as patched:  # every level predicted at its smallest micro-batch, as before
+        patched.setattr(module, "_closest_over", lambda planner, over, best, listener:
+                        {level: planner.best_at(level) for level in over})
+        every = plan()
+    assert fewer.chosen is None and every.chosen is None
+    assert fewer.shortfall == every.shortfall and fewer.shortfall.smallest is not None
+    assert 0 < len(fewer.candidates) < len(every.candidates)
+    least = min(c.estimate.need_bytes for c in every.candidates)
+    spec, _ = _spec(wider, None, get_gpu("a100-80gb").with_memory(850 * MIB), Layout(1, 1), 4, 64, None,
+                    "adamw", None, DEFAULT_SAFETY_MARGIN, 64)
+    estimator = Estimator(spec, target="cuda")
+    for candidate in set(every.candidates) - set(fewer.candidates):
+        assert estimator.states_floor(candidate.config) >= least, candidate.config
