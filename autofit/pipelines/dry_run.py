@@ -233,8 +233,9 @@ def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strate
     over: list[Config] = []
     for wave in ([lv for lv in levels if relieved[lv] is None], [lv for lv in levels if relieved[lv] is not None]):
         wave = [lv for lv in wave if relieved[lv] is None or _may_win(planner, lv, relieved[lv], best.get(relieved[lv]))]
-        over += [level for level in wave if planner.states_over(planner.smallest(level))]
-        wave = [level for level in wave if not planner.states_over(planner.smallest(level))]
+        states_over = {level for level in wave if planner.states_over(planner.smallest(level))}
+        over += [level for level in wave if level in states_over]
+        wave = [level for level in wave if level not in states_over]
         planner.estimator.prefetch((config for level in wave for config in planner.asks(level)), listener)
         best.update({level: planner.best_at(level) for level in wave})
     best.update(_closest_over(planner, over, best, listener))
@@ -265,9 +266,9 @@ def _closest_over(planner: "_Planner", over: list[Config], best: dict[Config, Ca
 
 
 def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> Config | None:
-    """The planned level `level` relieves (`Strategy.relieves`): every knob that does at its default, else (not
-    planned: state offloading on one GPU, which is its engine's reason to be there) every one but one, kept as
-    `level` has it, each costing the same either way; None where `level` relieves no planned level."""
+    """The planned level `level` relieves (`Strategy.relieves`): every knob that does at its default, else (that
+    one not planned: state offloading on one GPU, its engine's reason to be there) every one but one, kept as
+    `level` has it (its cost does not change with the others'); None where `level` relieves no planned level."""
     reliefs = [strategy for strategy in strategies if strategy.relieves(level) is not None]
     for kept in (None, *reliefs):
         relieved = level
@@ -282,8 +283,8 @@ def _may_win(planner: "_Planner", level: Config, relieved: Config, best: Candida
     """Whether `level`, whose knobs only relieve memory, could be chosen over the level they relieve (`relieved`,
     whose best candidate is `best`; None: not predicted): that one does not fit cleanly, or fits only below its
     largest micro-batch and is slower than `level` could be at any size (`_Planner.fastest`, with as many kernels
-    a micro-step: `level`'s knobs add kernels, never remove them). Elsewhere it is
-    as fast or faster with fewer changes, and the tuner's rule keeps it."""
+    a micro-step: `level`'s knobs add kernels, never remove them). Elsewhere that one is as fast or faster with
+    fewer changes, and the tuner's rule keeps it."""
     if best is None or not best.fits:
         return True
     if best.config.micro_batch_size >= planner.space.sizes_at(relieved)[-1]:

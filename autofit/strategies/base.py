@@ -285,9 +285,10 @@ class Strategy(abc.ABC):
     def relieves(self, config: Config) -> Config | None:
         """Where this knob's value in `config` only lowers memory and is never predicted faster at the same
         micro-batch (the same step, or more FLOPs, kernels or copies): `config` with the knob at its default,
-        which it relieves. A planner predicts `config` only where the level with every such knob at its default
-        falls short of a clean fit at its largest micro-batch (elsewhere that level is as fast or faster and
-        changes less: `config` could not be chosen). None (the default): the value is predicted everywhere."""
+        which it relieves. The dry-run predicts `config` only where it could be chosen over the level with every
+        such knob at its default: that one falls short of a clean fit at its largest micro-batch and is not
+        faster than `config` could be (`autofit.pipelines.dry_run._may_win`). None (the default): the value is
+        predicted everywhere."""
         return None
 
     def recorded(self, settings: dict[str, Any], summary: dict[str, Any]) -> "Strategy":

@@ -6,6 +6,10 @@ Cases (issue 58's list; `--cases` picks, in this order):
   cache folder that starts empty (first use);
 - `dry-run-7b-again`: the same asked again for another GPU (`--gpu a100-80gb`), reading that folder back;
 - `dry-run-70b`: `autofit dry-run --model llama-2-70b --num-gpus 8 --gpu a100-80gb`, a cache of its own;
+- `dry-run-gpt2`: `autofit dry-run --model gpt2 --seq-len 512 --global-batch-size 32 --gpu rtx-4090` (a small
+  model that fits plainly at its largest micro-batch), a cache of its own;
+- `dry-run-7b-4090`: the 7B of `dry-run-7b` on one 24 GB card (`--gpu rtx-4090`: only state offloading fits),
+  a cache of its own;
 - `quickstart`: `python examples/quickstart.py` (a tiny GPT-2 tuned on the CPU; its probes run are counted);
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
@@ -61,6 +65,9 @@ CASES = {  # name: (arguments after `python`, the cache folder it uses: runs sha
     "dry-run-7b-again": ([*DRY_RUN_7B, "--gpu", "a100-80gb"], "7b"),
     "dry-run-70b": (["-m", "autofit.cli.main", "dry-run", "--model", "llama-2-70b", "--num-gpus", "8",
                      "--gpu", "a100-80gb", "--json"], "70b"),
+    "dry-run-gpt2": (["-m", "autofit.cli.main", "dry-run", "--model", "gpt2", "--seq-len", "512",
+                      "--global-batch-size", "32", "--gpu", "rtx-4090", "--json"], "gpt2"),
+    "dry-run-7b-4090": ([*DRY_RUN_7B, "--gpu", "rtx-4090"], "7b-4090"),
     "quickstart": (["{tree}/examples/quickstart.py", "--out", "{work}/quickstart"], "quickstart"),
     "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider"], "tests"),
 }
