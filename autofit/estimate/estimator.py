@@ -245,6 +245,10 @@ class Estimator:
                 self._keep(config, mb, found)
             tell(len(todo), len(todo))
 
+    def simulates_alike(self, a: Config, b: Config) -> bool:
+        """Whether `a` and `b` run one simulated step (the same key at their micro-batches)."""
+        return self._key(a, a.micro_batch_size) == self._key(b, b.micro_batch_size)
+
     def _sizes(self, config: Config) -> tuple[int, ...]:
         """The micro-batches simulated for `config`: its own, or those to extrapolate from (`_line_points`)."""
         mb = config.micro_batch_size

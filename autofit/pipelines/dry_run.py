@@ -228,11 +228,16 @@ def _best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strate
     model states alone are over the limit, only where it could be the closest to fitting (`_closest_over`)."""
     levels = list(space.levels())
     planned = set(levels)
-    relieved = {level: _relieved(level, strategies, planned) for level in levels}
+    reliefs = {level: _reliefs(level, strategies, planned) for level in levels}
+    knobs = {level: sum(strategy.relieves(level) is not None for strategy in strategies) for level in levels}
     best: dict[Config, Candidate] = {}
     over: list[Config] = []
-    for wave in ([lv for lv in levels if relieved[lv] is None], [lv for lv in levels if relieved[lv] is not None]):
-        wave = [lv for lv in wave if relieved[lv] is None or _may_win(planner, lv, relieved[lv], best.get(relieved[lv]))]
+    left_out: set[Config] = set()
+    for count in sorted(set(knobs.values())):  # a level after every level it relieves: those have fewer knobs
+        wave = [level for level in levels if knobs[level] == count]
+        left_out.update(level for level in wave if not all(_may_win(planner, level, relieved, whole, best, left_out)
+                                                           for relieved, whole in reliefs[level]))
+        wave = [level for level in wave if level not in left_out]
         states_over = {level for level in wave if planner.states_over(planner.smallest(level))}
         over += [level for level in wave if level in states_over]
         wave = [level for level in wave if level not in states_over]
@@ -265,10 +270,18 @@ def _closest_over(planner: "_Planner", over: list[Config], best: dict[Config, Ca
     return found
 
 
+def _reliefs(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> list[tuple[Config, bool]]:
+    """The planned levels `level` relieves (`Strategy.relieves`), each with whether it is the whole relief (every
+    knob that relieves at its default, else, that one not planned, every one but one: `_relieved`) or one knob's."""
+    whole = _relieved(level, strategies, planned)
+    ones = {one for strategy in strategies if (one := strategy.relieves(level)) is not None and one in planned}
+    return [(whole, True)] * (whole is not None) + [(one, False) for one in ones - {whole}]
+
+
 def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> Config | None:
-    """The planned level `level` relieves (`Strategy.relieves`): every knob that does at its default, else (that
-    one not planned: state offloading on one GPU, its engine's reason to be there) every one but one, kept as
-    `level` has it (its cost does not change with the others'); None where `level` relieves no planned level."""
+    """The planned level `level` relieves as a whole: every knob that does (`Strategy.relieves`) at its default,
+    else (that one not planned: state offloading on one GPU, its engine's reason to be there) every one but one,
+    kept as `level` has it (its cost does not change with the others'); None where there is none."""
     reliefs = [strategy for strategy in strategies if strategy.relieves(level) is not None]
     for kept in (None, *reliefs):
         relieved = level
@@ -279,17 +292,22 @@ def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Conf
     return None
 
 
-def _may_win(planner: "_Planner", level: Config, relieved: Config, best: Candidate | None) -> bool:
-    """Whether `level`, whose knobs only relieve memory, could be chosen over the level they relieve (`relieved`,
-    whose best candidate is `best`; None: not predicted): that one does not fit cleanly, or fits only below its
-    largest micro-batch and is slower than `level` could be at any size (`_Planner.fastest`, with as many kernels
-    a micro-step: `level`'s knobs add kernels, never remove them). Elsewhere that one is as fast or faster with
-    fewer changes, and the tuner's rule keeps it."""
-    if best is None or not best.fits:
-        return True
-    if best.config.micro_batch_size >= planner.space.sizes_at(relieved)[-1]:
+def _may_win(planner: "_Planner", level: Config, relieved: Config, whole: bool, best: dict[Config, Candidate],
+             left_out: set[Config]) -> bool:
+    """Whether `level`, whose knobs only relieve memory, could be chosen over a level it relieves (`relieved`;
+    `whole`: every such knob of `level` reset; `best`: the levels predicted so far, `left_out` those this left
+    out). Not where that one fits cleanly at its largest micro-batch and, reset whole or running the same step
+    at the same cost (`_Planner.alike`: expandable segments), is as fast at every size, or is alike and left
+    out; nor where it is faster than `level` could be at any size (`_Planner.fastest`, with as many kernels a
+    micro-step: the knobs add kernels, never remove them). Elsewhere that one changes less, and the tuner's
+    rule keeps it."""
+    found = best.get(relieved)
+    if found is None or not found.fits:
+        return not (relieved in left_out and planner.alike(level, relieved))
+    largest = found.config.micro_batch_size >= planner.space.sizes_at(relieved)[-1]
+    if largest and (whole or planner.alike(level, relieved)):
         return False
-    return planner.fastest(level, best.estimate.kernels) < best.step_seconds
+    return planner.fastest(level, found.estimate.kernels) < found.step_seconds
 
 
 def _listener(progress: Callable[[int, int], Any] | bool | None) -> Callable[[int, int], Any] | None:
@@ -389,6 +407,13 @@ class _Planner:
         a simulation finds copied to the host."""
         config = self.space.at(level, self.space.sizes_at(level)[-1])
         return step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work, kernels=kernels).seconds
+
+    def alike(self, a: Config, b: Config) -> bool:
+        """Whether levels `a` and `b` at their largest micro-batch run one simulated step at one predicted cost
+        (they differ in what only the allocator's replay sees)."""
+        a, b = (self.space.at(level, self.space.sizes_at(level)[-1]) for level in (a, b))
+        cost = lambda config: step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work)  # noqa: E731
+        return self.estimator.simulates_alike(a, b) and cost(a) == cost(b)
 
     def states_over(self, config: Config) -> bool:
         """Whether `config`'s model states alone (`Estimator.states_floor`, a lower bound of its peak) are

@@ -466,8 +466,8 @@ def test_a_level_of_memory_only_knobs_slower_at_any_size_than_the_fit_it_relieve
     left_out = {c.config for c in every.candidates} - {c.config for c in fewer.candidates}
     assert left_out
     for config in left_out:
-        relieved = levels[module._relieved(level_of(config), rungs, set(levels))]
-        assert relieved.fits and levels[level_of(config)].step_seconds >= relieved.step_seconds, config
+        relieved = [levels[r] for r, _ in module._reliefs(level_of(config), rungs, set(levels))]
+        assert any(r.fits and levels[level_of(config)].step_seconds >= r.step_seconds for r in relieved), config
 
 
 def test_levels_whose_states_alone_are_over_are_predicted_only_where_one_could_be_the_closest(monkeypatch):

@@ -10,7 +10,7 @@ import autofit
 from autofit.config import Config
 from autofit.devices.gpus import get_gpu
 from autofit.probe.outcome import Skip
-from autofit.pipelines.dry_run import _relieved
+from autofit.pipelines.dry_run import _reliefs
 from autofit.search.rules import rules, violation
 from autofit.search.space import build_space
 from autofit.job.target import Target
@@ -54,9 +54,9 @@ def test_the_dry_run_plans_the_levels_the_tuner_walks(gpu_space):
     left_out = walked - set(planned)
     assert len(left_out) > len(walked) // 2
     for level in left_out:
-        relieved = _relieved(level, default_strategies(), walked)
-        assert relieved is not None and planned[relieved].fits, level.describe()
-        assert planned[relieved].config.micro_batch_size == 1, level.describe()  # the largest: one per rank
+        relieved = [planned[r] for r, _ in _reliefs(level, default_strategies(), walked) if r in planned]
+        # the largest micro-batch is one per rank
+        assert any(r.fits and r.config.micro_batch_size == 1 for r in relieved), level.describe()
 
 
 def test_no_level_breaks_a_rule(gpu_space):
