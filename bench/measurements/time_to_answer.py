@@ -39,7 +39,9 @@ time-to-answer-tests-2026-12-06-e0862db.json (the README's test command on a qui
 time-to-answer-2026-12-07-618f88d-vs-2e5a4b4.json (`--cases dry-run-7b,dry-run-70b --against 2e5a4b4` at load
 2.9-4.7, one run each: the reserve's pause kept from the roomy replay, the expandable replay written out, the
 workers' jobs claimed; 0.81 and 0.97), time-to-answer-2026-12-07-3721282-vs-2e5a4b4.json (the 7B again at
-load 0.3-2.2: 0.90)."""
+load 0.3-2.2: 0.90), time-to-answer-2026-12-07-quiet-cb9af10-vs-f2516d4.json (`--cases
+dry-run-gpt2,dry-run-7b-4090,dry-run-7b,dry-run-7b-again --against f2516d4`, quiet: levels that could be neither
+chosen nor the closest to fitting left out; 0.766, 0.884, 0.914, 1.04)."""
 
 from __future__ import annotations
 
