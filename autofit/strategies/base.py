@@ -287,7 +287,7 @@ class Strategy(abc.ABC):
         micro-batch (the same step, or more FLOPs, kernels or copies): `config` with the knob at its default,
         which it relieves. The dry-run predicts `config` only where it could be chosen over the level with every
         such knob at its default: that one falls short of a clean fit at its largest micro-batch and is not
-        faster than `config` could be (`autofit.pipelines.dry_run._may_win`). None (the default): the value is
+        faster than `config` could be (`autofit.pipelines.levels._may_win`). None (the default): the value is
         predicted everywhere."""
         return None
 

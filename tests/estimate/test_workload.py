@@ -125,7 +125,7 @@ CLASSIFIER = f"{Path(__file__).resolve().parents[2] / 'examples' / 'classifier.p
 
 
 def test_a_small_cnn_is_bound_by_the_host_issuing_its_ops(monkeypatch):
-    import autofit.pipelines.dry_run as module
+    import autofit.pipelines.levels as module
 
     monkeypatch.setattr(module, "_may_win", lambda *args: True)  # checkpointing predicted too, where it fits
     report = dry_run(CLASSIFIER, gpu="t4", global_batch_size=128)

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 import autofit
 from autofit.estimate.cost_model import step_seconds
 from autofit.devices.gpus import Layout
-from autofit.pipelines.dry_run import _spec, dry_run
+from autofit.pipelines.dry_run import DryRunReport, _spec, dry_run
 from autofit.search.decision import level_of
 from autofit.estimate.estimator import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, Estimator
 from autofit.estimate.tolerance import FAMILY_BOUNDS
@@ -399,7 +399,7 @@ def test_a_candidate_within_its_error_bound_of_the_limit_is_not_chosen_and_is_na
 def test_candidates_that_fit_only_as_predicted_are_the_reports_near_limit_ones():
     from autofit.config import Config
     from autofit.estimate.prediction import Estimate
-    from autofit.pipelines.dry_run import Candidate, DryRunReport
+    from autofit.pipelines.dry_run import Candidate
     from autofit.strategies.memory import Breakdown
 
     def row(need: int) -> Candidate:
@@ -419,18 +419,18 @@ def test_knobs_that_only_relieve_memory_are_predicted_only_where_the_level_they_
     already fits at the largest micro-batch, and the choice is the one predicting every level gives. On one GPU
     state offloading is its engine's reason to be there: its level is predicted, and checkpointing it relieves
     that level."""
-    import autofit.pipelines.dry_run as module
+    import autofit.pipelines.levels as module
     from autofit.strategies import ActivationCheckpointing, StateOffloading, Zero
     from autofit.strategies.allocator import ExpandableSegments
 
     rungs = [MicroBatch(), ActivationCheckpointing(), ChunkedLoss(), ActivationOffloading(), ExpandableSegments(),
              Zero(), StateOffloading()]
 
-    def plan(memory: str) -> "module.DryRunReport":
+    def plan(memory: str) -> "DryRunReport":
         return dry_run(tiny_llama(), seq_len=256, global_batch_size=16, gpu="a100-80gb", gpu_memory=memory,
                        strategies=rungs)
 
-    def relieving(report: "module.DryRunReport") -> int:
+    def relieving(report: "DryRunReport") -> int:
         return sum(any(s.relieves(c.config) is not None for s in rungs if not isinstance(s, StateOffloading))
                    for c in report.candidates)
 
@@ -449,12 +449,12 @@ def test_a_level_of_memory_only_knobs_slower_at_any_size_than_the_fit_it_relieve
     predicted only where it could be faster at some size (`_Planner.fastest`, a lower bound): predicted anyway,
     each one left out is slower than that fit, and the choice is the same. Compute-bound: a larger micro-batch
     there gains little, and checkpointing's recomputation costs more."""
-    import autofit.pipelines.dry_run as module
+    import autofit.pipelines.levels as module
     from autofit.strategies import ActivationCheckpointing
 
     rungs = [MicroBatch(), ActivationCheckpointing(), ChunkedLoss(), ActivationOffloading()]
 
-    def plan() -> "module.DryRunReport":
+    def plan() -> "DryRunReport":
         return dry_run(WIDE_LLAMA, seq_len=512, global_batch_size=16, gpu="t4", gpu_memory="3GiB", strategies=rungs)
 
     fewer = plan()
@@ -474,13 +474,13 @@ def test_levels_whose_states_alone_are_over_are_predicted_only_where_one_could_b
     """With nothing fitting (the CUDA context alone over the limit; ~200 M parameters, whose states per optimizer
     differ by hundreds of MiB), the shortfall names the same closest candidate and need as predicting every
     level does; a level whose states alone need more than a need already predicted is left out."""
-    import autofit.pipelines.dry_run as module
+    import autofit.pipelines.levels as module
     from autofit.strategies import ActivationCheckpointing, OptimizerStates
 
     wider = LlamaConfig(**{**WIDE_LLAMA.to_dict(), "hidden_size": 2048, "intermediate_size": 4096})
     rungs = [MicroBatch(), MixedPrecision(), ActivationCheckpointing(), OptimizerStates()]
 
-    def plan() -> "module.DryRunReport":
+    def plan() -> "DryRunReport":
         return dry_run(wider, seq_len=64, global_batch_size=4, gpu="a100-80gb", gpu_memory="850MiB",
                        strategies=rungs)
 

@@ -10,7 +10,7 @@ import autofit
 from autofit.config import Config
 from autofit.devices.gpus import get_gpu
 from autofit.probe.outcome import Skip
-from autofit.pipelines.dry_run import _reliefs
+from autofit.pipelines.levels import _reliefs
 from autofit.search.rules import rules, violation
 from autofit.search.space import build_space
 from autofit.job.target import Target

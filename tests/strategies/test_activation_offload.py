@@ -53,7 +53,7 @@ def test_paired_with_none_or_full_checkpointing():
 
 
 def test_the_planner_chooses_it_where_only_it_fits(monkeypatch):
-    import autofit.pipelines.dry_run as module
+    import autofit.pipelines.levels as module
 
     with monkeypatch.context() as patched:  # every level predicted: where the plain one fits, offloading is not
         patched.setattr(module, "_may_win", lambda *args: True)
