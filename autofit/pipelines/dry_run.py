@@ -304,11 +304,15 @@ class _Planner:
         """`level` at its smallest micro-batch."""
         return self.space.at(level, self.space.sizes_at(level)[0])
 
+    def largest(self, level: Config) -> Config:
+        """`level` at its largest micro-batch."""
+        return self.space.at(level, self.space.sizes_at(level)[-1])
+
     def asks(self, level: Config) -> list[Config]:
         """The configurations `best_at(level)` may predict: the smallest size alone when the model
         states alone are over the limit (no size fits), else every size."""
         sizes = self.space.sizes_at(level)
-        if self.states_over(self.space.at(level, sizes[0])):
+        if self.states_over(self.smallest(level)):
             sizes = sizes[:1]
         return [self.space.at(level, size) for size in sizes]
 
@@ -316,13 +320,13 @@ class _Planner:
         """A lower bound of `level`'s predicted step seconds at any micro-batch, where a micro-step launches at
         least `kernels`: at its largest (the fewest micro-steps, each the most utilised), without the activations
         a simulation finds copied to the host."""
-        config = self.space.at(level, self.space.sizes_at(level)[-1])
-        return step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work, kernels=kernels).seconds
+        return step_cost(self.spec, self.largest(level), self.gpu, self.estimator.facts, self.work,
+                         kernels=kernels).seconds
 
     def alike(self, a: Config, b: Config) -> bool:
         """Whether levels `a` and `b` at their largest micro-batch run one simulated step at one predicted cost
         (they differ in what only the allocator's replay sees)."""
-        a, b = (self.space.at(level, self.space.sizes_at(level)[-1]) for level in (a, b))
+        a, b = self.largest(a), self.largest(b)
         cost = lambda config: step_cost(self.spec, config, self.gpu, self.estimator.facts, self.work)  # noqa: E731
         return self.estimator.simulates_alike(a, b) and cost(a) == cost(b)
 

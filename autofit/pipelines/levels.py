@@ -100,7 +100,7 @@ def _may_win(planner: "_Planner", level: Config, relieved: Config, whole: bool, 
     found = best.get(relieved)
     if found is None or not found.fits:
         return not (relieved in left_out and planner.alike(level, relieved))
-    largest = found.config.micro_batch_size >= planner.space.sizes_at(relieved)[-1]
+    largest = found.config.micro_batch_size >= planner.largest(relieved).micro_batch_size
     if largest and (whole or planner.alike(level, relieved)):
         return False
     return planner.fastest(level, found.estimate.kernels) < found.step_seconds
