@@ -116,8 +116,8 @@ def test_a_probe_that_exits_without_reporting_is_an_error_with_its_code(monkeypa
 
 
 def test_a_hung_forked_probe_is_killed_at_the_timeout_and_reaped():
-    result = _ranks(_spec("hang", num_gpus=2), timeout=10)
-    assert result.status is ProbeStatus.ERROR and "timed out after 10 s" in result.reason
+    result = _ranks(_spec("hang", num_gpus=2), timeout=5)
+    assert result.status is ProbeStatus.ERROR and "timed out after 5 s" in result.reason
     zygote = psutil.Process(warm.current().popen.pid)
     deadline = time.monotonic() + 10
     while zygote.children() and time.monotonic() < deadline:  # released zombies are reaped at once
