@@ -72,8 +72,9 @@ CUDA_CONTEXT_BYTES = 800 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the step is not simulated
 # Simulations expected to take this long (the first one's time x their count) pay for worker processes,
-# each of which first imports torch and transformers (~7 s on a 2-core x86_64 machine).
-SPREAD_AFTER_S = 15.0
+# each of which first imports torch and transformers and builds the model (~4 s on a 2-core x86_64 machine)
+# on a CPU that is idle, and is then kept for the later ones of a dry-run (`Estimator.prefetch`).
+SPREAD_AFTER_S = 5.0
 SIM_DEPTHS = (1, 2)  # units simulated for deep models: blocks, or k of them where a strategy repeats every k
 # (every k-th block checkpointed: the "_unit" its `simulated_as` names)
 # Token lengths simulated for a token model without attention layers (Mamba), extrapolated linearly to the
@@ -141,6 +142,7 @@ class Estimator:
         self._shareable = simulations.shareable(self._meta, spec)
         self._family = family_of(self._meta)  # what the error bound is looked up by (`tolerance.bound_for`)
         self._steadied: dict[tuple, Any] | None = None  # `_once`'s, within `steady`
+        self._workers: workers.Workers | None = None  # simulation workers kept within `steady` (`_helpers`)
 
     # -- activations ---------------------------------------------------------------------------------
     def activations(self, config: Config) -> tuple[ActivationPeak, str]:
@@ -213,37 +215,60 @@ class Estimator:
                  progress: Callable[[int, int], None] | None = None) -> None:
         """Simulate now what predicting `configs` will need, shared with worker processes when the
         simulations are slow and CPUs are spare (`autofit.estimate.simulation.workers`): the first one runs here and
-        is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. The
-        predictions are the same either way. `progress(done, total)` hears of each simulation done here
-        (the workers' shares count when they are collected)."""
+        is timed; if the rest would take `SPREAD_AFTER_S` or more at its pace, they are shared out. Workers
+        started within `steady` are kept until it ends: a later prefetch (a dry-run's next wave of levels)
+        shares its jobs with them however quick. The predictions are the same either way.
+        `progress(done, total)` hears of each simulation done here (the workers' shares count when they are
+        collected)."""
         with self.steady():
             todo = {self._key(c, mb): (c, mb) for c in configs for mb in self._sizes(c)}
             todo = [job for key, job in todo.items() if key not in self._cache and not self._recalled(*job)]
         if not todo:
             return
-        from autofit.estimate.simulation import workers  # here: `python -m autofit.estimate.simulation.workers` imports this module
-
         tell = progress or (lambda done, total: None)
         started = time.perf_counter()
         self._at_batch(*todo[0], reserved=False)
         tell(1, len(todo))
         rest = todo[1:]
-        cheap = len(rest) < 2 or (time.perf_counter() - started) * len(rest) < SPREAD_AFTER_S
-        helpers = 0 if cheap else min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
-        running = workers.start(self.spec, self.strategies, self.target, rest, helpers, self.full_depth) \
-            if helpers >= 1 else None  # else cheap, or no CPU to spare: all here
-        try:  # the workers claim jobs from the back, this process from the front (`Workers.mine`)
-            for done, (config, mb) in enumerate(running.mine() if running else rest, start=2):
+        running = self._helpers(rest, time.perf_counter() - started)
+        batch = running.share(rest) if running else None
+        try:  # the workers claim jobs from the back, this process from the front (`Batch.mine`)
+            for done, (config, mb) in enumerate(batch.mine() if batch else rest, start=2):
                 self._at_batch(config, mb, reserved=False)  # simulated now, replayed when predicted
                 tell(done, len(todo))
-        except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for
-            if running:
-                running.close()
-            raise
-        if running:
-            for (config, mb), found in running.collect():
+            for (config, mb), found in batch.collect() if batch else ():
                 self._keep(config, mb, found)
+        except BaseException:  # an interrupt (or a bug) here: the workers' results are not waited for
+            self._close_helpers(running)
+            raise
+        if running is not self._workers:
+            self._close_helpers(running)  # outside `steady`: nothing later would share them
+        if batch:
             tell(len(todo), len(todo))
+
+    def _helpers(self, rest: list[tuple[Config, int]], first_s: float) -> "workers.Workers | None":
+        """The workers to share `rest` with: those kept within `steady` while any runs, else new ones where
+        `rest` would take `SPREAD_AFTER_S` or more at the first simulation's pace (`first_s`) and CPUs are
+        spare; None: all here."""
+        from autofit.estimate.simulation import workers  # here: `python -m autofit.estimate.simulation.workers` imports this module
+
+        if self._workers is not None and self._workers.alive():
+            return self._workers if rest else None
+        cheap = len(rest) < 2 or first_s * len(rest) < SPREAD_AFTER_S
+        helpers = 0 if cheap else min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
+        running = workers.start(self.spec, self.strategies, self.target, helpers, self.full_depth) \
+            if helpers >= 1 else None  # else cheap, or no CPU to spare
+        if running is not None and self._steadied is not None:
+            self._close_helpers(self._workers)
+            self._workers = running
+        return running
+
+    def _close_helpers(self, running: "workers.Workers | None") -> None:
+        """End `running` (the kept workers too, where they are those)."""
+        if running is not None:
+            running.close()
+        if running is self._workers:
+            self._workers = None
 
     def simulates_alike(self, a: Config, b: Config) -> bool:
         """Whether `a` and `b` run one simulated step (the same key at their micro-batches)."""
@@ -296,6 +321,7 @@ class Estimator:
         finally:
             if outermost:
                 self._steadied = None
+                self._close_helpers(self._workers)  # the workers `prefetch` kept (`_helpers`)
 
     def _at_batch(self, config: Config, mb: int, reserved: bool = True) -> tuple[ActivationPeak, str]:
         """The simulated step at micro-batch `mb` as `config` replays it through the caching allocator (its

@@ -65,8 +65,8 @@ def test_workers_predict_what_the_caller_alone_predicts(monkeypatch, simulations
     want = expected(monkeypatch, full_depth)
     keys = len(simulations)  # 3 simulation keys x micro-batches 1 and 2
     simulations.clear()
-    mine = workers.Workers.mine  # the caller claims one job of the rest: these quick ones it would take all
-    monkeypatch.setattr(workers.Workers, "mine", lambda self: itertools.islice(mine(self), 1))
+    mine = workers.Batch.mine  # the caller claims one job of the rest: these quick ones it would take all
+    monkeypatch.setattr(workers.Batch, "mine", lambda self: itertools.islice(mine(self), 1))
     shared = fresh_estimator(monkeypatch, full_depth=full_depth)
     shared.prefetch(CONFIGS)
     assert 0 < len(simulations) < keys  # the caller ran its share; the workers delivered the rest
@@ -78,12 +78,36 @@ def test_a_job_is_claimed_once_the_caller_from_the_front_the_workers_from_the_ba
     import tempfile
 
     jobs = [(config, 1) for config in CONFIGS]
-    shared = workers.Workers(jobs, [], [], tempfile.TemporaryDirectory(dir=tmp_path))
+    shared = workers.Workers([], tempfile.TemporaryDirectory(dir=tmp_path))
+    first, second = shared.share(jobs), shared.share(jobs)
     folder = Path(shared.folder.name)
-    assert [workers.claim(folder, index) for index in (5, 4, 4)] == [True, True, False]  # a worker's two
-    assert list(shared.mine()) == jobs[:4]  # the caller's: up to the first a worker holds
-    assert not any(workers.claim(folder, index) for index in range(6))  # each held by one process
+    assert [workers.claim(folder, f"0-{index}") for index in (5, 4, 4)] == [True, True, False]  # a worker's two
+    assert list(first.mine()) == jobs[:4]  # the caller's: up to the first a worker holds
+    assert not any(workers.claim(folder, f"0-{index}") for index in range(6))  # each held by one process
+    assert list(second.mine()) == jobs  # a later batch's jobs are claimed anew
     shared.close()
+
+
+def test_workers_started_within_steady_serve_every_later_prefetch(monkeypatch, simulations):
+    """A dry-run prefetches wave after wave of levels within `Estimator.steady`: the workers started for the
+    first are kept for the next (their imports paid once) and end with it."""
+    want = expected(monkeypatch)
+    keys = len(simulations)
+    simulations.clear()
+    started = []
+    start = workers.start
+    monkeypatch.setattr(workers, "start", lambda *args: started.append(start(*args)) or started[-1])
+    mine = workers.Batch.mine  # the caller claims one job of each batch: the workers take the rest
+    monkeypatch.setattr(workers.Batch, "mine", lambda self: itertools.islice(mine(self), 1))
+    shared = fresh_estimator(monkeypatch)
+    with shared.steady():
+        shared.prefetch(CONFIGS[:3])
+        shared.prefetch(CONFIGS[3:])
+        assert len(started) == 1 and started[0].batches == 2 and started[0].alive()
+    assert not started[0].alive() and not Path(started[0].folder.name).exists()
+    assert 0 < len(simulations) < keys  # the caller ran its share of each; the workers delivered the rest
+    assert [shared.predict(c) for c in CONFIGS] == want
+    assert len(simulations) < keys
 
 
 def test_workers_that_start_late_leave_the_quick_jobs_to_the_caller(monkeypatch, simulations):
@@ -176,7 +200,7 @@ from autofit.job.train_spec import make_spec
 from test_workers import Sleeper
 spec = make_spec(Sleeper, torch.randn(2, 4), device="cpu", memory_budget="1GiB")
 os.environ["SLEEP"] = "1"  # in the worker, not in the checks above
-workers.start(spec, [], "cuda", [(Config(micro_batch_size=2), 2)]).collect()
+workers.start(spec, [], "cuda").share([(Config(micro_batch_size=2), 2)]).collect()
 """
 
 

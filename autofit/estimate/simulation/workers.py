@@ -2,25 +2,28 @@
 steps, each a second or more of Python dispatch under fake tensors. Python runs one of them at a time per
 process (the GIL), so they are shared between the caller and a worker process per idle CPU (`spare_cpus`).
 
-Each worker is `python -m autofit.estimate.simulation.workers JOB RESULT`, an autofit entry point (nothing of the
+Each worker is `python -m autofit.estimate.simulation.workers JOB INDEX`, an autofit entry point (nothing of the
 user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input
 work); the spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`).
-A worker builds its own `Estimator` and writes what each of its simulations found, pickled. The jobs are
-not dealt out in advance: the caller takes them from the front and the workers from the back, each job
-claimed by whoever first makes its claim file (`Workers.claim`), so a worker that starts late (its imports
-take seconds) or a slow job leaves no one waiting on a fixed share. Whatever a worker does not deliver (it
-failed, the spec cannot travel) the caller simulates itself, so spreading changes how long a dry-run takes,
-never what it predicts.
+A worker builds its own `Estimator` once, then simulates batch after batch of jobs as the caller shares them
+(`Workers.share`: a dry-run's waves of levels, each a batch, pay the worker's imports once) and writes what
+each of its simulations found, pickled. The jobs are not dealt out in advance: the caller takes them from the
+front and the workers from the back, each job claimed by whoever first makes its claim file (`Batch.claim`),
+so a worker that starts late (its imports take seconds) or a slow job leaves no one waiting on a fixed share.
+Whatever a worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so
+spreading changes how long a dry-run takes, never what it predicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -34,8 +37,9 @@ if TYPE_CHECKING:
 
 Job = tuple[Config, int]  # a configuration and the micro-batch to simulate it at
 Found = tuple[ActivationPeak | None, str]  # what `Estimator.simulate` returns
-TIMEOUT_S = 1800.0  # a worker still running after this is killed (its jobs fall back to the caller)
+TIMEOUT_S = 1800.0  # a batch's result not delivered after this is waited for no longer (its jobs fall back to the caller)
 FOLDER_PREFIX = "autofit-sim-"  # the workers' temporary folder: their jobs and results
+POLL_S = 0.02  # how often a waiting worker looks for the next batch, and the caller for a result
 
 
 def spare_cpus(window: float = 0.2) -> int:
@@ -52,36 +56,25 @@ def spare_cpus(window: float = 0.2) -> int:
 
 @dataclasses.dataclass
 class Workers:
-    """Started worker processes sharing `jobs` (each claimed once: `claim`), and the files their results
-    arrive in."""
+    """Started worker processes, each with its index, and the folder they share with the caller: the spec they
+    simulate for, then each batch of jobs shared out (`share`) and what the workers found of it. Kept open for as
+    long as the caller has jobs (a dry-run's waves of levels: `Estimator.steady`), so the workers' imports are paid
+    once; `close` ends them."""
 
-    jobs: list[Job]
     processes: list[subprocess.Popen]
-    results: list[Path]
     folder: tempfile.TemporaryDirectory
+    batches: int = 0  # batches shared so far: the next one's number
 
-    def claim(self, index: int) -> bool:
-        """Whether the caller now holds job `index` (False: a worker took it first)."""
-        return claim(Path(self.folder.name), index)
+    def share(self, jobs: list[Job]) -> "Batch":
+        """Share `jobs` with the workers (each claims from the back once it is done with what it holds); the
+        caller claims from the front (`Batch.mine`)."""
+        number, self.batches = self.batches, self.batches + 1
+        _write(Path(self.folder.name) / f"batch-{number}.pkl", pickle.dumps([(c.to_dict(), mb) for c, mb in jobs]))
+        return Batch(self, number, list(jobs))
 
-    def mine(self) -> Iterator[Job]:
-        """The jobs the caller claims, from the front, until it meets one a worker claimed (the workers
-        claim from the back: every job after it is theirs)."""
-        for index, job in enumerate(self.jobs):
-            if not self.claim(index):
-                return
-            yield job
-
-    def collect(self) -> list[tuple[Job, Found]]:
-        """Wait for every worker and return what each delivered (a failed worker delivers nothing)."""
-        found = []
-        try:
-            for process, path in zip(self.processes, self.results):
-                if _finished(process) and path.exists():
-                    found += [(self.jobs[index], result) for index, result in pickle.loads(path.read_bytes())]
-        finally:
-            self.close()
-        return found
+    def alive(self) -> bool:
+        """Whether any worker still runs (none: a batch shared would be the caller's alone)."""
+        return any(process.poll() is None for process in self.processes)
 
     def close(self) -> None:
         """Kill what still runs and remove the job files."""
@@ -92,23 +85,69 @@ class Workers:
         self.folder.cleanup()
 
 
-def claim(folder: Path, index: int) -> bool:
-    """Claim job `index` of the jobs shared in `folder`: True for the one process that first makes its
-    claim file (created exclusively, never through a link), False for every other."""
+@dataclasses.dataclass
+class Batch:
+    """One batch of jobs shared with `workers` (its `number`): each job claimed once (`claim`)."""
+
+    workers: Workers
+    number: int
+    jobs: list[Job]
+    claimed: set[int] = dataclasses.field(default_factory=set)  # the jobs the caller holds
+
+    def claim(self, index: int) -> bool:
+        """Whether the caller now holds job `index` (False: a worker took it first)."""
+        if claim(Path(self.workers.folder.name), f"{self.number}-{index}"):
+            self.claimed.add(index)
+            return True
+        return False
+
+    def mine(self) -> Iterator[Job]:
+        """The jobs the caller claims, from the front, until it meets one a worker claimed (the workers
+        claim from the back: every job after it is theirs)."""
+        for index, job in enumerate(self.jobs):
+            if not self.claim(index):
+                return
+            yield job
+
+    def collect(self) -> list[tuple[Job, Found]]:
+        """What the workers delivered of this batch: none where the caller claimed every job, else each worker's
+        once it is written (one that failed, or ran past `TIMEOUT_S`, delivers nothing)."""
+        folder, found = Path(self.workers.folder.name), []
+        if all(index in self.claimed for index in range(len(self.jobs))):
+            return found
+        deadline = time.monotonic() + TIMEOUT_S
+        for index, process in enumerate(self.workers.processes):
+            result = folder / f"result-{self.number}-{index}.pkl"
+            while not result.exists() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            if result.exists():
+                found += [(self.jobs[i], peak) for i, peak in pickle.loads(result.read_bytes())]
+        return found
+
+
+def claim(folder: Path, name: str) -> bool:
+    """Claim job `name` ("BATCH-INDEX") of the jobs shared in `folder`: True for the one process that first
+    makes its claim file (created exclusively, never through a link), False for every other."""
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
     try:
-        os.close(os.open(folder / f"claim-{index}", flags))
+        os.close(os.open(folder / f"claim-{name}", flags))
     except FileExistsError:
         return False
     return True
 
 
-def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, jobs: list[Job], count: int = 1,
+def _write(path: Path, data: bytes) -> None:
+    """`data` to `path` whole or not at all (a worker or the caller polling for it never reads half)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, count: int = 1,
           full_depth: bool = False) -> Workers | None:
-    """Start `count` workers sharing `jobs` with the caller (each claims and simulates jobs for `spec` on
-    `target` from the back, every block with `full_depth`; the caller takes its own from the front:
-    `Workers.mine`); None when the spec cannot travel to another process (the caller then simulates
-    everything itself)."""
+    """Start `count` workers simulating for `spec` on `target` (every block with `full_depth`), waiting for the
+    batches the caller shares (`Workers.share`); None when the spec cannot travel to another process (the
+    caller then simulates everything itself)."""
     from autofit.errors import UsageError
     from autofit.probe.payload import payload
 
@@ -117,32 +156,21 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, jobs
     except UsageError:
         return None
     folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
-    workers = Workers(list(jobs), [], [], folder)
-    for index in range(count):
-        job, result = Path(folder.name) / f"job-{index}.pkl", Path(folder.name) / f"result-{index}.pkl"
-        job.write_bytes(pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data,
-                                      "target": target, "full_depth": full_depth,
-                                      "jobs": [(c.to_dict(), mb) for c, mb in workers.jobs]}))
-        workers.processes.append(subprocess.Popen(
-            [sys.executable, "-m", "autofit.estimate.simulation.workers", str(job), str(result)],
-            env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        workers.results.append(result)
-    return workers
-
-
-def _finished(process: subprocess.Popen) -> bool:
-    try:
-        return process.wait(timeout=TIMEOUT_S) == 0
-    except subprocess.TimeoutExpired:
-        return False
+    job = Path(folder.name) / "job.pkl"
+    job.write_bytes(pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data,
+                                  "target": target, "full_depth": full_depth}))
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "autofit.estimate.simulation.workers", str(job), str(index)],
+        env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for index in range(count)]
+    return Workers(processes, folder)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Simulate the jobs in `argv[0]` this worker claims (from the back: `claim`, in the job file's folder)
-    and write what each found, with its index, to `argv[1]` (pickled: each peak keeps its replay's events,
-    `ActivationPeak.replay`); exit 0 when written."""
-    job_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
+    """Worker `argv[1]` of the job in `argv[0]`: for each batch shared in the job file's folder, in turn, simulate
+    the jobs it claims (from the back: `claim`) and write what each found, with its index (pickled: each peak
+    keeps its replay's events, `ActivationPeak.replay`); until the caller kills it, or is gone."""
+    job_path, me = (argv if argv is not None else sys.argv[1:])[:2]
     leave_with_parent(job_path, FOLDER_PREFIX)
     job = pickle.loads(Path(job_path).read_bytes())
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
@@ -153,10 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # fake tensors compute nothing; the caller's other workers share the CPUs
     spec, strategies = pickle.loads(job["payload"])
     estimator = Estimator(spec, target=job["target"], strategies=strategies, full_depth=job["full_depth"])
-    folder, jobs = Path(job_path).parent, job["jobs"]
-    found = [(index, estimator.simulate(Config.from_dict(jobs[index][0]), jobs[index][1]))
-             for index in reversed(range(len(jobs))) if claim(folder, index)]
-    Path(result_path).write_bytes(pickle.dumps(found))
+    folder = Path(job_path).parent
+    for number in itertools.count():
+        batch = folder / f"batch-{number}.pkl"
+        while not batch.exists():
+            if not folder.exists():
+                return 0
+            time.sleep(POLL_S)
+        jobs = pickle.loads(batch.read_bytes())
+        found = [(index, estimator.simulate(Config.from_dict(jobs[index][0]), jobs[index][1]))
+                 for index in reversed(range(len(jobs))) if claim(folder, f"{number}-{index}")]
+        _write(folder / f"result-{number}-{me}.pkl", pickle.dumps(found))
     return 0
 
 
