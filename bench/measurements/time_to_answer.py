@@ -41,7 +41,9 @@ time-to-answer-2026-12-07-618f88d-vs-2e5a4b4.json (`--cases dry-run-7b,dry-run-7
 workers' jobs claimed; 0.81 and 0.97), time-to-answer-2026-12-07-3721282-vs-2e5a4b4.json (the 7B again at
 load 0.3-2.2: 0.90), time-to-answer-2026-12-07-quiet-cb9af10-vs-f2516d4.json (`--cases
 dry-run-gpt2,dry-run-7b-4090,dry-run-7b,dry-run-7b-again --against f2516d4`, quiet: levels that could be neither
-chosen nor the closest to fitting left out; 0.766, 0.884, 0.914, 1.04)."""
+chosen nor the closest to fitting left out; 0.766, 0.884, 0.914, 1.04),
+time-to-answer-2026-12-07-quiet-257e477-vs-6e208fe.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,dry-run-gpt2
+--against 6e208fe`, quiet: the simulation workers kept for the whole dry-run; 0.808, 0.991, 0.777, 0.83)."""
 
 from __future__ import annotations
 
