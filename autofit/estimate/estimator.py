@@ -72,8 +72,8 @@ CUDA_CONTEXT_BYTES = 800 * MIB
 CUBLAS_WORKSPACE_BYTES = 32 * MIB  # cuBLAS workspace per stream (Hopper default, 4 MiB x 8)
 FRAGMENTATION = 0.05  # reserved-but-free share of the transient bytes where the step is not simulated
 # Simulations expected to take this long (the first one's time x their count) pay for worker processes,
-# each of which first imports torch and transformers and builds the model (~4 s on a 2-core x86_64 machine)
-# on a CPU that is idle, and is then kept for the later ones of a dry-run (`Estimator.prefetch`).
+# each of which first imports torch and transformers and builds the model (~3 s for llama-2-7b on a 2-core
+# x86_64 machine) on a CPU that is idle, and is then kept for the later ones of a dry-run (`Estimator.prefetch`).
 SPREAD_AFTER_S = 5.0
 SIM_DEPTHS = (1, 2)  # units simulated for deep models: blocks, or k of them where a strategy repeats every k
 # (every k-th block checkpointed: the "_unit" its `simulated_as` names)

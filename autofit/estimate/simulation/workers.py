@@ -56,7 +56,7 @@ def spare_cpus(window: float = 0.2) -> int:
 
 @dataclasses.dataclass
 class Workers:
-    """Started worker processes, each with its index, and the folder they share with the caller: the spec they
+    """Started worker processes (each told its index) and the folder they share with the caller: the spec they
     simulate for, then each batch of jobs shared out (`share`) and what the workers found of it. Kept open for as
     long as the caller has jobs (a dry-run's waves of levels: `Estimator.steady`), so the workers' imports are paid
     once; `close` ends them."""
