@@ -97,7 +97,11 @@ def test_a_probe_measures_the_same_forked_or_fresh(monkeypatch):
     alone = _ranks(spec)
     assert _forks() == 2  # none with the switch off
     assert forked.status is alone.status is ProbeStatus.FIT
-    assert forked.rank_peaks == alone.rank_peaks and forked.peak_bytes == alone.peak_bytes
+    # the same to a scalar or two: on a loaded machine a forked rank's peak has come out 4 or 8 bytes higher,
+    # once in ten runs (a scalar live at the peak or not; its cause is not found); the zygote's own memory, or a
+    # probe's missed, would be at least one of this model's tensors (its smallest: a 128-byte bias)
+    pairs = [*zip(forked.rank_peaks, alone.rank_peaks), (forked.peak_bytes, alone.peak_bytes)]
+    assert len(forked.rank_peaks) == len(alone.rank_peaks) == 2 and all(abs(f - a) <= 16 for f, a in pairs), pairs
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
