@@ -43,7 +43,9 @@ load 0.3-2.2: 0.90), time-to-answer-2026-12-07-quiet-cb9af10-vs-f2516d4.json (`-
 dry-run-gpt2,dry-run-7b-4090,dry-run-7b,dry-run-7b-again --against f2516d4`, quiet: levels that could be neither
 chosen nor the closest to fitting left out; 0.766, 0.884, 0.914, 1.04),
 time-to-answer-2026-12-07-quiet-257e477-vs-6e208fe.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,dry-run-gpt2
---against 6e208fe`, quiet: the simulation workers kept for the whole dry-run; 0.808, 0.991, 0.777, 0.83)."""
+--against 6e208fe`, quiet: the simulation workers kept for the whole dry-run; 0.808, 0.991, 0.777, 0.83),
+time-to-answer-tests-2026-12-07-a0c3904.json (`--cases quickstart,tests`, quiet: the quickstart in 32.0 s with 11
+probes, the README's test command in 457 s)."""
 
 from __future__ import annotations
 
