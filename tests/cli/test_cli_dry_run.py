@@ -86,7 +86,7 @@ def test_bad_values_exit_2_and_json_still_gets_its_document(config_json, capsys,
 
 def test_nothing_fits_exits_3_naming_the_closest(config_json, capsys):
     # exact levels alone (--allow 0) say it: at 8 MiB every level's floor is within its activations of the least
-    # need, so every level allowed is predicted (all of them: 980 rows, 20 s, the same smallest and remedy)
+    # need, so every level allowed is predicted (all of them: 980 rows in 16 s, the same smallest and remedy)
     assert dry_run("--model", str(config_json), "--gpu", "rtx-4090", "--gpu-memory", "8MiB", "--allow", "0",
                    "--json") == 3
     captured = capsys.readouterr()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from autofit.config import Config
 from autofit.estimate.simulation.step import ActivationPeak
+from autofit.files import write_file
 from autofit.probe.orphans import LAUNCHER_PID, leave_with_parent
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ class Workers:
         """Share `jobs` with the workers (each claims from the back once it is done with what it holds); the
         caller claims from the front (`Batch.mine`)."""
         number, self.batches = self.batches, self.batches + 1
-        _write(Path(self.folder.name) / f"batch-{number}.pkl", pickle.dumps([(c.to_dict(), mb) for c, mb in jobs]))
+        write_file(Path(self.folder.name) / f"batch-{number}.pkl", pickle.dumps([(c.to_dict(), mb) for c, mb in jobs]),
+                   record=False)  # whole or not at all: a worker polling for it never reads half
         return Batch(self, number, list(jobs))
 
     def alive(self) -> bool:
@@ -136,13 +138,6 @@ def claim(folder: Path, name: str) -> bool:
     return True
 
 
-def _write(path: Path, data: bytes) -> None:
-    """`data` to `path` whole or not at all (a worker or the caller polling for it never reads half)."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
-
-
 def start(spec: "TrainSpec", strategies: Sequence["Strategy"], target: str, count: int = 1,
           full_depth: bool = False) -> Workers | None:
     """Start `count` workers simulating for `spec` on `target` (every block with `full_depth`), waiting for the
@@ -191,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = pickle.loads(batch.read_bytes())
         found = [(index, estimator.simulate(Config.from_dict(jobs[index][0]), jobs[index][1]))
                  for index in reversed(range(len(jobs))) if claim(folder, f"{number}-{index}")]
-        _write(folder / f"result-{number}-{me}.pkl", pickle.dumps(found))
+        write_file(folder / f"result-{number}-{me}.pkl", pickle.dumps(found), record=False)
     return 0
 
 
