@@ -38,9 +38,9 @@ from autofit.estimate.cuda import attention as cuda_attention, varied_lengths
 from autofit.estimate.simulation import reference_paths
 from autofit.estimate.simulation import step as simulate_module
 from autofit.estimate.simulation import adapters as simulated_adapters
-from autofit.estimate.simulation import memo as simulations
+from autofit.estimate.simulation import disk_cache as kept, memo as simulations
 from autofit.estimate.engines import EngineMemory, engine_memory
-from autofit.estimate.prediction import Estimate, Memory
+from autofit.estimate.prediction import Estimate, Fit, Memory
 from autofit.strategies.memory import SEGMENTS_FACT, Breakdown
 from autofit.estimate.simulation.step import ALLOCATOR_ROUNDING, ActivationPeak, simulate_step  # noqa: F401 (re-exported)
 from autofit.estimate.cuda.training_replay import replays_training, reserve
@@ -116,6 +116,9 @@ class Estimator:
         # True: simulate micro-batches 1 and 2 only and extrapolate linearly (fast, for planning many
         # sizes; checkpointed runs come out a few percent low). False: simulate each micro-batch.
         self.extrapolate_batch = extrapolate_batch
+        # what a worker process's own estimator is made with (`_helpers`): it predicts as this one does
+        self._settings = {"target": self.target, "extrapolate_batch": extrapolate_batch,
+                          "deferred_sync": deferred_sync, "full_depth": full_depth}
         self.sim_device = "cuda" if self.target == "cuda" and torch.cuda.is_available() else "cpu"
         # CPU kernels standing in for CUDA run attention as CUDA's kernel for that GPU would (Ampere or
         # later where no GPU profile says otherwise); None where the kernels are the target's own.
@@ -256,7 +259,7 @@ class Estimator:
             return self._workers if rest else None
         cheap = len(rest) < 2 or first_s * len(rest) < SPREAD_AFTER_S
         helpers = 0 if cheap else min(workers.spare_cpus(), len(rest) // 2)  # samples the CPUs for 0.2 s
-        running = workers.start(self.spec, self.strategies, self.target, helpers, self.full_depth) \
+        running = workers.start(self.spec, self.strategies, self._settings, helpers) \
             if helpers >= 1 else None  # else cheap, or no CPU to spare
         if running is not None and self._steadied is not None:
             self._close_helpers(self._workers)
@@ -269,6 +272,57 @@ class Estimator:
             running.close()
         if running is self._workers:
             self._workers = None
+
+    def planned(self, levels: Sequence[Sequence[Config]], plan: Callable[[int], Any]) -> list[Any]:
+        """`plan(index)` for each of `levels` (each one level's configurations, as `best_fit` takes them), in
+        order. Where workers are kept (`prefetch` within `steady`), they bisect the levels from the back
+        meanwhile (`best_fit`), each with the simulated steps the caller holds, and send back the allocator's
+        reserves they replayed (`training_replay.reserve`, most of a first plan's time): the caller's `plan`
+        finds those made. What `plan` returns is the same either way."""
+        running = self._workers if self._workers is not None and self._workers.alive() else None
+        if running is None or len(levels) < 2:
+            return [plan(index) for index in range(len(levels))]
+        held = {key: found for key, found in self._cache.items() if key not in running.sent}
+        running.sent.update(held)
+        batch = running.share_plans(levels, held, self._failed)
+        try:  # the caller plans from the front until it meets a level a worker took (`Batch.mine`)
+            done = {index: plan(index) for index, _ in enumerate(batch.mine())}
+            for digest, found in batch.reserves().items():
+                kept.RESERVES.put(digest, found)  # the worker wrote its file where the folder is shared
+        except BaseException:
+            self._close_helpers(running)
+            raise
+        return [done[index] if index in done else plan(index) for index in range(len(levels))]
+
+    def adopt(self, held: dict[tuple, tuple[ActivationPeak, str]], failed: Iterable[tuple]) -> None:
+        """Keep simulated steps another process holds (its `_cache` entries and the keys whose simulation
+        failed), as if simulated here: a worker planning levels (`planned`) simulates nothing again."""
+        self._failed.update(failed)
+        for key, found in held.items():
+            self._cache.setdefault(key, found)
+
+    def best_fit(self, sizes: Sequence[Config],
+                 predict: Callable[[Config], Estimate] | None = None) -> tuple[int, Config | None]:
+        """Where one level fits (`sizes`: its configurations, the micro-batch ascending): the index of the
+        largest predicted to fit under the spec's limit (bisected: the need grows with the micro-batch; each
+        told without an allocator replay where its `floor` does not fit), else 0; and the size above it
+        where that one fits and its floor is not over the limit (a candidate near the limit), else None.
+        Where the model states alone are over (`states_floor`), (0, None) at once. `predict`: the
+        caller's, memoised (default `predict`)."""
+        predict = predict or self.predict
+        limit = self.spec.fit_limit
+        fits = lambda estimate: estimate.fit_under(limit) is Fit.FITS  # noqa: E731 - at its error bound
+        if self.states_floor(sizes[0]) > limit:
+            return 0, None
+        low, high = 0, len(sizes) - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            floor = self.floor(sizes[mid])
+            low, high = (mid, high) if (floor is None or fits(floor)) and fits(predict(sizes[mid])) else (low, mid - 1)
+        if low + 1 == len(sizes) or not fits(predict(sizes[low])):
+            return low, None
+        floor = self.floor(sizes[low + 1])  # over by it: not near the limit
+        return low, sizes[low + 1] if floor is None or floor.fit_under(limit) is not Fit.OVER else None
 
     def simulates_alike(self, a: Config, b: Config) -> bool:
         """Whether `a` and `b` run one simulated step (the same key at their micro-batches)."""

@@ -336,29 +336,24 @@ class _Planner:
         return self.estimator.states_floor(config) > self.spec.fit_limit
 
     def best_at(self, level: Config) -> Candidate:
-        """The level at its largest micro-batch predicted to fit, else at its smallest."""
-        sizes = self.space.sizes_at(level)
-        if self.states_over(self.space.at(level, sizes[0])):
-            return self.candidate(self.space.at(level, sizes[0]))  # model states alone are over: no size fits
-        low, high = 0, len(sizes) - 1  # memory grows with the size: bisect for the last that fits
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self._fits_at(self.space.at(level, sizes[mid])):
-                low = mid
-            else:
-                high = mid - 1
-        best = self.candidate(self.space.at(level, sizes[low]))
-        if best.fits and low + 1 < len(sizes):
-            floor = self.estimator.floor(self.space.at(level, sizes[low + 1]))  # over by it: not near the limit
-            if floor is None or floor.fit_under(self.spec.fit_limit) is not Fit.OVER:
-                above = self.candidate(self.space.at(level, sizes[low + 1]))
-                self.near_above += [above] if above.near_limit else []
-        return best
+        """The level at its largest micro-batch predicted to fit, else at its smallest (`Estimator.best_fit`);
+        the size above a fit kept in `near_above` where it is near the limit."""
+        sizes = self._sizes(level)
+        best, above = self.estimator.best_fit(sizes, self.predict)
+        found = self.candidate(sizes[best])
+        if above is not None:
+            candidate = self.candidate(above)
+            self.near_above += [candidate] if candidate.near_limit else []
+        return found
 
-    def _fits_at(self, config: Config) -> bool:
-        """`_fits`, told without an allocator replay where `config`'s floor (`Estimator.floor`) does not fit."""
-        floor = self.estimator.floor(config)
-        return (floor is None or self._fits(floor)) and self._fits(self.predict(config))
+    def best_of(self, levels: Sequence[Config]) -> list[Candidate]:
+        """`best_at` of each of `levels`, the later ones' allocator replays made meanwhile by the estimator's
+        workers where it keeps some (`Estimator.planned`)."""
+        return self.estimator.planned([self._sizes(level) for level in levels], lambda index: self.best_at(levels[index]))
+
+    def _sizes(self, level: Config) -> list[Config]:
+        """`level` at each of its micro-batches, the smallest first."""
+        return [self.space.at(level, size) for size in self.space.sizes_at(level)]
 
     def _fits(self, estimate: Estimate) -> bool:
         # a peak must fit at its error bound (the family's calibrated one, or the formula's), and have one

@@ -38,7 +38,7 @@ def best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strateg
         over += [level for level in wave if level in states_over]
         wave = [level for level in wave if level not in states_over]
         planner.estimator.prefetch((config for level in wave for config in planner.asks(level)), listener)
-        best.update({level: planner.best_at(level) for level in wave})
+        best.update(zip(wave, planner.best_of(wave)))
     best.update(_closest_over(planner, over, best, listener))
     return [best[level] for level in levels if level in best]
 

@@ -110,6 +110,48 @@ def test_workers_started_within_steady_serve_every_later_prefetch(monkeypatch, s
     assert len(simulations) < keys
 
 
+LEVELS = [[Config(precision=p, attention="sdpa", checkpointing=c, micro_batch_size=mb) for mb in (1, 2, 4)]
+          for p, c in (("fp32", "none"), ("bf16", "none"), ("fp32", "full"))]
+
+
+def planned(monkeypatch, shared: bool) -> tuple[list, int]:
+    """Each of `LEVELS` planned as a dry-run plans it (`Estimator.best_fit` and the candidates' predictions), by
+    `Estimator.planned` within `steady` after a prefetch that keeps workers (or, not `shared`, none); and how many
+    allocator reserves the caller replayed itself (fresh process-wide reserves)."""
+    from autofit.estimate.cuda import training_replay
+    from autofit.estimate.simulation import disk_cache
+
+    monkeypatch.setattr(disk_cache, "RESERVES", disk_cache.Reserves())  # none kept, none read from a folder
+    replayed = []
+    least = training_replay.least_reserve
+    monkeypatch.setattr(training_replay, "least_reserve", lambda *a: replayed.append(1) or least(*a))
+    estimator = fresh_estimator(monkeypatch)
+
+    def plan(index: int) -> tuple:
+        best, above = estimator.best_fit(LEVELS[index])
+        return best, above, estimator.predict(LEVELS[index][best]), above and estimator.predict(above)
+
+    with estimator.steady():
+        estimator.prefetch(config for level in LEVELS for config in level)
+        assert (estimator._workers is not None) == shared
+        replayed.clear()  # the prefetch's own: each simulation's replay
+        return estimator.planned(LEVELS, plan), len(replayed)
+
+
+def test_kept_workers_bisect_the_later_levels_and_send_back_their_reserves(monkeypatch, simulations):
+    """Between a dry-run's waves the caller plans the levels (`Estimator.planned`): the kept workers bisect them
+    from the back meanwhile, with the steps the caller holds, and the allocator's reserves they replay are the
+    caller's to read. Each plan is what the caller alone finds, and the caller replays less."""
+    with monkeypatch.context() as alone:
+        alone.setattr(estimator_module, "SPREAD_AFTER_S", float("inf"))  # no worker
+        want, replayed_alone = planned(alone, shared=False)
+    mine = workers.Batch.mine  # the caller claims one job of each batch (one level): the workers take the rest
+    monkeypatch.setattr(workers.Batch, "mine", lambda self: itertools.islice(mine(self), 1))
+    found, replayed = planned(monkeypatch, shared=True)
+    assert found == want
+    assert replayed_alone > 0 and replayed < replayed_alone
+
+
 def test_workers_that_start_late_leave_the_quick_jobs_to_the_caller(monkeypatch, simulations):
     want = expected(monkeypatch)
     keys = len(simulations)
@@ -200,7 +242,7 @@ from autofit.job.train_spec import make_spec
 from test_workers import Sleeper
 spec = make_spec(Sleeper, torch.randn(2, 4), device="cpu", memory_budget="1GiB")
 os.environ["SLEEP"] = "1"  # in the worker, not in the checks above
-workers.start(spec, [], "cuda").share([(Config(micro_batch_size=2), 2)]).collect()
+workers.start(spec, [], {{"target": "cuda"}}).share([(Config(micro_batch_size=2), 2)]).collect()
 """
 
 
