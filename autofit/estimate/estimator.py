@@ -282,17 +282,24 @@ class Estimator:
         running = self._workers if self._workers is not None and self._workers.alive() else None
         if running is None or len(levels) < 2:
             return [plan(index) for index in range(len(levels))]
+        # levels replaying alike together (one step, allocator and history: one replay serves them all), so
+        # that the caller's share and the workers' replay apart
+        order = sorted(range(len(levels)), key=lambda index: self._replayed_alike(levels[index][0]))
         held = {key: found for key, found in self._cache.items() if key not in running.sent}
         running.sent.update(held)
-        batch = running.share_plans(levels, held, self._failed)
+        batch = running.share_plans([levels[index] for index in order], held, self._failed)
         try:  # the caller plans from the front until it meets a level a worker took (`Batch.mine`)
-            done = {index: plan(index) for index, _ in enumerate(batch.mine())}
+            done = {order[index]: plan(order[index]) for index, _ in enumerate(batch.mine())}
             for digest, found in batch.reserves().items():
                 kept.RESERVES.put(digest, found)  # the worker wrote its file where the folder is shared
         except BaseException:
             self._close_helpers(running)
             raise
         return [done[index] if index in done else plan(index) for index in range(len(levels))]
+
+    def _replayed_alike(self, config: Config) -> str:
+        """What `config`'s allocator replays depend on but its micro-batch (as text, to sort by)."""
+        return repr((self._key(config, 1), self._replays_training(config), self._expandable(config)))
 
     def adopt(self, held: dict[tuple, tuple[ActivationPeak, str]], failed: Iterable[tuple]) -> None:
         """Keep simulated steps another process holds (its `_cache` entries and the keys whose simulation

@@ -338,18 +338,23 @@ class _Planner:
     def best_at(self, level: Config) -> Candidate:
         """The level at its largest micro-batch predicted to fit, else at its smallest (`Estimator.best_fit`);
         the size above a fit kept in `near_above` where it is near the limit."""
-        sizes = self._sizes(level)
-        best, above = self.estimator.best_fit(sizes, self.predict)
-        found = self.candidate(sizes[best])
-        if above is not None:
-            candidate = self.candidate(above)
-            self.near_above += [candidate] if candidate.near_limit else []
-        return found
+        best, near = self._best(level)
+        self.near_above += [near] if near is not None else []
+        return best
 
     def best_of(self, levels: Sequence[Config]) -> list[Candidate]:
-        """`best_at` of each of `levels`, the later ones' allocator replays made meanwhile by the estimator's
-        workers where it keeps some (`Estimator.planned`)."""
-        return self.estimator.planned([self._sizes(level) for level in levels], lambda index: self.best_at(levels[index]))
+        """`best_at` of each of `levels`, the allocator's replays shared with the estimator's workers where it
+        keeps some (`Estimator.planned`)."""
+        found = self.estimator.planned([self._sizes(level) for level in levels], lambda index: self._best(levels[index]))
+        self.near_above += [near for _, near in found if near is not None]
+        return [best for best, _ in found]
+
+    def _best(self, level: Config) -> tuple[Candidate, Candidate | None]:
+        """`best_at`'s candidate, and the size above it where that one is near the limit."""
+        sizes = self._sizes(level)
+        best, above = self.estimator.best_fit(sizes, self.predict)
+        near = self.candidate(above) if above is not None else None
+        return self.candidate(sizes[best]), near if near is not None and near.near_limit else None
 
     def _sizes(self, level: Config) -> list[Config]:
         """`level` at each of its micro-batches, the smallest first."""

@@ -14,10 +14,13 @@ Cases (issue 58's list; `--cases` picks, in this order):
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
 Each run records its wall seconds, exit code and, where the command says it, the training steps (probes)
-run; the results file holds the machine, the load (`os.getloadavg`) before and after each run, the commit
-and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
+run, and for a dry-run a digest of its JSON report but for its `seconds` (`report_sha256`: equal digests, equal
+predictions); the results file holds the machine, the load (`os.getloadavg`) before and after each run, the
+commit and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
 checkout's, and the ratios (this checkout / REF) are written: prefer them to absolute seconds on a shared
-machine.
+machine. With `--competing K` each case is also run beside K CPU-bound processes per core (busy loops, started
+just before it and killed after), right after its quiet run, as `CASE@competing`, and the ratios
+(competing / quiet) are written.
 
     python bench/measurements/time_to_answer.py --cases dry-run-7b,dry-run-7b-again,quickstart \\
         --out bench/results/time-to-answer-<date>.json
@@ -50,7 +53,9 @@ probes, the README's test command in 457 s)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -60,6 +65,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout this script is in
 sys.path.insert(0, str(ROOT))
@@ -101,12 +107,26 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     if arguments[:2] == ["-m", "autofit.cli.main"] and done.returncode in (0, 3, 4):
         report = json.loads(done.stdout)
         found.update(report_s=report["seconds"], candidates=len(report["candidates"]),
-                     chosen=report["chosen"]["config"] if report["chosen"] else None)
+                     chosen=report["chosen"]["config"] if report["chosen"] else None,
+                     report_sha256=hashlib.sha256(json.dumps({k: v for k, v in report.items() if k != "seconds"},
+                                                             sort_keys=True).encode()).hexdigest())
     if name == "tests":
         found["summary"] = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     if done.returncode not in (0, 3, 4):
         found["stderr_tail"] = done.stderr[-2000:]
     return found
+
+
+@contextlib.contextmanager
+def competing(per_core: int) -> Iterator[None]:
+    """`per_core` CPU-bound processes per core (Python busy loops) running until the block ends."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(per_core * (os.cpu_count() or 1))]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def commit(tree: Path) -> str:
@@ -120,6 +140,8 @@ def main() -> None:
     parser.add_argument("--against", help="a commit whose tree runs each case too, alternated with this checkout")
     parser.add_argument("--out", type=Path, help="write the results there (JSON)")
     parser.add_argument("--work", type=Path, help="a folder to keep the cache folders in (default: a temporary one)")
+    parser.add_argument("--competing", type=int, default=0, metavar="K",
+                        help="also run each case beside K CPU-bound processes per core (CASE@competing)")
     args = parser.parse_args()
     cases = [name.strip() for name in args.cases.split(",") if name.strip()]
     unknown = sorted(set(cases) - set(CASES))
@@ -133,16 +155,25 @@ def main() -> None:
         times: dict[str, dict[str, dict]] = {name: {} for name in trees}
         for case in cases:
             for index, (name, tree) in enumerate(trees.items()):  # alternated: a change of load meets both
-                times[name][case] = run_case(case, tree, work / f"tree-{index}")
-                print(f"{name}: {case} {times[name][case]['wall_s']:.1f} s (rc {times[name][case]['rc']})", flush=True)
+                for label, beside, folder in ((case, 0, f"tree-{index}"),
+                                              (f"{case}@competing", args.competing, f"tree-{index}-competing")):
+                    if label == case or beside:
+                        with competing(beside):  # cache folders of its own: a first use is one for both
+                            times[name][label] = run_case(case, tree, work / folder)
+                        print(f"{name}: {label} {times[name][label]['wall_s']:.1f} s (rc {times[name][label]['rc']})",
+                              flush=True)
     result = {"date": datetime.date.today().isoformat(), "commit": commit(ROOT),
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
               "python": platform.python_version(), "cases": {case: " ".join(CASES[case][0]) for case in cases},
-              "times": times}
+              "competing_per_core": args.competing, "times": times}
     if args.against:
         mine, other = times["this checkout"], times[args.against]
         result["ratios (this checkout / against)"] = {case: round(mine[case]["wall_s"] / other[case]["wall_s"], 3)
                                                       for case in cases}
+    if args.competing:
+        result["ratios (competing / quiet)"] = {f"{name}: {case}": round(found[f"{case}@competing"]["wall_s"]
+                                                                        / found[case]["wall_s"], 3)
+                                               for name, found in times.items() for case in cases}
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
