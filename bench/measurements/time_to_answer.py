@@ -18,7 +18,8 @@ run, and for a dry-run a digest of its JSON report but for its `seconds` (`repor
 predictions); the results file holds the machine, the load (`os.getloadavg`) before and after each run, the
 commit and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
 checkout's, and the ratios (this checkout / REF) are written: prefer them to absolute seconds on a shared
-machine. With `--competing K` each case is also run beside K CPU-bound processes per core (busy loops, started
+machine. With `--repeat N` every case runs N times, in rounds (each round's cache folders its own), and its
+median is kept beside each run's seconds. With `--competing K` each case is also run beside K CPU-bound processes per core (busy loops, started
 just before it and killed after), right after its quiet run, as `CASE@competing`, and the ratios
 (competing / quiet) are written.
 
@@ -60,6 +61,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,6 +119,18 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     return found
 
 
+def merged(runs: list[dict]) -> dict:
+    """One case's runs as one: the first's fields, the median wall seconds, and with more than one run each's
+    (`walls`) and whether their reports were the same (`same_report`, for a dry-run)."""
+    if len(runs) == 1:
+        return runs[0]
+    walls = [found["wall_s"] for found in runs]
+    found = {**runs[0], "wall_s": statistics.median(walls), "walls": walls}
+    if "report_sha256" in found:
+        found["same_report"] = len({run.get("report_sha256") for run in runs}) == 1
+    return found
+
+
 @contextlib.contextmanager
 def competing(per_core: int) -> Iterator[None]:
     """`per_core` CPU-bound processes per core (Python busy loops) running until the block ends."""
@@ -140,6 +154,8 @@ def main() -> None:
     parser.add_argument("--against", help="a commit whose tree runs each case too, alternated with this checkout")
     parser.add_argument("--out", type=Path, help="write the results there (JSON)")
     parser.add_argument("--work", type=Path, help="a folder to keep the cache folders in (default: a temporary one)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every case N times (rounds alternated, each with cache folders of its own): medians")
     parser.add_argument("--competing", type=int, default=0, metavar="K",
                         help="also run each case beside K CPU-bound processes per core (CASE@competing)")
     args = parser.parse_args()
@@ -152,16 +168,18 @@ def main() -> None:
         trees = {"this checkout": ROOT}
         if args.against:
             trees[args.against] = checkout(args.against, work)
-        times: dict[str, dict[str, dict]] = {name: {} for name in trees}
-        for case in cases:
-            for index, (name, tree) in enumerate(trees.items()):  # alternated: a change of load meets both
-                for label, beside, folder in ((case, 0, f"tree-{index}"),
-                                              (f"{case}@competing", args.competing, f"tree-{index}-competing")):
-                    if label == case or beside:
-                        with competing(beside):  # cache folders of its own: a first use is one for both
-                            times[name][label] = run_case(case, tree, work / folder)
-                        print(f"{name}: {label} {times[name][label]['wall_s']:.1f} s (rc {times[name][label]['rc']})",
-                              flush=True)
+        runs: dict[str, dict[str, list[dict]]] = {name: {} for name in trees}
+        for round_ in range(args.repeat):
+            for case in cases:
+                for index, (name, tree) in enumerate(trees.items()):  # alternated: a change of load meets both
+                    for label, beside, folder in ((case, 0, f"tree-{index}-{round_}"),
+                                                  (f"{case}@competing", args.competing, f"tree-{index}-{round_}-competing")):
+                        if label == case or beside:
+                            with competing(beside):  # cache folders of its own: a first use is one for both
+                                found = run_case(case, tree, work / folder)
+                            runs[name].setdefault(label, []).append(found)
+                            print(f"{name}: {label} {found['wall_s']:.1f} s (rc {found['rc']})", flush=True)
+        times = {name: {label: merged(found) for label, found in labels.items()} for name, labels in runs.items()}
     result = {"date": datetime.date.today().isoformat(), "commit": commit(ROOT),
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
               "python": platform.python_version(), "cases": {case: " ".join(CASES[case][0]) for case in cases},
