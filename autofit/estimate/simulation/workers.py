@@ -1,19 +1,19 @@
-"""Simulations spread over processes: a dry-run of a deep model with every rung needs dozens of simulated
-steps, each a second or more of Python dispatch under fake tensors. Python runs one of them at a time per
-process (the GIL), so they are shared between the caller and a worker process per idle CPU (`spare_cpus`).
+"""Simulations spread over processes: a dry-run of a deep model with every rung needs dozens of simulated steps,
+each a second or more of Python dispatch under fake tensors. Python runs one of them at a time per process (the
+GIL), so they are shared between the caller and a worker process per idle CPU (`spare_cpus`).
 
 Each worker is `python -m autofit.estimate.simulation.workers JOB INDEX`, an autofit entry point (nothing of the
-user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input
-work); the spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`).
-A worker builds its own `Estimator` once, then simulates batch after batch of jobs as the caller shares them
-(`Workers.share`: a dry-run's waves of levels, each a batch, pay the worker's imports once) and writes what
-each of its simulations found, pickled. Between waves the caller plans the levels it simulated (`Estimator.planned`):
-then a batch holds levels (`Workers.share_plans`), and a worker bisects them as the caller would, with the steps
-the caller holds, and sends back the allocator's reserves it replayed, for the caller to find made. The jobs are not dealt out in advance: the caller takes them from the
-front and the workers from the back, each job claimed by whoever first makes its claim file (`Batch.claim`),
-so a worker that starts late (its imports take seconds) or a slow job leaves no one waiting on a fixed share.
-Whatever a worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so
-spreading changes how long a dry-run takes, never what it predicts.
+user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input work); the
+spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`). A worker builds its
+own `Estimator` once, then simulates batch after batch of jobs as the caller shares them (`Workers.share`: a
+dry-run's waves of levels, each a batch, pay the worker's imports once) and writes what each of its simulations
+found, pickled. Between waves the caller plans the levels it simulated (`Estimator.planned`): then a batch holds
+levels (`Workers.share_plans`), and a worker bisects them as the caller would, with the steps the caller holds,
+and sends back the allocator's reserves it replayed, for the caller to find made. The jobs are not dealt out in
+advance: the caller takes them from the front and the workers from the back, each job claimed by whoever first
+makes its claim file (`Batch.claim`), so a worker that starts late (its imports take seconds) or a slow job
+leaves no one waiting on a fixed share. Whatever a worker does not deliver (it failed, the spec cannot travel)
+the caller simulates itself, so spreading changes how long a dry-run takes, never what it predicts.
 """
 
 from __future__ import annotations
