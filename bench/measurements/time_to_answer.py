@@ -48,6 +48,11 @@ dry-run-gpt2,dry-run-7b-4090,dry-run-7b,dry-run-7b-again --against f2516d4`, qui
 chosen nor the closest to fitting left out; 0.766, 0.884, 0.914, 1.04),
 time-to-answer-2026-12-07-quiet-257e477-vs-6e208fe.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,dry-run-gpt2
 --against 6e208fe`, quiet: the simulation workers kept for the whole dry-run; 0.808, 0.991, 0.777, 0.83),
+time-to-answer-2026-12-07-quiet-028cb66-vs-dbefd8b.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,dry-run-gpt2,
+dry-run-7b-4090 --against dbefd8b --repeat 3`, quiet: the kept workers bisect levels while the dry-run plans; medians
+0.895, 0.994, 0.973, 0.967, 1.015, every report the same),
+time-to-answer-quickstart-competing-2026-12-07-028cb66.json (`--cases quickstart --competing 2 --repeat 2`: the
+quickstart quiet, 33.9 and 46.2 s, and beside two busy loops per core, 124.1 and 121.3 s; 11 probes in each),
 time-to-answer-tests-2026-12-07-a0c3904.json (`--cases quickstart,tests`, quiet: the quickstart in 32.0 s with 11
 probes, the README's test command in 457 s)."""
 
@@ -121,11 +126,13 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
 
 def merged(runs: list[dict]) -> dict:
     """One case's runs as one: the first's fields, the median wall seconds, and with more than one run each's
-    (`walls`) and whether their reports were the same (`same_report`, for a dry-run)."""
+    seconds and load before and after (`walls`, `loads`) and whether their reports were the same (`same_report`,
+    for a dry-run)."""
     if len(runs) == 1:
         return runs[0]
     walls = [found["wall_s"] for found in runs]
-    found = {**runs[0], "wall_s": statistics.median(walls), "walls": walls}
+    found = {**runs[0], "wall_s": statistics.median(walls), "walls": walls,
+             "loads": [(run["load_before"][0], run["load_after"][0]) for run in runs]}  # 1-minute, each run's
     if "report_sha256" in found:
         found["same_report"] = len({run.get("report_sha256") for run in runs}) == 1
     return found
