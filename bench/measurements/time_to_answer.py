@@ -14,7 +14,7 @@ Cases (issue 58's list; `--cases` picks, in this order):
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
 Each run records its wall seconds, exit code and, where the command says it, the training steps (probes)
-run, and for a dry-run a digest of its JSON report but for its `seconds` (`report_sha256`: equal digests, equal
+run and the confirmation's rounds, and for a dry-run a digest of its JSON report but for its `seconds` (`report_sha256`: equal digests, equal
 predictions); the results file holds the machine, the load (`os.getloadavg`) before and after each run, the
 commit and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
 checkout's, and the ratios (this checkout / REF) are written: prefer them to absolute seconds on a shared
@@ -92,6 +92,7 @@ CASES = {  # name: (arguments after `python`, the cache folder it uses: runs sha
 }
 DEFAULT_CASES = ("dry-run-7b", "dry-run-7b-again", "dry-run-70b", "quickstart")
 PROBES = re.compile(r"^(\d+) probes\. Chosen:", re.MULTILINE)  # examples/quickstart.py's summary line
+ROUNDS = re.compile(r" over (\d+) rounds")  # its confirmation's rounds, where it says them
 
 
 def run_case(name: str, tree: Path, work: Path) -> dict:
@@ -111,6 +112,9 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     probes = PROBES.search(done.stdout)
     if probes:
         found["probes_run"] = int(probes.group(1))
+    rounds = ROUNDS.search(done.stdout)
+    if rounds:
+        found["confirmation_rounds"] = int(rounds.group(1))
     if arguments[:2] == ["-m", "autofit.cli.main"] and done.returncode in (0, 3, 4):
         report = json.loads(done.stdout)
         found.update(report_s=report["seconds"], candidates=len(report["candidates"]),
@@ -125,14 +129,13 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
 
 
 def merged(runs: list[dict]) -> dict:
-    """One case's runs as one: the first's fields, the median wall seconds, and with more than one run each's
-    seconds and load before and after (`walls`, `loads`) and whether their reports were the same (`same_report`,
-    for a dry-run)."""
+    """One case's runs as one: the first's fields and the median wall seconds, and with more than one run each's
+    seconds (`walls`), each run whole (`runs`) and whether their reports were the same (`same_report`, for a
+    dry-run)."""
     if len(runs) == 1:
         return runs[0]
     walls = [found["wall_s"] for found in runs]
-    found = {**runs[0], "wall_s": statistics.median(walls), "walls": walls,
-             "loads": [(run["load_before"][0], run["load_after"][0]) for run in runs]}  # 1-minute, each run's
+    found = {**runs[0], "wall_s": statistics.median(walls), "walls": walls, "runs": runs}
     if "report_sha256" in found:
         found["same_report"] = len({run.get("report_sha256") for run in runs}) == 1
     return found
