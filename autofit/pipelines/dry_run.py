@@ -34,7 +34,7 @@ from autofit.search.shortfall import Basis, Remedy, Shortfall
 from autofit.search.space import Space, build_space
 from autofit.strategies import compute_dtype
 from autofit.job.target import Target
-from autofit.pipelines.candidate import Candidate, alternative, twins
+from autofit.pipelines.candidate import Candidate, twins
 from autofit.pipelines.host_memory import host_note, host_shortfall, over_host
 from autofit.pipelines.levels import best_levels
 from autofit.pipelines.notes import edge_note, nodes_note, sync_note
