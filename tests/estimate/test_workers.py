@@ -145,8 +145,9 @@ def test_kept_workers_bisect_the_later_levels_and_send_back_their_reserves(monke
     with monkeypatch.context() as alone:
         alone.setattr(estimator_module, "SPREAD_AFTER_S", float("inf"))  # no worker
         want, replayed_alone = planned(alone, shared=False)
-    mine = workers.Batch.mine  # the caller claims one job of each batch (one level): the workers take the rest
+    mine = workers.Batch.mine  # the caller claims one job of each batch (one level): the worker takes the rest
     monkeypatch.setattr(workers.Batch, "mine", lambda self: itertools.islice(mine(self), 1))
+    monkeypatch.setattr(workers, "spare_cpus", lambda: 1)  # one worker: what a 2-core machine starts
     found, replayed = planned(monkeypatch, shared=True)
     assert found == want
     assert replayed_alone > 0 and replayed < replayed_alone
