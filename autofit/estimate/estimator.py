@@ -141,6 +141,8 @@ class Estimator:
         self._workload = workload_key(self._meta, spec, self.sim_device + cuda_attention.describe(self.cuda_ampere)
                                       + (", full depth" if full_depth else ""), self._adapted, self._adapter_dropout)
         self._failed: set[tuple] = set()  # cache keys whose simulation failed (activations by formula)
+        # what each step's simulation found, with the configuration that asked for it: sent to workers (`planned`)
+        self._found: dict[tuple, tuple[Config, int, tuple[ActivationPeak | None, str]]] = {}
         self._simulating = completed(self.strategies)  # every strategy shaping a simulated step (`_facts_of`)
         self._shareable = simulations.shareable(self._meta, spec)
         self._family = family_of(self._meta)  # what the error bound is looked up by (`tolerance.bound_for`)
@@ -285,9 +287,9 @@ class Estimator:
         # levels replaying alike together (one step, allocator and history: one replay serves them all), so
         # that the caller's share and the workers' replay apart
         order = sorted(range(len(levels)), key=lambda index: self._replayed_alike(levels[index][0]))
-        held = {key: found for key, found in self._cache.items() if key not in running.sent}
-        running.sent.update(held)
-        batch = running.share_plans([levels[index] for index in order], held, self._failed)
+        held = [found for key, found in self._found.items() if key not in running.sent]
+        running.sent.update(self._found)
+        batch = running.share_plans([levels[index] for index in order], held)
         try:  # the caller plans from the front until it meets a level a worker took (`Batch.mine`)
             done = {order[index]: plan(order[index]) for index, _ in enumerate(batch.mine())}
             for digest, found in batch.reserves().items():
@@ -301,12 +303,12 @@ class Estimator:
         """What `config`'s allocator replays depend on but its micro-batch (as text, to sort by)."""
         return repr((self._key(config, 1), self._replays_training(config), self._expandable(config)))
 
-    def adopt(self, held: dict[tuple, tuple[ActivationPeak, str]], failed: Iterable[tuple]) -> None:
-        """Keep simulated steps another process holds (its `_cache` entries and the keys whose simulation
-        failed), as if simulated here: a worker planning levels (`planned`) simulates nothing again."""
-        self._failed.update(failed)
-        for key, found in held.items():
-            self._cache.setdefault(key, found)
+    def adopt(self, held: Iterable[tuple[Config, int, tuple[ActivationPeak | None, str]]]) -> None:
+        """Keep simulated steps another process found (each with the configuration and micro-batch that asked for
+        it, as `_found` holds them), as if simulated here: a worker planning levels (`planned`) simulates nothing
+        again."""
+        for config, mb, found in held:
+            self._keep(config, mb, found, simulated=False)
 
     def best_fit(self, sizes: Sequence[Config],
                  predict: Callable[[Config], Estimate] | None = None) -> tuple[int, Config | None]:
@@ -432,6 +434,7 @@ class Estimator:
             return
         if simulated:
             simulations.SIMULATIONS.put((self._workload, key), found, self._shared())
+        self._found[key] = (config, mb, found)
         peak, how = found
         if peak is None:
             self._failed.add(key)

@@ -88,6 +88,47 @@ def test_a_job_is_claimed_once_the_caller_from_the_front_the_workers_from_the_ba
     shared.close()
 
 
+def test_batches_and_results_are_data_and_what_does_not_check_out_is_dropped(monkeypatch, tmp_path):
+    """The files workers and caller share are data (`entry_file`), never a pickle, each read field by field: a
+    step, a reserve or a whole file that does not check out is as if undelivered (the caller simulates or replays
+    it itself), and a batch that does not check out is refused (the worker exits)."""
+    import array
+    import pickle
+    import tempfile
+
+    from autofit.estimate.simulation import entry_file
+
+    shared = workers.Workers([], tempfile.TemporaryDirectory(dir=tmp_path))
+    folder = Path(shared.folder.name)
+    shared.share([(config, 1) for config in CONFIGS[:2]])
+    assert (folder / f"batch-0{entry_file.SUFFIX}").read_bytes().startswith(entry_file.MAGIC)
+    assert workers._batch(workers._read(folder, "batch-0")) == {"jobs": [(CONFIGS[0], 1), (CONFIGS[1], 1)]}
+    workers._write(folder, "batch-1", {"jobs": [[CONFIGS[0].to_dict(), 0]]}, {})  # micro-batch 0
+    workers._write(folder, "batch-2", {"jobs": [[{"precision": "fp64"}, 1]]}, {})  # no such precision
+    assert workers._batch(workers._read(folder, "batch-1")) is None
+    assert workers._batch(workers._read(folder, "batch-2")) is None
+
+    peak, how = fresh_estimator(monkeypatch).simulate(CONFIGS[0], 1)
+    arrays = {}
+    good = workers._encoded((peak, how), "found.0.", arrays)
+    bad = workers._encoded((peak, how), "found.1.", arrays)
+    sizes = arrays["found.1.replay.sizes"] = array.array("q", arrays["found.1.replay.sizes"])  # the peak's own: a copy
+    sizes[0] = -1  # a negative size: not an event
+    fine, wrong = {"fragmentation": 4096, "least_fragmentation": 0}, {"fragmentation": -1, "least_fragmentation": 0}
+    meta = {"found": [{"index": 0, "found": good}, {"index": 1, "found": bad}, {"index": 1, "found": {"failed": "why"}},
+                      {"index": 5, "found": {"failed": "out of range"}}, {"index": 0, "found": {"failed": 3}}],
+            "reserves": {"a" * 64: fine, "b" * 64: wrong, "../c": fine}}
+    workers._write(folder, "result-0-0", meta, arrays)
+    result = workers._result(workers._read(folder, "result-0-0"), 2)
+    (first, (back, said)), failed = result["found"][0], result["found"][1:]
+    assert first == 0 and said == how and back.replay.digest() == peak.replay.digest() and back.largest == peak.largest
+    assert failed == [(1, (None, "why"))]
+    assert result["reserves"] == {"a" * 64: fine}
+    (folder / f"result-0-1{entry_file.SUFFIX}").write_bytes(pickle.dumps(meta))  # a pickle: never loaded
+    assert workers._result(workers._read(folder, "result-0-1"), 2) == {"found": [], "reserves": {}}
+    shared.close()
+
+
 def test_workers_started_within_steady_serve_every_later_prefetch(monkeypatch, simulations):
     """A dry-run prefetches wave after wave of levels within `Estimator.steady`: the workers started for the
     first are kept for the next (their imports paid once) and end with it."""

@@ -2,18 +2,21 @@
 each a second or more of Python dispatch under fake tensors. Python runs one of them at a time per process (the
 GIL), so they are shared between the caller and a worker process per idle CPU (`spare_cpus`).
 
-Each worker is `python -m autofit.estimate.simulation.workers JOB INDEX`, an autofit entry point (nothing of the
+Each worker is `python -m autofit.estimate.simulation.workers FOLDER INDEX`, an autofit entry point (nothing of the
 user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input work); the
-spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`). A worker builds its
-own `Estimator` once, then simulates batch after batch of jobs as the caller shares them (`Workers.share`: a
-dry-run's waves of levels, each a batch, pay the worker's imports once) and writes what each of its simulations
-found, pickled. Between waves the caller plans the levels it simulated (`Estimator.planned`): then a batch holds
-levels (`Workers.share_plans`), and a worker bisects them as the caller would, with the steps the caller holds,
-and sends back the allocator's reserves it replayed, for the caller to find made. The jobs are not dealt out in
-advance: the caller takes them from the front and the workers from the back, each job claimed by whoever first
-makes its claim file (`Batch.claim`), so a worker that starts late (its imports take seconds) or a slow job
-leaves no one waiting on a fixed share. Whatever a worker does not deliver (it failed, the spec cannot travel)
-the caller simulates itself, so spreading changes how long a dry-run takes, never what it predicts.
+spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`), on the worker's
+standard input: the user's code, never a file read back. A worker builds its own `Estimator` once, then
+simulates batch after batch of jobs as the caller shares them (`Workers.share`: a dry-run's waves of levels,
+each a batch, pay the worker's imports once) and writes what each of its simulations found. Batches and results
+are files of data (`entry_file`: JSON and arrays of integers, each simulated step as the disk cache writes it,
+`memo.encode_peak`), checked field by field where they are read: never a pickle. Between waves the caller plans
+the levels it simulated (`Estimator.planned`): then a batch holds levels (`Workers.share_plans`), and a worker
+bisects them as the caller would, with the steps the caller holds, and sends back the allocator's reserves it
+replayed, for the caller to find made. The jobs are not dealt out in advance: the caller takes them from the
+front and the workers from the back, each job claimed by whoever first makes its claim file (`Batch.claim`), so
+a worker that starts late (its imports take seconds) or a slow job leaves no one waiting on a fixed share.
+Whatever a worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so spreading
+changes how long a dry-run takes, never what it predicts.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from autofit.config import Config
+from autofit.errors import UsageError
+from autofit.estimate.simulation import entry_file
+from autofit.estimate.simulation.disk_cache import RESERVES
+from autofit.estimate.simulation.memo import decode_peak, encode_peak
 from autofit.estimate.simulation.step import ActivationPeak
 from autofit.files import write_file
 from autofit.probe.orphans import LAUNCHER_PID, leave_with_parent
@@ -42,6 +50,7 @@ if TYPE_CHECKING:
 Job = tuple[Config, int]  # a configuration and the micro-batch to simulate it at
 Level = Sequence[Config]  # one level's configurations, as `Estimator.best_fit` takes them
 Found = tuple[ActivationPeak | None, str]  # what `Estimator.simulate` returns
+Held = tuple[Config, int, Found]  # a simulated step, with the configuration and micro-batch that asked for it
 TIMEOUT_S = 1800.0  # a batch's result not delivered after this is waited for no longer (its jobs fall back to the caller)
 FOLDER_PREFIX = "autofit-sim-"  # the workers' temporary folder: their jobs and results
 POLL_S = 0.02  # how often a waiting worker looks for the next batch, and the caller for a result
@@ -74,18 +83,21 @@ class Workers:
     def share(self, jobs: list[Job]) -> "Batch":
         """Share `jobs` with the workers (each claims from the back once it is done with what it holds); the
         caller claims from the front (`Batch.mine`)."""
-        return self._shared({"jobs": [(c.to_dict(), mb) for c, mb in jobs]}, list(jobs))
+        return self._shared({"jobs": [[c.to_dict(), mb] for c, mb in jobs]}, {}, list(jobs))
 
-    def share_plans(self, levels: Sequence[Level], held: dict[tuple, Found], failed: set[tuple]) -> "Batch":
+    def share_plans(self, levels: Sequence[Level], held: Iterable[Held]) -> "Batch":
         """Share `levels` to bisect (`Estimator.best_fit`), claimed as `share`'s jobs are, with the simulated
-        steps the workers may not hold yet (`held`, and the keys whose simulation `failed`: `Estimator.adopt`)."""
-        shared = {"levels": [[c.to_dict() for c in level] for level in levels], "held": held, "failed": set(failed)}
-        return self._shared(shared, list(levels))
+        steps the workers may not hold yet (`held`: `Estimator.adopt`); a step that cannot be written as data
+        stays behind (a worker that needs it simulates it)."""
+        arrays: dict[str, Any] = {}
+        steps = [{"config": config.to_dict(), "mb": mb, "found": meta} for index, (config, mb, found) in enumerate(held)
+                 if (meta := _encoded(found, f"held.{index}.", arrays)) is not None]
+        return self._shared({"levels": [[c.to_dict() for c in level] for level in levels], "held": steps}, arrays,
+                            list(levels))
 
-    def _shared(self, shared: dict, jobs: list) -> "Batch":
+    def _shared(self, meta: dict[str, Any], arrays: dict[str, Any], jobs: list) -> "Batch":
         number, self.batches = self.batches, self.batches + 1
-        write_file(Path(self.folder.name) / f"batch-{number}.pkl", pickle.dumps(shared),
-                   record=False)  # whole or not at all: a worker polling for it never reads half
+        _write(Path(self.folder.name), f"batch-{number}", meta, arrays)  # whole: a worker polling never reads half
         return Batch(self, number, jobs)
 
     def alive(self) -> bool:
@@ -136,8 +148,8 @@ class Batch:
         return {digest: found for result in self._delivered() for digest, found in result["reserves"].items()}
 
     def _delivered(self) -> list[dict]:
-        """What each worker wrote of this batch: none where the caller claimed every job, else each worker's
-        once it is written (one that failed, or ran past `TIMEOUT_S`, delivers nothing)."""
+        """What each worker wrote of this batch (`_result`): none where the caller claimed every job, else each
+        worker's once it is written (one that failed, or ran past `TIMEOUT_S`, delivers nothing)."""
         if self._results is not None:
             return self._results
         folder, self._results = Path(self.workers.folder.name), []
@@ -145,11 +157,10 @@ class Batch:
             return self._results
         deadline = time.monotonic() + TIMEOUT_S
         for index, process in enumerate(self.workers.processes):
-            result = folder / f"result-{self.number}-{index}.pkl"
-            while not result.exists() and process.poll() is None and time.monotonic() < deadline:
+            name = f"result-{self.number}-{index}"
+            while not _path(folder, name).exists() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(POLL_S)
-            if result.exists():
-                self._results.append(pickle.loads(result.read_bytes()))
+            self._results.append(_result(_read(folder, name), len(self.jobs)))
         return self._results
 
 
@@ -164,12 +175,71 @@ def claim(folder: Path, name: str) -> bool:
     return True
 
 
+def _path(folder: Path, name: str) -> Path:
+    return folder / (name + entry_file.SUFFIX)
+
+
+def _write(folder: Path, name: str, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+    """File `name` of the shared folder, as data (`entry_file.encode`), written whole (`autofit.files.write_file`)."""
+    write_file(_path(folder, name), entry_file.encode(name, meta, arrays), record=False)
+
+
+def _read(folder: Path, name: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """File `name` of the shared folder as (JSON values, arrays), not through a link; None where it is absent or
+    is not one `_write` makes."""
+    opened = entry_file.open_folder(folder, create=False)
+    if opened is None:
+        return None
+    try:
+        data = entry_file.read(opened, name)
+    finally:
+        os.close(opened)
+    return entry_file.decode(name, data) if data is not None else None
+
+
+def _encoded(found: Found, prefix: str, arrays: dict[str, Any]) -> dict[str, Any] | None:
+    """A simulation's result as JSON values, its arrays added to `arrays` under `prefix` (`memo.encode_peak`); a
+    failed one as its reason. None where its peak is not one the disk cache writes."""
+    peak, how = found
+    if peak is None:
+        return {"failed": how}
+    encoded = encode_peak(peak, how)
+    if encoded is None:
+        return None
+    arrays.update({prefix + name: values for name, values in encoded[1].items()})
+    return encoded[0]
+
+
+def _decoded(meta: Any, prefix: str, arrays: dict[str, Any]) -> Found | None:
+    """`_encoded`'s result back, or None where it does not check out (`memo.decode_peak`)."""
+    if isinstance(meta, dict) and set(meta) == {"failed"}:
+        return (None, meta["failed"]) if isinstance(meta["failed"], str) else None
+    own = {name[len(prefix):]: values for name, values in arrays.items() if name.startswith(prefix)}
+    return decode_peak(meta, own) if isinstance(meta, dict) else None
+
+
+def _result(read: tuple[dict[str, Any], dict[str, Any]] | None, jobs: int) -> dict[str, Any]:
+    """A worker's result file as the caller takes it: each simulation found that checks out, with the index of its
+    job (of `jobs`), and each reserve that does (`disk_cache.Reserves.decode`); nothing of a file that does not."""
+    found: list[tuple[int, Found]] = []
+    reserves: dict[str, dict] = {}
+    meta, arrays = read or ({}, {})
+    for position, item in enumerate(meta.get("found") if isinstance(meta.get("found"), list) else []):
+        index = item.get("index") if isinstance(item, dict) else None
+        peak = _decoded(item.get("found"), f"found.{position}.", arrays) if type(index) is int else None
+        if peak is not None and 0 <= index < jobs:
+            found.append((index, peak))
+    for digest, value in (meta.get("reserves") if isinstance(meta.get("reserves"), dict) else {}).items():
+        if (kept := RESERVES.decode({"reserve": value}, {})) is not None and entry_file.NAME.fullmatch(digest):
+            reserves[digest] = kept
+    return {"found": found, "reserves": reserves}
+
+
 def start(spec: "TrainSpec", strategies: Sequence["Strategy"], settings: dict[str, Any], count: int = 1) -> Workers | None:
     """Start `count` workers simulating for `spec`, each with an `Estimator` made with the caller's `settings` (its
     keyword arguments: the target, and how it extrapolates), waiting for the batches the caller shares
     (`Workers.share`); None when the spec cannot travel to another process (the caller then simulates
-    everything itself)."""
-    from autofit.errors import UsageError
+    everything itself). The spec goes to each on its standard input (`_send`), never through a file."""
     from autofit.probe.payload import payload
 
     try:
@@ -177,24 +247,35 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], settings: dict[st
     except UsageError:
         return None
     folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
-    job = Path(folder.name) / "job.pkl"
-    job.write_bytes(pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data,
-                                  "settings": settings}))
+    job = pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data, "settings": settings})
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "autofit.estimate.simulation.workers", str(job), str(index)],
+        [sys.executable, "-m", "autofit.estimate.simulation.workers", folder.name, str(index)],
         env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for index in range(count)]
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for index in range(count)]
+    for process in processes:  # each read once the worker has imported torch: the caller goes on meanwhile
+        threading.Thread(target=_send, args=(process, job), name="autofit-worker-job", daemon=True).start()
     return Workers(processes, folder)
 
 
+def _send(process: subprocess.Popen, job: bytes) -> None:
+    """Write `job` to the worker's standard input and close it; a worker gone first gets nothing (it delivers
+    nothing, and the caller simulates its share)."""
+    try:
+        process.stdin.write(job)
+        process.stdin.close()
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Worker `argv[1]` of the job in `argv[0]`: for each batch shared in the job file's folder, in turn, simulate
-    the jobs it claims (from the back: `claim`), or bisect the levels it claims (`_plan`), and write what it
-    found (pickled: each peak keeps its replay's events, `ActivationPeak.replay`); until the caller kills it,
-    or is gone."""
-    job_path, me = (argv if argv is not None else sys.argv[1:])[:2]
-    leave_with_parent(job_path, FOLDER_PREFIX)
-    job = pickle.loads(Path(job_path).read_bytes())
+    """Worker `argv[1]` of the caller's folder `argv[0]`, its job on standard input (`start`): for each batch shared
+    in the folder, in turn, simulate the jobs it claims (from the back: `claim`), or bisect the levels it claims
+    (`_plan`), and write what it found (`_write`: each peak with its replay's events, `ActivationPeak.replay`);
+    until the caller kills it, or is gone. A batch that does not check out ends it (the caller does its share)."""
+    where, me = (argv if argv is not None else sys.argv[1:])[:2]
+    folder = Path(where)
+    leave_with_parent(str(folder / "job"), FOLDER_PREFIX)  # a name in the folder: the folder goes with the caller
+    job = pickle.loads(sys.stdin.buffer.read())  # the spec: the user's code, as a probe's (`autofit.probe.payload`)
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
     import torch
 
@@ -203,38 +284,64 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # fake tensors compute nothing; the caller's other workers share the CPUs
     spec, strategies = pickle.loads(job["payload"])
     estimator = Estimator(spec, strategies=strategies, **job["settings"])
-    folder = Path(job_path).parent
     for number in itertools.count():
-        batch = folder / f"batch-{number}.pkl"
-        while not batch.exists():
+        name = f"batch-{number}"
+        while not _path(folder, name).exists():
             if not folder.exists():
                 return 0
             time.sleep(POLL_S)
-        shared = pickle.loads(batch.read_bytes())
+        shared = _batch(_read(folder, name))
+        if shared is None:
+            return 1
+        meta, arrays = {"found": [], "reserves": {}}, {}
         if "levels" in shared:
-            found = {"found": [], "reserves": _plan(estimator, shared, folder, number)}
-        else:
-            jobs = shared["jobs"]
-            found = {"found": [(index, estimator.simulate(Config.from_dict(jobs[index][0]), jobs[index][1]))
-                               for index in reversed(range(len(jobs))) if claim(folder, f"{number}-{index}")],
-                     "reserves": {}}
-        write_file(folder / f"result-{number}-{me}.pkl", pickle.dumps(found), record=False)
+            meta["reserves"] = _plan(estimator, shared, folder, number)
+        jobs = shared.get("jobs", [])
+        for index in reversed(range(len(jobs))):
+            if claim(folder, f"{number}-{index}"):
+                found = _encoded(estimator.simulate(*jobs[index]), f"found.{len(meta['found'])}.", arrays)
+                meta["found"] += [{"index": index, "found": found}] if found is not None else []
+        _write(folder, f"result-{number}-{me}", meta, arrays)
     return 0
 
 
-def _plan(estimator: "Estimator", shared: dict, folder: Path, number: int) -> dict[str, dict]:
+def _batch(read: tuple[dict[str, Any], dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A batch file as the worker takes it: {"jobs": [(Config, mb)]} or {"levels": [[Config]], "held": [`Held`]};
+    None where anything does not check out (a configuration `Config.from_dict` refuses, a step `_decoded` does)."""
+    if read is None:
+        return None
+    meta, arrays = read
+    try:
+        if set(meta) == {"jobs"}:
+            return {"jobs": [(Config.from_dict(config), _count(mb)) for config, mb in meta["jobs"]]}
+        if set(meta) == {"levels", "held"}:
+            levels = [[Config.from_dict(config) for config in level] for level in meta["levels"]]
+            held = [(Config.from_dict(step["config"]), _count(step["mb"]), _decoded(step["found"], f"held.{index}.", arrays))
+                    for index, step in enumerate(meta["held"])]
+            return None if any(found is None for *_, found in held) else {"levels": levels, "held": held}
+    except (TypeError, ValueError, KeyError, UsageError):
+        return None
+    return None
+
+
+def _count(value: Any) -> int:
+    """`value` where it is a micro-batch (an int of at least 1); a ValueError elsewhere."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"micro-batch {value!r}")
+    return value
+
+
+def _plan(estimator: "Estimator", shared: dict[str, Any], folder: Path, number: int) -> dict[str, dict]:
     """Bisect the levels of batch `number` this worker claims (from the back), as the caller's `best_fit` and
     its candidates predict them, with the steps the caller sent (`Estimator.adopt`); the allocator's reserves
     replayed meanwhile (`disk_cache.RESERVES`), by digest."""
-    from autofit.estimate.simulation.disk_cache import RESERVES
-
-    estimator.adopt(shared["held"], shared["failed"])
+    estimator.adopt(shared["held"])
     before = set(RESERVES.kept)
     levels = shared["levels"]
     with estimator.steady():
         for index in reversed(range(len(levels))):
             if claim(folder, f"{number}-{index}"):
-                sizes = [Config.from_dict(config) for config in levels[index]]
+                sizes = levels[index]
                 best, above = estimator.best_fit(sizes)
                 for config in (sizes[best], above):  # the candidates the caller predicts
                     if config is not None:
