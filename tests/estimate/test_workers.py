@@ -103,10 +103,10 @@ def test_batches_and_results_are_data_and_what_does_not_check_out_is_dropped(mon
     shared.share([(config, 1) for config in CONFIGS[:2]])
     assert (folder / f"batch-0{entry_file.SUFFIX}").read_bytes().startswith(entry_file.MAGIC)
     assert workers._batch(workers._read(folder, "batch-0")) == {"jobs": [(CONFIGS[0], 1), (CONFIGS[1], 1)]}
-    workers._write(folder, "batch-1", {"jobs": [[CONFIGS[0].to_dict(), 0]]}, {})  # micro-batch 0
-    workers._write(folder, "batch-2", {"jobs": [[{"precision": "fp64"}, 1]]}, {})  # no such precision
-    assert workers._batch(workers._read(folder, "batch-1")) is None
-    assert workers._batch(workers._read(folder, "batch-2")) is None
+    workers._write(folder, "bad-1", {"jobs": [[CONFIGS[0].to_dict(), 0]]}, {})  # micro-batch 0
+    workers._write(folder, "bad-2", {"jobs": [[{"precision": "fp64"}, 1]]}, {})  # no such precision
+    assert workers._batch(workers._read(folder, "bad-1")) is None
+    assert workers._batch(workers._read(folder, "bad-2")) is None
 
     peak, how = fresh_estimator(monkeypatch).simulate(CONFIGS[0], 1)
     arrays = {}
@@ -126,6 +126,16 @@ def test_batches_and_results_are_data_and_what_does_not_check_out_is_dropped(mon
     assert result["reserves"] == {"a" * 64: fine}
     (folder / f"result-0-1{entry_file.SUFFIX}").write_bytes(pickle.dumps(meta))  # a pickle: never loaded
     assert workers._result(workers._read(folder, "result-0-1"), 2) == {"found": [], "reserves": {}}
+
+    import dataclasses
+
+    odd = (dataclasses.replace(peak, peak=1.5), how)  # not a simulation's kind of number: stays behind
+    shared.share_plans([CONFIGS[:2]], [(CONFIGS[0], 1, odd), (CONFIGS[1], 1, (peak, how)), (CONFIGS[2], 2, (None, "why"))])
+    levels = workers._batch(workers._read(folder, "batch-1"))
+    assert levels["levels"] == [CONFIGS[:2]]
+    (config, mb, (sent, said)), failed = levels["held"]
+    assert (config, mb, said) == (CONFIGS[1], 1, how) and sent.replay.digest() == peak.replay.digest()
+    assert failed == (CONFIGS[2], 2, (None, "why"))
     shared.close()
 
 

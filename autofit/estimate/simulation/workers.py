@@ -90,8 +90,10 @@ class Workers:
         steps the workers may not hold yet (`held`: `Estimator.adopt`); a step that cannot be written as data
         stays behind (a worker that needs it simulates it)."""
         arrays: dict[str, Any] = {}
-        steps = [{"config": config.to_dict(), "mb": mb, "found": meta} for index, (config, mb, found) in enumerate(held)
-                 if (meta := _encoded(found, f"held.{index}.", arrays)) is not None]
+        steps: list[dict[str, Any]] = []
+        for config, mb, found in held:  # each step's arrays named by its place in `steps`, as `_batch` reads them
+            if (meta := _encoded(found, f"held.{len(steps)}.", arrays)) is not None:
+                steps.append({"config": config.to_dict(), "mb": mb, "found": meta})
         return self._shared({"levels": [[c.to_dict() for c in level] for level in levels], "held": steps}, arrays,
                             list(levels))
 
