@@ -1,9 +1,9 @@
-"""The probe process: `python -m autofit.probe.child JOB RESULT_FD`, started by `autofit.probe.launch`.
+"""The probe process: `python -m autofit.probe.child RESULT_FD`, started by `autofit.probe.launch`.
 
-An autofit entry point, not a re-run of the user's `__main__`: the job file holds the spec and the
-strategies serialised with cloudpickle (lambdas, closures, notebook and standard-input definitions
-travel by value), so scripts without an `if __name__ == "__main__":` guard, notebooks and
-`python - <<EOF` all work. The rank's place in the process group comes from the environment, as
+An autofit entry point, not a re-run of the user's `__main__`: the job comes on standard input, never
+through a file, the spec and the strategies serialised with cloudpickle (lambdas, closures, notebook and
+standard-input definitions travel by value), so scripts without an `if __name__ == "__main__":` guard,
+notebooks and `python - <<EOF` all work. The rank's place in the process group comes from the environment, as
 torchrun sets it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a single child has none.
 The result is written as one JSON document to the file descriptor RESULT_FD, before the process
 group is left (leaving may wait for peers that are being killed).
@@ -20,17 +20,15 @@ import sys
 import warnings
 from typing import Any
 
-from autofit.probe.orphans import JOB_FOLDER_PREFIX, leave_with_parent
-
+from autofit.probe.orphans import leave_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job in `argv[0]`, write the result to descriptor `argv[1]`; exit status 0 when reported."""
-    job_path, result_fd = (argv if argv is not None else sys.argv[1:])[:2]
-    leave_with_parent(job_path, JOB_FOLDER_PREFIX)
+    """Run the job read on standard input, write the result to descriptor `argv[0]`; exit status 0 when reported."""
+    result_fd = (argv if argv is not None else sys.argv[1:])[0]
+    leave_with_parent()
     quiet_notices()
-    with open(job_path, "rb") as handle:
-        job = pickle.load(handle)
+    job = pickle.loads(sys.stdin.buffer.read())  # the launcher's (`autofit.probe.launch.make_job`), through a pipe
     # The parent's import path first: modules its objects were pickled by reference from (a test's
     # helpers, the user's package) import here as they did there.
     sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]

@@ -6,11 +6,11 @@ in a process group as torchrun would launch them (MASTER_ADDR/PORT, RANK, WORLD_
 NCCL on CUDA or gloo on the CPU; engines (ZeRO, FSDP2, offload) run there even on one rank.
 
 Each process is `python -m autofit.probe.child`, an autofit entry point: nothing of the user's
-`__main__` is imported or re-run there. The spec and the strategies travel with cloudpickle, so
-lambdas, closures and factories defined in a notebook, on standard input or in a script without a
-main guard work; what cannot be serialised at all is one `UsageError` naming it, before any probe
-(`check_serialisable`). Each process runs the ordinary probe (`run_probe`) under its own budget and
-reports one JSON result; the parent:
+`__main__` is imported or re-run there. The spec and the strategies travel with cloudpickle on the
+process's standard input (never through a file), so lambdas, closures and factories defined in a
+notebook, on standard input or in a script without a main guard work; what cannot be serialised at all
+is one `UsageError` naming it, before any probe (`check_serialisable`). Each process runs the ordinary
+probe (`run_probe`) under its own budget and reports one JSON result; the parent:
 - takes the first failure (OOM, error) as the candidate's and kills the others at once, since they may
   be waiting for it in a collective, so none is left hanging;
 - kills every process past the timeout and records an error;
@@ -32,9 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -42,10 +40,10 @@ import torch
 from autofit.config import Config
 from autofit.version import PACKAGE
 from autofit.errors import Param, UsageError
-from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID
+from autofit.probe.orphans import LAUNCHER_PID
 from autofit.probe import warm
 from autofit.probe.handover import parent_state
-from autofit.probe.payload import payload
+from autofit.probe.payload import payload, send
 from autofit.probe.outcome import OomKind, ProbeResult, ProbeStatus
 from autofit.job.train_spec import TrainSpec
 from autofit.strategies.base import Placement
@@ -127,15 +125,13 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
     world = ranks_here(spec, config) if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    with tempfile.TemporaryDirectory(prefix=JOB_FOLDER_PREFIX) as folder:
-        job_path = Path(folder) / "job.pickle"
-        job_path.write_bytes(pickle.dumps(make_job(spec, config, strategies, world, timeout, step_limit)))
-        processes: list[_Process] = []
-        try:
-            processes = _start(job_path, world, ranks, spec.device, payload(spec, strategies))
-            reports = _collect(processes, config, timeout)
-        finally:
-            _reap(processes)
+    job = pickle.dumps(make_job(spec, config, strategies, world, timeout, step_limit))
+    processes: list[_Process] = []
+    try:
+        processes = _start(job, world, ranks, spec.device, payload(spec, strategies))
+        reports = _collect(processes, config, timeout)
+    finally:
+        _reap(processes)
     result = combine(spec, config, reports)
     if world < config.num_gpus and result.status is ProbeStatus.FIT:
         result = dataclasses.replace(result, reason=f"{result.reason}; {one_node_note(config)}")
@@ -177,25 +173,30 @@ class _Process:
     data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-def _start(job_path: Path, world: int, ranks: bool, device: torch.device, job_payload: bytes) -> list[_Process]:
-    """One process per rank: forked by the warm process (`autofit.probe.warm`) or, where it cannot, fresh."""
+def _start(job: bytes, world: int, ranks: bool, device: torch.device, job_payload: bytes) -> list[_Process]:
+    """One process per rank: forked by the warm process (`autofit.probe.warm`) or, where it cannot, fresh; each
+    reads `job` on its standard input (`autofit.probe.payload.send`)."""
     port = _free_port() if ranks else None
     streams = (sys.__stderr__.fileno() if sys.__stderr__ else 1, 2)  # stdout stays the caller's (--json)
     modules = warm.warm_list(job_payload) if warm.off_reason() is None else []
     processes = []
     for rank in range(world):
         read_fd, write_fd = os.pipe()
+        job_in, job_out = os.pipe()
         try:
             env = _environment(rank, world, port, device)
-            popen = warm.start(str(job_path), write_fd, env, streams, modules) or subprocess.Popen(
-                [sys.executable, "-m", "autofit.probe.child", str(job_path), str(write_fd)], env=env,
-                pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=streams[0],
+            popen = warm.start(job_in, write_fd, env, streams, modules) or subprocess.Popen(
+                [sys.executable, "-m", "autofit.probe.child", str(write_fd)], env=env, pass_fds=(write_fd,),
+                stdin=job_in, stdout=streams[0],
                 start_new_session=True)  # its own process group: a kill reaches what it started too
         except BaseException:
             os.close(read_fd)
+            os.close(job_out)
             raise
         finally:
             os.close(write_fd)
+            os.close(job_in)
+        send(job_out, job)
         processes.append(_Process(popen, read_fd))
     return processes
 

@@ -1,4 +1,5 @@
-"""What a probe process receives: the spec and the strategies, serialised once with cloudpickle.
+"""What a probe process receives: the spec and the strategies, serialised once with cloudpickle, on its
+standard input (`send`), never through a file.
 
 cloudpickle serialises by value what plain pickle can only name (lambdas, closures, functions and
 classes of `__main__`, a notebook or standard input), and by reference what a module defines, so the
@@ -9,6 +10,8 @@ a lock, a live connection captured by a factory) is found once, before any probe
 
 from __future__ import annotations
 
+import os
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -44,6 +47,21 @@ def payload(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> bytes:
 def check_serialisable(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> None:
     """Raise the one `UsageError` a spec that cannot reach a probe process deserves, before any probe."""
     payload(spec, strategies)
+
+
+def send(fd: int, data: bytes) -> None:
+    """Write `data` to the pipe `fd` (a process's standard input) from a thread, and close it: the caller goes on
+    while the process starts and reads it (a model given as an instance travels with its weights). A process gone
+    first gets nothing; it reports nothing, and its launcher takes it as died."""
+    threading.Thread(target=_write_all, args=(fd, data), name="autofit-send-job", daemon=True).start()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(data)
+    except OSError:
+        pass
 
 
 def _parts(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> Iterator[tuple[str, Any]]:

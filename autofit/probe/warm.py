@@ -3,7 +3,7 @@ imported torch and the libraries the jobs name, and forks each probe process (ea
 a probe no longer pays an interpreter's start and `import torch` (and transformers, for a Hugging Face
 model) per probe and rank.
 
-The forked process runs what a fresh `python -m autofit.probe.child` runs, with the same job file, result
+The forked process runs what a fresh `python -m autofit.probe.child` runs, with the same job pipe, result
 pipe, environment, working folder and standard streams, in a session of its own; what it measures is the
 same either way. The launcher holds a `WarmProcess` for it, shaped as the `subprocess.Popen` it holds for
 a fresh one (pid, poll, wait, kill, returncode): the warm process reports each probe's exit status (a
@@ -115,14 +115,15 @@ class Zygote:
     def usable_for(self, env: dict[str, str]) -> bool:
         return not self.lost and self.owner == os.getpid() and self.popen.poll() is None and _shared(env) == self.env
 
-    def fork(self, job_path: str, result_fd: int, env: dict[str, str], streams: tuple[int, int],
+    def fork(self, job_fd: int, result_fd: int, env: dict[str, str], streams: tuple[int, int],
              modules: list[tuple[str, str | None]]) -> WarmProcess:
-        """Start the probe of `job_path`, writing to `result_fd`, with `env` and `streams` (stdout, stderr)."""
+        """Start a probe reading its job on `job_fd`, writing to `result_fd`, with `env` and `streams` (stdout,
+        stderr)."""
         with self.lock:
             self._ids += 1
-            request = {"op": "fork", "id": self._ids, "job": job_path, "env": env, "cwd": os.getcwd(),
+            request = {"op": "fork", "id": self._ids, "env": env, "cwd": os.getcwd(),
                        "sys_path": [p for p in sys.path if isinstance(p, str)], "warm": modules}
-            reply = self._ask(request, [result_fd, *streams], START_TIMEOUT)
+            reply = self._ask(request, [result_fd, *streams, job_fd], START_TIMEOUT)
             if reply.get("op") != "started":
                 raise Unavailable(f"the warm process refused: {reply.get('reason')}")
             process = WarmProcess(reply["pid"], self)
@@ -231,11 +232,11 @@ def off_reason() -> str | None:
     return _off
 
 
-def start(job_path: str, result_fd: int, env: dict[str, str], streams: tuple[int, int],
+def start(job_fd: int, result_fd: int, env: dict[str, str], streams: tuple[int, int],
           modules: list[tuple[str, str | None]]) -> WarmProcess | None:
-    """A probe process forked warm for `job_path` (`result_fd`, `env`, `streams`: stdout, stderr; `modules`
-    imported first: `warm_list`), or None where it must start fresh (`off_reason`; a warm process that
-    refuses turns them off for this process)."""
+    """A probe process forked warm, reading its job on `job_fd` (`result_fd`, `env`, `streams`: stdout, stderr;
+    `modules` imported first: `warm_list`), or None where it must start fresh (`off_reason`; a warm process
+    that refuses turns them off for this process)."""
     global _current, _off, _losses
     if off_reason():
         return None
@@ -250,7 +251,7 @@ def start(job_path: str, result_fd: int, env: dict[str, str], streams: tuple[int
         try:
             if _current is None:
                 _current = Zygote(env, streams[0])
-            return _current.fork(job_path, result_fd, env, streams, modules)
+            return _current.fork(job_fd, result_fd, env, streams, modules)
         except Lost as exc:
             why = str(exc)  # the reason where its replacement is lost too
         except (Unavailable, OSError) as exc:

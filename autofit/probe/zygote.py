@@ -2,11 +2,11 @@
 
 It imports torch and the libraries a job names (import only: no tensor is made, no CUDA call is made,
 no thread pool is started, nothing is unpickled), then forks one process per probe and rank; each runs
-exactly what `python -m autofit.probe.child JOB RESULT_FD` runs (`autofit.probe.child.main`) with the
-probe's environment, working folder, standard streams and result pipe, in a session of its own so that
-the launcher's kill of its process group reaches what it starts. The launcher's requests and this
-process's replies travel over one Unix socket (JSON messages; the result pipe's write end and the
-launcher's stdout / stderr travel as file descriptors with the request):
+exactly what `python -m autofit.probe.child RESULT_FD` runs (`autofit.probe.child.main`) with the
+probe's environment, working folder, standard streams, job pipe and result pipe, in a session of its own so
+that the launcher's kill of its process group reaches what it starts. The launcher's requests and this
+process's replies travel over one Unix socket (JSON messages; the result pipe's write end, the launcher's
+stdout / stderr and the read end of the pipe the job comes on travel as file descriptors with the request):
 
 - `fork` (a job, its environment, the modules to import first): replies `started` with the pid, or
   `refused` with the reason when an import left this process unsafe to fork from (`unsafe`);
@@ -16,7 +16,7 @@ launcher's stdout / stderr travel as file descriptors with the request):
 - and on its own, `exited` with a probe's pid and exit status (a negative signal number, as Popen's).
 
 It ends when the launcher is gone (the socket closes, or its parent changes), killing the probes it
-started and removing their job folders, which they could not do themselves once killed.
+started.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import socket
 import sys
 from typing import Any
 
-from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID, remove_job_folder
+from autofit.probe.orphans import LAUNCHER_PID
 
 # Imported but unsafe to fork from: where one of these is in this process, probes start fresh instead.
 # DeepSpeed picks its accelerator when imported (DS_ACCELERATOR, which a rank's environment sets);
@@ -38,6 +38,7 @@ from autofit.probe.orphans import JOB_FOLDER_PREFIX, LAUNCHER_PID, remove_job_fo
 UNSAFE_MODULES = ("deepspeed", "bitsandbytes")
 UNSAFE_LIBRARIES = ("libcuda.so",)  # the CUDA driver: a process forked after it was loaded cannot use CUDA
 MESSAGE_BYTES = 1 << 20  # the largest request (a probe's environment and its module list)
+FORK_FDS = 4  # what comes with a fork request: the result pipe, stdout, stderr, the job pipe
 POLL_SECONDS = 1.0  # how often the launcher's presence is checked when nothing arrives
 
 
@@ -57,7 +58,7 @@ class Zygote:
         os.set_blocking(self.wake[1], False)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a probe's exit wakes the loop through the pipe
         signal.set_wakeup_fd(self.wake[1])
-        self.probes: dict[int, str] = {}  # pid -> its job file, until its exit is reported
+        self.probes: set[int] = set()  # pids whose exit is not yet reported
         self.refusal: str | None = None  # once an import made forking unsafe, every fork is refused
 
     def serve(self) -> None:
@@ -68,7 +69,7 @@ class Zygote:
             self.report_exits()
             if self.control in readable:
                 try:
-                    message, fds, _, _ = socket.recv_fds(self.control, MESSAGE_BYTES, 3)
+                    message, fds, _, _ = socket.recv_fds(self.control, MESSAGE_BYTES, FORK_FDS)
                 except OSError:
                     break
                 if not message:
@@ -96,8 +97,8 @@ class Zygote:
             self.send({"op": "refused", "id": request.get("id"), "reason": f"unknown request {op!r}"})
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        if len(fds) != 3:
-            return {"op": "refused", "reason": f"{len(fds)} descriptors came with the request, not 3"}
+        if len(fds) != FORK_FDS:
+            return {"op": "refused", "reason": f"{len(fds)} descriptors came with the request, not {FORK_FDS}"}
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -106,7 +107,7 @@ class Zygote:
             return {"op": "refused", "reason": f"fork failed ({exc})"}
         if pid == 0:
             _run_probe(request, fds, [self.control.fileno(), *self.wake])  # never returns
-        self.probes[pid] = request["job"]
+        self.probes.add(pid)
         return {"op": "started", "pid": pid}
 
     def report_exits(self) -> None:
@@ -120,17 +121,16 @@ class Zygote:
             if info is None:
                 continue
             killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-            del self.probes[pid]
+            self.probes.discard(pid)
             self.send({"op": "exited", "pid": pid, "returncode": -info.si_status if killed else info.si_status})
 
     def end_probes(self) -> None:
-        """The launcher is gone: kill what each running probe started, remove its job folder, reap it."""
-        for pid, job in self.probes.items():
+        """The launcher is gone: kill what each running probe started, and reap it."""
+        for pid in self.probes:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            remove_job_folder(job, JOB_FOLDER_PREFIX)
         for pid in self.probes:
             _reap(pid)
 
@@ -208,11 +208,10 @@ def _run_probe(request: dict[str, Any], fds: list[int], zygotes: list[int]) -> N
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in zygotes:
             os.close(fd)
-        result_fd, stdout_fd, stderr_fd = fds
-        null = os.open(os.devnull, os.O_RDONLY)
-        for source, target in ((null, 0), (stdout_fd, 1), (stderr_fd, 2)):
+        result_fd, stdout_fd, stderr_fd, job_fd = fds
+        for source, target in ((job_fd, 0), (stdout_fd, 1), (stderr_fd, 2)):
             os.dup2(source, target)
-        for fd in (null, stdout_fd, stderr_fd):
+        for fd in (job_fd, stdout_fd, stderr_fd):
             if fd > 2:
                 os.close(fd)
         os.chdir(request["cwd"])
@@ -220,7 +219,7 @@ def _run_probe(request: dict[str, Any], fds: list[int], zygotes: list[int]) -> N
         os.environ.update(request["env"], **{LAUNCHER_PID: str(os.getppid())})  # this process's death ends it
         from autofit.probe import child
 
-        sys.argv = [child.__file__, request["job"], str(result_fd)]
+        sys.argv = [child.__file__, str(result_fd)]
         code = child.main(sys.argv[1:])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -245,7 +245,7 @@ def test_ranks_leave_when_their_launcher_is_killed(tmp_path, warm):
         time.sleep(0.5)
         alive = [pid for pid in alive if _running(pid)]
     assert not alive
-    assert not list(tmp_path.glob("autofit-probe-*"))  # the job (the pickled model) went with them
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")]  # the job came on a pipe
 
 
 def _descendants(pid):

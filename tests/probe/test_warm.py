@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -34,7 +35,8 @@ def in_probe_process() -> bool:
 class Misbehaving(LinearBlocks):
     """Two linear blocks whose forward, in a probe process, does `what`: "kill" (SIGKILL itself, as the
     kernel's OOM killer would), "exit" (exit 3 without reporting), "hang", "print" (to stdout and stderr),
-    or "env" (raise unless the rank's environment and AUTOFIT_TEST_MARK=`mark` are there)."""
+    "env" (raise unless the rank's environment and AUTOFIT_TEST_MARK=`mark` are there), or "files" (raise
+    where the temporary folder holds anything)."""
 
     def __init__(self, what=None, mark=None):
         super().__init__(WIDTH, 2)
@@ -53,7 +55,14 @@ class Misbehaving(LinearBlocks):
                 print("PROBE-STDERR", file=sys.stderr, flush=True)
             elif self.what == "env":
                 _check_environment(self.mark)
+            elif self.what == "files" and _written():
+                raise RuntimeError(f"written: {_written()}")
         return super().forward(x)
+
+
+def _written():
+    """What the temporary folder holds, torch's compiler cache aside (torch may make it when imported)."""
+    return [name for name in os.listdir(tempfile.gettempdir()) if not name.startswith("torchinductor_")]
 
 
 def _check_environment(mark):
@@ -139,6 +148,18 @@ def test_the_rank_environment_and_the_callers_reach_forked_probes(monkeypatch):
     assert result.status is ProbeStatus.FIT, result.reason
     assert warm.current().popen.pid != first
     assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_probe_reads_its_job_on_standard_input_and_nothing_is_written(monkeypatch, tmp_path, switch):
+    """The job (the spec serialised: the user's code, a model's weights) reaches the probe process through a
+    pipe, never a file that another process could read or swap for its own."""
+    monkeypatch.setenv(warm.SWITCH, switch)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read from TMPDIR again, here and in the probe process
+    result = _child(_spec("files"))
+    assert result.status is ProbeStatus.FIT, result.reason
+    assert not _written()
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])

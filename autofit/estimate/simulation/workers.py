@@ -28,7 +28,6 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
@@ -241,8 +240,9 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], settings: dict[st
     """Start `count` workers simulating for `spec`, each with an `Estimator` made with the caller's `settings` (its
     keyword arguments: the target, and how it extrapolates), waiting for the batches the caller shares
     (`Workers.share`); None when the spec cannot travel to another process (the caller then simulates
-    everything itself). The spec goes to each on its standard input (`_send`), never through a file."""
-    from autofit.probe.payload import payload
+    everything itself). The spec goes to each on its standard input (`autofit.probe.payload.send`), never through
+    a file."""
+    from autofit.probe.payload import payload, send
 
     try:
         data = payload(spec, strategies)
@@ -250,23 +250,21 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], settings: dict[st
         return None
     folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
     job = pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data, "settings": settings})
-    processes = [subprocess.Popen(
-        [sys.executable, "-m", "autofit.estimate.simulation.workers", folder.name, str(index)],
-        env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for index in range(count)]
-    for process in processes:  # each read once the worker has imported torch: the caller goes on meanwhile
-        threading.Thread(target=_send, args=(process, job), name="autofit-worker-job", daemon=True).start()
+    processes = []
+    for index in range(count):  # each reads its job once it has imported torch: the caller goes on meanwhile
+        job_in, job_out = os.pipe()
+        try:
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "autofit.estimate.simulation.workers", folder.name, str(index)],
+                env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
+                stdin=job_in, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        except BaseException:
+            os.close(job_out)
+            raise
+        finally:
+            os.close(job_in)
+        send(job_out, job)
     return Workers(processes, folder)
-
-
-def _send(process: subprocess.Popen, job: bytes) -> None:
-    """Write `job` to the worker's standard input and close it; a worker gone first gets nothing (it delivers
-    nothing, and the caller simulates its share)."""
-    try:
-        process.stdin.write(job)
-        process.stdin.close()
-    except OSError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
