@@ -88,15 +88,21 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
     return folder.resolve()
 
 
-def spare_threads(requested: int, cores: int | None = None, load: float | None = None) -> int:
+def spare_threads(requested: int, idle: int | None = None) -> int:
     """Torch CPU threads for the probes of a search: `requested`, fewer where other processes keep the cores
-    busy (`load`: runnable processes, the 1-minute load average by default, one of them taken as this one).
-    OpenMP's threads wait for each other at every parallel operation, so a thread that another process holds
-    off its core stalls the rest (docs/search.md: "A busy machine's cores")."""
-    cores = cores or os.cpu_count() or 1
-    load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
-    others = max(0, round(load) - 1)
-    return max(1, min(requested, cores - others))
+    busy (`idle`: the CPUs idle now, `idle_cpus` by default). OpenMP's threads wait for each other at every
+    parallel operation, so a thread that another process holds off its core stalls the rest (docs/search.md:
+    "A busy machine's cores")."""
+    return max(1, min(requested, idle_cpus() if idle is None else idle))
+
+
+def idle_cpus(window: float = 0.2) -> int:
+    """CPUs this process may run on (its affinity, where the platform says) that were idle over the last `window`
+    seconds (under half busy). Sampled, not read from the load average: that one lags by a minute, so right after
+    a run that kept the cores busy (a search, an install) it still counts it, on a machine quiet by now."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    busy = psutil.cpu_percent(interval=window, percpu=True)
+    return sum(1 for cpu, percent in enumerate(busy) if percent < 50 and (allowed is None or cpu in allowed))
 
 
 @contextlib.contextmanager

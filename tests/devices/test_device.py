@@ -1,21 +1,36 @@
 
 
 def test_a_busy_machine_probes_at_the_threads_its_cores_spare(monkeypatch):
-    """OpenMP threads wait for each other: on 2 cores at a load of 8, a step ran 4-12 s at 2 threads, ~1 s at 1."""
+    """OpenMP threads wait for each other: on 2 cores at a load of 8, a step ran 4-12 s at 2 threads, ~1 s at 1.
+    The CPUs are sampled (a test double of the operating system's counters here), not read from the load average,
+    which still counts a run that ended a minute ago."""
     import os
 
+    import psutil
     import torch
 
+    from autofit.devices import device
     from autofit.devices.device import search_threads, spare_threads
 
-    assert spare_threads(2, cores=2, load=8.0) == 1
-    assert spare_threads(2, cores=2, load=1.0) == 2  # one runnable process is this one
-    assert spare_threads(64, cores=64, load=32.0) == 33
-    assert spare_threads(4, cores=8, load=0.2) == 4
+    assert spare_threads(2, idle=0) == 1
+    assert spare_threads(2, idle=2) == 2
+    assert spare_threads(64, idle=33) == 33
+    assert spare_threads(4, idle=8) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [3.0, 97.0, 1.0, 0.0])
+    assert device.idle_cpus() == 1  # cpus 2 and 3 are not this process's
+    monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 8.0, 8.0))  # what a search that just ended leaves
     before = torch.get_num_threads()
-    monkeypatch.setattr(os, "getloadavg", lambda: (50.0, 50.0, 50.0))
-    with search_threads(torch.device("cpu")) as threads:
-        assert threads == torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [2.0, 4.0])
+        with search_threads(torch.device("cpu")) as threads:
+            assert threads == torch.get_num_threads() == 2  # quiet now: the lagging load average is not read
+        monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [100.0, 99.0])
+        with search_threads(torch.device("cpu")) as threads:
+            assert threads == torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     with search_threads(torch.device("cuda")) as threads:
         assert threads is None

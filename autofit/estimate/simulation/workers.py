@@ -56,15 +56,11 @@ POLL_S = 0.02  # how often a waiting worker looks for the next batch, and the ca
 
 
 def spare_cpus(window: float = 0.2) -> int:
-    """CPUs this process may run on (its affinity where the platform says) that were idle over the last
-    `window` seconds, less the caller's own: on a busy machine more processes only queue. (The load
-    average would lag: right after a dry-run it still counts that run.)"""
-    import psutil
+    """CPUs idle over the last `window` seconds (`autofit.devices.device.idle_cpus`), less the caller's own: on a
+    busy machine more processes only queue."""
+    from autofit.devices.device import idle_cpus
 
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    busy = psutil.cpu_percent(interval=window, percpu=True)
-    idle = sum(1 for cpu, percent in enumerate(busy) if percent < 50 and (allowed is None or cpu in allowed))
-    return max(0, idle - 1)
+    return max(0, idle_cpus(window) - 1)
 
 
 @dataclasses.dataclass
