@@ -10,7 +10,8 @@ Cases (issue 58's list; `--cases` picks, in this order):
   model that fits plainly at its largest micro-batch), a cache of its own;
 - `dry-run-7b-4090`: the 7B of `dry-run-7b` on one 24 GB card (`--gpu rtx-4090`: only state offloading fits),
   a cache of its own;
-- `quickstart`: `python examples/quickstart.py` (a tiny GPT-2 tuned on the CPU; its probes run are counted);
+- `quickstart`: `python examples/quickstart.py` (a tiny GPT-2 tuned on the CPU; its probes run are counted, and
+  its plan's torch threads and confirmation steps kept);
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
 Each run records its wall seconds, exit code and, where the command says it, the training steps (probes)
@@ -54,7 +55,9 @@ dry-run-7b-4090 --against dbefd8b --repeat 3`, quiet: the kept workers bisect le
 time-to-answer-quickstart-competing-2026-12-07-028cb66.json (`--cases quickstart --competing 2 --repeat 2`: the
 quickstart quiet, 33.9 and 46.2 s, and beside two busy loops per core, 124.1 and 121.3 s; 11 probes in each),
 time-to-answer-tests-2026-12-07-a0c3904.json (`--cases quickstart,tests`, quiet: the quickstart in 32.0 s with 11
-probes, the README's test command in 457 s)."""
+probes, the README's test command in 457 s),
+time-to-answer-quickstart-2026-12-07-2790677-vs-d3c0b54.json (`--cases quickstart --against d3c0b54 --repeat 3`, back
+to back: the search's threads from the cores sampled, not the lagging load average; medians 39.8 and 51.1 s, 0.779)."""
 
 from __future__ import annotations
 
@@ -121,6 +124,10 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
                      chosen=report["chosen"]["config"] if report["chosen"] else None,
                      report_sha256=hashlib.sha256(json.dumps({k: v for k, v in report.items() if k != "seconds"},
                                                              sort_keys=True).encode()).hexdigest())
+    plan = work / "quickstart" / "plan.json"
+    if name == "quickstart" and done.returncode == 0 and plan.is_file():  # what the search ran at, and its cost
+        confirmation = json.loads(plan.read_text()).get("confirmation") or {}
+        found.update(threads=confirmation.get("threads"), confirmation_steps=confirmation.get("steps"))
     if name == "tests":
         found["summary"] = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     if done.returncode not in (0, 3, 4):
