@@ -92,7 +92,9 @@ def spare_threads(requested: int, idle: int | None = None) -> int:
     """Torch CPU threads for the probes of a search: `requested`, fewer where other processes keep the cores
     busy (`idle`: the CPUs idle now, `idle_cpus` by default). OpenMP's threads wait for each other at every
     parallel operation, so a thread that another process holds off its core stalls the rest (docs/search.md:
-    "A busy machine's cores")."""
+    "A busy machine's cores"). One thread asked for is one thread: the CPUs are not sampled."""
+    if requested <= 1:
+        return 1
     return max(1, min(requested, idle_cpus() if idle is None else idle))
 
 

@@ -1,3 +1,4 @@
+import pytest
 
 
 def test_a_busy_machine_probes_at_the_threads_its_cores_spare(monkeypatch):
@@ -16,6 +17,8 @@ def test_a_busy_machine_probes_at_the_threads_its_cores_spare(monkeypatch):
     assert spare_threads(2, idle=2) == 2
     assert spare_threads(64, idle=33) == 33
     assert spare_threads(4, idle=8) == 4
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: pytest.fail("sampled for one thread"))
+    assert spare_threads(1) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [3.0, 97.0, 1.0, 0.0])
     assert device.idle_cpus() == 1  # cpus 2 and 3 are not this process's
