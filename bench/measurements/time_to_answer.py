@@ -57,7 +57,10 @@ quickstart quiet, 33.9 and 46.2 s, and beside two busy loops per core, 124.1 and
 time-to-answer-tests-2026-12-07-a0c3904.json (`--cases quickstart,tests`, quiet: the quickstart in 32.0 s with 11
 probes, the README's test command in 457 s),
 time-to-answer-quickstart-2026-12-07-2790677-vs-d3c0b54.json (`--cases quickstart --against d3c0b54 --repeat 3`, back
-to back: the search's threads from the cores sampled, not the lagging load average; medians 39.8 and 51.1 s, 0.779)."""
+to back: the search's threads from the cores sampled, not the lagging load average; medians 39.8 and 51.1 s, 0.779),
+time-to-answer-quickstart-competing-2026-12-07-9353f0f.json (`--cases quickstart --competing 2 --repeat 2`: medians
+38.7 s quiet, 144.4 s competing, 3.73x), time-to-answer-quickstart-competing-2026-12-07-b7ee381-vs-d3c0b54.json (the
+same once, alternated with d3c0b54: 3.88x against 2.77x, d3c0b54's quiet run at 1 thread)."""
 
 from __future__ import annotations
 
