@@ -37,7 +37,7 @@ def _run_main(rank, world, port, spec, monkeypatch):
     gives rank `rank`: what it binds is what the double records."""
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the entry edits the environment
     monkeypatch.delitem(os.environ, "CUDA_VISIBLE_DEVICES", raising=False)
-    job = launcher.make_job(spec, Config(micro_batch_size=1, num_gpus=world), [MicroBatch()], world, 5.0, None)
+    job = launcher.make_job(spec, Config(micro_batch_size=1, num_gpus=world), [MicroBatch()], world, 1.0, None)
     os.environ.update(launcher._environment(rank, world, port, spec.device) if port else {})
     run_job(job)  # the report: an error here (no NCCL on a CPU build); the binding came first
 
