@@ -103,7 +103,10 @@ def idle_cpus(window: float = 0.2) -> int:
     seconds (under half busy). Sampled, not read from the load average: that one lags by a minute, so right after
     a run that kept the cores busy (a search, an install) it still counts it, on a machine quiet by now."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    busy = psutil.cpu_percent(interval=window, percpu=True)
+    try:
+        busy = psutil.cpu_percent(interval=window, percpu=True)
+    except (OSError, psutil.Error):  # counters this system does not let be read: taken as idle, as torch does
+        return len(allowed) if allowed is not None else os.cpu_count() or 1
     return sum(1 for cpu, percent in enumerate(busy) if percent < 50 and (allowed is None or cpu in allowed))
 
 

@@ -22,6 +22,12 @@ def test_a_busy_machine_probes_at_the_threads_its_cores_spare(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [3.0, 97.0, 1.0, 0.0])
     assert device.idle_cpus() == 1  # cpus 2 and 3 are not this process's
+
+    def unreadable(interval, percpu):
+        raise PermissionError("/proc/stat")
+
+    monkeypatch.setattr(psutil, "cpu_percent", unreadable)
+    assert device.idle_cpus() == 2  # as if idle: the threads torch would take anyway
     monkeypatch.setattr(os, "getloadavg", lambda: (8.0, 8.0, 8.0))  # what a search that just ended leaves
     before = torch.get_num_threads()
     torch.set_num_threads(2)
