@@ -60,7 +60,9 @@ time-to-answer-quickstart-2026-12-07-2790677-vs-d3c0b54.json (`--cases quickstar
 to back: the search's threads from the cores sampled, not the lagging load average; medians 39.8 and 51.1 s, 0.779),
 time-to-answer-quickstart-competing-2026-12-07-9353f0f.json (`--cases quickstart --competing 2 --repeat 2`: medians
 38.7 s quiet, 144.4 s competing, 3.73x), time-to-answer-quickstart-competing-2026-12-07-b7ee381-vs-d3c0b54.json (the
-same once, alternated with d3c0b54: 3.88x against 2.77x, d3c0b54's quiet run at 1 thread)."""
+same once, alternated with d3c0b54: 3.88x against 2.77x, d3c0b54's quiet run at 1 thread),
+time-to-answer-tests-2026-12-07-4c8c624.json (`--cases quickstart,tests`, quiet: the quickstart in 43.2 s with 11
+probes, the README's test command in 581 s)."""
 
 from __future__ import annotations
 
