@@ -1,10 +1,12 @@
 """The probe process: `python -m autofit.probe.child RESULT_FD`, started by `autofit.probe.launch`.
 
-An autofit entry point, not a re-run of the user's `__main__`: the job comes on standard input, never
-through a file, the spec and the strategies serialised with cloudpickle (lambdas, closures, notebook and
-standard-input definitions travel by value), so scripts without an `if __name__ == "__main__":` guard,
-notebooks and `python - <<EOF` all work. The rank's place in the process group comes from the environment, as
-torchrun sets it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a single child has none.
+An autofit entry point, not a re-run of the user's `__main__`: the job comes on standard input, never through
+a file (`autofit.probe.payload.unframed`): its fields as JSON, checked before anything else is read
+(`check_job`; a job that does not check out ends the process with exit status 2, unread), then the spec and
+the strategies serialised with cloudpickle (lambdas, closures, notebook and standard-input definitions travel
+by value), so scripts without an `if __name__ == "__main__":` guard, notebooks and `python - <<EOF` all work.
+The rank's place in the process group comes from the environment, as torchrun sets it (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a single child has none.
 The result is written as one JSON document to the file descriptor RESULT_FD, before the process
 group is left (leaving may wait for peers that are being killed).
 """
@@ -21,6 +23,7 @@ import warnings
 from typing import Any
 
 from autofit.probe.orphans import leave_with_parent
+from autofit.probe.payload import unframed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,11 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     result_fd = (argv if argv is not None else sys.argv[1:])[0]
     leave_with_parent()
     quiet_notices()
-    job = pickle.loads(sys.stdin.buffer.read())  # the launcher's (`autofit.probe.launch.make_job`), through a pipe
-    # The parent's import path first: modules its objects were pickled by reference from (a test's
-    # helpers, the user's package) import here as they did there.
-    sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
-    result = run_job(job)
+    try:
+        job, data = unframed(sys.stdin.buffer)  # the launcher's (`autofit.probe.launch.make_job`), through a pipe
+        check_job(job)
+    except ValueError as exc:
+        print(f"autofit probe: the job on standard input does not check out: {exc}", file=sys.stderr)
+        return 2  # no result: the launcher reports the exit code
+    result = run_job(job, data)
     with os.fdopen(int(result_fd), "w") as out:
         out.write(json.dumps(result))
     _leave_group()
@@ -55,15 +60,34 @@ def _unset_loss_type(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("`loss_type=None` was set in the config but it is unrecognized")
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """The probe's result as a dict (`ProbeResult.to_dict`), whatever happens inside it."""
+def check_job(job: dict[str, Any]) -> None:
+    """`ValueError` naming the first of `job`'s fields (`autofit.probe.launch.make_job`) that is not what the
+    launcher writes."""
+    from autofit.config import Config
+    from autofit.probe.handover import check_state
+
+    try:
+        Config.from_dict(job["config"])
+    except (KeyError, TypeError, ValueError) as exc:  # UsageError is a ValueError
+        raise ValueError(f"config: {exc}") from None
+    limit, timeout = job.get("step_limit"), job.get("timeout")
+    if limit is not None and not (type(limit) in (int, float) and limit >= 0):
+        raise ValueError(f"step_limit {limit!r} is not a number of seconds")
+    if not (type(timeout) in (int, float) and timeout > 0):
+        raise ValueError(f"timeout {timeout!r} is not a number of seconds")
+    check_state(job.get("state"))
+
+
+def run_job(job: dict[str, Any], data: bytes) -> dict[str, Any]:
+    """The probe's result as a dict (`ProbeResult.to_dict`), whatever happens inside it: `job`'s fields
+    (`check_job`) and `data`, the spec and strategies serialised (`autofit.probe.payload`)."""
     from autofit.config import Config
     from autofit.probe.outcome import ProbeResult, ProbeStatus
 
     config = Config.from_dict(job["config"])
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
-        spec, strategies = pickle.loads(job["payload"])
+        spec, strategies = pickle.loads(data)  # the user's code (`autofit.probe.payload`), as they passed it
         spec = _placed(spec, job["state"], rank, world)
         result = _probe(spec, config, strategies, job["step_limit"], job["timeout"])
     except Exception as exc:  # noqa: BLE001 - bad input found in a child still comes back as a result

@@ -40,6 +40,22 @@ def parent_state(device: torch.device, world: int) -> dict[str, Any]:
     return state
 
 
+def check_state(state: Any) -> None:
+    """`ValueError` unless `state` is what `parent_state` makes: {"flags": booleans and, on torch >= 2.9, the
+    precisions by name; "cards": None, or the visible entries and one NVML address per rank}."""
+    flags = state.get("flags") if isinstance(state, dict) else None
+    cards = state.get("cards") if isinstance(state, dict) else None
+    precisions = flags.get("fp32_precision", {}) if isinstance(flags, dict) else None
+    if not (isinstance(flags, dict) and isinstance(precisions, dict)
+            and all(type(v) is bool for k, v in flags.items() if k != "fp32_precision")
+            and all(isinstance(v, str) for v in precisions.values())):
+        raise ValueError("the parent's flags are not booleans and precision names")
+    if cards is not None and not (isinstance(cards, dict) and isinstance(cards.get("visible"), str)
+                                  and isinstance(cards.get("buses"), list)
+                                  and all(b is None or isinstance(b, str) for b in cards["buses"])):
+        raise ValueError("the parent's cards are not visible entries and NVML addresses")
+
+
 def adopt(state: dict[str, Any], spec: "TrainSpec", rank: int) -> "TrainSpec":
     """In the launched process, first thing: apply the parent's flags; for CUDA make the probe's cards
     the visible ones, take the memory baseline, bind `cuda:rank`. Returns the spec on that device."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import select
 import signal
 import socket
@@ -43,7 +42,7 @@ from autofit.errors import Param, UsageError
 from autofit.probe.orphans import LAUNCHER_PID
 from autofit.probe import warm
 from autofit.probe.handover import parent_state
-from autofit.probe.payload import payload, send
+from autofit.probe.payload import framed, payload, send
 from autofit.probe.outcome import OomKind, ProbeResult, ProbeStatus
 from autofit.job.train_spec import TrainSpec
 from autofit.strategies.base import Placement
@@ -125,10 +124,11 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
     world = ranks_here(spec, config) if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    job = pickle.dumps(make_job(spec, config, strategies, world, timeout, step_limit))
+    data = payload(spec, strategies)
+    job = framed(make_job(spec, config, world, timeout, step_limit), data)
     processes: list[_Process] = []
     try:
-        processes = _start(job, world, ranks, spec.device, payload(spec, strategies))
+        processes = _start(job, world, ranks, spec.device, data)
         reports = _collect(processes, config, timeout)
     finally:
         _reap(processes)
@@ -155,12 +155,10 @@ def one_node_note(config: Config) -> str:
             "samples/s over every node is predicted from it (autofit dry-run --nodes charges those collectives)")
 
 
-def make_job(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], world: int, timeout: float,
-             step_limit: float | None) -> dict:
-    """What each probe process reads (`autofit.probe.child.run_job`): the serialised spec and strategies,
-    the config, the parent's import path, and its cards and TF32/cuDNN flags (`autofit.probe.handover`)."""
-    return {"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": payload(spec, strategies),
-            "config": config.to_dict(), "step_limit": step_limit, "timeout": timeout,
+def make_job(spec: TrainSpec, config: Config, world: int, timeout: float, step_limit: float | None) -> dict:
+    """The fields each probe process reads beside the serialised spec (`autofit.probe.child.run_job`), plain
+    values: the config, the limits, and the parent's cards and TF32/cuDNN flags (`autofit.probe.handover`)."""
+    return {"config": config.to_dict(), "step_limit": step_limit, "timeout": timeout,
             "state": parent_state(spec.device, world)}
 
 

@@ -1,5 +1,7 @@
-"""What a probe process receives: the spec and the strategies, serialised once with cloudpickle, on its
-standard input (`send`), never through a file.
+"""What a probe process (or a simulation worker) receives on its standard input (`send`), never through a file:
+its job's fields as one line of JSON, plain values checked where they are read, then the spec and the strategies
+serialised once with cloudpickle (`framed`, `unframed`). Only that last part is unpickled: it is the user's own
+code (the model factory, the batch, the loss), which the process runs.
 
 cloudpickle serialises by value what plain pickle can only name (lambdas, closures, functions and
 classes of `__main__`, a notebook or standard input), and by reference what a module defines, so the
@@ -10,10 +12,12 @@ a lock, a live connection captured by a factory) is found once, before any probe
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Any, Iterator, Sequence
 
 from autofit.errors import UsageError
 
@@ -47,6 +51,32 @@ def payload(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> bytes:
 def check_serialisable(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> None:
     """Raise the one `UsageError` a spec that cannot reach a probe process deserves, before any probe."""
     payload(spec, strategies)
+
+
+FIELDS_BYTES = 1 << 20  # the longest line of fields a job may start with (an import path, a configuration)
+
+
+def framed(fields: dict[str, Any], data: bytes) -> bytes:
+    """A job as a launched process reads it (`unframed`): `fields` (JSON values) with this process's import path
+    (`sys_path`), as one line of JSON, then `data` (`payload`)."""
+    path = [p for p in sys.path if isinstance(p, str)]
+    return json.dumps({"sys_path": path, **fields}).encode() + b"\n" + data
+
+
+def unframed(stream: IO[bytes]) -> tuple[dict[str, Any], bytes]:
+    """The fields and the serialised spec `framed` wrote, read from `stream` (a process's standard input); the
+    parent's import path put first in `sys.path` (modules its objects were pickled by reference from, a test's
+    helpers or the user's package, import here as they did there). `ValueError` where the first line is not a
+    JSON object whose `sys_path` is a list of strings: nothing of the rest is read, let alone unpickled."""
+    line = stream.readline(FIELDS_BYTES)
+    if not line.endswith(b"\n"):
+        raise ValueError("the job's fields are not one line of JSON")
+    fields = json.loads(line)  # ValueError (json.JSONDecodeError, UnicodeDecodeError) where it is not JSON
+    path = fields.get("sys_path") if isinstance(fields, dict) else None
+    if not isinstance(path, list) or not all(isinstance(entry, str) for entry in path):
+        raise ValueError("the job's fields are not an object with an import path (sys_path: a list of strings)")
+    sys.path[:0] = [entry for entry in path if entry not in sys.path]
+    return fields, stream.read()
 
 
 def send(fd: int, data: bytes) -> None:

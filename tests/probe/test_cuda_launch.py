@@ -15,6 +15,7 @@ from autofit import Config, ProbeStatus
 from autofit.errors import UsageError
 from autofit.probe import launch as launcher
 from autofit.probe.child import run_job
+from autofit.probe.payload import payload
 from autofit.devices.memory import accounting
 from autofit.job.train_spec import make_spec
 from autofit.strategies import MicroBatch, Placement
@@ -37,9 +38,9 @@ def _run_main(rank, world, port, spec, monkeypatch):
     gives rank `rank`: what it binds is what the double records."""
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the entry edits the environment
     monkeypatch.delitem(os.environ, "CUDA_VISIBLE_DEVICES", raising=False)
-    job = launcher.make_job(spec, Config(micro_batch_size=1, num_gpus=world), [MicroBatch()], world, 1.0, None)
+    job = launcher.make_job(spec, Config(micro_batch_size=1, num_gpus=world), world, 1.0, None)
     os.environ.update(launcher._environment(rank, world, port, spec.device) if port else {})
-    run_job(job)  # the report: an error here (no NCCL on a CPU build); the binding came first
+    run_job(job, payload(spec, [MicroBatch()]))  # an error here (no NCCL on a CPU build); the binding came first
 
 
 @pytest.mark.parametrize("rank, world, card", [(0, 1, 1), (1, 2, 2)])

@@ -332,3 +332,65 @@ def test_the_probe_entry_point_is_not_imported_before_it_runs():
                            "assert 'autofit.probe.zygote' not in sys.modules, 'imported'"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _Touches:
+    """Unpickled, it makes the file `path`: what a job must never do where it is read."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+def _entry(module, stdin, *args):
+    """`python -m module ARGS` fed `stdin`, with a result pipe as a probe process has: its exit code and stderr."""
+    import os
+
+    read_fd, write_fd = os.pipe()
+    try:
+        done = subprocess.run([sys.executable, "-m", module, *args, str(write_fd)], input=stdin, pass_fds=(write_fd,),
+                              capture_output=True, timeout=120)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    return done.returncode, done.stderr.decode()
+
+
+def test_a_job_is_json_fields_then_the_spec_and_what_does_not_check_out_is_never_unpickled(tmp_path):
+    """A probe process's and a simulation worker's job (autofit/probe/payload.py): its fields as one line of JSON,
+    checked before the serialised spec after it is read. A pickle, or fields that are not the launcher's, end the
+    process unread."""
+    import io
+    import pickle
+
+    from autofit.probe.child import check_job
+    from autofit.probe.payload import framed, unframed
+
+    fields, data = unframed(io.BytesIO(framed({"timeout": 5.0}, b"\n\x80spec")))
+    assert fields["timeout"] == 5.0 and sys.path[0] in fields["sys_path"] and data == b"\n\x80spec"
+    for bad in (b"\x80\x04K\x01.", b'{"sys_path": "/tmp"}\n', b'{"sys_path": []}'):  # a pickle; a path; no line
+        with pytest.raises(ValueError):
+            unframed(io.BytesIO(bad))
+    state = {"flags": {"cudnn.benchmark": False, "fp32_precision": {"matmul": "ieee"}}, "cards": None}
+    good = {"config": Config(micro_batch_size=2).to_dict(), "step_limit": None, "timeout": 5.0, "state": state}
+    check_job(good)
+    for field, value in [("config", {"micro_batch_size": 0}), ("timeout", "soon"), ("step_limit", -1),
+                         ("state", {"flags": {"cudnn.benchmark": "yes"}, "cards": None}),
+                         ("state", {"flags": {}, "cards": {"visible": 0, "buses": []}})]:
+        with pytest.raises(ValueError, match=field if field != "state" else "parent's"):
+            check_job({**good, field: value})
+
+    marker = tmp_path / "unpickled"
+    evil = pickle.dumps(_Touches(str(marker)))
+    code, err = _entry("autofit.probe.child", evil)
+    assert code == 2 and "does not check out" in err and not marker.exists()
+    code, err = _entry("autofit.probe.child", framed({**good, "timeout": "soon"}, evil))
+    assert code == 2 and "timeout" in err and not marker.exists()
+    folder = tmp_path / "autofit-sim-x"
+    folder.mkdir()
+    code, _ = _entry("autofit.estimate.simulation.workers", framed({"settings": {"target": "tpu"}}, evil), str(folder))
+    assert code == 1 and not marker.exists()

@@ -2,21 +2,22 @@
 each a second or more of Python dispatch under fake tensors. Python runs one of them at a time per process (the
 GIL), so they are shared between the caller and a worker process per idle CPU (`spare_cpus`).
 
-Each worker is `python -m autofit.estimate.simulation.workers FOLDER INDEX`, an autofit entry point (nothing of the
-user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input work); the
-spec and the strategies travel with cloudpickle, as a probe's do (`autofit.probe.payload`), on the worker's
-standard input: the user's code, never a file read back. A worker builds its own `Estimator` once, then
-simulates batch after batch of jobs as the caller shares them (`Workers.share`: a dry-run's waves of levels,
-each a batch, pay the worker's imports once) and writes what each of its simulations found. Batches and results
-are files of data (`entry_file`: JSON and arrays of integers, each simulated step as the disk cache writes it,
-`memo.encode_peak`), checked field by field where they are read: never a pickle. Between waves the caller plans
-the levels it simulated (`Estimator.planned`): then a batch holds levels (`Workers.share_plans`), and a worker
-bisects them as the caller would, with the steps the caller holds, and sends back the allocator's reserves it
-replayed, for the caller to find made. The jobs are not dealt out in advance: the caller takes them from the
-front and the workers from the back, each job claimed by whoever first makes its claim file (`Batch.claim`), so
-a worker that starts late (its imports take seconds) or a slow job leaves no one waiting on a fixed share.
-Whatever a worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so spreading
-changes how long a dry-run takes, never what it predicts.
+Each worker is `python -m autofit.estimate.simulation.workers FOLDER INDEX`, an autofit entry point (nothing of
+the user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input work). Its
+job comes on its standard input, never through a file, as a probe's does (`autofit.probe.payload.framed`): the
+caller's settings as JSON, checked first (`_settings`; a job that does not check out ends the worker unread), then
+the spec and the strategies serialised with cloudpickle, the user's code. A worker builds its own `Estimator`
+once, then simulates batch after batch of jobs as the caller shares them (`Workers.share`: a dry-run's waves of
+levels, each a batch, pay the worker's imports once) and writes what each of its simulations found. Batches and
+results are files of data (`entry_file`: JSON and arrays of integers, each simulated step as the disk cache writes
+it, `memo.encode_peak`), checked field by field where they are read: never a pickle. Between waves the caller
+plans the levels it simulated (`Estimator.planned`): then a batch holds levels (`Workers.share_plans`), and a
+worker bisects them as the caller would, with the steps the caller holds, and sends back the allocator's reserves
+it replayed, for the caller to find made. The jobs are not dealt out in advance: the caller takes them from the
+front and the workers from the back, each job claimed by whoever first makes its claim file (`Batch.claim`), so a
+worker that starts late (its imports take seconds) or a slow job leaves no one waiting on a fixed share. Whatever
+a worker does not deliver (it failed, the spec cannot travel) the caller simulates itself, so spreading changes
+how long a dry-run takes, never what it predicts.
 """
 
 from __future__ import annotations
@@ -238,14 +239,14 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], settings: dict[st
     (`Workers.share`); None when the spec cannot travel to another process (the caller then simulates
     everything itself). The spec goes to each on its standard input (`autofit.probe.payload.send`), never through
     a file."""
-    from autofit.probe.payload import payload, send
+    from autofit.probe.payload import framed, payload, send
 
     try:
         data = payload(spec, strategies)
     except UsageError:
         return None
     folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
-    job = pickle.dumps({"sys_path": [p for p in sys.path if isinstance(p, str)], "payload": data, "settings": settings})
+    job = framed({"settings": settings}, data)
     processes = []
     for index in range(count):  # each reads its job once it has imported torch: the caller goes on meanwhile
         job_in, job_out = os.pipe()
@@ -271,15 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     where, me = (argv if argv is not None else sys.argv[1:])[:2]
     folder = Path(where)
     leave_with_parent(str(folder / "job"), FOLDER_PREFIX)  # a name in the folder: the folder goes with the caller
-    job = pickle.loads(sys.stdin.buffer.read())  # the spec: the user's code, as a probe's (`autofit.probe.payload`)
-    sys.path[:0] = [p for p in job["sys_path"] if p not in sys.path]
+    from autofit.probe.payload import unframed
+
+    try:
+        job, data = unframed(sys.stdin.buffer)  # the caller's (`start`), through a pipe
+        settings = _settings(job.get("settings"))
+    except ValueError:
+        return 1  # the caller simulates what this worker would have
     import torch
 
     from autofit.estimate.estimator import Estimator
 
     torch.set_num_threads(1)  # fake tensors compute nothing; the caller's other workers share the CPUs
-    spec, strategies = pickle.loads(job["payload"])
-    estimator = Estimator(spec, strategies=strategies, **job["settings"])
+    spec, strategies = pickle.loads(data)  # the user's code (`autofit.probe.payload`), as a probe's
+    estimator = Estimator(spec, strategies=strategies, **settings)
     for number in itertools.count():
         name = f"batch-{number}"
         while not _path(folder, name).exists():
@@ -299,6 +305,17 @@ def main(argv: list[str] | None = None) -> int:
                 meta["found"] += [{"index": index, "found": found}] if found is not None else []
         _write(folder, f"result-{number}-{me}", meta, arrays)
     return 0
+
+
+def _settings(found: Any) -> dict[str, Any]:
+    """The caller's `Estimator` settings as `start` sends them (`Estimator._settings`: the target, and how it
+    extrapolates; one left out takes its default); `ValueError` where they are anything else."""
+    switches = {"extrapolate_batch", "deferred_sync", "full_depth"}
+    if not (isinstance(found, dict) and set(found) <= switches | {"target"}
+            and found.get("target", "cpu") in ("cuda", "cpu")
+            and all(type(found[key]) is bool for key in switches & set(found))):
+        raise ValueError(f"settings {found!r} are not an estimator's")
+    return found
 
 
 def _batch(read: tuple[dict[str, Any], dict[str, Any]] | None) -> dict[str, Any] | None:
