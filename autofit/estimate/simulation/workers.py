@@ -103,7 +103,7 @@ class Workers:
         return any(process.poll() is None for process in self.processes)
 
     def close(self) -> None:
-        """Kill what still runs and remove the job files."""
+        """Kill what still runs and remove the folder shared with them."""
         for process in self.processes:
             if process.poll() is None:
                 process.kill()
