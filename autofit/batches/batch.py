@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -276,16 +277,18 @@ def quiet_transformers() -> Any:
     cannot take): the look's own error says it once. Probes and the user's own training keep them."""
     import logging as std_logging
 
-    from transformers.utils import logging
-
-    level, fake = logging.get_verbosity(), std_logging.getLogger("torch._subclasses.fake_tensor")
+    logging = sys.modules.get("transformers.utils.logging")  # not imported: no transformers model to quiet
+    level = logging.get_verbosity() if logging is not None else None
+    fake = std_logging.getLogger("torch._subclasses.fake_tensor")
     fake_level = fake.level
-    logging.set_verbosity_error()
+    if logging is not None:
+        logging.set_verbosity_error()
     fake.setLevel(std_logging.CRITICAL)
     try:
         yield
     finally:
-        logging.set_verbosity(level)
+        if logging is not None:
+            logging.set_verbosity(level)
         fake.setLevel(fake_level)
 
 

@@ -21,7 +21,7 @@ from autofit.batches.synthetic import synthesize_batch
 from autofit.batches.coupling import sample_coupling
 from autofit.devices.device import check_nvme_path, device_memory, memory_report, resolve_device
 from autofit.errors import Param, UsageError, did_you_mean
-from autofit.models.info import ModelInfo, build_on_meta, inspect_model
+from autofit.models.info import ModelInfo, build_on_meta, inspect_model, loaded_class
 from autofit.job.optimizer_costs import OptimizerCosts, measure, stand_ins
 from autofit.batches.sample_axis import check_sample_axis
 from autofit.job.target import Target
@@ -244,11 +244,8 @@ def _called_factory(factory: Callable[[], Any]) -> nn.Module:
 
 
 def _is_hf_config(value: Any) -> bool:
-    try:
-        from transformers import PretrainedConfig
-    except ImportError:
-        return False
-    return isinstance(value, PretrainedConfig)
+    config_class = loaded_class("transformers.configuration_utils", "PretrainedConfig")
+    return config_class is not None and isinstance(value, config_class)
 
 
 def _model_from_config(config: Any) -> nn.Module:

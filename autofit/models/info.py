@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
@@ -206,17 +207,28 @@ def module_class(module: nn.Module) -> type:
     return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
 
 
+def loaded_class(module: str, name: str) -> type | None:
+    """Class `name` of `module` where that module is imported already, else None. An object can be an instance
+    of a class only once the module defining the class is imported, so a model of plain PyTorch is found not to
+    be a transformers one without importing transformers (seconds in every process: the search, each probe
+    process and rank, an exported script)."""
+    found = sys.modules.get(module)
+    return getattr(found, name, None) if found is not None else None
+
+
 def hf_model(model: nn.Module) -> nn.Module | None:
     """The Hugging Face `PreTrainedModel` that `model` is, or wraps as a peft `PeftModel` (adapters on a
     transformers model: `get_base_model()`), else None."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    if isinstance(model, PreTrainedModel):
+    if is_pretrained(model):
         return model
     base = model.get_base_model() if callable(getattr(type(model), "get_base_model", None)) else None
-    return base if isinstance(base, PreTrainedModel) else None
+    return base if is_pretrained(base) else None
+
+
+def is_pretrained(model: Any) -> bool:
+    """Whether `model` is a transformers `PreTrainedModel` (without importing transformers: `loaded_class`)."""
+    pretrained = loaded_class("transformers.modeling_utils", "PreTrainedModel")
+    return pretrained is not None and isinstance(model, pretrained)
 
 
 def takes_labels(params: frozenset[str]) -> bool:

@@ -129,17 +129,19 @@ def model_class(config: Any) -> Any:
 def check_head(model: Any) -> None:
     """A transformers bare model (`LayoutLMv3Model`, `Dinov2Model`: no head, its forward takes no labels)
     returns no loss to train: the `UsageError` naming the heads transformers has for it, before any probe."""
+    from autofit.models.info import forward_parameters, is_pretrained, takes_labels
+
+    if not is_pretrained(model):
+        return
     import transformers
 
-    from autofit.models.info import forward_parameters, takes_labels
-
     name = type(model).__name__
-    if isinstance(model, transformers.PreTrainedModel) and _refuses_training(type(model)):
+    if _refuses_training(type(model)):
         raise UsageError(f"{name}'s forward raises \"Training is not implemented yet\" when given labels: "
                          "transformers has no training loss for it. Pass loss_fn=lambda output, batch: ... "
                          "computing yours from its output (autofit tune: --loss-fn FILE.py:fn, or a factory "
                          "returning (model, make_batch, loss_fn)).")
-    if not isinstance(model, transformers.PreTrainedModel) or "For" in name or not name.endswith("Model"):
+    if "For" in name or not name.endswith("Model"):
         return
     params = forward_parameters(name)
     if not params or "return_loss" in params or takes_labels(params):
@@ -163,10 +165,10 @@ def check_padding(model: Any) -> None:
     Llama's, Qwen2's, Mistral's `ForSequenceClassification`, reward models) raises on every batch of more than
     one sample while it is unset, as base checkpoints leave it: the `UsageError` naming the id to set, before
     any probe (every probe failed alike; a dry-run's simulation of 2 samples failed and rested on the formula)."""
-    import transformers
+    from autofit.models.info import is_pretrained
 
     config = getattr(model, "config", None)
-    if not isinstance(model, transformers.PreTrainedModel) or getattr(config, "pad_token_id", 0) is not None \
+    if not is_pretrained(model) or getattr(config, "pad_token_id", 0) is not None \
             or not _forward_says(type(model), NO_PADDING):
         return
     eos = config.eos_token_id

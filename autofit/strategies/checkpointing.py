@@ -122,15 +122,26 @@ class ActivationCheckpointing(Strategy):
         return {name: config.checkpointing is C.FULL, f"{name}_kwargs": {"use_reentrant": False}}
 
 
+RENAMED_IN = (5, 23)  # the transformers release whose TrainingArguments took `activation_checkpointing`
+
+
 def trainer_switch() -> str:
-    """TrainingArguments' name for activation checkpointing: `activation_checkpointing` from transformers 5.2x
-    (`gradient_checkpointing` is its deprecated alias there, warned of), `gradient_checkpointing` before."""
+    """TrainingArguments' name for activation checkpointing: `activation_checkpointing` from transformers 5.23
+    (`gradient_checkpointing` is its deprecated alias there, warned of), `gradient_checkpointing` before. A
+    release is known by its version (importing TrainingArguments takes seconds, and a plain PyTorch model's
+    search imports nothing else of transformers); a build between releases by its fields."""
     import dataclasses
+    import importlib.metadata
+    import re
 
-    from transformers import TrainingArguments
+    release = re.fullmatch(r"(\d+)\.(\d+)\.\d+", importlib.metadata.version("transformers"))
+    if release:
+        renamed = (int(release[1]), int(release[2])) >= RENAMED_IN
+    else:
+        from transformers import TrainingArguments
 
-    names = {field.name for field in dataclasses.fields(TrainingArguments)}
-    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+        renamed = "activation_checkpointing" in {field.name for field in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if renamed else "gradient_checkpointing"
 
 
 def enable(model: nn.Module, k: int, ops: bool = False) -> None:

@@ -136,11 +136,15 @@ def test_other_errors_exit_1(tmp_path, model_arg, capsys):
 
 
 def test_console_script_subprocess(tmp_path, model_arg):
-    done = subprocess.run([sys.executable, "-m", "autofit.cli.main", "tune", "--model", model_arg,
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "autofit.cli.main", "tune", "--model", model_arg,
                            "--global-batch-size", "4", "--memory-budget", "8MiB", "--out", str(tmp_path / "run"),
                            "--json", *FAST], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["fits"] is True
+    # a plain PyTorch model's search, plan, report and every launcher file import none of the libraries
+    # it does not use (transformers alone took seconds: to find the model is not one of its classes)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"transformers", "peft", "deepspeed", "accelerate"}
 
 
 def test_a_bad_nvme_path_and_engine_are_usage_errors(tmp_path, model_arg, capsys):

@@ -13,7 +13,7 @@ from autofit.probe.run import run_probe
 from autofit.job.train_spec import make_spec
 from autofit.strategies.run import build_run
 from autofit.strategies import ActivationCheckpointing, MicroBatch, default_strategies
-from autofit.strategies.checkpointing import disable, enable
+from autofit.strategies.checkpointing import disable, enable, trainer_switch
 
 
 def test_plain_model_blocks_are_checkpointed_every_k():
@@ -22,6 +22,17 @@ def test_plain_model_blocks_are_checkpointed_every_k():
     assert ["forward" in vars(b) for b in model.blocks] == [True, False, True, False]
     disable(model)
     assert not any("forward" in vars(b) for b in model.blocks)
+
+
+def test_the_trainers_switch_is_the_name_the_installed_training_arguments_take():
+    # read from the release's version, so an export never imports TrainingArguments (seconds) to learn it
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    assert trainer_switch() in names
+    assert trainer_switch() == "activation_checkpointing" or "activation_checkpointing" not in names
 
 
 def test_hf_model_uses_its_own_switch():

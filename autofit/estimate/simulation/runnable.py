@@ -6,6 +6,7 @@ tensors cannot run routed to ones with the same memory, and the model's configs 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable
 
 import torch
@@ -78,11 +79,7 @@ def fake_friendly_kernels() -> Any:
     fallback op (`transformers::grouped_mm_fallback`, transformers/integrations/moe.py) registers a fake
     kernel of the same output shape and saves the same two tensors (input, weight) for backward, so the
     memory it shows is the grouped kernel's."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        yield
-        return
+    moe = sys.modules.get("transformers.integrations.moe")  # imported by every model with experts
     original = getattr(moe, "_can_use_grouped_mm", None)
     if original is None:
         yield
