@@ -12,6 +12,8 @@ Cases (issue 58's list; `--cases` picks, in this order):
   a cache of its own;
 - `quickstart`: `python examples/quickstart.py` (a tiny GPT-2 tuned on the CPU; its probes run are counted, and
   its plan's torch threads and confirmation steps kept);
+- `tune-classifier`: docs/tune.md's `autofit tune --model examples/classifier.py:make --global-batch-size 32
+  --device cpu --memory-budget 3MiB --allow 0` (a plain PyTorch model, its plan, report and launcher files);
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
 Each run records its wall seconds, exit code and, where the command says it, the training steps (probes)
@@ -96,8 +98,12 @@ CASES = {  # name: (arguments after `python`, the cache folder it uses: runs sha
                       "--global-batch-size", "32", "--gpu", "rtx-4090", "--json"], "gpt2"),
     "dry-run-7b-4090": ([*DRY_RUN_7B, "--gpu", "rtx-4090"], "7b-4090"),
     "quickstart": (["{tree}/examples/quickstart.py", "--out", "{work}/quickstart"], "quickstart"),
+    "tune-classifier": (["-m", "autofit.cli.main", "tune", "--model", "examples/classifier.py:make",
+                         "--global-batch-size", "32", "--device", "cpu", "--memory-budget", "3MiB", "--allow", "0",
+                         "--out", "{work}/classifier", "--force"], "classifier"),
     "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider"], "tests"),
 }
+TUNED = {"quickstart": "quickstart", "tune-classifier": "classifier"}  # a search's case: the folder of its plan.json
 DEFAULT_CASES = ("dry-run-7b", "dry-run-7b-again", "dry-run-70b", "quickstart")
 PROBES = re.compile(r"^(\d+) probes\. Chosen:", re.MULTILINE)  # examples/quickstart.py's summary line
 ROUNDS = re.compile(r" over (\d+) rounds")  # its confirmation's rounds, where it says them
@@ -129,10 +135,12 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
                      chosen=report["chosen"]["config"] if report["chosen"] else None,
                      report_sha256=hashlib.sha256(json.dumps({k: v for k, v in report.items() if k != "seconds"},
                                                              sort_keys=True).encode()).hexdigest())
-    plan = work / "quickstart" / "plan.json"
-    if name == "quickstart" and done.returncode == 0 and plan.is_file():  # what the search ran at, and its cost
-        confirmation = json.loads(plan.read_text()).get("confirmation") or {}
+    plan = work / TUNED.get(name, "") / "plan.json"
+    if name in TUNED and done.returncode == 0 and plan.is_file():  # what the search ran at, and its cost
+        written = json.loads(plan.read_text())
+        confirmation = written.get("confirmation") or {}
         found.update(threads=confirmation.get("threads"), confirmation_steps=confirmation.get("steps"))
+        found.setdefault("probes_run", sum(probe.get("skip") is None for probe in written.get("probes", ())))
     if name == "tests":
         found["summary"] = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     if done.returncode not in (0, 3, 4):
