@@ -129,7 +129,7 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     rounds = ROUNDS.search(done.stdout)
     if rounds:
         found["confirmation_rounds"] = int(rounds.group(1))
-    if arguments[:2] == ["-m", "autofit.cli.main"] and done.returncode in (0, 3, 4):
+    if arguments[:3] == ["-m", "autofit.cli.main", "dry-run"] and done.returncode in (0, 3, 4):
         report = json.loads(done.stdout)
         found.update(report_s=report["seconds"], candidates=len(report["candidates"]),
                      chosen=report["chosen"]["config"] if report["chosen"] else None,
