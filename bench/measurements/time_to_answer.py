@@ -16,7 +16,7 @@ Cases (issue 58's list; `--cases` picks, in this order):
   --device cpu --memory-budget 3MiB --allow 0` (a plain PyTorch model, its plan, report and launcher files);
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
-Each run records its wall seconds, exit code and, where the command says it, the training steps (probes)
+Each run records its wall seconds, the CPU seconds of its processes (`cpu_s`), exit code and, where the command says it, the training steps (probes)
 run and the confirmation's rounds, and for a dry-run a digest of its JSON report but for its `seconds` (`report_sha256`: equal digests, equal
 predictions); the results file holds the machine, the load (`os.getloadavg`) before and after each run, the
 commit and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
@@ -78,6 +78,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,13 @@ PROBES = re.compile(r"^(\d+) probes\. Chosen:", re.MULTILINE)  # examples/quicks
 ROUNDS = re.compile(r" over (\d+) rounds")  # its confirmation's rounds, where it says them
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's ended children and theirs (a case's processes, all of them):
+    on a shared machine a steadier figure of a case's work than its wall time."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def run_case(name: str, tree: Path, work: Path) -> dict:
     """One case by `tree`'s code in a fresh process (cwd: the tree): wall seconds, exit code, probes run,
     the load around it, and for a dry-run its report's own seconds and chosen configuration."""
@@ -120,11 +128,12 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "AUTOFIT_CACHE": str(work / f"cache-{cache}"),
            "COLUMNS": "200"}
     load_before = os.getloadavg()
+    cpu = _children_cpu()
     started = time.perf_counter()
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
-    found = {"wall_s": round(wall, 2), "rc": done.returncode, "load_before": load_before,
-             "load_after": os.getloadavg()}
+    found = {"wall_s": round(wall, 2), "cpu_s": round(_children_cpu() - cpu, 1), "rc": done.returncode,
+             "load_before": load_before, "load_after": os.getloadavg()}
     probes = PROBES.search(done.stdout)
     if probes:
         found["probes_run"] = int(probes.group(1))
