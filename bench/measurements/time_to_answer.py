@@ -66,7 +66,9 @@ same once, alternated with d3c0b54: 3.88x against 2.77x, d3c0b54's quiet run at 
 time-to-answer-tests-2026-12-07-4c8c624.json (`--cases quickstart,tests`, quiet: the quickstart in 43.2 s with 11
 probes, the README's test command in 581 s),
 time-to-answer-tune-classifier-2026-12-07-819216b-vs-17e7401.json (`--cases tune-classifier --against 17e7401 --repeat 3`:
-a plain PyTorch model's search no longer imports transformers; medians 6.64 and 8.96 s, 0.741)."""
+a plain PyTorch model's search no longer imports transformers; medians 6.64 and 8.96 s, 0.741),
+time-to-answer-tests-2026-12-07-ba882be-vs-17e7401.json (`--cases tests --against 17e7401`: the README's test command
+after it, 548.6 against 526.5 s, 1.042, within this machine's spread)."""
 
 from __future__ import annotations
 
