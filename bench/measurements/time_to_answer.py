@@ -68,7 +68,9 @@ probes, the README's test command in 581 s),
 time-to-answer-tune-classifier-2026-12-07-819216b-vs-17e7401.json (`--cases tune-classifier --against 17e7401 --repeat 3`:
 a plain PyTorch model's search no longer imports transformers; medians 6.64 and 8.96 s, 0.741),
 time-to-answer-tests-2026-12-07-ba882be-vs-17e7401.json (`--cases tests --against 17e7401`: the README's test command
-after it, 548.6 against 526.5 s, 1.042, within this machine's spread)."""
+after it, 548.6 against 526.5 s, 1.042, within this machine's spread),
+time-to-answer-tests-2026-12-07-9583781-vs-17e7401-cpu.json (the same again with each run's CPU seconds: 517.4 s and
+980 CPU s against 501.6 s and 953, 1.031)."""
 
 from __future__ import annotations
 
