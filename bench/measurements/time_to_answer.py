@@ -72,7 +72,9 @@ after it, 548.6 against 526.5 s, 1.042, within this machine's spread),
 time-to-answer-tests-2026-12-07-9583781-vs-17e7401-cpu.json (the same again with each run's CPU seconds: 517.4 s and
 980 CPU s against 501.6 s and 953, 1.031),
 time-to-answer-2026-12-07-quiet-63a46c7.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,quickstart,tune-classifier --repeat 2`,
-load 1.2-1.7: medians 29.5, 6.9, 23.0, 40.2 and 5.6 s)."""
+load 1.2-1.7: medians 29.5, 6.9, 23.0, 40.2 and 5.6 s),
+time-to-answer-tests-2026-12-07-quiet-25f6834-vs-17e7401.json (`--cases tests --against 17e7401` a third time, in that hour: 464.3 s and 878
+CPU s against 497.4 s and 942, 0.933)."""
 
 from __future__ import annotations
 
