@@ -23,7 +23,7 @@ import warnings
 from typing import Any
 
 from autofit.probe.orphans import leave_with_parent
-from autofit.probe.payload import unframed
+from autofit.probe.payload import piped, unframed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     leave_with_parent()
     quiet_notices()
     try:
-        job, data = unframed(sys.stdin.buffer)  # the launcher's (`autofit.probe.launch.make_job`), through a pipe
+        job, data = unframed(piped(sys.stdin.buffer))  # the launcher's (`autofit.probe.launch.make_job`), through a pipe
         check_job(job)
     except ValueError as exc:
         print(f"autofit probe: the job on standard input does not check out: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import threading
 import weakref
@@ -77,6 +78,14 @@ def unframed(stream: IO[bytes]) -> tuple[dict[str, Any], bytes]:
         raise ValueError("the job's fields are not an object with an import path (sys_path: a list of strings)")
     sys.path[:0] = [entry for entry in path if entry not in sys.path]
     return fields, stream.read()
+
+
+def piped(stream: IO[bytes]) -> IO[bytes]:
+    """`stream` where it is a pipe, as every launcher's job comes (`send`); `ValueError` where it is a file or a
+    terminal: a job is never read from a file, whose spec whoever could write the file would have run as code."""
+    if not stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode):
+        raise ValueError("a job comes through the pipe its launcher writes, not from a file")
+    return stream
 
 
 def send(fd: int, data: bytes) -> None:

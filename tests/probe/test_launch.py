@@ -394,3 +394,13 @@ def test_a_job_is_json_fields_then_the_spec_and_what_does_not_check_out_is_never
     folder.mkdir()
     code, _ = _entry("autofit.estimate.simulation.workers", framed({"settings": {"target": "tpu"}}, evil), str(folder))
     assert code == 1 and not marker.exists()
+    # a job that checks out, from a file instead of its launcher's pipe: never read, in either process
+    job_file = tmp_path / "job"
+    for module, job, exit_code, args in [("autofit.probe.child", framed(good, evil), 2, ()),
+                                         ("autofit.estimate.simulation.workers", framed({"settings": {}}, evil), 1,
+                                          (str(folder), "0"))]:
+        job_file.write_bytes(job)
+        with job_file.open("rb") as stdin:
+            done = subprocess.run([sys.executable, "-m", module, *args, "1"], stdin=stdin, capture_output=True,
+                                  timeout=120)
+        assert done.returncode == exit_code and not marker.exists(), done.stderr.decode()[-2000:]

@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     where, me = (argv if argv is not None else sys.argv[1:])[:2]
     folder = Path(where)
     leave_with_parent(str(folder / "job"), FOLDER_PREFIX)  # a name in the folder: the folder goes with the caller
-    from autofit.probe.payload import unframed
+    from autofit.probe.payload import piped, unframed
 
     try:
-        job, data = unframed(sys.stdin.buffer)  # the caller's (`start`), through a pipe
+        job, data = unframed(piped(sys.stdin.buffer))  # the caller's (`start`), through a pipe
         settings = _settings(job.get("settings"))
     except ValueError:
         return 1  # the caller simulates what this worker would have
