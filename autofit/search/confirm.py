@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 from autofit.config import Config
 from autofit.probe.outcome import ProbeResult, Skip, Source
 from autofit.search.decision import (PROBE_WINDOW, Comparison, Confirmation, Finalist, Method, Window, decide,
-                                     level_of, possible_winners, risk, simplicity, unsettled)
+                                     fewest_rounds, level_of, possible_winners, risk, simplicity, unsettled)
 
 if TYPE_CHECKING:
     from autofit.search.space import Space
@@ -72,7 +72,9 @@ class Rounds:
         return max(self.seconds, self.growth * first)
 
 
-LIVE_ROUNDS = Rounds(7, 99, 30.0, 4.0)  # one optimizer step per finalist a round, live runs
+# one optimizer step per finalist a round, live runs: from the fewest rounds whose interval reaches CONFIDENCE
+# (4), a finalist whose comparisons are settled is retired; the cap 7x what those took (4x what 7 took, as before)
+LIVE_ROUNDS = Rounds(fewest_rounds(), 99, 30.0, 7.0)
 PROBE_ROUNDS = Rounds(2, 4, 300.0)  # one whole probe per finalist a round, when runs cannot stay alive side by side
 # A lone finalist whose timed steps disagreed by more than this (slowest - fastest over the median) is
 # re-measured too: a probe that ran while the machine was busy (or before the process warmed up) would

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import statistics
 from typing import TYPE_CHECKING, Any, Sequence
@@ -153,6 +154,13 @@ class Ratio:
         low, high = median_interval(pairs)
         return cls(statistics.median(pairs), low, high, sum(p > 1 for p in pairs) / len(pairs),
                    len(pairs) if a.rounds and b.rounds else 0)
+
+
+def fewest_rounds(confidence: float = CONFIDENCE) -> int:
+    """The fewest rounds whose interval of the median (`median_interval`: their range, at that count) holds it
+    with at least `confidence`: the range of n values misses the median only where all of them lie on one side
+    of it, with probability 2 / 2**n (4 at 85%: 87.5%, as 7 rounds' 2nd lowest to 2nd highest hold it)."""
+    return next(n for n in itertools.count(2) if 1 - 2 / 2 ** n >= confidence)
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:

@@ -588,6 +588,26 @@ def test_a_settled_loser_is_retired_and_the_open_pair_gets_the_rounds(space):
     assert confirmation.winner.config == ADAFACTOR and confirmation.comparisons[-1].decided_by == "cleared"
 
 
+def test_live_rounds_retire_settled_finalists_from_the_fewest_rounds_whose_range_holds_the_median(space):
+    """Live rounds start judging after 4: the range of 4 ratios holds their median with 87.5% (all four on one
+    side of it: 2 / 16), as 7 rounds' 2nd lowest to 2nd highest do, where 3 hold it with 75% only. A clearly
+    slower micro-batch is retired there; the open pair (0.97-1.25 on a 10% margin) goes on."""
+    from autofit.search.decision import CONFIDENCE, fewest_rounds, median_interval
+
+    assert confirm.LIVE_ROUNDS.least == fewest_rounds() == 4
+    assert 1 - 2 / 2 ** 4 >= CONFIDENCE > 1 - 2 / 2 ** 3
+    assert median_interval([3.0, 1.0, 4.0, 2.0]) == (1.0, 4.0)
+    assert median_interval([5.0, 1.0, 7.0, 2.0, 6.0, 3.0, 4.0]) == (2.0, 6.0)  # 87.5% too
+    four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
+    results = [fit(EXACT, 100), fit(four, 70), fit(ADAFACTOR, 120)]
+    first = [97, 125, 108, 130, 95, 109, 118]
+    measure = confirm.interleaved(Sequenced({EXACT: [100] * 99, four: [70] * 99, ADAFACTOR: first + [120] * 92}))
+    confirmation = run_confirm(space, results, measure, confirm.LIVE_ROUNDS, 0.10, "live runs", LIVE_WINDOW)
+    rounds = {f.config: len(f.rounds) for f in confirmation.finalists}
+    assert rounds[four] == 4 and rounds[EXACT] == rounds[ADAFACTOR] > 4
+    assert confirmation.winner.config == ADAFACTOR
+
+
 def test_on_a_quiet_machine_every_finalist_ends_at_the_first_rounds(space):
     four = EXACT.replace(micro_batch_size=4, grad_accum_steps=2)
     results = [fit(EXACT, 100), fit(four, 90), fit(ADAFACTOR, 125)]
