@@ -15,7 +15,8 @@ Backs: issue 57's check that the confirmation's stopping rule (rounds until a co
 enough, within a time cap) costs no more than the fixed rounds before it.
 Results: tune-cost-2026-12-06-busy-0fc8652-vs-5e3c735.json (load 5-6);
 tune-cost-2026-12-06-busy-7deddf5-vs-bd55c02.json (the rounds stopping once nothing open can change the choice);
-tune-cost-2026-12-06-quiet-e0862db-vs-5e3c735.json (quiet, load 0.3-0.9: 1.016)."""
+tune-cost-2026-12-06-quiet-e0862db-vs-5e3c735.json (quiet, load 0.3-0.9: 1.016);
+tune-cost-2026-12-07-quiet-74641ab-vs-0e95189.json (live rounds judged from the 4th, not the 7th: 0.954 and 0.979)."""
 
 from __future__ import annotations
 
