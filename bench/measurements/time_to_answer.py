@@ -74,7 +74,9 @@ time-to-answer-tests-2026-12-07-9583781-vs-17e7401-cpu.json (the same again with
 time-to-answer-2026-12-07-quiet-63a46c7.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,quickstart,tune-classifier --repeat 2`,
 load 1.2-1.7: medians 29.5, 6.9, 23.0, 40.2 and 5.6 s),
 time-to-answer-tests-2026-12-07-quiet-25f6834-vs-17e7401.json (`--cases tests --against 17e7401` a third time, in that hour: 464.3 s and 878
-CPU s against 497.4 s and 942, 0.933)."""
+CPU s against 497.4 s and 942, 0.933),
+time-to-answer-quickstart-2026-12-07-5d216af-vs-0e95189.json (`--cases quickstart --against 0e95189 --repeat 3`: live
+confirmation rounds judged from the 4th; medians 36.3 and 43.4 s, 0.837)."""
 
 from __future__ import annotations
 
