@@ -27,14 +27,15 @@ figures alone. This step runs after the walk:
    rotating, at one torch thread count for all); otherwise rounds of whole probes of the finalists (child
    processes, ranks, CUDA, where one run at a time fits). A comparison takes the ratio within each round
    (paired: both measured within the same seconds, so a load that comes and goes cancels out) and keeps
-   the median. `Rounds` says how many: at least `least`; then, while a comparison is undecided for noise
+   the median. `Rounds` says how many: at least `least` (live runs: 4, the fewest whose range holds the
+   median at `decision.CONFIDENCE`); then, while a comparison is undecided for noise
    alone (its ratio's interval wider than its margin, or holding the margin's edge), one more at a time, of
    the finalists those comparisons pair alone (`needed`: a finalist whose comparisons are all settled is
    retired, its rounds so far kept, so the cap buys rounds for what is still open), and none once what is
    still open cannot change the choice (`possible_winners`: a third finalist beats either side of an
    undecided pair), up to `most` and within
-   a time cap sized from the finalists' own step times (live runs: 30 s, or four times what the first
-   rounds took): more rounds narrow the interval of the median, and where the cap ends them first the
+   a time cap sized from the finalists' own step times (live runs: 30 s, or seven times what the first
+   4 rounds took): more rounds narrow the interval of the median, and where the cap ends them first the
    simpler finalist stays.
    The choice between them: `autofit.search.decision`.
 """
@@ -73,7 +74,7 @@ class Rounds:
 
 
 # one optimizer step per finalist a round, live runs: from the fewest rounds whose interval reaches CONFIDENCE
-# (4), a finalist whose comparisons are settled is retired; the cap 7x what those took (4x what 7 took, as before)
+# (4), a finalist whose comparisons are settled is retired; the cap 7x what those took
 LIVE_ROUNDS = Rounds(fewest_rounds(), 99, 30.0, 7.0)
 PROBE_ROUNDS = Rounds(2, 4, 300.0)  # one whole probe per finalist a round, when runs cannot stay alive side by side
 # A lone finalist whose timed steps disagreed by more than this (slowest - fastest over the median) is
