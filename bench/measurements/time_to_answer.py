@@ -17,8 +17,8 @@ Cases (issue 58's list; `--cases` picks, in this order):
 - `tests`: `python -m pytest -q` (the README's test command; named only: many minutes).
 
 Each run records its wall seconds, the CPU seconds of its processes (`cpu_s`), exit code and, where the command says it, the training steps (probes)
-run and the confirmation's rounds, and for a dry-run a digest of its JSON report but for its `seconds` (`report_sha256`: equal digests, equal
-predictions); the results file holds the machine, the load (`os.getloadavg`) before and after each run, the
+run and the confirmation's rounds, for a dry-run a digest of its JSON report but for its `seconds` (`report_sha256`: equal digests, equal
+predictions), and for a dry-run or a search the configuration chosen (`chosen`); the results file holds the machine, the load (`os.getloadavg`) before and after each run, the
 commit and the date. With `--against REF` each case is run by that commit's tree too, alternated with this
 checkout's, and the ratios (this checkout / REF) are written: prefer them to absolute seconds on a shared
 machine. With `--repeat N` every case runs N times, in rounds (each round's cache folders its own), and its
@@ -160,7 +160,8 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
     if name in TUNED and done.returncode == 0 and plan.is_file():  # what the search ran at, and its cost
         written = json.loads(plan.read_text())
         confirmation = written.get("confirmation") or {}
-        found.update(threads=confirmation.get("threads"), confirmation_steps=confirmation.get("steps"))
+        found.update(threads=confirmation.get("threads"), confirmation_steps=confirmation.get("steps"),
+                     chosen=written.get("config"))
         found.setdefault("probes_run", sum(probe.get("skip") is None for probe in written.get("probes", ())))
     if name == "tests":
         found["summary"] = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
@@ -171,14 +172,16 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
 
 def merged(runs: list[dict]) -> dict:
     """One case's runs as one: the first's fields and the median wall seconds, and with more than one run each's
-    seconds (`walls`), each run whole (`runs`) and whether their reports were the same (`same_report`, for a
-    dry-run)."""
+    seconds (`walls`), each run whole (`runs`), whether their reports were the same (`same_report`, for a
+    dry-run) and whether they chose the same configuration (`same_choice`)."""
     if len(runs) == 1:
         return runs[0]
     walls = [found["wall_s"] for found in runs]
     found = {**runs[0], "wall_s": statistics.median(walls), "walls": walls, "runs": runs}
     if "report_sha256" in found:
         found["same_report"] = len({run.get("report_sha256") for run in runs}) == 1
+    if "chosen" in found:
+        found["same_choice"] = len({json.dumps(run.get("chosen"), sort_keys=True) for run in runs}) == 1
     return found
 
 
