@@ -76,7 +76,9 @@ load 1.2-1.7: medians 29.5, 6.9, 23.0, 40.2 and 5.6 s),
 time-to-answer-tests-2026-12-07-quiet-25f6834-vs-17e7401.json (`--cases tests --against 17e7401` a third time, in that hour: 464.3 s and 878
 CPU s against 497.4 s and 942, 0.933),
 time-to-answer-quickstart-2026-12-07-5d216af-vs-0e95189.json (`--cases quickstart --against 0e95189 --repeat 3`: live
-confirmation rounds judged from the 4th; medians 36.3 and 43.4 s, 0.837)."""
+confirmation rounds judged from the 4th; medians 36.3 and 43.4 s, 0.837),
+time-to-answer-quickstart-2026-12-07-2fbce23-vs-0e95189.json (the same, `--repeat 2`, each run's choice recorded:
+medians 38.7 and 43.3 s, 0.895)."""
 
 from __future__ import annotations
 
