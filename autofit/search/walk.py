@@ -149,13 +149,13 @@ class Search:
         """Where a level with no known bound starts: the largest micro-batch predicted to fit; without a
         predictor, the largest, or the smallest when a config it saves more than already ran out of
         memory there (its frontier is likely low too)."""
-        if self.predictor is not None:
-            fitting = [m for m in unknown if not self._over(self.space.at(level, m))]
-            if not fitting:
+        if self.predictor is not None:  # from the largest down: a size under the first that may fit is not predicted
+            largest = next((m for m in reversed(unknown) if not self._over(self.space.at(level, m))), None)
+            if largest is None:
                 return unknown[0], "smallest micro-batch: none is predicted to fit"
-            if self._predict(self.space.at(level, fitting[-1])) is None:
-                return fitting[-1], "largest micro-batch first: the estimator could not simulate this step"
-            return fitting[-1], "largest micro-batch predicted to fit"
+            if self._predict(self.space.at(level, largest)) is None:
+                return largest, "largest micro-batch first: the estimator could not simulate this step"
+            return largest, "largest micro-batch predicted to fit"
         smallest = self.space.at(level, unknown[0])
         for result in self.results:
             if result.status is ProbeStatus.OOM and result.config.micro_batch_size == unknown[0] \

@@ -261,6 +261,30 @@ def test_a_level_the_estimator_cannot_predict_starts_largest_and_says_why():
     assert whys[0] == (16, "largest micro-batch first: the estimator could not simulate this step")
 
 
+def test_a_level_starts_at_the_largest_size_predicted_to_fit_and_predicts_none_below_it():
+    """Where a level starts is the largest micro-batch predicted to fit: the sizes are predicted from the largest
+    down, and none under the first that may fit (each a simulated step) is predicted for it."""
+    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
+    space = build_space(spec, [MicroBatch()])
+    asked, whys = [], []
+
+    def predictor(config):
+        asked.append(config.micro_batch_size)
+        return 2 * spec.fit_limit if config.micro_batch_size > 4 else 2**20
+
+    class Listener:
+        def starting(self, config, why):
+            whys.append((config.micro_batch_size, why))
+
+        def finished(self, result):
+            pass
+
+    Search(space, TrialStore(space), lambda config, limit: ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0),
+           progress=Listener(), predictor=predictor).run()
+    assert whys[0] == (4, "largest micro-batch predicted to fit")
+    assert asked[:3] == [16, 8, 4] and not {1, 2} & set(asked)
+
+
 def test_an_error_met_at_one_micro_batch_nothing_else_ran_at_is_not_laid_to_a_knob():
     """bf16's levels are predicted to fit at micro-batch 1 alone and fail there, where the model's own code
     breaks: the size may be the cause as well as bf16, so its other levels still run."""
