@@ -78,7 +78,9 @@ CPU s against 497.4 s and 942, 0.933),
 time-to-answer-quickstart-2026-12-07-5d216af-vs-0e95189.json (`--cases quickstart --against 0e95189 --repeat 3`: live
 confirmation rounds judged from the 4th; medians 36.3 and 43.4 s, 0.837),
 time-to-answer-quickstart-2026-12-07-2fbce23-vs-0e95189.json (the same, `--repeat 2`, each run's choice recorded:
-medians 38.7 and 43.3 s, 0.895)."""
+medians 38.7 and 43.3 s, 0.895),
+time-to-answer-quickstart-2026-12-07-350bde3-vs-0e95189.json (`--repeat 3` after a level's start predicts from the largest
+size down as well: medians 35.3 and 43.0 s, 0.820)."""
 
 from __future__ import annotations
 
