@@ -244,7 +244,8 @@ def test_an_error_a_level_without_the_value_ran_past_is_not_laid_to_it():
     assert not [r for r in results if "same way" in r.reason]
 
 
-def test_a_level_the_estimator_cannot_predict_starts_largest_and_says_why():
+def _start_reasons(predictor):
+    """What each probe of a one-knob walk (every size fits) was started for, as (micro-batch, why), with `predictor`."""
     spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
     space = build_space(spec, [MicroBatch()])
     whys = []
@@ -257,30 +258,25 @@ def test_a_level_the_estimator_cannot_predict_starts_largest_and_says_why():
             pass
 
     Search(space, TrialStore(space), lambda config, limit: ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0),
-           progress=Listener(), predictor=lambda config: None).run()
+           progress=Listener(), predictor=lambda config: predictor(config, spec.fit_limit)).run()
+    return whys
+
+
+def test_a_level_the_estimator_cannot_predict_starts_largest_and_says_why():
+    whys = _start_reasons(lambda config, limit: None)
     assert whys[0] == (16, "largest micro-batch first: the estimator could not simulate this step")
 
 
 def test_a_level_starts_at_the_largest_size_predicted_to_fit_and_predicts_none_below_it():
     """Where a level starts is the largest micro-batch predicted to fit: the sizes are predicted from the largest
     down, and none under the first that may fit (each a simulated step) is predicted for it."""
-    spec = make_spec(Blocks, make_batch, device="cpu", global_batch_size=16, memory_budget="1GiB")
-    space = build_space(spec, [MicroBatch()])
-    asked, whys = [], []
+    asked = []
 
-    def predictor(config):
+    def predictor(config, limit):
         asked.append(config.micro_batch_size)
-        return 2 * spec.fit_limit if config.micro_batch_size > 4 else 2**20
+        return 2 * limit if config.micro_batch_size > 4 else 2**20
 
-    class Listener:
-        def starting(self, config, why):
-            whys.append((config.micro_batch_size, why))
-
-        def finished(self, result):
-            pass
-
-    Search(space, TrialStore(space), lambda config, limit: ProbeResult(config, ProbeStatus.FIT, "fits", 2**20, 1.0, 16.0),
-           progress=Listener(), predictor=predictor).run()
+    whys = _start_reasons(predictor)
     assert whys[0] == (4, "largest micro-batch predicted to fit")
     assert asked[:3] == [16, 8, 4] and not {1, 2} & set(asked)
 
