@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import pathlib
 import sys
@@ -138,10 +139,16 @@ def _config_like(node: ast.AST) -> bool:
     return text.endswith("config") or text in ("cfg", "old", "new")
 
 
+@functools.lru_cache(maxsize=None)
+def _read(tree: ast.AST) -> tuple[tuple[ast.AST, ...], dict[str, str], set[int]]:
+    """A module's nodes, its import aliases and its docstrings, walked once however many techniques ask."""
+    return tuple(ast.walk(tree)), _aliases(tree), _docstrings(tree)
+
+
 def hits(tree: ast.AST, names: dict[str, tuple[str, ...]], stem: str, facts: tuple[str, ...] = ()) -> list[str]:
     """How a module (`tree`) names the technique `stem` described by `names`: one entry per kind of mention,
     with its line. `facts`: string literals that are a device's facts in this module (`DEVICE_FACTS`)."""
-    aliases, docs = _aliases(tree), _docstrings(tree)
+    nodes, aliases, docs = _read(tree)
     members = {tuple(m.split(".")) for m in names["members"]}
     knobs = {knob for knob, _ in members}
     module_names = {f"autofit.strategies.{s}" for s in (stem, *[p for p, owners in PART_OF.items() if stem in owners])}
@@ -150,7 +157,7 @@ def hits(tree: ast.AST, names: dict[str, tuple[str, ...]], stem: str, facts: tup
     def note(what: str, node: ast.AST) -> None:
         found.setdefault(what, getattr(node, "lineno", 0))
 
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Attribute):
             receiver = aliases.get(node.value.id, node.value.id) if isinstance(node.value, ast.Name) else None
             if receiver in knobs and (receiver, node.attr) in members:

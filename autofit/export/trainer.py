@@ -79,8 +79,6 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from transformers import Trainer, TrainingArguments
-
 MEASURED = {python_literal(measured(plan))}
 
 
@@ -96,6 +94,8 @@ def train(model, train_dataset, loss_fn=None, data_collator=None, **overrides):
         raise SystemExit("The Trainer trains on the loss the model returns (output.loss); this model's loss is "
                          "your loss_fn. Train with launch/train_with_prepare.py (autofit export --format "
                          "torchrun), which takes your loss_fn.")
+    from transformers import Trainer, TrainingArguments  # here, not above: a usage error answers at once
+
     kwargs = json.loads(Path(__file__).with_name("{FILENAME}").read_text())
     args = TrainingArguments(**{{**kwargs, **overrides}})
 {_indent(setup)}
