@@ -147,8 +147,12 @@ DATA = textwrap.dedent("""
 def test_run_as_a_script_it_trains_or_says_what_to_pass(tmp_path, plan_for):
     _, script_path = plan_for(Config(micro_batch_size=2, grad_accum_steps=2)).export("trainer", tmp_path / "launch")
     (tmp_path / "data.py").write_text(DATA)
-    bare = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    bare = subprocess.run([sys.executable, "-X", "importtime", str(script_path)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
     assert bare.returncode == 2 and "pass --model and --dataset" in bare.stderr
+    # the usage answers without transformers' import (seconds): the script imports the Trainer when it trains
+    imported = {line.rsplit("|", 1)[-1].strip() for line in bare.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and not any(name.split(".")[0] == "transformers" for name in imported)
     done = subprocess.run([sys.executable, str(script_path), "--model", "data.py:make_model", "--dataset",
                            "data.py:make_dataset", "--max-steps", "2"], capture_output=True, text=True, cwd=tmp_path,
                           timeout=300)
