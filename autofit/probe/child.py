@@ -1,7 +1,8 @@
 """The probe process: `python -m autofit.probe.child RESULT_FD`, started by `autofit.probe.launch`.
 
 An autofit entry point, not a re-run of the user's `__main__`: the job comes on standard input, never through
-a file (`autofit.probe.payload.unframed`): its fields as JSON, checked before anything else is read
+a file, signed with the secret its launcher put in its environment alone (`autofit.probe.payload.unframed`: a job
+anyone else wrote is refused unread): its fields as JSON, checked before anything else is read
 (`check_job`; a job that does not check out ends the process with exit status 2, unread), then the spec and
 the strategies serialised with cloudpickle (lambdas, closures, notebook and standard-input definitions travel
 by value), so scripts without an `if __name__ == "__main__":` guard, notebooks and `python - <<EOF` all work.
@@ -23,7 +24,7 @@ import warnings
 from typing import Any
 
 from autofit.probe.orphans import leave_with_parent
-from autofit.probe.payload import piped, unframed
+from autofit.probe.payload import job_key, piped, unframed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     leave_with_parent()
     quiet_notices()
     try:
-        job, data = unframed(piped(sys.stdin.buffer))  # the launcher's (`autofit.probe.launch.make_job`), through a pipe
+        # the launcher's (`autofit.probe.launch.make_job`), through a pipe, signed with its secret
+        job, data = unframed(piped(sys.stdin.buffer), job_key())
         check_job(job)
     except ValueError as exc:
         print(f"autofit probe: the job on standard input does not check out: {exc}", file=sys.stderr)

@@ -42,7 +42,7 @@ from autofit.errors import Param, UsageError
 from autofit.probe.orphans import LAUNCHER_PID
 from autofit.probe import warm
 from autofit.probe.handover import parent_state
-from autofit.probe.payload import framed, payload, send
+from autofit.probe.payload import JOB_KEY, framed, new_key, payload, send
 from autofit.probe.outcome import OomKind, ProbeResult, ProbeStatus
 from autofit.job.train_spec import TrainSpec
 from autofit.strategies.base import Placement
@@ -124,11 +124,11 @@ def launch(spec: TrainSpec, config: Config, strategies: Sequence["Strategy"], pl
     world = ranks_here(spec, config) if ranks else 1
     if ranks:
         check_ranks(spec.device, world)
-    data = payload(spec, strategies)
-    job = framed(make_job(spec, config, world, timeout, step_limit), data)
+    data, key = payload(spec, strategies), new_key()
+    job = framed(make_job(spec, config, world, timeout, step_limit), data, key)
     processes: list[_Process] = []
     try:
-        processes = _start(job, world, ranks, spec.device, data)
+        processes = _start(job, key, world, ranks, spec.device, data)
         reports = _collect(processes, config, timeout)
     finally:
         _reap(processes)
@@ -171,9 +171,11 @@ class _Process:
     data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-def _start(job: bytes, world: int, ranks: bool, device: torch.device, job_payload: bytes) -> list[_Process]:
+def _start(job: bytes, key: str, world: int, ranks: bool, device: torch.device,
+           job_payload: bytes) -> list[_Process]:
     """One process per rank: forked by the warm process (`autofit.probe.warm`) or, where it cannot, fresh; each
-    reads `job` on its standard input (`autofit.probe.payload.send`)."""
+    reads `job` on its standard input (`autofit.probe.payload.send`), signed with `key`, which it finds in its
+    environment."""
     port = _free_port() if ranks else None
     streams = (sys.__stderr__.fileno() if sys.__stderr__ else 1, 2)  # stdout stays the caller's (--json)
     modules = warm.warm_list(job_payload) if warm.off_reason() is None else []
@@ -182,7 +184,7 @@ def _start(job: bytes, world: int, ranks: bool, device: torch.device, job_payloa
         read_fd, write_fd = os.pipe()
         job_in, job_out = os.pipe()
         try:
-            env = _environment(rank, world, port, device)
+            env = dict(_environment(rank, world, port, device), **{JOB_KEY: key})
             popen = warm.start(job_in, write_fd, env, streams, modules) or subprocess.Popen(
                 [sys.executable, "-m", "autofit.probe.child", str(write_fd)], env=env, pass_fds=(write_fd,),
                 stdin=job_in, stdout=streams[0],

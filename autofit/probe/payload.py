@@ -1,7 +1,10 @@
 """What a probe process (or a simulation worker) receives on its standard input (`send`), never through a file:
 its job's fields as one line of JSON, plain values checked where they are read, then the spec and the strategies
 serialised once with cloudpickle (`framed`, `unframed`). Only that last part is unpickled: it is the user's own
-code (the model factory, the batch, the loss), which the process runs.
+code (the model factory, the batch, the loss), which the process runs. The whole job is signed with a secret its
+launcher made for it (`new_key`) and gave the process in its environment alone (`JOB_KEY`): a job anyone else
+wrote (a named pipe on standard input passes for a pipe) is refused before its fields are parsed, its import
+path taken or its spec unpickled.
 
 cloudpickle serialises by value what plain pickle can only name (lambdas, closures, functions and
 classes of `__main__`, a notebook or standard input), and by reference what a module defines, so the
@@ -12,8 +15,11 @@ a lock, a live connection captured by a factory) is found once, before any probe
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import stat
 import sys
 import threading
@@ -55,21 +61,50 @@ def check_serialisable(spec: "TrainSpec", strategies: Sequence["Strategy"]) -> N
 
 
 FIELDS_BYTES = 1 << 20  # the longest line of fields a job may start with (an import path, a configuration)
+JOB_KEY = "AUTOFIT_JOB_KEY"  # the environment variable a launched process finds its launcher's secret in
+_SIGNATURE_BYTES = 65  # a SHA-256 HMAC in hex, and its newline
 
 
-def framed(fields: dict[str, Any], data: bytes) -> bytes:
-    """A job as a launched process reads it (`unframed`): `fields` (JSON values) with this process's import path
-    (`sys_path`), as one line of JSON, then `data` (`payload`)."""
+def new_key() -> str:
+    """A secret for one launch's jobs (`framed`), for the processes it starts to find in `JOB_KEY`."""
+    return secrets.token_hex(32)
+
+
+def job_key() -> str | None:
+    """This process's launcher's secret, taken out of the environment: the user's code the job runs (and what
+    that starts) never sees it."""
+    return os.environ.pop(JOB_KEY, None)
+
+
+def _signature(key: str, *parts: bytes) -> bytes:
+    """The job's signature line: the HMAC-SHA256 of its `parts` (read apart, never joined: the spec may hold a
+    model's weights) with `key`, in hex."""
+    mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.hexdigest().encode() + b"\n"
+
+
+def framed(fields: dict[str, Any], data: bytes, key: str) -> bytes:
+    """A job as a launched process reads it (`unframed`): its signature with `key`, then `fields` (JSON values)
+    with this process's import path (`sys_path`), as one line of JSON, then `data` (`payload`)."""
     path = [p for p in sys.path if isinstance(p, str)]
-    return json.dumps({"sys_path": path, **fields}).encode() + b"\n" + data
+    body = json.dumps({"sys_path": path, **fields}).encode() + b"\n" + data
+    return _signature(key, body) + body
 
 
-def unframed(stream: IO[bytes]) -> tuple[dict[str, Any], bytes]:
+def unframed(stream: IO[bytes], key: str | None) -> tuple[dict[str, Any], bytes]:
     """The fields and the serialised spec `framed` wrote, read from `stream` (a process's standard input); the
     parent's import path put first in `sys.path` (modules its objects were pickled by reference from, a test's
-    helpers or the user's package, import here as they did there). `ValueError` where the first line is not a
-    JSON object whose `sys_path` is a list of strings: nothing of the rest is read, let alone unpickled."""
-    line = stream.readline(FIELDS_BYTES)
+    helpers or the user's package, import here as they did there). `ValueError` where the job is not signed with
+    `key` (`job_key`: none, or another launcher's), or its first line is not a JSON object whose `sys_path` is a
+    list of strings: nothing of it is parsed, let alone unpickled."""
+    if not key:
+        raise ValueError(f"no {JOB_KEY} in this process's environment: a job is read only from its launcher")
+    signature, line = stream.readline(_SIGNATURE_BYTES), stream.readline(FIELDS_BYTES)
+    data = stream.read()
+    if not hmac.compare_digest(signature, _signature(key, line, data)):
+        raise ValueError("the job is not signed by this process's launcher")
     if not line.endswith(b"\n"):
         raise ValueError("the job's fields are not one line of JSON")
     fields = json.loads(line)  # ValueError (json.JSONDecodeError, UnicodeDecodeError) where it is not JSON
@@ -77,7 +112,7 @@ def unframed(stream: IO[bytes]) -> tuple[dict[str, Any], bytes]:
     if not isinstance(path, list) or not all(isinstance(entry, str) for entry in path):
         raise ValueError("the job's fields are not an object with an import path (sys_path: a list of strings)")
     sys.path[:0] = [entry for entry in path if entry not in sys.path]
-    return fields, stream.read()
+    return fields, data
 
 
 def piped(stream: IO[bytes]) -> IO[bytes]:

@@ -12,8 +12,8 @@ negative signal number when killed, as Popen's: -9 is read as the host's OOM kil
 Probes start fresh instead — with the same outcome, only slower — where `AUTOFIT_WARM_PROBES=0`, off Linux
 (fork with torch is not safe on macOS), where the warm process cannot start or refuses (an import made
 forking unsafe: `autofit.probe.zygote.unsafe`), and after it was lost more than `MAX_LOSSES` times. A
-probe's environment differing from the warm process's in anything but the rank's place starts a new
-warm process, as what was imported may have read it.
+probe's environment differing from the warm process's in anything but the rank's place (and its job's secret)
+starts a new warm process, as what was imported may have read it.
 """
 
 from __future__ import annotations
@@ -37,14 +37,16 @@ import time
 from typing import Any, Iterable, Iterator
 
 from autofit.probe.orphans import LAUNCHER_PID
+from autofit.probe.payload import JOB_KEY
 
 log = logging.getLogger(__name__)
 
 SWITCH = "AUTOFIT_WARM_PROBES"  # "0": a fresh interpreter per probe and rank (slower, same outcome)
 # What differs between the probe processes of one launcher: a rank's place, which nothing imported in
-# the warm process may read (DeepSpeed, which reads DS_ACCELERATOR, is never imported there).
+# the warm process may read (DeepSpeed, which reads DS_ACCELERATOR, is never imported there), and the secret
+# each launch signs its job with (`autofit.probe.payload.JOB_KEY`), which only the probe process reads.
 RANK_KEYS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                       "DS_ACCELERATOR", LAUNCHER_PID})
+                       "DS_ACCELERATOR", LAUNCHER_PID, JOB_KEY})
 # Packages whose modules a job names that the warm process imports ahead (the launcher has them too);
 # the user's own modules are left to the probe process, which imports them as a fresh one would.
 WARMABLE = frozenset({"torch", "autofit", "transformers", "peft", "torchvision", "timm", "numpy", "cloudpickle"})

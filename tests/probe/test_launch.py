@@ -346,14 +346,18 @@ class _Touches:
         return pathlib.Path.touch, (pathlib.Path(self.path),)
 
 
-def _entry(module, stdin, *args):
-    """`python -m module ARGS` fed `stdin`, with a result pipe as a probe process has: its exit code and stderr."""
+def _entry(module, stdin, *args, key=None):
+    """`python -m module ARGS` fed `stdin`, with a result pipe as a probe process has and `key` as its launcher's
+    secret (`JOB_KEY`; None: none in its environment): its exit code and stderr."""
     import os
 
+    from autofit.probe.payload import JOB_KEY
+
+    env = {name: value for name, value in os.environ.items() if name != JOB_KEY} | ({JOB_KEY: key} if key else {})
     read_fd, write_fd = os.pipe()
     try:
         done = subprocess.run([sys.executable, "-m", module, *args, str(write_fd)], input=stdin, pass_fds=(write_fd,),
-                              capture_output=True, timeout=120)
+                              capture_output=True, timeout=120, env=env)
     finally:
         os.close(read_fd)
         os.close(write_fd)
@@ -361,20 +365,29 @@ def _entry(module, stdin, *args):
 
 
 def test_a_job_is_json_fields_then_the_spec_and_what_does_not_check_out_is_never_unpickled(tmp_path):
-    """A probe process's and a simulation worker's job (autofit/probe/payload.py): its fields as one line of JSON,
-    checked before the serialised spec after it is read. A pickle, or fields that are not the launcher's, end the
-    process unread."""
+    """A probe process's and a simulation worker's job (autofit/probe/payload.py): signed with its launcher's secret,
+    then its fields as one line of JSON, checked before the serialised spec after it is read. A job signed by anyone
+    else (a named pipe on standard input passes for a pipe), a pickle, or fields that are not the launcher's, end
+    the process unread."""
     import io
+    import os
     import pickle
 
     from autofit.probe.child import check_job
-    from autofit.probe.payload import framed, unframed
+    from autofit.probe.payload import JOB_KEY, _signature, framed, new_key, unframed
 
-    fields, data = unframed(io.BytesIO(framed({"timeout": 5.0}, b"\n\x80spec")))
+    key = new_key()
+    fields, data = unframed(io.BytesIO(framed({"timeout": 5.0}, b"\n\x80spec", key)), key)
     assert fields["timeout"] == 5.0 and sys.path[0] in fields["sys_path"] and data == b"\n\x80spec"
+    path = list(sys.path)
+    stranger = framed({"sys_path": [str(tmp_path)]}, b"\x80spec", new_key())  # another launcher's, or nobody's
+    for job, secret in [(stranger, key), (stranger, None), (stranger[65:], key)]:
+        with pytest.raises(ValueError, match="signed|environment"):
+            unframed(io.BytesIO(job), secret)
+    assert sys.path == path  # its import path was not taken
     for bad in (b"\x80\x04K\x01.", b'{"sys_path": "/tmp"}\n', b'{"sys_path": []}'):  # a pickle; a path; no line
-        with pytest.raises(ValueError):
-            unframed(io.BytesIO(bad))
+        with pytest.raises(ValueError, match="fields"):
+            unframed(io.BytesIO(_signature(key, bad) + bad), key)  # signed, and still refused
     state = {"flags": {"cudnn.benchmark": False, "fp32_precision": {"matmul": "ieee"}}, "cards": None}
     good = {"config": Config(micro_batch_size=2).to_dict(), "step_limit": None, "timeout": 5.0, "state": state}
     check_job(good)
@@ -386,21 +399,29 @@ def test_a_job_is_json_fields_then_the_spec_and_what_does_not_check_out_is_never
 
     marker = tmp_path / "unpickled"
     evil = pickle.dumps(_Touches(str(marker)))
-    code, err = _entry("autofit.probe.child", evil)
-    assert code == 2 and "does not check out" in err and not marker.exists()
-    code, err = _entry("autofit.probe.child", framed({**good, "timeout": "soon"}, evil))
-    assert code == 2 and "timeout" in err and not marker.exists()
     folder = tmp_path / "autofit-sim-x"
     folder.mkdir()
-    code, _ = _entry("autofit.estimate.simulation.workers", framed({"settings": {"target": "tpu"}}, evil), str(folder))
+    code, err = _entry("autofit.probe.child", evil, key=key)
+    assert code == 2 and "does not check out" in err and not marker.exists()
+    code, err = _entry("autofit.probe.child", framed({**good, "timeout": "soon"}, evil, key), key=key)
+    assert code == 2 and "timeout" in err and not marker.exists()
+    code, _ = _entry("autofit.estimate.simulation.workers", framed({"settings": {"target": "tpu"}}, evil, key),
+                     str(folder), key=key)
     assert code == 1 and not marker.exists()
-    # a job that checks out, from a file instead of its launcher's pipe: never read, in either process
+    # jobs whose fields check out, through a pipe, signed by another launcher or with no secret here: never read
+    for secret in (new_key(), None):
+        code, err = _entry("autofit.probe.child", framed(good, evil, key), key=secret)
+        assert code == 2 and ("signed" in err or "environment" in err) and not marker.exists(), err[-2000:]
+        code, _ = _entry("autofit.estimate.simulation.workers", framed({"settings": {}}, evil, key), str(folder),
+                         key=secret)
+        assert code == 1 and not marker.exists()
+    # a job that checks out and is signed, from a file instead of its launcher's pipe: never read, in either process
     job_file = tmp_path / "job"
-    for module, job, exit_code, args in [("autofit.probe.child", framed(good, evil), 2, ()),
-                                         ("autofit.estimate.simulation.workers", framed({"settings": {}}, evil), 1,
+    for module, job, exit_code, args in [("autofit.probe.child", framed(good, evil, key), 2, ()),
+                                         ("autofit.estimate.simulation.workers", framed({"settings": {}}, evil, key), 1,
                                           (str(folder), "0"))]:
         job_file.write_bytes(job)
         with job_file.open("rb") as stdin:
             done = subprocess.run([sys.executable, "-m", module, *args, "1"], stdin=stdin, capture_output=True,
-                                  timeout=120)
+                                  timeout=120, env={**os.environ, JOB_KEY: key})
         assert done.returncode == exit_code and not marker.exists(), done.stderr.decode()[-2000:]

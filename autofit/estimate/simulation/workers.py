@@ -4,8 +4,9 @@ GIL), so they are shared between the caller and a worker process per idle CPU (`
 
 Each worker is `python -m autofit.estimate.simulation.workers FOLDER INDEX`, an autofit entry point (nothing of
 the user's `__main__` is imported or re-run: scripts without a main guard, notebooks and standard input work). Its
-job comes on its standard input, never through a file, as a probe's does (`autofit.probe.payload.framed`): the
-caller's settings as JSON, checked first (`_settings`; a job that does not check out ends the worker unread), then
+job comes on its standard input, never through a file, signed with the secret the caller put in its environment
+alone, as a probe's does (`autofit.probe.payload.framed`; a job anyone else wrote is refused unread): the caller's
+settings as JSON, checked first (`_settings`; a job that does not check out ends the worker unread), then
 the spec and the strategies serialised with cloudpickle, the user's code. A worker builds its own `Estimator`
 once, then simulates batch after batch of jobs as the caller shares them (`Workers.share`: a dry-run's waves of
 levels, each a batch, pay the worker's imports once) and writes what each of its simulations found. Batches and
@@ -239,21 +240,23 @@ def start(spec: "TrainSpec", strategies: Sequence["Strategy"], settings: dict[st
     (`Workers.share`); None when the spec cannot travel to another process (the caller then simulates
     everything itself). The spec goes to each on its standard input (`autofit.probe.payload.send`), never through
     a file."""
-    from autofit.probe.payload import framed, payload, send
+    from autofit.probe.payload import JOB_KEY, framed, new_key, payload, send
 
     try:
         data = payload(spec, strategies)
     except UsageError:
         return None
     folder = tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX)
-    job = framed({"settings": settings}, data)
+    key = new_key()
+    job = framed({"settings": settings}, data, key)
     processes = []
     for index in range(count):  # each reads its job once it has imported torch: the caller goes on meanwhile
         job_in, job_out = os.pipe()
         try:
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "autofit.estimate.simulation.workers", folder.name, str(index)],
-                env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid())}),  # a killed caller ends its workers
+                # a killed caller ends its workers; the job's secret is theirs alone
+                env=dict(os.environ, **{LAUNCHER_PID: str(os.getpid()), JOB_KEY: key}),
                 stdin=job_in, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         except BaseException:
             os.close(job_out)
@@ -272,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     where, me = (argv if argv is not None else sys.argv[1:])[:2]
     folder = Path(where)
     leave_with_parent(str(folder / "job"), FOLDER_PREFIX)  # a name in the folder: the folder goes with the caller
-    from autofit.probe.payload import piped, unframed
+    from autofit.probe.payload import job_key, piped, unframed
 
     try:
-        job, data = unframed(piped(sys.stdin.buffer))  # the caller's (`start`), through a pipe
+        job, data = unframed(piped(sys.stdin.buffer), job_key())  # the caller's (`start`), through a pipe, signed
         settings = _settings(job.get("settings"))
     except ValueError:
         return 1  # the caller simulates what this worker would have
