@@ -89,8 +89,8 @@ def framed(fields: dict[str, Any], data: bytes, key: str) -> bytes:
     """A job as a launched process reads it (`unframed`): its signature with `key`, then `fields` (JSON values)
     with this process's import path (`sys_path`), as one line of JSON, then `data` (`payload`)."""
     path = [p for p in sys.path if isinstance(p, str)]
-    body = json.dumps({"sys_path": path, **fields}).encode() + b"\n" + data
-    return _signature(key, body) + body
+    line = json.dumps({"sys_path": path, **fields}).encode() + b"\n"
+    return _signature(key, line, data) + line + data
 
 
 def unframed(stream: IO[bytes], key: str | None) -> tuple[dict[str, Any], bytes]:
