@@ -5,6 +5,7 @@ and over the least need predicted (`_closest_over`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autofit.config import Config
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     from autofit.pipelines.dry_run import _Planner
     from autofit.strategies.base import Strategy
 
+Relieves = Callable[["Strategy", Config], "Config | None"]  # `Strategy.relieves`, asked of a strategy and a level
+
 
 def best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strategy"],
                 listener: Callable[[int, int], Any] | None) -> list[Candidate]:
@@ -24,8 +27,9 @@ def best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strateg
     model states alone are over the limit, only where it could be the closest to fitting (`_closest_over`)."""
     levels = list(space.levels())
     planned = set(levels)
-    reliefs = {level: _reliefs(level, strategies, planned) for level in levels}
-    knobs = {level: sum(strategy.relieves(level) is not None for strategy in strategies) for level in levels}
+    relieves = functools.cache(lambda strategy, level: strategy.relieves(level))  # asked of each level again and again
+    reliefs = {level: _reliefs(level, strategies, planned, relieves) for level in levels}
+    knobs = {level: sum(relieves(strategy, level) is not None for strategy in strategies) for level in levels}
     best: dict[Config, Candidate] = {}
     over: list[Config] = []
     left_out: set[Config] = set()
@@ -51,38 +55,38 @@ def _closest_over(planner: "_Planner", over: list[Config], best: dict[Config, Ca
     chosen nor the closest to fitting."""
     floors = {level: planner.estimator.states_floor(planner.smallest(level)) for level in over}
     found: dict[Config, Candidate] = {}
-
-    def least() -> float:
-        return min((c.estimate.need_bytes for c in (*best.values(), *found.values())), default=float("inf"))
-
+    least = min((c.estimate.need_bytes for c in best.values()), default=float("inf"))
     ordered = sorted(over, key=floors.__getitem__)
     for batch in (ordered[:1], ordered[1:]):  # the first one's need bounds which others are simulated
-        batch = [level for level in batch if floors[level] < least()]
+        batch = [level for level in batch if floors[level] < least]
         planner.estimator.prefetch((planner.smallest(level) for level in batch), listener)
         for level in batch:
-            if floors[level] >= least():
+            if floors[level] >= least:
                 break
             found[level] = planner.best_at(level)
+            least = min(least, found[level].estimate.need_bytes)
     return found
 
 
-def _reliefs(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> list[tuple[Config, bool]]:
-    """The planned levels `level` relieves (`Strategy.relieves`), each with whether it is the whole relief (every
-    knob that relieves at its default, else, that one not planned, every one but one: `_relieved`) or one knob's."""
-    whole = _relieved(level, strategies, planned)
-    ones = {one for strategy in strategies if (one := strategy.relieves(level)) is not None and one in planned}
+def _reliefs(level: Config, strategies: Sequence["Strategy"], planned: set[Config],
+             relieves: Relieves) -> list[tuple[Config, bool]]:
+    """The planned levels `level` relieves (`Strategy.relieves`, asked through `relieves`), each with whether it is
+    the whole relief (every knob that relieves at its default, else, that one not planned, every one but one:
+    `_relieved`) or one knob's."""
+    whole = _relieved(level, strategies, planned, relieves)
+    ones = {one for strategy in strategies if (one := relieves(strategy, level)) is not None and one in planned}
     return [(whole, True)] * (whole is not None) + [(one, False) for one in ones - {whole}]
 
 
-def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config]) -> Config | None:
+def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config], relieves: Relieves) -> Config | None:
     """The planned level `level` relieves as a whole: every knob that does (`Strategy.relieves`) at its default,
     else (that one not planned: state offloading on one GPU, its engine's reason to be there) every one but one,
     kept as `level` has it (its cost does not change with the others'); None where there is none."""
-    reliefs = [strategy for strategy in strategies if strategy.relieves(level) is not None]
+    reliefs = [strategy for strategy in strategies if relieves(strategy, level) is not None]
     for kept in (None, *reliefs):
         relieved = level
         for strategy in reliefs:
-            relieved = relieved if strategy is kept else strategy.relieves(relieved) or relieved
+            relieved = relieved if strategy is kept else relieves(strategy, relieved) or relieved
         if relieved != level and relieved in planned:
             return relieved
     return None

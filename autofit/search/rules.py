@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from autofit.config import Config
 from autofit.estimate.states import JOINT_RULES
-from autofit.strategies import completed, plugins
-from autofit.strategies.base import Rule
+from autofit.strategies import completed
+from autofit.strategies.base import Rule, plugin_classes
 
 if TYPE_CHECKING:
     from autofit.job.target import Target
@@ -39,7 +39,7 @@ ORDER = ("offload needs an engine", "NVMe needs ZeRO-3", "ZeRO-Offload steps wit
 def rules() -> tuple[Rule, ...]:
     """Every rule between knobs, in `ORDER`: the joint ones (`autofit.estimate.states.JOINT_RULES`) and those of
     every built-in and plug-in strategy (`Strategy.rules`)."""
-    return _rules(tuple(type(s) for s in plugins()))
+    return _rules(plugin_classes())
 
 
 @functools.lru_cache(maxsize=8)

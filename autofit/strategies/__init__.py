@@ -6,13 +6,14 @@ its `order` (its place among its rung's) is one (`BUILT_IN`), and each is import
 name (`from autofit.strategies import MicroBatch`).
 """
 
+import functools
 import importlib
 import pkgutil
 from typing import Any, Iterable
 
 from autofit.config import Knob
 from autofit.errors import UsageError, did_you_mean
-from autofit.strategies.base import Option, Placement, Strategy, plugins
+from autofit.strategies.base import Option, Placement, Strategy, plugin_classes, plugins
 
 
 def _built_in() -> tuple[type[Strategy], ...]:
@@ -65,10 +66,20 @@ def with_required(strategies: Iterable[Strategy]) -> list[Strategy]:
 def completed(strategies: Iterable[Strategy] = ()) -> list[Strategy]:
     """`strategies` in order (`in_order`), with one of every built-in and plug-in strategy whose class is not
     among them: what shapes a step, a simulation or an export whichever knobs were searched (the others, at
-    their defaults, apply nothing)."""
+    their defaults, apply nothing). The ones added are made once per set of plug-ins (`_every`) and shared: a
+    strategy holds nothing but what it was made with."""
+    every = _every(plugin_classes())
     strategies = list(strategies)
+    if not strategies:
+        return list(every)
     given = {type(s) for s in strategies}
-    return in_order([*strategies, *(s for s in [*default_strategies(), *plugins()] if type(s) not in given)])
+    return in_order([*strategies, *(s for s in every if type(s) not in given)])
+
+
+@functools.lru_cache(maxsize=8)
+def _every(plugin_classes: tuple[type[Strategy], ...]) -> tuple[Strategy, ...]:
+    """One instance of every built-in strategy and of each of `plugin_classes`, in order (`in_order`)."""
+    return tuple(in_order([*default_strategies(), *(cls() for cls in plugin_classes)]))
 
 
 def compute_dtype(config: Any) -> Any:

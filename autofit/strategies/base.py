@@ -438,6 +438,11 @@ def plugins() -> list[Strategy]:
     return [cls() for cls in _PLUGINS]
 
 
+def plugin_classes() -> tuple[type[Strategy], ...]:
+    """The plug-in strategy classes defined so far: what a value made once per set of them is keyed by."""
+    return tuple(_PLUGINS)
+
+
 class Ladder(Strategy):
     """A strategy whose values each save at least as much memory as the ones before them in `values`."""
 
