@@ -10,6 +10,7 @@ combination a rule forbids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 from autofit.config import Config
@@ -174,12 +175,17 @@ SIZE_FIELDS = ("micro_batch_size", "grad_accum_steps")
 def _size_violation(config: Config, target: Any) -> tuple[Rule, str] | None:
     """The first rule reading the micro-batch or the accumulation that `config` breaks (a level passed the
     others already), with its reason."""
-    for rule in rules():
-        if any(k in SIZE_FIELDS for k in rule.knobs):
-            reason = rule.check(config, target)
-            if reason:
-                return rule, reason
+    for rule in _size_rules(rules()):
+        reason = rule.check(config, target)
+        if reason:
+            return rule, reason
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _size_rules(table: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """The rules of `table` that read the micro-batch or the accumulation, in its order."""
+    return tuple(rule for rule in table if any(k in SIZE_FIELDS for k in rule.knobs))
 
 
 def _sizes_ruled_out(space: Space) -> tuple[tuple[Excluded, ...], dict[Config, tuple[int, ...]]]:
