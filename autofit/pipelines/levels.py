@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 Relieves = Callable[["Strategy", Config], "Config | None"]  # `Strategy.relieves`, asked of a strategy and a level
 
 
+def _asked(strategy: "Strategy", level: Config) -> Config | None:
+    return strategy.relieves(level)
+
+
 def best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strategy"],
                 listener: Callable[[int, int], Any] | None) -> list[Candidate]:
     """Each level at its best micro-batch (`_Planner.best_at`). A level whose knobs only relieve memory, never
@@ -27,7 +31,7 @@ def best_levels(space: Space, planner: "_Planner", strategies: Sequence["Strateg
     model states alone are over the limit, only where it could be the closest to fitting (`_closest_over`)."""
     levels = list(space.levels())
     planned = set(levels)
-    relieves = functools.cache(lambda strategy, level: strategy.relieves(level))  # asked of each level again and again
+    relieves = functools.cache(_asked)  # asked of each level again and again
     reliefs = {level: _reliefs(level, strategies, planned, relieves) for level in levels}
     knobs = {level: sum(relieves(strategy, level) is not None for strategy in strategies) for level in levels}
     best: dict[Config, Candidate] = {}
@@ -69,7 +73,7 @@ def _closest_over(planner: "_Planner", over: list[Config], best: dict[Config, Ca
 
 
 def _reliefs(level: Config, strategies: Sequence["Strategy"], planned: set[Config],
-             relieves: Relieves) -> list[tuple[Config, bool]]:
+             relieves: Relieves = _asked) -> list[tuple[Config, bool]]:
     """The planned levels `level` relieves (`Strategy.relieves`, asked through `relieves`), each with whether it is
     the whole relief (every knob that relieves at its default, else, that one not planned, every one but one:
     `_relieved`) or one knob's."""
@@ -78,7 +82,8 @@ def _reliefs(level: Config, strategies: Sequence["Strategy"], planned: set[Confi
     return [(whole, True)] * (whole is not None) + [(one, False) for one in ones - {whole}]
 
 
-def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config], relieves: Relieves) -> Config | None:
+def _relieved(level: Config, strategies: Sequence["Strategy"], planned: set[Config],
+              relieves: Relieves = _asked) -> Config | None:
     """The planned level `level` relieves as a whole: every knob that does (`Strategy.relieves`) at its default,
     else (that one not planned: state offloading on one GPU, its engine's reason to be there) every one but one,
     kept as `level` has it (its cost does not change with the others'); None where there is none."""
