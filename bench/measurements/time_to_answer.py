@@ -83,7 +83,10 @@ time-to-answer-quickstart-2026-12-07-350bde3-vs-0e95189.json (`--repeat 3` after
 size down as well: medians 35.3 and 43.0 s, 0.820),
 time-to-answer-tests-2026-12-07-2e57984-vs-e9978d8.json (`--cases tests --against e9978d8`: the exported Trainer script's
 usage error without transformers' import, technique_names.py walking each module once; 539.1 s and 1,027 CPU s against
-547.4 s and 1,035, 0.985, within the machine's spread)."""
+547.4 s and 1,035, 0.985, within the machine's spread),
+time-to-answer-2026-12-07-4c88754-vs-4552b37.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,dry-run-gpt2
+--against 4552b37 --repeat 2`, load 1.4-1.7: every strategy made once for `completed()`, a level's reliefs asked once;
+medians 7.69 and 8.22 s asked again, 0.936, first use, 70B and gpt2 within noise, every report the same)."""
 
 from __future__ import annotations
 
