@@ -171,3 +171,27 @@ def test_collectives_of_no_engine_are_data_parallel_all_reduce():
     # ZeRO-3 gathers the weights twice in every micro-step beside the gradients' reduce
     within, _ = Zero().collective_seconds(Config(sharding="zero3", num_gpus=4, grad_accum_steps=2), step)
     assert within == pytest.approx(2 * 0.75 * 1e9 / 100e9 + 4 * 0.75 * 2e9 / 100e9)
+
+
+def test_completed_makes_each_strategy_once_and_sees_a_plug_in_defined_later(warping):
+    """`completed()` shares one instance of each strategy between calls (the dry-run asks it for every
+    configuration), and a plug-in defined after a call is among the next call's, once."""
+    first, again = completed(), completed()
+    assert [id(s) for s in first] == [id(s) for s in again]
+    assert [type(s) for s in first].count(warping) == 1
+
+    class Later(Strategy):
+        field, rung, knob_type = "later", 9, Knob("Later", {"OFF": "off", "ON": "on"})
+
+        def options(self, spec):
+            return [Option("off", 0, "off")]
+
+        def apply(self, run, config):
+            pass
+
+    try:
+        assert [type(s) for s in completed()].count(Later) == 1
+    finally:
+        base._PLUGINS.remove(Later)
+        config_module._EXTENSIONS.pop("later")
+    assert Later not in [type(s) for s in completed()]
