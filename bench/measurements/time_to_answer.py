@@ -5,6 +5,9 @@ Cases (issue 58's list; `--cases` picks, in this order):
 - `dry-run-7b`: `autofit dry-run --model llama-2-7b --seq-len 4096 --global-batch-size 64 --gpu h100`, with a
   cache folder that starts empty (first use);
 - `dry-run-7b-again`: the same asked again for another GPU (`--gpu a100-80gb`), reading that folder back;
+- `dry-run-7b-notebook`: the dry-run of `dry-run-7b` asked in one Python process as a notebook asks it, once for an
+  H100 and then for six other GPUs (`AGAIN_GPUS`), reading `dry-run-7b`'s cache folder: each later report's own
+  seconds (`again_s`, imports paid once);
 - `dry-run-70b`: `autofit dry-run --model llama-2-70b --num-gpus 8 --gpu a100-80gb`, a cache of its own;
 - `dry-run-gpt2`: `autofit dry-run --model gpt2 --seq-len 512 --global-batch-size 32 --gpu rtx-4090` (a small
   model that fits plainly at its largest micro-batch), a cache of its own;
@@ -86,7 +89,10 @@ usage error without transformers' import, technique_names.py walking each module
 547.4 s and 1,035, 0.985, within the machine's spread),
 time-to-answer-2026-12-07-4c88754-vs-4552b37.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b,dry-run-gpt2
 --against 4552b37 --repeat 2`, load 1.4-1.7: every strategy made once for `completed()`, a level's reliefs asked once;
-medians 7.69 and 8.22 s asked again, 0.936, first use, 70B and gpt2 within noise, every report the same)."""
+medians 7.69 and 8.22 s asked again, 0.936, first use, 70B and gpt2 within noise, every report the same),
+time-to-answer-notebook-2026-12-07-67d4f03-vs-4552b37.json (`--cases dry-run-7b,dry-run-7b-notebook --against 4552b37
+--repeat 2`, this case added on 67d4f03, load 0.7-1.6: asked again in one process, six GPUs in 11.36 and 12.46 s,
+1.28-2.82 s each, against 13.15 and 14.72 s, 1.48-3.49 s each)."""
 
 from __future__ import annotations
 
@@ -112,9 +118,16 @@ sys.path.insert(0, str(ROOT))
 from bench.measurements.dry_run_time import checkout  # noqa: E402  (a commit's tree, as that script takes it)
 DRY_RUN_7B = ["-m", "autofit.cli.main", "dry-run", "--model", "llama-2-7b", "--seq-len", "4096",
               "--global-batch-size", "64", "--json"]
+AGAIN_GPUS = ("a100-40gb", "h100", "l40s", "a10g", "rtx-4090", "a100-80gb")
+NOTEBOOK = ("import json, autofit\n"  # no braces: a case's arguments are formatted with its tree and work folder
+            "ask = dict(seq_len=4096, global_batch_size=64)\n"
+            "autofit.dry_run('llama-2-7b', gpu='h100', **ask)\n"
+            f"print(json.dumps(dict(again_s=[round(autofit.dry_run('llama-2-7b', gpu=gpu, **ask).seconds, 2) "
+            f"for gpu in {AGAIN_GPUS!r}])))\n")
 CASES = {  # name: (arguments after `python`, the cache folder it uses: runs sharing one read each other's)
     "dry-run-7b": ([*DRY_RUN_7B, "--gpu", "h100"], "7b"),
     "dry-run-7b-again": ([*DRY_RUN_7B, "--gpu", "a100-80gb"], "7b"),
+    "dry-run-7b-notebook": (["-c", NOTEBOOK], "7b"),
     "dry-run-70b": (["-m", "autofit.cli.main", "dry-run", "--model", "llama-2-70b", "--num-gpus", "8",
                      "--gpu", "a100-80gb", "--json"], "70b"),
     "dry-run-gpt2": (["-m", "autofit.cli.main", "dry-run", "--model", "gpt2", "--seq-len", "512",
@@ -173,6 +186,8 @@ def run_case(name: str, tree: Path, work: Path) -> dict:
         found.update(threads=confirmation.get("threads"), confirmation_steps=confirmation.get("steps"),
                      chosen=written.get("config"))
         found.setdefault("probes_run", sum(probe.get("skip") is None for probe in written.get("probes", ())))
+    if name == "dry-run-7b-notebook" and done.returncode == 0:
+        found["again_s"] = json.loads(done.stdout.strip().splitlines()[-1])["again_s"]
     if name == "tests":
         found["summary"] = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     if done.returncode not in (0, 3, 4):
