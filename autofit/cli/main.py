@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import click
 
 from autofit.errors import UsageError
+from autofit.probe.orphans import exit_process
 from autofit.units import is_unit
 
 EXIT_FITS, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
@@ -45,8 +47,17 @@ def main(argv: list[str] | None = None) -> int:
             click.echo(json.dumps({"error": error, "exit_code": code}, indent=2))
     code = EXIT_FITS if code is None else int(code)
     if argv is None:
-        sys.exit(code)
+        _exit(code)
     return code
+
+
+def _exit(code: int) -> None:
+    """End the console script with `code`. Its work is done: where no other thread runs, without the interpreter's
+    module-by-module teardown, a second or more after a dry-run (`autofit.probe.orphans.exit_process`)."""
+    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
+           if thread is not threading.main_thread()):
+        sys.exit(code)  # Python's own exit waits for them
+    exit_process(code)
 
 
 def sizes_joined(args: list[str]) -> list[str]:

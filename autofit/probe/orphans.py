@@ -1,5 +1,6 @@
 """Processes whose launcher is gone: a probe's ranks and the dry-run's simulation workers exit (the workers
 taking the folder they share with the caller) when the process that started them was killed before it could.
+And how a process of autofit's ends once its work is done (`exit_process`).
 
 Kept apart from `autofit.probe.child`, the probe's entry point (`python -m autofit.probe.child`): the
 launcher imports these names, and a module run with -m that was already imported through the package
@@ -11,6 +12,34 @@ from __future__ import annotations
 import os
 
 LAUNCHER_PID = "AUTOFIT_LAUNCHER_PID"  # set by the launcher: the process whose death ends this one
+
+
+def exit_process(code: int, c_output: bool = True) -> None:
+    """End this process as an interpreter's exit would -- its exit handlers run, Python's buffered output written
+    (and C's, with `c_output`: not in a forked process, whose C buffers may hold what its parent had not written
+    yet), `code` -- but without tearing the interpreter down module by module: after torch and transformers'
+    modeling are imported that alone takes about a second (`import transformers.models.llama.modeling_llama`:
+    5.6 s, 4.4 s ending this way), and a forked probe must not run its parent's finalizers at all. For a process
+    whose work is done and that runs no thread but its main one (Python's own exit would wait for another)."""
+    import atexit
+    import sys
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a closed stream has nothing left to write
+                pass
+        try:
+            if c_output:
+                import ctypes
+
+                ctypes.CDLL(None).fflush(None)  # what C libraries wrote to a piped stdout and left in its buffer
+        except Exception:  # noqa: BLE001, S110 - no C library to ask (not POSIX): nothing buffered there
+            pass
+        os._exit(code)
 
 
 def leave_with_parent(job_path: str | None = None, folder_prefix: str = "", poll: float = 1.0) -> None:

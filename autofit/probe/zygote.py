@@ -30,7 +30,7 @@ import socket
 import sys
 from typing import Any
 
-from autofit.probe.orphans import LAUNCHER_PID
+from autofit.probe.orphans import LAUNCHER_PID, exit_process
 
 # Imported but unsafe to fork from: where one of these is in this process, probes start fresh instead.
 # DeepSpeed picks its accelerator when imported (DS_ACCELERATOR, which a rank's environment sets);
@@ -229,22 +229,7 @@ def _run_probe(request: dict[str, Any], fds: list[int], zygotes: list[int]) -> N
         traceback.print_exc()
         code = 1
     finally:
-        _exit(code)
-
-
-def _exit(code: int) -> None:
-    """End the forked process as an interpreter's exit would: exit handlers, flushed streams, the code."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001, S110 - a closed stream has nothing left to write
-                pass
-        os._exit(code)
+        exit_process(code, c_output=False)  # as an interpreter's exit would, without its parent's finalizers
 
 
 def _reap(pid: int) -> None:
