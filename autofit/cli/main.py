@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 
 import click
 
@@ -46,18 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         if "--json" in args:  # stdout still carries its one JSON document
             click.echo(json.dumps({"error": error, "exit_code": code}, indent=2))
     code = EXIT_FITS if code is None else int(code)
-    if argv is None:
-        _exit(code)
+    if argv is None:  # the console script: its work is done, the interpreter's teardown is skipped
+        exit_process(code)
     return code
-
-
-def _exit(code: int) -> None:
-    """End the console script with `code`. Its work is done: where no other thread runs, without the interpreter's
-    module-by-module teardown, a second or more after a dry-run (`autofit.probe.orphans.exit_process`)."""
-    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
-           if thread is not threading.main_thread()):
-        sys.exit(code)  # Python's own exit waits for them
-    exit_process(code)
 
 
 def sizes_joined(args: list[str]) -> list[str]:

@@ -20,10 +20,15 @@ def exit_process(code: int, c_output: bool = True) -> None:
     yet), `code` -- but without tearing the interpreter down module by module: after torch and transformers'
     modeling are imported that alone takes about a second (`import transformers.models.llama.modeling_llama`:
     5.6 s, 4.4 s ending this way), and a forked probe must not run its parent's finalizers at all. For a process
-    whose work is done and that runs no thread but its main one (Python's own exit would wait for another)."""
+    whose work is done. Where a thread other than the main one still runs (not a daemon), Python's own exit is
+    taken: it waits for that thread."""
     import atexit
     import sys
+    import threading
 
+    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
+           if thread is not threading.main_thread()):
+        sys.exit(code)
     try:
         atexit._run_exitfuncs()
     finally:
