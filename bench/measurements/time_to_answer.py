@@ -92,7 +92,11 @@ time-to-answer-2026-12-07-4c88754-vs-4552b37.json (`--cases dry-run-7b,dry-run-7
 medians 7.69 and 8.22 s asked again, 0.936, first use, 70B and gpt2 within noise, every report the same),
 time-to-answer-notebook-2026-12-07-67d4f03-vs-4552b37.json (`--cases dry-run-7b,dry-run-7b-notebook --against 4552b37
 --repeat 2`, this case added on 67d4f03, load 0.7-1.6: asked again in one process, six GPUs in 11.36 and 12.46 s,
-1.28-2.82 s each, against 13.15 and 14.72 s, 1.48-3.49 s each)."""
+1.28-2.82 s each, against 13.15 and 14.72 s, 1.48-3.49 s each),
+time-to-answer-2026-12-07-cd19963-vs-60879cb.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-gpt2,tune-classifier
+--against 60879cb --repeat 2`, load 1.5-1.9: the console script ends without the interpreter's teardown; medians
+40.1 vs 42.4 s first use, 0.946, 7.93 vs 9.13 s asked again, 0.868, gpt2 24.2 vs 26.1 s, 0.929, the classifier's
+tune 6.39 vs 7.64 s, 0.836, every report and choice the same)."""
 
 from __future__ import annotations
 
