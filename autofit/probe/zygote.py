@@ -240,4 +240,4 @@ def _reap(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # its launcher waits for it: the interpreter's teardown is skipped
