@@ -14,20 +14,20 @@ import os
 LAUNCHER_PID = "AUTOFIT_LAUNCHER_PID"  # set by the launcher: the process whose death ends this one
 
 
-def exit_process(code: int, c_output: bool = True) -> None:
-    """End this process as an interpreter's exit would -- its exit handlers run, Python's buffered output written
-    (and C's, with `c_output`: not in a forked process, whose C buffers may hold what its parent had not written
-    yet), `code` -- but without tearing the interpreter down module by module: after torch and transformers'
+def exit_process(code: int, forked: bool = False) -> None:
+    """End this process as an interpreter's exit would -- its exit handlers run, Python's buffered output and C's
+    written, `code` -- but without tearing the interpreter down module by module: after torch and transformers'
     modeling are imported that alone takes about a second (`import transformers.models.llama.modeling_llama`:
-    5.6 s, 4.4 s ending this way), and a forked probe must not run its parent's finalizers at all. For a process
-    whose work is done. Where a thread other than the main one still runs (not a daemon), Python's own exit is
-    taken: it waits for that thread."""
+    5.6 s, 4.4 s ending this way). For a process whose work is done. Where a thread other than the main one still
+    runs (not a daemon), Python's own exit is taken: it waits for that thread. `forked`: a process forked from
+    another (a warm process's probe), which must never run its parent's finalizers and whose C buffers may hold
+    what its parent had not written yet: it ends here whatever runs, its C buffers left unwritten."""
     import atexit
     import sys
     import threading
 
-    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
-           if thread is not threading.main_thread()):
+    if not forked and any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()
+                          if thread is not threading.main_thread()):
         sys.exit(code)
     try:
         atexit._run_exitfuncs()
@@ -38,7 +38,7 @@ def exit_process(code: int, c_output: bool = True) -> None:
             except Exception:  # noqa: BLE001, S110 - a closed stream has nothing left to write
                 pass
         try:
-            if c_output:
+            if not forked:
                 import ctypes
 
                 ctypes.CDLL(None).fflush(None)  # what C libraries wrote to a piped stdout and left in its buffer

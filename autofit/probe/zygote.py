@@ -229,7 +229,7 @@ def _run_probe(request: dict[str, Any], fds: list[int], zygotes: list[int]) -> N
         traceback.print_exc()
         code = 1
     finally:
-        exit_process(code, c_output=False)  # as an interpreter's exit would, without its parent's finalizers
+        exit_process(code, forked=True)  # as an interpreter's exit would, without its parent's finalizers
 
 
 def _reap(pid: int) -> None:
