@@ -32,7 +32,7 @@ import torch
 from autofit.config import Config
 from autofit.estimate.facts import (ModelFacts, formula_activations, formula_covers,  # noqa: F401
                                     model_facts)  # ModelFacts and formula_activations are re-exported
-from autofit.estimate.facts import depth_key as _depth_key, rebuild as _rebuild
+from autofit.models.depth import depth_key, rebuild
 from autofit.models.info import meta_model
 from autofit.estimate.cuda import attention as cuda_attention, varied_lengths
 from autofit.estimate.simulation import reference_paths
@@ -132,7 +132,7 @@ class Estimator:
         layers = targets or simulated_adapters.block_linears(self._meta)
         self._adapted = frozenset(simulated_adapters.within_block(name) for name in layers)
         self._adapter_dropout = simulated_adapters.planned_dropout(self.strategies)
-        self._depth_key = _depth_key(self._meta, self.facts)
+        self._depth_key = depth_key(self._meta)
         self._tied = len(list(self._meta.named_parameters(remove_duplicate=False))) > len(list(self._meta.parameters()))
         self._cache: dict[tuple, tuple[ActivationPeak, str]] = {}
         self._lines: dict[tuple, tuple[ActivationPeak, str]] = {}  # extrapolated micro-batches (`_extrapolated`)
@@ -530,7 +530,7 @@ class Estimator:
         if depth is None:
             model = meta_model(self.spec.model_factory)
         else:
-            model = _rebuild(self._meta, self._depth_key, depth)
+            model = rebuild(self._meta, self._depth_key, depth)
         unit, total = (depth or 0) // 2, self.facts.num_blocks
         # where a strategy's step does not repeat alike (`SimulatedRun.repeatable`), it is not read deep
         wholly = deep and unit and total % unit == 0

@@ -21,6 +21,7 @@ from autofit.batches.synthetic import synthesize_batch
 from autofit.batches.coupling import sample_coupling
 from autofit.devices.device import check_nvme_path, device_memory, memory_report, resolve_device
 from autofit.errors import Param, UsageError, did_you_mean
+from autofit.models.depth import shallow
 from autofit.models.info import ModelInfo, build_on_meta, inspect_model, loaded_class
 from autofit.job.optimizer_costs import OptimizerCosts, measure, stand_ins
 from autofit.batches.sample_axis import check_sample_axis
@@ -487,11 +488,12 @@ def _check_fraction(name: str, value: float) -> None:
 
 def _check_loss_on_meta(meta_model: nn.Module, sample: Any, loss_fn: LossFn) -> None:
     """Raise the loss error now, before any probe, when a meta forward shows the model and loss_fn give no
-    scalar loss to backward through."""
+    scalar loss to backward through. A deep Hugging Face model runs at one block (`shallow`): its output is
+    shaped as the whole model's, for a fraction of the ops."""
     on_meta = batches.to_device(sample, torch.device("meta"))
     try:
         with batches.quiet_transformers():
-            loss = loss_fn(batches.call_model(meta_model, on_meta), on_meta)
+            loss = loss_fn(batches.call_model(shallow(meta_model), on_meta), on_meta)
     except UsageError:
         raise
     except Exception:  # some ops have no meta kernel, or the loss reads a value: the first probe will tell

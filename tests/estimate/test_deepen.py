@@ -14,7 +14,7 @@ from autofit.estimate.simulation import deepen
 from autofit.estimate.simulation import step as simulate
 from autofit.estimate.cuda.allocator import allocations
 from autofit.estimate.estimator import Estimator
-from autofit.estimate.facts import rebuild
+from autofit.models.depth import rebuild
 from autofit.job.train_spec import make_spec
 
 

@@ -311,3 +311,19 @@ def test_each_tier_is_suggested_by_its_first_allow_name():
     assert all(ALLOW_NAMES[tier_name(tier)] == tier for tier in (1, 2))
     assert tier_words(2) == "allow={'lora'} (LoRA adapters, quantized base weights)"
     assert tier_words(1, cli=True) == "--allow numerics (mixed precision, 8-bit optimizers)"
+
+
+def test_the_loss_check_of_a_deep_hugging_face_model_runs_one_block_and_still_refuses_a_bad_loss():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    ran = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: ran.append(module) if isinstance(module, GPT2Block) else None)
+    try:
+        make_spec(make_gpt2, device="cpu", memory_budget="1GiB", seq_len=16)
+        assert len(ran) == 1  # one of the model's 4 blocks: the shallow copy's
+        with pytest.raises(UsageError, match=r"shape \(2, 16, 256\), not a scalar"):
+            make_spec(make_gpt2, device="cpu", memory_budget="1GiB", seq_len=16,
+                      loss_fn=lambda output, batch: output.logits)
+    finally:
+        hook.remove()

@@ -16,7 +16,7 @@ A free names the unit its allocation belongs to relatively: in the second unit's
 unit's" or "the one before"; in the second unit's backward, the gradient arriving from "the head"
 becomes, for a unit with another after it, the gradient that unit's backward sent on (the one the first
 unit's backward frees). A unit's events are taken as its own only where the two units allocated the
-same sizes in the same order (identical blocks, as `autofit.estimate.facts.depth_key` rebuilds them);
+same sizes in the same order (identical blocks, as `autofit.models.depth.rebuild` rebuilds them);
 anything else (Gemma's alternating layer kinds, a re-entrant checkpoint whose outputs hold no graph)
 returns None: the caller then simulates one unit too and extrapolates each peak on the line through the
 two, the allocator replayed at the two units as simulated.
