@@ -96,7 +96,11 @@ time-to-answer-notebook-2026-12-07-67d4f03-vs-4552b37.json (`--cases dry-run-7b,
 time-to-answer-2026-12-07-cd19963-vs-60879cb.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-gpt2,tune-classifier
 --against 60879cb --repeat 2`, load 1.5-1.9: the console script ends without the interpreter's teardown; medians
 40.1 vs 42.4 s first use, 0.946, 7.93 vs 9.13 s asked again, 0.868, gpt2 24.2 vs 26.1 s, 0.929, the classifier's
-tune 6.39 vs 7.64 s, 0.836, every report and choice the same)."""
+tune 6.39 vs 7.64 s, 0.836, every report and choice the same),
+time-to-answer-2026-12-08-42da455-vs-0b8182c.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b --against 0b8182c
+--repeat 2`, load 1.0-1.8 on a machine about twice as slow as the day before's: the spec's loss check at one block;
+medians 11.98 vs 13.05 s asked again, 0.918, the 70B 54.2 vs 55.3 s, 0.979, first use 73.1 vs 68.3 s, 1.071 within
+this machine's noise (CPU 122 and 126 s against 123 and 111 s), every report the same)."""
 
 from __future__ import annotations
 
