@@ -23,6 +23,7 @@ from autofit.devices.device import check_nvme_path, device_memory, memory_report
 from autofit.errors import Param, UsageError, did_you_mean
 from autofit.models.depth import shallow
 from autofit.models.info import ModelInfo, build_on_meta, inspect_model, loaded_class
+from autofit.models.info import meta_model as meta_copy
 from autofit.job.optimizer_costs import OptimizerCosts, measure, stand_ins
 from autofit.batches.sample_axis import check_sample_axis
 from autofit.job.target import Target
@@ -178,8 +179,8 @@ def make_spec(model: Any, batch: Any = None, *, global_batch_size: int | None = 
         _check_sparse_gradients(called, spec.optimizer)
         batches.check_call(called, sample, loss_fn)
         check_sample_axis(called, batch_factory)
-    if meta_model is not None:
-        _check_loss_on_meta(meta_model, sample, spec.loss_fn)
+    if meta_model is not None or isinstance(model, nn.Module):  # a given module: on its copy on the meta device
+        _check_loss_on_meta(meta_model if meta_model is not None else model_factory, sample, spec.loss_fn)
     if global_batch_size is not None and global_batch_size > num_gpus:  # else no rank's batch is ever split
         spec = dataclasses.replace(spec, sample_coupling=sample_coupling(called, model_factory, batch_factory,
                                                                           spec.loss_fn))
@@ -486,14 +487,17 @@ def _check_fraction(name: str, value: float) -> None:
         raise UsageError(f"{name} must be a fraction in [0, 1), but got {value!r}.")
 
 
-def _check_loss_on_meta(meta_model: nn.Module, sample: Any, loss_fn: LossFn) -> None:
+def _check_loss_on_meta(model: nn.Module | Callable[[], nn.Module], sample: Any, loss_fn: LossFn) -> None:
     """Raise the loss error now, before any probe, when a meta forward shows the model and loss_fn give no
-    scalar loss to backward through. A deep Hugging Face model runs at one block (`shallow`): its output is
-    shaped as the whole model's, for a fraction of the ops."""
+    scalar loss to backward through. `model`: a build on the meta device, or a given module's deep-copy
+    factory, copied onto the meta device here (`autofit.models.info.meta_model`: no memory, the module left
+    as it was). A deep Hugging Face model runs at one block (`shallow`): its output is shaped as the whole
+    model's, for a fraction of the ops."""
     on_meta = batches.to_device(sample, torch.device("meta"))
     try:
+        built = model if isinstance(model, nn.Module) else meta_copy(model)
         with batches.quiet_transformers():
-            loss = loss_fn(batches.call_model(shallow(meta_model), on_meta), on_meta)
+            loss = loss_fn(batches.call_model(shallow(built), on_meta), on_meta)
     except UsageError:
         raise
     except Exception:  # some ops have no meta kernel, or the loss reads a value: the first probe will tell

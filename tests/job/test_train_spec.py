@@ -327,3 +327,13 @@ def test_the_loss_check_of_a_deep_hugging_face_model_runs_one_block_and_still_re
                       loss_fn=lambda output, batch: output.logits)
     finally:
         hook.remove()
+
+
+def test_a_given_module_has_its_loss_checked_on_a_meta_copy_and_is_left_as_it_was():
+    module = make_mlp()
+    before = {name: value.clone() for name, value in module.state_dict().items()}
+    with pytest.raises(UsageError, match=r"shape \(2, 10\), not a scalar"):
+        spec(model=module, loss_fn=lambda output, batch: output.sum(1))
+    assert spec(model=module).model.num_params == 133002
+    assert all(value.device.type == "cpu" and torch.equal(value, before[name])
+               for name, value in module.state_dict().items())
