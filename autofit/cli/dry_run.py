@@ -23,7 +23,7 @@ from rich.table import Table
 from autofit.cli.tune import (ALLOW_HELP, COUNT, LENGTH, MODEL_HELP, OPTIMIZER_HELP, env_columns, nothing_fits_words,
                               parse_allow_option, positive_option)
 from autofit.errors import UsageError
-from autofit.pipelines.candidate import alternative
+from autofit.pipelines.candidate import also
 from autofit.pipelines.dry_run import DEFAULT_MAX_MICRO_BATCH, Candidate, DryRunReport
 from autofit.devices.gpus import other_sizes, split_count
 from autofit.models.names import resolve_optimizer
@@ -86,8 +86,8 @@ def candidate_table(report: DryRunReport, top: int, width: int = WIDE) -> Table:
                          no_wrap=not text, ratio=(3 if name == "reason" else 2) if text else None)
     for index, (candidate, *others) in enumerate(rows, 1):
         parts = candidate.estimate.breakdown.to_dict()
-        also = "".join(f"; also {alternative(candidate, other)}" for other in others)
-        cells = [str(index), ("★ " if candidate is report.chosen else "") + escape(candidate.config.describe() + also),
+        cells = [str(index), ("★ " if candidate is report.chosen else "") + escape(candidate.config.describe()
+                                                                                + also(candidate, others)),
                  *(format_size(parts[p]) for p in PARTS if wide), format_size(candidate.peak_bytes),
                  *((bound_cell(candidate),) if bounds else ()), fit_cell(candidate), f"{candidate.samples_per_s:,.1f}"]
         if wide or host:

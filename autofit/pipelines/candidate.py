@@ -4,6 +4,7 @@ and candidates predicted alike grouped as one row of a table (`twins`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Sequence
 
 from autofit.config import Config
@@ -95,3 +96,18 @@ def alternative(head: Candidate, twin: Candidate) -> str:
     """What `twin` changes from `head` in `Config.describe`'s words ("attn=flash"): how a row names a twin."""
     own = set(head.config.describe().split(", "))
     return ", ".join(part for part in twin.config.describe().split(", ") if part not in own) or twin.config.describe()
+
+
+def also(head: Candidate, others: Sequence[Candidate]) -> str:
+    """How a row names its twins after `head`'s own words: "; also attn=flash_attention_2" for each; where they
+    are every combination of a few changes of a knob each (attn=flash_attention_2, opt=paged_adamw8bit and the
+    two together), those changes once: "; also attn=flash_attention_2 and/or opt=paged_adamw8bit"."""
+    changes = [alternative(head, other) for other in others]
+    singles = [change for change in changes if ", " not in change]
+    knobs = {single.split("=")[0] for single in singles}
+    combined = {frozenset(combo) for size in range(1, len(singles) + 1)
+                for combo in itertools.combinations(singles, size)}
+    if len(singles) >= 2 and len(knobs) == len(singles) and \
+            sorted(map(sorted, combined)) == sorted(sorted(change.split(", ")) for change in changes):
+        return "; also " + " and/or ".join(singles)
+    return "".join(f"; also {change}" for change in changes)

@@ -328,3 +328,26 @@ def test_candidates_predicted_alike_are_one_row_naming_the_others():
     console = Console(width=250, record=True)
     console.print(candidate_table(report, top=2, width=250))
     assert "4 of 5 candidates in 2 rows" in console.export_text()
+
+
+def test_twins_that_are_every_combination_of_a_few_changes_name_each_change_once():
+    """SDPA or flash attention, and AdamW 8-bit paged or not, predicted alike: the row says "also
+    attn=flash_attention_2 and/or opt=paged_adamw8bit" once, not each of the three combinations; twins that are
+    not every combination are each named."""
+    from autofit.config import Config
+    from autofit.estimate.prediction import Estimate
+    from autofit.pipelines.candidate import Candidate, also
+    from autofit.strategies.memory import Breakdown
+
+    def row(config):
+        return Candidate(config, Estimate(Breakdown(1, 1, 1, 10, 0), 13, 0, "simulated"), True, "fits", 0, 1.0, 8.0,
+                         1 << 30)
+
+    head = Config(attention="sdpa", optimizer="adamw8bit", micro_batch_size=2)
+    flash, paged = head.replace(attention="flash_attention_2"), head.replace(optimizer="paged_adamw8bit")
+    both = flash.replace(optimizer="paged_adamw8bit")
+    assert also(row(head), [row(flash), row(paged), row(both)]) == \
+        "; also attn=flash_attention_2 and/or opt=paged_adamw8bit"
+    assert also(row(head), [row(flash), row(paged)]) == "; also attn=flash_attention_2; also opt=paged_adamw8bit"
+    assert also(row(head), [row(flash)]) == "; also attn=flash_attention_2"
+    assert also(row(head), []) == ""
