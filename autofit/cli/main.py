@@ -8,6 +8,7 @@ logs go to stderr.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import click
@@ -18,6 +19,8 @@ from autofit.units import is_unit
 
 EXIT_FITS, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 SIZE_OPTIONS = ("--gpu-memory", "--memory-budget")  # options whose value is a size
+COUNTED_OPTION = "--gpu"  # an option whose value may start with a count of GPUs ("8xa100")
+COUNT_FIRST = re.compile(r"\d+\s*[x×]?", re.IGNORECASE)  # that count typed apart from the name: "8x", "8"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -51,15 +54,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sizes_joined(args: list[str]) -> list[str]:
-    """`args` with a size typed with a space and no quotes joined again: the shell splits
-    `--gpu-memory 24 GiB` into three words, and click would read "GiB" as an extra argument."""
+    """`args` with a value typed with a space and no quotes joined again: the shell splits
+    `--gpu-memory 24 GiB` into three words and `--gpu 8x a100` into two, and click would read "GiB" and
+    "a100" as extra arguments."""
     joined: list[str] = []
     for word in args:
         previous = joined[-1] if joined else ""
         option = joined[-2] if len(joined) > 1 else ""
         typed_as = previous.split("=", 1)[0] if "=" in previous else option  # --gpu-memory=24 GiB
+        value = previous.split("=", 1)[1] if "=" in previous else previous
         if is_unit(word) and typed_as in SIZE_OPTIONS:
             joined[-1] = previous + word
+        elif typed_as == COUNTED_OPTION and COUNT_FIRST.fullmatch(value) and not word.startswith("-"):
+            joined[-1] = f"{previous} {word}"  # "8x a100", "8 x a100": read as `split_count` reads "8 x a100"
         else:
             joined.append(word)
     return joined

@@ -201,6 +201,18 @@ def test_a_unit_after_a_space_joins_only_a_size_option():
     assert sizes_joined(["tune", "--memory-budget=4", "GB"]) == ["tune", "--memory-budget=4GB"]
     assert sizes_joined(["tune", "--model", "GB"]) == ["tune", "--model", "GB"]  # a value, not a unit
     assert sizes_joined(["dry-run", "--gpu-memory", "24GiB", "--model", "GiB"])[-1] == "GiB"
+    # a count of GPUs typed apart from the name
+    assert sizes_joined(["dry-run", "--gpu", "8x", "a100"]) == ["dry-run", "--gpu", "8x a100"]
+    assert sizes_joined(["dry-run", "--gpu=8", "x", "a100", "--json"]) == ["dry-run", "--gpu=8 x a100", "--json"]
+    assert sizes_joined(["dry-run", "--gpu", "a100", "x"]) == ["dry-run", "--gpu", "a100", "x"]  # no count first
+    assert sizes_joined(["dry-run", "--gpu", "8x", "--json"]) == ["dry-run", "--gpu", "8x", "--json"]
+
+
+def test_a_gpu_count_typed_with_a_space_is_read_as_the_count(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFIT_CACHE", str(tmp_path))
+    assert dry_run("--model", "gpt2", "--seq-len", "128", "--global-batch-size", "16", "--gpu", "2x", "a100",
+                   "--top", "1", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["num_gpus"] == 2
 
 
 def test_unreadable_config_exits_2(tmp_path, capsys):
