@@ -100,7 +100,10 @@ tune 6.39 vs 7.64 s, 0.836, every report and choice the same),
 time-to-answer-2026-12-08-42da455-vs-0b8182c.json (`--cases dry-run-7b,dry-run-7b-again,dry-run-70b --against 0b8182c
 --repeat 2`, load 1.0-1.8 on a machine about twice as slow as the day before's: the spec's loss check at one block;
 medians 11.98 vs 13.05 s asked again, 0.918, the 70B 54.2 vs 55.3 s, 0.979, first use 73.1 vs 68.3 s, 1.071 within
-this machine's noise (CPU 122 and 126 s against 123 and 111 s), every report the same)."""
+this machine's noise (CPU 122 and 126 s against 123 and 111 s), every report the same),
+time-to-answer-2026-12-08-quiet-66e83b8.json (every case but `dry-run-7b-4090`, `--repeat 2`, on a machine about
+three times as fast: medians 32.9 s first use, 6.1 s asked again, 24.3 s the 70B, 38.8 s the quickstart, 489.1 and
+549.8 s the README's test command)."""
 
 from __future__ import annotations
 
