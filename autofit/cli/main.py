@@ -20,7 +20,7 @@ from autofit.units import is_unit
 EXIT_FITS, EXIT_ERROR, EXIT_USAGE, EXIT_NOTHING_FITS = 0, 1, 2, 3
 SIZE_OPTIONS = ("--gpu-memory", "--memory-budget")  # options whose value is a size
 COUNTED_OPTION = "--gpu"  # an option whose value may start with a count of GPUs ("8xa100")
-COUNT_FIRST = re.compile(r"\d+\s*[x×]?", re.IGNORECASE)  # that count typed apart from the name: "8x", "8"
+COUNT_FIRST = re.compile(r"\d+\s*[x×]", re.IGNORECASE)  # that count typed apart from the name: "8x", "8 x"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,7 +65,8 @@ def sizes_joined(args: list[str]) -> list[str]:
         value = previous.split("=", 1)[1] if "=" in previous else previous
         if is_unit(word) and typed_as in SIZE_OPTIONS:
             joined[-1] = previous + word
-        elif typed_as == COUNTED_OPTION and COUNT_FIRST.fullmatch(value) and not word.startswith("-"):
+        elif typed_as == COUNTED_OPTION and (COUNT_FIRST.fullmatch(value) and not word.startswith("-")
+                                             or value.isdigit() and COUNT_FIRST.fullmatch(value + word)):
             joined[-1] = f"{previous} {word}"  # "8x a100", "8 x a100": read as `split_count` reads "8 x a100"
         else:
             joined.append(word)

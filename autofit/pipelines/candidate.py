@@ -104,10 +104,9 @@ def also(head: Candidate, others: Sequence[Candidate]) -> str:
     two together), those changes once: "; also attn=flash_attention_2 and/or opt=paged_adamw8bit"."""
     changes = [alternative(head, other) for other in others]
     singles = [change for change in changes if ", " not in change]
-    knobs = {single.split("=")[0] for single in singles}
     combined = {frozenset(combo) for size in range(1, len(singles) + 1)
                 for combo in itertools.combinations(singles, size)}
-    if len(singles) >= 2 and len(knobs) == len(singles) and \
-            sorted(map(sorted, combined)) == sorted(sorted(change.split(", ")) for change in changes):
+    if len(singles) >= 2 and len({single.split("=")[0] for single in singles}) == len(singles) and \
+            len(changes) == len(combined) == len({frozenset(change.split(", ")) for change in changes} & combined):
         return "; also " + " and/or ".join(singles)
     return "".join(f"; also {change}" for change in changes)

@@ -206,6 +206,8 @@ def test_a_unit_after_a_space_joins_only_a_size_option():
     assert sizes_joined(["dry-run", "--gpu=8", "x", "a100", "--json"]) == ["dry-run", "--gpu=8 x a100", "--json"]
     assert sizes_joined(["dry-run", "--gpu", "a100", "x"]) == ["dry-run", "--gpu", "a100", "x"]  # no count first
     assert sizes_joined(["dry-run", "--gpu", "8x", "--json"]) == ["dry-run", "--gpu", "8x", "--json"]
+    assert sizes_joined(["dry-run", "--gpu", "8", "x", "a100"]) == ["dry-run", "--gpu", "8 x a100"]
+    assert sizes_joined(["dry-run", "--gpu", "8", "a100"]) == ["dry-run", "--gpu", "8", "a100"]  # no "x": click says
 
 
 def test_a_gpu_count_typed_with_a_space_is_read_as_the_count(capsys, tmp_path, monkeypatch):
